@@ -1,0 +1,158 @@
+"""Llama (incl. Llama-3.x) decoder: the op graph of one tensor-parallel rank.
+
+The model itself knows the shard plan only through weight references and local sizes; the
+communication ops (all_reduce after row-parallel linears, all_gather of argmax candidates) are the
+only places ranks meet.
+"""
+
+from __future__ import annotations
+
+from mpk_dist.config import ModelConfig
+from mpk_dist.graph import Graph, WeightRef, WeightSlice
+from mpk_dist.sharding import ShardPlan, plan_shards
+
+_DT = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}
+
+
+def _rows(source: str, start: int, stop: int) -> WeightSlice:
+    return WeightSlice(source, 0, start, stop)
+
+
+def _cols(source: str, start: int, stop: int) -> WeightSlice:
+    return WeightSlice(source, 1, start, stop)
+
+
+def _whole(source: str) -> WeightRef:
+    return WeightRef((WeightSlice(source, -1, 0, 0),))
+
+
+class _Builder:
+    """Shared state while emitting one rank's graph."""
+
+    def __init__(self, cfg: ModelConfig, plan: ShardPlan, graph: Graph, qk_norm: bool):
+        self.cfg, self.plan, self.g, self.qk_norm = cfg, plan, graph, qk_norm
+        self.dt = _DT[cfg.dtype]
+        self.B = graph.batch
+
+    def act(self, name: str, *shape: int, dtype: str | None = None) -> str:
+        return self.g.tensor(name, (self.B, *shape), dtype or self.dt, "activation")
+
+    def weight(self, name: str, shape: tuple[int, ...], ref: WeightRef) -> str:
+        return self.g.tensor(name, shape, self.dt, "weight", ref)
+
+    def reduce(self, partial: str, residual: str | None, out: str, layer: int | None, name: str) -> None:
+        """Sum partials over ranks (+ residual once); at tp 1 this is a plain add."""
+        if self.plan.tp == 1:
+            if residual is None:
+                raise AssertionError("tp 1 reduce without residual is the identity; callers avoid it")
+            self.g.op("add", [partial, residual], [out], layer, op_name=name)
+        else:
+            ins = [partial] if residual is None else [partial, residual]
+            self.g.op("all_reduce", ins, [out], layer, op_name=name)
+
+
+def _embedding(b: _Builder) -> str:
+    c, p, g = b.cfg, b.plan, b.g
+    g.tensor("tokens", (b.B,), "i32", "input")
+    g.tensor("positions", (b.B,), "i32", "input")
+    table = b.weight("embed", (p.vocab_size, c.hidden_size), WeightRef((_rows("model.embed_tokens.weight", p.vocab_start, p.vocab_start + p.vocab_size),)))
+    if p.tp == 1:
+        x = b.act("x0", c.hidden_size)
+        g.op("embedding", ["tokens", table], [x], None, vocab_start=p.vocab_start)
+        return x
+    part = b.act("embed_partial", c.hidden_size)
+    g.op("embedding", ["tokens", table], [part], None, vocab_start=p.vocab_start)
+    x = b.act("x0", c.hidden_size)
+    b.reduce(part, None, x, None, "embed_reduce")
+    return x
+
+
+def _attention_block(b: _Builder, i: int, x: str) -> str:
+    c, p, g = b.cfg, b.plan, b.g
+    D, hq, hkv = c.head_dim, p.q_heads, p.kv_heads
+    pre = f"model.layers.{i}."
+    ln = b.weight(f"L{i}.ln1", (c.hidden_size,), _whole(pre + "input_layernorm.weight"))
+    h = b.act(f"L{i}.h_attn", c.hidden_size)
+    g.op("rms_norm", [x, ln], [h], i, op_name="attn_norm", eps=c.rms_norm_eps)
+    q0, k0 = p.q_head_start * D, p.kv_head_start * D
+    wqkv = b.weight(f"L{i}.wqkv", ((hq + 2 * hkv) * D, c.hidden_size), WeightRef((
+        _rows(pre + "self_attn.q_proj.weight", q0, q0 + hq * D),
+        _rows(pre + "self_attn.k_proj.weight", k0, k0 + hkv * D),
+        _rows(pre + "self_attn.v_proj.weight", k0, k0 + hkv * D),
+    )))
+    qkv = b.act(f"L{i}.qkv", (hq + 2 * hkv) * D)
+    g.op("linear", [h, wqkv], [qkv], i, op_name="qkv_proj")
+    kc = g.tensor(f"L{i}.k_cache", (b.B, g.max_seq_len, hkv, D), b.dt, "state")
+    vc = g.tensor(f"L{i}.v_cache", (b.B, g.max_seq_len, hkv, D), b.dt, "state")
+    q = b.act(f"L{i}.q", hq * D)
+    ins = [qkv, "positions"]
+    if b.qk_norm:
+        ins += [b.weight(f"L{i}.q_norm", (D,), _whole(pre + "self_attn.q_norm.weight")),
+                b.weight(f"L{i}.k_norm", (D,), _whole(pre + "self_attn.k_norm.weight"))]
+    rope = c.rope
+    g.op("qkv_prep", [*ins, kc, vc], [q, kc, vc], i, q_heads=hq, kv_heads=hkv, head_dim=D,
+         qk_norm=b.qk_norm, eps=c.rms_norm_eps, rope_theta=rope.theta, rope_type=rope.rope_type,
+         rope_factor=rope.factor, rope_low_freq_factor=rope.low_freq_factor,
+         rope_high_freq_factor=rope.high_freq_factor,
+         rope_original_max_pos=rope.original_max_position_embeddings)
+    o = b.act(f"L{i}.attn_out", hq * D)
+    g.op("attention", [q, kc, vc, "positions"], [o], i, q_heads=hq, kv_heads=hkv, head_dim=D, scale=D ** -0.5)
+    wo = b.weight(f"L{i}.wo", (c.hidden_size, hq * D), WeightRef((_cols(pre + "self_attn.o_proj.weight", q0, q0 + hq * D),)))
+    part = b.act(f"L{i}.o_partial", c.hidden_size)
+    g.op("linear", [o, wo], [part], i, op_name="o_proj")
+    out = b.act(f"L{i}.x_mid", c.hidden_size)
+    b.reduce(part, x, out, i, "attn_reduce")
+    return out
+
+
+def _mlp_block(b: _Builder, i: int, x: str) -> str:
+    c, p, g = b.cfg, b.plan, b.g
+    pre = f"model.layers.{i}."
+    ln = b.weight(f"L{i}.ln2", (c.hidden_size,), _whole(pre + "post_attention_layernorm.weight"))
+    h = b.act(f"L{i}.h_mlp", c.hidden_size)
+    g.op("rms_norm", [x, ln], [h], i, op_name="mlp_norm", eps=c.rms_norm_eps)
+    s, n = p.inter_start, p.inter_size
+    wgu = b.weight(f"L{i}.wgate_up", (2 * n, c.hidden_size), WeightRef((
+        _rows(pre + "mlp.gate_proj.weight", s, s + n), _rows(pre + "mlp.up_proj.weight", s, s + n))))
+    gu = b.act(f"L{i}.gate_up", 2 * n)
+    g.op("linear", [h, wgu], [gu], i, op_name="gate_up_proj")
+    a = b.act(f"L{i}.act", n)
+    g.op("silu_mul", [gu], [a], i)
+    wd = b.weight(f"L{i}.wdown", (c.hidden_size, n), WeightRef((_cols(pre + "mlp.down_proj.weight", s, s + n),)))
+    part = b.act(f"L{i}.down_partial", c.hidden_size)
+    g.op("linear", [a, wd], [part], i, op_name="down_proj")
+    out = b.act(f"L{i}.x_out", c.hidden_size)
+    b.reduce(part, x, out, i, "mlp_reduce")
+    return out
+
+
+def _head(b: _Builder, x: str) -> None:
+    c, p, g = b.cfg, b.plan, b.g
+    ln = b.weight("final_norm", (c.hidden_size,), _whole("model.norm.weight"))
+    h = b.act("h_final", c.hidden_size)
+    g.op("rms_norm", [x, ln], [h], None, op_name="final_norm", eps=c.rms_norm_eps)
+    src = "model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"
+    w = b.weight("lm_head", (p.vocab_size, c.hidden_size), WeightRef((_rows(src, p.vocab_start, p.vocab_start + p.vocab_size),)))
+    logits = g.tensor("logits", (b.B, p.vocab_size), "f32", "output")
+    g.op("linear", [h, w], [logits], None, op_name="lm_head")
+    cand = b.act("argmax_cand", 2, dtype="f32")
+    g.op("argmax_partial", [logits], [cand], None, vocab_start=p.vocab_start)
+    cands = g.tensor("argmax_cands", (p.tp, b.B, 2), "f32", "activation")
+    g.op("all_gather", [cand], [cands], None)
+    g.tensor("next_token", (b.B,), "i32", "output")
+    g.op("argmax_select", [cands], ["next_token"], None)
+
+
+def build_graph(cfg: ModelConfig, tp: int = 1, rank: int = 0, batch: int = 1, max_seq_len: int = 512,
+                name: str = "llama", qk_norm: bool = False) -> Graph:
+    """The decode-step op graph of rank ``rank`` of a ``tp``-way sharded Llama-family model."""
+    plan = plan_shards(cfg, tp, rank)
+    g = Graph(model=name, family=cfg.family, rank=rank, world_size=tp, batch=batch, max_seq_len=max_seq_len)
+    g.meta.update(config=cfg, plan=plan)
+    b = _Builder(cfg, plan, g, qk_norm)
+    x = _embedding(b)
+    for i in range(cfg.num_layers):
+        x = _attention_block(b, i, x)
+        x = _mlp_block(b, i, x)
+    _head(b, x)
+    return g

@@ -1,0 +1,136 @@
+"""Reference semantics of every op kind in torch (see ``mpk_dist.graph.ops`` for the table).
+
+These functions are the ground truth for the other backends: the task-graph interpreter checks its
+tiles against them and the mega-kernel is compared with them. Precision follows Hugging Face's
+Llama/Qwen3 code: norms and softmax in fp32, matmuls in the model dtype with fp32 accumulation,
+rope tables in fp32. Activations carry an optional token axis: decode [B, N], prefill [B, T, N].
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+def embedding(tokens: torch.Tensor, table: torch.Tensor, vocab_start: int) -> torch.Tensor:
+    """Rows of this rank's vocab slice; ids outside the slice give zero rows (summed by all_reduce)."""
+    local = tokens.long() - vocab_start
+    inside = (local >= 0) & (local < table.shape[0])
+    rows = table[local.clamp(0, table.shape[0] - 1)]
+    return rows * inside.unsqueeze(-1).to(rows.dtype)
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """y = x / sqrt(mean(x^2) + eps) * w over the last axis, normalised in fp32."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return w * xf.to(x.dtype)
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """y = x @ w.T in the weight dtype (fp32 accumulation inside the matmul)."""
+    y = torch.matmul(x.to(w.dtype), w.t())
+    return y if out_dtype is None else y.to(out_dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, rope_type: str = "default", factor: float = 1.0,
+                  low_freq_factor: float = 1.0, high_freq_factor: float = 4.0,
+                  original_max_pos: int = 8192) -> torch.Tensor:
+    """Inverse frequencies [D/2] in fp32, with Llama-3.1's 'llama3' long-context scaling."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if rope_type == "default":
+        return inv
+    # llama3: keep high frequencies, divide low ones by factor, interpolate in between.
+    low_wavelen = original_max_pos / low_freq_factor
+    high_wavelen = original_max_pos / high_freq_factor
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
+    smooth = (original_max_pos / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope_attrs_inv_freq(attrs: dict) -> torch.Tensor:
+    """``rope_inv_freq`` from the attrs of a qkv_prep op."""
+    return rope_inv_freq(attrs["head_dim"], attrs["rope_theta"], attrs["rope_type"], attrs["rope_factor"],
+                         attrs["rope_low_freq_factor"], attrs["rope_high_freq_factor"], attrs["rope_original_max_pos"])
+
+
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Rotate-half rope (HF convention) of x [..., heads, D] at positions [...]."""
+    freqs = positions.float().unsqueeze(-1) * inv_freq.to(x.device)  # [..., D/2]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    cos, sin = emb.cos().to(x.dtype).unsqueeze(-2), emb.sin().to(x.dtype).unsqueeze(-2)
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+def qkv_prep(qkv: torch.Tensor, positions: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None,
+             k_cache: torch.Tensor, v_cache: torch.Tensor, attrs: dict) -> torch.Tensor:
+    """Split q|k|v, per-head norm (Qwen3), rope, write k and v into the caches; returns q [.., Hq*D]."""
+    hq, hkv, d = attrs["q_heads"], attrs["kv_heads"], attrs["head_dim"]
+    lead = qkv.shape[:-1]
+    q = qkv[..., : hq * d].reshape(*lead, hq, d)
+    k = qkv[..., hq * d: (hq + hkv) * d].reshape(*lead, hkv, d)
+    v = qkv[..., (hq + hkv) * d:].reshape(*lead, hkv, d)
+    if attrs.get("qk_norm"):
+        q = rms_norm(q, q_norm, attrs["eps"])
+        k = rms_norm(k, k_norm, attrs["eps"])
+    inv = rope_attrs_inv_freq(attrs)
+    q = apply_rope(q, positions, inv)
+    k = apply_rope(k, positions, inv)
+    write_kv(k_cache, v_cache, k, v, positions)
+    return q.reshape(*lead, hq * d)
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
+    """k_cache[b, pos[b, t]] = k[b, t] (same for v); positions [B] or [B, T]."""
+    if positions.dim() == 1:
+        positions, k, v = positions[:, None], k[:, None], v[:, None]
+    b_idx = torch.arange(k_cache.shape[0], device=k_cache.device)[:, None].expand_as(positions)
+    k_cache[b_idx, positions.long()] = k.to(k_cache.dtype)
+    v_cache[b_idx, positions.long()] = v.to(v_cache.dtype)
+
+
+def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor, attrs: dict) -> torch.Tensor:
+    """Causal GQA attention of queries at ``positions`` over cache entries 0..pos (inclusive)."""
+    hq, hkv, d = attrs["q_heads"], attrs["kv_heads"], attrs["head_dim"]
+    decode = positions.dim() == 1
+    if decode:
+        q, positions = q[:, None], positions[:, None]
+    B, T = positions.shape
+    S = int(positions.max().item()) + 1 if positions.device.type == "cpu" else k_cache.shape[1]
+    qh = q.reshape(B, T, hq, d).transpose(1, 2).float()  # [B, Hq, T, D]
+    k = k_cache[:, :S].transpose(1, 2).float().repeat_interleave(hq // hkv, dim=1)  # [B, Hq, S, D]
+    v = v_cache[:, :S].transpose(1, 2).float().repeat_interleave(hq // hkv, dim=1)
+    scores = torch.matmul(qh, k.transpose(-1, -2)) * attrs["scale"]  # [B, Hq, T, S]
+    mask = torch.arange(S, device=q.device)[None, None, :] > positions[:, :, None]  # [B, T, S]
+    scores = scores.masked_fill(mask[:, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.matmul(probs, v).transpose(1, 2).reshape(B, T, hq * d).to(q.dtype)
+    return out[:, 0] if decode else out
+
+
+def silu_mul(gu: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up, gate = first half of the last axis."""
+    n = gu.shape[-1] // 2
+    return F.silu(gu[..., :n]) * gu[..., n:]
+
+
+def argmax_partial(logits: torch.Tensor, vocab_start: int) -> torch.Tensor:
+    """(max, vocab_start + first argmax) of this rank's slice, as float32 pairs [..., 2]."""
+    val, idx = logits.float().max(dim=-1)
+    return torch.stack([val, (idx + vocab_start).float()], dim=-1)
+
+
+def argmax_select(cands: torch.Tensor) -> torch.Tensor:
+    """Pick the best (value, index) pair over ranks [world, ..., 2]; ties go to the lowest index."""
+    vals, idx = cands[..., 0], cands[..., 1]
+    best = vals.max(dim=0, keepdim=True).values
+    # Among ranks holding the max value, take the smallest vocabulary index.
+    masked = torch.where(vals == best, idx, torch.full_like(idx, float("inf")))
+    return masked.min(dim=0).values.to(torch.int32)

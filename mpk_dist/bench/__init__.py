@@ -1,0 +1,1 @@
+"""Placeholder package: filled in by its issue."""

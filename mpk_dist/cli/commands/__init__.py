@@ -1,0 +1,1 @@
+"""Sub-commands of ``mpk-dist``; each module defines ``register(subparsers)``."""

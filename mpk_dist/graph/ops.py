@@ -1,0 +1,52 @@
+"""Op kinds of the per-rank graph and their exact semantics.
+
+All shapes are per rank. Row-wise ops act on the last axis and broadcast over leading axes, so the
+same graph serves decode ([B, N]) and prefill ([B, T, N]).
+
+| kind | inputs -> outputs | semantics |
+|---|---|---|
+| embedding | tokens[B] i32, table[V, H] -> x[B, H] | x = table[tok - vocab_start] if the id is in this rank's slice, else 0 |
+| all_reduce | partial[B, N] (, residual[B, N]) -> y[B, N] | y = sum over ranks of partial, + residual (added once) |
+| rms_norm | x[B, N], w[N] -> y[B, N] | y = x / sqrt(mean(x^2) + eps) * w, in fp32 |
+| linear | x[B, K], w[N, K] -> y[B, N] | y = x @ w.T, fp32 accumulation |
+| qkv_prep | qkv[B, (Hq+2Hkv)D], pos[B] (, q_norm[D], k_norm[D]), k_cache, v_cache -> q[B, Hq D], k_cache, v_cache | split q|k|v; optional per-head rms_norm of q and k; rope on q and k; write k, v at pos into the caches |
+| attention | q[B, Hq D], k_cache[B, S, Hkv, D], v_cache, pos[B] -> o[B, Hq D] | causal attention of each query over cache positions 0..pos, GQA (query head h reads kv head h // (Hq/Hkv)) |
+| silu_mul | gu[B, 2I] -> a[B, I] | a = silu(gu[:, :I]) * gu[:, I:] |
+| add | a, b -> y | y = a + b |
+| argmax_partial | logits[B, V] -> cand[B, 2] f32 | (max value, vocab_start + first index of the max) of this rank's slice |
+| all_gather | x[...] -> y[world, ...] | y[r] = x of rank r |
+| argmax_select | cands[world, B, 2] -> token[B] i32 | the candidate with the largest value; ties go to the lowest index |
+
+Token indices in ``cand`` are stored as float32, exact below 2**24 (far above any vocabulary).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class OpKind:
+    """Static facts about an op kind used by passes (communication or not, state it writes)."""
+
+    name: str
+    is_comm: bool = False
+    writes_state: bool = False
+
+
+OP_KINDS: dict[str, OpKind] = {
+    k.name: k
+    for k in (
+        OpKind("embedding"),
+        OpKind("all_reduce", is_comm=True),
+        OpKind("rms_norm"),
+        OpKind("linear"),
+        OpKind("qkv_prep", writes_state=True),
+        OpKind("attention"),
+        OpKind("silu_mul"),
+        OpKind("add"),
+        OpKind("argmax_partial"),
+        OpKind("all_gather", is_comm=True),
+        OpKind("argmax_select"),
+    )
+}

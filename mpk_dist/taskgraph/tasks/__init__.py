@@ -1,0 +1,1 @@
+"""Task kinds: one module per kind (tiling, arguments, CPU reference)."""
