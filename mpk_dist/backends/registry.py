@@ -1,0 +1,54 @@
+"""Backend names on the command line -> backend objects.
+
+``auto`` picks the mega-kernel on a machine with a CUDA GPU and the task-graph interpreter
+otherwise. Backends are imported lazily so a machine without CUDA can still run the others.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from mpk_dist.errors import BackendUnavailable
+
+BACKENDS = ("auto", "megakernel", "interpreter", "torch", "torch-graph", "torch-compile")
+
+# name -> (module, class, extra constructor options)
+_IMPLS = {
+    "megakernel": ("mpk_dist.runtime.megakernel_backend", "MegakernelBackend", {}),
+    "interpreter": ("mpk_dist.taskgraph.interpreter_backend", "InterpreterBackend", {}),
+    "torch": ("mpk_dist.backends.torch_backend", "TorchBackend", {"mode": "eager"}),
+    "torch-graph": ("mpk_dist.backends.torch_backend", "TorchBackend", {"mode": "graph"}),
+    "torch-compile": ("mpk_dist.backends.torch_backend", "TorchBackend", {"mode": "compile"}),
+}
+
+
+def resolve_backend(name: str) -> str:
+    """Map ``auto`` to a concrete backend for this machine; validate other names."""
+    if name not in BACKENDS:
+        raise BackendUnavailable(f"--backend: expected one of {', '.join(BACKENDS)}, got {name!r}")
+    if name == "auto":
+        return "megakernel" if torch.cuda.is_available() else "interpreter"
+    return name
+
+
+def default_device(name: str) -> str:
+    """The device a backend runs on by default: the interpreter on the CPU, others on the GPU if any."""
+    if name == "interpreter" or not torch.cuda.is_available():
+        return "cpu"
+    return "cuda"
+
+
+def create_backend(name: str, cfg, source, tp: int = 1, device: str | None = None, max_seq_len: int = 512, **opts):
+    """Instantiate backend ``name`` (after ``resolve_backend``) for all ``tp`` ranks of a model."""
+    name = resolve_backend(name)
+    module_name, cls_name, extra = _IMPLS[name]
+    if name == "megakernel" and not torch.cuda.is_available():
+        raise BackendUnavailable("--backend megakernel: no CUDA GPU visible; use --backend interpreter (CPU) or torch")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise BackendUnavailable(f"--backend {name}: not available in this installation ({exc})") from None
+    cls = getattr(module, cls_name)
+    return cls(cfg, source, tp=tp, device=device or default_device(name), max_seq_len=max_seq_len, **{**extra, **opts})
