@@ -1,1 +1,23 @@
-"""Task kinds: one module per kind (tiling, arguments, CPU reference)."""
+"""Task kinds: one module per kind (ABI order of arguments and parameters, CPU reference of a tile).
+
+``KINDS`` lists them by opcode; the opcode numbering is part of the ABI (abi.ABI_VERSION).
+"""
+
+from __future__ import annotations
+
+from mpk_dist.taskgraph.tasks import (add, allgather_push, allreduce_push, allreduce_reduce, argmax_partial,
+                                      argmax_reduce, argmax_select, attention, embedding, linear, qkv_prep,
+                                      rms_norm, silu_mul, step_begin)
+from mpk_dist.taskgraph.tasks.base import TaskKind
+
+KINDS: tuple[TaskKind, ...] = tuple(sorted(
+    (m.KIND for m in (step_begin, embedding, rms_norm, linear, qkv_prep, attention, silu_mul, add, allreduce_push,
+                      allreduce_reduce, argmax_partial, argmax_reduce, allgather_push, argmax_select)),
+    key=lambda k: k.opcode))
+
+BY_NAME: dict[str, TaskKind] = {k.name: k for k in KINDS}
+BY_OPCODE: dict[int, TaskKind] = {k.opcode: k for k in KINDS}
+
+assert [k.opcode for k in KINDS] == list(range(len(KINDS))), "opcodes must be 0..n-1 without gaps"
+
+__all__ = ["KINDS", "BY_NAME", "BY_OPCODE", "TaskKind"]

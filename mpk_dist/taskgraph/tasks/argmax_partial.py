@@ -1,0 +1,57 @@
+"""argmax_partial: (max, index) of one vocabulary tile of the logits, per sequence.
+
+Ties resolve to the lowest index (first maximum), like torch.max.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mpk_dist.taskgraph.tasks.base import Access, ArgSpec, ParamSpec, TaskKind, TileContext, rect, view2d
+
+
+class ArgmaxPartial(TaskKind):
+    """OUT[b, tile] = (max of logits[b, v0:v0+COLS], INDEX_BASE + first argmax) as fp32."""
+
+    name = "argmax_partial"
+    opcode = 10
+    doc = "cand[b, tile] = (max_v logits[b, v], INDEX_BASE + argmax) over this tile's columns"
+    args = (
+        ArgSpec("LOGITS", "r", "f32 [B, V]; offset = column v0 of row 0"),
+        ArgSpec("OUT", "w", "f32 [B, NTILES, 2]; offset = this tile's pair in row 0"),
+    )
+    params = (
+        ParamSpec("BATCH", "B"),
+        ParamSpec("COLS", "vocabulary columns in this tile"),
+        ParamSpec("LOGITS_STRIDE", "elements between rows of LOGITS (V)"),
+        ParamSpec("OUT_STRIDE", "elements between rows of OUT (2 NTILES)"),
+        ParamSpec("INDEX_BASE", "global vocabulary id of column v0 (vocab_start + v0)"),
+    )
+
+    def run_tile(self, t: TileContext) -> None:
+        B, n = t.p("BATCH"), t.p("COLS")
+        x = view2d(t.buf("LOGITS"), t.off("LOGITS"), B, n, t.p("LOGITS_STRIDE")).float()
+        val, idx = x.max(dim=-1)
+        pair = torch.stack([val, (idx + t.p("INDEX_BASE")).float()], dim=-1)
+        view2d(t.buf("OUT"), t.off("OUT"), B, 2, t.p("OUT_STRIDE")).copy_(pair)
+
+    def accesses(self, t: TileContext) -> list[Access]:
+        B, n = t.p("BATCH"), t.p("COLS")
+        return [Access(0, "r", rect(t.off("LOGITS"), B, n, t.p("LOGITS_STRIDE"))),
+                Access(1, "w", rect(t.off("OUT"), B, 2, t.p("OUT_STRIDE")))]
+
+    def traffic(self, counts, elem_bytes, params, world):
+        B, n = params[0], params[1]
+        return B * n * elem_bytes[0], B * 2 * elem_bytes[1]
+
+
+KIND = ArgmaxPartial()
+
+
+def best_pair(vals: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Largest value over the last axis, ties to the smallest index: (value, index) per row."""
+    best = vals.max(dim=-1, keepdim=True).values
+    masked = torch.where(vals == best, idx, torch.full_like(idx, float("inf")))
+    return best[..., 0], masked.min(dim=-1).values
+
+

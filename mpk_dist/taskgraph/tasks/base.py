@@ -1,0 +1,167 @@
+"""What every task kind declares: opcode, pointer arguments and parameters in ABI order, CPU reference.
+
+A task kind is a pair: this Python side (tasks/<kind>.py: argument/parameter order, element accesses,
+a CPU reference of one tile) and the CUDA body csrc/tasks/<kind>.cuh, which reads its arguments and
+parameters through the index constants that ``mpk_dist.taskgraph.abi.render_cuda_abi_header``
+generates from these declarations. Nothing is hand-copied between the two.
+
+Addressing convention (all kinds): a pointer argument is (buffer id, element offset, element
+count). The offset is the tile's BASE element (e.g. column n0 of row 0); the count is the extent
+from that base to one past the last element the tile may touch, so ``offset + count <= numel``
+bounds-checks every access. Strides and tile sizes are parameters, in elements.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class ArgSpec:
+    """One pointer argument of a task kind.
+
+    ``mode``: 'r' (read), 'w' (written), 'rw'. ``remote``: the task writes this (symmetric) buffer
+    on EVERY rank of the TP group at the same offset, through the peer pointer table.
+    ``optional``: the buffer id may be NULL_BUFFER (-1), meaning "absent" (e.g. no residual).
+    """
+
+    name: str
+    mode: str
+    doc: str
+    remote: bool = False
+    optional: bool = False
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """One int32 parameter. ``is_float``: the int32 holds the bits of a float32."""
+
+    name: str
+    doc: str
+    is_float: bool = False
+
+
+@dataclass
+class Access:
+    """Elements one tile touches in one buffer (flat element indices), for race detection."""
+
+    arg: int
+    mode: str  # 'r' or 'w'
+    index: np.ndarray
+    remote: bool = False  # a write landing on every rank's copy
+
+
+def f2i(x: float) -> int:
+    """Bits of a float32 as a signed int32 (how float parameters travel in the parameter table)."""
+    return struct.unpack("<i", struct.pack("<f", float(x)))[0]
+
+
+def i2f(x: int) -> float:
+    """Inverse of ``f2i``."""
+    return struct.unpack("<f", struct.pack("<i", int(x)))[0]
+
+
+def rect(offset: int, rows: int, cols: int, row_stride: int) -> np.ndarray:
+    """Flat indices of a rows x cols block starting at ``offset`` with ``row_stride`` between rows."""
+    return (offset + np.arange(rows)[:, None] * row_stride + np.arange(cols)[None, :]).reshape(-1)
+
+
+def view2d(flat: torch.Tensor, offset: int, rows: int, cols: int, row_stride: int) -> torch.Tensor:
+    """A [rows, cols] strided view of a flat buffer (writes through to the buffer)."""
+    return flat.as_strided((rows, cols), (row_stride, 1), flat.storage_offset() + offset)
+
+
+class TileContext:
+    """What the CPU reference of one tile sees: its arguments and parameters, step, rank.
+
+    ``buf(i)`` is argument i's buffer on this rank (flat tensor) and ``off(i)`` its element offset;
+    ``peer_bufs(i)`` is the same buffer on every rank (rank order), for remote writes.
+    """
+
+    def __init__(self, kind: "TaskKind", bufs: list, offsets: list[int], counts: list[int],
+                 params: list[int], step: int, rank: int, world: int, peer_bufs: Callable[[int], list]):
+        self.kind, self._bufs, self._offsets, self._counts = kind, bufs, offsets, counts
+        self._params, self.step, self.rank, self.world = params, step, rank, world
+        self._peer = peer_bufs
+
+    def buf(self, name: str) -> torch.Tensor | None:
+        """This rank's flat buffer of a named argument (None for an absent optional one)."""
+        return self._bufs[self.kind.arg_index(name)]
+
+    def off(self, name: str) -> int:
+        """Element offset of a named argument."""
+        return self._offsets[self.kind.arg_index(name)]
+
+    def count(self, name: str) -> int:
+        """Element count (extent) of a named argument."""
+        return self._counts[self.kind.arg_index(name)]
+
+    def p(self, name: str) -> int:
+        """An int parameter."""
+        return int(self._params[self.kind.param_index(name)])
+
+    def f(self, name: str) -> float:
+        """A float parameter (bit-cast from its int32)."""
+        return i2f(self._params[self.kind.param_index(name)])
+
+    def peers(self, name: str) -> list[torch.Tensor]:
+        """The named argument's buffer on every rank, in rank order."""
+        return self._peer(self.kind.arg_index(name))
+
+
+class TaskKind:
+    """Base class; one instance per kind module, named ``KIND``."""
+
+    name: str = ""
+    opcode: int = -1
+    doc: str = ""
+    args: tuple[ArgSpec, ...] = ()
+    params: tuple[ParamSpec, ...] = ()
+
+    def arg_index(self, name: str) -> int:
+        """Position of a named pointer argument in the argument range."""
+        for i, a in enumerate(self.args):
+            if a.name == name:
+                return i
+        raise KeyError(f"task kind {self.name}: no argument {name!r}")
+
+    def param_index(self, name: str) -> int:
+        """Position of a named parameter in the parameter range."""
+        for i, p in enumerate(self.params):
+            if p.name == name:
+                return i
+        raise KeyError(f"task kind {self.name}: no parameter {name!r}")
+
+    def pack_params(self, values: dict[str, Any]) -> list[int]:
+        """Parameters in ABI order as int32 (floats bit-cast); every declared parameter is required."""
+        missing = [p.name for p in self.params if p.name not in values]
+        extra = sorted(set(values) - {p.name for p in self.params})
+        if missing or extra:
+            raise ValueError(f"task kind {self.name}: parameters missing {missing}, unknown {extra}")
+        return [f2i(values[p.name]) if p.is_float else int(values[p.name]) for p in self.params]
+
+    def run_tile(self, t: TileContext) -> None:  # pragma: no cover - interface
+        """Execute one tile on the CPU (writes through to the buffers)."""
+        raise NotImplementedError
+
+    def accesses(self, t: TileContext) -> list[Access]:  # pragma: no cover - interface
+        """The exact elements this tile reads and writes (given the step's inputs)."""
+        raise NotImplementedError
+
+    def traffic(self, counts: list[int], elem_bytes: list[int], params: list[int], world: int) -> tuple[int, int]:
+        """(bytes read, bytes written) of one tile in device memory; remote writes count per rank.
+
+        Default: every argument's whole extent; kinds with sparse or strided access override.
+        """
+        rd = wr = 0
+        for a, n, eb in zip(self.args, counts, elem_bytes):
+            if "r" in a.mode:
+                rd += n * eb
+            if "w" in a.mode:
+                wr += n * eb * (world if a.remote else 1)
+        return rd, wr
