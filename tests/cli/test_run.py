@@ -1,0 +1,72 @@
+"""``mpk-dist run``: the CLI contract and one-line errors for bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from mpk_dist.cli import main
+
+
+def _run(capsys, *argv):
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_json_contract_and_logits_dump(capsys, tmp_path, hf_models):
+    ckpt, _ = hf_models["qwen3-tied"]
+    dump = tmp_path / "logits.npy"
+    code, out, _ = _run(capsys, "run", "--model", str(ckpt), "--backend", "torch", "--prompt-ids", "1,2,3",
+                        "--max-new-tokens", "5", "--json", "--dump-logits", str(dump), "--tp", "2")
+    assert code == 0
+    res = json.loads(out)
+    for key in ("tokens", "text", "per_token_ms", "prefill_ms", "backend", "tp"):
+        assert key in res
+    assert len(res["tokens"]) == 5 and len(res["per_token_ms"]) == 4 and res["tp"] == 2
+    logits = np.load(dump)
+    assert logits.shape == (5, 256) and logits.dtype == np.float32
+    assert logits.argmax(-1).tolist() == res["tokens"]
+
+
+def test_force_tokens_changes_the_inputs(capsys, hf_models):
+    ckpt, _ = hf_models["qwen3-tied"]
+    base = ["run", "--model", str(ckpt), "--backend", "torch", "--prompt-ids", "1,2,3", "--max-new-tokens", "4", "--json"]
+    _, free, _ = _run(capsys, *base)
+    _, forced, _ = _run(capsys, *base, "--force-tokens", "9,9,9")
+    a, b = json.loads(free)["tokens"], json.loads(forced)["tokens"]
+    assert a[0] == b[0]  # the first token comes from the prompt alone
+    assert a[1:] != b[1:]
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--model", "no-such-preset"], "expected a preset"),
+    (["--model", "/nonexistent/dir/x"], "not a readable checkpoint"),
+    (["--prompt-ids", "1,x"], "comma-separated integers"),
+    (["--prompt-ids", "1,100000"], "out of range"),
+    (["--max-new-tokens", "5000"], "expected at most --max-seq-len"),
+    (["--tp", "3"], "tp values that work"),
+    (["--backend", "tensorrt"], "--backend: expected one of"),
+    (["--batch", "0"], "--batch: expected >= 1"),
+])
+def test_bad_input_one_line_error(capsys, argv, needle):
+    code, out, err = _run(capsys, "run", "--backend", "torch", *argv) if "--backend" not in argv else _run(capsys, "run", *argv)
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("mpk-dist: error:") and needle in lines[0], err
+
+
+def test_console_entry_point_reports_errors_without_traceback():
+    proc = subprocess.run([sys.executable, "-m", "mpk_dist", "run", "--model", "no-such-preset"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr and "expected a preset" in proc.stderr
+
+
+def test_info_lists_backends(capsys):
+    code, out, _ = _run(capsys, "info", "--json")
+    assert code == 0 and "torch" in json.loads(out)["backends"]
