@@ -51,4 +51,12 @@ def create_backend(name: str, cfg, source, tp: int = 1, device: str | None = Non
     except ImportError as exc:
         raise BackendUnavailable(f"--backend {name}: not available in this installation ({exc})") from None
     cls = getattr(module, cls_name)
+    if name.startswith("torch") and tp > 1:
+        from mpk_dist.dist.env import rank_info
+
+        info = rank_info()
+        if info.world_size > 1:  # under mpirun/srun: one process per TP rank, torch.distributed
+            from mpk_dist.backends.torch_dist import TorchDistBackend
+
+            return TorchDistBackend(cfg, source, tp, info, max_seq_len=max_seq_len, **{**extra, **opts})
     return cls(cfg, source, tp=tp, device=device or default_device(name), max_seq_len=max_seq_len, **{**extra, **opts})

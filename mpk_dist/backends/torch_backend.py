@@ -49,19 +49,37 @@ def _run_local_op(op, env: dict, attrs: dict) -> None:
         raise NotImplementedError(f"torch backend: op kind {k!r}")
 
 
-def run_graphs(graphs: list, envs: list[dict]) -> None:
-    """Execute all ranks' graphs op by op; ``envs[r]`` maps tensor names to rank r's tensors."""
+class LocalComm:
+    """Collectives among ranks that all live in this process (lists hold one tensor per rank)."""
+
+    def all_reduce(self, partials: list[torch.Tensor]) -> list[torch.Tensor]:
+        """fp32 sum of every rank's partial, returned to every rank."""
+        total = sum(p.float() for p in partials)
+        return [total] * len(partials)
+
+    def all_gather(self, xs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Every rank's tensor stacked along a new leading axis, returned to every rank."""
+        stacked = torch.stack(xs)
+        return [stacked] * len(xs)
+
+
+def run_graphs(graphs: list, envs: list[dict], comm=None) -> None:
+    """Execute the ranks' graphs op by op; ``envs[i]`` maps tensor names to ``graphs[i]``'s tensors.
+
+    ``comm`` performs the communication ops (default: all ranks are in ``graphs``).
+    """
+    comm = comm or LocalComm()
     for idx, op0 in enumerate(graphs[0].ops):
         ops = [g.ops[idx] for g in graphs]
         if op0.kind == "all_reduce":
-            total = sum(env[op.inputs[0]].float() for op, env in zip(ops, envs))
-            for op, env in zip(ops, envs):
+            totals = comm.all_reduce([env[op.inputs[0]] for op, env in zip(ops, envs)])
+            for op, env, total in zip(ops, envs, totals):
                 res = total + env[op.inputs[1]].float() if len(op.inputs) > 1 else total
                 env[op.outputs[0]] = res.to(env[op.inputs[0]].dtype)
         elif op0.kind == "all_gather":
-            stacked = torch.stack([env[op.inputs[0]] for op, env in zip(ops, envs)])
-            for op, env in zip(ops, envs):
-                env[op.outputs[0]] = stacked
+            gathered = comm.all_gather([env[op.inputs[0]] for op, env in zip(ops, envs)])
+            for op, env, g in zip(ops, envs, gathered):
+                env[op.outputs[0]] = g
         else:
             for op, env in zip(ops, envs):
                 _run_local_op(op, env, op.attrs)
@@ -71,7 +89,7 @@ class TorchBackend(StepBackend):
     """Op-by-op execution of the per-rank graphs with a static KV cache."""
 
     def __init__(self, cfg: ModelConfig, source, tp: int = 1, device: str | torch.device = "cpu",
-                 max_seq_len: int = 512, mode: str = "eager", **_opts):
+                 max_seq_len: int = 512, mode: str = "eager", ranks: list[int] | None = None, comm=None):
         if mode not in MODES:
             raise BackendUnavailable(f"torch backend mode: expected one of {MODES}, got {mode!r}")
         self.device = torch.device(device)
@@ -80,7 +98,9 @@ class TorchBackend(StepBackend):
         self.cfg, self.tp, self.mode, self.max_seq_len = cfg, tp, mode, max_seq_len
         self.name = {"eager": "torch", "graph": "torch-graph", "compile": "torch-compile"}[mode]
         self.vocab_size = cfg.vocab_size
-        self.graphs = [build_graph(cfg, tp=tp, rank=r, batch=1, max_seq_len=max_seq_len) for r in range(tp)]
+        self.ranks = list(range(tp)) if ranks is None else ranks
+        self.comm = comm or LocalComm()
+        self.graphs = [build_graph(cfg, tp=tp, rank=r, batch=1, max_seq_len=max_seq_len) for r in self.ranks]
         self.weights = [load_rank_weights(g, source, self.device) for g in self.graphs]
         self._dtypes = {t.name: TORCH_DTYPES[t.dtype] for t in self.graphs[0].tensors.values()}
         self.batch = 0
@@ -109,8 +129,12 @@ class TorchBackend(StepBackend):
     def _forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         envs = [{**w, **s, "tokens": tokens, "positions": positions, "__dtypes__": self._dtypes}
                 for w, s in zip(self.weights, self.states)]
-        run_graphs(self.graphs, envs)
-        return torch.cat([env["logits"] for env in envs], dim=-1)
+        run_graphs(self.graphs, envs, self.comm)
+        if len(envs) == self.tp:
+            return torch.cat([env["logits"] for env in envs], dim=-1)
+        # one rank per process: gather the vocabulary slices ([tp, ..., V/tp] -> [..., V])
+        slices = self.comm.all_gather([envs[0]["logits"]])[0]
+        return torch.cat(list(slices), dim=-1)
 
     def _check(self, tokens: torch.Tensor, positions: torch.Tensor) -> None:
         if int(positions.max()) >= self.max_seq_len:

@@ -9,6 +9,7 @@ import numpy as np
 
 from mpk_dist.backends.base import SamplingParams
 from mpk_dist.backends.registry import BACKENDS, default_device, resolve_backend
+from mpk_dist.dist.env import rank_info
 from mpk_dist.errors import InputError
 from mpk_dist.model_source import open_model
 from mpk_dist.engine import (RunSpec, build_backend, check_ids, check_length, latency_summary, make_request,
@@ -82,6 +83,8 @@ def main(args) -> int:
     req = make_request([ids] * args.batch, args.max_new_tokens, SamplingParams(args.temperature, args.top_p, args.seed),
                        stop, force, want_logits=args.dump_logits is not None)
     res = backend.generate(req)
+    if rank_info().rank != 0:
+        return 0  # under mpirun every rank decodes; rank 0 reports
     if args.dump_logits:
         logits = res.logits.numpy().astype(np.float32)
         np.save(args.dump_logits, logits[:, 0] if args.batch == 1 else logits)
