@@ -1,0 +1,61 @@
+"""Compile a model for all (or some) TP ranks: op graph -> lowered program -> events -> arrays, validated.
+
+The dependency structure is computed once, on rank 0, and shared: every rank's graph is
+structurally identical (same task-ops, tiles and footprints); ranks differ only in argument offsets
+(their slot in receive buffers) and parameters (vocabulary start). This is checked, not assumed.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from mpk_dist.config import ModelConfig
+from mpk_dist.errors import InputError
+from mpk_dist.models import build_graph
+from mpk_dist.taskgraph.deps import EventGraph, build_events, reduce_events
+from mpk_dist.taskgraph.lowering_comm import lower_graph
+from mpk_dist.taskgraph.program import Program
+from mpk_dist.taskgraph.serialize import CompiledGraph, serialize
+from mpk_dist.taskgraph.validate import validate
+
+
+def _same_structure(a: Program, b: Program) -> bool:
+    if [(o.name, o.kind.opcode, o.tiles) for o in a.ops] != [(o.name, o.kind.opcode, o.tiles) for o in b.ops]:
+        return False
+    for x, y in zip(a.ops, b.ops):
+        for fx, fy in zip(x.reads + x.writes, y.reads + y.writes):
+            if fx.buf != fy.buf or fx.remote != fy.remote or not np.array_equal(fx.rects, fy.rects):
+                return False
+    return True
+
+
+def compile_rank_programs(cfg: ModelConfig, tp: int, batch: int = 1, sms: int = 132, max_seq_len: int = 512,
+                          max_steps: int | None = None, ranks: list[int] | None = None, check: bool = True,
+                          timings: dict | None = None) -> list[CompiledGraph]:
+    """The compiled program of each rank in ``ranks`` (default all), validated when ``check``."""
+    if sms < 1 or batch < 1:
+        raise InputError(f"--sms / --batch: expected positive integers, got sms={sms}, batch={batch}")
+    max_steps = max_seq_len if max_steps is None else max_steps
+    ranks = list(range(tp)) if ranks is None else ranks
+    t0 = time.perf_counter()
+    progs = {r: lower_graph(build_graph(cfg, tp=tp, rank=r, batch=batch, max_seq_len=max_seq_len), sms, max_steps)
+             for r in sorted(set(ranks) | {0})}
+    t1 = time.perf_counter()
+    eg: EventGraph = reduce_events(build_events(progs[0]))
+    t2 = time.perf_counter()
+    info = {"model": build_graph.__module__ and cfg.family, "family": cfg.family, "max_seq_len": max_seq_len,
+            "sms": sms, "num_layers": cfg.num_layers}
+    out = []
+    for r in ranks:
+        if not _same_structure(progs[0], progs[r]):
+            raise AssertionError(f"rank {r}: task graph structure differs from rank 0")
+        cg = serialize(progs[r], eg, info, sms)
+        if check:
+            validate(cg)
+        out.append(cg)
+    t3 = time.perf_counter()
+    if timings is not None:
+        timings.update(lower_s=t1 - t0, events_s=t2 - t1, serialize_validate_s=t3 - t2, total_s=t3 - t0)
+    return out

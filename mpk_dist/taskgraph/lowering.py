@@ -1,0 +1,215 @@
+"""Lowering: one rank's decode-step op graph -> task-ops (tiles with arguments, parameters, footprints).
+
+Tiles are sized from the SM count: column-tiled ops (linear, embedding, add, all-reduce, silu_mul)
+split their N columns into blocks of a multiple of ``ALIGN`` so there are about ``sms`` tiles; the
+gate|up projection is tiled on the intermediate boundary so silu_mul tile j needs gate tile j and
+up tile j only. Every op over the hidden size uses the same column blocks, so O-projection tile t
+feeds all-reduce tile t directly. See docs/TASKGRAPH.md.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mpk_dist.backends import torch_ops as T
+from mpk_dist.graph import Graph, Op
+from mpk_dist.taskgraph.program import EMPTY, Footprint, Program, TaskOp
+from mpk_dist.taskgraph.tasks import BY_NAME as K
+
+ALIGN = 16
+"""Column tiles are multiples of this many features (MMA-friendly)."""
+
+
+def col_tiles(n: int, sms: int, align: int = ALIGN) -> list[tuple[int, int]]:
+    """Split n columns into about ``sms`` blocks of a multiple of ``align``: [(c0, cols), ...]."""
+    per = -(-n // max(1, sms))
+    per = max(align, -(-per // align) * align)
+    return [(c0, min(per, n - c0)) for c0 in range(0, n, per)]
+
+
+def _cols_fp(buf: int, tiles: list[tuple[int, int]], rows: int, shift: int = 0, remote: bool = False) -> Footprint:
+    return Footprint(buf, np.array([(0, rows, shift + c0, shift + c0 + n) for c0, n in tiles], np.int64).reshape(-1, 4),
+                     remote)
+
+
+def _all_fp(buf: int, prog: Program, tiles: int, remote: bool = False) -> Footprint:
+    r, c = prog.buffers[buf].view
+    return Footprint(buf, np.tile(np.array([[0, r, 0, c]], np.int64), (tiles, 1)), remote)
+
+
+class Lowerer:
+    """Lowers the ops of one graph into a ``Program``."""
+
+    def __init__(self, graph: Graph, sms: int, max_steps: int):
+        self.g, self.sms = graph, sms
+        self.B, self.W, self.rank = graph.batch, graph.world_size, graph.rank
+        self.p = Program(graph.rank, graph.world_size, graph.batch, max_steps)
+        self.consumers: dict[str, list[Op]] = {}
+        for op in graph.ops:
+            for t in op.inputs:
+                self.consumers.setdefault(t, []).append(op)
+
+    # -- buffers ---------------------------------------------------------------------------------
+    def declare_buffers(self) -> None:
+        """One buffer per graph tensor plus the step-loop buffers."""
+        gathered = {op.outputs[0] for op in self.g.ops if op.kind == "all_gather"}
+        for t in self.g.tensors.values():
+            kind = {"input": "activation"}.get(t.kind, t.kind)  # tokens/positions: written by step_begin
+            if t.name in gathered:
+                kind = "comm"
+            view = None
+            if t.kind == "state":  # KV cache [B, S, Hkv, D]: rows = (b, pos), cols = (head, d)
+                view = (t.shape[0] * t.shape[1], int(np.prod(t.shape[2:])))
+            self.p.buffer(t.name, t.shape, t.dtype, kind, view)
+        S = self.p.max_steps
+        for name, shape, kind in (("forced_tokens", (S, self.B), "input"), ("start_pos", (self.B,), "input"),
+                                  ("token_out", (S, self.B), "output")):
+            self.p.buffer(name, shape, "i32", kind)
+        self.p.special = {n: self.p.id(n) for n in ("forced_tokens", "start_pos", "tokens", "positions",
+                                                    "next_token", "token_out", "logits")}
+
+    def _new(self, op: Op, kind: str, suffix: str = "") -> TaskOp:
+        return self.p.op(op.name + suffix, K[kind], op.layer, op.name)
+
+    # -- ops ---------------------------------------------------------------------------------------
+    def step_begin(self) -> None:
+        """The first task of a step (not a graph op)."""
+        p, B = self.p, self.B
+        t = p.op("step_begin", K["step_begin"], None, "")
+        ids = {n: p.id(n) for n in ("forced_tokens", "start_pos", "next_token", "tokens", "positions")}
+        t.add_tile({"FORCED": (ids["forced_tokens"], 0, p.max_steps * B), "START_POS": (ids["start_pos"], 0, B),
+                    "NEXT_TOKEN": (ids["next_token"], 0, B), "TOKENS": (ids["tokens"], 0, B),
+                    "POSITIONS": (ids["positions"], 0, B)}, {"BATCH": B, "MAX_STEPS": p.max_steps})
+        t.reads = [_all_fp(ids["next_token"], p, 1)]
+        t.writes = [_all_fp(ids["tokens"], p, 1), _all_fp(ids["positions"], p, 1)]
+
+    def embedding(self, op: Op) -> None:
+        """Hidden-column tiles of the embedding rows."""
+        p, B = self.p, self.B
+        tok, tbl, out = p.id(op.inputs[0]), p.id(op.inputs[1]), p.id(op.outputs[0])
+        V, H = self.g.tensors[op.inputs[1]].shape
+        tiles = col_tiles(H, self.sms)
+        t = self._new(op, "embedding")
+        for c0, n in tiles:
+            t.add_tile({"TOKENS": (tok, 0, B), "TABLE": (tbl, c0, (V - 1) * H + n), "OUT": (out, c0, (B - 1) * H + n)},
+                       {"BATCH": B, "COLS": n, "TABLE_STRIDE": H, "OUT_STRIDE": H,
+                        "VOCAB_START": op.attrs["vocab_start"], "VOCAB_ROWS": V})
+        t.reads = [_all_fp(tok, p, len(tiles))]
+        t.writes = [_cols_fp(out, tiles, B)]
+
+    def rms_norm(self, op: Op) -> None:
+        """One tile per sequence."""
+        p, B = self.p, self.B
+        x, w, y = p.id(op.inputs[0]), p.id(op.inputs[1]), p.id(op.outputs[0])
+        N = self.g.tensors[op.inputs[0]].shape[-1]
+        t = self._new(op, "rms_norm")
+        for b in range(B):
+            t.add_tile({"X": (x, b * N, N), "W": (w, 0, N), "Y": (y, b * N, N)}, {"N": N, "EPS": op.attrs["eps"]})
+        rows = np.array([(b, b + 1, 0, N) for b in range(B)], np.int64)
+        t.reads, t.writes = [Footprint(x, rows)], [Footprint(y, rows.copy())]
+
+    def _linear_tiles(self, op: Op, N: int) -> list[tuple[int, int]]:
+        if any(c.kind == "silu_mul" for c in self.consumers.get(op.outputs[0], [])):
+            half = col_tiles(N // 2, max(1, self.sms // 2))
+            return half + [(N // 2 + c0, n) for c0, n in half]
+        return col_tiles(N, self.sms)
+
+    def linear(self, op: Op) -> None:
+        """Blocks of output features; all B rows per tile."""
+        p, B = self.p, self.B
+        x, w, y = p.id(op.inputs[0]), p.id(op.inputs[1]), p.id(op.outputs[0])
+        N, K_ = self.g.tensors[op.inputs[1]].shape
+        tiles = self._linear_tiles(op, N)
+        t = self._new(op, "linear")
+        for n0, n in tiles:
+            t.add_tile({"X": (x, 0, (B - 1) * K_ + K_), "W": (w, n0 * K_, n * K_), "Y": (y, n0, (B - 1) * N + n)},
+                       {"BATCH": B, "K": K_, "N_TILE": n, "X_STRIDE": K_, "Y_STRIDE": N})
+        t.reads = [_all_fp(x, p, len(tiles))]
+        t.writes = [_cols_fp(y, tiles, B)]
+
+    def _inv_freq(self, attrs: dict) -> int:
+        name = "rope_inv_freq"
+        data = T.rope_attrs_inv_freq(attrs).numpy().astype(np.float32)
+        if name in self.p.by_name:
+            if not np.array_equal(self.p.by_name[name].data, data):
+                raise ValueError("qkv_prep: layers with different rope parameters are not supported")
+            return self.p.id(name)
+        return self.p.buffer(name, data.shape, "f32", "const", data=data)
+
+    def qkv_prep(self, op: Op) -> None:
+        """One tile per q head, then one per kv head (which also appends to the KV cache)."""
+        p, B, a = self.p, self.B, op.attrs
+        hq, hkv, D = a["q_heads"], a["kv_heads"], a["head_dim"]
+        qkv, pos = p.id(op.inputs[0]), p.id(op.inputs[1])
+        qn, kn = (p.id(op.inputs[2]), p.id(op.inputs[3])) if a.get("qk_norm") else (None, None)
+        q, kc, vc = (p.id(n) for n in op.outputs)
+        S, QS = self.g.max_seq_len, (hq + 2 * hkv) * D
+        inv = self._inv_freq(a)
+        t = self._new(op, "qkv_prep")
+        common = {"BATCH": B, "HEAD_DIM": D, "QKV_STRIDE": QS, "EPS": a["eps"]}
+        for h in range(hq):
+            t.add_tile({"QKV": (qkv, h * D, (B - 1) * QS + D), "POSITIONS": (pos, 0, B),
+                        "NORM_W": None if qn is None else (qn, 0, D), "INV_FREQ": (inv, 0, D // 2),
+                        "DST": (q, h * D, (B - 1) * hq * D + D), "DST_V": None},
+                       {**common, "V_OFFSET": 0, "DST_BATCH_STRIDE": hq * D, "DST_POS_STRIDE": 0, "MAX_SEQ": 1, "IS_KV": 0})
+        cache_count = (B - 1) * S * hkv * D + (S - 1) * hkv * D + D
+        for j in range(hkv):
+            t.add_tile({"QKV": (qkv, (hq + j) * D, (B - 1) * QS + hkv * D + D), "POSITIONS": (pos, 0, B),
+                        "NORM_W": None if kn is None else (kn, 0, D), "INV_FREQ": (inv, 0, D // 2),
+                        "DST": (kc, j * D, cache_count), "DST_V": (vc, j * D, cache_count)},
+                       {**common, "V_OFFSET": hkv * D, "DST_BATCH_STRIDE": S * hkv * D, "DST_POS_STRIDE": hkv * D,
+                        "MAX_SEQ": S, "IS_KV": 1})
+        head = lambda c0: (0, B, c0, c0 + D)  # noqa: E731 - one head's columns of a [B, *] tensor
+        kvrow = lambda j: (0, B * S, j * D, j * D + D)  # noqa: E731 - head j of every cache row
+        t.reads = [Footprint(qkv, np.array([head(h * D) for h in range(hq)] + [head((hq + j) * D) for j in range(hkv)])),
+                   Footprint(qkv, np.array([EMPTY] * hq + [head((hq + hkv + j) * D) for j in range(hkv)])),
+                   _all_fp(pos, p, hq + hkv)]
+        t.writes = [Footprint(q, np.array([head(h * D) for h in range(hq)] + [EMPTY] * hkv)),
+                    Footprint(kc, np.array([EMPTY] * hq + [kvrow(j) for j in range(hkv)])),
+                    Footprint(vc, np.array([EMPTY] * hq + [kvrow(j) for j in range(hkv)]))]
+
+    def attention(self, op: Op) -> None:
+        """One tile per kv head (its GROUP query heads), all sequences."""
+        p, B, a = self.p, self.B, op.attrs
+        hq, hkv, D = a["q_heads"], a["kv_heads"], a["head_dim"]
+        q, kc, vc, pos = (p.id(n) for n in op.inputs)
+        o = p.id(op.outputs[0])
+        S, G = self.g.max_seq_len, hq // hkv
+        cache_count = (B - 1) * S * hkv * D + (S - 1) * hkv * D + D
+        t = self._new(op, "attention")
+        for j in range(hkv):
+            qa = (j * G * D, (B - 1) * hq * D + G * D)
+            t.add_tile({"Q": (q, *qa), "K_CACHE": (kc, j * D, cache_count), "V_CACHE": (vc, j * D, cache_count),
+                        "POSITIONS": (pos, 0, B), "OUT": (o, *qa)},
+                       {"BATCH": B, "HEAD_DIM": D, "GROUP": G, "Q_STRIDE": hq * D, "KV_POS_STRIDE": hkv * D,
+                        "KV_BATCH_STRIDE": S * hkv * D, "MAX_SEQ": S, "SCALE": a["scale"]})
+        qrect = np.array([(0, B, j * G * D, (j + 1) * G * D) for j in range(hkv)], np.int64)
+        kvrect = np.array([(0, B * S, j * D, (j + 1) * D) for j in range(hkv)], np.int64)
+        t.reads = [Footprint(q, qrect), Footprint(kc, kvrect), Footprint(vc, kvrect.copy()), _all_fp(pos, p, hkv)]
+        t.writes = [Footprint(o, qrect.copy())]
+
+    def silu_mul(self, op: Op) -> None:
+        """Intermediate-column tiles (the same blocks as each half of the gate|up projection)."""
+        p, B = self.p, self.B
+        gu, out = p.id(op.inputs[0]), p.id(op.outputs[0])
+        I = self.g.tensors[op.outputs[0]].shape[-1]
+        tiles = col_tiles(I, max(1, self.sms // 2))
+        t = self._new(op, "silu_mul")
+        for c0, n in tiles:
+            t.add_tile({"GU": (gu, c0, (B - 1) * 2 * I + I + n), "OUT": (out, c0, (B - 1) * I + n)},
+                       {"BATCH": B, "COLS": n, "GU_STRIDE": 2 * I, "UP_OFFSET": I, "OUT_STRIDE": I})
+        t.reads = [_cols_fp(gu, tiles, B), _cols_fp(gu, tiles, B, shift=I)]
+        t.writes = [_cols_fp(out, tiles, B)]
+
+    def add(self, op: Op) -> None:
+        """Column tiles of a + b (the residual add at tp 1)."""
+        p, B = self.p, self.B
+        x, y, out = (p.id(n) for n in (*op.inputs, *op.outputs))
+        N = self.g.tensors[op.outputs[0]].shape[-1]
+        tiles = col_tiles(N, self.sms)
+        t = self._new(op, "add")
+        for c0, n in tiles:
+            ext = (c0, (B - 1) * N + n)
+            t.add_tile({"X": (x, *ext), "Y": (y, *ext), "OUT": (out, *ext)}, {"BATCH": B, "COLS": n, "STRIDE": N})
+        t.reads = [_cols_fp(x, tiles, B), _cols_fp(y, tiles, B)]
+        t.writes = [_cols_fp(out, tiles, B)]

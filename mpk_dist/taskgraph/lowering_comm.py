@@ -1,0 +1,99 @@
+"""Lowering of the communication ops and the vocabulary-parallel head.
+
+all_reduce -> allreduce_push (per column tile: my partial tile into slot[my_rank] of every rank's
+symmetric receive buffer, signalling every rank) + allreduce_reduce (per tile: sum the WORLD slots in
+fp32, add the residual once). argmax_partial -> per-vocabulary-tile (max, index) + one local reduce;
+all_gather -> allgather_push of the rank's candidate; argmax_select picks the token.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mpk_dist.graph import Op
+from mpk_dist.taskgraph.lowering import Lowerer, _all_fp, _cols_fp, col_tiles
+from mpk_dist.taskgraph.program import Footprint
+
+
+def all_reduce(lw: Lowerer, op: Op) -> None:
+    """Push + reduce tiles over a per-op symmetric receive buffer [WORLD, B, N]."""
+    p, B, W = lw.p, lw.B, lw.W
+    part = p.id(op.inputs[0])
+    res = p.id(op.inputs[1]) if len(op.inputs) > 1 else None
+    out = p.id(op.outputs[0])
+    N = lw.g.tensors[op.outputs[0]].shape[-1]
+    recv = p.buffer(f"{op.name}.recv", (W, B, N), p.buffers[part].dtype, "comm", view=(W * B, N))
+    tiles = col_tiles(N, lw.sms)
+    push = lw._new(op, "allreduce_push", "/push")
+    for c0, n in tiles:
+        push.add_tile({"SRC": (part, c0, (B - 1) * N + n), "DST": (recv, lw.rank * B * N + c0, (B - 1) * N + n)},
+                      {"BATCH": B, "COLS": n, "SRC_STRIDE": N, "DST_STRIDE": N})
+    push.reads = [_cols_fp(part, tiles, B)]
+    # Every rank writes its own slot of every rank's buffer: in the rank-symmetric graph that is
+    # all slots of the tile's columns.
+    push.writes = [_cols_fp(recv, tiles, W * B, remote=True)]
+    red = lw._new(op, "allreduce_reduce", "/reduce")
+    for c0, n in tiles:
+        ext = (c0, (B - 1) * N + n)
+        red.add_tile({"RECV": (recv, c0, (W - 1) * B * N + (B - 1) * N + n), "RESIDUAL": None if res is None else (res, *ext),
+                      "OUT": (out, *ext)}, {"BATCH": B, "COLS": n, "WORLD": W, "SLOT_STRIDE": B * N, "STRIDE": N})
+    red.reads = [_cols_fp(recv, tiles, W * B)] + ([] if res is None else [_cols_fp(res, tiles, B)])
+    red.writes = [_cols_fp(out, tiles, B)]
+
+
+def argmax_partial(lw: Lowerer, op: Op) -> None:
+    """(max, index) per vocabulary tile (the lm_head's tiles), then one local reduce."""
+    p, B = lw.p, lw.B
+    logits, cand = p.id(op.inputs[0]), p.id(op.outputs[0])
+    V = lw.g.tensors[op.inputs[0]].shape[-1]
+    tiles = col_tiles(V, lw.sms)
+    nt = len(tiles)
+    part = p.buffer(f"{op.name}.tiles", (B, nt, 2), "f32", "activation", view=(B, nt * 2))
+    t = lw._new(op, "argmax_partial")
+    for j, (v0, n) in enumerate(tiles):
+        t.add_tile({"LOGITS": (logits, v0, (B - 1) * V + n), "OUT": (part, 2 * j, (B - 1) * nt * 2 + 2)},
+                   {"BATCH": B, "COLS": n, "LOGITS_STRIDE": V, "OUT_STRIDE": nt * 2,
+                    "INDEX_BASE": op.attrs["vocab_start"] + v0})
+    t.reads = [_cols_fp(logits, tiles, B)]
+    t.writes = [Footprint(part, np.array([(0, B, 2 * j, 2 * j + 2) for j in range(nt)], np.int64))]
+    r = lw._new(op, "argmax_reduce", "/reduce")
+    r.add_tile({"PARTIAL": (part, 0, B * nt * 2), "OUT": (cand, 0, 2 * B)}, {"BATCH": B, "NTILES": nt})
+    r.reads, r.writes = [_all_fp(part, p, 1)], [_all_fp(cand, p, 1)]
+
+
+def all_gather(lw: Lowerer, op: Op) -> None:
+    """One task: my candidate into slot[my_rank] of every rank's gather buffer."""
+    p, B = lw.p, lw.B
+    src, dst = p.id(op.inputs[0]), p.id(op.outputs[0])
+    n = p.buffers[src].numel
+    t = lw._new(op, "allgather_push")
+    t.add_tile({"SRC": (src, 0, n), "DST": (dst, lw.rank * n, n)}, {"COUNT": n})
+    t.reads, t.writes = [_all_fp(src, p, 1)], [_all_fp(dst, p, 1, remote=True)]
+    del B
+
+
+def argmax_select(lw: Lowerer, op: Op) -> None:
+    """One task: the token, into next_token and row ``step`` of token_out."""
+    p, B, W = lw.p, lw.B, lw.W
+    cands, nxt, out = p.id(op.inputs[0]), p.id(op.outputs[0]), p.id("token_out")
+    t = lw._new(op, "argmax_select")
+    t.add_tile({"CANDS": (cands, 0, W * B * 2), "NEXT_TOKEN": (nxt, 0, B), "TOKEN_OUT": (out, 0, p.max_steps * B)},
+               {"BATCH": B, "WORLD": W, "MAX_STEPS": p.max_steps})
+    t.reads = [_all_fp(cands, p, 1)]
+    t.writes = [_all_fp(nxt, p, 1), _all_fp(out, p, 1)]
+
+
+def lower_graph(graph, sms: int, max_steps: int):
+    """The ``Program`` of one rank: buffers and task-ops in a topological order of one step."""
+    lw = Lowerer(graph, sms, max_steps)
+    lw.declare_buffers()
+    lw.step_begin()
+    handlers = {"all_reduce": all_reduce, "argmax_partial": argmax_partial, "all_gather": all_gather,
+                "argmax_select": argmax_select}
+    for op in graph.ops:
+        h = handlers.get(op.kind)
+        if h is not None:
+            h(lw, op)
+        else:
+            getattr(lw, op.kind)(op)
+    return lw.p

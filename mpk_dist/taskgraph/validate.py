@@ -1,0 +1,196 @@
+"""Validation of a compiled program (the serialized arrays, so loaded or mutated programs too).
+
+Checks: table shapes and ranges; argument and parameter counts per kind; buffer ranges in bounds;
+every event's trigger count equals the signals it receives; no cycle among the step's (offset 0)
+dependencies; every task reachable from step_begin and ordered before argmax_select (so buffers
+reused across steps are safe); the AOT lists are a permutation in topological order. Every failure
+names the op, layer and tile.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+
+from mpk_dist.errors import MpkError
+from mpk_dist.taskgraph.abi import (ARG_COLS, BUFFER_COLS, EV_SCOPE_SYSTEM, EVENT_COLS, NULL_BUFFER, SIG_ALL_RANKS,
+                                    SIG_SELF, SIGNAL_COLS, TASK_COLS, WAIT_COLS)
+from mpk_dist.taskgraph.serialize import CompiledGraph
+from mpk_dist.taskgraph.tasks import BY_OPCODE
+
+
+class GraphValidationError(MpkError):
+    """A compiled task graph breaks an invariant; the message names the task (op, layer, tile)."""
+
+
+def _fail(cg: CompiledGraph, task: int, what: str) -> None:
+    raise GraphValidationError(f"task graph: {cg.task_label(task)}: {what}")
+
+
+def _check_rows(cg: CompiledGraph) -> None:
+    tasks, A = cg.arrays["tasks"], cg.arrays["args"]
+    nb, npar = len(cg.arrays["buffers"]), len(cg.arrays["params"])
+    numel = cg.arrays["buffers"][:, BUFFER_COLS["NUMEL"]]
+    for i, row in enumerate(tasks):
+        kind = BY_OPCODE.get(int(row[TASK_COLS["OPCODE"]]))
+        if kind is None:
+            _fail(cg, i, f"opcode: expected 0..{len(BY_OPCODE) - 1}, got {int(row[TASK_COLS['OPCODE']])}")
+        a0, a1 = int(row[TASK_COLS["ARG_BEGIN"]]), int(row[TASK_COLS["ARG_END"]])
+        p0, p1 = int(row[TASK_COLS["PARAM_BEGIN"]]), int(row[TASK_COLS["PARAM_END"]])
+        if a1 - a0 != len(kind.args) or not 0 <= a0 <= a1 <= len(A):
+            _fail(cg, i, f"arguments: expected {len(kind.args)} rows in range, got [{a0}, {a1})")
+        if p1 - p0 != len(kind.params) or not 0 <= p0 <= p1 <= npar:
+            _fail(cg, i, f"parameters: expected {len(kind.params)} in range, got [{p0}, {p1})")
+        for j, spec in enumerate(kind.args):
+            b, off, cnt = (int(x) for x in A[a0 + j])
+            if b == NULL_BUFFER and spec.optional:
+                continue
+            if not 0 <= b < nb:
+                _fail(cg, i, f"argument {spec.name}: buffer id expected 0..{nb - 1}, got {b}")
+            if off < 0 or cnt < 0 or off + cnt > numel[b]:
+                name = cg.meta["buffers"][b]["name"]
+                _fail(cg, i, f"argument {spec.name}: range [{off}, {off + cnt}) of buffer {name} out of bounds "
+                             f"(expected within {int(numel[b])} elements)")
+        for col in ("WAIT", "SIGNAL"):
+            lo, hi = int(row[TASK_COLS[f"{col}_BEGIN"]]), int(row[TASK_COLS[f"{col}_END"]])
+            n = len(cg.arrays["waits" if col == "WAIT" else "signals"])
+            if not 0 <= lo <= hi <= n:
+                _fail(cg, i, f"{col.lower()} range: expected within [0, {n}], got [{lo}, {hi})")
+
+
+def _edges(cg: CompiledGraph) -> tuple[list[list[int]], list[list[tuple[int, int]]]]:
+    """Per event its signalling tasks; per task its (event, offset) waits (ids checked)."""
+    tasks, E = cg.arrays["tasks"], cg.num_events
+    W, S = cg.arrays["waits"], cg.arrays["signals"]
+    sig_by_event: list[list[int]] = [[] for _ in range(E)]
+    waits: list[list[tuple[int, int]]] = []
+    for i, row in enumerate(tasks):
+        ws = []
+        for k in range(int(row[TASK_COLS["WAIT_BEGIN"]]), int(row[TASK_COLS["WAIT_END"]])):
+            e, off = int(W[k, WAIT_COLS["EVENT"]]), int(W[k, WAIT_COLS["STEP_OFFSET"]])
+            if not 0 <= e < E or off not in (0, -1):
+                _fail(cg, i, f"wait {k}: expected event 0..{E - 1} and step offset 0 or -1, got ({e}, {off})")
+            ws.append((e, off))
+        waits.append(ws)
+        for k in range(int(row[TASK_COLS["SIGNAL_BEGIN"]]), int(row[TASK_COLS["SIGNAL_END"]])):
+            e, tgt = int(S[k, SIGNAL_COLS["EVENT"]]), int(S[k, SIGNAL_COLS["TARGET"]])
+            if not 0 <= e < E or tgt not in (SIG_SELF, SIG_ALL_RANKS):
+                _fail(cg, i, f"signal {k}: expected event 0..{E - 1} and target SELF/ALL_RANKS, got ({e}, {tgt})")
+            sig_by_event[e].append(i)
+    return sig_by_event, waits
+
+
+def _check_triggers(cg: CompiledGraph, sig_by_event: list[list[int]]) -> None:
+    ev, S, tasks = cg.arrays["events"], cg.arrays["signals"], cg.arrays["tasks"]
+    world = int(cg.meta["world_size"])
+    got = np.zeros(cg.num_events, np.int64)
+    remote = np.zeros(cg.num_events, bool)
+    for k in range(len(S)):
+        e, tgt = int(S[k, 0]), int(S[k, 1])
+        got[e] += world if tgt == SIG_ALL_RANKS else 1
+        remote[e] |= tgt == SIG_ALL_RANKS
+    want = ev[:, EVENT_COLS["TRIGGERS"]]
+    for e in np.nonzero(got != want)[0]:
+        first = sig_by_event[e][0] if sig_by_event[e] else int(np.nonzero(tasks[:, 0] >= 0)[0][0])
+        _fail(cg, first, f"event {cg.meta['events'][e]}: expected {int(want[e])} triggers per step, "
+                         f"its signals give {int(got[e])}")
+    for e in np.nonzero(remote & (ev[:, EVENT_COLS["SCOPE"]] != EV_SCOPE_SYSTEM))[0]:
+        _fail(cg, sig_by_event[e][0], f"event {cg.meta['events'][e]}: signalled by peers, expected scope SYSTEM")
+
+
+def _topo(cg: CompiledGraph, sig_by_event, waits) -> list[int]:
+    """Kahn's order of the offset-0 graph; raises naming a task on a cycle."""
+    T, E = cg.num_tasks, cg.num_events
+    ev_left = [len(s) for s in sig_by_event]
+    task_left = [sum(1 for _, off in ws if off == 0) for ws in waits]
+    waiters: list[list[int]] = [[] for _ in range(E)]
+    for t, ws in enumerate(waits):
+        for e, off in ws:
+            if off == 0:
+                waiters[e].append(t)
+    signals_of: list[list[int]] = [[] for _ in range(T)]
+    for e, ts in enumerate(sig_by_event):
+        for t in ts:
+            signals_of[t].append(e)
+    ready = deque(t for t in range(T) if task_left[t] == 0)
+    order = []
+    while ready:
+        t = ready.popleft()
+        order.append(t)
+        for e in signals_of[t]:
+            ev_left[e] -= 1
+            if ev_left[e] == 0:
+                for c in waiters[e]:
+                    task_left[c] -= 1
+                    if task_left[c] == 0:
+                        ready.append(c)
+    if len(order) < T:
+        stuck = next(t for t in range(T) if task_left[t] > 0)
+        _fail(cg, stuck, "is on a dependency cycle (or waits on an event that is never complete in the step)")
+    return order
+
+
+def _reach(start: list[int], nxt) -> set[int]:
+    seen, todo = set(start), list(start)
+    while todo:
+        for u in nxt(todo.pop()):
+            if u not in seen:
+                seen.add(u)
+                todo.append(u)
+    return seen
+
+
+def _check_reach(cg: CompiledGraph, sig_by_event, waits) -> None:
+    """Every task is after step_begin and before argmax_select in the step (offset-0 edges)."""
+    kinds = cg.arrays["tasks"][:, TASK_COLS["OPCODE"]]
+    first = [t for t in range(cg.num_tasks) if BY_OPCODE[int(kinds[t])].name == "step_begin"]
+    last = [t for t in range(cg.num_tasks) if BY_OPCODE[int(kinds[t])].name == "argmax_select"]
+    succ: list[list[int]] = [[] for _ in range(cg.num_tasks)]
+    pred: list[list[int]] = [[] for _ in range(cg.num_tasks)]
+    for c, ws in enumerate(waits):
+        for e, off in ws:
+            if off == 0:
+                for p in sig_by_event[e]:
+                    succ[p].append(c)
+                    pred[c].append(p)
+    fwd = _reach(first, lambda t: succ[t])
+    bwd = _reach(last, lambda t: pred[t])
+    for t in range(cg.num_tasks):
+        if t not in fwd:
+            _fail(cg, t, "not reachable from step_begin: nothing orders it after the step's input")
+        if t not in bwd:
+            _fail(cg, t, "not ordered before argmax_select: the next step could overwrite what it reads")
+
+
+def _check_order(cg: CompiledGraph, sig_by_event, waits) -> None:
+    """Tasks are stored in dependency order, and each AOT list is increasing (hence deadlock-free)."""
+    last_signal = [max(s) if s else -1 for s in sig_by_event]
+    for c, ws in enumerate(waits):
+        for e, off in ws:
+            if off == 0 and last_signal[e] >= c:
+                _fail(cg, c, f"waits on event {cg.meta['events'][e]} signalled by a later task; "
+                             "expected tasks stored in dependency order")
+    off, wt = cg.arrays["worker_offsets"], cg.arrays["worker_tasks"]
+    if off[-1] != cg.num_tasks or sorted(wt.tolist()) != list(range(cg.num_tasks)):
+        raise GraphValidationError("task graph: AOT worker lists: expected a permutation of all tasks")
+    for w in range(len(off) - 1):
+        lst = wt[off[w]: off[w + 1]]
+        bad = np.nonzero(np.diff(lst) <= 0)[0]
+        if len(bad):
+            _fail(cg, int(lst[bad[0] + 1]), f"AOT list of worker {w} is not in dependency order")
+
+
+def validate(cg: CompiledGraph) -> None:
+    """Raise ``GraphValidationError`` (naming op, layer, tile) if the program breaks an invariant."""
+    for name, cols in (("tasks", TASK_COLS), ("events", EVENT_COLS), ("waits", WAIT_COLS),
+                       ("signals", SIGNAL_COLS), ("args", ARG_COLS), ("buffers", BUFFER_COLS)):
+        a = cg.arrays[name]
+        if a.ndim != 2 or a.shape[1] != len(cols):
+            raise GraphValidationError(f"task graph: {name} table: expected [n, {len(cols)}], got {list(a.shape)}")
+    _check_rows(cg)
+    sig_by_event, waits = _edges(cg)
+    _check_triggers(cg, sig_by_event)
+    _topo(cg, sig_by_event, waits)
+    _check_reach(cg, sig_by_event, waits)
+    _check_order(cg, sig_by_event, waits)
