@@ -21,14 +21,19 @@ timeout_s="${MPK_SLURM_TIMEOUT_S:-30}"
 log() { echo "start.sh: $*" >&2; }
 die() { log "$*"; exit 1; }
 
+# Debian's mpi_pmix plugin dlopens pmix2/lib/libpmix.so, the unversioned name that only
+# libpmix-dev ships; without it srun --mpi=pmix fails with "can not load PMIx library".
+packages=(slurmctld slurmd slurm-client munge libpmix2 libpmix-dev)
 missing=()
 for bin in slurmctld slurmd sbatch munged; do command -v "$bin" >/dev/null 2>&1 || missing+=("$bin"); done
+compgen -G "/usr/lib/*/pmix2/lib/libpmix.so" >/dev/null || missing+=(libpmix.so)
 if [ ${#missing[@]} -gt 0 ]; then
-  [ "${MPK_SLURM_INSTALL:-0}" = 1 ] || die "expected ${missing[*]} on PATH, got nothing; apt-get install slurmctld slurmd slurm-client munge libpmix2 (or set MPK_SLURM_INSTALL=1)"
-  log "installing slurm and munge with apt-get"
+  [ "${MPK_SLURM_INSTALL:-0}" = 1 ] || die "expected ${missing[*]}, got nothing; apt-get install ${packages[*]} (or set MPK_SLURM_INSTALL=1)"
+  log "installing ${packages[*]} with apt-get"
   export DEBIAN_FRONTEND=noninteractive
-  apt-get install -y --no-install-recommends slurmctld slurmd slurm-client munge libpmix2 >&2 \
-    || { apt-get update >&2 && apt-get install -y --no-install-recommends slurmctld slurmd slurm-client munge libpmix2 >&2; }
+  apt-get install -y --no-install-recommends "${packages[@]}" >&2 \
+    || { apt-get update >&2 && apt-get install -y --no-install-recommends "${packages[@]}" >&2; } \
+    || die "apt-get install ${packages[*]} failed"
 fi
 
 if [ $# -ge 1 ]; then dir="$1"; mkdir -p "$dir"; else dir="$(mktemp -d "${TMPDIR:-/tmp}/mpk-slurm.XXXXXX")"; fi
