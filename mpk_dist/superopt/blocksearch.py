@@ -1,0 +1,322 @@
+"""Enumeration of block graphs for one set of custom-op inputs.
+
+A *layout* names the index symbols the grid axes split and the symbol the for-loop splits; it
+fixes every input's imap and fmap (a tensor is split where it carries the symbol, replicated or
+loop-invariant where it does not). For each layout the body ops (run per iteration, each must
+depend on the loop) and post ops (after the loop) are enumerated depth-first up to
+``max_block_ops``, in canonical order: a new op either uses the previous op's result or has a
+larger key than the previous op, so each block graph is generated once. Every new tensor's
+abstract expression goes through the pruning oracle. Tile sizes do not change which graphs are
+valid, so structures are enumerated once per layout and then instantiated for every grid and loop
+count (``instantiate``); the cost model picks the counts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import product
+
+from mpk_dist.superopt import expr as E
+from mpk_dist.superopt.context import Context
+from mpk_dist.superopt.inference import candidate_ops, infer
+from mpk_dist.superopt.ugraph import (STACK, Accumulator, BlockGraph, BlockInput, BlockOp,
+                                      BlockOutput, TensorInfo)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Kernel input names, grid symbols (one per axis) and the loop symbol (or None)."""
+
+    inputs: tuple
+    grid_syms: tuple
+    loop_sym: str | None
+
+
+@dataclass(frozen=True)
+class Structure:
+    """A complete block graph without counts: ops as (kind, arg locals, attrs items)."""
+
+    layout: Layout
+    body: tuple
+    post: tuple
+    outputs: tuple      # local names written to device memory
+
+
+def _dim_of(syms: tuple, s) -> int | None | bool:
+    """Index of symbol s in syms; None if absent; False if it occurs twice (no valid split)."""
+    hits = [d for d, x in enumerate(syms) if x == s]
+    return False if len(hits) > 1 else (hits[0] if hits else None)
+
+
+def layouts(names: tuple, infos: dict, max_grid_dims: int):
+    """Every layout of the inputs ``names``: grid symbol tuples x loop symbol."""
+    syms = sorted({s for n in names for s in infos[n].syms if s is not None})
+    grids = [()]
+    for k in range(1, max_grid_dims + 1):
+        grids += [g for g in product(syms, repeat=k) if len(set(g)) == k and list(g) == sorted(g)]
+    for g in grids:
+        for loop in [None, *syms]:
+            if loop in g:
+                continue
+            maps = [_dim_of(infos[n].syms, s) for n in names for s in (*g, loop) if s]
+            if any(m is False for m in maps):
+                continue
+            yield Layout(names, g, loop)
+
+
+def _counts_for(ext: int, options: tuple) -> list:
+    return [c for c in options if ext % c == 0 and ext // c >= 1]
+
+
+def _tile(info: TensorInfo, splits: dict) -> tuple:
+    return tuple(s // splits.get(sym, 1) if sym else s for s, sym in zip(info.shape, info.syms))
+
+
+class _Builder:
+    """Mutable DFS state for one layout at representative counts."""
+
+    def __init__(self, ctx: Context, layout: Layout, infos: dict, sizes: dict) -> None:
+        self.ctx, self.layout = ctx, layout
+        grid_split = {s: sizes[s] for s in layout.grid_syms}
+        loop = layout.loop_sym
+        self.locals: list = []          # [(name, info, phase, loop_dep)]
+        for k, n in enumerate(layout.inputs):
+            info = infos[n]
+            block = TensorInfo(_tile(info, grid_split), info.syms, info.expr)
+            dep = loop is not None and loop in info.syms
+            tile = TensorInfo(_tile(block, {loop: sizes[loop]}) if dep else block.shape,
+                              info.syms, info.expr)
+            self.locals.append((f"i{k}", tile if dep else block, "in", dep))
+        self.loop_count = sizes[loop] if loop else 1
+        self.results: list = []
+
+    def run(self) -> list:
+        if self.layout.loop_sym is None:
+            self._post([], [], None, None)
+        else:
+            self._body([], None)
+        return self.results
+
+    # -- body -------------------------------------------------------------------------------
+    def _slack(self, ops: list, exits: set) -> bool:
+        """Sound bound: can the remaining op budget still consume every dangling tensor?
+
+        Inputs must be read; tensors nobody reads must be outputs (at most max_block_outputs;
+        ``exits`` are body tensors that may still leave through an accumulator). A binary op
+        lowers the count of dangling tensors by at most one.
+        """
+        used = {a for _, args, _ in ops for a in args}
+        unused_in = sum(1 for x in self.locals if x[2] == "in" and x[0] not in used)
+        sinks = sum(1 for x in self.locals if x[2] != "in" and x[0] not in used
+                    and ("a" + x[0][1:] not in used))
+        left = self.ctx.config.max_block_ops - len(ops)
+        return max(unused_in, unused_in + sinks - self.ctx.config.max_block_outputs) <= left
+
+    def _body(self, body: list, prev) -> None:
+        if self.ctx.timed_out() or not self._slack(body, set()):
+            return
+        if body:
+            self._post(body, [], None, None)
+        if len(body) >= self.ctx.config.max_block_ops:
+            return
+        avail = [x for x in self.locals if x[2] in ("in", "body")]
+        for kind, args, attrs, info, key in self._candidates(avail, prev):
+            if not any(avail[i][3] for i in args):
+                continue  # body ops must depend on the loop
+            name = f"b{len(body)}"
+            self.locals.append((name, info, "body", True))
+            body.append((kind, tuple(avail[i][0] for i in args), tuple(sorted(attrs.items()))))
+            self._body(body, (key, len(avail)))
+            body.pop()
+            self.locals.pop()
+
+    # -- post -------------------------------------------------------------------------------
+    def _accs(self) -> list:
+        loop, out = self.layout.loop_sym, []
+        for name, info, phase, dep in self.locals:
+            if phase == "body" and loop not in info.syms:
+                e = E.mk_sum(self.loop_count, info.expr)
+                out.append((f"a{name[1:]}", TensorInfo(info.shape, info.syms, e), "acc", False))
+        return out
+
+    def _post(self, body: list, post: list, prev, base) -> None:
+        if self.ctx.timed_out():
+            return
+        if not self._slack(body + post, set()):
+            return
+        if base is None:  # entering the post phase: invariant inputs and surviving accumulators
+            accs = self._accs()
+            used = {a for _, args, _ in body for a in args}
+            exits = {a[0] for a in accs}
+            if any(x[2] == "body" and x[0] not in used and "a" + x[0][1:] not in exits
+                   for x in self.locals):
+                return  # a body sink that cannot leave the loop is dead
+            base = [x for x in self.locals if x[2] == "in" and not x[3]]
+            base += [a for a in accs if self.ctx.keep(a[1].expr)]
+        avail = base + [x for x in self.locals if x[2] == "post"]
+        self._finish(body, post, avail)
+        if len(body) + len(post) >= self.ctx.config.max_block_ops:
+            return
+        for kind, args, attrs, info, key in self._candidates(avail, prev):
+            name = f"p{len(post)}"
+            self.locals.append((name, info, "post", False))
+            post.append((kind, tuple(avail[i][0] for i in args), tuple(sorted(attrs.items()))))
+            self._post(body, post, (key, len(avail)), base)
+            post.pop()
+            self.locals.pop()
+
+    def _candidates(self, avail: list, prev):
+        """Valid, canonical, non-redundant, unpruned ops on ``avail``."""
+        infos = [x[1] for x in avail]
+        seen = {x[1].expr for x in self.locals}
+        chains = [p for p, _ in self.ctx.target.chains]
+        for kind, args, attrs in candidate_ops(infos, chains):
+            key = (kind, args, repr(sorted(attrs.items())))
+            if prev is not None:
+                prev_key, prev_n = prev
+                if prev_n not in args and key <= prev_key:
+                    continue  # canonical order: independent ops appear sorted by key
+            info = infer(kind, [infos[i] for i in args], attrs)
+            if info is None or info.expr in seen or not self.ctx.keep(info.expr):
+                continue
+            yield kind, args, attrs, info, key
+
+    def _finish(self, body: list, post: list, avail: list) -> None:
+        """Record the current graph if every tensor is used and it has >= 2 ops."""
+        if len(body) + len(post) < 2:
+            return
+        used = {a for _, args, _ in body + post for a in args}
+        names = [x[0] for x in self.locals]
+        if any(n not in used for n in names if n.startswith("i")):
+            return
+        outputs = []
+        for name, info, phase, dep in self.locals:
+            if phase == "body" and name not in used:
+                acc = "a" + name[1:]
+                if acc not in {a[0] for a in avail} or acc in used:
+                    return  # a body sink must leave the loop through an accumulator
+                outputs.append(acc)
+            elif phase == "post" and name not in used:
+                outputs.append(name)
+        if not outputs or len(outputs) > self.ctx.config.max_block_outputs:
+            return
+        self.results.append(Structure(self.layout, tuple(body), tuple(post), tuple(outputs)))
+
+
+def representative_sizes(layout: Layout, infos: dict, sym_size: dict, config) -> dict | None:
+    """The smallest configured count for every split symbol (None if some has no count)."""
+    sizes = {}
+    for s in layout.grid_syms:
+        c = _counts_for(sym_size[s], config.grid_counts)
+        if not c:
+            return None
+        sizes[s] = c[0]
+    if layout.loop_sym:
+        c = _counts_for(sym_size[layout.loop_sym] // sizes.get(layout.loop_sym, 1),
+                        config.loop_counts)
+        if not c:
+            return None
+        sizes[layout.loop_sym] = c[0]
+    return sizes
+
+
+def enumerate_layout(ctx: Context, layout: Layout, infos: dict) -> list:
+    """All complete structures of one layout (see module docstring)."""
+    sym_size = {}
+    for n in layout.inputs:
+        for s, x in zip(infos[n].syms, infos[n].shape):
+            if s:
+                sym_size[s] = x
+    sizes = representative_sizes(layout, infos, sym_size, ctx.config)
+    if sizes is None:
+        return []
+    return _Builder(ctx, layout, infos, sizes).run()
+
+
+class _Invalid(Exception):
+    """An op of a structure is not valid at the requested counts."""
+
+
+def instantiate(st: Structure, sizes: dict, infos: dict, out_names: tuple, origin_of):
+    """The BlockGraph of ``st`` at concrete counts and {kernel output name: TensorInfo}.
+
+    Returns (None, None) when some op is invalid at these counts (e.g. a tile dim of 1 that
+    would broadcast).
+    """
+    try:
+        return _instantiate(st, sizes, infos, out_names, origin_of)
+    except _Invalid:
+        return None, None
+
+
+def _instantiate(st: Structure, sizes: dict, infos: dict, out_names: tuple, origin_of):
+    lay = st.layout
+    grid = tuple((s, sizes[s]) for s in lay.grid_syms)
+    loop = (lay.loop_sym, sizes[lay.loop_sym]) if lay.loop_sym else None
+    env, inputs = {}, []
+    for k, n in enumerate(lay.inputs):
+        info = infos[n]
+        tile = _tile(info, {s: sizes[s] for s in lay.grid_syms})
+        imap = tuple(_dim_of(info.syms, s) for s in lay.grid_syms)
+        fmap = _dim_of(info.syms, lay.loop_sym) if loop else None
+        inputs.append(BlockInput(n, f"i{k}", imap, fmap, tile))
+        shape = _tile(TensorInfo(tile, info.syms, info.expr), {lay.loop_sym: loop[1]}) \
+            if fmap is not None else tile
+        env[f"i{k}"] = TensorInfo(shape, info.syms, info.expr)
+    body = _ops(st.body, "b", env, origin_of)
+    accs = []
+    for k, (_, _, _) in enumerate(st.body):
+        acc = f"a{k}"
+        if any(acc in args for _, args, _ in st.post) or acc in st.outputs:
+            src = env[f"b{k}"]
+            info = TensorInfo(src.shape, src.syms, E.mk_sum(loop[1], src.expr))
+            env[acc] = info
+            accs.append(Accumulator(f"b{k}", acc, "sum", info))
+    post = _ops(st.post, "p", env, origin_of)
+    outputs, kinfos = [], {}
+    for local, name in zip(st.outputs, out_names):
+        info = env[local]
+        omap, shape, syms = [], list(info.shape), list(info.syms)
+        stack = []
+        for s, c in grid:
+            d = _dim_of(info.syms, s)
+            if d is None:
+                omap.append(STACK)
+                stack.append((c, f"{s}#"))
+            else:
+                omap.append(d)
+                shape[d] *= c
+        outputs.append(BlockOutput(local, name, tuple(omap)))
+        kinfos[name] = TensorInfo(tuple(c for c, _ in stack) + tuple(shape),
+                                  tuple(s for _, s in stack) + tuple(syms), info.expr)
+    bg = BlockGraph(grid, loop, tuple(inputs), body, tuple(accs), post, tuple(outputs))
+    return bg, kinfos
+
+
+def _ops(spec: tuple, prefix: str, env: dict, origin_of) -> tuple:
+    out = []
+    for k, (kind, args, attrs) in enumerate(spec):
+        info = infer(kind, [env[a] for a in args], dict(attrs))
+        if info is None:
+            raise _Invalid(kind)
+        name = f"{prefix}{k}"
+        env[name] = info
+        out.append(BlockOp(kind, args, name, info, attrs, origin_of(info.expr)))
+    return tuple(out)
+
+
+def count_choices(st: Structure, infos: dict, config) -> list:
+    """Every {symbol: count} assignment of the configured grid and loop counts for ``st``."""
+    sym_size = {s: x for n in st.layout.inputs for s, x in zip(infos[n].syms, infos[n].shape) if s}
+    per = [[(s, c) for c in _counts_for(sym_size[s], config.grid_counts)]
+           for s in st.layout.grid_syms]
+    out = []
+    for combo in product(*per):
+        sizes = dict(combo)
+        if st.layout.loop_sym:
+            s = st.layout.loop_sym
+            for c in _counts_for(sym_size[s], config.loop_counts):
+                out.append({**sizes, s: c})
+        else:
+            out.append(sizes)
+    return out

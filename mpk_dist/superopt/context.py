@@ -1,0 +1,59 @@
+"""Search configuration and the per-process search context (target facts, oracle, counters)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from mpk_dist.superopt.prune import SubexprOracle
+from mpk_dist.superopt.target import Target
+
+
+@dataclass(frozen=True)
+class SearchConfig:
+    """Bounds of the search; every field is part of the disk-cache key."""
+
+    max_kernel_ops: int = 2
+    max_block_ops: int = 6
+    max_custom_inputs: int = 3
+    max_block_outputs: int = 2
+    max_grid_dims: int = 1
+    grid_counts: tuple = (2, 4, 8, 16, 32, 64, 128, 256)
+    loop_counts: tuple = (2, 4, 8, 16, 32, 64)
+    prune: bool = True
+    keep: int = 6           # verified candidates to return
+    trials: int = 3         # finite-field trials per candidate
+
+
+@dataclass
+class Context:
+    """What one process needs while searching: target, config, oracle, deadline, counters."""
+
+    target: Target
+    config: SearchConfig
+    deadline: float
+    oracle: SubexprOracle = None
+    counts: dict = field(default_factory=lambda: {"explored": 0, "pruned": 0})
+
+    def __post_init__(self) -> None:
+        if self.oracle is None:
+            self.oracle = SubexprOracle(self.target.out_expr, self.target.closure)
+
+    def keep(self, e: tuple) -> bool:
+        """Pruning decision for a new tensor's abstract expression (always True unpruned)."""
+        self.counts["explored"] += 1
+        if not self.config.prune:
+            return True
+        if self.oracle.is_sub(e):
+            return True
+        self.counts["pruned"] += 1
+        return False
+
+    def timed_out(self) -> bool:
+        return time.monotonic() > self.deadline
+
+    def stats(self) -> dict:
+        """Counters of this process (search counters and oracle counters)."""
+        out = dict(self.counts)
+        out.update(self.oracle.stats)
+        return out

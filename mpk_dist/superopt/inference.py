@@ -1,0 +1,113 @@
+"""Shape, index-symbol and abstract-expression inference for one op (kernel or block level).
+
+``infer(kind, args, attrs)`` returns the TensorInfo of the result or None when the op is not
+valid on those operands. Validity is stricter than numpy broadcasting: two dims meet only when
+they carry the same index symbol, so the search never combines, say, a head dim with a feature
+dim that happens to have the same size. Dims whose symbol ends in ``#`` hold per-block partial
+results (written with omap STACK); reducing one drops the dim.
+"""
+
+from __future__ import annotations
+
+from mpk_dist.superopt import expr as E
+from mpk_dist.superopt.target import chain_expr
+from mpk_dist.superopt.ugraph import TensorInfo
+
+
+def is_stack_sym(sym) -> bool:
+    """True for the symbol of a dim that holds partial results of split blocks."""
+    return isinstance(sym, str) and sym.endswith("#")
+
+
+def _broadcast(a: TensorInfo, b: TensorInfo):
+    shape, syms = [], []
+    for i in range(1, max(len(a.shape), len(b.shape)) + 1):
+        x = (a.shape[-i], a.syms[-i]) if i <= len(a.shape) else (1, None)
+        y = (b.shape[-i], b.syms[-i]) if i <= len(b.shape) else (1, None)
+        if x[0] == 1:
+            x, y = y, x
+        if y[0] != 1 and (x[0] != y[0] or x[1] != y[1]):
+            return None
+        shape.append(x[0])
+        syms.append(x[1])
+    return tuple(reversed(shape)), tuple(reversed(syms))
+
+
+_MEMO: dict = {}
+
+
+def infer(kind: str, args: list, attrs: dict) -> TensorInfo | None:
+    """Result info of ``kind`` on ``args`` (TensorInfos), or None if invalid (memoized)."""
+    key = (kind, tuple(args), tuple(sorted(attrs.items())))
+    hit = _MEMO.get(key, _MEMO)
+    if hit is not _MEMO:
+        return hit
+    if len(_MEMO) > 500_000:  # bound memory on very long searches
+        _MEMO.clear()
+    out = _MEMO[key] = _infer(kind, args, attrs)
+    return out
+
+
+def _infer(kind: str, args: list, attrs: dict) -> TensorInfo | None:
+    if kind == "matmul":
+        a, b = args
+        if (len(a.shape) < 2 or len(b.shape) != 2 or a.shape[-1] != b.shape[0]
+                or a.syms[-1] is None or a.syms[-1] != b.syms[0]):
+            return None
+        return TensorInfo(a.shape[:-1] + (b.shape[1],), a.syms[:-1] + (b.syms[1],),
+                          E.mk_sum(a.shape[-1], E.mk_mul([a.expr, b.expr])))
+    if kind in ("add", "mul", "div"):
+        a, b = args
+        bc = _broadcast(a, b)
+        if bc is None:
+            return None
+        if kind == "add":
+            e = E.mk_add([a.expr, b.expr])
+        elif kind == "mul":
+            e = E.mk_mul([a.expr, b.expr])
+        else:
+            e = E.mk_mul([a.expr, E.mk_inv(b.expr)])
+        return TensorInfo(bc[0], bc[1], e)
+    if kind == "sum":
+        (a,) = args
+        d = attrs["dim"]
+        if d >= len(a.shape) or a.syms[d] is None:
+            return None
+        keep = attrs.get("keepdim", True)
+        shape = a.shape[:d] + ((1,) if keep else ()) + a.shape[d + 1:]
+        syms = a.syms[:d] + ((None,) if keep else ()) + a.syms[d + 1:]
+        return TensorInfo(shape, syms, E.mk_sum(a.shape[d], a.expr))
+    if kind == "chain":
+        (a,) = args
+        return TensorInfo(a.shape, a.syms, chain_expr(attrs["prog"], a.expr))
+    raise ValueError(f"infer: unknown op kind {kind!r}")
+
+
+def candidate_ops(infos: list, chains: list, newest: set | None = None):
+    """Every (kind, arg indices, attrs) valid on ``infos``; ops must use one of ``newest``.
+
+    Element-wise binary ops take operands in index order (a before b) except div, which is not
+    commutative. ``chains`` are the target's chain programs.
+    """
+    n = len(infos)
+
+    def fresh(*idx):
+        return newest is None or any(i in newest for i in idx)
+
+    for i in range(n):
+        if not fresh(i):
+            continue
+        for d, s in enumerate(infos[i].syms):
+            if s is not None:
+                yield "sum", (i,), {"dim": d, "keepdim": not is_stack_sym(s)}
+        for prog in chains:
+            yield "chain", (i,), {"prog": prog}
+    for i in range(n):
+        for j in range(n):
+            if not fresh(i, j):
+                continue
+            yield "matmul", (i, j), {}
+            yield "div", (i, j), {}
+            if i <= j:
+                yield "mul", (i, j), {}
+                yield "add", (i, j), {}

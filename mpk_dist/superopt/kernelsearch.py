@@ -1,0 +1,216 @@
+"""Enumeration of kernel graphs: pre-defined ops and custom ops, in canonical order.
+
+A kernel graph is grown one kernel op at a time up to ``max_kernel_ops``. Candidates for the next
+op: every pre-defined op (matmul, add, mul, div, sum, a target chain) valid on the tensors so far,
+and every custom op over a subset of them (block graphs from ``BlockCatalog``). Canonical order:
+the new op uses a result of the previous op or has a larger key, so a kernel graph is produced
+once. A new tensor must pass the pruning oracle and must not repeat an abstract expression the
+graph already has. A graph is complete when its newest tensor has the target's abstract
+expression and shape and every op contributes to it; complete graphs go to verification.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+from itertools import combinations
+
+from mpk_dist.superopt import blocksearch as B
+from mpk_dist.superopt.context import Context
+from mpk_dist.superopt.cost import custom_op_cost, graph_cost
+from mpk_dist.superopt.inference import candidate_ops, infer
+from mpk_dist.superopt.ugraph import KernelOp, UGraph
+
+# -- worker side of the process pool ------------------------------------------------------------
+_WORKER_CTX: Context | None = None
+
+
+def _init_worker(target, config, deadline) -> None:
+    global _WORKER_CTX
+    _WORKER_CTX = Context(target, config, deadline)
+
+
+def _layout_task(args):
+    layout, infos = args
+    ctx = _WORKER_CTX
+    before = ctx.stats()
+    structs = B.enumerate_layout(ctx, layout, infos)
+    after = ctx.stats()
+    return structs, {k: after[k] - before.get(k, 0) for k in after}
+
+
+class BlockCatalog:
+    """Custom-op options per input subset, memoized; layouts run on a process pool."""
+
+    def __init__(self, ctx: Context, processes: int) -> None:
+        self.ctx = ctx
+        self.processes = processes
+        self.memo: dict = {}
+        self.pool = None
+        self.worker_stats: dict = {}
+
+    def __enter__(self):
+        if self.processes > 1:
+            mp = multiprocessing.get_context("fork")
+            self.pool = mp.Pool(self.processes, _init_worker,
+                                (self.ctx.target, self.ctx.config, self.ctx.deadline))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.pool is not None:
+            self.pool.terminate()
+            self.pool.join()
+
+    def options(self, subset: tuple, infos: dict) -> list:
+        """[(Structure, sizes, cost_us)] for custom ops reading exactly ``subset``, best first."""
+        key = tuple((n, infos[n]) for n in subset)
+        if key not in self.memo:
+            self.memo[key] = self._build(subset, {n: infos[n] for n in subset})
+        return self.memo[key]
+
+    def _structures(self, subset: tuple, infos: dict) -> list:
+        lays = list(B.layouts(subset, infos, self.ctx.config.max_grid_dims))
+        if self.pool is None:
+            return [s for lay in lays for s in B.enumerate_layout(self.ctx, lay, infos)]
+        out = []
+        for structs, delta in self.pool.imap_unordered(_layout_task,
+                                                       [(lay, infos) for lay in lays]):
+            out.extend(structs)
+            for k, v in delta.items():
+                self.worker_stats[k] = self.worker_stats.get(k, 0) + v
+        return sorted(out, key=repr)
+
+    def _build(self, subset: tuple, infos: dict) -> list:
+        origin_of = self.ctx.target.origin_of
+        options = []
+        for st in self._structures(subset, infos):
+            names = tuple(f"@{k}" for k in range(len(st.outputs)))
+            best = None
+            for sizes in B.count_choices(st, infos, self.ctx.config):
+                bg, kinfos = B.instantiate(st, sizes, infos, names, origin_of)
+                if bg is None:
+                    continue
+                c = custom_op_cost(bg, {**infos, **kinfos})["time_us"]
+                if best is None or c < best[1]:
+                    best = (sizes, c)
+            if best is not None and best[1] != float("inf"):
+                options.append((st, best[0], best[1]))
+        options.sort(key=lambda o: o[2])
+        return options
+
+
+class KernelSearch:
+    """Depth-first growth of kernel graphs (see module docstring)."""
+
+    def __init__(self, ctx: Context, catalog: BlockCatalog) -> None:
+        self.ctx = ctx
+        self.catalog = catalog
+        t = ctx.target
+        self.inputs = {name: info for name, info in _input_infos(t).items()}
+        self.out_shape = t.graph.nodes[t.out_node].shape
+        self.candidates: dict = {}
+
+    def run(self, max_ops: int) -> dict:
+        """Explore graphs of up to ``max_ops`` kernel ops; returns {key: UGraph}."""
+        self._dfs(dict(self.inputs), [], None, max_ops)
+        return self.candidates
+
+    def _dfs(self, tensors: dict, ops: list, prev, budget: int) -> None:
+        if budget == 0 or self.ctx.timed_out():
+            return
+        dangling = _dangling(tensors, ops)
+        if len(dangling) > budget * self.ctx.config.max_custom_inputs:
+            return  # sound bound: every dangling tensor must still be read by some op
+        self._must_read = dangling if budget == 1 else set()
+        last = budget == 1
+        for op, new, key in self._moves(tensors, ops, prev, last):
+            tensors.update(new)
+            ops.append(op)
+            done = [n for n, i in new.items() if self._is_output(i)]
+            if done:
+                self._record(tensors, ops, done[0])
+            elif not last:
+                self._dfs(tensors, ops, (key, set(new)), budget - 1)
+            ops.pop()
+            for n in new:
+                del tensors[n]
+
+    def _is_output(self, info) -> bool:
+        return info.expr == self.ctx.target.out_expr and info.shape == self.out_shape
+
+    def _moves(self, tensors: dict, ops: list, prev, last: bool):
+        names = list(tensors)
+        infos = [tensors[n] for n in names]
+        seen = {i.expr for i in infos}
+        fresh = f"t{len(ops)}"
+        chains = [p for p, _ in self.ctx.target.chains]
+        for kind, args, attrs in candidate_ops(infos, chains):
+            arg_names = tuple(names[i] for i in args)
+            key = ("p", kind, arg_names, repr(sorted(attrs.items())))
+            if not _canonical(key, arg_names, prev):
+                continue
+            info = infer(kind, [infos[i] for i in args], attrs)
+            if info is None or info.expr in seen or (last and not self._is_output(info)):
+                continue
+            if not self.ctx.keep(info.expr):
+                continue
+            op = KernelOp(kind, arg_names, (fresh,), tuple(sorted(attrs.items())),
+                          origin=self.ctx.target.origin_of(info.expr))
+            yield op, {fresh: info}, key
+        yield from self._custom_moves(tensors, names, seen, prev, last, len(ops))
+
+    def _custom_moves(self, tensors, names, seen, prev, last, n_ops):
+        for r in range(1, self.ctx.config.max_custom_inputs + 1):
+            for subset in combinations(names, r):
+                if not self._must_read <= set(subset):
+                    continue  # the last op must read every tensor nobody read yet
+                for idx, (st, sizes, _) in enumerate(self.catalog.options(subset, tensors)):
+                    key = ("c", subset, idx)
+                    if not _canonical(key, subset, prev):
+                        continue
+                    outs = tuple(f"t{n_ops}" + ("" if k == 0 else f"_{k}")
+                                 for k in range(len(st.outputs)))
+                    bg, kinfos = B.instantiate(st, sizes, tensors, outs,
+                                               self.ctx.target.origin_of)
+                    if any(i.expr in seen for i in kinfos.values()):
+                        continue
+                    if last and not any(self._is_output(i) for i in kinfos.values()):
+                        continue
+                    origin = ", ".join(dict.fromkeys(o.origin for o in bg.ops() if o.origin))
+                    yield KernelOp("custom", subset, outs, block=bg, origin=origin), kinfos, key
+
+    def _record(self, tensors: dict, ops: list, out: str) -> None:
+        live, need = [], {out}
+        for op in reversed(ops):
+            if need & set(op.outputs):
+                live.append(op)
+                need |= set(op.inputs)
+        if len(live) != len(ops):
+            return  # a dead op: the same graph without it is found on its own
+        used = {n for n in need if n in self.inputs}
+        ug = UGraph({n: self.inputs[n] for n in self.inputs if n in used}, list(ops),
+                    dict(tensors), out)
+        if set(used) != set(self.inputs):
+            return  # the target reads every input; a graph that ignores one is wrong
+        ug.cost = graph_cost(ug)
+        self.candidates.setdefault(ug.key(), ug)
+
+
+def _dangling(tensors: dict, ops: list) -> set:
+    """Tensors (inputs included) that no op reads yet."""
+    read = {a for op in ops for a in op.inputs}
+    return {n for n in tensors if n not in read}
+
+
+def _canonical(key: tuple, args: tuple, prev) -> bool:
+    if prev is None:
+        return True
+    prev_key, prev_outs = prev
+    return bool(prev_outs & set(args)) or key > prev_key
+
+
+def _input_infos(target) -> dict:
+    from mpk_dist.superopt.ugraph import TensorInfo
+
+    g = target.graph
+    return {n.attrs["name"]: TensorInfo(n.shape, target.syms[i], target.exprs[i])
+            for i, n in enumerate(g.nodes) if n.op == "input"}

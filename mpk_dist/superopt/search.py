@@ -1,0 +1,162 @@
+"""``superoptimize``: search, verify, rank, cache.
+
+Kernel graphs are explored with 1, 2, ... ``max_kernel_ops`` ops (iterative deepening: the fused
+forms are found first and a timeout keeps the best so far). Complete graphs are ranked by the
+cost model and verified best-first until ``keep`` pass; an optional ``rank`` hook (a callable
+taking the verified candidates and returning them reordered, e.g. by GPU timing) reranks them.
+Results are cached on disk by graph signature, search parameters and package version.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pickle
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from mpk_dist import __version__
+from mpk_dist.errors import MpkError
+from mpk_dist.superopt.context import Context, SearchConfig
+from mpk_dist.superopt.graph import Graph
+from mpk_dist.superopt.kernelsearch import BlockCatalog, KernelSearch
+from mpk_dist.superopt.target import analyze
+from mpk_dist.superopt.ugraph import UGraph
+from mpk_dist.superopt.verify import verify
+
+CACHE_FORMAT = 1
+STAT_KEYS = ("explored", "pruned", "z3_queries", "cache_hits", "verified", "rejected", "seconds")
+
+
+@dataclass
+class SearchResult:
+    """best: the cheapest verified µGraph (None if none verified); candidates: verified, ranked."""
+
+    best: UGraph | None
+    candidates: list
+    stats: dict = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        s = self.stats
+        head = (f"superopt: {len(self.candidates)} verified candidate(s); explored "
+                f"{s.get('explored')}, pruned {s.get('pruned')}, z3 queries "
+                f"{s.get('z3_queries')}, {s.get('seconds', 0):.2f} s")
+        return head + "\n" + (str(self.best) if self.best else "no verified µGraph found")
+
+
+def cache_dir() -> Path:
+    """MPK_CACHE_DIR/superopt, or ~/.cache/mpk_dist/superopt."""
+    base = os.environ.get("MPK_CACHE_DIR")
+    root = Path(base) if base else Path.home() / ".cache" / "mpk_dist"
+    return root / "superopt"
+
+
+def cache_key(g: Graph, config: SearchConfig) -> str:
+    """Hash of graph signature (ops, shapes, constants), search parameters and versions."""
+    text = f"{g.signature()}|{config!r}|{__version__}|{CACHE_FORMAT}"
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def _load(path: Path):
+    try:
+        with open(path, "rb") as f:
+            return pickle.load(f)
+    except (OSError, pickle.UnpicklingError, EOFError, AttributeError):
+        return None
+
+
+def _store(path: Path, res: SearchResult) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        with open(tmp, "wb") as f:
+            pickle.dump(res, f)
+        os.replace(tmp, path)  # atomic: a concurrent reader sees the old file or the new one
+    except OSError:
+        pass  # a cache that cannot be written only costs a later search
+
+
+def _check_args(max_kernel_ops, max_block_ops, timeout_s, processes) -> None:
+    for name, v in (("max_kernel_ops", max_kernel_ops), ("max_block_ops", max_block_ops)):
+        if not isinstance(v, int) or v < 1:
+            raise MpkError(f"superoptimize {name}: expected an int >= 1, got {v!r}")
+    if not timeout_s or timeout_s <= 0:
+        raise MpkError(f"superoptimize timeout_s: expected seconds > 0, got {timeout_s!r}")
+    if processes is not None and (not isinstance(processes, int) or processes < 1):
+        raise MpkError(f"superoptimize processes: expected an int >= 1, got {processes!r}")
+
+
+def superoptimize(g: Graph, max_kernel_ops: int = 2, max_block_ops: int = 6,
+                  timeout_s: float = 60.0, prune: bool = True, processes: int | None = None,
+                  cache: bool = True, rank=None, progress=None, **bounds) -> SearchResult:
+    """Find the cheapest verified µGraph computing ``g``'s output.
+
+    bounds: further SearchConfig fields (grid_counts, loop_counts, max_grid_dims,
+    max_custom_inputs, max_block_outputs, keep, trials). processes: worker processes for the
+    block-graph enumeration (default: CPU count; 1 runs in this process). rank: optional callable
+    taking the verified candidates and returning them reordered. progress: optional callable
+    receiving the stats dict while searching.
+    """
+    _check_args(max_kernel_ops, max_block_ops, timeout_s, processes)
+    bad = sorted(set(bounds) - set(SearchConfig.__dataclass_fields__))
+    if bad:
+        raise MpkError(f"superoptimize: expected bounds among "
+                       f"{sorted(SearchConfig.__dataclass_fields__)}, got {bad}")
+    config = SearchConfig(max_kernel_ops=max_kernel_ops, max_block_ops=max_block_ops,
+                          prune=prune, **bounds)
+    start = time.monotonic()
+    path = cache_dir() / f"{cache_key(g, config)}.pkl"
+    if cache:
+        hit = _load(path)
+        if isinstance(hit, SearchResult):
+            stats = dict(hit.stats, cached=True, seconds=time.monotonic() - start)
+            return _ranked(replace(hit, stats=stats), rank)
+    res = _search(g, config, timeout_s, processes or os.cpu_count() or 1, progress, start)
+    if cache and not res.stats.get("timed_out"):
+        _store(path, res)
+    return _ranked(res, rank)
+
+
+def _ranked(res: SearchResult, rank) -> SearchResult:
+    if rank is None or not res.candidates:
+        return res
+    order = list(rank(list(res.candidates)))
+    return replace(res, best=order[0], candidates=order)
+
+
+def _search(g: Graph, config: SearchConfig, timeout_s: float, processes: int, progress,
+            start: float) -> SearchResult:
+    target = analyze(g)
+    ctx = Context(target, config, start + timeout_s)
+    found: dict = {}
+    with BlockCatalog(ctx, processes) as catalog:
+        for depth in range(1, config.max_kernel_ops + 1):
+            found.update(KernelSearch(ctx, catalog).run(depth))
+            if progress:
+                progress(_stats(ctx, catalog, 0, 0, start, len(found)))
+            if ctx.timed_out():
+                break
+    ranked = sorted(found.values(), key=lambda u: (u.cost["time_us"], u.key()))
+    verified, rejected = [], 0
+    for ug in ranked:
+        if len(verified) >= config.keep:
+            break
+        if verify(ug, g, config.trials):
+            verified.append(ug)
+        else:
+            rejected += 1
+    stats = _stats(ctx, catalog, len(verified), rejected, start, len(found))
+    stats["timed_out"] = ctx.timed_out()
+    stats["processes"] = processes
+    return SearchResult(verified[0] if verified else None, verified, stats)
+
+
+def _stats(ctx: Context, catalog: BlockCatalog, verified: int, rejected: int, start: float,
+           complete: int) -> dict:
+    s = ctx.stats()
+    for k, v in catalog.worker_stats.items():
+        s[k] = s.get(k, 0) + v
+    s.update(verified=verified, rejected=rejected, complete_graphs=complete,
+             seconds=time.monotonic() - start)
+    return {k: s.get(k, 0) for k in STAT_KEYS} | {k: v for k, v in s.items() if k not in STAT_KEYS}
