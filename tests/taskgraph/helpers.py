@@ -1,0 +1,91 @@
+"""Shared helpers of the task-graph tests: fp32 tiny models, weights, reference runs, graph mutations."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+
+from mpk_dist.backends.torch_backend import TorchBackend
+from mpk_dist.config import ModelConfig
+from mpk_dist.models import build_graph
+from mpk_dist.models.presets import get_preset
+from mpk_dist.taskgraph.abi import EVENT_COLS, TASK_COLS
+from mpk_dist.taskgraph.compiler import compile_rank_programs
+from mpk_dist.taskgraph.serialize import CompiledGraph
+from mpk_dist.weights import SyntheticSource, load_rank_weights
+
+MAX_SEQ = 64
+
+
+def fp32(name: str, **changes) -> ModelConfig:
+    """A preset in float32 (so the comparison tolerance is 1e-5), with optional field changes."""
+    return dataclasses.replace(get_preset(name), dtype="float32", **changes)
+
+
+def programs(cfg: ModelConfig, tp: int, sms: int = 8, batch: int = 1) -> list[CompiledGraph]:
+    """Compiled, validated programs of every rank."""
+    return compile_rank_programs(cfg, tp, batch=batch, sms=sms, max_seq_len=MAX_SEQ)
+
+
+def weights(cfg: ModelConfig, tp: int, seed: int = 1, batch: int = 1) -> list[dict[str, torch.Tensor]]:
+    """Per-rank weights from the synthetic source."""
+    src = SyntheticSource(cfg, seed=seed)
+    return [load_rank_weights(build_graph(cfg, tp=tp, rank=r, batch=batch, max_seq_len=MAX_SEQ), src)
+            for r in range(tp)]
+
+
+def reference(cfg: ModelConfig, tp: int, feed: list[list[int]], start: int = 0, seed: int = 1):
+    """TorchBackend logits [steps, B, V] and greedy tokens [steps, B] when step s feeds feed[s]
+    (a row of -1 = feed the previous step's greedy token)."""
+    ref = TorchBackend(cfg, SyntheticSource(cfg, seed=seed), tp=tp, max_seq_len=MAX_SEQ)
+    B = len(feed[0])
+    ref.reset(B)
+    logits, toks, prev = [], [], None
+    for s, row in enumerate(feed):
+        tok = torch.tensor([prev[b] if v < 0 else v for b, v in enumerate(row)], dtype=torch.int32)
+        lg = ref.decode(tok, torch.full((B,), start + s, dtype=torch.int32))
+        prev = lg.argmax(-1).tolist()
+        logits.append(lg)
+        toks.append(prev)
+    return torch.stack(logits), torch.tensor(toks, dtype=torch.int32)
+
+
+def max_rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| / max |b| per step (a, b: [steps, ...]); returns the worst step."""
+    a, b = a.reshape(a.shape[0], -1).double(), b.reshape(b.shape[0], -1).double()
+    return float(((a - b).abs().amax(1) / b.abs().amax(1)).max())
+
+
+def _drop_row(cg: CompiledGraph, table: str, k: int, begin: str, end: str) -> None:
+    a = cg.arrays[table]
+    cg.arrays[table] = np.delete(a, k, axis=0)
+    t = cg.arrays["tasks"]
+    t[:, TASK_COLS[begin]] -= (t[:, TASK_COLS[begin]] > k).astype(np.int32)
+    t[:, TASK_COLS[end]] -= (t[:, TASK_COLS[end]] > k).astype(np.int32)
+
+
+def drop_wait(cg: CompiledGraph, k: int) -> CompiledGraph:
+    """A copy without wait-list row k (the task no longer waits on that event)."""
+    out = cg.copy()
+    _drop_row(out, "waits", k, "WAIT_BEGIN", "WAIT_END")
+    return out
+
+
+def drop_signal(cg: CompiledGraph, k: int) -> CompiledGraph:
+    """A copy without signal-list row k, the event's trigger count lowered to match."""
+    out = cg.copy()
+    e, tgt = (int(x) for x in out.arrays["signals"][k])
+    out.arrays["events"][e, EVENT_COLS["TRIGGERS"]] -= out.meta["world_size"] if tgt == -2 else 1
+    _drop_row(out, "signals", k, "SIGNAL_BEGIN", "SIGNAL_END")
+    return out
+
+
+def rows_of_layer(cg: CompiledGraph, layer: int, begin: str, end: str) -> list[int]:
+    """Wait- or signal-list rows that belong to tasks of one layer."""
+    t = cg.arrays["tasks"]
+    rows = []
+    for row in t[t[:, TASK_COLS["LAYER"]] == layer]:
+        rows += range(int(row[TASK_COLS[begin]]), int(row[TASK_COLS[end]]))
+    return rows
