@@ -170,8 +170,8 @@ class _Builder:
         infos = [x[1] for x in avail]
         seen = {x[1].expr for x in self.locals}
         chains = [p for p, _ in self.ctx.target.chains]
-        for kind, args, attrs in candidate_ops(infos, chains):
-            key = (kind, args, repr(sorted(attrs.items())))
+        for kind, args, attrs, akey in candidate_ops(infos, chains):
+            key = (kind, args, akey)
             if prev is not None:
                 prev_key, prev_n = prev
                 if prev_n not in args and key <= prev_key:
@@ -193,7 +193,9 @@ class _Builder:
         for name, info, phase, dep in self.locals:
             if phase == "body" and name not in used:
                 acc = "a" + name[1:]
-                if acc not in {a[0] for a in avail} or acc in used:
+                if acc in used:
+                    continue  # read after the loop through its accumulator
+                if acc not in {a[0] for a in avail}:
                     return  # a body sink must leave the loop through an accumulator
                 outputs.append(acc)
             elif phase == "post" and name not in used:

@@ -37,7 +37,8 @@ def const(value: float) -> tuple:
 
 
 def _sorted(args) -> tuple:
-    return tuple(sorted(args, key=repr))
+    # Terms compare as plain tuples: equal heads imply equal layouts, so no mixed-type compare.
+    return tuple(sorted(args))
 
 
 def mk_add(args) -> tuple:

@@ -38,13 +38,16 @@ _MEMO: dict = {}
 
 def infer(kind: str, args: list, attrs: dict) -> TensorInfo | None:
     """Result info of ``kind`` on ``args`` (TensorInfos), or None if invalid (memoized)."""
-    key = (kind, tuple(args), tuple(sorted(attrs.items())))
-    hit = _MEMO.get(key, _MEMO)
-    if hit is not _MEMO:
-        return hit
+    # NOTE: keyed by object identity (the entry keeps its arguments alive, so ids stay unique);
+    # hashing deep expression tuples on every lookup would dominate the search.
+    key = (kind, *map(id, args), attrs.get("dim"), id(attrs.get("prog")), attrs.get("keepdim"))
+    hit = _MEMO.get(key)
+    if hit is not None and all(x is y for x, y in zip(hit[0], args)):
+        return hit[1]
     if len(_MEMO) > 500_000:  # bound memory on very long searches
         _MEMO.clear()
-    out = _MEMO[key] = _infer(kind, args, attrs)
+    out = _infer(kind, args, attrs)
+    _MEMO[key] = (tuple(args), out)
     return out
 
 
@@ -84,10 +87,11 @@ def _infer(kind: str, args: list, attrs: dict) -> TensorInfo | None:
 
 
 def candidate_ops(infos: list, chains: list, newest: set | None = None):
-    """Every (kind, arg indices, attrs) valid on ``infos``; ops must use one of ``newest``.
+    """Every (kind, arg indices, attrs, attr key) on ``infos``; ops must use one of ``newest``.
 
     Element-wise binary ops take operands in index order (a before b) except div, which is not
-    commutative. ``chains`` are the target's chain programs.
+    commutative. ``chains`` are the target's chain programs. The attr key is a small comparable
+    tuple (the canonical order compares ops by (kind, args, attr key)).
     """
     n = len(infos)
 
@@ -99,15 +103,15 @@ def candidate_ops(infos: list, chains: list, newest: set | None = None):
             continue
         for d, s in enumerate(infos[i].syms):
             if s is not None:
-                yield "sum", (i,), {"dim": d, "keepdim": not is_stack_sym(s)}
-        for prog in chains:
-            yield "chain", (i,), {"prog": prog}
+                yield "sum", (i,), {"dim": d, "keepdim": not is_stack_sym(s)}, (d,)
+        for k, prog in enumerate(chains):
+            yield "chain", (i,), {"prog": prog}, (k,)
     for i in range(n):
         for j in range(n):
             if not fresh(i, j):
                 continue
-            yield "matmul", (i, j), {}
-            yield "div", (i, j), {}
+            yield "matmul", (i, j), {}, ()
+            yield "div", (i, j), {}, ()
             if i <= j:
-                yield "mul", (i, j), {}
-                yield "add", (i, j), {}
+                yield "mul", (i, j), {}, ()
+                yield "add", (i, j), {}, ()

@@ -143,9 +143,9 @@ class KernelSearch:
         seen = {i.expr for i in infos}
         fresh = f"t{len(ops)}"
         chains = [p for p, _ in self.ctx.target.chains]
-        for kind, args, attrs in candidate_ops(infos, chains):
+        for kind, args, attrs, akey in candidate_ops(infos, chains):
             arg_names = tuple(names[i] for i in args)
-            key = ("p", kind, arg_names, repr(sorted(attrs.items())))
+            key = ("p", kind, arg_names, akey)
             if not _canonical(key, arg_names, prev):
                 continue
             info = infer(kind, [infos[i] for i in args], attrs)

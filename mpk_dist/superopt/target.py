@@ -127,8 +127,18 @@ class Target:
                 if n.op == "input"}
 
     def origin_of(self, e: tuple) -> str:
-        """The user-level op whose abstract expression matches ``e`` (sum sizes ignored)."""
-        return self.origins.get(_sizeless(e), "")
+        """The user-level op ``e`` implements: the op whose expression matches it (sum sizes
+        ignored), else the first op (in program order) that contains it as a subexpression."""
+        hit = self.origins.get(_sizeless(e))
+        if hit is not None:
+            return hit
+        if "_node_closures" not in self.__dict__:
+            self._node_closures = [(n.origin, E.closure(self.exprs[i]))
+                                   for i, n in enumerate(self.graph.nodes)
+                                   if n.op not in ("input", "const")]
+        found = next((o for o, c in self._node_closures if e in c), "")
+        self.origins[_sizeless(e)] = found
+        return found
 
 
 def _sizeless(t: tuple) -> tuple:

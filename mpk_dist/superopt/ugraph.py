@@ -39,6 +39,14 @@ class TensorInfo:
     syms: tuple
     expr: tuple
 
+    def __hash__(self) -> int:
+        # NOTE: cached; expressions are deep tuples and the search hashes infos millions of times
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash((self.shape, self.syms, self.expr))
+            object.__setattr__(self, "_hash", h)
+        return h
+
 
 @dataclass(frozen=True)
 class BlockOp:
@@ -116,9 +124,16 @@ class BlockGraph:
         """Body then post ops (accumulators excluded)."""
         return self.body + self.post
 
+    def iter_tile(self, b: "BlockInput") -> tuple:
+        """The tile of input ``b`` one for-loop iteration works on."""
+        if b.fmap is None:
+            return b.tile
+        return tuple(s // self.loop_count if d == b.fmap else s for d, s in enumerate(b.tile))
+
     def smem_bytes(self) -> int:
-        """Shared memory one block needs: every input tile, intermediate and accumulator."""
-        n = sum(_numel(i.tile) for i in self.inputs)
+        """Shared memory one block needs: every input tile (per iteration), intermediate and
+        accumulator; chain results stay in registers."""
+        n = sum(_numel(self.iter_tile(i)) for i in self.inputs)
         n += sum(_numel(op.info.shape) for op in self.body + self.post if op.kind != "chain")
         n += sum(_numel(a.info.shape) for a in self.accs)
         return n * DTYPE_BYTES
