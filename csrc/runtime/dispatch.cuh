@@ -1,0 +1,136 @@
+// Task dispatch: opcode -> task body (csrc/tasks/<kind>.cuh). Arguments and parameters are read
+// through the generated ABI constants (<KIND>_ARG_<NAME>, <KIND>_PARAM_<NAME>), so this file names
+// each field once and never repeats a column number or an argument position.
+#pragma once
+#include "task_view.cuh"
+#include "step_begin.cuh"
+#include "embedding.cuh"
+#include "rms_norm.cuh"
+#include "linear.cuh"
+#include "qkv_prep.cuh"
+#include "attention.cuh"
+#include "silu_mul.cuh"
+#include "add.cuh"
+#include "allreduce_push.cuh"
+#include "allreduce_reduce.cuh"
+#include "argmax_partial.cuh"
+#include "argmax_reduce.cuh"
+#include "allgather_push.cuh"
+#include "argmax_select.cuh"
+
+namespace mpk {
+
+constexpr int kMaxWorld = 8;
+
+__device__ void run_linear(const TaskView& t, int tid, int nt) {
+  const int B = t.param(LINEAR_PARAM_BATCH), K = t.param(LINEAR_PARAM_K), n = t.param(LINEAR_PARAM_N_TILE);
+  const int xs = t.param(LINEAR_PARAM_X_STRIDE), ys = t.param(LINEAR_PARAM_Y_STRIDE);
+  const bf16* x = t.arg<const bf16>(LINEAR_ARG_X);
+  const bf16* w = t.arg<const bf16>(LINEAR_ARG_W);
+  if (t.dtype(LINEAR_ARG_Y) == DTYPE_F32)  // logits: fp32 storage of the bf16-rounded product
+    linear<float>(B, x, xs, w, t.arg<float>(LINEAR_ARG_Y), ys, K, n, true, tid, nt);
+  else
+    linear<bf16>(B, x, xs, w, t.arg<bf16>(LINEAR_ARG_Y), ys, K, n, false, tid, nt);
+}
+
+__device__ void run_qkv_prep(const TaskView& t, int tid, int nt) {
+  qkv_prep(t.arg<const bf16>(QKV_PREP_ARG_QKV), t.arg<const int32_t>(QKV_PREP_ARG_POSITIONS),
+           t.arg<const bf16>(QKV_PREP_ARG_NORM_W), t.arg<const float>(QKV_PREP_ARG_INV_FREQ),
+           t.arg<bf16>(QKV_PREP_ARG_DST), t.arg<bf16>(QKV_PREP_ARG_DST_V), t.param(QKV_PREP_PARAM_BATCH),
+           t.param(QKV_PREP_PARAM_HEAD_DIM), t.param(QKV_PREP_PARAM_QKV_STRIDE), t.param(QKV_PREP_PARAM_V_OFFSET),
+           t.param(QKV_PREP_PARAM_DST_BATCH_STRIDE), t.param(QKV_PREP_PARAM_DST_POS_STRIDE),
+           t.param(QKV_PREP_PARAM_IS_KV), t.fparam(QKV_PREP_PARAM_EPS), tid, nt);
+}
+
+__device__ void run_attention(const TaskView& t, float* smem, int tid, int nt) {
+  attention(t.arg<const bf16>(ATTENTION_ARG_Q), t.arg<const bf16>(ATTENTION_ARG_K_CACHE),
+            t.arg<const bf16>(ATTENTION_ARG_V_CACHE), t.arg<const int32_t>(ATTENTION_ARG_POSITIONS),
+            t.arg<bf16>(ATTENTION_ARG_OUT), t.param(ATTENTION_PARAM_BATCH), t.param(ATTENTION_PARAM_HEAD_DIM),
+            t.param(ATTENTION_PARAM_GROUP), t.param(ATTENTION_PARAM_Q_STRIDE), t.param(ATTENTION_PARAM_KV_POS_STRIDE),
+            t.param(ATTENTION_PARAM_KV_BATCH_STRIDE), t.fparam(ATTENTION_PARAM_SCALE), smem, tid, nt);
+}
+
+__device__ void run_comm_push(const TaskView& t, int opcode, int tid, int nt) {
+  const int world = t.p.world;
+  if (opcode == OP_ALLGATHER_PUSH) {
+    float* dst[kMaxWorld];
+    for (int r = 0; r < world; ++r) dst[r] = t.peer_arg<float>(ALLGATHER_PUSH_ARG_DST, r);
+    allgather_push(t.arg<const float>(ALLGATHER_PUSH_ARG_SRC), dst, world, t.param(ALLGATHER_PUSH_PARAM_COUNT), tid, nt);
+  } else {
+    bf16* dst[kMaxWorld];
+    for (int r = 0; r < world; ++r) dst[r] = t.peer_arg<bf16>(ALLREDUCE_PUSH_ARG_DST, r);
+    allreduce_push(t.arg<const bf16>(ALLREDUCE_PUSH_ARG_SRC), dst, world, t.param(ALLREDUCE_PUSH_PARAM_BATCH),
+                   t.param(ALLREDUCE_PUSH_PARAM_COLS), t.param(ALLREDUCE_PUSH_PARAM_SRC_STRIDE),
+                   t.param(ALLREDUCE_PUSH_PARAM_DST_STRIDE), tid, nt);
+  }
+}
+
+// Run task `task` of step `step` on the worker threads (tid < nt). Returns false for an unknown
+// opcode (the caller raises kErrBadTask).
+__device__ bool run_task(const RuntimeParams& p, int task, int step, float* smem, int tid, int nt) {
+  const TaskView t(p, task);
+  const int op = t.opcode();
+  switch (op) {
+    case OP_STEP_BEGIN:
+      step_begin(t.arg<const int32_t>(STEP_BEGIN_ARG_FORCED), t.arg<const int32_t>(STEP_BEGIN_ARG_START_POS),
+                 t.arg<const int32_t>(STEP_BEGIN_ARG_NEXT_TOKEN), t.arg<int32_t>(STEP_BEGIN_ARG_TOKENS),
+                 t.arg<int32_t>(STEP_BEGIN_ARG_POSITIONS), t.param(STEP_BEGIN_PARAM_BATCH), step, tid, nt);
+      return true;
+    case OP_EMBEDDING:
+      embedding(t.arg<const int32_t>(EMBEDDING_ARG_TOKENS), t.arg<const bf16>(EMBEDDING_ARG_TABLE),
+                t.arg<bf16>(EMBEDDING_ARG_OUT), t.param(EMBEDDING_PARAM_BATCH), t.param(EMBEDDING_PARAM_COLS),
+                t.param(EMBEDDING_PARAM_TABLE_STRIDE), t.param(EMBEDDING_PARAM_OUT_STRIDE),
+                t.param(EMBEDDING_PARAM_VOCAB_START), t.param(EMBEDDING_PARAM_VOCAB_ROWS), tid, nt);
+      return true;
+    case OP_RMS_NORM:
+      rms_norm(t.arg<const bf16>(RMS_NORM_ARG_X), t.arg<const bf16>(RMS_NORM_ARG_W), t.arg<bf16>(RMS_NORM_ARG_Y),
+               t.param(RMS_NORM_PARAM_N), t.fparam(RMS_NORM_PARAM_EPS), smem, tid, nt);
+      return true;
+    case OP_LINEAR: run_linear(t, tid, nt); return true;
+    case OP_QKV_PREP: run_qkv_prep(t, tid, nt); return true;
+    case OP_ATTENTION: run_attention(t, smem, tid, nt); return true;
+    case OP_SILU_MUL:
+      silu_mul(t.arg<const bf16>(SILU_MUL_ARG_GU), t.arg<bf16>(SILU_MUL_ARG_OUT), t.param(SILU_MUL_PARAM_BATCH),
+               t.param(SILU_MUL_PARAM_COLS), t.param(SILU_MUL_PARAM_GU_STRIDE), t.param(SILU_MUL_PARAM_UP_OFFSET),
+               t.param(SILU_MUL_PARAM_OUT_STRIDE), tid, nt);
+      return true;
+    case OP_ADD:
+      add(t.arg<const bf16>(ADD_ARG_X), t.arg<const bf16>(ADD_ARG_Y), t.arg<bf16>(ADD_ARG_OUT), t.param(ADD_PARAM_BATCH),
+          t.param(ADD_PARAM_COLS), t.param(ADD_PARAM_STRIDE), tid, nt);
+      return true;
+    case OP_ALLREDUCE_PUSH:
+    case OP_ALLGATHER_PUSH: run_comm_push(t, op, tid, nt); return true;
+    case OP_ALLREDUCE_REDUCE:
+      allreduce_reduce(t.arg<const bf16>(ALLREDUCE_REDUCE_ARG_RECV), t.arg<const bf16>(ALLREDUCE_REDUCE_ARG_RESIDUAL),
+                       t.arg<bf16>(ALLREDUCE_REDUCE_ARG_OUT), t.param(ALLREDUCE_REDUCE_PARAM_BATCH),
+                       t.param(ALLREDUCE_REDUCE_PARAM_COLS), t.param(ALLREDUCE_REDUCE_PARAM_WORLD),
+                       t.param(ALLREDUCE_REDUCE_PARAM_SLOT_STRIDE), t.param(ALLREDUCE_REDUCE_PARAM_STRIDE), tid, nt);
+      return true;
+    case OP_ARGMAX_PARTIAL:
+      argmax_partial(t.arg<const float>(ARGMAX_PARTIAL_ARG_LOGITS), t.arg<float>(ARGMAX_PARTIAL_ARG_OUT),
+                     t.param(ARGMAX_PARTIAL_PARAM_BATCH), t.param(ARGMAX_PARTIAL_PARAM_COLS),
+                     t.param(ARGMAX_PARTIAL_PARAM_LOGITS_STRIDE), t.param(ARGMAX_PARTIAL_PARAM_OUT_STRIDE),
+                     t.param(ARGMAX_PARTIAL_PARAM_INDEX_BASE), smem, tid, nt);
+      return true;
+    case OP_ARGMAX_REDUCE:
+      argmax_reduce(t.arg<const float>(ARGMAX_REDUCE_ARG_PARTIAL), t.arg<float>(ARGMAX_REDUCE_ARG_OUT),
+                    t.param(ARGMAX_REDUCE_PARAM_BATCH), t.param(ARGMAX_REDUCE_PARAM_NTILES), smem, tid, nt);
+      return true;
+    case OP_ARGMAX_SELECT:
+      argmax_select(t.arg<const float>(ARGMAX_SELECT_ARG_CANDS), t.arg<int32_t>(ARGMAX_SELECT_ARG_NEXT_TOKEN),
+                    t.arg<int32_t>(ARGMAX_SELECT_ARG_TOKEN_OUT), t.param(ARGMAX_SELECT_PARAM_BATCH),
+                    t.param(ARGMAX_SELECT_PARAM_WORLD), step, tid, nt);
+      return true;
+    default: return false;
+  }
+}
+
+// Issued before a task waits on its events: start streaming the bytes that do not depend on them
+// (a linear tile's weights). Only an L2 prefetch for now; the hook is where TMA staging goes.
+__device__ void prefetch_task(const RuntimeParams& p, int task, int tid, int nt) {
+  const TaskView t(p, task);
+  if (t.opcode() == OP_LINEAR)
+    linear_prefetch(t.arg<const bf16>(LINEAR_ARG_W), t.param(LINEAR_PARAM_K), t.param(LINEAR_PARAM_N_TILE), tid, nt);
+}
+
+}  // namespace mpk

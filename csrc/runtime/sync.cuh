@@ -1,0 +1,175 @@
+// Memory-ordering helpers of the mega-kernel: the ONLY place where atomics, fences and spin-waits
+// are written. Every other header calls these, so every ordering decision is visible here.
+//
+// Conventions (PTX memory model):
+//  * "gpu" scope orders against other blocks of this kernel (events between SMs of one GPU).
+//  * "sys" scope orders against the host (mapped pinned memory) and peer GPUs (symmetric buffers).
+//  * A producer block writes its outputs with ordinary stores, joins a block barrier, then ONE
+//    thread publishes with a release (fence + atomic add). A consumer's ONE thread spins with an
+//    acquire load, then the block barrier hands the acquired view to every thread of the block.
+#pragma once
+#include <stdint.h>
+
+namespace mpk {
+
+// ---- timers --------------------------------------------------------------------------------
+// %globaltimer: nanoseconds, same clock on every SM (coarse ticks, ~1 us on some parts); used for
+// timeouts and trace timestamps. Not an ordering operation.
+__device__ __forceinline__ uint64_t globaltimer_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__device__ __forceinline__ uint32_t smid() {
+  uint32_t id;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(id));
+  return id;
+}
+
+// ---- loads ---------------------------------------------------------------------------------
+// Acquire load at gpu scope: later loads of this thread see every write that happened before the
+// matching gpu-scope release (an event increment by another block).
+__device__ __forceinline__ uint32_t ld_acquire_gpu(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// Acquire load at system scope: as above, against releases by the host or peer GPUs.
+__device__ __forceinline__ uint32_t ld_acquire_sys(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// Relaxed load at gpu scope: a fresh (not L1-stale) value with no ordering; for polling the abort
+// flag, where only "eventually seen" matters.
+__device__ __forceinline__ uint32_t ld_relaxed_gpu(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ int32_t ld_relaxed_gpu(const int32_t* p) {
+  return (int32_t)ld_relaxed_gpu((const uint32_t*)p);
+}
+
+// ---- stores --------------------------------------------------------------------------------
+// Release store at gpu scope: every earlier write of this thread is visible to a block that
+// acquires this word (queue tails, slot publication).
+__device__ __forceinline__ void st_release_gpu(uint32_t* p, uint32_t v) {
+  asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+// Release store at system scope: earlier writes (tokens, error record) are visible to the host
+// (or a peer GPU) once it reads this word.
+__device__ __forceinline__ void st_release_sys(uint32_t* p, uint32_t v) {
+  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+// Relaxed store at system scope: a single word that the host polls; ordered by a later release.
+__device__ __forceinline__ void st_relaxed_sys(uint32_t* p, uint32_t v) {
+  asm volatile("st.relaxed.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ void st_relaxed_sys_u64(uint64_t* p, uint64_t v) {
+  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+// ---- atomics -------------------------------------------------------------------------------
+// Release add at gpu scope, returning the old value: publishes this thread's earlier writes (and,
+// through the preceding block barrier, the whole block's) to whoever acquires the counter.
+__device__ __forceinline__ uint32_t atom_add_release_gpu(uint32_t* p, uint32_t v) {
+  uint32_t old;
+  asm volatile("atom.add.release.gpu.global.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+  return old;
+}
+
+// Release add at system scope: as above, visible to peer GPUs and the host.
+__device__ __forceinline__ uint32_t atom_add_release_sys(uint32_t* p, uint32_t v) {
+  uint32_t old;
+  asm volatile("atom.add.release.sys.global.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+  return old;
+}
+
+// Acquire-release add at gpu scope: publishes like the release add AND acquires what earlier adds
+// to the same counter published; jit mode uses it so the block that completes an event (and then
+// hands it to a scheduler) carries every producer's writes along the chain.
+__device__ __forceinline__ uint32_t atom_add_acq_rel_gpu(uint32_t* p, uint32_t v) {
+  uint32_t old;
+  asm volatile("atom.add.acq_rel.gpu.global.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+  return old;
+}
+
+// Relaxed add at gpu scope: claiming a slot (queue head) where ordering comes from a later release.
+__device__ __forceinline__ uint32_t atom_add_relaxed_gpu(uint32_t* p, uint32_t v) {
+  uint32_t old;
+  asm volatile("atom.add.relaxed.gpu.global.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+  return old;
+}
+
+// Compare-and-swap with acq_rel at system scope: the first writer of the error record wins; the
+// host reads the record after seeing the code word.
+__device__ __forceinline__ uint32_t atom_cas_acq_rel_sys(uint32_t* p, uint32_t cmp, uint32_t v) {
+  uint32_t old;
+  asm volatile("atom.cas.acq_rel.sys.global.b32 %0, [%1], %2, %3;" : "=r"(old) : "l"(p), "r"(cmp), "r"(v) : "memory");
+  return old;
+}
+
+// ---- fences --------------------------------------------------------------------------------
+// Full acq_rel fence at gpu scope: after a block barrier, makes the block's writes (seen by this
+// thread through the barrier) cumulative into the following release; after an acquire, orders the
+// block's following reads.
+__device__ __forceinline__ void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
+
+// The same at system scope (host-visible data, peer GPUs).
+__device__ __forceinline__ void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
+
+// Block barrier among the worker threads only (named barrier 1): the scheduler warp of a block in
+// jit mode never joins it. Orders shared- and global-memory accesses of the participating threads.
+__device__ __forceinline__ void worker_barrier(int num_threads) {
+  asm volatile("bar.sync 1, %0;" ::"r"(num_threads) : "memory");
+}
+
+// ---- bounded spin-wait ---------------------------------------------------------------------
+// Wait until *counter >= target (unsigned, counters only grow), at gpu scope with acquire.
+// Returns 0 when satisfied, 1 on timeout, 2 when another block raised the abort flag. Never spins
+// forever: every MPK_SPIN_CHECK polls it reads the clock and the abort flag.
+#ifndef MPK_SPIN_CHECK
+#define MPK_SPIN_CHECK 64
+#endif
+__device__ __forceinline__ int spin_wait_geq_gpu(const uint32_t* counter, uint32_t target, uint64_t timeout_ns,
+                                                 const uint32_t* halt, uint32_t* seen) {
+  uint64_t start = 0;
+  for (uint32_t iter = 0;; ++iter) {
+    uint32_t v = ld_acquire_gpu(counter);  // acquire: pairs with the producers' release add
+    if ((int32_t)(v - target) >= 0) { *seen = v; return 0; }
+    if ((iter % MPK_SPIN_CHECK) == 0) {
+      uint64_t now = globaltimer_ns();
+      if (iter == 0) start = now;
+      else if (now - start > timeout_ns) { *seen = v; return 1; }
+      if (ld_relaxed_gpu(halt) != 0) { *seen = v; return 2; }
+    }
+    __nanosleep(32);
+  }
+}
+
+// The same against a system-scope producer (a peer GPU's release add on a symmetric buffer).
+__device__ __forceinline__ int spin_wait_geq_sys(const uint32_t* counter, uint32_t target, uint64_t timeout_ns,
+                                                 const uint32_t* halt, uint32_t* seen) {
+  uint64_t start = 0;
+  for (uint32_t iter = 0;; ++iter) {
+    uint32_t v = ld_acquire_sys(counter);  // acquire: pairs with the peer's system-scope release
+    if ((int32_t)(v - target) >= 0) { *seen = v; return 0; }
+    if ((iter % MPK_SPIN_CHECK) == 0) {
+      uint64_t now = globaltimer_ns();
+      if (iter == 0) start = now;
+      else if (now - start > timeout_ns) { *seen = v; return 1; }
+      if (ld_relaxed_gpu(halt) != 0) { *seen = v; return 2; }
+    }
+    __nanosleep(64);
+  }
+}
+
+}  // namespace mpk

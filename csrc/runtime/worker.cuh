@@ -1,0 +1,248 @@
+// The persistent worker loop: one worker block per SM, in one of two schedules.
+//  * aot: each block walks its static list (worker_tasks) for every step and waits on each
+//    task's events itself with bounded spin-waits; no scheduler involved.
+//  * jit: scheduler warps (one extra warp in each of the first num_sched blocks) receive completed
+//    (event, step) pairs, check each dependent task's waits and push ready tasks onto the queue
+//    of the block that owns the task (tasks[t, WORKER]); workers pop and run.
+// Both share run_and_signal(): run -> barrier -> [epilogue] -> signal.
+#pragma once
+#include "dispatch.cuh"
+#include "params.cuh"
+#include "step.cuh"
+#include "sync.cuh"
+#include "watchdog.cuh"
+
+namespace mpk {
+
+struct BlockState {  // shared memory, written by thread 0, read by all after a worker barrier
+  int failed;
+  int task;
+  int step;
+};
+
+__device__ __forceinline__ uint32_t wait_target(const RuntimeParams& p, int wait_row, int s, int* event) {
+  const int32_t* w = p.waits + (size_t)wait_row * WAIT_NUM_COLS;
+  const int e = w[WAIT_COL_EVENT];
+  *event = e;
+  const int mult = s + 1 + w[WAIT_COL_STEP_OFFSET];
+  return mult <= 0 ? 0u : (uint32_t)mult * (uint32_t)p.event_tab[(size_t)e * EVENT_NUM_COLS + EVENT_COL_TRIGGERS];
+}
+
+__device__ __forceinline__ bool event_is_system(const RuntimeParams& p, int e) {
+  return p.event_tab[(size_t)e * EVENT_NUM_COLS + EVENT_COL_SCOPE] == EV_SCOPE_SYSTEM;
+}
+
+// Thread 0: wait for every event of `task` at step s. 0 = ready, 1 = timed out (recorded), 2 = halt.
+__device__ int wait_task_events(const RuntimeParams& p, int task, int s) {
+  const int32_t* row = p.tasks + (size_t)task * TASK_NUM_COLS;
+  for (int k = row[TASK_COL_WAIT_BEGIN]; k < row[TASK_COL_WAIT_END]; ++k) {
+    int e;
+    const uint32_t target = wait_target(p, k, s, &e);
+    if (target == 0) continue;  // threshold <= 0: met at once (host-initialised state)
+    uint32_t seen = 0;
+    const uint64_t t0 = globaltimer_ns();
+    // acquire (gpu or sys scope): pairs with the signallers' release adds on this counter
+    const int r = event_is_system(p, e) ? spin_wait_geq_sys(&p.events[e], target, p.timeout_ns, p.halt, &seen)
+                                        : spin_wait_geq_gpu(&p.events[e], target, p.timeout_ns, p.halt, &seen);
+    if (r == 1) raise_error(p.error, p.halt, kErrTimeout, task, e, s, p.rank, seen, target, globaltimer_ns() - t0);
+    if (r != 0) return r;
+  }
+  return 0;
+}
+
+// True when every wait of `task` at step s is met (jit scheduler; acquire loads).
+__device__ bool task_ready(const RuntimeParams& p, int task, int s) {
+  const int32_t* row = p.tasks + (size_t)task * TASK_NUM_COLS;
+  for (int k = row[TASK_COL_WAIT_BEGIN]; k < row[TASK_COL_WAIT_END]; ++k) {
+    int e;
+    const uint32_t target = wait_target(p, k, s, &e);
+    if (target == 0) continue;
+    const uint32_t v = event_is_system(p, e) ? ld_acquire_sys(&p.events[e]) : ld_acquire_gpu(&p.events[e]);
+    if ((int32_t)(v - target) < 0) return false;
+  }
+  return true;
+}
+
+__device__ __forceinline__ void trace_record(const RuntimeParams& p, int& n, int task, int s, uint64_t t0) {
+  if (p.trace != nullptr && n < p.trace_cap) {
+    TraceRecord r{(uint32_t)task, (uint32_t)s, t0, globaltimer_ns()};
+    p.trace[(size_t)blockIdx.x * p.trace_cap + n] = r;
+  }
+  ++n;
+}
+
+// Push (a, b) into a ring of `cap` 4-word slots whose claim counter is `tail` (multi-producer).
+__device__ __forceinline__ void ring_push(uint32_t* q, uint32_t* tail, int cap, uint32_t a, uint32_t b) {
+  const uint32_t idx = atom_add_relaxed_gpu(tail, 1u);  // claim a slot; ordering comes from the release
+  uint32_t* slot = q + (size_t)(idx % (uint32_t)cap) * 4;
+  slot[1] = a;
+  slot[2] = b;
+  st_release_gpu(&slot[0], idx + 1u);  // release: the payload is visible before the sequence number
+}
+
+// Pop slot `head` of a ring (single consumer): 0 ok, 1 timeout, 2 halt.
+__device__ __forceinline__ int ring_pop(const RuntimeParams& p, uint32_t* q, int cap, uint32_t head, uint32_t& a,
+                                        uint32_t& b) {
+  uint32_t* slot = q + (size_t)(head % (uint32_t)cap) * 4;
+  uint32_t seen;
+  const int r = spin_wait_geq_gpu(&slot[0], head + 1u, p.timeout_ns, p.halt, &seen);  // acquire the slot
+  if (r == 0) { a = slot[1]; b = slot[2]; }
+  return r;
+}
+
+// Run a ready task on all worker threads, then publish its completion (signals). The final task's
+// block runs the step epilogue first; when the run ends there, it raises the halt flag.
+template <bool kJit>
+__device__ bool run_and_signal(const RuntimeParams& p, int task, int s, float* smem, int tid, int nt) {
+  if (!run_task(p, task, s, smem, tid, nt)) {
+    if (tid == 0) raise_error(p.error, p.halt, kErrBadTask, task, -1, s, p.rank, 0, 0, 0);
+    return false;
+  }
+  worker_barrier(nt);  // every thread's output writes precede thread 0's release below
+  bool end = false;
+  if (task == p.final_task) end = step_epilogue(p, s, tid, nt);
+  // An early stop (EOS, max tokens) does not signal, so no task of the next step can start; at the
+  // launch's last step the signal still goes out (the next launch's step_begin waits on it).
+  const bool early = end && s + 1 < p.step_end;
+  if (tid == 0 && end) atom_add_relaxed_gpu(p.halt, 1u);  // a stop, not an error: no error record
+  if (tid == 0 && !early && task != p.inject_hang_task) {
+    const int32_t* row = p.tasks + (size_t)task * TASK_NUM_COLS;
+    // Cumulativity: the block's writes (seen by thread 0 through the barrier) before every add.
+    // System scope when any store went to a peer or a peer will acquire.
+    fence_acq_rel_sys();
+    for (int k = row[TASK_COL_SIGNAL_BEGIN]; k < row[TASK_COL_SIGNAL_END]; ++k) {
+      const int e = p.signals[(size_t)k * SIGNAL_NUM_COLS + SIGNAL_COL_EVENT];
+      const int target = p.signals[(size_t)k * SIGNAL_NUM_COLS + SIGNAL_COL_TARGET];
+      if (target == SIG_ALL_RANKS) {
+        for (int r = 0; r < p.world; ++r)  // release at system scope on every rank's counter
+          atom_add_release_sys(reinterpret_cast<uint32_t*>(p.peer_events[r]) + e, 1u);
+        continue;
+      }
+      uint32_t old;
+      if (event_is_system(p, e)) old = atom_add_release_sys(&p.events[e], 1u);
+      else old = atom_add_release_gpu(&p.events[e], 1u);  // release: waiters acquire this counter
+      if (kJit) {
+        const uint32_t trig = (uint32_t)p.event_tab[(size_t)e * EVENT_NUM_COLS + EVENT_COL_TRIGGERS];
+        if (old + 1u == (uint32_t)(s + 1) * trig) {  // this add completed the event for step s
+          const int sch = e % p.num_sched;
+          ring_push(p.sched_queues + (size_t)sch * p.sched_cap * 4, &p.sched_tail[sch], p.sched_cap, (uint32_t)e,
+                    (uint32_t)s);
+        }
+      }
+    }
+  }
+  return true;
+}
+
+// ---- ahead-of-time schedule ----------------------------------------------------------------
+__device__ void worker_loop_aot(const RuntimeParams& p, BlockState& st, float* smem, int tid, int nt) {
+  const int w = blockIdx.x;
+  int ntrace = 0;
+  for (int s = p.step_begin; s < p.step_end; ++s) {
+    bool stop = false;
+    for (int i = p.worker_offsets[w]; i < p.worker_offsets[w + 1]; ++i) {
+      const int task = p.worker_tasks[i];
+      const uint64_t t0 = globaltimer_ns();
+      prefetch_task(p, task, tid, nt);  // weights stream in while we wait for the inputs
+      if (tid == 0) st.failed = wait_task_events(p, task, s);
+      worker_barrier(nt);  // hands thread 0's acquired view to every worker thread
+      if (st.failed) { stop = true; break; }
+      if (!run_and_signal<false>(p, task, s, smem, tid, nt)) { stop = true; break; }
+      if (tid == 0) trace_record(p, ntrace, task, s, t0);
+      worker_barrier(nt);  // st is rewritten by thread 0 for the next task
+    }
+    if (stop) break;
+  }
+  if (tid == 0 && p.trace_len != nullptr) p.trace_len[w] = (uint32_t)ntrace;
+}
+
+// ---- just-in-time schedule -----------------------------------------------------------------
+// Queue task t for every step up to s whose instance is not queued yet (claimed by CAS on
+// launched[t], so racing schedulers queue each (task, step) once and in step order).
+__device__ void queue_up_to(const RuntimeParams& p, int t, int s) {
+  uint32_t k = ld_relaxed_gpu(&p.launched[t]);
+  while ((int)k <= s && (int)k < p.step_end) {
+    const uint32_t prev = atomicCAS(&p.launched[t], k, k + 1u);
+    if (prev == k) {
+      const int w = p.tasks[(size_t)t * TASK_NUM_COLS + TASK_COL_WORKER];
+      ring_push(p.queues + (size_t)w * p.queue_cap * 4, &p.queue_tail[w], p.queue_cap, (uint32_t)t, k);
+      ++k;
+    } else {
+      k = prev;
+    }
+  }
+}
+
+// Scheduler warp (lane 0 works). Block 0's scheduler seeds the tasks ready at step_begin.
+__device__ void scheduler_loop(const RuntimeParams& p, int sch) {
+  if ((threadIdx.x & 31) != 0) return;
+  uint32_t* q = p.sched_queues + (size_t)sch * p.sched_cap * 4;
+  if (sch == 0)
+    for (int t = 0; t < p.num_tasks; ++t)
+      if (task_ready(p, t, p.step_begin)) queue_up_to(p, t, p.step_begin);
+  for (uint32_t head = 0;; ++head) {
+    uint32_t e, s;
+    const int r = ring_pop(p, q, p.sched_cap, head, e, s);
+    if (r == 1) { --head; continue; }  // idle is no error for a scheduler: workers' watchdogs report
+    if (r != 0) return;                // halt: end of run or an error elsewhere
+    for (int i = p.dep_ptr[e]; i < p.dep_ptr[e + 1]; ++i) {
+      const int t = p.dep_task[i], st = (int)s - p.dep_offset[i];  // offset -1: the next step's task
+      if (st < p.step_end && task_ready(p, t, st)) queue_up_to(p, t, st);
+    }
+  }
+}
+
+// For an error report: the first task of worker w at step s or s + 1 with an unmet wait.
+__device__ void diagnose_worker(const RuntimeParams& p, int w, int s, int& task, int& event, uint32_t& seen,
+                                uint32_t& target) {
+  for (int step = s; step <= s + 1; ++step)
+    for (int i = p.worker_offsets[w]; i < p.worker_offsets[w + 1]; ++i) {
+      const int t = p.worker_tasks[i];
+      const int32_t* row = p.tasks + (size_t)t * TASK_NUM_COLS;
+      for (int k = row[TASK_COL_WAIT_BEGIN]; k < row[TASK_COL_WAIT_END]; ++k) {
+        int e;
+        const uint32_t want = wait_target(p, k, step, &e);
+        const uint32_t have = ld_relaxed_gpu(&p.events[e]);
+        if ((int32_t)(have - want) < 0) { task = t; event = e; seen = have; target = want; return; }
+      }
+    }
+  task = -1; event = -1; seen = 0; target = 0;
+}
+
+__device__ void worker_loop_jit(const RuntimeParams& p, BlockState& st, float* smem, int tid, int nt) {
+  const int w = blockIdx.x;
+  uint32_t* q = p.queues + (size_t)w * p.queue_cap * 4;
+  int ntrace = 0, last_step = p.step_begin;
+  for (uint32_t head = 0;; ++head) {
+    if (tid == 0) {
+      uint32_t t = 0, s = 0;
+      int r;
+      // A timeout is reported only when one of this worker's own tasks has an unmet wait (a worker
+      // with nothing left to run just keeps waiting for the halt flag).
+      while ((r = ring_pop(p, q, p.queue_cap, head, t, s)) == 1) {
+        int task, event;
+        uint32_t seen, target;
+        diagnose_worker(p, w, last_step, task, event, seen, target);
+        if (task >= 0) {
+          raise_error(p.error, p.halt, kErrTimeout, task, event, last_step, p.rank, seen, target, p.timeout_ns);
+          break;
+        }
+      }
+      st.failed = r != 0;
+      st.task = (int)t;
+      st.step = (int)s;
+    }
+    worker_barrier(nt);  // thread 0 acquired the slot; the barrier passes the view on
+    if (st.failed) break;
+    const int task = st.task, s = st.step;
+    last_step = s;
+    const uint64_t t0 = globaltimer_ns();
+    prefetch_task(p, task, tid, nt);
+    if (!run_and_signal<true>(p, task, s, smem, tid, nt)) break;
+    if (tid == 0) trace_record(p, ntrace, task, s, t0);
+    worker_barrier(nt);
+  }
+  if (tid == 0 && p.trace_len != nullptr) p.trace_len[w] = (uint32_t)ntrace;
+}
+
+}  // namespace mpk

@@ -1,0 +1,50 @@
+// argmax_partial: (max, INDEX_BASE + first argmax) of COLS fp32 logits per sequence, stored as an
+// fp32 pair. `logits` points at column v0 of row 0, `out` at this tile's pair of row 0.
+// Ties go to the lowest index; a NaN never wins (comparisons with NaN are false).
+#pragma once
+#include "common.cuh"
+
+namespace mpk {
+
+// True when (v, i) beats (bv, bi): a larger value, or an equal value at a smaller index.
+__device__ __forceinline__ bool argmax_better(float v, float i, float bv, float bi) {
+  return v > bv || (v == bv && i < bi);
+}
+
+__device__ __forceinline__ void warp_argmax(float& v, float& i) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float ov = __shfl_xor_sync(0xffffffffu, v, o), oi = __shfl_xor_sync(0xffffffffu, i, o);
+    if (argmax_better(ov, oi, v, i)) { v = ov; i = oi; }
+  }
+}
+
+constexpr float kNoIndex = 3.0e38f;
+
+// Block-wide best pair of (v, i) (smem: 2 * nt / 32 floats); every thread gets the result.
+__device__ void block_argmax(float& v, float& i, float* smem, int tid, int nt) {
+  warp_argmax(v, i);
+  if ((tid & 31) == 0) { smem[2 * (tid >> 5)] = v; smem[2 * (tid >> 5) + 1] = i; }
+  worker_barrier(nt);
+  v = -INFINITY;
+  i = kNoIndex;
+  for (int w = 0; w < (nt >> 5); ++w)
+    if (argmax_better(smem[2 * w], smem[2 * w + 1], v, i)) { v = smem[2 * w]; i = smem[2 * w + 1]; }
+  worker_barrier(nt);
+}
+
+__device__ void argmax_partial(const float* logits, float* out, int B, int cols, int logits_stride, int out_stride,
+                               int index_base, float* smem, int tid, int nt) {
+  for (int b = 0; b < B; ++b) {
+    float bv = -INFINITY, bi = kNoIndex;
+    const float* row = logits + (size_t)b * logits_stride;
+    for (int c = tid; c < cols; c += nt) {
+      const float x = row[c];
+      if (argmax_better(x, (float)(index_base + c), bv, bi)) { bv = x; bi = (float)(index_base + c); }
+    }
+    block_argmax(bv, bi, smem, tid, nt);
+    if (tid == 0) { out[(size_t)b * out_stride] = bv; out[(size_t)b * out_stride + 1] = bi; }
+  }
+}
+
+}  // namespace mpk

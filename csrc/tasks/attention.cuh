@@ -1,0 +1,96 @@
+// attention (decode, GQA; mpk_dist/taskgraph/tasks/attention.py): the GROUP query heads sharing one
+// kv head, for every sequence b, over cache positions 0..pos[b]. fp32 scores, softmax and
+// products like the torch reference; output rounded once to bf16.
+// Pointers: q/out at the first column of query head h*GROUP; k/v cache at head h, position 0,
+// sequence 0. Warp w takes positions w, w + nwarps, ... with an online softmax per query head;
+// the warps' (m, l, acc) are merged through shared memory (nwarps * G * (D + 2) floats).
+// Limits (checked on the host): GROUP <= 8, D <= 256.
+#pragma once
+#include "common.cuh"
+
+namespace mpk {
+
+constexpr int kAttnMaxG = 8;
+constexpr int kAttnMaxEpl = 8;  // elements per lane: D <= 256
+
+__host__ __device__ inline int attention_smem_bytes(int nwarps, int G, int D) { return nwarps * G * (D + 2) * 4; }
+
+__device__ void attention_seq(const bf16* q, const bf16* kc, const bf16* vc, bf16* out, int D, int G, int kv_ps,
+                              int n_pos, float scale, float* smem, int tid, int nt) {
+  const int warp = tid >> 5, lane = tid & 31, nwarps = nt >> 5, epl = (D + 31) / 32;
+  float qv[kAttnMaxG][kAttnMaxEpl], acc[kAttnMaxG][kAttnMaxEpl], m[kAttnMaxG], l[kAttnMaxG];
+#pragma unroll
+  for (int j = 0; j < kAttnMaxG; ++j) {
+    m[j] = -INFINITY;
+    l[j] = 0.f;
+#pragma unroll
+    for (int i = 0; i < kAttnMaxEpl; ++i) {
+      const int d = lane * epl + i;
+      acc[j][i] = 0.f;
+      qv[j][i] = (j < G && i < epl && d < D) ? bf2f(q[(size_t)j * D + d]) : 0.f;
+    }
+  }
+  for (int t = warp; t < n_pos; t += nwarps) {
+    const size_t row = (size_t)t * kv_ps;
+    float kv[kAttnMaxEpl], vv[kAttnMaxEpl];
+#pragma unroll
+    for (int i = 0; i < kAttnMaxEpl; ++i) {
+      const int d = lane * epl + i;
+      const bool in = i < epl && d < D;
+      kv[i] = in ? bf2f(kc[row + d]) : 0.f;
+      vv[i] = in ? bf2f(vc[row + d]) : 0.f;
+    }
+#pragma unroll
+    for (int j = 0; j < kAttnMaxG; ++j) {
+      if (j < G) {
+        float s = 0.f;
+#pragma unroll
+        for (int i = 0; i < kAttnMaxEpl; ++i) s = fmaf(qv[j][i], kv[i], s);
+        s = warp_sum(s) * scale;
+        const float mn = fmaxf(m[j], s), corr = expf(m[j] - mn), e = expf(s - mn);
+        l[j] = l[j] * corr + e;
+#pragma unroll
+        for (int i = 0; i < kAttnMaxEpl; ++i) acc[j][i] = acc[j][i] * corr + e * vv[i];
+        m[j] = mn;
+      }
+    }
+  }
+  float* mine = smem + (size_t)warp * G * (D + 2);
+#pragma unroll
+  for (int j = 0; j < kAttnMaxG; ++j) {
+    if (j < G) {
+#pragma unroll
+      for (int i = 0; i < kAttnMaxEpl; ++i) {
+        const int d = lane * epl + i;
+        if (i < epl && d < D) mine[j * (D + 2) + d] = acc[j][i];
+      }
+      if (lane == 0) { mine[j * (D + 2) + D] = m[j]; mine[j * (D + 2) + D + 1] = l[j]; }
+    }
+  }
+  worker_barrier(nt);
+  for (int idx = tid; idx < G * D; idx += nt) {
+    const int j = idx / D, d = idx % D;
+    float M = -INFINITY;
+    for (int w = 0; w < nwarps; ++w) M = fmaxf(M, smem[(size_t)w * G * (D + 2) + j * (D + 2) + D]);
+    float L = 0.f, O = 0.f;
+    if (M != -INFINITY) {
+      for (int w = 0; w < nwarps; ++w) {
+        const float* st = smem + (size_t)w * G * (D + 2) + j * (D + 2);
+        const float f = expf(st[D] - M);  // warps with no position have m = -inf: factor 0
+        L += st[D + 1] * f;
+        O += st[d] * f;
+      }
+    }
+    out[(size_t)j * D + d] = f2bf(L > 0.f ? O / L : 0.f);
+  }
+  worker_barrier(nt);  // shared memory is reused by the next sequence / task
+}
+
+__device__ void attention(const bf16* q, const bf16* kc, const bf16* vc, const int32_t* pos, bf16* out, int B, int D,
+                          int G, int q_stride, int kv_ps, int kv_bs, float scale, float* smem, int tid, int nt) {
+  for (int b = 0; b < B; ++b)
+    attention_seq(q + (size_t)b * q_stride, kc + (size_t)b * kv_bs, vc + (size_t)b * kv_bs,
+                  out + (size_t)b * q_stride, D, G, kv_ps, pos[b] + 1, scale, smem, tid, nt);
+}
+
+}  // namespace mpk

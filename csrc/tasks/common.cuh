@@ -1,0 +1,88 @@
+// Shared helpers of the task bodies: bf16 conversions, 16-byte loads, warp reductions.
+// Task bodies run on the worker threads of one block (blockDim.x may hold an extra scheduler warp
+// that never enters a task); `nt` is always the worker thread count and `tid` < nt.
+#pragma once
+#include <cuda_bf16.h>
+#include <stdint.h>
+#include "sync.cuh"
+
+namespace mpk {
+
+typedef __nv_bfloat16 bf16;
+
+__device__ __forceinline__ float bf2f(bf16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ bf16 f2bf(float v) { return __float2bfloat16_rn(v); }
+// Round a float to the nearest bf16 and back: reproduces torch's bf16 intermediate results.
+__device__ __forceinline__ float round_bf(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
+
+// Output stores for the two output dtypes the graph uses (bf16 activations, fp32 logits).
+__device__ __forceinline__ void store_out(bf16* p, float v) { *p = f2bf(v); }
+__device__ __forceinline__ void store_out(float* p, float v) { *p = v; }
+
+// 16-byte streaming load of read-only data (weights): never written during the kernel, so the
+// non-coherent path is legal; no L1 allocation since each byte is used once per step.
+__device__ __forceinline__ uint4 ld_stream_v4(const void* p) {
+  uint4 r;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+  return r;
+}
+
+// 16-byte load of an activation written earlier in this kernel by another block. A plain (weak,
+// coherent-path) load: visibility comes from the acquire the block performed before the task.
+__device__ __forceinline__ uint4 ld_act_v4(const void* p) { return *reinterpret_cast<const uint4*>(p); }
+
+// Unpack 8 bf16 held in a uint4 into floats.
+__device__ __forceinline__ void unpack8(const uint4& v, float* f) {
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    float2 t = __bfloat1622float2(h[i]);
+    f[2 * i] = t.x;
+    f[2 * i + 1] = t.y;
+  }
+}
+
+// Dot product of 8 bf16 pairs in fp32.
+__device__ __forceinline__ float dot8(const uint4& a, const uint4& b) {
+  float fa[8], fb[8];
+  unpack8(a, fa);
+  unpack8(b, fb);
+  float s = 0.f;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) s = fmaf(fa[i], fb[i], s);
+  return s;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// Sum of v over the worker threads of the block (smem: nt / 32 floats); every thread gets it.
+__device__ float block_sum(float v, float* smem, int tid, int nt) {
+  v = warp_sum(v);
+  if ((tid & 31) == 0) smem[tid >> 5] = v;
+  worker_barrier(nt);
+  float s = 0.f;
+  for (int i = 0; i < (nt >> 5); ++i) s += smem[i];
+  worker_barrier(nt);  // smem may be reused right after
+  return s;
+}
+
+// Prefetch [p, p + bytes) into L2 (weight tiles before their input event fires). Best effort:
+// issues one prefetch per 128-byte line, spread over the worker threads.
+__device__ __forceinline__ void prefetch_l2(const void* p, uint64_t bytes, int tid, int nt) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (uint64_t off = (uint64_t)tid * 128; off < bytes; off += (uint64_t)nt * 128)
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(c + off));
+}
+
+}  // namespace mpk

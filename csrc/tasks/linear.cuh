@@ -1,0 +1,81 @@
+// linear: y[b, n] = sum_k x[b, k] * w[n, k] for the N_TILE rows of one tile; `w` points at the
+// tile's first row and `y` at its first column (mpk_dist/taskgraph/tasks/linear.py).
+//
+// bf16 weights and activations, fp32 accumulation, output rounded once (bf16 activations, or fp32
+// logits rounded through bf16 when round_out_bf16 is set, as torch's bf16 matmul does).
+// One warp per output row at a time; each lane streams 16-byte weight vectors with kLinUnroll of
+// them in flight before the first use. x (B rows, stride ldx) is re-read from L1/L2 per row.
+// Requires K % 8 == 0 and 16-byte aligned rows (checked on the host).
+#pragma once
+#include "common.cuh"
+
+namespace mpk {
+
+#ifndef MPK_LINEAR_UNROLL
+#define MPK_LINEAR_UNROLL 8
+#endif
+constexpr int kLinUnroll = MPK_LINEAR_UNROLL;
+
+template <int B, typename OutT>
+__device__ void linear_tile(const bf16* __restrict__ x, int ldx, const bf16* __restrict__ w, OutT* __restrict__ y,
+                            int ldy, int K, int n_tile, bool round_out_bf16, int tid, int nt) {
+  const int warp = tid >> 5, lane = tid & 31, nwarps = nt >> 5;
+  for (int n = warp; n < n_tile; n += nwarps) {
+    const bf16* wr = w + (size_t)n * K;
+    float acc[B];
+#pragma unroll
+    for (int b = 0; b < B; ++b) acc[b] = 0.f;
+    for (int kb = 0; kb < K; kb += kLinUnroll * 256) {
+      uint4 wv[kLinUnroll];
+#pragma unroll
+      for (int u = 0; u < kLinUnroll; ++u) {  // issue every weight load before any use
+        int k = kb + u * 256 + lane * 8;
+        wv[u] = k < K ? ld_stream_v4(wr + k) : make_uint4(0, 0, 0, 0);
+      }
+#pragma unroll
+      for (int u = 0; u < kLinUnroll; ++u) {
+        int k = kb + u * 256 + lane * 8;
+        if (k < K) {
+#pragma unroll
+          for (int b = 0; b < B; ++b) acc[b] += dot8(wv[u], ld_act_v4(x + (size_t)b * ldx + k));
+        }
+      }
+    }
+#pragma unroll
+    for (int b = 0; b < B; ++b) {
+      float s = warp_sum(acc[b]);
+      if (lane == (b & 31)) store_out(y + (size_t)b * ldy + n, round_out_bf16 ? round_bf(s) : s);
+    }
+  }
+}
+
+// Runtime batch -> compile-time batch. B is fixed per generated kernel, so only one instance is
+// live in practice; the switch keeps the body testable for every batch in one test kernel.
+template <typename OutT>
+__device__ void linear(int B, const bf16* x, int ldx, const bf16* w, OutT* y, int ldy, int K, int n_tile,
+                       bool round_out_bf16, int tid, int nt) {
+#define MPK_LINEAR_CASE(bb) \
+  case bb: linear_tile<bb, OutT>(x, ldx, w, y, ldy, K, n_tile, round_out_bf16, tid, nt); break;
+#ifdef MPK_BATCH
+  // The generated kernel fixes the batch; the host checked every linear task has BATCH == MPK_BATCH.
+  (void)B;
+  linear_tile<MPK_BATCH, OutT>(x, ldx, w, y, ldy, K, n_tile, round_out_bf16, tid, nt);
+#else
+  switch (B) {
+    MPK_LINEAR_CASE(1) MPK_LINEAR_CASE(2) MPK_LINEAR_CASE(3) MPK_LINEAR_CASE(4)
+    MPK_LINEAR_CASE(5) MPK_LINEAR_CASE(6) MPK_LINEAR_CASE(7) MPK_LINEAR_CASE(8)
+    MPK_LINEAR_CASE(9) MPK_LINEAR_CASE(10) MPK_LINEAR_CASE(11) MPK_LINEAR_CASE(12)
+    MPK_LINEAR_CASE(13) MPK_LINEAR_CASE(14) MPK_LINEAR_CASE(15) MPK_LINEAR_CASE(16)
+    default: break;
+  }
+#endif
+#undef MPK_LINEAR_CASE
+}
+
+// Prefetch the tile's weight rows into L2: called before the task waits on its input event, so
+// the dominant bytes are on their way while the producer tiles still run.
+__device__ __forceinline__ void linear_prefetch(const bf16* w, int K, int n_tile, int tid, int nt) {
+  prefetch_l2(w, (uint64_t)n_tile * K * sizeof(bf16), tid, nt);
+}
+
+}  // namespace mpk

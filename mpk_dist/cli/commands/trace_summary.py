@@ -1,0 +1,28 @@
+"""``mpk-dist trace-summary FILE.json``: time per op kind and idle time per SM of a mega-kernel trace."""
+
+from __future__ import annotations
+
+import json
+
+
+def register(subparsers) -> None:
+    """Add the trace-summary sub-command."""
+    p = subparsers.add_parser("trace-summary", help="summarise a --trace file: time per op kind, idle time per SM")
+    p.add_argument("file", metavar="FILE.json", help="Chrome/Perfetto trace written by --trace")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    """Print the summary; InputError (exit 2) for a missing or malformed file."""
+    from mpk_dist.runtime.trace import format_summary, load_trace, summarize
+
+    s = summarize(load_trace(args.file))
+    if args.json:
+        print(json.dumps({"span_us": s["span_us"],
+                          "kinds": [{"kind": k, "us": t, "tasks": n, "share": sh} for k, t, n, sh in s["kinds"]],
+                          "workers": [{"rank": pw[0], "worker": pw[1], "busy_us": b, "idle_us": i}
+                                      for pw, b, i in s["workers"]]}))
+    else:
+        print(format_summary(s))
+    return 0

@@ -1,0 +1,34 @@
+"""Build one mega-kernel binary: generated source + generated ABI header -> cached cubin."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+from mpk_dist.runtime.build import BuildResult, cache_root, compile_source
+from mpk_dist.runtime.codegen import KernelShape, render_source, source_for_key
+
+
+def abi_include_dir() -> Path:
+    """A directory holding abi_generated.h for the current ABI (content-addressed, written once)."""
+    from mpk_dist.taskgraph.abi import render_cuda_abi_header
+
+    text = render_cuda_abi_header()
+    d = cache_root() / "include" / hashlib.sha256(text.encode()).hexdigest()[:16]
+    f = d / "abi_generated.h"
+    if not f.is_file() or f.read_text() != text:
+        d.mkdir(parents=True, exist_ok=True)
+        tmp = f.with_suffix(".tmp")
+        tmp.write_text(text)
+        tmp.replace(f)
+    return d
+
+
+def build_kernel(shape: KernelShape, model: str = "-", rank: int = 0, world: int = 1, input_hash: str = "-",
+                 compiler: str | None = None, arch: str = "sm_90a", use_cache: bool = True) -> tuple[str, BuildResult]:
+    """Generate and compile the kernel for ``shape``; returns (source, build result)."""
+    source = render_source(shape, model, rank, world, input_hash)
+    inc = abi_include_dir()
+    res = compile_source(source, shape.name(), arch=arch, compiler=compiler, include_dirs=[inc], use_cache=use_cache,
+                         key_text=source_for_key(source))
+    return source, res

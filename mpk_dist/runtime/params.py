@@ -1,0 +1,74 @@
+"""Host mirrors of the kernel's structs (csrc/runtime/params.cuh, watchdog.cuh) as ctypes layouts.
+
+``RuntimeParams`` is filled here and copied to the device as raw bytes; the generated source
+``static_assert``s every field offset and the size against these layouts (``layout_asserts``), so a
+mismatch between the two sides fails the build instead of corrupting a run.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+
+_P = ctypes.c_uint64  # every device pointer travels as a 64-bit address
+_I = ctypes.c_int32
+
+# (name, ctype) in the order of struct RuntimeParams.
+PARAM_FIELDS = [
+    ("tasks", _P), ("event_tab", _P), ("waits", _P), ("signals", _P), ("args", _P), ("params", _P),
+    ("buffers", _P), ("worker_offsets", _P), ("worker_tasks", _P),
+    ("buf_base", _P), ("peer_base", _P), ("peer_events", _P), ("events", _P),
+    ("dep_ptr", _P), ("dep_task", _P), ("dep_offset", _P), ("launched", _P), ("queues", _P), ("queue_tail", _P),
+    ("sched_queues", _P), ("sched_tail", _P),
+    ("next_token", _P), ("token_out", _P), ("logits", _P), ("stop_ids", _P), ("done", _P), ("logits_dump", _P),
+    ("step_end_ns", _P), ("progress", _P), ("halt", _P), ("error", _P), ("trace", _P), ("trace_len", _P),
+    ("timeout_ns", ctypes.c_uint64),
+    ("num_tasks", _I), ("num_events", _I), ("num_workers", _I), ("num_buffers", _I),
+    ("world", _I), ("rank", _I), ("final_task", _I), ("batch", _I), ("vocab", _I), ("prompt_len", _I),
+    ("max_new_tokens", _I), ("num_stop", _I), ("stop_on_done", _I), ("step_begin", _I), ("step_end", _I),
+    ("queue_cap", _I), ("sched_cap", _I), ("num_sched", _I), ("trace_cap", _I), ("inject_hang_task", _I),
+    ("abi_version", _I), ("pad0", _I),
+]
+
+
+class RuntimeParams(ctypes.Structure):
+    """struct mpk::RuntimeParams."""
+
+    _fields_ = PARAM_FIELDS
+
+
+ERROR_FIELDS = [
+    ("code", ctypes.c_uint32), ("valid", ctypes.c_uint32), ("task_id", _I), ("event_id", _I), ("step", _I),
+    ("sm_id", _I), ("worker", _I), ("rank", _I), ("seen", ctypes.c_uint32), ("expected", ctypes.c_uint32),
+    ("elapsed_ns", ctypes.c_uint64),
+]
+
+
+class ErrorRecord(ctypes.Structure):
+    """struct mpk::ErrorRecord (watchdog.cuh)."""
+
+    _fields_ = ERROR_FIELDS
+
+
+ERROR_CODES = {0: "none", 1: "timeout", 2: "queue overflow", 3: "bad task", 4: "injected"}
+
+TRACE_DTYPE = np.dtype([("task_id", "<u4"), ("step", "<u4"), ("start_ns", "<u8"), ("end_ns", "<u8")])
+"""struct mpk::TraceRecord."""
+
+
+def layout_asserts() -> str:
+    """C++ static_asserts tying the device structs to these layouts (emitted into the .cu)."""
+    lines = []
+    for cls, cname in ((RuntimeParams, "mpk::RuntimeParams"), (ErrorRecord, "mpk::ErrorRecord")):
+        for name, _ in cls._fields_:
+            off = getattr(cls, name).offset
+            lines.append(f'static_assert(offsetof({cname}, {name}) == {off}, "{cname}::{name}: host layout differs");')
+        lines.append(f'static_assert(sizeof({cname}) == {ctypes.sizeof(cls)}, "{cname}: host size differs");')
+    lines.append(f'static_assert(sizeof(mpk::TraceRecord) == {TRACE_DTYPE.itemsize}, "TraceRecord size");')
+    return "\n".join(lines)
+
+
+def to_bytes(params: RuntimeParams) -> bytes:
+    """Raw bytes of a filled struct (copied to the device)."""
+    return ctypes.string_at(ctypes.addressof(params), ctypes.sizeof(params))

@@ -1,0 +1,286 @@
+"""One compiled program on one GPU: its buffers (torch tensors), runtime state, kernel and launches.
+
+A ``Session`` is built per (model, batch): it compiles the task graph, allocates every buffer of
+the ABI buffer table (weights shared with the backend), loads the kernel and fills RuntimeParams.
+``launch`` starts steps [s0, s1) in one persistent kernel; ``wait`` streams progress from mapped
+pinned memory until the kernel ends (bounded), then raises on a watchdog record.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from mpk_dist.errors import DeviceTimeout, InputError
+from mpk_dist.runtime import tables
+from mpk_dist.runtime.codegen import KernelShape, tables_hash
+from mpk_dist.runtime.kernel import build_kernel
+from mpk_dist.runtime.loader import LoadedKernel, host_device_pointer
+from mpk_dist.runtime.params import ERROR_CODES, TRACE_DTYPE, ErrorRecord, RuntimeParams, to_bytes
+from mpk_dist.taskgraph.abi import ABI_VERSION, TASK_COLS
+
+_TORCH = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32, "i32": torch.int32}
+QUEUE_SLOT_WORDS = 4
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(4, (int(n) - 1).bit_length())
+
+
+class Session:
+    """Buffers + kernel of one compiled rank program (tp 1: world 1, peers = self)."""
+
+    def __init__(self, cg, weights: dict[str, torch.Tensor], device: torch.device, schedule: str = "aot",
+                 worker_threads: int = 256, timeout_s: float = 5.0, trace_cap: int = 0, num_sched: int = 4,
+                 compiler: str | None = None, model: str = "-"):
+        if cg.meta["abi_version"] != ABI_VERSION:
+            raise InputError(f"task graph ABI: expected version {ABI_VERSION}, got {cg.meta['abi_version']}")
+        tables.check_supported(cg)
+        if schedule == "jit" and int(cg.meta["world_size"]) > 1:
+            raise InputError("--schedule jit: expected tp 1 (jit scheduling of peer-signalled events comes with "
+                             "the TP issue), got tp > 1; use --schedule aot")
+        self.cg, self.device, self.schedule = cg, device, schedule
+        self.batch, self.world, self.rank = int(cg.meta["batch"]), int(cg.meta["world_size"]), int(cg.meta["rank"])
+        self.max_steps, self.workers = int(cg.meta["max_steps"]), int(cg.meta["workers"])
+        self.timeout_s, self.trace_cap = timeout_s, trace_cap
+        self.final = tables.final_task(cg)
+        t0 = time.perf_counter()
+        self.source, self.build = build_kernel(KernelShape(self.batch, worker_threads, schedule), model=model,
+                                               rank=self.rank, world=self.world, input_hash=tables_hash(cg.arrays),
+                                               compiler=compiler)
+        self.build_s = time.perf_counter() - t0
+        self.block_threads = worker_threads + (32 if schedule == "jit" else 0)
+        self.smem = tables.smem_bytes(cg, worker_threads)
+        t0 = time.perf_counter()
+        self.kernel = LoadedKernel(self.build.cubin, device.index or 0, self.block_threads, self.smem)
+        self.load_s = time.perf_counter() - t0
+        self._alloc(weights, num_sched)
+
+    # -- memory ------------------------------------------------------------------------------------
+    def _dev(self, a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a)).to(self.device)
+
+    def _alloc(self, weights: dict[str, torch.Tensor], num_sched: int) -> None:
+        cg, dev = self.cg, self.device
+        self.tabs = {k: self._dev(v) for k, v in cg.arrays.items()}
+        self.bufs: list[torch.Tensor | None] = []
+        special = cg.meta["special"]
+        self.pinned: dict[str, torch.Tensor] = {}
+        for i, b in enumerate(cg.meta["buffers"]):
+            shape, dt = tuple(b["shape"]), _TORCH[b["dtype"]]
+            if b["kind"] == "weight":
+                w = weights.get(b["name"])
+                if w is None or tuple(w.shape) != shape or w.dtype != dt:
+                    raise InputError(f"weight {b['name']}: expected {shape} {dt}, got "
+                                     f"{None if w is None else (tuple(w.shape), w.dtype)}")
+                t = w.contiguous()
+            elif b["kind"] == "const":
+                t = torch.from_numpy(np.ascontiguousarray(cg.consts[b["name"]])).to(dev, dt).reshape(shape)
+            elif i == special["token_out"]:
+                t = torch.zeros(shape, dtype=dt).pin_memory()  # mapped: the host streams tokens from it
+                self.pinned["token_out"] = t
+            else:
+                t = torch.zeros(shape, dtype=dt, device=dev)
+            self.bufs.append(t)
+        self.buf_base = torch.tensor([self._addr(t) for t in self.bufs], dtype=torch.int64, device=dev)
+        E, T, W = cg.arrays["events"].shape[0], cg.arrays["tasks"].shape[0], self.workers
+        self.events = torch.zeros(E, dtype=torch.int32, device=dev)
+        self.peer_base = self.buf_base.clone()  # world 1: this rank is its only peer
+        self.peer_events = torch.tensor([self.events.data_ptr()], dtype=torch.int64, device=dev)
+        dep_ptr, dep_task, dep_off = tables.dependents(cg)
+        self.deps = [self._dev(dep_ptr), self._dev(dep_task), self._dev(dep_off)]
+        self.num_sched = max(1, min(num_sched, W))
+        self.queue_cap = _pow2(2 * tables.max_tasks_per_worker(cg) + 8)
+        self.sched_cap = _pow2(2 * E + 8)
+        z32 = lambda n: torch.zeros(int(n), dtype=torch.int32, device=dev)  # noqa: E731
+        self.launched, self.queue_tail, self.sched_tail = z32(T), z32(W), z32(self.num_sched)
+        self.queues = z32(W * self.queue_cap * QUEUE_SLOT_WORDS)
+        self.sched_queues = z32(self.num_sched * self.sched_cap * QUEUE_SLOT_WORDS)
+        self.done, self.halt, self.trace_len = z32(self.batch), z32(1), z32(W)
+        self.trace = torch.zeros(max(1, W * self.trace_cap * TRACE_DTYPE.itemsize), dtype=torch.uint8, device=dev)
+        self.pinned["progress"] = torch.zeros(2, dtype=torch.int32).pin_memory()
+        self.pinned["step_end_ns"] = torch.zeros(self.max_steps + 1, dtype=torch.int64).pin_memory()
+        self.pinned["error"] = torch.zeros(ctypes_size(ErrorRecord), dtype=torch.uint8).pin_memory()
+        self.stop_ids = z32(1)
+        self.logits_dump: torch.Tensor | None = None
+        self.params_dev = torch.zeros(ctypes_size(RuntimeParams), dtype=torch.uint8, device=dev)
+
+    def _addr(self, t: torch.Tensor | None) -> int:
+        if t is None:
+            return 0
+        return host_device_pointer(t.data_ptr()) if t.device.type == "cpu" else t.data_ptr()
+
+    def buffer(self, name: str) -> torch.Tensor:
+        """The tensor of a named ABI buffer (e.g. 'logits', 'L0.k_cache')."""
+        for b, t in zip(self.cg.meta["buffers"], self.bufs):
+            if b["name"] == name:
+                return t
+        raise KeyError(name)
+
+    def reset(self) -> None:
+        """New generation: counters, KV cache (state buffers) and flags back to zero."""
+        for b, t in zip(self.cg.meta["buffers"], self.bufs):
+            if b["kind"] == "state":
+                t.zero_()
+        for t in (self.events, self.launched, self.done):
+            t.zero_()
+
+    # -- launch --------------------------------------------------------------------------------------
+    def fill_forced(self, prompts: list[list[int]], force: list[int] | None, n_steps: int) -> None:
+        """forced_tokens rows: the prompt (steps 0..T-1), then teacher-forced ids, else -1."""
+        sp = self.cg.meta["special"]
+        T = len(prompts[0])
+        forced = np.full((self.max_steps, self.batch), -1, np.int32)
+        forced[:T] = np.asarray(prompts, np.int32).T
+        if force:
+            k = min(len(force), max(0, n_steps - T))
+            forced[T:T + k] = np.asarray(force[:k], np.int32)[:, None]
+        self.bufs[sp["forced_tokens"]].copy_(torch.from_numpy(forced))
+        self.bufs[sp["start_pos"]].zero_()
+
+    def launch(self, s0: int, s1: int, prompt_len: int, max_new: int, stop_ids: tuple[int, ...], stop_on_done: bool,
+               want_logits: bool, inject_hang_task: int = -1) -> None:
+        """Start steps [s0, s1) in one persistent kernel on the current stream (returns at once)."""
+        if s1 > self.max_steps:
+            raise InputError(f"steps: expected <= {self.max_steps} (max_seq_len), got {s1}")
+        for t in (self.queues, self.queue_tail, self.sched_queues, self.sched_tail, self.halt, self.trace_len):
+            t.zero_()
+        for k in ("progress", "error", "step_end_ns"):
+            self.pinned[k].zero_()
+        self.stop_ids = torch.tensor(list(stop_ids) or [-1], dtype=torch.int32, device=self.device)
+        sp, cg = self.cg.meta["special"], self.cg
+        logits = self.bufs[sp["logits"]]
+        if want_logits:
+            n_gen = max(1, s1 - (prompt_len - 1))
+            if self.logits_dump is None or self.logits_dump.shape[0] < n_gen:
+                self.logits_dump = torch.empty((n_gen, *logits.shape), dtype=torch.float32, device=self.device)
+        p = RuntimeParams()
+        for name in ("tasks", "waits", "signals", "args", "params", "buffers", "worker_offsets", "worker_tasks"):
+            setattr(p, name, self.tabs[name].data_ptr())
+        p.event_tab = self.tabs["events"].data_ptr()
+        p.buf_base, p.peer_base, p.peer_events = self.buf_base.data_ptr(), self.peer_base.data_ptr(), self.peer_events.data_ptr()
+        p.events = self.events.data_ptr()
+        p.dep_ptr, p.dep_task, p.dep_offset = (d.data_ptr() for d in self.deps)
+        p.launched, p.queues, p.queue_tail = self.launched.data_ptr(), self.queues.data_ptr(), self.queue_tail.data_ptr()
+        p.sched_queues, p.sched_tail = self.sched_queues.data_ptr(), self.sched_tail.data_ptr()
+        p.next_token = self.bufs[sp["next_token"]].data_ptr()
+        p.token_out = self._addr(self.pinned["token_out"])
+        p.logits = logits.data_ptr()
+        p.stop_ids, p.done = self.stop_ids.data_ptr(), self.done.data_ptr()
+        p.logits_dump = self.logits_dump.data_ptr() if want_logits else 0
+        p.step_end_ns = self._addr(self.pinned["step_end_ns"])
+        p.progress, p.error = self._addr(self.pinned["progress"]), self._addr(self.pinned["error"])
+        p.halt = self.halt.data_ptr()
+        p.trace = self.trace.data_ptr() if self.trace_cap else 0
+        p.trace_len = self.trace_len.data_ptr()
+        p.timeout_ns = int(self.timeout_s * 1e9)
+        p.num_tasks, p.num_events = cg.arrays["tasks"].shape[0], cg.arrays["events"].shape[0]
+        p.num_workers, p.num_buffers = self.workers, len(self.bufs)
+        p.world, p.rank, p.final_task = self.world, self.rank, self.final
+        p.batch, p.vocab = self.batch, int(logits.shape[-1])
+        p.prompt_len, p.max_new_tokens = prompt_len, max_new
+        p.num_stop, p.stop_on_done = len(stop_ids), int(stop_on_done)
+        p.step_begin, p.step_end = s0, s1
+        p.queue_cap, p.sched_cap, p.num_sched = self.queue_cap, self.sched_cap, self.num_sched
+        p.trace_cap, p.inject_hang_task, p.abi_version = self.trace_cap, inject_hang_task, ABI_VERSION
+        self.params_dev.copy_(torch.frombuffer(bytearray(to_bytes(p)), dtype=torch.uint8))
+        self._launched_at = time.perf_counter()
+        self._steps = (s0, s1)
+        self.kernel.launch(self.workers, self.params_dev.data_ptr(), torch.cuda.current_stream(self.device).cuda_stream)
+
+    def progress(self) -> int:
+        """Steps finished so far (read from mapped pinned memory while the kernel runs)."""
+        return int(self.pinned["progress"][0])
+
+    def wait(self, on_step=None) -> None:
+        """Wait for the kernel (bounded), streaming progress to ``on_step(step)``; raise on a watchdog record."""
+        stream = torch.cuda.current_stream(self.device)
+        s0, s1 = self._steps
+        deadline = self._launched_at + self.timeout_s * 3 + 0.05 * (s1 - s0) + 10.0
+        seen = s0
+        while not stream.query():
+            now = self.progress()
+            while on_step is not None and seen < now:
+                on_step(seen)
+                seen += 1
+            if time.perf_counter() > deadline:
+                raise DeviceTimeout(f"mega-kernel: expected it to finish within {deadline - self._launched_at:.0f} s, "
+                                    f"got no end (progress {now}/{s1} steps); the watchdog did not fire, the GPU may "
+                                    "be stuck; restart the process")
+            time.sleep(0.0002)
+        stream.synchronize()
+        while on_step is not None and seen < self.progress():
+            on_step(seen)
+            seen += 1
+        self.raise_on_error()
+
+    def error_record(self) -> ErrorRecord:
+        """The watchdog record of the last launch (code 0: none)."""
+        return ErrorRecord.from_buffer_copy(self.pinned["error"].numpy().tobytes())
+
+    def raise_on_error(self) -> None:
+        """Raise DeviceTimeout naming task, event, step, SM and rank when the last launch failed."""
+        r = self.error_record()
+        if r.code == 0:
+            return
+        cg = self.cg
+        task = cg.task_label(r.task_id) if 0 <= r.task_id < cg.arrays["tasks"].shape[0] else f"task {r.task_id}"
+        if 0 <= r.event_id < len(cg.meta["events"]):
+            prods = self.producers(r.event_id)
+            event = f"event {r.event_id} '{cg.meta['events'][r.event_id]}' (signalled by {prods})"
+        else:
+            event = f"event {r.event_id}"
+        raise DeviceTimeout(
+            f"mega-kernel watchdog ({ERROR_CODES.get(r.code, r.code)}): {task} (task {r.task_id}) waited on {event} "
+            f"at step {r.step} on SM {r.sm_id} (worker {r.worker}, rank {r.rank}): expected counter >= {r.expected}, "
+            f"got {r.seen} after {r.elapsed_ns / 1e9:.2f} s; {self.root_cause(r.step)} (raise --timeout if a step is "
+            "legitimately slower)")
+
+    def root_cause(self, step: int) -> str:
+        """From the final counters: the first event (task order) incomplete at ``step`` although every
+        producer had its inputs, i.e. a producer that ran (or could run) but never signalled."""
+        from mpk_dist.taskgraph.abi import EVENT_COLS, WAIT_COLS
+
+        cg = self.cg
+        tasks, waits, sig = cg.arrays["tasks"], cg.arrays["waits"], cg.arrays["signals"]
+        trig = cg.arrays["events"][:, EVENT_COLS["TRIGGERS"]].astype(np.int64)
+        ctr = self.events.cpu().numpy().astype(np.uint32).astype(np.int64)
+
+        def met(t: int) -> bool:
+            rows = waits[tasks[t, TASK_COLS["WAIT_BEGIN"]]:tasks[t, TASK_COLS["WAIT_END"]]]
+            return all(ctr[e] >= (step + 1 + o) * trig[e] for e, o in rows[:, [WAIT_COLS["EVENT"], WAIT_COLS["STEP_OFFSET"]]])
+
+        for t in range(tasks.shape[0]):
+            evs = sig[tasks[t, TASK_COLS["SIGNAL_BEGIN"]]:tasks[t, TASK_COLS["SIGNAL_END"]], 0]
+            for e in evs:
+                if ctr[e] < (step + 1) * trig[e] and met(t):
+                    return (f"root cause: {cg.task_label(t)} (task {t}) had all its inputs at step {step} but event {e} "
+                            f"'{cg.meta['events'][e]}' stopped at {ctr[e]} of {(step + 1) * trig[e]}")
+        return "no producer with ready inputs left the event short (a wait on a later step?)"
+
+    def producers(self, event: int) -> str:
+        """Labels of the tasks that signal ``event`` (for error messages)."""
+        tasks, sig = self.cg.arrays["tasks"], self.cg.arrays["signals"]
+        out = []
+        for t in range(tasks.shape[0]):
+            rows = sig[tasks[t, TASK_COLS["SIGNAL_BEGIN"]]:tasks[t, TASK_COLS["SIGNAL_END"]], 0]
+            if event in rows:
+                out.append(f"task {t}")
+        return ", ".join(out[:4]) + (" ..." if len(out) > 4 else "") if out else "no task"
+
+    def trace_records(self) -> list[np.ndarray]:
+        """Per worker: the trace records of the last launch."""
+        if not self.trace_cap:
+            return []
+        raw = self.trace.cpu().numpy().view(TRACE_DTYPE).reshape(self.workers, self.trace_cap)
+        lens = np.minimum(self.trace_len.cpu().numpy(), self.trace_cap)
+        return [raw[w, :lens[w]] for w in range(self.workers)]
+
+
+def ctypes_size(cls) -> int:
+    """sizeof of a ctypes struct."""
+    import ctypes
+
+    return ctypes.sizeof(cls)

@@ -1,0 +1,98 @@
+"""Derived tables the runtime needs beyond the ABI arrays, and checks of what the kernel supports.
+
+* jit dependents: for each event, the tasks that wait on it with the wait's step offset (CSR).
+* the final task (argmax_select), whose block runs the step epilogue.
+* limits of the CUDA task bodies (batch, head dim, group size, alignment) checked up front, so an
+  unsupported shape is a clear error here rather than a wrong result on the GPU.
+* dynamic shared memory the worker blocks need.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mpk_dist.errors import InputError
+from mpk_dist.taskgraph.abi import TASK_COLS, WAIT_COLS
+from mpk_dist.taskgraph.tasks import BY_NAME
+
+MAX_BATCH = 16
+MAX_GROUP = 8
+MAX_ATTN_HEAD_DIM = 256
+MAX_WORLD = 8
+
+
+def task_params(cg, task: int) -> dict[str, int]:
+    """Parameters of one task by name (ints; float parameters as their int32 bits)."""
+    row = cg.arrays["tasks"][task]
+    kind = _kind_of(row)
+    p = cg.arrays["params"][row[TASK_COLS["PARAM_BEGIN"]]:row[TASK_COLS["PARAM_END"]]]
+    return {spec.name: int(v) for spec, v in zip(kind.params, p)}
+
+
+def _kind_of(row):
+    from mpk_dist.taskgraph.tasks import BY_OPCODE
+
+    return BY_OPCODE[int(row[TASK_COLS["OPCODE"]])]
+
+
+def dependents(cg) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(dep_ptr [E+1], dep_task [NW], dep_offset [NW]): who waits on event e, with which offset."""
+    tasks, waits = cg.arrays["tasks"], cg.arrays["waits"]
+    E = cg.arrays["events"].shape[0]
+    owner = np.repeat(np.arange(tasks.shape[0]), tasks[:, TASK_COLS["WAIT_END"]] - tasks[:, TASK_COLS["WAIT_BEGIN"]])
+    # wait rows are stored task by task in order, so row k belongs to owner[k]
+    ev = waits[:, WAIT_COLS["EVENT"]]
+    order = np.argsort(ev, kind="stable")
+    ptr = np.zeros(E + 1, np.int64)
+    np.add.at(ptr, ev + 1, 1)
+    return (np.cumsum(ptr).astype(np.int32), owner[order].astype(np.int32),
+            waits[order, WAIT_COLS["STEP_OFFSET"]].astype(np.int32))
+
+
+def final_task(cg) -> int:
+    """The argmax_select task (exactly one per step)."""
+    ops = np.nonzero(cg.arrays["tasks"][:, TASK_COLS["OPCODE"]] == BY_NAME["argmax_select"].opcode)[0]
+    if len(ops) != 1:
+        raise InputError(f"task graph: expected exactly one argmax_select task, got {len(ops)}")
+    return int(ops[0])
+
+
+def check_supported(cg) -> None:
+    """Raise InputError naming the first task whose shape the CUDA bodies do not support."""
+    tasks = cg.arrays["tasks"]
+    world = int(cg.meta["world_size"])
+    if world > MAX_WORLD:
+        raise InputError(f"tp: expected <= {MAX_WORLD} ranks in one mega-kernel group, got {world}")
+    bad = [b for b in cg.meta["buffers"] if b["dtype"] == "f16" or (b["kind"] == "weight" and b["dtype"] != "bf16")]
+    if bad:
+        raise InputError(f"dtype: expected bf16 weights and activations, got {bad[0]['dtype']} for {bad[0]['name']}; "
+                         "convert the checkpoint to bfloat16 (torch_dtype in config.json)")
+    for t in range(tasks.shape[0]):
+        kind = _kind_of(tasks[t]).name
+        p = task_params(cg, t)
+        if "BATCH" in p and not 1 <= p["BATCH"] <= MAX_BATCH:
+            raise InputError(f"batch: expected 1..{MAX_BATCH} sequences, got {p['BATCH']}")
+        if kind == "linear" and p["K"] % 8:
+            raise InputError(f"{cg.task_label(t)}: expected K % 8 == 0 (16-byte weight loads), got K={p['K']}")
+        if kind == "attention" and (p["GROUP"] > MAX_GROUP or p["HEAD_DIM"] > MAX_ATTN_HEAD_DIM):
+            raise InputError(f"{cg.task_label(t)}: expected GROUP <= {MAX_GROUP} and head_dim <= {MAX_ATTN_HEAD_DIM}, "
+                             f"got GROUP={p['GROUP']}, head_dim={p['HEAD_DIM']}")
+        if kind == "qkv_prep" and (p["HEAD_DIM"] % 2 or p["HEAD_DIM"] > 512):
+            raise InputError(f"{cg.task_label(t)}: expected an even head_dim <= 512, got {p['HEAD_DIM']}")
+
+
+def smem_bytes(cg, worker_threads: int) -> int:
+    """Dynamic shared memory per worker block: the largest need over the task bodies."""
+    nwarps = worker_threads // 32
+    need = 2 * nwarps * 4  # block reductions (rms_norm, argmax)
+    tasks = cg.arrays["tasks"]
+    att = BY_NAME["attention"].opcode
+    for t in np.nonzero(tasks[:, TASK_COLS["OPCODE"]] == att)[0]:
+        p = task_params(cg, int(t))
+        need = max(need, nwarps * p["GROUP"] * (p["HEAD_DIM"] + 2) * 4)
+    return (need + 127) // 128 * 128
+
+
+def max_tasks_per_worker(cg) -> int:
+    """Longest static list (bounds the jit queues)."""
+    return int(np.diff(cg.arrays["worker_offsets"]).max(initial=0))

@@ -1,0 +1,96 @@
+"""Per-task timestamps from the kernel -> a Chrome/Perfetto trace (JSON), and its summary.
+
+One complete event ("ph": "X") per executed task: process = TP rank, thread = worker (SM slot),
+name = op name, category = task kind, args = task id, step, layer, tile. Times in microseconds
+relative to the earliest task start. ``summarize`` computes time per op kind and idle time per
+worker from such a file (what ``mpk-dist trace-summary`` prints).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+from mpk_dist.errors import InputError
+from mpk_dist.taskgraph.abi import TASK_COLS
+
+
+def chrome_trace(cg, per_worker: list[np.ndarray], rank: int = 0) -> dict:
+    """Build the trace dict from per-worker TraceRecord arrays of one launch."""
+    starts = [int(r["start_ns"].min()) for r in per_worker if len(r)]
+    t0 = min(starts) if starts else 0
+    ops, tasks = cg.meta["ops"], cg.arrays["tasks"]
+    events = []
+    for w, recs in enumerate(per_worker):
+        events.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": w, "args": {"name": f"worker {w}"}})
+        for r in recs:
+            t = int(r["task_id"])
+            op = ops[int(tasks[t, TASK_COLS["OP_INDEX"]])]
+            events.append({"name": op["name"], "cat": op["kind"], "ph": "X", "pid": rank, "tid": w,
+                           "ts": (int(r["start_ns"]) - t0) / 1e3, "dur": max(0, int(r["end_ns"]) - int(r["start_ns"])) / 1e3,
+                           "args": {"task": t, "step": int(r["step"]), "layer": op["layer"],
+                                    "tile": int(tasks[t, TASK_COLS["TILE"]])}})
+    events.append({"ph": "M", "name": "process_name", "pid": rank, "args": {"name": f"rank {rank}"}})
+    return {"traceEvents": events, "displayTimeUnit": "ns",
+            "otherData": {"generator": "mpk_dist.runtime.trace", "workers": len(per_worker)}}
+
+
+def write_trace(path: str | Path, trace: dict) -> Path:
+    """Write a trace dict as JSON; returns the path."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps(trace))
+    return p
+
+
+def load_trace(path: str | Path) -> list[dict]:
+    """The complete ('X') events of a Chrome trace file; raises InputError on a bad file."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise InputError(f"trace file: expected readable Chrome-trace JSON, got {type(exc).__name__}: {exc}") from None
+    evs = data.get("traceEvents", data) if isinstance(data, dict) else data
+    if not isinstance(evs, list):
+        raise InputError(f"trace file {path}: expected a traceEvents list, got {type(evs).__name__}")
+    return [e for e in evs if isinstance(e, dict) and e.get("ph") == "X"]
+
+
+def summarize(events: list[dict]) -> dict:
+    """Time per op kind (sum, count, share of busy time) and busy/idle time per (rank, worker).
+
+    Idle time of a worker = the span from the first task start to the last task end over all
+    workers, minus the worker's busy time (task starts include waiting on events, so a task's
+    duration covers its wait; the 'wait' part shows up as long durations of waiting tasks).
+    """
+    if not events:
+        raise InputError("trace: expected at least one task event, got none (was the run traced?)")
+    t_min = min(e["ts"] for e in events)
+    t_max = max(e["ts"] + e.get("dur", 0) for e in events)
+    span = t_max - t_min
+    kinds: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    busy: dict[tuple, float] = defaultdict(float)
+    for e in events:
+        k = kinds[e.get("cat") or e.get("name", "?")]
+        k[0] += e.get("dur", 0)
+        k[1] += 1
+        busy[(e.get("pid", 0), e.get("tid", 0))] += e.get("dur", 0)
+    total = sum(v[0] for v in kinds.values()) or 1.0
+    per_kind = sorted(((n, v[0], v[1], v[0] / total) for n, v in kinds.items()), key=lambda x: -x[1])
+    per_worker = sorted(((pw, b, max(0.0, span - b)) for pw, b in busy.items()), key=lambda x: x[0])
+    return {"span_us": span, "kinds": per_kind, "workers": per_worker}
+
+
+def format_summary(s: dict) -> str:
+    """The summary as text tables."""
+    lines = [f"trace span: {s['span_us']:.1f} us", "", f"{'op kind':<20}{'time (us)':>12}{'tasks':>8}{'share':>8}"]
+    for name, t, n, share in s["kinds"]:
+        lines.append(f"{name:<20}{t:>12.1f}{n:>8d}{share:>8.1%}")
+    idle = [w[2] for w in s["workers"]]
+    lines += ["", f"{'rank/worker':<14}{'busy (us)':>12}{'idle (us)':>12}{'idle %':>8}"]
+    for (pid, tid), b, i in s["workers"]:
+        lines.append(f"{f'{pid}/{tid}':<14}{b:>12.1f}{i:>12.1f}{i / max(s['span_us'], 1e-9):>8.1%}")
+    lines.append(f"idle per worker: mean {np.mean(idle):.1f} us, max {np.max(idle):.1f} us over {len(idle)} workers")
+    return "\n".join(lines)

@@ -1,0 +1,65 @@
+"""CPU tests of the runtime's derived tables and support checks on real compiled task graphs."""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+
+from mpk_dist.errors import InputError
+from mpk_dist.models.presets import get_preset
+from mpk_dist.runtime import params, tables
+from mpk_dist.taskgraph.abi import TASK_COLS, WAIT_COLS
+from mpk_dist.taskgraph.compiler import compile_rank_programs
+
+
+@pytest.fixture(scope="module")
+def cg():
+    return compile_rank_programs(get_preset("tiny"), tp=1, batch=2, sms=8, max_seq_len=32)[0]
+
+
+def test_dependents_invert_the_wait_list(cg):
+    ptr, task, off = tables.dependents(cg)
+    tasks, waits = cg.arrays["tasks"], cg.arrays["waits"]
+    want = set()
+    for t in range(tasks.shape[0]):
+        for k in range(tasks[t, TASK_COLS["WAIT_BEGIN"]], tasks[t, TASK_COLS["WAIT_END"]]):
+            want.add((int(waits[k, WAIT_COLS["EVENT"]]), t, int(waits[k, WAIT_COLS["STEP_OFFSET"]])))
+    got = {(e, int(task[i]), int(off[i])) for e in range(len(ptr) - 1) for i in range(ptr[e], ptr[e + 1])}
+    assert got == want and ptr[-1] == waits.shape[0]
+    assert any(o == -1 for _, _, o in got), "step_begin's wait on the previous step must appear"
+
+
+def test_final_task_is_argmax_select(cg):
+    t = tables.final_task(cg)
+    assert "argmax_select" in cg.task_label(t)
+
+
+def test_check_supported_rejects_what_the_kernel_cannot_run(cg):
+    tables.check_supported(cg)
+    bad = cg.copy()
+    bad.meta["buffers"][2]["dtype"] = "f32"  # a weight that is not bf16
+    with pytest.raises(InputError, match="expected bf16"):
+        tables.check_supported(bad)
+    big = compile_rank_programs(get_preset("tiny"), tp=1, batch=17, sms=8, max_seq_len=32, check=False)[0]
+    with pytest.raises(InputError, match="batch: expected 1..16"):
+        tables.check_supported(big)
+
+
+def test_smem_covers_attention_merge(cg):
+    # tiny: GROUP 2, head_dim 32, 8 warps -> 8 * 2 * 34 * 4 bytes
+    assert tables.smem_bytes(cg, 256) >= 8 * 2 * 34 * 4
+    assert tables.smem_bytes(cg, 256) % 128 == 0
+
+
+def test_param_struct_layout_matches_the_cuda_rules():
+    """Pointers and u64 fields are 8-aligned; the struct has no implicit tail padding surprises."""
+    for name, ct in params.PARAM_FIELDS:
+        off = getattr(params.RuntimeParams, name).offset
+        assert off % ctypes.alignment(ct) == 0, name
+    assert ctypes.sizeof(params.RuntimeParams) % 8 == 0
+    assert ctypes.sizeof(params.ErrorRecord) == 48
+    assert params.TRACE_DTYPE.itemsize == 24
+    raw = params.to_bytes(params.RuntimeParams(num_tasks=7))
+    assert np.frombuffer(raw, np.int32)[params.RuntimeParams.num_tasks.offset // 4] == 7
