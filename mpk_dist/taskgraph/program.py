@@ -65,17 +65,16 @@ class TaskOp:
 
     def add_tile(self, args: dict[str, tuple[int, int, int] | None], params: dict) -> None:
         """Append a tile; ``args`` maps every declared argument name to (buffer, offset, count) or None."""
-        missing = [a.name for a in self.kind.args if a.name not in args]
-        if missing:
-            raise ValueError(f"{self.name}: tile without arguments {missing}")
         row = []
         for a in self.kind.args:
-            v = args[a.name]
-            if v is None:
-                if not a.optional:
-                    raise ValueError(f"{self.name}: argument {a.name} is not optional")
+            v = args.get(a.name, False)
+            if v is None and a.optional:
                 v = (NULL_BUFFER, 0, 0)
-            row.append(tuple(int(x) for x in v))
+            elif v is None or v is False:
+                raise ValueError(f"{self.name}: argument {a.name} missing or not optional")
+            row.append((int(v[0]), int(v[1]), int(v[2])))
+        if len(args) != len(self.kind.args):
+            raise ValueError(f"{self.name}: unknown arguments {sorted(set(args) - {a.name for a in self.kind.args})}")
         self.args.append(row)
         self.params.append(self.kind.pack_params(params))
 

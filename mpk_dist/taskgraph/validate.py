@@ -29,34 +29,51 @@ def _fail(cg: CompiledGraph, task: int, what: str) -> None:
 
 
 def _check_rows(cg: CompiledGraph) -> None:
-    tasks, A = cg.arrays["tasks"], cg.arrays["args"]
-    nb, npar = len(cg.arrays["buffers"]), len(cg.arrays["params"])
-    numel = cg.arrays["buffers"][:, BUFFER_COLS["NUMEL"]]
-    for i, row in enumerate(tasks):
-        kind = BY_OPCODE.get(int(row[TASK_COLS["OPCODE"]]))
-        if kind is None:
-            _fail(cg, i, f"opcode: expected 0..{len(BY_OPCODE) - 1}, got {int(row[TASK_COLS['OPCODE']])}")
-        a0, a1 = int(row[TASK_COLS["ARG_BEGIN"]]), int(row[TASK_COLS["ARG_END"]])
-        p0, p1 = int(row[TASK_COLS["PARAM_BEGIN"]]), int(row[TASK_COLS["PARAM_END"]])
-        if a1 - a0 != len(kind.args) or not 0 <= a0 <= a1 <= len(A):
-            _fail(cg, i, f"arguments: expected {len(kind.args)} rows in range, got [{a0}, {a1})")
-        if p1 - p0 != len(kind.params) or not 0 <= p0 <= p1 <= npar:
-            _fail(cg, i, f"parameters: expected {len(kind.params)} in range, got [{p0}, {p1})")
-        for j, spec in enumerate(kind.args):
-            b, off, cnt = (int(x) for x in A[a0 + j])
-            if b == NULL_BUFFER and spec.optional:
-                continue
-            if not 0 <= b < nb:
-                _fail(cg, i, f"argument {spec.name}: buffer id expected 0..{nb - 1}, got {b}")
-            if off < 0 or cnt < 0 or off + cnt > numel[b]:
-                name = cg.meta["buffers"][b]["name"]
-                _fail(cg, i, f"argument {spec.name}: range [{off}, {off + cnt}) of buffer {name} out of bounds "
-                             f"(expected within {int(numel[b])} elements)")
-        for col in ("WAIT", "SIGNAL"):
-            lo, hi = int(row[TASK_COLS[f"{col}_BEGIN"]]), int(row[TASK_COLS[f"{col}_END"]])
-            n = len(cg.arrays["waits" if col == "WAIT" else "signals"])
-            if not 0 <= lo <= hi <= n:
-                _fail(cg, i, f"{col.lower()} range: expected within [0, {n}], got [{lo}, {hi})")
+    """Vectorised per-task checks: opcodes, argument/parameter counts, buffer ids and bounds."""
+    t, A = cg.arrays["tasks"].astype(np.int64), cg.arrays["args"].astype(np.int64)
+    nb, npar, T = len(cg.arrays["buffers"]), len(cg.arrays["params"]), len(cg.arrays["tasks"])
+    numel = cg.arrays["buffers"][:, BUFFER_COLS["NUMEL"]].astype(np.int64)
+    op = t[:, TASK_COLS["OPCODE"]]
+    bad = np.nonzero(~np.isin(op, list(BY_OPCODE)))[0]
+    if len(bad):
+        _fail(cg, int(bad[0]), f"opcode: expected 0..{len(BY_OPCODE) - 1}, got {int(op[bad[0]])}")
+    nargs = np.array([len(BY_OPCODE[k].args) for k in range(len(BY_OPCODE))])[op]
+    npars = np.array([len(BY_OPCODE[k].params) for k in range(len(BY_OPCODE))])[op]
+    a0, a1 = t[:, TASK_COLS["ARG_BEGIN"]], t[:, TASK_COLS["ARG_END"]]
+    p0, p1 = t[:, TASK_COLS["PARAM_BEGIN"]], t[:, TASK_COLS["PARAM_END"]]
+    for lo, hi, want, n, what in ((a0, a1, nargs, len(A), "argument rows"), (p0, p1, npars, npar, "parameters")):
+        bad = np.nonzero((hi - lo != want) | (lo < 0) | (hi > n))[0]
+        if len(bad):
+            i = int(bad[0])
+            _fail(cg, i, f"{what}: expected {int(want[i])} within [0, {n}], got [{int(lo[i])}, {int(hi[i])})")
+    for col, n in (("WAIT", len(cg.arrays["waits"])), ("SIGNAL", len(cg.arrays["signals"]))):
+        lo, hi = t[:, TASK_COLS[f"{col}_BEGIN"]], t[:, TASK_COLS[f"{col}_END"]]
+        bad = np.nonzero((lo < 0) | (hi < lo) | (hi > n))[0]
+        if len(bad):
+            i = int(bad[0])
+            _fail(cg, i, f"{col.lower()} range: expected within [0, {n}], got [{int(lo[i])}, {int(hi[i])})")
+    owner = np.repeat(np.arange(T), a1 - a0)  # task of each argument row, in task order
+    rows = np.concatenate([np.arange(lo, hi) for lo, hi in zip(a0, a1)]) if T else np.zeros(0, np.int64)
+    slot = rows - a0[owner]
+    maxa = max(len(k.args) for k in BY_OPCODE.values())
+    optional = np.zeros((len(BY_OPCODE), maxa), bool)
+    for k in BY_OPCODE.values():
+        optional[k.opcode, : len(k.args)] = [a.optional for a in k.args]
+    buf, off, cnt = A[rows, 0], A[rows, 1], A[rows, 2]
+    null = buf == NULL_BUFFER
+    bad_id = (null & ~optional[op[owner], slot]) | (~null & ((buf < 0) | (buf >= nb)))
+    safe = np.where(null | bad_id, 0, buf)
+    oob = ~null & ~bad_id & ((off < 0) | (cnt < 0) | (off + cnt > numel[safe]))
+    for mask, msg in ((bad_id, "buffer id"), (oob, "range")):
+        k = np.nonzero(mask)[0]
+        if len(k):
+            k = int(k[0])
+            i, spec = int(owner[k]), BY_OPCODE[int(op[owner[k]])].args[int(slot[k])]
+            if msg == "buffer id":
+                _fail(cg, i, f"argument {spec.name}: buffer id expected 0..{nb - 1}, got {int(buf[k])}")
+            name = cg.meta["buffers"][int(buf[k])]["name"]
+            _fail(cg, i, f"argument {spec.name}: range [{int(off[k])}, {int(off[k] + cnt[k])}) of buffer {name} "
+                         f"out of bounds (expected within {int(numel[buf[k]])} elements)")
 
 
 def _edges(cg: CompiledGraph) -> tuple[list[list[int]], list[list[tuple[int, int]]]]:
@@ -181,14 +198,20 @@ def _check_order(cg: CompiledGraph, sig_by_event, waits) -> None:
             _fail(cg, int(lst[bad[0] + 1]), f"AOT list of worker {w} is not in dependency order")
 
 
-def validate(cg: CompiledGraph) -> None:
-    """Raise ``GraphValidationError`` (naming op, layer, tile) if the program breaks an invariant."""
+def validate(cg: CompiledGraph, structure: bool = True) -> None:
+    """Raise ``GraphValidationError`` (naming op, layer, tile) if the program breaks an invariant.
+
+    ``structure=False`` checks only the per-rank parts (arguments, parameters, buffer bounds): for a
+    rank whose task, event, wait, signal and worker tables equal an already validated rank's.
+    """
     for name, cols in (("tasks", TASK_COLS), ("events", EVENT_COLS), ("waits", WAIT_COLS),
                        ("signals", SIGNAL_COLS), ("args", ARG_COLS), ("buffers", BUFFER_COLS)):
         a = cg.arrays[name]
         if a.ndim != 2 or a.shape[1] != len(cols):
             raise GraphValidationError(f"task graph: {name} table: expected [n, {len(cols)}], got {list(a.shape)}")
     _check_rows(cg)
+    if not structure:
+        return
     sig_by_event, waits = _edges(cg)
     _check_triggers(cg, sig_by_event)
     _topo(cg, sig_by_event, waits)

@@ -139,11 +139,14 @@ class TaskKind:
 
     def pack_params(self, values: dict[str, Any]) -> list[int]:
         """Parameters in ABI order as int32 (floats bit-cast); every declared parameter is required."""
-        missing = [p.name for p in self.params if p.name not in values]
-        extra = sorted(set(values) - {p.name for p in self.params})
-        if missing or extra:
-            raise ValueError(f"task kind {self.name}: parameters missing {missing}, unknown {extra}")
-        return [f2i(values[p.name]) if p.is_float else int(values[p.name]) for p in self.params]
+        if len(values) != len(self.params):
+            extra = sorted(set(values) - {p.name for p in self.params})
+            raise ValueError(f"task kind {self.name}: parameters expected {[p.name for p in self.params]}, "
+                             f"unknown {extra}")
+        try:
+            return [f2i(values[p.name]) if p.is_float else int(values[p.name]) for p in self.params]
+        except KeyError as exc:
+            raise ValueError(f"task kind {self.name}: parameter {exc} missing") from None
 
     def run_tile(self, t: TileContext) -> None:  # pragma: no cover - interface
         """Execute one tile on the CPU (writes through to the buffers)."""

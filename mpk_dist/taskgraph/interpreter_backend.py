@@ -1,0 +1,88 @@
+"""``--backend interpreter``: the compiled task graph run on the CPU by the interpreter.
+
+The CPU path of ``mpk-dist run`` (backend ``auto`` on a machine without a GPU). Every rank's program
+is compiled for the batch, weights are loaded per rank, and each ``prefill``/``decode`` call is one
+launch of the interpreter (prefill runs the prompt as forced decode steps). Races raise.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mpk_dist.backends.base import StepBackend
+from mpk_dist.config import ModelConfig
+from mpk_dist.errors import BackendUnavailable, InputError
+from mpk_dist.models import build_graph
+from mpk_dist.taskgraph.compiler import compile_rank_programs
+from mpk_dist.taskgraph.interpreter import Interpreter
+
+DEFAULT_SMS = 16
+"""Tiles are sized for this many workers on the CPU (fewer, larger tiles run faster in Python)."""
+
+
+class InterpreterBackend(StepBackend):
+    """Step backend over ``mpk_dist.taskgraph.interpreter.Interpreter``.
+
+    Options: ``sms`` (tile sizing), ``seed`` (schedule), ``schedule`` 'jit' (any ready task) or
+    'aot' (per-worker lists), ``check_races`` (default True), ``weights`` (per-rank dicts, instead
+    of loading from ``source``).
+    """
+
+    name = "interpreter"
+
+    def __init__(self, cfg: ModelConfig, source, tp: int = 1, device: str | torch.device = "cpu",
+                 max_seq_len: int = 512, sms: int = DEFAULT_SMS, seed: int = 0, schedule: str = "jit",
+                 check_races: bool = True, weights: list[dict[str, torch.Tensor]] | None = None, **_opts):
+        self.device = torch.device(device)
+        if self.device.type != "cpu":
+            raise BackendUnavailable(f"--backend interpreter: expected device cpu, got {self.device}; "
+                                     "the interpreter runs on the CPU (use --backend megakernel on a GPU)")
+        if schedule not in ("jit", "aot"):
+            raise InputError(f"--schedule: expected jit or aot, got {schedule!r}")
+        self.cfg, self.tp, self.max_seq_len = cfg, tp, max_seq_len
+        self.sms, self.seed, self.schedule, self.check_races = sms, seed, schedule, check_races
+        self.vocab_size = cfg.vocab_size
+        if weights is None:
+            from mpk_dist.weights import load_rank_weights
+
+            weights = [load_rank_weights(build_graph(cfg, tp=tp, rank=r, batch=1, max_seq_len=max_seq_len), source)
+                       for r in range(tp)]
+        self.weights = weights
+        self.batch = 0
+        self.interp: Interpreter | None = None
+        self._launches = 0
+
+    def reset(self, batch: int) -> None:
+        """Compile for ``batch`` sequences (cached) and clear the KV caches."""
+        if batch != self.batch or self.interp is None:
+            programs = compile_rank_programs(self.cfg, self.tp, batch=batch, sms=self.sms, max_seq_len=self.max_seq_len)
+            self.interp = Interpreter(programs, self.weights, seed=self.seed, mode=self.schedule,
+                                      check_races=self.check_races)
+            self.batch = batch
+        self.interp.reset_state()
+
+    def _launch(self, forced: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+        if self.interp is None:
+            raise InputError("interpreter backend: call reset(batch) before prefill/decode")
+        if int(start.max()) + forced.shape[0] > self.max_seq_len:
+            raise InputError(f"sequence length: expected at most {self.max_seq_len} tokens (--max-seq-len), "
+                             f"got {int(start.max()) + forced.shape[0]}")
+        if int(forced.max()) >= self.vocab_size or int(forced.min()) < 0:
+            raise InputError(f"token id: expected 0 <= id < {self.vocab_size}, got {forced.tolist()}")
+        self.interp.rng.seed(self.seed + self._launches)  # a different valid order every launch
+        self._launches += 1
+        res = self.interp.run(forced.shape[0], forced, start)
+        return res.captured["logits"][-1].float()
+
+    def prefill(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Prompts [B, T] as T forced decode steps in one launch; logits [B, V] of the last token."""
+        tokens = tokens.to(torch.int32).cpu()
+        positions = positions.to(torch.int32).cpu()
+        T = tokens.shape[1]
+        if not torch.equal(positions, positions[:, :1] + torch.arange(T, dtype=torch.int32)):
+            raise InputError("positions: expected consecutive positions per sequence, got " + str(positions.tolist()))
+        return self._launch(tokens.t().contiguous(), positions[:, 0])
+
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """One decode step for tokens [B] at positions [B]; logits [B, V]."""
+        return self._launch(tokens.to(torch.int32).cpu().reshape(1, -1), positions.to(torch.int32).cpu())
