@@ -24,10 +24,12 @@ def _broadcast(a: TensorInfo, b: TensorInfo):
     for i in range(1, max(len(a.shape), len(b.shape)) + 1):
         x = (a.shape[-i], a.syms[-i]) if i <= len(a.shape) else (1, None)
         y = (b.shape[-i], b.syms[-i]) if i <= len(b.shape) else (1, None)
-        if x[0] == 1:
-            x, y = y, x
+        if x[0] == 1 and (y[0] != 1 or x[1] is None):
+            x, y = y, x  # x: the dim that survives (a split dim of extent 1 keeps its symbol)
         if y[0] != 1 and (x[0] != y[0] or x[1] != y[1]):
             return None
+        if y[0] == 1 and y[1] is not None and x[1] != y[1]:
+            return None  # a tile dim of extent 1 still indexes its symbol: no broadcasting
         shape.append(x[0])
         syms.append(x[1])
     return tuple(reversed(shape)), tuple(reversed(syms))

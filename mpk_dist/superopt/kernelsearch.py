@@ -120,9 +120,9 @@ class KernelSearch:
         dangling = _dangling(tensors, ops)
         if len(dangling) > budget * self.ctx.config.max_custom_inputs:
             return  # sound bound: every dangling tensor must still be read by some op
-        self._must_read = dangling if budget == 1 else set()
+        must_read = dangling if budget == 1 else set()
         last = budget == 1
-        for op, new, key in self._moves(tensors, ops, prev, last):
+        for op, new, key in self._moves(tensors, ops, prev, last, must_read):
             tensors.update(new)
             ops.append(op)
             done = [n for n, i in new.items() if self._is_output(i)]
@@ -137,7 +137,7 @@ class KernelSearch:
     def _is_output(self, info) -> bool:
         return info.expr == self.ctx.target.out_expr and info.shape == self.out_shape
 
-    def _moves(self, tensors: dict, ops: list, prev, last: bool):
+    def _moves(self, tensors: dict, ops: list, prev, last: bool, must_read: set):
         names = list(tensors)
         infos = [tensors[n] for n in names]
         seen = {i.expr for i in infos}
@@ -156,12 +156,12 @@ class KernelSearch:
             op = KernelOp(kind, arg_names, (fresh,), tuple(sorted(attrs.items())),
                           origin=self.ctx.target.origin_of(info.expr))
             yield op, {fresh: info}, key
-        yield from self._custom_moves(tensors, names, seen, prev, last, len(ops))
+        yield from self._custom_moves(tensors, names, seen, prev, last, len(ops), must_read)
 
-    def _custom_moves(self, tensors, names, seen, prev, last, n_ops):
+    def _custom_moves(self, tensors, names, seen, prev, last, n_ops, must_read):
         for r in range(1, self.ctx.config.max_custom_inputs + 1):
             for subset in combinations(names, r):
-                if not self._must_read <= set(subset):
+                if not must_read <= set(subset):
                     continue  # the last op must read every tensor nobody read yet
                 for idx, (st, sizes, _) in enumerate(self.catalog.options(subset, tensors)):
                     key = ("c", subset, idx)
