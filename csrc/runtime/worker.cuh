@@ -107,9 +107,15 @@ __device__ bool run_and_signal(const RuntimeParams& p, int task, int s, float* s
   if (tid == 0 && end) atom_add_relaxed_gpu(p.halt, 1u);  // a stop, not an error: no error record
   if (tid == 0 && !early && task != p.inject_hang_task) {
     const int32_t* row = p.tasks + (size_t)task * TASK_NUM_COLS;
-    // Cumulativity: the block's writes (seen by thread 0 through the barrier) before every add.
-    // System scope when any store went to a peer or a peer will acquire.
-    fence_acq_rel_sys();
+    // Cumulativity: the block's writes (seen by thread 0 through the barrier) before every add;
+    // system scope when any store went to a peer or a peer (or the host) will acquire.
+    bool sys = false;
+    for (int k = row[TASK_COL_SIGNAL_BEGIN]; k < row[TASK_COL_SIGNAL_END]; ++k) {
+      const int e = p.signals[(size_t)k * SIGNAL_NUM_COLS + SIGNAL_COL_EVENT];
+      sys = sys || p.signals[(size_t)k * SIGNAL_NUM_COLS + SIGNAL_COL_TARGET] == SIG_ALL_RANKS || event_is_system(p, e);
+    }
+    if (sys) fence_acq_rel_sys();
+    else fence_acq_rel_gpu();
     for (int k = row[TASK_COL_SIGNAL_BEGIN]; k < row[TASK_COL_SIGNAL_END]; ++k) {
       const int e = p.signals[(size_t)k * SIGNAL_NUM_COLS + SIGNAL_COL_EVENT];
       const int target = p.signals[(size_t)k * SIGNAL_NUM_COLS + SIGNAL_COL_TARGET];
@@ -236,8 +242,7 @@ __device__ void worker_loop_jit(const RuntimeParams& p, BlockState& st, float* s
     if (st.failed) break;
     const int task = st.task, s = st.step;
     last_step = s;
-    const uint64_t t0 = globaltimer_ns();
-    prefetch_task(p, task, tid, nt);
+    const uint64_t t0 = globaltimer_ns();  // a queued task is ready: no prefetch-before-wait here
     if (!run_and_signal<true>(p, task, s, smem, tid, nt)) break;
     if (tid == 0) trace_record(p, ntrace, task, s, t0);
     worker_barrier(nt);

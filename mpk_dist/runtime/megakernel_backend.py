@@ -29,7 +29,7 @@ class MegakernelBackend(StepBackend):
     def __init__(self, cfg, source, tp: int = 1, device: str | torch.device = "cuda", max_seq_len: int = 512,
                  schedule: str = "aot", trace: str | None = None, timeout_s: float = 5.0, worker_threads: int = 256,
                  sms: int | None = None, transport: str | None = None, compiler: str | None = None,
-                 inject_hang_task: int = -1, trace_cap: int = 0, on_token=None):
+                 inject_hang_task: int = -1, on_token=None):
         if schedule not in SCHEDULES:
             raise InputError(f"--schedule: expected one of {SCHEDULES}, got {schedule!r}")
         if tp != 1:
@@ -47,7 +47,6 @@ class MegakernelBackend(StepBackend):
         self.cfg, self.tp, self.max_seq_len, self.schedule = cfg, tp, max_seq_len, schedule
         self.vocab_size = cfg.vocab_size
         self.trace_path, self.timeout_s, self.worker_threads = trace, timeout_s, worker_threads
-        self.trace_cap = trace_cap or (0 if trace is None else 8 * max_seq_len)
         self.compiler, self.inject_hang_task, self.on_token = compiler, inject_hang_task, on_token
         self.sms = sms or torch.cuda.get_device_properties(self.device).multi_processor_count
         graph = build_graph(cfg, tp=tp, rank=0, batch=1, max_seq_len=max_seq_len)
@@ -67,7 +66,7 @@ class MegakernelBackend(StepBackend):
             cg = compile_rank_programs(self.cfg, tp=1, batch=batch, sms=self.sms, max_seq_len=self.max_seq_len)[0]
             compile_s = time.perf_counter() - t0
             s = Session(cg, self.weights, self.device, self.schedule, self.worker_threads, self.timeout_s,
-                        self.trace_cap, compiler=self.compiler, model=self.cfg.architecture or self.cfg.family)
+                        trace is not None, compiler=self.compiler, model=self.cfg.architecture or self.cfg.family)
             s.taskgraph_s = compile_s
             self.sessions[batch] = s
         return self.sessions[batch]

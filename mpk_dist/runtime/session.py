@@ -33,7 +33,7 @@ class Session:
     """Buffers + kernel of one compiled rank program (tp 1: world 1, peers = self)."""
 
     def __init__(self, cg, weights: dict[str, torch.Tensor], device: torch.device, schedule: str = "aot",
-                 worker_threads: int = 256, timeout_s: float = 5.0, trace_cap: int = 0, num_sched: int = 4,
+                 worker_threads: int = 256, timeout_s: float = 5.0, trace: bool = False, num_sched: int = 4,
                  compiler: str | None = None, model: str = "-"):
         if cg.meta["abi_version"] != ABI_VERSION:
             raise InputError(f"task graph ABI: expected version {ABI_VERSION}, got {cg.meta['abi_version']}")
@@ -44,7 +44,10 @@ class Session:
         self.cg, self.device, self.schedule = cg, device, schedule
         self.batch, self.world, self.rank = int(cg.meta["batch"]), int(cg.meta["world_size"]), int(cg.meta["rank"])
         self.max_steps, self.workers = int(cg.meta["max_steps"]), int(cg.meta["workers"])
-        self.timeout_s, self.trace_cap = timeout_s, trace_cap
+        self.timeout_s = timeout_s
+        # Room for every task of every step, capped at ~256 MB of records.
+        per_worker = tables.max_tasks_per_worker(cg) * self.max_steps
+        self.trace_cap = min(per_worker, (256 << 20) // (24 * self.workers)) if trace else 0
         self.final = tables.final_task(cg)
         t0 = time.perf_counter()
         self.source, self.build = build_kernel(KernelShape(self.batch, worker_threads, schedule), model=model,
@@ -79,7 +82,7 @@ class Session:
             elif b["kind"] == "const":
                 t = torch.from_numpy(np.ascontiguousarray(cg.consts[b["name"]])).to(dev, dt).reshape(shape)
             elif i == special["token_out"]:
-                t = torch.zeros(shape, dtype=dt).pin_memory()  # mapped: the host streams tokens from it
+                t = _pinned(shape, dt)  # mapped: the host streams tokens from it while the kernel runs
                 self.pinned["token_out"] = t
             else:
                 t = torch.zeros(shape, dtype=dt, device=dev)
@@ -100,9 +103,9 @@ class Session:
         self.sched_queues = z32(self.num_sched * self.sched_cap * QUEUE_SLOT_WORDS)
         self.done, self.halt, self.trace_len = z32(self.batch), z32(1), z32(W)
         self.trace = torch.zeros(max(1, W * self.trace_cap * TRACE_DTYPE.itemsize), dtype=torch.uint8, device=dev)
-        self.pinned["progress"] = torch.zeros(2, dtype=torch.int32).pin_memory()
-        self.pinned["step_end_ns"] = torch.zeros(self.max_steps + 1, dtype=torch.int64).pin_memory()
-        self.pinned["error"] = torch.zeros(ctypes_size(ErrorRecord), dtype=torch.uint8).pin_memory()
+        self.pinned["progress"] = _pinned(2, torch.int32)
+        self.pinned["step_end_ns"] = _pinned(self.max_steps + 1, torch.int64)
+        self.pinned["error"] = _pinned(ctypes_size(ErrorRecord), torch.uint8)
         self.stop_ids = z32(1)
         self.logits_dump: torch.Tensor | None = None
         self.params_dev = torch.zeros(ctypes_size(RuntimeParams), dtype=torch.uint8, device=dev)
@@ -188,7 +191,10 @@ class Session:
         self.params_dev.copy_(torch.frombuffer(bytearray(to_bytes(p)), dtype=torch.uint8))
         self._launched_at = time.perf_counter()
         self._steps = (s0, s1)
-        self.kernel.launch(self.workers, self.params_dev.data_ptr(), torch.cuda.current_stream(self.device).cuda_stream)
+        self.kernel.launch(self.workers, self.params_dev.data_ptr(), self._stream().cuda_stream)
+
+    def _stream(self):
+        return torch.cuda.current_stream(self.device)
 
     def progress(self) -> int:
         """Steps finished so far (read from mapped pinned memory while the kernel runs)."""
@@ -196,7 +202,7 @@ class Session:
 
     def wait(self, on_step=None) -> None:
         """Wait for the kernel (bounded), streaming progress to ``on_step(step)``; raise on a watchdog record."""
-        stream = torch.cuda.current_stream(self.device)
+        stream = self._stream()
         s0, s1 = self._steps
         deadline = self._launched_at + self.timeout_s * 3 + 0.05 * (s1 - s0) + 10.0
         seen = s0
@@ -277,6 +283,12 @@ class Session:
         raw = self.trace.cpu().numpy().view(TRACE_DTYPE).reshape(self.workers, self.trace_cap)
         lens = np.minimum(self.trace_len.cpu().numpy(), self.trace_cap)
         return [raw[w, :lens[w]] for w in range(self.workers)]
+
+
+def _pinned(shape, dtype: torch.dtype) -> torch.Tensor:
+    """Zeroed page-locked host memory (device-visible under UVA); plain memory without a GPU (tests)."""
+    t = torch.zeros(shape, dtype=dtype)
+    return t.pin_memory() if torch.cuda.is_available() else t
 
 
 def ctypes_size(cls) -> int:

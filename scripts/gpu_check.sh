@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# Run every GPU test and the mega-kernel checks on a machine with an NVIDIA GPU; print a short
+# table last. Usage: scripts/gpu_check.sh [--runtime-only] [--no-sanitizer] [--bench]
+#   --runtime-only  only tests/runtime (the mega-kernel), not every gpu-marked test of the repo
+#   --no-sanitizer  skip compute-sanitizer memcheck/racecheck on the 2-layer model
+#   --bench         also run mpk-dist bench on qwen3-0.6b (megakernel vs torch-graph/compile)
+# Logs and JSON go to $OUT (or ./gpu_check_out).
+set -u
+OUT=${OUT:-$PWD/gpu_check_out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 MPK_CACHE_DIR=${MPK_CACHE_DIR:-/tmp/mpk_cache}
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+RUNTIME_ONLY=0; SANITIZE=1; BENCH=0
+for a in "$@"; do
+  case "$a" in
+    --runtime-only) RUNTIME_ONLY=1 ;;
+    --no-sanitizer) SANITIZE=0 ;;
+    --bench) BENCH=1 ;;
+    *) echo "gpu_check.sh: unknown option $a (expected --runtime-only, --no-sanitizer, --bench)" >&2; exit 2 ;;
+  esac
+done
+declare -A STATUS
+step() {  # step NAME TIMEOUT_S CMD...: run with a time limit, log to $OUT/NAME.log, record pass/fail
+  local name=$1 limit=$2; shift 2
+  local t0=$(date +%s)
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  STATUS[$name]="$([ $rc -eq 0 ] && echo PASS || echo "FAIL(rc=$rc)") $(( $(date +%s) - t0 ))s"
+  tail -n 25 "$OUT/$name.log"
+}
+
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
+python3 -c "import torch, cuda.bindings; print('torch', torch.__version__, 'cuda-bindings', cuda.bindings.__version__)"
+
+TESTS=tests; [ $RUNTIME_ONLY -eq 1 ] && TESTS=tests/runtime
+step pytest_gpu 900 env MPK_GPU_REPORT="$OUT/gpu_results.json" python3 -m pytest -m gpu "$TESTS" -q -rs -p no:cacheprovider
+
+if [ $SANITIZE -eq 1 ] && command -v compute-sanitizer > /dev/null; then
+  SAN_PY='from mpk_dist.model_source import open_model
+from mpk_dist.runtime.megakernel_backend import MegakernelBackend
+from mpk_dist.backends.base import GenerateRequest
+m = open_model("tiny", device="cuda")
+for sch in ("aot", "jit"):
+    b = MegakernelBackend(m.config, m.weights, max_seq_len=32, schedule=sch, timeout_s=120, sms=16)
+    print(sch, b.generate(GenerateRequest([[1, 2, 3], [4, 5, 6]], 4)).tokens)'
+  step memcheck 300 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -c "$SAN_PY"
+  step racecheck 300 compute-sanitizer --tool racecheck --error-exitcode 9 python3 -c "$SAN_PY"
+fi
+
+step trace_0p6b 300 bash -c "mpk-dist run --model qwen3-0.6b --backend megakernel --prompt-ids 1,2,3,4 --max-new-tokens 8 \
+  --trace $OUT/trace_qwen3_0p6b.json > /dev/null && mpk-dist trace-summary $OUT/trace_qwen3_0p6b.json | head -40 \
+  && gzip -f $OUT/trace_qwen3_0p6b.json"
+
+if [ $BENCH -eq 1 ]; then
+  step bench_0p6b 600 mpk-dist bench --model qwen3-0.6b --backend megakernel,torch-graph,torch-compile
+fi
+
+echo
+echo "==================== gpu_check summary ===================="
+python3 - "$OUT/gpu_results.json" <<'PY'
+import json, sys
+try:
+    rows = json.load(open(sys.argv[1]))
+except OSError:
+    rows = []
+keys = ["case", "steps", "max_err/std", "argmax_agree", "tokens_equal", "ms/token", "ok"]
+print(f"{keys[0]:<34}" + "".join(f"{k:>13}" for k in keys[1:]))
+for r in rows:
+    print(f"{str(r.get('case')):<34}" + "".join(f"{str(r.get(k, '-')):>13}" for k in keys[1:]))
+PY
+for k in "${!STATUS[@]}"; do printf '%-14s %s\n' "$k" "${STATUS[$k]}"; done | sort

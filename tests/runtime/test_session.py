@@ -1,0 +1,86 @@
+"""CPU test of the host side of a launch: buffers, forced-token rows and RuntimeParams, with the
+GPU parts (kernel build/load, stream) replaced by fakes that record what they receive."""
+
+from __future__ import annotations
+
+import types
+
+import numpy as np
+import pytest
+import torch
+
+from mpk_dist.model_source import open_model
+from mpk_dist.models import build_graph
+from mpk_dist.runtime import session as S
+from mpk_dist.runtime.params import RuntimeParams
+from mpk_dist.taskgraph.compiler import compile_rank_programs
+from mpk_dist.weights import load_rank_weights
+
+
+class FakeKernel:
+    def __init__(self, cubin, device_index, block_threads, smem):
+        self.block_threads, self.smem, self.launches = block_threads, smem, []
+
+    def launch(self, grid, params_ptr, stream):
+        self.launches.append((grid, params_ptr))
+
+
+class FakeStream:
+    cuda_stream = 0
+
+    def query(self):
+        return True
+
+    def synchronize(self):
+        pass
+
+
+@pytest.fixture()
+def sess(monkeypatch):
+    monkeypatch.setattr(S, "build_kernel", lambda *a, **k: ("src", types.SimpleNamespace(cubin=b"", cached=True)))
+    monkeypatch.setattr(S, "LoadedKernel", FakeKernel)
+    monkeypatch.setattr(S, "host_device_pointer", lambda p: p)
+    monkeypatch.setattr(S.Session, "_stream", lambda self: FakeStream())
+    m = open_model("tiny")
+    cg = compile_rank_programs(m.config, tp=1, batch=2, sms=4, max_seq_len=16)[0]
+    w = load_rank_weights(build_graph(m.config, tp=1, rank=0, batch=1, max_seq_len=16), m.weights, "cpu")
+    return S.Session(cg, w, torch.device("cpu"), schedule="jit", trace=True)
+
+
+def test_buffers_forced_rows_and_params(sess):
+    cg = sess.cg
+    for b, t in zip(cg.meta["buffers"], sess.bufs):
+        assert tuple(t.shape) == tuple(b["shape"]), b["name"]
+    assert sess.buffer("L0.wqkv").data_ptr() != 0
+    sess.fill_forced([[5, 6, 7], [8, 9, 10]], [11, 12], n_steps=6)
+    forced = sess.buffer("forced_tokens")
+    assert forced[:5].tolist() == [[5, 8], [6, 9], [7, 10], [11, 11], [12, 12]]
+    assert int(forced[5:].max()) == -1, "rows past the forced ones must read -1 (use the sampled token)"
+    sess.launch(0, 6, 3, 4, (7,), True, True)
+    grid, ptr = sess.kernel.launches[-1]
+    assert grid == cg.meta["workers"] == 4 and ptr == sess.params_dev.data_ptr()
+    p = RuntimeParams.from_buffer_copy(sess.params_dev.numpy().tobytes())
+    assert p.tasks == sess.tabs["tasks"].data_ptr() and p.event_tab == sess.tabs["events"].data_ptr()
+    assert p.logits == sess.buffer("logits").data_ptr() and p.token_out == sess.buffer("token_out").data_ptr()
+    assert (p.num_tasks, p.batch, p.vocab, p.step_end, p.prompt_len, p.num_stop) == (cg.arrays["tasks"].shape[0], 2, 512, 6, 3, 1)
+    assert p.final_task == S.tables.final_task(cg) and p.inject_hang_task == -1 and p.trace_cap > 0
+    assert sess.logits_dump.shape == (4, 2, 512)
+    base = np.frombuffer(sess.buf_base.numpy().tobytes(), np.uint64)
+    assert [int(x) for x in base] == [t.data_ptr() for t in sess.bufs]
+    sess.wait()  # fake stream: finished at once; no error record
+    assert sess.progress() == 0
+
+
+def test_watchdog_record_becomes_a_named_error(sess):
+    from mpk_dist.errors import DeviceTimeout
+    from mpk_dist.runtime.params import ErrorRecord
+
+    rec = ErrorRecord(code=1, valid=1, task_id=5, event_id=3, step=0, sm_id=17, worker=4, rank=0, seen=1, expected=3,
+                      elapsed_ns=500_000_000)
+    sess.pinned["error"].copy_(torch.frombuffer(bytearray(bytes(rec)), dtype=torch.uint8))
+    with pytest.raises(DeviceTimeout) as info:
+        sess.raise_on_error()
+    msg = str(info.value)
+    assert sess.cg.task_label(5) in msg and "event 3" in msg and "step 0" in msg and "SM 17" in msg
+    # all counters are 0: step_begin had its inputs (the previous step's wait is met at step 0) but never signalled
+    assert "root cause: op step_begin" in msg
