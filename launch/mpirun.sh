@@ -125,8 +125,11 @@ cleanup() {
     kill -KILL "$child" 2>/dev/null || true
   fi
   if [ "$use_mps" = 1 ]; then
-    "$here/mps.sh" stop "$mps_dir" || echo "mpirun.sh: MPS daemon in $mps_dir did not stop" >&2
-    [ "$mps_created" = 1 ] && rm -rf "$mps_dir"
+    if "$here/mps.sh" stop "$mps_dir"; then
+      [ "$mps_created" = 1 ] && rm -rf "$mps_dir"
+    else
+      echo "mpirun.sh: MPS daemon in $mps_dir did not stop; its logs stay there" >&2
+    fi
   fi
   exit "$rc"
 }

@@ -2,8 +2,8 @@
 # Start, stop or query a *private* CUDA MPS control daemon (own pipe and log directories).
 #
 #   eval "$(launch/mps.sh start [DIR])"   # starts it, prints the exports its clients need
-#   launch/mps.sh status [DIR]            # exit 0 when its control pipe exists
-#   launch/mps.sh stop [DIR]              # asks it to quit, waits (bounded) for the pipe to go
+#   launch/mps.sh status [DIR]            # exit 0 when its daemon runs
+#   launch/mps.sh stop [DIR]              # asks it to quit, waits (bounded) until it has exited
 #
 # DIR defaults to $MPK_MPS_DIR, else /tmp/mpk-mps-<uid>. Pipes live in DIR/pipe, logs in DIR/log.
 # Ranks sharing a GPU need MPS: without it their contexts time-slice and a flag round trip between
@@ -25,7 +25,20 @@ dir="${2:-${MPK_MPS_DIR:-/tmp/mpk-mps-$(id -u)}}"
 export CUDA_MPS_PIPE_DIRECTORY="$dir/pipe"
 export CUDA_MPS_LOG_DIRECTORY="$dir/log"
 
-running() { [ -p "$CUDA_MPS_PIPE_DIRECTORY/control" ]; }
+# Running = the daemon's pid file names a live process. (CUDA 13's daemon makes 'control' a
+# socket that stays behind after quit, so the pipe alone proves nothing; drivers without a pid
+# file use a fifo that goes away with the daemon.)
+running() {
+  local pidfile="$CUDA_MPS_PIPE_DIRECTORY/nvidia-cuda-mps-control.pid" pid state
+  if [ -f "$pidfile" ]; then
+    pid="$(tr -dc 0-9 < "$pidfile" 2>/dev/null)"
+    [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null || return 1
+    state="$(awk '{print $3}' "/proc/$pid/stat" 2>/dev/null || echo R)"
+    [ "$state" != Z ]
+    return
+  fi
+  [ -p "$CUDA_MPS_PIPE_DIRECTORY/control" ]
+}
 
 # Poll until "running" returns $1 (0 = up, 1 = down) or the timeout passes.
 wait_for() {
@@ -50,7 +63,7 @@ case "$action" in
       mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
       "$control" -d
       if ! wait_for 0; then
-        echo "mps.sh: expected the control pipe $CUDA_MPS_PIPE_DIRECTORY/control within ${timeout_s}s, got none; see $CUDA_MPS_LOG_DIRECTORY/control.log" >&2
+        echo "mps.sh: expected a running MPS control daemon in $CUDA_MPS_PIPE_DIRECTORY within ${timeout_s}s, got none; see $CUDA_MPS_LOG_DIRECTORY/control.log" >&2
         exit 1
       fi
     fi

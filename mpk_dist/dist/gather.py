@@ -62,16 +62,16 @@ def _sleep(poll: float) -> float:
 
 def _recv_from_all(comm: Any, sources: set[int], tag: int, deadline: float, what: str) -> dict[int, Any]:
     """Receive one object from each rank in ``sources`` (any order) before ``deadline``."""
-    from mpi4py import MPI
-
     got: dict[int, Any] = {}
-    status = MPI.Status()
     poll = 0.0005
     while len(got) < len(sources):
-        if comm.iprobe(source=MPI.ANY_SOURCE, tag=tag, status=status):
-            src = status.Get_source()
-            # The message is already here, so this recv returns promptly.
-            got[src] = comm.recv(source=src, tag=tag)
+        # NOTE: probe each missing source, never ANY_SOURCE: a rank that already left this
+        # gather may have sent its message for the NEXT one, and only per-source ordering
+        # (MPI's non-overtaking rule) tells the two apart.
+        arrived = [src for src in sorted(sources - got.keys()) if comm.iprobe(source=src, tag=tag)]
+        for src in arrived:
+            got[src] = comm.recv(source=src, tag=tag)  # already here: returns promptly
+        if arrived:
             continue
         if time.monotonic() > deadline:
             missing = sorted(sources - got.keys())

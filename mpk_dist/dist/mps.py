@@ -23,6 +23,7 @@ from mpk_dist.dist.env import RankInfo
 from mpk_dist.errors import BackendUnavailable, DeviceTimeout
 
 DEFAULT_PIPE_DIR = "/tmp/nvidia-mps"  # where CUDA looks when CUDA_MPS_PIPE_DIRECTORY is unset
+PID_FILE = "nvidia-cuda-mps-control.pid"  # written by the control daemon in its pipe directory
 
 
 def control_binary() -> str:
@@ -39,12 +40,35 @@ def mps_env(base_dir: str | Path) -> dict[str, str]:
     }
 
 
-def mps_active(environ: Mapping[str, str] | None = None) -> bool:
-    """True when the MPS control pipe named by the environment exists (a daemon is listening)."""
-    env = os.environ if environ is None else environ
-    pipe = Path(env.get("CUDA_MPS_PIPE_DIRECTORY", DEFAULT_PIPE_DIR)) / "control"
+def _pid_alive(pid: int) -> bool:
+    """True for a live process (a zombie, dead but unreaped, is not alive)."""
     try:
-        return stat.S_ISFIFO(pipe.stat().st_mode)
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, owned by someone else
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def mps_active(environ: Mapping[str, str] | None = None) -> bool:
+    """True when an MPS control daemon serves the pipe directory named by the environment.
+
+    NOTE: CUDA 13's daemon makes ``control`` a socket that stays behind after ``quit`` (seen on
+    an H200), so its existence proves nothing; the daemon's pid file naming a live process does.
+    Drivers without a pid file use a ``control`` fifo that disappears with the daemon.
+    """
+    env = os.environ if environ is None else environ
+    pipe_dir = Path(env.get("CUDA_MPS_PIPE_DIRECTORY", DEFAULT_PIPE_DIR))
+    pid_file = pipe_dir / PID_FILE
+    if pid_file.exists():
+        digits = "".join(ch for ch in pid_file.read_text() if ch.isdigit())
+        return bool(digits) and _pid_alive(int(digits))
+    try:
+        return stat.S_ISFIFO((pipe_dir / "control").stat().st_mode)
     except OSError:
         return False
 
@@ -69,7 +93,7 @@ def start_mps(base_dir: str | Path, timeout_s: float = 10.0) -> dict[str, str]:
     while not mps_active(env):
         if time.monotonic() > deadline:
             raise DeviceTimeout(
-                f"MPS: expected the control pipe {env['CUDA_MPS_PIPE_DIRECTORY']}/control within "
+                f"MPS: expected a running control daemon in {env['CUDA_MPS_PIPE_DIRECTORY']} within "
                 f"{timeout_s:g} s, got none; see {env['CUDA_MPS_LOG_DIRECTORY']}/control.log"
             )
         time.sleep(0.05)
@@ -77,7 +101,7 @@ def start_mps(base_dir: str | Path, timeout_s: float = 10.0) -> dict[str, str]:
 
 
 def stop_mps(env: Mapping[str, str], timeout_s: float = 10.0) -> bool:
-    """Ask the daemon of ``env`` to quit; True when its control pipe is gone afterwards."""
+    """Ask the daemon of ``env`` to quit; True when it has exited afterwards."""
     if not mps_active(env):
         return True
     subprocess.run(
@@ -95,6 +119,6 @@ def require_mps_if_shared(info: RankInfo, num_devices: int, environ: Mapping[str
         return
     raise BackendUnavailable(
         f"GPU sharing: expected an MPS daemon when {info.local_world_size} ranks share {num_devices} "
-        f"GPU(s) on {info.node_name}, got none (CUDA_MPS_PIPE_DIRECTORY has no control pipe); "
+        f"GPU(s) on {info.node_name}, got none (no live daemon in CUDA_MPS_PIPE_DIRECTORY); "
         "start the job with launch/mpirun.sh (it starts a private MPS) or run launch/mps.sh start"
     )

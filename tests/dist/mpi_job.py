@@ -20,6 +20,10 @@ def main() -> None:
     out = {"rank": info.rank, "env": list(env_info.__dict__.values())[:4], "mpi": [mpi_info.rank, mpi_info.world_size]}
     out["gathered"] = gather_to_rank0({"rank": info.rank, "sq": info.rank * info.rank})
     out["all"] = allgather(info.rank * 10)
+    # Back-to-back gathers: non-root ranks race ahead into the next round, so a receiver that
+    # mixed rounds up would put a round-r+1 value into round r (seen before the per-source fix).
+    rounds = [gather_to_rank0((r, info.rank)) for r in range(30)]
+    out["rounds_ok"] = all(g == [(r, k) for k in range(info.world_size)] for r, g in enumerate(rounds)) if info.rank == 0 else None
     check_tp_group_on_one_node(info, 2)
     try:
         check_tp_group_on_one_node(info, 2, hostnames=["a", "b"] * (info.world_size // 2))

@@ -58,6 +58,7 @@ def test_gather_under_mpirun():
         assert row["all"] == [0, 10, 20, 30]
         assert "TP group 0 (ranks 0-1): expected all 2 ranks on one node, got ranks on a, b" in row["spanning"]
     assert rows[0]["gathered"] == [{"rank": r, "sq": r * r} for r in range(4)]
+    assert rows[0]["rounds_ok"] is True
     assert all(rows[r]["gathered"] is None for r in (1, 2, 3))
     assert "got none from ranks [3]" in rows[0]["timeout"]
     assert rows[1]["timeout"] is None and "timeout" not in rows[3]

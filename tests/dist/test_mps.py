@@ -7,14 +7,20 @@ import textwrap
 import pytest
 
 from mpk_dist.dist.env import RankInfo
-from mpk_dist.dist.mps import mps_active, mps_env, require_mps_if_shared, start_mps, stop_mps
+from mpk_dist.dist.mps import _pid_alive, mps_active, mps_env, require_mps_if_shared, start_mps, stop_mps
 from mpk_dist.errors import BackendUnavailable
 
 FAKE_CONTROL = textwrap.dedent("""\
     #!/bin/sh
-    # -d: create the control fifo like the daemon does; stdin "quit": remove it.
-    if [ "$1" = "-d" ]; then mkfifo "$CUDA_MPS_PIPE_DIRECTORY/control"; exit 0; fi
-    read cmd; [ "$cmd" = quit ] && rm -f "$CUDA_MPS_PIPE_DIRECTORY/control"
+    # Like CUDA 13's daemon: a live process named in a pid file, and a 'control' entry that
+    # stays behind after quit.
+    pidfile="$CUDA_MPS_PIPE_DIRECTORY/nvidia-cuda-mps-control.pid"
+    if [ "$1" = "-d" ]; then
+      sleep 300 </dev/null >/dev/null 2>&1 &
+      echo $! > "$pidfile"; : > "$CUDA_MPS_PIPE_DIRECTORY/control"; exit 0
+    fi
+    read cmd
+    if [ "$cmd" = quit ] && [ -f "$pidfile" ]; then kill "$(cat "$pidfile")"; rm -f "$pidfile"; fi
 """)
 
 
@@ -31,9 +37,19 @@ def test_start_and_stop_private_daemon(tmp_path, fake_control):
     env = start_mps(tmp_path / "mps", timeout_s=5)
     assert env == mps_env(tmp_path / "mps")
     assert mps_active(env)
-    assert stat.S_ISFIFO(os.stat(env["CUDA_MPS_PIPE_DIRECTORY"] + "/control").st_mode)
+    pid = int(open(env["CUDA_MPS_PIPE_DIRECTORY"] + "/nvidia-cuda-mps-control.pid").read())
     assert stop_mps(env, timeout_s=5)
     assert not mps_active(env)
+    assert os.path.exists(env["CUDA_MPS_PIPE_DIRECTORY"] + "/control")  # stale, yet not "active"
+    assert not _pid_alive(pid)  # the daemon process itself is gone
+
+
+def test_old_style_fifo_without_pid_file(tmp_path):
+    pipe = tmp_path / "pipe"
+    pipe.mkdir()
+    assert not mps_active({"CUDA_MPS_PIPE_DIRECTORY": str(pipe)})
+    os.mkfifo(pipe / "control")
+    assert mps_active({"CUDA_MPS_PIPE_DIRECTORY": str(pipe)})
 
 
 def test_missing_binary(tmp_path, monkeypatch):

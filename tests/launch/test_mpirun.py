@@ -21,9 +21,16 @@ MPS_SH = REPO / "launch" / "mps.sh"
 
 FAKE_CONTROL = textwrap.dedent("""\
     #!/bin/sh
-    if [ "$1" = "-d" ]; then echo "start $CUDA_MPS_PIPE_DIRECTORY" >> "$FAKE_MPS_LOG"; mkfifo "$CUDA_MPS_PIPE_DIRECTORY/control"; exit 0; fi
+    # Like CUDA 13's daemon: -d leaves a live process named in a pid file and a 'control' entry;
+    # quit ends the process and removes the pid file but leaves 'control' behind (stale socket).
+    pidfile="$CUDA_MPS_PIPE_DIRECTORY/nvidia-cuda-mps-control.pid"
+    if [ "$1" = "-d" ]; then
+      echo "start $CUDA_MPS_PIPE_DIRECTORY" >> "$FAKE_MPS_LOG"
+      sleep 300 </dev/null >/dev/null 2>&1 &
+      echo $! > "$pidfile"; : > "$CUDA_MPS_PIPE_DIRECTORY/control"; exit 0
+    fi
     read cmd; echo "$cmd $CUDA_MPS_PIPE_DIRECTORY" >> "$FAKE_MPS_LOG"
-    [ "$cmd" = quit ] && rm -f "$CUDA_MPS_PIPE_DIRECTORY/control"
+    if [ "$cmd" = quit ] && [ -f "$pidfile" ]; then kill "$(cat "$pidfile")"; rm -f "$pidfile"; fi
     exit 0
 """)
 
@@ -65,9 +72,10 @@ def test_bad_flags(env):
 
 @pytest.mark.mpi
 def test_ranks_share_gpu_with_private_mps(env, tmp_path):
-    probe = ("import os; print('RANK', os.environ['OMPI_COMM_WORLD_RANK'], os.environ['NCCL_NVLS_ENABLE'], "
+    probe = ("import os; from mpk_dist.dist.mps import mps_active; print('RANK', os.environ['OMPI_COMM_WORLD_RANK'], os.environ['NCCL_NVLS_ENABLE'], "
              "os.environ['TORCH_SYMM_MEM_DISABLE_MULTICAST'], os.environ['NVSHMEM_DISABLE_NVLS'], "
-             "os.environ['MPK_TEST_VALUE'], os.path.exists(os.environ['CUDA_MPS_PIPE_DIRECTORY'] + '/control'))")
+             "os.environ['MPK_TEST_VALUE'], mps_active())")
+    env = {**env, "PYTHONPATH": f"{REPO}{os.pathsep}{env.get('PYTHONPATH', '')}"}
     proc = subprocess.run([str(MPIRUN_SH), "-n", "2", "--gpus", "1", "--exec", sys.executable, "-c", probe],
                           env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
