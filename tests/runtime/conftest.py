@@ -6,7 +6,15 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
+
 RESULTS: list[dict] = []
+
+
+@pytest.fixture()
+def gpu_results() -> list[dict]:
+    """The session's result rows (append one dict per checked case)."""
+    return RESULTS
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):

@@ -11,8 +11,6 @@ import time
 import pytest
 import torch
 
-from tests.runtime.conftest import RESULTS
-
 pytestmark = pytest.mark.gpu
 
 if not torch.cuda.is_available():  # collected on CPU machines only with -m gpu; say why they skip
@@ -74,7 +72,7 @@ def compare_logits(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
 @pytest.mark.parametrize("name,batch,schedule", [
     ("tiny", 1, "aot"), ("tiny", 1, "jit"), ("tiny", 4, "aot"), ("tiny-llama", 1, "aot"), ("tiny-llama", 16, "jit"),
 ])
-def test_first_step_buffers_match_torch(name, batch, schedule):
+def test_first_step_buffers_match_torch(name, batch, schedule, gpu_results):
     """After one step, every activation buffer equals the torch graph's tensor (names the first op off)."""
     mkb = mk(name, schedule)
     mkb.reset(batch)
@@ -98,7 +96,7 @@ def test_first_step_buffers_match_torch(name, batch, schedule):
             tol = 2e-2 * float(want.abs().max()) + 1e-3
             if float((got - want).abs().max()) > tol:
                 bad.append(f"{op.name}->{out}: max err {float((got - want).abs().max()):.4g} (tol {tol:.3g})")
-    RESULTS.append({"case": f"buffers {name} b{batch} {schedule}", "steps": 1, "ok": not bad})
+    gpu_results.append({"case": f"buffers {name} b{batch} {schedule}", "steps": 1, "ok": not bad})
     assert not bad, "first differing ops: " + "; ".join(bad[:4])
 
 
@@ -108,7 +106,7 @@ FORCED_CASES = [("tiny", 1, "aot"), ("tiny", 1, "jit"), ("tiny", 4, "aot"), ("ti
 
 
 @pytest.mark.parametrize("name,batch,schedule", FORCED_CASES)
-def test_teacher_forced_logits(name, batch, schedule):
+def test_teacher_forced_logits(name, batch, schedule, gpu_results):
     """>= 256 teacher-forced steps: logits within 3% of their std at every step, argmax >= 99%."""
     vocab = model(name).config.vocab_size
     prompt = rand_ids(4, vocab, 2)
@@ -120,7 +118,7 @@ def test_teacher_forced_logits(name, batch, schedule):
     err, agree = compare_logits(got.logits, want.logits)
     ok = err <= 0.03 and agree >= 0.99
     ms = sorted(got.per_token_ms)[len(got.per_token_ms) // 2] if got.per_token_ms else float("nan")
-    RESULTS.append({"case": f"forced {name} b{batch} {schedule}", "steps": got.logits.shape[0],
+    gpu_results.append({"case": f"forced {name} b{batch} {schedule}", "steps": got.logits.shape[0],
                     "max_err/std": f"{err:.4f}", "argmax_agree": f"{agree:.4f}", "ms/token": f"{ms:.3f}", "ok": ok})
     assert got.logits.shape[0] >= FORCED_STEPS
     assert err <= 0.03, f"max |err| / std = {err:.4f} > 0.03"
@@ -128,7 +126,7 @@ def test_teacher_forced_logits(name, batch, schedule):
 
 
 @pytest.mark.parametrize("batch,schedule", [(1, "aot"), (1, "jit"), (4, "aot")])
-def test_greedy_tokens_qwen3_0p6b(batch, schedule):
+def test_greedy_tokens_qwen3_0p6b(batch, schedule, gpu_results):
     """Greedy decoding: the first 64 tokens equal the torch backend's."""
     vocab = model("qwen3-0.6b").config.vocab_size
     prompts = [rand_ids(8, vocab, 10 + b) for b in range(batch)]
@@ -137,24 +135,24 @@ def test_greedy_tokens_qwen3_0p6b(batch, schedule):
     want = ref("qwen3-0.6b").generate(req)
     same = got.tokens == want.tokens
     ms = sorted(got.per_token_ms)[len(got.per_token_ms) // 2]
-    RESULTS.append({"case": f"greedy qwen3-0.6b b{batch} {schedule}", "steps": 64, "tokens_equal": same,
+    gpu_results.append({"case": f"greedy qwen3-0.6b b{batch} {schedule}", "steps": 64, "tokens_equal": same,
                     "ms/token": f"{ms:.3f}", "ok": same})
     assert same, f"first mismatch: {[(i, a, b) for i, (a, b) in enumerate(zip(got.tokens[0], want.tokens[0])) if a != b][:3]}"
 
 
-def test_one_step_mode_equals_one_launch():
+def test_one_step_mode_equals_one_launch(gpu_results):
     """StepBackend's loop over prefill/decode (a launch per step) gives the one-launch tokens."""
     b = mk("tiny")
     vocab = model("tiny").config.vocab_size
     req = GenerateRequest([rand_ids(5, vocab, 4), rand_ids(5, vocab, 5)], 20)
     one = b.generate(req)
     steps = StepBackend.generate(b, req)
-    RESULTS.append({"case": "one-step mode == one launch", "steps": 20, "tokens_equal": one.tokens == steps.tokens,
+    gpu_results.append({"case": "one-step mode == one launch", "steps": 20, "tokens_equal": one.tokens == steps.tokens,
                     "ok": one.tokens == steps.tokens})
     assert one.tokens == steps.tokens
 
 
-def test_eos_stops_early_and_streams():
+def test_eos_stops_early_and_streams(gpu_results):
     """A stop id ends the launch on the device; streamed tokens arrive in order."""
     b = mk("tiny")
     vocab = model("tiny").config.vocab_size
@@ -170,14 +168,14 @@ def test_eos_stops_early_and_streams():
         b.on_token = None
     ok = res.tokens[0] == full.tokens[0][:first + 1] and res.extra["steps"] == 3 + first
     ok = ok and [i for i, _ in seen] == list(range(first + 1)) and [t[0] for _, t in seen] == res.tokens[0]
-    RESULTS.append({"case": "EOS stop + streaming", "steps": res.extra["steps"], "ok": ok})
+    gpu_results.append({"case": "EOS stop + streaming", "steps": res.extra["steps"], "ok": ok})
     assert res.tokens[0] == full.tokens[0][:first + 1]
     assert res.extra["steps"] == 3 + first, "the kernel must stop at the stop id, not run to max tokens"
     assert [t[0] for _, t in seen] == res.tokens[0]
 
 
 @pytest.mark.parametrize("schedule", ["aot", "jit"])
-def test_watchdog_names_task_event_step_sm(schedule):
+def test_watchdog_names_task_event_step_sm(schedule, gpu_results):
     """A task that never signals: the host error names the waiting task, the event, step and SM."""
     probe = mk("tiny", schedule)
     cg = probe.session(1).cg
@@ -189,14 +187,14 @@ def test_watchdog_names_task_event_step_sm(schedule):
     msg = str(info.value)
     took = time.perf_counter() - t0
     ok = all(w in msg for w in ("task", "event", "step", "SM")) and took < 30
-    RESULTS.append({"case": f"watchdog {schedule}", "steps": "-", "ok": ok})
+    gpu_results.append({"case": f"watchdog {schedule}", "steps": "-", "ok": ok})
     print(msg)
     assert "waited on event" in msg and "at step 0" in msg and " SM " in msg, msg
     assert f"root cause: {cg.task_label(victim)}" in msg, msg
     assert took < 30
 
 
-def test_trace_and_summary(tmp_path):
+def test_trace_and_summary(tmp_path, gpu_results):
     """--trace writes a Chrome trace with one event per task and step; trace-summary reads it."""
     from mpk_dist.cli import main
 
@@ -208,5 +206,5 @@ def test_trace_and_summary(tmp_path):
     evs = [e for e in json.loads(path.read_text())["traceEvents"] if e.get("ph") == "X"]
     n_tasks = b.session(1).cg.arrays["tasks"].shape[0]
     ok = len(evs) == n_tasks * res.extra["steps"] and main(["trace-summary", str(path)]) == 0
-    RESULTS.append({"case": "trace + trace-summary", "steps": res.extra["steps"], "ok": ok})
+    gpu_results.append({"case": "trace + trace-summary", "steps": res.extra["steps"], "ok": ok})
     assert len(evs) == n_tasks * res.extra["steps"]
