@@ -72,8 +72,9 @@ def check_supported(cg) -> None:
         p = task_params(cg, t)
         if "BATCH" in p and not 1 <= p["BATCH"] <= MAX_BATCH:
             raise InputError(f"batch: expected 1..{MAX_BATCH} sequences, got {p['BATCH']}")
-        if kind == "linear" and p["K"] % 8:
-            raise InputError(f"{cg.task_label(t)}: expected K % 8 == 0 (16-byte weight loads), got K={p['K']}")
+        if kind == "linear" and (p["K"] % 8 or p["X_STRIDE"] % 8):
+            raise InputError(f"{cg.task_label(t)}: expected K and X_STRIDE multiples of 8 (16-byte loads), "
+                             f"got K={p['K']}, X_STRIDE={p['X_STRIDE']}")
         if kind == "attention" and (p["GROUP"] > MAX_GROUP or p["HEAD_DIM"] > MAX_ATTN_HEAD_DIM):
             raise InputError(f"{cg.task_label(t)}: expected GROUP <= {MAX_GROUP} and head_dim <= {MAX_ATTN_HEAD_DIM}, "
                              f"got GROUP={p['GROUP']}, head_dim={p['HEAD_DIM']}")
