@@ -183,29 +183,34 @@ class _Launch:
             k = self.rng_index(len(self.ready))
             self.ready[k], self.ready[-1] = self.ready[-1], self.ready[k]
             return self.ready.pop()
-        heads = [i for i in self._aot_heads() if self.insts[i][3] == 0]
-        if not heads:
+        if not hasattr(self, "heads"):
+            self._init_aot()
+        live = [w for w, i in enumerate(self.heads) if i >= 0 and self.insts[i][3] == 0]
+        if not live:
             return None
-        i = heads[self.rng_index(len(heads))]
-        r, t, s = self.insts[i][:3]
-        self.aot_pos[(r, self.it.cgs[r].arrays["tasks"][t, TASK_COLS["WORKER"]])] += 1
+        w = live[self.rng_index(len(live))]
+        i = self.heads[w]
+        self.aot_pos[w] += 1
+        self.heads[w] = self._aot_head(w)
         return i
 
     def rng_index(self, n: int) -> int:
         """A uniformly random index below n (the interpreter's seeded generator)."""
         return self.it.rng.randrange(n)
 
-    def _aot_heads(self) -> list[int]:
-        if not hasattr(self, "aot_pos"):
-            self.aot_pos = {(r, w): 0 for r in range(self.it.world) for w in range(len(self.it.dec[r].worker_lists))}
-            T = len(self.it.dec[0].kind)
-            self.inst_index = lambda r, t, s: (s * self.it.world + r) * T + t
-        heads = []
-        for (r, w), k in self.aot_pos.items():
-            lst = self.it.dec[r].worker_lists[w]
-            if lst and k < len(lst) * self.steps:
-                heads.append(self.inst_index(r, lst[k % len(lst)], k // len(lst)))
-        return heads
+    def _init_aot(self) -> None:
+        """One queue per (rank, worker): its static list, repeated for every step."""
+        self.queues = [(r, lst) for r in range(self.it.world) for lst in self.it.dec[r].worker_lists]
+        self.aot_pos = [0] * len(self.queues)
+        self.heads = [self._aot_head(w) for w in range(len(self.queues))]
+
+    def _aot_head(self, w: int) -> int:
+        r, lst = self.queues[w]
+        k = self.aot_pos[w]
+        if not lst or k >= len(lst) * self.steps:
+            return -1
+        T = len(self.it.dec[0].kind)
+        return ((k // len(lst)) * self.it.world + r) * T + lst[k % len(lst)]  # index of (rank, task, step)
 
     def execute(self) -> None:
         """Run every instance of every step; raises on a race (on_race='raise') or a deadlock."""

@@ -130,6 +130,10 @@ def _topo(cg: CompiledGraph, sig_by_event, waits) -> list[int]:
     for e, ts in enumerate(sig_by_event):
         for t in ts:
             signals_of[t].append(e)
+    for e in range(E):  # an event nobody signals is complete at once (threshold 0)
+        if ev_left[e] == 0:
+            for c in waiters[e]:
+                task_left[c] -= 1
     ready = deque(t for t in range(T) if task_left[t] == 0)
     order = []
     while ready:

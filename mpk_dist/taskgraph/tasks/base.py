@@ -125,17 +125,19 @@ class TaskKind:
 
     def arg_index(self, name: str) -> int:
         """Position of a named pointer argument in the argument range."""
-        for i, a in enumerate(self.args):
-            if a.name == name:
-                return i
-        raise KeyError(f"task kind {self.name}: no argument {name!r}")
+        pos = self.__dict__.get("_arg_pos") or self.__dict__.setdefault("_arg_pos", {a.name: i for i, a in enumerate(self.args)})
+        try:
+            return pos[name]
+        except KeyError:
+            raise KeyError(f"task kind {self.name}: no argument {name!r}") from None
 
     def param_index(self, name: str) -> int:
         """Position of a named parameter in the parameter range."""
-        for i, p in enumerate(self.params):
-            if p.name == name:
-                return i
-        raise KeyError(f"task kind {self.name}: no parameter {name!r}")
+        pos = self.__dict__.get("_par_pos") or self.__dict__.setdefault("_par_pos", {p.name: i for i, p in enumerate(self.params)})
+        try:
+            return pos[name]
+        except KeyError:
+            raise KeyError(f"task kind {self.name}: no parameter {name!r}") from None
 
     def pack_params(self, values: dict[str, Any]) -> list[int]:
         """Parameters in ABI order as int32 (floats bit-cast); every declared parameter is required."""

@@ -1,4 +1,5 @@
-"""Shared helpers of the task-graph tests: fp32 tiny models, weights, reference runs, graph mutations."""
+"""Helpers for task-graph tests and diff tests: fp32 tiny models, per-rank weights, reference runs,
+and graph mutations (drop one wait or signal) used to prove every dependency edge is necessary."""
 
 from __future__ import annotations
 
