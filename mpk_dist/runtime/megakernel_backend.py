@@ -66,7 +66,7 @@ class MegakernelBackend(StepBackend):
             cg = compile_rank_programs(self.cfg, tp=1, batch=batch, sms=self.sms, max_seq_len=self.max_seq_len)[0]
             compile_s = time.perf_counter() - t0
             s = Session(cg, self.weights, self.device, self.schedule, self.worker_threads, self.timeout_s,
-                        trace is not None, compiler=self.compiler, model=self.cfg.architecture or self.cfg.family)
+                        self.trace_path is not None, compiler=self.compiler, model=self.cfg.architecture or self.cfg.family)
             s.taskgraph_s = compile_s
             self.sessions[batch] = s
         return self.sessions[batch]

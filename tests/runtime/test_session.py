@@ -84,3 +84,56 @@ def test_watchdog_record_becomes_a_named_error(sess):
     assert sess.cg.task_label(5) in msg and "event 3" in msg and "step 0" in msg and "SM 17" in msg
     # all counters are 0: step_begin had its inputs (the previous step's wait is met at step 0) but never signalled
     assert "root cause: op step_begin" in msg
+
+
+def test_backend_generate_host_path(monkeypatch, tmp_path):
+    """The backend's whole host path (session, forced rows, launch, wait, result, trace file) with a
+    fake kernel that 'finishes' at once: 1 token streamed per step as if the device wrote it."""
+    from mpk_dist.backends.base import GenerateRequest
+    from mpk_dist.runtime import megakernel_backend as MB
+
+    monkeypatch.setattr(S, "build_kernel", lambda *a, **k: ("src", types.SimpleNamespace(cubin=b"", cached=True,
+                                                                                          compiler="fake", path="x")))
+    monkeypatch.setattr(S, "LoadedKernel", FakeKernel)
+    monkeypatch.setattr(S, "host_device_pointer", lambda p: p)
+    monkeypatch.setattr(S.Session, "_stream", lambda self: FakeStream())
+
+    def fake_wait(self, on_step=None):  # what the device would leave behind for steps s0..s1-1
+        s0, s1 = self._steps
+        self.pinned["token_out"][s0:s1] = torch.arange(s0, s1, dtype=torch.int32)[:, None]
+        self.pinned["step_end_ns"][s0:s1 + 1] = torch.arange(s0, s1 + 1) * 1_000_000
+        self.pinned["progress"][0] = s1
+        if self.logits_dump is not None:
+            self.logits_dump.fill_(1.0)
+
+    monkeypatch.setattr(S.Session, "wait", fake_wait)
+    monkeypatch.setattr(MB.MegakernelBackend, "__init__", _cpu_init(MB.MegakernelBackend.__init__))
+    m = open_model("tiny")
+    b = MB.MegakernelBackend(m.config, m.weights, device="cpu", max_seq_len=32, trace=str(tmp_path / "t.json"), sms=4)
+    res = b.generate(GenerateRequest([[1, 2, 3]], 5, force_tokens=[7, 7], want_logits=True))
+    assert res.tokens == [[2, 3, 4, 5, 6]] and res.logits.shape == (5, 1, 512)
+    assert res.prefill_ms == pytest.approx(3.0) and res.per_token_ms == pytest.approx([1.0] * 4)
+    assert b.session(1).buffer("forced_tokens")[:5, 0].tolist() == [1, 2, 3, 7, 7]
+    assert (tmp_path / "t.json").is_file() and res.extra["steps"] == 7
+    b.reset(1)
+    logits = b.prefill(torch.tensor([[1, 2]]), torch.tensor([[0, 1]]))
+    assert logits.shape == (1, 512) and b._step == 2
+    with pytest.raises(Exception, match="expected 2"):
+        b.decode(torch.tensor([5]), torch.tensor([7]))
+
+
+def _cpu_init(orig):
+    """Let the backend construct on a CPU-only machine (the GPU checks are the only difference)."""
+    def init(self, cfg, source, tp=1, device="cpu", **kw):
+        monkey = torch.device
+        try:
+            orig(self, cfg, source, tp=tp, device="cuda:0", **kw)
+        except Exception:
+            pass
+        from mpk_dist.models import build_graph as bg
+        from mpk_dist.weights import load_rank_weights as lw
+
+        self.device = monkey("cpu")
+        self.weights = lw(bg(cfg, tp=1, rank=0, batch=1, max_seq_len=kw.get("max_seq_len", 32)), source, "cpu")
+        self.sessions, self.last_session, self.batch, self._step = {}, None, 0, 0
+    return init
