@@ -108,6 +108,7 @@ def main(args) -> int:
         rec["achieved_gb_s"] = nbytes / (rec["ms_per_token_p50"] / 1e3) / 1e9
         ref_tokens = case.tokens if ref_tokens is None else ref_tokens
         line, ok = _row(case.backend, rec, ref_tokens, case.tokens)
+        rec["correct"] = ok  # first greedy token agrees with the first backend's
         all_ok &= ok
         if show:
             print(line)
