@@ -7,6 +7,8 @@ only places ranks meet.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from mpk_dist.config import ModelConfig
 from mpk_dist.graph import Graph, WeightRef, WeightSlice
 from mpk_dist.sharding import ShardPlan, plan_shards
@@ -29,10 +31,11 @@ def _whole(source: str) -> WeightRef:
 class _Builder:
     """Shared state while emitting one rank's graph."""
 
-    def __init__(self, cfg: ModelConfig, plan: ShardPlan, graph: Graph, qk_norm: bool):
+    def __init__(self, cfg: ModelConfig, plan: ShardPlan, graph: Graph, qk_norm: bool, paged: "PagedSpec | None" = None):
         self.cfg, self.plan, self.g, self.qk_norm = cfg, plan, graph, qk_norm
         self.dt = _DT[cfg.dtype]
         self.B = graph.batch
+        self.paged = paged
 
     def act(self, name: str, *shape: int, dtype: str | None = None) -> str:
         return self.g.tensor(name, (self.B, *shape), dtype or self.dt, "activation")
@@ -55,6 +58,8 @@ def _embedding(b: _Builder) -> str:
     c, p, g = b.cfg, b.plan, b.g
     g.tensor("tokens", (b.B,), "i32", "input")
     g.tensor("positions", (b.B,), "i32", "input")
+    if b.paged is not None:
+        _paged_inputs(b)
     table = b.weight("embed", (p.vocab_size, c.hidden_size), WeightRef((_rows("model.embed_tokens.weight", p.vocab_start, p.vocab_start + p.vocab_size),)))
     if p.tp == 1:
         x = b.act("x0", c.hidden_size)
@@ -82,27 +87,57 @@ def _attention_block(b: _Builder, i: int, x: str) -> str:
     )))
     qkv = b.act(f"L{i}.qkv", (hq + 2 * hkv) * D)
     g.op("linear", [h, wqkv], [qkv], i, op_name="qkv_proj")
-    kc = g.tensor(f"L{i}.k_cache", (b.B, g.max_seq_len, hkv, D), b.dt, "state")
-    vc = g.tensor(f"L{i}.v_cache", (b.B, g.max_seq_len, hkv, D), b.dt, "state")
-    q = b.act(f"L{i}.q", hq * D)
-    ins = [qkv, "positions"]
-    if b.qk_norm:
-        ins += [b.weight(f"L{i}.q_norm", (D,), _whole(pre + "self_attn.q_norm.weight")),
-                b.weight(f"L{i}.k_norm", (D,), _whole(pre + "self_attn.k_norm.weight"))]
-    rope = c.rope
-    g.op("qkv_prep", [*ins, kc, vc], [q, kc, vc], i, q_heads=hq, kv_heads=hkv, head_dim=D,
-         qk_norm=b.qk_norm, eps=c.rms_norm_eps, rope_theta=rope.theta, rope_type=rope.rope_type,
-         rope_factor=rope.factor, rope_low_freq_factor=rope.low_freq_factor,
-         rope_high_freq_factor=rope.high_freq_factor,
-         rope_original_max_pos=rope.original_max_position_embeddings)
-    o = b.act(f"L{i}.attn_out", hq * D)
-    g.op("attention", [q, kc, vc, "positions"], [o], i, q_heads=hq, kv_heads=hkv, head_dim=D, scale=D ** -0.5)
+    o = _paged_attention(b, i, qkv, pre) if b.paged is not None else _static_attention(b, i, qkv, pre)
     wo = b.weight(f"L{i}.wo", (c.hidden_size, hq * D), WeightRef((_cols(pre + "self_attn.o_proj.weight", q0, q0 + hq * D),)))
     part = b.act(f"L{i}.o_partial", c.hidden_size)
     g.op("linear", [o, wo], [part], i, op_name="o_proj")
     out = b.act(f"L{i}.x_mid", c.hidden_size)
     b.reduce(part, x, out, i, "attn_reduce")
     return out
+
+
+def _qkv_attrs(b: _Builder) -> dict:
+    """Attributes of a qkv_prep / qkv_prep_paged op (heads, q/k norm, rope parameters)."""
+    c, p, rope = b.cfg, b.plan, b.cfg.rope
+    return dict(q_heads=p.q_heads, kv_heads=p.kv_heads, head_dim=c.head_dim, qk_norm=b.qk_norm, eps=c.rms_norm_eps,
+                rope_theta=rope.theta, rope_type=rope.rope_type, rope_factor=rope.factor,
+                rope_low_freq_factor=rope.low_freq_factor, rope_high_freq_factor=rope.high_freq_factor,
+                rope_original_max_pos=rope.original_max_position_embeddings)
+
+
+def _qk_norm_weights(b: _Builder, i: int, pre: str) -> list[str]:
+    if not b.qk_norm:
+        return []
+    D = b.cfg.head_dim
+    return [b.weight(f"L{i}.q_norm", (D,), _whole(pre + "self_attn.q_norm.weight")),
+            b.weight(f"L{i}.k_norm", (D,), _whole(pre + "self_attn.k_norm.weight"))]
+
+
+def _static_attention(b: _Builder, i: int, qkv: str, pre: str) -> str:
+    """qkv_prep + attention over a static per-sequence cache [B, S, Hkv, D] (the default graph)."""
+    g, D, hq, hkv = b.g, b.cfg.head_dim, b.plan.q_heads, b.plan.kv_heads
+    kc = g.tensor(f"L{i}.k_cache", (b.B, g.max_seq_len, hkv, D), b.dt, "state")
+    vc = g.tensor(f"L{i}.v_cache", (b.B, g.max_seq_len, hkv, D), b.dt, "state")
+    q = b.act(f"L{i}.q", hq * D)
+    ins = [qkv, "positions", *_qk_norm_weights(b, i, pre)]
+    g.op("qkv_prep", [*ins, kc, vc], [q, kc, vc], i, **_qkv_attrs(b))
+    o = b.act(f"L{i}.attn_out", hq * D)
+    g.op("attention", [q, kc, vc, "positions"], [o], i, q_heads=hq, kv_heads=hkv, head_dim=D, scale=D ** -0.5)
+    return o
+
+
+def _paged_attention(b: _Builder, i: int, qkv: str, pre: str) -> str:
+    """qkv_prep_paged + paged_attention over this layer's page pools [NP, P, Hkv, D]."""
+    g, D, hq, hkv, ps = b.g, b.cfg.head_dim, b.plan.q_heads, b.plan.kv_heads, b.paged
+    kp = g.tensor(f"L{i}.k_pages", (ps.num_pages, ps.page_size, hkv, D), b.dt, "state")
+    vp = g.tensor(f"L{i}.v_pages", (ps.num_pages, ps.page_size, hkv, D), b.dt, "state")
+    q = b.act(f"L{i}.q", hq * D)
+    ins = [qkv, "positions", "seq_slots", "page_table", *_qk_norm_weights(b, i, pre)]
+    g.op("qkv_prep_paged", [*ins, kp, vp], [q, kp, vp], i, page_size=ps.page_size, **_qkv_attrs(b))
+    o = b.act(f"L{i}.attn_out", hq * D)
+    g.op("paged_attention", [q, kp, vp, "positions", "seq_slots", "page_table"], [o], i, q_heads=hq, kv_heads=hkv,
+         head_dim=D, scale=D ** -0.5, page_size=ps.page_size)
+    return o
 
 
 def _mlp_block(b: _Builder, i: int, x: str) -> str:
@@ -128,6 +163,13 @@ def _mlp_block(b: _Builder, i: int, x: str) -> str:
 
 def _head(b: _Builder, x: str) -> None:
     c, p, g = b.cfg, b.plan, b.g
+    if b.paged is not None:
+        # Only each sequence's last token of the pass needs logits: pick those rows first, and the
+        # head runs over max_seqs rows instead of max_tokens.
+        b.B = b.paged.max_seqs
+        last = b.act("x_last", c.hidden_size)
+        g.op("gather_rows", [x, "logit_rows"], [last], None)
+        x = last
     ln = b.weight("final_norm", (c.hidden_size,), _whole("model.norm.weight"))
     h = b.act("h_final", c.hidden_size)
     g.op("rms_norm", [x, ln], [h], None, op_name="final_norm", eps=c.rms_norm_eps)
@@ -141,6 +183,58 @@ def _head(b: _Builder, x: str) -> None:
     g.op("all_gather", [cand], [cands], None)
     g.tensor("next_token", (b.B,), "i32", "output")
     g.op("argmax_select", [cands], ["next_token"], None)
+
+
+@dataclass(frozen=True)
+class PagedSpec:
+    """Sizes of a paged-KV graph (docs/SERVING.md).
+
+    ``max_tokens``: tokens per pass (N; decode tokens and prompt chunks together); ``max_seqs``:
+    sequences (page-table rows, MB); ``num_pages``: pages per layer pool (NP); ``page_size``:
+    positions per page (P); ``max_pages_per_seq``: page-table columns (MP).
+    """
+
+    max_tokens: int
+    max_seqs: int
+    num_pages: int
+    page_size: int
+    max_pages_per_seq: int
+
+    def __post_init__(self) -> None:
+        for name in ("max_tokens", "max_seqs", "num_pages", "page_size", "max_pages_per_seq"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"paged graph {name}: expected >= 1, got {getattr(self, name)}")
+
+
+def _paged_inputs(b: _Builder) -> None:
+    """Per-pass inputs of a paged graph: token -> slot map, page table, rows that get logits."""
+    ps, g = b.paged, b.g
+    g.tensor("seq_slots", (ps.max_tokens,), "i32", "input")
+    g.tensor("page_table", (ps.max_seqs, ps.max_pages_per_seq), "i32", "input")
+    g.tensor("logit_rows", (ps.max_seqs,), "i32", "input")
+
+
+def build_paged_graph(cfg: ModelConfig, spec: PagedSpec, tp: int = 1, rank: int = 0, name: str = "") -> Graph:
+    """One rank's op graph over a RAGGED batch with a paged KV cache (opt-in; see graph/ops.py).
+
+    Token activations have ``spec.max_tokens`` rows, the head (final norm, lm_head, argmax) has
+    ``spec.max_seqs`` rows (one per sequence: ``logit_rows`` picks its last token of the pass). The
+    KV cache of layer i is ``L{i}.k_pages`` / ``L{i}.v_pages`` [NP, P, Hkv, D]. Weights are the same
+    tensors as ``build_graph``'s. Qwen3 (q/k norm) and Llama families.
+    """
+    if cfg.family not in ("llama", "qwen3"):
+        raise ValueError(f"paged graph: expected family llama or qwen3, got {cfg.family!r}")
+    plan = plan_shards(cfg, tp, rank)
+    g = Graph(model=name or cfg.family, family=cfg.family, rank=rank, world_size=tp, batch=spec.max_tokens,
+              max_seq_len=spec.page_size * spec.max_pages_per_seq)
+    g.meta.update(config=cfg, plan=plan, paged=spec)
+    b = _Builder(cfg, plan, g, cfg.family == "qwen3", paged=spec)
+    x = _embedding(b)
+    for i in range(cfg.num_layers):
+        x = _attention_block(b, i, x)
+        x = _mlp_block(b, i, x)
+    _head(b, x)
+    return g
 
 
 def build_graph(cfg: ModelConfig, tp: int = 1, rank: int = 0, batch: int = 1, max_seq_len: int = 512,

@@ -72,6 +72,14 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor)
 def qkv_prep(qkv: torch.Tensor, positions: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None,
              k_cache: torch.Tensor, v_cache: torch.Tensor, attrs: dict) -> torch.Tensor:
     """Split q|k|v, per-head norm (Qwen3), rope, write k and v into the caches; returns q [.., Hq*D]."""
+    q, k, v = split_norm_rope(qkv, positions, q_norm, k_norm, attrs)
+    write_kv(k_cache, v_cache, k, v, positions)
+    return q.reshape(*qkv.shape[:-1], attrs["q_heads"] * attrs["head_dim"])
+
+
+def split_norm_rope(qkv: torch.Tensor, positions: torch.Tensor, q_norm: torch.Tensor | None,
+                    k_norm: torch.Tensor | None, attrs: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [.., Hq, D], k [.., Hkv, D] (per-head norm if ``qk_norm``, then rope) and v [.., Hkv, D]."""
     hq, hkv, d = attrs["q_heads"], attrs["kv_heads"], attrs["head_dim"]
     lead = qkv.shape[:-1]
     q = qkv[..., : hq * d].reshape(*lead, hq, d)
@@ -81,10 +89,7 @@ def qkv_prep(qkv: torch.Tensor, positions: torch.Tensor, q_norm: torch.Tensor | 
         q = rms_norm(q, q_norm, attrs["eps"])
         k = rms_norm(k, k_norm, attrs["eps"])
     inv = rope_attrs_inv_freq(attrs)
-    q = apply_rope(q, positions, inv)
-    k = apply_rope(k, positions, inv)
-    write_kv(k_cache, v_cache, k, v, positions)
-    return q.reshape(*lead, hq * d)
+    return apply_rope(q, positions, inv), apply_rope(k, positions, inv), v
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
@@ -136,3 +141,76 @@ def argmax_select(cands: torch.Tensor) -> torch.Tensor:
     # Among ranks holding the max value, take the smallest vocabulary index.
     masked = torch.where(vals == best, idx, torch.full_like(idx, float("inf")))
     return masked.min(dim=0).values.to(torch.int32)
+
+
+# -- paged KV cache (opt-in graphs: models.llama.build_paged_graph; docs/SERVING.md) ------------------
+
+def qkv_prep_paged(qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, page_table: torch.Tensor,
+                   q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, k_pages: torch.Tensor,
+                   v_pages: torch.Tensor, attrs: dict) -> torch.Tensor:
+    """qkv_prep over a ragged batch [N, ..]; k, v go into the page pools; returns q [N, Hq*D]."""
+    q, k, v = split_norm_rope(qkv, positions, q_norm, k_norm, attrs)
+    write_kv_paged(k_pages, v_pages, k, v, positions, slots, page_table)
+    return q.reshape(qkv.shape[0], attrs["q_heads"] * attrs["head_dim"])
+
+
+def write_kv_paged(k_pages: torch.Tensor, v_pages: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   positions: torch.Tensor, slots: torch.Tensor, page_table: torch.Tensor) -> None:
+    """k_pages[page_table[slot[i], pos[i] // P], pos[i] % P] = k[i] (same for v); slot < 0 skipped."""
+    P = k_pages.shape[1]
+    keep = slots >= 0
+    s, p = slots[keep].long(), positions[keep].long()
+    page = page_table[s, p // P].long()
+    k_pages[page, p % P] = k[keep].to(k_pages.dtype)
+    v_pages[page, p % P] = v[keep].to(v_pages.dtype)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [n, Hq, D] at positions pos [n] over k, v [n or 1, L, Hkv, D] (positions 0..L-1); fp32 [n, Hq, D]."""
+    group = q.shape[1] // k.shape[2]
+    kf = k.float().transpose(1, 2).repeat_interleave(group, dim=1)  # [n|1, Hq, L, D]
+    vf = v.float().transpose(1, 2).repeat_interleave(group, dim=1)
+    scores = torch.matmul(q.float().unsqueeze(2), kf.transpose(-1, -2)).squeeze(2) * scale  # [n, Hq, L]
+    mask = torch.arange(k.shape[1], device=q.device)[None, :] > pos[:, None]  # [n, L]
+    probs = torch.softmax(scores.masked_fill(mask[:, None], float("-inf")), dim=-1)
+    return torch.matmul(probs.unsqueeze(2), vf).squeeze(2)  # [n, Hq, D]
+
+
+def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, positions: torch.Tensor,
+                    slots: torch.Tensor, page_table: torch.Tensor, attrs: dict) -> torch.Tensor:
+    """Token i attends over positions 0..pos[i] of sequence slot[i]'s pages; padding (slot < 0) -> 0.
+
+    NOTE: reads the lengths on the host (one sync per pass): sequences with one token in the pass
+    (decode) are batched together, each multi-token sequence (a prompt chunk) is its own matmul, so
+    memory stays O(tokens x context) without a [N, N, ..] blow-up for long prompts.
+    """
+    hq, d, P = attrs["q_heads"], attrs["head_dim"], k_pages.shape[1]
+    N = q.shape[0]
+    qh = q.reshape(N, hq, d)
+    out = torch.zeros(N, hq, d, dtype=torch.float32, device=q.device)
+    live = (slots >= 0).nonzero().squeeze(1)
+    if live.numel() == 0:
+        return out.reshape(N, hq * d).to(q.dtype)
+    per_slot = torch.bincount(slots[live].long())  # tokens of each sequence in this pass
+    one = live[per_slot[slots[live].long()] == 1]
+    if one.numel():
+        npg = int(positions[one].max()) // P + 1
+        # -1 (unallocated) columns of shorter sequences read page 0: masked, never used
+        pages = page_table[slots[one].long(), :npg].long().clamp(min=0)  # [n, npg]
+        k = k_pages[pages].reshape(one.numel(), npg * P, *k_pages.shape[2:])  # [n, L, Hkv, D]
+        v = v_pages[pages].reshape(one.numel(), npg * P, *v_pages.shape[2:])
+        out[one] = _attend(qh[one], k, v, positions[one].long(), attrs["scale"])
+    for s in (per_slot > 1).nonzero().squeeze(1).tolist():
+        idx = (slots == s).nonzero().squeeze(1)
+        npg = int(positions[idx].max()) // P + 1
+        pages = page_table[s, :npg].long()
+        k = k_pages[pages].reshape(1, npg * P, *k_pages.shape[2:])
+        v = v_pages[pages].reshape(1, npg * P, *v_pages.shape[2:])
+        out[idx] = _attend(qh[idx], k, v, positions[idx].long(), attrs["scale"])
+    return out.reshape(N, hq * d).to(q.dtype)
+
+
+def gather_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """y[r] = x[rows[r]]; rows[r] < 0 gives a zero row."""
+    keep = (rows >= 0).unsqueeze(-1).to(x.dtype)
+    return x[rows.long().clamp(min=0)] * keep

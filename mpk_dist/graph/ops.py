@@ -18,6 +18,18 @@ same graph serves decode ([B, N]) and prefill ([B, T, N]).
 | argmax_select | cands[world, B, 2] -> token[B] i32 | the candidate with the largest value; ties go to the lowest index |
 
 Token indices in ``cand`` are stored as float32, exact below 2**24 (far above any vocabulary).
+
+Paged KV cache (opt-in: ``models.llama.build_paged_graph``, see docs/SERVING.md). The batch is RAGGED:
+N tokens of up to MB sequences in one pass (decode tokens and prompt chunks mixed); token i belongs
+to the sequence in page-table row ``slot[i]`` (-1 = padding token) and sits at position ``pos[i]``.
+The KV cache of a layer is a pool of pages [NP, P, Hkv, D]; ``page_table[s, j]`` is the page holding
+positions j*P .. j*P+P-1 of the sequence in slot s.
+
+| kind | inputs -> outputs | semantics |
+|---|---|---|
+| qkv_prep_paged | qkv[N, (Hq+2Hkv)D], pos[N], slot[N], page_table[MB, MP] (, q_norm, k_norm), k_pages[NP, P, Hkv, D], v_pages -> q[N, Hq D], k_pages, v_pages | as qkv_prep; k, v of token i go to page page_table[slot[i], pos[i] // P], row pos[i] % P; padding tokens write nothing |
+| paged_attention | q[N, Hq D], k_pages, v_pages, pos[N], slot[N], page_table -> o[N, Hq D] | token i attends over positions 0..pos[i] of sequence slot[i] (GQA as attention); every token's k, v of the pass is written before any is read, so a prompt chunk is causal within itself; padding tokens give o = 0 |
+| gather_rows | x[N, C], rows[R] i32 -> y[R, C] | y[r] = x[rows[r]]; rows[r] < 0 gives a zero row (picks each sequence's last token before the head) |
 """
 
 from __future__ import annotations
@@ -48,5 +60,9 @@ OP_KINDS: dict[str, OpKind] = {
         OpKind("argmax_partial"),
         OpKind("all_gather", is_comm=True),
         OpKind("argmax_select"),
+        # paged KV cache (opt-in graphs only)
+        OpKind("qkv_prep_paged", writes_state=True),
+        OpKind("paged_attention"),
+        OpKind("gather_rows"),
     )
 }
