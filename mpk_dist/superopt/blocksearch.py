@@ -243,7 +243,7 @@ def instantiate(st: Structure, sizes: dict, infos: dict, out_names: tuple, origi
     """The BlockGraph of ``st`` at concrete counts and {kernel output name: TensorInfo}.
 
     Returns (None, None) when some op is invalid at these counts (e.g. a tile dim of 1 that
-    would broadcast).
+    would broadcast). ``origin_of`` None: shapes only (no expressions, no origins), for costing.
     """
     try:
         return _instantiate(st, sizes, infos, out_names, origin_of)
@@ -271,7 +271,8 @@ def _instantiate(st: Structure, sizes: dict, infos: dict, out_names: tuple, orig
         acc = f"a{k}"
         if any(acc in args for _, args, _ in st.post) or acc in st.outputs:
             src = env[f"b{k}"]
-            info = TensorInfo(src.shape, src.syms, E.mk_sum(loop[1], src.expr))
+            e = E.mk_sum(loop[1], src.expr) if origin_of else None
+            info = TensorInfo(src.shape, src.syms, e)
             env[acc] = info
             accs.append(Accumulator(f"b{k}", acc, "sum", info))
     post = _ops(st.post, "p", env, origin_of)
@@ -298,12 +299,12 @@ def _instantiate(st: Structure, sizes: dict, infos: dict, out_names: tuple, orig
 def _ops(spec: tuple, prefix: str, env: dict, origin_of) -> tuple:
     out = []
     for k, (kind, args, attrs) in enumerate(spec):
-        info = infer(kind, [env[a] for a in args], dict(attrs))
+        info = infer(kind, [env[a] for a in args], dict(attrs), exprs=origin_of is not None)
         if info is None:
             raise _Invalid(kind)
         name = f"{prefix}{k}"
         env[name] = info
-        out.append(BlockOp(kind, args, name, info, attrs, origin_of(info.expr)))
+        out.append(BlockOp(kind, args, name, info, attrs, origin_of(info.expr) if origin_of else ""))
     return tuple(out)
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from mpk_dist.superopt.prune import SubexprOracle
 from mpk_dist.superopt.target import Target
@@ -15,7 +15,7 @@ class SearchConfig:
 
     max_kernel_ops: int = 2
     max_block_ops: int = 6
-    max_custom_inputs: int = 3
+    max_custom_inputs: int = 0   # 0: as many as the target has inputs
     max_block_outputs: int = 2
     max_grid_dims: int = 1
     grid_counts: tuple = (2, 4, 8, 16, 32, 64, 128, 256)
@@ -34,14 +34,22 @@ class Context:
     deadline: float
     oracle: SubexprOracle = None
     counts: dict = field(default_factory=lambda: {"explored": 0, "pruned": 0})
+    remote: dict = field(default_factory=dict)   # counters reported by worker processes
+    progress: object = None                       # callable(stats) or None
+    _last_tick: float = 0.0
 
     def __post_init__(self) -> None:
+        if self.config.max_custom_inputs == 0:
+            n = len(self.target.graph.input_names())
+            self.config = replace(self.config, max_custom_inputs=n)
         if self.oracle is None:
             self.oracle = SubexprOracle(self.target.out_expr, self.target.closure)
 
     def keep(self, e: tuple) -> bool:
         """Pruning decision for a new tensor's abstract expression (always True unpruned)."""
         self.counts["explored"] += 1
+        if self.progress is not None and not self.counts["explored"] & 1023:
+            self.tick()
         if not self.config.prune:
             return True
         if self.oracle.is_sub(e):
@@ -52,8 +60,23 @@ class Context:
     def timed_out(self) -> bool:
         return time.monotonic() > self.deadline
 
+    def tick(self, force: bool = False) -> None:
+        """Report progress at most every 0.2 s."""
+        now = time.monotonic()
+        if self.progress is not None and (force or now - self._last_tick > 0.2):
+            self._last_tick = now
+            self.progress(self.stats())
+
+    def add_remote(self, delta: dict) -> None:
+        """Add counters a worker process reported."""
+        for k, v in delta.items():
+            self.remote[k] = self.remote.get(k, 0) + v
+        self.tick()
+
     def stats(self) -> dict:
-        """Counters of this process (search counters and oracle counters)."""
+        """Counters of this process, its oracle, and what workers reported."""
         out = dict(self.counts)
         out.update(self.oracle.stats)
+        for k, v in self.remote.items():
+            out[k] = out.get(k, 0) + v
         return out

@@ -38,8 +38,13 @@ def _broadcast(a: TensorInfo, b: TensorInfo):
 _MEMO: dict = {}
 
 
-def infer(kind: str, args: list, attrs: dict) -> TensorInfo | None:
-    """Result info of ``kind`` on ``args`` (TensorInfos), or None if invalid (memoized)."""
+def infer(kind: str, args: list, attrs: dict, exprs: bool = True) -> TensorInfo | None:
+    """Result info of ``kind`` on ``args`` (TensorInfos), or None if invalid (memoized).
+
+    ``exprs=False`` skips the abstract expression (None): costing many tile sizes needs shapes only.
+    """
+    if not exprs:
+        return _infer(kind, args, attrs, False)
     # NOTE: keyed by object identity (the entry keeps its arguments alive, so ids stay unique);
     # hashing deep expression tuples on every lookup would dominate the search.
     key = (kind, *map(id, args), attrs.get("dim"), id(attrs.get("prog")), attrs.get("keepdim"))
@@ -53,20 +58,22 @@ def infer(kind: str, args: list, attrs: dict) -> TensorInfo | None:
     return out
 
 
-def _infer(kind: str, args: list, attrs: dict) -> TensorInfo | None:
+def _infer(kind: str, args: list, attrs: dict, exprs: bool = True) -> TensorInfo | None:
     if kind == "matmul":
         a, b = args
         if (len(a.shape) < 2 or len(b.shape) != 2 or a.shape[-1] != b.shape[0]
                 or a.syms[-1] is None or a.syms[-1] != b.syms[0]):
             return None
         return TensorInfo(a.shape[:-1] + (b.shape[1],), a.syms[:-1] + (b.syms[1],),
-                          E.mk_sum(a.shape[-1], E.mk_mul([a.expr, b.expr])))
+                          E.mk_sum(a.shape[-1], E.mk_mul([a.expr, b.expr])) if exprs else None)
     if kind in ("add", "mul", "div"):
         a, b = args
         bc = _broadcast(a, b)
         if bc is None:
             return None
-        if kind == "add":
+        if not exprs:
+            e = None
+        elif kind == "add":
             e = E.mk_add([a.expr, b.expr])
         elif kind == "mul":
             e = E.mk_mul([a.expr, b.expr])
@@ -81,10 +88,10 @@ def _infer(kind: str, args: list, attrs: dict) -> TensorInfo | None:
         keep = attrs.get("keepdim", True)
         shape = a.shape[:d] + ((1,) if keep else ()) + a.shape[d + 1:]
         syms = a.syms[:d] + ((None,) if keep else ()) + a.syms[d + 1:]
-        return TensorInfo(shape, syms, E.mk_sum(a.shape[d], a.expr))
+        return TensorInfo(shape, syms, E.mk_sum(a.shape[d], a.expr) if exprs else None)
     if kind == "chain":
         (a,) = args
-        return TensorInfo(a.shape, a.syms, chain_expr(attrs["prog"], a.expr))
+        return TensorInfo(a.shape, a.syms, chain_expr(attrs["prog"], a.expr) if exprs else None)
     raise ValueError(f"infer: unknown op kind {kind!r}")
 
 

@@ -11,12 +11,13 @@ expression and shape and every op contributes to it; complete graphs go to verif
 
 from __future__ import annotations
 
+import math
 import multiprocessing
 from itertools import combinations
 
 from mpk_dist.superopt import blocksearch as B
 from mpk_dist.superopt.context import Context
-from mpk_dist.superopt.cost import custom_op_cost, graph_cost
+from mpk_dist.superopt.cost import H200, custom_op_cost, graph_cost, prim_op_cost
 from mpk_dist.superopt.inference import candidate_ops, infer
 from mpk_dist.superopt.ugraph import KernelOp, UGraph
 
@@ -46,7 +47,6 @@ class BlockCatalog:
         self.processes = processes
         self.memo: dict = {}
         self.pool = None
-        self.worker_stats: dict = {}
 
     def __enter__(self):
         if self.processes > 1:
@@ -75,18 +75,16 @@ class BlockCatalog:
         for structs, delta in self.pool.imap_unordered(_layout_task,
                                                        [(lay, infos) for lay in lays]):
             out.extend(structs)
-            for k, v in delta.items():
-                self.worker_stats[k] = self.worker_stats.get(k, 0) + v
+            self.ctx.add_remote(delta)
         return sorted(out, key=repr)
 
     def _build(self, subset: tuple, infos: dict) -> list:
-        origin_of = self.ctx.target.origin_of
         options = []
         for st in self._structures(subset, infos):
             names = tuple(f"@{k}" for k in range(len(st.outputs)))
             best = None
             for sizes in B.count_choices(st, infos, self.ctx.config):
-                bg, kinfos = B.instantiate(st, sizes, infos, names, origin_of)
+                bg, kinfos = B.instantiate(st, sizes, infos, names, None)
                 if bg is None:
                     continue
                 c = custom_op_cost(bg, {**infos, **kinfos})["time_us"]
@@ -101,9 +99,10 @@ class BlockCatalog:
 class KernelSearch:
     """Depth-first growth of kernel graphs (see module docstring)."""
 
-    def __init__(self, ctx: Context, catalog: BlockCatalog) -> None:
+    def __init__(self, ctx: Context, catalog: BlockCatalog, bound: float = math.inf) -> None:
         self.ctx = ctx
         self.catalog = catalog
+        self.bound = bound  # branch and bound: cost of the best verified graph so far
         t = ctx.target
         self.inputs = {name: info for name, info in _input_infos(t).items()}
         self.out_shape = t.graph.nodes[t.out_node].shape
@@ -111,25 +110,25 @@ class KernelSearch:
 
     def run(self, max_ops: int) -> dict:
         """Explore graphs of up to ``max_ops`` kernel ops; returns {key: UGraph}."""
-        self._dfs(dict(self.inputs), [], None, max_ops)
+        self._dfs(dict(self.inputs), [], None, max_ops, 0.0)
         return self.candidates
 
-    def _dfs(self, tensors: dict, ops: list, prev, budget: int) -> None:
-        if budget == 0 or self.ctx.timed_out():
+    def _dfs(self, tensors: dict, ops: list, prev, budget: int, spent: float) -> None:
+        if budget == 0 or self.ctx.timed_out() or spent + H200.sync_us >= self.bound:
             return
         dangling = _dangling(tensors, ops)
         if len(dangling) > budget * self.ctx.config.max_custom_inputs:
             return  # sound bound: every dangling tensor must still be read by some op
         must_read = dangling if budget == 1 else set()
         last = budget == 1
-        for op, new, key in self._moves(tensors, ops, prev, last, must_read):
+        for op, new, key, cost in self._moves(tensors, ops, prev, last, must_read):
             tensors.update(new)
             ops.append(op)
             done = [n for n, i in new.items() if self._is_output(i)]
             if done:
                 self._record(tensors, ops, done[0])
             elif not last:
-                self._dfs(tensors, ops, (key, set(new)), budget - 1)
+                self._dfs(tensors, ops, (key, set(new)), budget - 1, spent + cost)
             ops.pop()
             for n in new:
                 del tensors[n]
@@ -155,7 +154,8 @@ class KernelSearch:
                 continue
             op = KernelOp(kind, arg_names, (fresh,), tuple(sorted(attrs.items())),
                           origin=self.ctx.target.origin_of(info.expr))
-            yield op, {fresh: info}, key
+            cost = prim_op_cost([i.shape for i in (infos[j] for j in args)], info.shape)
+            yield op, {fresh: info}, key, cost["time_us"]
         yield from self._custom_moves(tensors, names, seen, prev, last, len(ops), must_read)
 
     def _custom_moves(self, tensors, names, seen, prev, last, n_ops, must_read):
@@ -163,7 +163,7 @@ class KernelSearch:
             for subset in combinations(names, r):
                 if not must_read <= set(subset):
                     continue  # the last op must read every tensor nobody read yet
-                for idx, (st, sizes, _) in enumerate(self.catalog.options(subset, tensors)):
+                for idx, (st, sizes, cost) in enumerate(self.catalog.options(subset, tensors)):
                     key = ("c", subset, idx)
                     if not _canonical(key, subset, prev):
                         continue
@@ -176,7 +176,8 @@ class KernelSearch:
                     if last and not any(self._is_output(i) for i in kinfos.values()):
                         continue
                     origin = ", ".join(dict.fromkeys(o.origin for o in bg.ops() if o.origin))
-                    yield KernelOp("custom", subset, outs, block=bg, origin=origin), kinfos, key
+                    op = KernelOp("custom", subset, outs, block=bg, origin=origin)
+                    yield op, kinfos, key, cost
 
     def _record(self, tensors: dict, ops: list, out: str) -> None:
         live, need = [], {out}

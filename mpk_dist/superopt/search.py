@@ -10,6 +10,7 @@ Results are cached on disk by graph signature, search parameters and package ver
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import pickle
 import time
@@ -22,7 +23,8 @@ from mpk_dist.superopt.context import Context, SearchConfig
 from mpk_dist.superopt.graph import Graph
 from mpk_dist.superopt.kernelsearch import BlockCatalog, KernelSearch
 from mpk_dist.superopt.target import analyze
-from mpk_dist.superopt.ugraph import UGraph
+from mpk_dist.superopt.cost import H200
+from mpk_dist.superopt.ugraph import DTYPE_BYTES, UGraph, _numel
 from mpk_dist.superopt.verify import verify
 
 CACHE_FORMAT = 1
@@ -128,35 +130,60 @@ def _ranked(res: SearchResult, rank) -> SearchResult:
 def _search(g: Graph, config: SearchConfig, timeout_s: float, processes: int, progress,
             start: float) -> SearchResult:
     target = analyze(g)
-    ctx = Context(target, config, start + timeout_s)
+    ctx = Context(target, config, start + timeout_s, progress=progress)
     found: dict = {}
+    status: dict = {}     # graph key -> True (verified) / False (rejected)
+    bound = math.inf      # cost of the best verified graph so far
+    skipped = 0
     with BlockCatalog(ctx, processes) as catalog:
         for depth in range(1, config.max_kernel_ops + 1):
-            found.update(KernelSearch(ctx, catalog).run(depth))
-            if progress:
-                progress(_stats(ctx, catalog, 0, 0, start, len(found)))
+            if depth_lower_bound(target, depth) >= bound:
+                skipped = config.max_kernel_ops - depth + 1
+                break  # every graph with this many kernel ops costs more than a verified one
+            found.update(KernelSearch(ctx, catalog, bound).run(depth))
+            ctx.tick(force=True)
+            _verify_ranked(g, found, status, config)
+            costs = [found[k].cost["time_us"] for k, ok in status.items() if ok]
+            bound = min(costs, default=math.inf)
             if ctx.timed_out():
                 break
-    ranked = sorted(found.values(), key=lambda u: (u.cost["time_us"], u.key()))
-    verified, rejected = [], 0
-    for ug in ranked:
-        if len(verified) >= config.keep:
+    ranked = [u for u in _rank(found) if status.get(u.key())][:config.keep]
+    stats = _stats(ctx, len(ranked), sum(1 for ok in status.values() if not ok), start,
+                   len(found))
+    stats.update(timed_out=ctx.timed_out(), processes=processes, skipped_depths=skipped)
+    return SearchResult(ranked[0] if ranked else None, ranked, stats)
+
+
+def depth_lower_bound(target, depth: int, m=H200) -> float:
+    """No graph of ``depth`` kernel ops costs less: a sync point per op, and reading every input
+    and writing the output once at full device-memory bandwidth."""
+    g = target.graph
+    io = 0
+    for n in g.nodes:
+        if n.op == "input":
+            io += _numel(n.shape)
+    io += _numel(g.nodes[g.outputs[0]].shape)
+    return depth * m.sync_us + io * DTYPE_BYTES / m.hbm_bytes_per_us
+
+
+def _rank(found: dict) -> list:
+    return sorted(found.values(), key=lambda u: (u.cost["time_us"], u.key()))
+
+
+def _verify_ranked(g: Graph, found: dict, status: dict, config: SearchConfig) -> None:
+    """Verify the cheapest untried graphs until ``keep`` of the cheapest are verified."""
+    good = 0
+    for ug in _rank(found):
+        if good >= config.keep:
             break
-        if verify(ug, g, config.trials):
-            verified.append(ug)
-        else:
-            rejected += 1
-    stats = _stats(ctx, catalog, len(verified), rejected, start, len(found))
-    stats["timed_out"] = ctx.timed_out()
-    stats["processes"] = processes
-    return SearchResult(verified[0] if verified else None, verified, stats)
+        k = ug.key()
+        if k not in status:
+            status[k] = verify(ug, g, config.trials)
+        good += status[k]
 
 
-def _stats(ctx: Context, catalog: BlockCatalog, verified: int, rejected: int, start: float,
-           complete: int) -> dict:
+def _stats(ctx: Context, verified: int, rejected: int, start: float, complete: int) -> dict:
     s = ctx.stats()
-    for k, v in catalog.worker_stats.items():
-        s[k] = s.get(k, 0) + v
     s.update(verified=verified, rejected=rejected, complete_graphs=complete,
              seconds=time.monotonic() - start)
     return {k: s.get(k, 0) for k in STAT_KEYS} | {k: v for k, v in s.items() if k not in STAT_KEYS}
