@@ -10,11 +10,14 @@
 namespace mpk {
 
 // One trace record per executed task (24 bytes); written by thread 0 of the worker block.
+// start_ns: the worker turned to the task (aot: before its waits; jit: before the queue pop);
+// wait_ns: until its inputs were ready; run_ns: from then to the end of its signals.
 struct TraceRecord {
   uint32_t task_id;
   uint32_t step;
   uint64_t start_ns;
-  uint64_t end_ns;
+  uint32_t wait_ns;
+  uint32_t run_ns;
 };
 
 struct RuntimeParams {
@@ -30,6 +33,7 @@ struct RuntimeParams {
   const int32_t* worker_tasks;    // [T]
   // ---- memory ---------------------------------------------------------------------------
   const uint64_t* buf_base;       // [NB] device address of buffer b on this rank (0 = none)
+  const uint64_t* arg_addr;       // [NA] args[k] resolved on the host: base + OFFSET * elem size (0 = NULL)
   const uint64_t* peer_base;      // [WORLD, NB] buffer b on rank r (symmetric buffers; remote args)
   const uint64_t* peer_events;    // [WORLD] address of rank r's event counters
   uint32_t* events;               // [E] this rank's counters (zeroed before a generation)

@@ -24,12 +24,12 @@ struct TaskView {
     return b < 0 ? -1 : (int)p.buffers[(size_t)b * BUFFER_NUM_COLS + BUFFER_COL_DTYPE];
   }
 
-  // Pointer to argument i on this rank (buffer base + OFFSET elements); nullptr when absent.
+  // Pointer to argument i on this rank (buffer base + OFFSET elements, resolved on the host so a
+  // task's pointers are one load each, off the critical path of buffer/dtype lookups); nullptr
+  // when absent.
   template <typename T>
   __device__ T* arg(int i) const {
-    const int32_t* a = arg_row(i);
-    if (a[ARG_COL_BUFFER] == NULL_BUFFER) return nullptr;
-    return reinterpret_cast<T*>(p.buf_base[a[ARG_COL_BUFFER]]) + a[ARG_COL_OFFSET];
+    return reinterpret_cast<T*>(p.arg_addr[row[TASK_COL_ARG_BEGIN] + i]);
   }
 
   // Pointer to argument i in rank r's copy of a symmetric buffer (remote arguments).

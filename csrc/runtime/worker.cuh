@@ -63,9 +63,10 @@ __device__ bool task_ready(const RuntimeParams& p, int task, int s) {
   return true;
 }
 
-__device__ __forceinline__ void trace_record(const RuntimeParams& p, int& n, int task, int s, uint64_t t0) {
+__device__ __forceinline__ void trace_record(const RuntimeParams& p, int& n, int task, int s, uint64_t t0,
+                                             uint64_t t_ready) {
   if (p.trace != nullptr && n < p.trace_cap) {
-    TraceRecord r{(uint32_t)task, (uint32_t)s, t0, globaltimer_ns()};
+    TraceRecord r{(uint32_t)task, (uint32_t)s, t0, (uint32_t)(t_ready - t0), (uint32_t)(globaltimer_ns() - t_ready)};
     p.trace[(size_t)blockIdx.x * p.trace_cap + n] = r;
   }
   ++n;
@@ -119,17 +120,20 @@ __device__ bool run_and_signal(const RuntimeParams& p, int task, int s, float* s
     for (int k = row[TASK_COL_SIGNAL_BEGIN]; k < row[TASK_COL_SIGNAL_END]; ++k) {
       const int e = p.signals[(size_t)k * SIGNAL_NUM_COLS + SIGNAL_COL_EVENT];
       const int target = p.signals[(size_t)k * SIGNAL_NUM_COLS + SIGNAL_COL_TARGET];
+      uint32_t old = 0;
       if (target == SIG_ALL_RANKS) {
-        for (int r = 0; r < p.world; ++r)  // release at system scope on every rank's counter
-          atom_add_release_sys(reinterpret_cast<uint32_t*>(p.peer_events[r]) + e, 1u);
-        continue;
+        for (int r = 0; r < p.world; ++r) {  // release at system scope on every rank's counter
+          const uint32_t o = atom_add_release_sys(reinterpret_cast<uint32_t*>(p.peer_events[r]) + e, 1u);
+          if (r == p.rank) old = o;
+        }
+      } else if (event_is_system(p, e)) {
+        old = atom_add_release_sys(&p.events[e], 1u);
+      } else {
+        old = atom_add_release_gpu(&p.events[e], 1u);  // release: waiters acquire this counter
       }
-      uint32_t old;
-      if (event_is_system(p, e)) old = atom_add_release_sys(&p.events[e], 1u);
-      else old = atom_add_release_gpu(&p.events[e], 1u);  // release: waiters acquire this counter
       if (kJit) {
         const uint32_t trig = (uint32_t)p.event_tab[(size_t)e * EVENT_NUM_COLS + EVENT_COL_TRIGGERS];
-        if (old + 1u == (uint32_t)(s + 1) * trig) {  // this add completed the event for step s
+        if (old + 1u == (uint32_t)(s + 1) * trig) {  // this add completed the event for step s (own rank)
           const int sch = e % p.num_sched;
           ring_push(p.sched_queues + (size_t)sch * p.sched_cap * 4, &p.sched_tail[sch], p.sched_cap, (uint32_t)e,
                     (uint32_t)s);
@@ -153,8 +157,9 @@ __device__ void worker_loop_aot(const RuntimeParams& p, BlockState& st, float* s
       if (tid == 0) st.failed = wait_task_events(p, task, s);
       worker_barrier(nt);  // hands thread 0's acquired view to every worker thread
       if (st.failed) { stop = true; break; }
+      const uint64_t t_ready = globaltimer_ns();
       if (!run_and_signal<false>(p, task, s, smem, tid, nt)) { stop = true; break; }
-      if (tid == 0) trace_record(p, ntrace, task, s, t0);
+      if (tid == 0) trace_record(p, ntrace, task, s, t0, t_ready);
       worker_barrier(nt);  // st is rewritten by thread 0 for the next task
     }
     if (stop) break;
@@ -200,7 +205,7 @@ __device__ void scheduler_loop(const RuntimeParams& p, int sch) {
 
 // For an error report: the first task of worker w at step s or s + 1 with an unmet wait.
 __device__ void diagnose_worker(const RuntimeParams& p, int w, int s, int& task, int& event, uint32_t& seen,
-                                uint32_t& target) {
+                                uint32_t& target, int& at_step) {
   for (int step = s; step <= s + 1; ++step)
     for (int i = p.worker_offsets[w]; i < p.worker_offsets[w + 1]; ++i) {
       const int t = p.worker_tasks[i];
@@ -209,10 +214,10 @@ __device__ void diagnose_worker(const RuntimeParams& p, int w, int s, int& task,
         int e;
         const uint32_t want = wait_target(p, k, step, &e);
         const uint32_t have = ld_relaxed_gpu(&p.events[e]);
-        if ((int32_t)(have - want) < 0) { task = t; event = e; seen = have; target = want; return; }
+        if ((int32_t)(have - want) < 0) { task = t; event = e; seen = have; target = want; at_step = step; return; }
       }
     }
-  task = -1; event = -1; seen = 0; target = 0;
+  task = -1; event = -1; seen = 0; target = 0; at_step = s;
 }
 
 __device__ void worker_loop_jit(const RuntimeParams& p, BlockState& st, float* smem, int tid, int nt) {
@@ -220,17 +225,18 @@ __device__ void worker_loop_jit(const RuntimeParams& p, BlockState& st, float* s
   uint32_t* q = p.queues + (size_t)w * p.queue_cap * 4;
   int ntrace = 0, last_step = p.step_begin;
   for (uint32_t head = 0;; ++head) {
+    const uint64_t t0 = globaltimer_ns();
     if (tid == 0) {
       uint32_t t = 0, s = 0;
       int r;
       // A timeout is reported only when one of this worker's own tasks has an unmet wait (a worker
       // with nothing left to run just keeps waiting for the halt flag).
       while ((r = ring_pop(p, q, p.queue_cap, head, t, s)) == 1) {
-        int task, event;
+        int task, event, at_step;
         uint32_t seen, target;
-        diagnose_worker(p, w, last_step, task, event, seen, target);
+        diagnose_worker(p, w, last_step, task, event, seen, target, at_step);
         if (task >= 0) {
-          raise_error(p.error, p.halt, kErrTimeout, task, event, last_step, p.rank, seen, target, p.timeout_ns);
+          raise_error(p.error, p.halt, kErrTimeout, task, event, at_step, p.rank, seen, target, p.timeout_ns);
           break;
         }
       }
@@ -242,9 +248,9 @@ __device__ void worker_loop_jit(const RuntimeParams& p, BlockState& st, float* s
     if (st.failed) break;
     const int task = st.task, s = st.step;
     last_step = s;
-    const uint64_t t0 = globaltimer_ns();  // a queued task is ready: no prefetch-before-wait here
+    const uint64_t t_ready = globaltimer_ns();  // a queued task is ready: no prefetch-before-wait here
     if (!run_and_signal<true>(p, task, s, smem, tid, nt)) break;
-    if (tid == 0) trace_record(p, ntrace, task, s, t0);
+    if (tid == 0) trace_record(p, ntrace, task, s, t0, t_ready);
     worker_barrier(nt);
   }
   if (tid == 0 && p.trace_len != nullptr) p.trace_len[w] = (uint32_t)ntrace;

@@ -18,7 +18,7 @@ _I = ctypes.c_int32
 PARAM_FIELDS = [
     ("tasks", _P), ("event_tab", _P), ("waits", _P), ("signals", _P), ("args", _P), ("params", _P),
     ("buffers", _P), ("worker_offsets", _P), ("worker_tasks", _P),
-    ("buf_base", _P), ("peer_base", _P), ("peer_events", _P), ("events", _P),
+    ("buf_base", _P), ("arg_addr", _P), ("peer_base", _P), ("peer_events", _P), ("events", _P),
     ("dep_ptr", _P), ("dep_task", _P), ("dep_offset", _P), ("launched", _P), ("queues", _P), ("queue_tail", _P),
     ("sched_queues", _P), ("sched_tail", _P),
     ("next_token", _P), ("token_out", _P), ("logits", _P), ("stop_ids", _P), ("done", _P), ("logits_dump", _P),
@@ -53,7 +53,7 @@ class ErrorRecord(ctypes.Structure):
 
 ERROR_CODES = {0: "none", 1: "timeout", 2: "queue overflow", 3: "bad task", 4: "injected"}
 
-TRACE_DTYPE = np.dtype([("task_id", "<u4"), ("step", "<u4"), ("start_ns", "<u8"), ("end_ns", "<u8")])
+TRACE_DTYPE = np.dtype([("task_id", "<u4"), ("step", "<u4"), ("start_ns", "<u8"), ("wait_ns", "<u4"), ("run_ns", "<u4")])
 """struct mpk::TraceRecord."""
 
 

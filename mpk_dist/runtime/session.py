@@ -87,7 +87,9 @@ class Session:
             else:
                 t = torch.zeros(shape, dtype=dt, device=dev)
             self.bufs.append(t)
-        self.buf_base = torch.tensor([self._addr(t) for t in self.bufs], dtype=torch.int64, device=dev)
+        addrs = [self._addr(t) for t in self.bufs]
+        self.buf_base = torch.tensor(addrs, dtype=torch.int64, device=dev)
+        self.arg_addr = torch.from_numpy(resolve_args(cg.arrays["args"], addrs, [t.element_size() for t in self.bufs])).to(dev)
         E, T, W = cg.arrays["events"].shape[0], cg.arrays["tasks"].shape[0], self.workers
         self.events = torch.zeros(E, dtype=torch.int32, device=dev)
         self.peer_base = self.buf_base.clone()  # world 1: this rank is its only peer
@@ -164,6 +166,7 @@ class Session:
             setattr(p, name, self.tabs[name].data_ptr())
         p.event_tab = self.tabs["events"].data_ptr()
         p.buf_base, p.peer_base, p.peer_events = self.buf_base.data_ptr(), self.peer_base.data_ptr(), self.peer_events.data_ptr()
+        p.arg_addr = self.arg_addr.data_ptr()
         p.events = self.events.data_ptr()
         p.dep_ptr, p.dep_task, p.dep_offset = (d.data_ptr() for d in self.deps)
         p.launched, p.queues, p.queue_tail = self.launched.data_ptr(), self.queues.data_ptr(), self.queue_tail.data_ptr()
@@ -283,6 +286,18 @@ class Session:
         raw = self.trace.cpu().numpy().view(TRACE_DTYPE).reshape(self.workers, self.trace_cap)
         lens = np.minimum(self.trace_len.cpu().numpy(), self.trace_cap)
         return [raw[w, :lens[w]] for w in range(self.workers)]
+
+
+def resolve_args(args: np.ndarray, addrs: list[int], elem_bytes: list[int]) -> np.ndarray:
+    """Device address of every argument row: buffer base + OFFSET * element size (0 for NULL_BUFFER),
+    as int64 (the bit pattern of the uint64 address)."""
+    from mpk_dist.taskgraph.abi import ARG_COLS, NULL_BUFFER
+
+    buf, off = args[:, ARG_COLS["BUFFER"]].astype(np.int64), args[:, ARG_COLS["OFFSET"]].astype(np.int64)
+    base = np.array(addrs + [0], dtype=np.uint64)[np.where(buf == NULL_BUFFER, len(addrs), buf)]
+    size = np.array(elem_bytes + [0], dtype=np.uint64)[np.where(buf == NULL_BUFFER, len(addrs), buf)]
+    out = np.where(buf == NULL_BUFFER, np.uint64(0), base + off.astype(np.uint64) * size)
+    return out.astype(np.uint64).view(np.int64)
 
 
 def _pinned(shape, dtype: torch.dtype) -> torch.Tensor:

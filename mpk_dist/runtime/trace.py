@@ -19,7 +19,11 @@ from mpk_dist.taskgraph.abi import TASK_COLS
 
 
 def chrome_trace(cg, per_worker: list[np.ndarray], rank: int = 0) -> dict:
-    """Build the trace dict from per-worker TraceRecord arrays of one launch."""
+    """Build the trace dict from per-worker TraceRecord arrays of one launch.
+
+    Each task gives a 'wait' event (category "wait": from the worker turning to the task until its
+    inputs were ready) and the task's own event (name = op, category = task kind) for the run.
+    """
     starts = [int(r["start_ns"].min()) for r in per_worker if len(r)]
     t0 = min(starts) if starts else 0
     ops, tasks = cg.meta["ops"], cg.arrays["tasks"]
@@ -29,10 +33,13 @@ def chrome_trace(cg, per_worker: list[np.ndarray], rank: int = 0) -> dict:
         for r in recs:
             t = int(r["task_id"])
             op = ops[int(tasks[t, TASK_COLS["OP_INDEX"]])]
+            start, wait, run = (int(r["start_ns"]) - t0) / 1e3, int(r["wait_ns"]) / 1e3, int(r["run_ns"]) / 1e3
+            args = {"task": t, "step": int(r["step"]), "layer": op["layer"], "tile": int(tasks[t, TASK_COLS["TILE"]])}
+            if wait > 0:
+                events.append({"name": "wait", "cat": "wait", "ph": "X", "pid": rank, "tid": w, "ts": start,
+                               "dur": wait, "args": args})
             events.append({"name": op["name"], "cat": op["kind"], "ph": "X", "pid": rank, "tid": w,
-                           "ts": (int(r["start_ns"]) - t0) / 1e3, "dur": max(0, int(r["end_ns"]) - int(r["start_ns"])) / 1e3,
-                           "args": {"task": t, "step": int(r["step"]), "layer": op["layer"],
-                                    "tile": int(tasks[t, TASK_COLS["TILE"]])}})
+                           "ts": start + wait, "dur": run, "args": args})
     events.append({"ph": "M", "name": "process_name", "pid": rank, "args": {"name": f"rank {rank}"}})
     return {"traceEvents": events, "displayTimeUnit": "ns",
             "otherData": {"generator": "mpk_dist.runtime.trace", "workers": len(per_worker)}}
@@ -59,38 +66,44 @@ def load_trace(path: str | Path) -> list[dict]:
 
 
 def summarize(events: list[dict]) -> dict:
-    """Time per op kind (sum, count, share of busy time) and busy/idle time per (rank, worker).
+    """Run time per op kind (sum, tasks, share) and busy/idle time per (rank, worker).
 
-    Idle time of a worker = the span from the first task start to the last task end over all
-    workers, minus the worker's busy time (task starts include waiting on events, so a task's
-    duration covers its wait; the 'wait' part shows up as long durations of waiting tasks).
+    Events of category "wait" (a worker waiting for a task's inputs) count as idle. Idle time of a
+    worker = the trace span (first event start to last event end, over all workers) minus the
+    time it ran tasks; "wait" is the part of that idle time spent waiting on a next task's events.
     """
     if not events:
         raise InputError("trace: expected at least one task event, got none (was the run traced?)")
     t_min = min(e["ts"] for e in events)
-    t_max = max(e["ts"] + e.get("dur", 0) for e in events)
-    span = t_max - t_min
+    span = max(e["ts"] + e.get("dur", 0) for e in events) - t_min
     kinds: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     busy: dict[tuple, float] = defaultdict(float)
+    waiting: dict[tuple, float] = defaultdict(float)
     for e in events:
+        key = (e.get("pid", 0), e.get("tid", 0))
+        if e.get("cat") == "wait":
+            waiting[key] += e.get("dur", 0)
+            continue
         k = kinds[e.get("cat") or e.get("name", "?")]
         k[0] += e.get("dur", 0)
         k[1] += 1
-        busy[(e.get("pid", 0), e.get("tid", 0))] += e.get("dur", 0)
+        busy[key] += e.get("dur", 0)
     total = sum(v[0] for v in kinds.values()) or 1.0
     per_kind = sorted(((n, v[0], v[1], v[0] / total) for n, v in kinds.items()), key=lambda x: -x[1])
-    per_worker = sorted(((pw, b, max(0.0, span - b)) for pw, b in busy.items()), key=lambda x: x[0])
+    keys = sorted(set(busy) | set(waiting))
+    per_worker = [(k, busy[k], max(0.0, span - busy[k]), waiting[k]) for k in keys]
     return {"span_us": span, "kinds": per_kind, "workers": per_worker}
 
 
 def format_summary(s: dict) -> str:
-    """The summary as text tables."""
-    lines = [f"trace span: {s['span_us']:.1f} us", "", f"{'op kind':<20}{'time (us)':>12}{'tasks':>8}{'share':>8}"]
+    """The summary as text tables (op kinds by run time; per-worker busy/idle/wait)."""
+    lines = [f"trace span: {s['span_us']:.1f} us", "",
+             f"{'op kind':<20}{'run (us)':>12}{'tasks':>8}{'share':>8}"]
     for name, t, n, share in s["kinds"]:
         lines.append(f"{name:<20}{t:>12.1f}{n:>8d}{share:>8.1%}")
     idle = [w[2] for w in s["workers"]]
-    lines += ["", f"{'rank/worker':<14}{'busy (us)':>12}{'idle (us)':>12}{'idle %':>8}"]
-    for (pid, tid), b, i in s["workers"]:
-        lines.append(f"{f'{pid}/{tid}':<14}{b:>12.1f}{i:>12.1f}{i / max(s['span_us'], 1e-9):>8.1%}")
+    lines += ["", f"{'rank/worker':<14}{'busy (us)':>12}{'idle (us)':>12}{'of which wait':>15}{'idle %':>8}"]
+    for (pid, tid), b, i, wt in s["workers"]:
+        lines.append(f"{f'{pid}/{tid}':<14}{b:>12.1f}{i:>12.1f}{wt:>15.1f}{i / max(s['span_us'], 1e-9):>8.1%}")
     lines.append(f"idle per worker: mean {np.mean(idle):.1f} us, max {np.max(idle):.1f} us over {len(idle)} workers")
     return "\n".join(lines)

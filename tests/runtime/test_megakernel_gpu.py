@@ -6,6 +6,7 @@ agreement >= 99%), greedy tokens, one-step mode, EOS stop, streaming, the watchd
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -21,6 +22,10 @@ from mpk_dist.backends.torch_backend import TorchBackend, run_graphs  # noqa: E4
 from mpk_dist.errors import DeviceTimeout  # noqa: E402
 from mpk_dist.model_source import open_model  # noqa: E402
 from mpk_dist.runtime.megakernel_backend import MegakernelBackend  # noqa: E402
+
+# The op semantics say "fp32 accumulation"; cuBLAS's reduced-precision (bf16) split-K reductions,
+# which torch allows by default, would make the reference itself deviate from that.
+torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
 
 MAX_SEQ = 320
 FORCED_STEPS = 256
@@ -71,6 +76,7 @@ def compare_logits(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
 
 @pytest.mark.parametrize("name,batch,schedule", [
     ("tiny", 1, "aot"), ("tiny", 1, "jit"), ("tiny", 4, "aot"), ("tiny-llama", 1, "aot"), ("tiny-llama", 16, "jit"),
+    ("qwen3-0.6b", 1, "aot"),
 ])
 def test_first_step_buffers_match_torch(name, batch, schedule, gpu_results):
     """After one step, every activation buffer equals the torch graph's tensor (names the first op off)."""
@@ -108,6 +114,8 @@ FORCED_CASES = [("tiny", 1, "aot"), ("tiny", 1, "jit"), ("tiny", 4, "aot"), ("ti
 @pytest.mark.parametrize("name,batch,schedule", FORCED_CASES)
 def test_teacher_forced_logits(name, batch, schedule, gpu_results):
     """>= 256 teacher-forced steps: logits within 3% of their std at every step, argmax >= 99%."""
+    if os.environ.get("MPK_GPU_QUICK") == "1" and name == "qwen3-0.6b" and batch > 1:
+        pytest.skip("MPK_GPU_QUICK=1: large-batch qwen3-0.6b cases left out of this run")
     vocab = model(name).config.vocab_size
     prompt = rand_ids(4, vocab, 2)
     force = rand_ids(FORCED_STEPS, vocab, 3)
@@ -123,6 +131,23 @@ def test_teacher_forced_logits(name, batch, schedule, gpu_results):
     assert got.logits.shape[0] >= FORCED_STEPS
     assert err <= 0.03, f"max |err| / std = {err:.4f} > 0.03"
     assert agree >= 0.99, f"argmax agreement {agree:.4f} < 0.99"
+
+
+def test_reference_noise_floor_qwen3_0p6b(gpu_results):
+    """Context for the tolerances: torch eager with and without cuBLAS's bf16 split-K reductions."""
+    vocab = model("qwen3-0.6b").config.vocab_size
+    req = GenerateRequest([rand_ids(4, vocab, 2)], FORCED_STEPS + 1, force_tokens=rand_ids(FORCED_STEPS, vocab, 3),
+                          want_logits=True)
+    strict = ref("qwen3-0.6b").generate(req)
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = True
+    try:
+        loose = ref("qwen3-0.6b").generate(req)
+    finally:
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+    err, agree = compare_logits(loose.logits, strict.logits)
+    gpu_results.append({"case": "torch eager bf16-reduce vs fp32", "steps": strict.logits.shape[0],
+                        "max_err/std": f"{err:.4f}", "argmax_agree": f"{agree:.4f}", "ok": "info"})
+    assert torch.isfinite(strict.logits).all() and torch.isfinite(loose.logits).all()
 
 
 @pytest.mark.parametrize("batch,schedule", [(1, "aot"), (1, "jit"), (4, "aot")])
@@ -203,7 +228,7 @@ def test_trace_and_summary(tmp_path, gpu_results):
     res = b.generate(GenerateRequest([[1, 2, 3]], 5))
     import json
 
-    evs = [e for e in json.loads(path.read_text())["traceEvents"] if e.get("ph") == "X"]
+    evs = [e for e in json.loads(path.read_text())["traceEvents"] if e.get("ph") == "X" and e.get("cat") != "wait"]
     n_tasks = b.session(1).cg.arrays["tasks"].shape[0]
     ok = len(evs) == n_tasks * res.extra["steps"] and main(["trace-summary", str(path)]) == 0
     gpu_results.append({"case": "trace + trace-summary", "steps": res.extra["steps"], "ok": ok})

@@ -67,6 +67,13 @@ def test_buffers_forced_rows_and_params(sess):
     assert sess.logits_dump.shape == (4, 2, 512)
     base = np.frombuffer(sess.buf_base.numpy().tobytes(), np.uint64)
     assert [int(x) for x in base] == [t.data_ptr() for t in sess.bufs]
+    assert p.arg_addr == sess.arg_addr.data_ptr()
+    args, addr = cg.arrays["args"], sess.arg_addr.numpy().view(np.uint64)
+    for k in range(args.shape[0]):  # every argument row resolves to its buffer base + offset * elem size
+        b, off = int(args[k, 0]), int(args[k, 1])
+        want = 0 if b < 0 else sess.bufs[b].data_ptr() + off * sess.bufs[b].element_size()
+        assert int(addr[k]) == want, k
+    assert (args[:, 0] < 0).any(), "the tiny graph has optional NULL arguments (q tiles' DST_V)"
     sess.wait()  # fake stream: finished at once; no error record
     assert sess.progress() == 0
 

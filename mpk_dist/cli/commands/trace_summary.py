@@ -21,8 +21,8 @@ def run(args) -> int:
     if args.json:
         print(json.dumps({"span_us": s["span_us"],
                           "kinds": [{"kind": k, "us": t, "tasks": n, "share": sh} for k, t, n, sh in s["kinds"]],
-                          "workers": [{"rank": pw[0], "worker": pw[1], "busy_us": b, "idle_us": i}
-                                      for pw, b, i in s["workers"]]}))
+                          "workers": [{"rank": pw[0], "worker": pw[1], "busy_us": b, "idle_us": i, "wait_us": w}
+                                      for pw, b, i, w in s["workers"]]}))
     else:
         print(format_summary(s))
     return 0
