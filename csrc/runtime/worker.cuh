@@ -203,10 +203,10 @@ __device__ void scheduler_loop(const RuntimeParams& p, int sch) {
   }
 }
 
-// For an error report: the first task of worker w at step s or s + 1 with an unmet wait.
-__device__ void diagnose_worker(const RuntimeParams& p, int w, int s, int& task, int& event, uint32_t& seen,
-                                uint32_t& target, int& at_step) {
-  for (int step = s; step <= s + 1; ++step)
+// For an error report: the first task of worker w at step s (or up to s + extra) with an unmet wait.
+__device__ void diagnose_worker(const RuntimeParams& p, int w, int s, int extra, int& task, int& event,
+                                uint32_t& seen, uint32_t& target, int& at_step) {
+  for (int step = s; step <= s + extra; ++step)
     for (int i = p.worker_offsets[w]; i < p.worker_offsets[w + 1]; ++i) {
       const int t = p.worker_tasks[i];
       const int32_t* row = p.tasks + (size_t)t * TASK_NUM_COLS;
@@ -228,13 +228,14 @@ __device__ void worker_loop_jit(const RuntimeParams& p, BlockState& st, float* s
     const uint64_t t0 = globaltimer_ns();
     if (tid == 0) {
       uint32_t t = 0, s = 0;
-      int r;
-      // A timeout is reported only when one of this worker's own tasks has an unmet wait (a worker
-      // with nothing left to run just keeps waiting for the halt flag).
+      int r, rounds = 0;
+      // A timeout is reported only when one of this worker's own tasks has an unmet wait; the first
+      // round looks at its current step only, so the workers stuck where the stall is report first
+      // (a worker with nothing left to run keeps waiting for the halt flag).
       while ((r = ring_pop(p, q, p.queue_cap, head, t, s)) == 1) {
         int task, event, at_step;
         uint32_t seen, target;
-        diagnose_worker(p, w, last_step, task, event, seen, target, at_step);
+        diagnose_worker(p, w, last_step, rounds++ > 0 ? 1 : 0, task, event, seen, target, at_step);
         if (task >= 0) {
           raise_error(p.error, p.halt, kErrTimeout, task, event, at_step, p.rank, seen, target, p.timeout_ns);
           break;
