@@ -32,6 +32,15 @@ __device__ __forceinline__ bool event_is_system(const RuntimeParams& p, int e) {
   return p.event_tab[(size_t)e * EVENT_NUM_COLS + EVENT_COL_SCOPE] == EV_SCOPE_SYSTEM;
 }
 
+// True when the final task (argmax_select) of step s - 1 has signalled its first event.
+__device__ bool previous_step_done(const RuntimeParams& p, int s) {
+  const int32_t* row = p.tasks + (size_t)p.final_task * TASK_NUM_COLS;
+  if (row[TASK_COL_SIGNAL_BEGIN] == row[TASK_COL_SIGNAL_END]) return true;
+  const int e = p.signals[(size_t)row[TASK_COL_SIGNAL_BEGIN] * SIGNAL_NUM_COLS + SIGNAL_COL_EVENT];
+  const uint32_t trig = (uint32_t)p.event_tab[(size_t)e * EVENT_NUM_COLS + EVENT_COL_TRIGGERS];
+  return (int32_t)(ld_relaxed_gpu(&p.events[e]) - (uint32_t)s * trig) >= 0;
+}
+
 // Thread 0: wait for every event of `task` at step s. 0 = ready, 1 = timed out (recorded), 2 = halt.
 __device__ int wait_task_events(const RuntimeParams& p, int task, int s) {
   const int32_t* row = p.tasks + (size_t)task * TASK_NUM_COLS;
@@ -41,9 +50,15 @@ __device__ int wait_task_events(const RuntimeParams& p, int task, int s) {
     if (target == 0) continue;  // threshold <= 0: met at once (host-initialised state)
     uint32_t seen = 0;
     const uint64_t t0 = globaltimer_ns();
-    // acquire (gpu or sys scope): pairs with the signallers' release adds on this counter
-    const int r = event_is_system(p, e) ? spin_wait_geq_sys(&p.events[e], target, p.timeout_ns, p.halt, &seen)
-                                        : spin_wait_geq_gpu(&p.events[e], target, p.timeout_ns, p.halt, &seen);
+    int r;
+    for (int round = 0;; ++round) {
+      // acquire (gpu or sys scope): pairs with the signallers' release adds on this counter
+      r = event_is_system(p, e) ? spin_wait_geq_sys(&p.events[e], target, p.timeout_ns, p.halt, &seen)
+                                : spin_wait_geq_gpu(&p.events[e], target, p.timeout_ns, p.halt, &seen);
+      // A worker that ran ahead into step s while step s-1 is still unfinished is not where the
+      // stall is: give the workers of the earlier step a few rounds to report it.
+      if (r != 1 || round >= 3 || s == 0 || previous_step_done(p, s)) break;
+    }
     if (r == 1) raise_error(p.error, p.halt, kErrTimeout, task, e, s, p.rank, seen, target, globaltimer_ns() - t0);
     if (r != 0) return r;
   }
