@@ -8,7 +8,19 @@ import os
 
 import pytest
 
-RESULTS: list[dict] = []
+class _Rows(list):
+    """Result rows; each append is also written to $MPK_GPU_REPORT at once (a run cut short by a
+    time limit still leaves the rows it finished)."""
+
+    def append(self, row: dict) -> None:
+        super().append(row)
+        path = os.environ.get("MPK_GPU_REPORT")
+        if path:
+            with open(path, "w") as f:
+                json.dump(list(self), f, indent=1)
+
+
+RESULTS: list[dict] = _Rows()
 
 
 @pytest.fixture()
