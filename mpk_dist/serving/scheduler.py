@@ -39,16 +39,12 @@ class StepBatch:
     logit_rows: np.ndarray
     emitters: list[RequestState] = field(default_factory=list)
     scheduled: list[tuple[RequestState, int]] = field(default_factory=list)  # (state, tokens this pass)
+    num_prefill_tokens: int = 0  # prompt tokens in the pass
 
     @property
     def num_tokens(self) -> int:
         """N, tokens in the pass."""
         return len(self.tokens)
-
-    @property
-    def num_prefill_tokens(self) -> int:
-        """Prompt tokens in the pass."""
-        return sum(n for st, n in self.scheduled if st.prefilling)
 
     def tensors(self, device: torch.device | str = "cpu", pad_tokens: int = 0, pad_rows: int = 0) -> dict:
         """The graph inputs as int32 tensors; padding tokens get slot -1, padding rows -1."""
@@ -123,7 +119,7 @@ class Scheduler:
         self._retire()
         self._admit(now)
         toks, pos, slots, rows, emitters, sched = [], [], [], [], [], []
-        budget = self.max_tokens
+        budget, n_prefill = self.max_tokens, 0
         decoding = [st for st in self.running if not st.prefilling]
         for st in decoding + [st for st in self.running if st.prefilling]:
             if budget == 0:
@@ -132,6 +128,7 @@ class Scheduler:
                 p = len(st.req.prompt)
                 n = min(budget, p - st.computed)
                 ids = list(st.req.prompt[st.computed: st.computed + n])
+                n_prefill += n
             else:
                 n, ids = 1, [st.next_input()]
             self.pool.grow(st.slot, st.computed + n)
@@ -144,7 +141,7 @@ class Scheduler:
                 rows.append(len(toks) - 1)
                 emitters.append(st)
         i32 = lambda x: np.asarray(x, dtype=np.int32)  # noqa: E731
-        return StepBatch(i32(toks), i32(pos), i32(slots), self.pool.page_table, i32(rows), emitters, sched)
+        return StepBatch(i32(toks), i32(pos), i32(slots), self.pool.page_table, i32(rows), emitters, sched, n_prefill)
 
     def commit(self, batch: StepBatch, logits: torch.Tensor, now: float) -> None:
         """Apply a pass: advance each request past its tokens, append greedy tokens from ``logits`` [R, V]."""
