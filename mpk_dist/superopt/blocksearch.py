@@ -18,7 +18,7 @@ from itertools import product
 
 from mpk_dist.superopt import expr as E
 from mpk_dist.superopt.context import Context
-from mpk_dist.superopt.inference import candidate_ops, infer
+from mpk_dist.superopt.inference import candidate_ops, infer, intern
 from mpk_dist.superopt.ugraph import (STACK, Accumulator, BlockGraph, BlockInput, BlockOp,
                                       BlockOutput, TensorInfo)
 
@@ -86,7 +86,7 @@ class _Builder:
             dep = loop is not None and loop in info.syms
             tile = TensorInfo(_tile(block, {loop: sizes[loop]}) if dep else block.shape,
                               info.syms, info.expr)
-            self.locals.append((f"i{k}", tile if dep else block, "in", dep))
+            self.locals.append((f"i{k}", intern(tile if dep else block), "in", dep))
         self.loop_count = sizes[loop] if loop else 1
         self.results: list = []
 
@@ -136,7 +136,8 @@ class _Builder:
         for name, info, phase, dep in self.locals:
             if phase == "body" and loop not in info.syms:
                 e = E.mk_sum(self.loop_count, info.expr)
-                out.append((f"a{name[1:]}", TensorInfo(info.shape, info.syms, e), "acc", False))
+                out.append((f"a{name[1:]}", intern(TensorInfo(info.shape, info.syms, e)), "acc",
+                            False))
         return out
 
     def _post(self, body: list, post: list, prev, base) -> None:
@@ -308,18 +309,12 @@ def _ops(spec: tuple, prefix: str, env: dict, origin_of) -> tuple:
     return tuple(out)
 
 
-def count_choices(st: Structure, infos: dict, config) -> list:
-    """Every {symbol: count} assignment of the configured grid and loop counts for ``st``."""
+def count_choices(st: Structure, infos: dict, config) -> tuple[list, list]:
+    """Grid count assignments and loop counts of the configured options valid for ``st``."""
     sym_size = {s: x for n in st.layout.inputs for s, x in zip(infos[n].syms, infos[n].shape) if s}
     per = [[(s, c) for c in _counts_for(sym_size[s], config.grid_counts)]
            for s in st.layout.grid_syms]
-    out = []
-    for combo in product(*per):
-        sizes = dict(combo)
-        if st.layout.loop_sym:
-            s = st.layout.loop_sym
-            for c in _counts_for(sym_size[s], config.loop_counts):
-                out.append({**sizes, s: c})
-        else:
-            out.append(sizes)
-    return out
+    grids = [dict(combo) for combo in product(*per)]
+    loops = _counts_for(sym_size[st.layout.loop_sym], config.loop_counts) \
+        if st.layout.loop_sym else []
+    return grids, loops

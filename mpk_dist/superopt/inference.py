@@ -36,6 +36,17 @@ def _broadcast(a: TensorInfo, b: TensorInfo):
 
 
 _MEMO: dict = {}
+_INTERN: dict = {}
+
+
+def intern(info: TensorInfo | None) -> TensorInfo | None:
+    """The canonical object equal to ``info``: equal infos become identical, so the identity
+    memo of ``infer`` also hits across layouts and subsets."""
+    if info is None:
+        return None
+    if len(_INTERN) > 500_000:
+        _INTERN.clear()
+    return _INTERN.setdefault(info, info)
 
 
 def infer(kind: str, args: list, attrs: dict, exprs: bool = True) -> TensorInfo | None:
@@ -53,7 +64,7 @@ def infer(kind: str, args: list, attrs: dict, exprs: bool = True) -> TensorInfo 
         return hit[1]
     if len(_MEMO) > 500_000:  # bound memory on very long searches
         _MEMO.clear()
-    out = _infer(kind, args, attrs)
+    out = intern(_infer(kind, args, attrs))
     _MEMO[key] = (tuple(args), out)
     return out
 

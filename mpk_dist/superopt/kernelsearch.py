@@ -81,19 +81,37 @@ class BlockCatalog:
     def _build(self, subset: tuple, infos: dict) -> list:
         options = []
         for st in self._structures(subset, infos):
-            names = tuple(f"@{k}" for k in range(len(st.outputs)))
-            best = None
-            for sizes in B.count_choices(st, infos, self.ctx.config):
-                bg, kinfos = B.instantiate(st, sizes, infos, names, None)
-                if bg is None:
-                    continue
-                c = custom_op_cost(bg, {**infos, **kinfos})["time_us"]
-                if best is None or c < best[1]:
-                    best = (sizes, c)
-            if best is not None and best[1] != float("inf"):
+            best = self._best_counts(st, infos)
+            if best is not None and best[1] != math.inf:
                 options.append((st, best[0], best[1]))
         options.sort(key=lambda o: o[2])
         return options
+
+    def _best_counts(self, st, infos: dict):
+        """(sizes, cost) of the cheapest counts: grid counts first (at the smallest loop count),
+        then the loop count for that grid. NOTE: greedy; cost is close to separable in the two."""
+        grids, loops = B.count_choices(st, infos, self.ctx.config)
+        loop_sym = st.layout.loop_sym
+        if loop_sym and not loops:
+            return None
+        names = tuple(f"@{k}" for k in range(len(st.outputs)))
+
+        def cost(sizes):
+            bg, kinfos = B.instantiate(st, sizes, infos, names, None)
+            return math.inf if bg is None else custom_op_cost(bg, {**infos, **kinfos})["time_us"]
+
+        first = {loop_sym: loops[0]} if loop_sym else {}
+        scored = [(cost({**g, **first}), i) for i, g in enumerate(grids)]
+        if not scored:
+            return None
+        c, i = min(scored)
+        best = ({**grids[i], **first}, c)
+        for n in loops[1:]:
+            sizes = {**grids[i], loop_sym: n}
+            c = cost(sizes)
+            if c < best[1]:
+                best = (sizes, c)
+        return best
 
 
 class KernelSearch:
