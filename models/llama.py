@@ -36,6 +36,7 @@ class _Builder:
         self.dt = _DT[cfg.dtype]
         self.B = graph.batch
         self.paged = paged
+        self.gather_last = True
 
     def act(self, name: str, *shape: int, dtype: str | None = None) -> str:
         return self.g.tensor(name, (self.B, *shape), dtype or self.dt, "activation")
@@ -163,7 +164,7 @@ def _mlp_block(b: _Builder, i: int, x: str) -> str:
 
 def _head(b: _Builder, x: str) -> None:
     c, p, g = b.cfg, b.plan, b.g
-    if b.paged is not None:
+    if b.paged is not None and b.gather_last:
         # Only each sequence's last token of the pass needs logits: pick those rows first, and the
         # head runs over max_seqs rows instead of max_tokens.
         b.B = b.paged.max_seqs
@@ -211,10 +212,12 @@ def _paged_inputs(b: _Builder) -> None:
     ps, g = b.paged, b.g
     g.tensor("seq_slots", (ps.max_tokens,), "i32", "input")
     g.tensor("page_table", (ps.max_seqs, ps.max_pages_per_seq), "i32", "input")
-    g.tensor("logit_rows", (ps.max_seqs,), "i32", "input")
+    if b.gather_last:
+        g.tensor("logit_rows", (ps.max_seqs,), "i32", "input")
 
 
-def build_paged_graph(cfg: ModelConfig, spec: PagedSpec, tp: int = 1, rank: int = 0, name: str = "") -> Graph:
+def build_paged_graph(cfg: ModelConfig, spec: PagedSpec, tp: int = 1, rank: int = 0, name: str = "",
+                      gather_last: bool = True) -> Graph:
     """One rank's op graph over a RAGGED batch with a paged KV cache (opt-in; see graph/ops.py).
 
     Token activations have ``spec.max_tokens`` rows, the head (final norm, lm_head, argmax) has
@@ -229,6 +232,7 @@ def build_paged_graph(cfg: ModelConfig, spec: PagedSpec, tp: int = 1, rank: int 
               max_seq_len=spec.page_size * spec.max_pages_per_seq)
     g.meta.update(config=cfg, plan=plan, paged=spec)
     b = _Builder(cfg, plan, g, cfg.family == "qwen3", paged=spec)
+    b.gather_last = gather_last
     x = _embedding(b)
     for i in range(cfg.num_layers):
         x = _attention_block(b, i, x)

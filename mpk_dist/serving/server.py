@@ -22,7 +22,7 @@ from mpk_dist.serving.pages import PagePool
 from mpk_dist.serving.request import Request, RequestOutput
 from mpk_dist.serving.scheduler import Scheduler
 
-SERVING_BACKENDS = ("torch",)
+SERVING_BACKENDS = ("torch", "interpreter")
 """Backends with a paged, ragged step. The mega-kernel joins when its paged tasks exist."""
 
 
@@ -79,6 +79,17 @@ def _resolve_model(model, seed: int, device: str):
     return model.config, model.weights
 
 
+def _make_backend(name: str, cfg, source, spec: PagedSpec, tp: int, device: str, weights, opts: dict):
+    """The paged step backend ``name`` (imported lazily)."""
+    if name == "interpreter":
+        from mpk_dist.serving.interpreter_paged import InterpreterPagedBackend
+
+        return InterpreterPagedBackend(cfg, source, spec, tp=tp, device=device, weights=weights, **opts)
+    from mpk_dist.serving.torch_paged import TorchPagedBackend
+
+    return TorchPagedBackend(cfg, source, spec, tp=tp, device=device, weights=weights, **opts)
+
+
 class Server:
     """Continuous-batching server over a paged-KV step backend (all TP ranks in this process).
 
@@ -86,26 +97,27 @@ class Server:
     ``page_size``: positions per page; ``max_seq_len``: prompt + output per request; ``num_pages``:
     pages per layer pool (default: enough for max_batch full-length sequences);
     ``max_tokens_per_step``: tokens per pass (prompt chunks + decode tokens; default 512).
+    ``backend``: 'torch' (op by op) or 'interpreter' (the compiled task graph on the CPU; the pass is
+    padded to max_tokens_per_step, so keep it small); ``backend_opts`` go to the backend (interpreter:
+    sms, seed, schedule, check_races).
     """
 
     def __init__(self, model, backend: str = "torch", tp: int = 1, max_batch: int = 64, page_size: int = 16,
                  max_seq_len: int = 512, num_pages: int | None = None, max_tokens_per_step: int = 512,
-                 device: str | None = None, seed: int = 0, clock=None, weights=None):
+                 device: str | None = None, seed: int = 0, clock=None, weights=None, backend_opts: dict | None = None):
         if backend not in SERVING_BACKENDS:
             raise BackendUnavailable(f"serving backend: expected one of {', '.join(SERVING_BACKENDS)}, got {backend!r}; "
                                      "the paged mega-kernel is not built yet (docs/SERVING.md)")
         if max_batch < 1 or page_size < 1 or max_seq_len < 1:
             raise InputError(f"server sizes: expected max_batch, page_size, max_seq_len >= 1, got "
                              f"{max_batch}, {page_size}, {max_seq_len}")
-        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        device = device or ("cuda" if torch.cuda.is_available() and backend == "torch" else "cpu")
         cfg, source = _resolve_model(model, seed, device)
         pages_per_seq = -(-max_seq_len // page_size)
         num_pages = num_pages or max_batch * pages_per_seq
         self.spec = PagedSpec(max_tokens=max(max_tokens_per_step, max_batch), max_seqs=max_batch,
                               num_pages=num_pages, page_size=page_size, max_pages_per_seq=pages_per_seq)
-        from mpk_dist.serving.torch_paged import TorchPagedBackend
-
-        self.backend = TorchPagedBackend(cfg, source, self.spec, tp=tp, device=device, weights=weights)
+        self.backend = _make_backend(backend, cfg, source, self.spec, tp, device, weights, backend_opts or {})
         self.cfg, self.tp = cfg, tp
         self.pool = PagePool(num_pages, page_size, max_batch, pages_per_seq)
         self.scheduler = Scheduler(self.pool, self.spec.max_tokens)

@@ -19,6 +19,9 @@ from mpk_dist.taskgraph.tasks import BY_NAME as K
 ALIGN = 16
 """Column tiles are multiples of this many features (MMA-friendly)."""
 
+PAGED_HOST_INPUTS = ("seq_slots", "page_table")
+"""Inputs of paged graphs that stay host-written ``input`` buffers (not written by step_begin)."""
+
 
 def col_tiles(n: int, sms: int, align: int = ALIGN) -> list[tuple[int, int]]:
     """Split n columns into about ``sms`` blocks of a multiple of ``align``: [(c0, cols), ...]."""
@@ -55,6 +58,8 @@ class Lowerer:
         gathered = {op.outputs[0] for op in self.g.ops if op.kind == "all_gather"}
         for t in self.g.tensors.values():
             kind = {"input": "activation"}.get(t.kind, t.kind)  # tokens/positions: written by step_begin
+            if t.name in PAGED_HOST_INPUTS:
+                kind = "input"  # paged graphs: the host writes the slot map and page table before a launch
             if t.name in gathered:
                 kind = "comm"
             view = None
@@ -213,3 +218,68 @@ class Lowerer:
             t.add_tile({"X": (x, *ext), "Y": (y, *ext), "OUT": (out, *ext)}, {"BATCH": B, "COLS": n, "STRIDE": N})
         t.reads = [_cols_fp(x, tiles, B), _cols_fp(y, tiles, B)]
         t.writes = [_cols_fp(out, tiles, B)]
+
+    # -- paged KV cache (opt-in graphs, models.llama.build_paged_graph; docs/SERVING.md) ---------------
+    def _page_params(self, pool: str) -> dict:
+        NP, P, hkv, D = self.g.tensors[pool].shape
+        MB, MP = self.g.tensors["page_table"].shape
+        return {"PAGE_SIZE": P, "PAGE_STRIDE": P * hkv * D, "POS_STRIDE": hkv * D, "MAX_PAGES": MP, "NUM_PAGES": NP}
+
+    def qkv_prep_paged(self, op: Op) -> None:
+        """As qkv_prep (one tile per q head, then per kv head); kv tiles append to the page pools."""
+        p, B, a = self.p, self.B, op.attrs
+        hq, hkv, D = a["q_heads"], a["kv_heads"], a["head_dim"]
+        qkv, pos, slots, table = (p.id(n) for n in op.inputs[:4])
+        qn, kn = (p.id(op.inputs[4]), p.id(op.inputs[5])) if a.get("qk_norm") else (None, None)
+        q, kp, vp = (p.id(n) for n in op.outputs)
+        QS, pool_n = (hq + 2 * hkv) * D, p.buffers[kp].numel
+        inv, pages = self._inv_freq(a), self._page_params(op.outputs[1])
+        MB, MP = self.g.tensors["page_table"].shape
+        t = self._new(op, "qkv_prep_paged")
+        common = {"BATCH": B, "HEAD_DIM": D, "QKV_STRIDE": QS, "EPS": a["eps"], **pages}
+        ins = {"POSITIONS": (pos, 0, B), "SLOTS": (slots, 0, B), "PAGE_TABLE": (table, 0, MB * MP),
+               "INV_FREQ": (inv, 0, D // 2)}
+        for h in range(hq):
+            t.add_tile({**ins, "QKV": (qkv, h * D, (B - 1) * QS + D), "NORM_W": None if qn is None else (qn, 0, D),
+                        "DST": (q, h * D, (B - 1) * hq * D + D), "DST_V": None},
+                       {**common, "V_OFFSET": 0, "Q_STRIDE": hq * D, "IS_KV": 0})
+        for j in range(hkv):
+            t.add_tile({**ins, "QKV": (qkv, (hq + j) * D, (B - 1) * QS + hkv * D + D),
+                        "NORM_W": None if kn is None else (kn, 0, D),
+                        "DST": (kp, j * D, pool_n - j * D), "DST_V": (vp, j * D, pool_n - j * D)},
+                       {**common, "V_OFFSET": hkv * D, "Q_STRIDE": 0, "IS_KV": 1})
+        rows = p.buffers[kp].view[0]
+        head = lambda c0: (0, B, c0, c0 + D)  # noqa: E731 - one head's columns of a [N, *] tensor
+        kvcol = lambda j: (0, rows, j * D, j * D + D)  # noqa: E731 - head j of every page row
+        t.reads = [Footprint(qkv, np.array([head(h * D) for h in range(hq)] + [head((hq + j) * D) for j in range(hkv)])),
+                   Footprint(qkv, np.array([EMPTY] * hq + [head((hq + hkv + j) * D) for j in range(hkv)])),
+                   _all_fp(pos, p, hq + hkv)]
+        t.writes = [Footprint(q, np.array([head(h * D) for h in range(hq)] + [EMPTY] * hkv)),
+                    Footprint(kp, np.array([EMPTY] * hq + [kvcol(j) for j in range(hkv)])),
+                    Footprint(vp, np.array([EMPTY] * hq + [kvcol(j) for j in range(hkv)]))]
+
+    def paged_attention(self, op: Op) -> None:
+        """One tile per kv head (its GROUP query heads), all N tokens, keys read through the page table."""
+        p, B, a = self.p, self.B, op.attrs
+        hq, hkv, D = a["q_heads"], a["kv_heads"], a["head_dim"]
+        q, kp, vp, pos, slots, table = (p.id(n) for n in op.inputs)
+        o, G, pool_n = p.id(op.outputs[0]), hq // hkv, p.buffers[kp].numel
+        MB, MP = self.g.tensors["page_table"].shape
+        t = self._new(op, "paged_attention")
+        for j in range(hkv):
+            qa = (j * G * D, (B - 1) * hq * D + G * D)
+            t.add_tile({"Q": (q, *qa), "K_PAGES": (kp, j * D, pool_n - j * D), "V_PAGES": (vp, j * D, pool_n - j * D),
+                        "POSITIONS": (pos, 0, B), "SLOTS": (slots, 0, B), "PAGE_TABLE": (table, 0, MB * MP),
+                        "OUT": (o, *qa)},
+                       {"BATCH": B, "HEAD_DIM": D, "GROUP": G, "Q_STRIDE": hq * D, "SCALE": a["scale"],
+                        **self._page_params(op.inputs[1])})
+        rows = p.buffers[kp].view[0]
+        qrect = np.array([(0, B, j * G * D, (j + 1) * G * D) for j in range(hkv)], np.int64)
+        kvrect = np.array([(0, rows, j * D, (j + 1) * D) for j in range(hkv)], np.int64)
+        t.reads = [Footprint(q, qrect), Footprint(kp, kvrect), Footprint(vp, kvrect.copy()), _all_fp(pos, p, hkv)]
+        t.writes = [Footprint(o, qrect.copy())]
+
+    def gather_rows(self, op: Op) -> None:
+        """Not lowered yet: task-graph paged programs keep the head over all N rows (gather_last=False)."""
+        raise NotImplementedError("taskgraph: gather_rows has no task kind yet; build the paged graph with "
+                                  "gather_last=False (docs/SERVING.md, 'what the GPU part still needs')")

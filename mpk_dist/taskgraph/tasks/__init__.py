@@ -6,13 +6,15 @@
 from __future__ import annotations
 
 from mpk_dist.taskgraph.tasks import (add, allgather_push, allreduce_push, allreduce_reduce, argmax_partial,
-                                      argmax_reduce, argmax_select, attention, embedding, linear, qkv_prep,
-                                      rms_norm, silu_mul, step_begin)
+                                      argmax_reduce, argmax_select, attention, embedding, linear, paged_attention,
+                                      qkv_prep, qkv_prep_paged, rms_norm, silu_mul, step_begin)
 from mpk_dist.taskgraph.tasks.base import TaskKind
 
 KINDS: tuple[TaskKind, ...] = tuple(sorted(
     (m.KIND for m in (step_begin, embedding, rms_norm, linear, qkv_prep, attention, silu_mul, add, allreduce_push,
-                      allreduce_reduce, argmax_partial, argmax_reduce, allgather_push, argmax_select)),
+                      allreduce_reduce, argmax_partial, argmax_reduce, allgather_push, argmax_select,
+                      # paged KV cache (opt-in graphs; docs/SERVING.md): appended, earlier opcodes unchanged
+                      qkv_prep_paged, paged_attention)),
     key=lambda k: k.opcode))
 
 BY_NAME: dict[str, TaskKind] = {k.name: k for k in KINDS}
