@@ -199,22 +199,30 @@ __device__ void queue_up_to(const RuntimeParams& p, int t, int s) {
   }
 }
 
-// Scheduler warp (lane 0 works). Block 0's scheduler seeds the tasks ready at step_begin.
+// Scheduler warp. Lane 0 pops (event, step) messages; all 32 lanes then check the event's waiting
+// tasks in parallel (each lane with its own acquire loads, and its own release pushes onto worker
+// rings; the CAS in queue_up_to keeps each (task, step) queued once). Block 0's scheduler first
+// seeds the tasks ready at step_begin, also spread over the lanes.
 __device__ void scheduler_loop(const RuntimeParams& p, int sch) {
-  if ((threadIdx.x & 31) != 0) return;
+  const int lane = threadIdx.x & 31;
   uint32_t* q = p.sched_queues + (size_t)sch * p.sched_cap * 4;
   if (sch == 0)
-    for (int t = 0; t < p.num_tasks; ++t)
+    for (int t = lane; t < p.num_tasks; t += 32)
       if (task_ready(p, t, p.step_begin)) queue_up_to(p, t, p.step_begin);
   for (uint32_t head = 0;; ++head) {
-    uint32_t e, s;
-    const int r = ring_pop(p, q, p.sched_cap, head, e, s);
+    uint32_t e = 0, s = 0;
+    int r = 0;
+    if (lane == 0) r = ring_pop(p, q, p.sched_cap, head, e, s);
+    r = __shfl_sync(0xffffffffu, r, 0);
+    e = __shfl_sync(0xffffffffu, e, 0);
+    s = __shfl_sync(0xffffffffu, s, 0);
     if (r == 1) { --head; continue; }  // idle is no error for a scheduler: workers' watchdogs report
     if (r != 0) return;                // halt: end of run or an error elsewhere
-    for (int i = p.dep_ptr[e]; i < p.dep_ptr[e + 1]; ++i) {
+    for (int i = p.dep_ptr[e] + lane; i < p.dep_ptr[e + 1]; i += 32) {
       const int t = p.dep_task[i], st = (int)s - p.dep_offset[i];  // offset -1: the next step's task
       if (st < p.step_end && task_ready(p, t, st)) queue_up_to(p, t, st);
     }
+    __syncwarp();
   }
 }
 

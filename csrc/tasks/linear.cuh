@@ -49,6 +49,53 @@ __device__ void linear_tile(const bf16* __restrict__ x, int ldx, const bf16* __r
   }
 }
 
+// Variant: each warp computes R rows at once (R * kLinUnroll / R loads in flight per lane), for
+// short K where one row gives a lane too few loads to cover memory latency (K = 1024: 4 loads).
+// Selected with MPK_LINEAR_ROWS > 1 (KernelShape.linear_rows); 1 keeps linear_tile above.
+template <int B, int R, typename OutT>
+__device__ void linear_tile_rows(const bf16* __restrict__ x, int ldx, const bf16* __restrict__ w,
+                                 OutT* __restrict__ y, int ldy, int K, int n_tile, bool round_out_bf16, int tid,
+                                 int nt) {
+  constexpr int U = kLinUnroll / R > 0 ? kLinUnroll / R : 1;
+  const int warp = tid >> 5, lane = tid & 31, nwarps = nt >> 5;
+  for (int n0 = warp * R; n0 < n_tile; n0 += nwarps * R) {
+    float acc[R][B];
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+      for (int b = 0; b < B; ++b) acc[r][b] = 0.f;
+    for (int kb = 0; kb < K; kb += U * 256) {
+      uint4 wv[R][U];
+#pragma unroll
+      for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int u = 0; u < U; ++u) {  // every weight load of the R rows before any use
+          const int k = kb + u * 256 + lane * 8;
+          wv[r][u] = (k < K && n0 + r < n_tile) ? ld_stream_v4(w + (size_t)(n0 + r) * K + k) : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int k = kb + u * 256 + lane * 8;
+        if (k < K) {
+#pragma unroll
+          for (int b = 0; b < B; ++b) {
+            const uint4 xv = ld_act_v4(x + (size_t)b * ldx + k);
+#pragma unroll
+            for (int r = 0; r < R; ++r) acc[r][b] += dot8(wv[r][u], xv);
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+      for (int b = 0; b < B; ++b) {
+        const float s = warp_sum(acc[r][b]);
+        if (lane == (b & 31) && n0 + r < n_tile) store_out(y + (size_t)b * ldy + n0 + r, round_out_bf16 ? round_bf(s) : s);
+      }
+  }
+}
+
 // Runtime batch -> compile-time batch. B is fixed per generated kernel, so only one instance is
 // live in practice; the switch keeps the body testable for every batch in one test kernel.
 template <typename OutT>
@@ -59,7 +106,11 @@ __device__ void linear(int B, const bf16* x, int ldx, const bf16* w, OutT* y, in
 #ifdef MPK_BATCH
   // The generated kernel fixes the batch; the host checked every linear task has BATCH == MPK_BATCH.
   (void)B;
+#if defined(MPK_LINEAR_ROWS) && MPK_LINEAR_ROWS > 1
+  linear_tile_rows<MPK_BATCH, MPK_LINEAR_ROWS, OutT>(x, ldx, w, y, ldy, K, n_tile, round_out_bf16, tid, nt);
+#else
   linear_tile<MPK_BATCH, OutT>(x, ldx, w, y, ldy, K, n_tile, round_out_bf16, tid, nt);
+#endif
 #else
   switch (B) {
     MPK_LINEAR_CASE(1) MPK_LINEAR_CASE(2) MPK_LINEAR_CASE(3) MPK_LINEAR_CASE(4)

@@ -9,6 +9,7 @@ other engines; KV cache and event counters carry over between those launches.
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -29,7 +30,7 @@ class MegakernelBackend(StepBackend):
     def __init__(self, cfg, source, tp: int = 1, device: str | torch.device = "cuda", max_seq_len: int = 512,
                  schedule: str = "aot", trace: str | None = None, timeout_s: float = 5.0, worker_threads: int = 256,
                  sms: int | None = None, transport: str | None = None, compiler: str | None = None,
-                 inject_hang_task: int = -1, on_token=None):
+                 inject_hang_task: int = -1, on_token=None, linear_rows: int | None = None):
         if schedule not in SCHEDULES:
             raise InputError(f"--schedule: expected one of {SCHEDULES}, got {schedule!r}")
         if tp != 1:
@@ -48,6 +49,11 @@ class MegakernelBackend(StepBackend):
         self.vocab_size = cfg.vocab_size
         self.trace_path, self.timeout_s, self.worker_threads = trace, timeout_s, worker_threads
         self.compiler, self.inject_hang_task, self.on_token = compiler, inject_hang_task, on_token
+        # Rows per warp in flight in linear tiles: 1 is the GPU-verified default; MPK_LINEAR_ROWS=2|4
+        # tries the variant that keeps more loads in flight for short K (not yet measured).
+        self.linear_rows = int(linear_rows or os.environ.get("MPK_LINEAR_ROWS", "1"))
+        if self.linear_rows not in (1, 2, 4, 8):
+            raise InputError(f"MPK_LINEAR_ROWS: expected 1, 2, 4 or 8, got {self.linear_rows}")
         self.sms = sms or torch.cuda.get_device_properties(self.device).multi_processor_count
         graph = build_graph(cfg, tp=tp, rank=0, batch=1, max_seq_len=max_seq_len)
         self.weights = load_rank_weights(graph, source, self.device)
@@ -66,7 +72,8 @@ class MegakernelBackend(StepBackend):
             cg = compile_rank_programs(self.cfg, tp=1, batch=batch, sms=self.sms, max_seq_len=self.max_seq_len)[0]
             compile_s = time.perf_counter() - t0
             s = Session(cg, self.weights, self.device, self.schedule, self.worker_threads, self.timeout_s,
-                        self.trace_path is not None, compiler=self.compiler, model=self.cfg.architecture or self.cfg.family)
+                        self.trace_path is not None, compiler=self.compiler,
+                        model=self.cfg.architecture or self.cfg.family, linear_rows=self.linear_rows)
             s.taskgraph_s = compile_s
             self.sessions[batch] = s
         return self.sessions[batch]

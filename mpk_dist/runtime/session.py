@@ -34,7 +34,7 @@ class Session:
 
     def __init__(self, cg, weights: dict[str, torch.Tensor], device: torch.device, schedule: str = "aot",
                  worker_threads: int = 256, timeout_s: float = 5.0, trace: bool = False, num_sched: int = 4,
-                 compiler: str | None = None, model: str = "-"):
+                 compiler: str | None = None, model: str = "-", linear_rows: int = 1):
         if cg.meta["abi_version"] != ABI_VERSION:
             raise InputError(f"task graph ABI: expected version {ABI_VERSION}, got {cg.meta['abi_version']}")
         tables.check_supported(cg)
@@ -50,7 +50,7 @@ class Session:
         self.trace_cap = min(per_worker, (256 << 20) // (24 * self.workers)) if trace else 0
         self.final = tables.final_task(cg)
         t0 = time.perf_counter()
-        self.source, self.build = build_kernel(KernelShape(self.batch, worker_threads, schedule), model=model,
+        self.source, self.build = build_kernel(KernelShape(self.batch, worker_threads, schedule, linear_rows), model=model,
                                                rank=self.rank, world=self.world, input_hash=tables_hash(cg.arrays),
                                                compiler=compiler)
         self.build_s = time.perf_counter() - t0
