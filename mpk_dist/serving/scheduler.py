@@ -141,7 +141,9 @@ class Scheduler:
                 rows.append(len(toks) - 1)
                 emitters.append(st)
         i32 = lambda x: np.asarray(x, dtype=np.int32)  # noqa: E731
-        return StepBatch(i32(toks), i32(pos), i32(slots), self.pool.page_table, i32(rows), emitters, sched, n_prefill)
+        # NOTE: a snapshot: later plans grow the live table, and a pass must see its own layout.
+        return StepBatch(i32(toks), i32(pos), i32(slots), self.pool.page_table.copy(), i32(rows), emitters, sched,
+                         n_prefill)
 
     def commit(self, batch: StepBatch, logits: torch.Tensor, now: float) -> None:
         """Apply a pass: advance each request past its tokens, append greedy tokens from ``logits`` [R, V]."""

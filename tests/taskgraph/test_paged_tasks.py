@@ -1,0 +1,126 @@
+"""Paged task kinds (qkv_prep_paged, paged_attention) and the paged compiler, on the interpreter.
+
+One ragged pass (a prompt chunk, a decode token, padding) runs as one launch and must match the
+torch reference of the same paged graph; every wait of a paged task is necessary (dropping it is
+caught as a race); bad page tables raise clear errors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from mpk_dist.errors import DeviceTimeout, InputError
+from mpk_dist.models.llama import PagedSpec, build_paged_graph
+from mpk_dist.models.presets import get_preset
+from mpk_dist.serving.pages import PagePool
+from mpk_dist.serving.request import Request
+from mpk_dist.serving.scheduler import Scheduler
+from mpk_dist.serving.torch_paged import TorchPagedBackend
+from mpk_dist.taskgraph.abi import TASK_COLS
+from mpk_dist.taskgraph.interpreter import Interpreter
+from mpk_dist.taskgraph.paged_compiler import compile_paged_programs
+from mpk_dist.taskgraph.race import RaceError
+from mpk_dist.taskgraph.tasks import BY_NAME
+from mpk_dist.taskgraph.testing import drop_wait
+from mpk_dist.weights import SyntheticSource, load_rank_weights
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    """Tiny matmuls: one thread is fastest (the pool's spin-waits cost 10-100x on a loaded 2-core box)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+SPEC = PagedSpec(max_tokens=12, max_seqs=3, num_pages=16, page_size=4, max_pages_per_seq=6)
+
+
+def _cfg(name="tiny"):
+    return dataclasses.replace(get_preset(name), dtype="float32")
+
+
+def _weights(cfg, tp):
+    src = SyntheticSource(cfg, seed=2)
+    return [load_rank_weights(build_paged_graph(cfg, SPEC, tp=tp, rank=r), src) for r in range(tp)]
+
+
+def _passes():
+    """Two passes: prompts of 7 and 3 tokens; then one decode token each plus a new 4-token prompt."""
+    pool = PagePool(SPEC.num_pages, SPEC.page_size, SPEC.max_seqs, SPEC.max_pages_per_seq)
+    sched = Scheduler(pool, SPEC.max_tokens)
+    sched.submit(Request(0, (5, 17, 99, 3, 200, 8, 42), 4))
+    sched.submit(Request(1, (1, 2, 3), 4))
+    b0 = sched.plan(0.0)
+    sched.commit(b0, torch.eye(512)[[7, 9]], 1.0)
+    sched.submit(Request(2, (300, 301, 302, 303), 2, arrival_time=1.0))
+    return pool, [b0, sched.plan(1.0)]
+
+
+def _interp(cgs, w, **kw):
+    it = Interpreter(cgs, w, **kw)
+    it.reset_state()
+    return it
+
+
+def _launch(it, batch, tp):
+    x = batch.tensors(pad_tokens=SPEC.max_tokens)
+    for r in range(tp):
+        it.buffer(r, "seq_slots").copy_(x["seq_slots"])
+        it.buffer(r, "page_table").copy_(x["page_table"])
+    return it.run(1, x["tokens"].reshape(1, -1), x["positions"]).captured["logits"][0]
+
+
+@pytest.mark.parametrize("name, tp", [("tiny", 1), ("tiny", 2), ("tiny-llama", 2)])
+def test_ragged_passes_match_the_torch_paged_reference(name, tp):
+    cfg = _cfg(name)
+    w = _weights(cfg, tp)
+    cgs = compile_paged_programs(cfg, SPEC, tp, sms=8)
+    ops = {int(o) for o in cgs[0].arrays["tasks"][:, TASK_COLS["OPCODE"]]}
+    assert {BY_NAME["qkv_prep_paged"].opcode, BY_NAME["paged_attention"].opcode} <= ops
+    assert BY_NAME["attention"].opcode not in ops and BY_NAME["qkv_prep"].opcode not in ops
+    ref = TorchPagedBackend(cfg, None, SPEC, tp=tp, weights=w)
+    for schedule in ("jit", "aot"):
+        it = _interp(cgs, w, seed=3, mode=schedule)
+        ref.reset()
+        for batch in _passes()[1]:
+            ours = _launch(it, batch, tp)[torch.from_numpy(batch.logit_rows).long()]
+            want = ref.step(batch)
+            err = float(((ours - want).abs().amax(-1) / want.abs().amax(-1)).max())
+            assert err <= 1e-5, f"{schedule}: logits differ by {err:.2e}"
+        # padding tokens wrote nothing: only pages in the page table hold keys
+        pool, _ = _passes()
+        used = set(pool.page_table[pool.page_table >= 0].tolist())
+        kp = it.buffer(0, "L0.k_pages")
+        nonzero = {p for p in range(SPEC.num_pages) if bool((kp[p] != 0).any())}
+        assert nonzero == used
+
+
+def test_every_wait_of_the_paged_tasks_is_necessary():
+    cfg, tp = _cfg(), 1
+    w = _weights(cfg, tp)
+    (cg,) = compile_paged_programs(cfg, SPEC, tp, sms=8)
+    t = cg.arrays["tasks"]
+    paged = {BY_NAME["qkv_prep_paged"].opcode, BY_NAME["paged_attention"].opcode}
+    rows = [k for row in t if row[TASK_COLS["LAYER"]] == 0 and int(row[TASK_COLS["OPCODE"]]) in paged
+            for k in range(row[TASK_COLS["WAIT_BEGIN"]], row[TASK_COLS["WAIT_END"]])]
+    assert len(rows) >= 4
+    batch = _passes()[1][0]
+    for k in rows:
+        it = _interp([drop_wait(cg, k)], w, seed=k)
+        with pytest.raises((RaceError, DeviceTimeout)):
+            _launch(it, batch, tp)
+
+
+def test_bad_page_table_is_a_clear_error():
+    cfg, tp = _cfg(), 1
+    w = _weights(cfg, tp)
+    it = _interp(compile_paged_programs(cfg, SPEC, tp, sms=8), w, check_races=False)
+    batch = _passes()[1][0]
+    batch.page_table = np.full_like(batch.page_table, SPEC.num_pages)  # ids past the pool
+    with pytest.raises(InputError, match="page table row"):
+        _launch(it, batch, tp)
