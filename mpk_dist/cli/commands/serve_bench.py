@@ -22,7 +22,7 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("serve-bench", help="serve a dynamic workload (continuous batching, paged KV); "
                                                    "TTFT / TPOT / ITL / E2E latency and throughput")
     p.add_argument("--model", default=DEFAULT_PRESET, help=f"checkpoint directory or preset (default {DEFAULT_PRESET})")
-    p.add_argument("--backend", default="torch", help="serving backend (default torch; the only paged one so far)")
+    p.add_argument("--backend", default="torch", help="serving backend: torch (op by op) or interpreter (the compiled task graph, CPU; keep --max-tokens-per-step small) (default torch)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree, all ranks in this process (default 1)")
     p.add_argument("--device", default=None, help="torch device (default: cuda if present, else cpu)")
     p.add_argument("--seed", type=int, default=0, help="seed for preset weights and synthetic prompts")
