@@ -6,7 +6,8 @@ and maps to 0, a probability-1/p event). exp maps the q part to the p part: exp(
 a homomorphism from (Z_q, +) to (Z_p*, *), so exp(x + y) = exp(x) * exp(y) holds exactly.
 
 Ops that are not field operations are uninterpreted but consistent within a trial: sqrt, the q part
-of exp's result and non-integer constants are random functions / random values drawn per trial.
+of exp's result and non-integer constants are random functions (random cubics) / random values
+drawn per trial.
 Two µGraphs that apply sqrt to equal values get equal results, so the test still separates graphs
 that differ anywhere else; identities *about* sqrt (sqrt(x)^2 = x) are not used by any search rule
 and the float check covers the rest (docs/SUPEROPT.md, "Verification").
@@ -87,6 +88,15 @@ def _exact_matmul(a: np.ndarray, b: np.ndarray, mod: int) -> np.ndarray:
     return (hi * 1024 + lo) % mod
 
 
+def _cubic(c: list, x: np.ndarray, mod: int) -> np.ndarray:
+    """((c0 x + c1) x + c2) x + c3 mod ``mod`` (Horner; every product stays below 2^41)."""
+    x = x % mod
+    out = np.full(x.shape, c[0] % mod, dtype=np.int64)
+    for k in c[1:]:
+        out = (out * x + k) % mod
+    return out
+
+
 class FieldArr:
     """A tensor of field values: ``p`` and ``q`` parts as int64 arrays of one shape."""
 
@@ -116,9 +126,11 @@ class FieldAlgebra:
         self.P, self.Q, _ = primes()
         self.inv_p, self.inv_q, self.exp_p = _tables()
         self.rng = np.random.default_rng(seed)
-        self.sqrt_p = self.rng.integers(0, self.P, self.P, dtype=np.int64)
-        self.sqrt_q = self.rng.integers(0, self.Q, self.P, dtype=np.int64)
-        self.exp_q = self.rng.integers(0, self.Q, self.Q, dtype=np.int64)
+        # random cubics stand for uninterpreted functions: consistent within the trial, cheap
+        # to draw (no million-entry tables per trial), and far from any field identity
+        self.sqrt_p = [int(c) for c in self.rng.integers(1, self.P, 4)]
+        self.sqrt_q = [int(c) for c in self.rng.integers(1, self.Q, 4)]
+        self.exp_q = [int(c) for c in self.rng.integers(1, self.Q, 4)]
         self.consts: dict = {}
 
     def random_input(self, shape: tuple) -> FieldArr:
@@ -149,10 +161,10 @@ class FieldAlgebra:
         return FieldArr(a.p * self.inv_p[b.p] % self.P, a.q * self.inv_q[b.q] % self.Q)
 
     def exp(self, a: FieldArr) -> FieldArr:
-        return FieldArr(self.exp_p[a.q], self.exp_q[a.q])
+        return FieldArr(self.exp_p[a.q], _cubic(self.exp_q, a.q, self.Q))
 
     def sqrt(self, a: FieldArr) -> FieldArr:
-        return FieldArr(self.sqrt_p[a.p], self.sqrt_q[a.p])
+        return FieldArr(_cubic(self.sqrt_p, a.p, self.P), _cubic(self.sqrt_q, a.p, self.Q))
 
     def maximum(self, a: FieldArr, b: FieldArr) -> FieldArr:
         return FieldArr(np.maximum(a.p, b.p), np.maximum(a.q, b.q))

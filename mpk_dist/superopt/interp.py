@@ -124,7 +124,8 @@ def run_float(ug: UGraph, feeds: dict, dtype=np.float64) -> list:
 
             raise GraphError(f"evaluate: expected {k} of shape {info.shape}, "
                              f"got {arrays[k].shape}")
-    return [run_ugraph(alg, ug, arrays)]
+    with np.errstate(all="ignore"):  # NaN/inf are results too (the caller compares them)
+        return [run_ugraph(alg, ug, arrays)]
 
 
 def run_graph(alg, g: Graph, feeds: dict):

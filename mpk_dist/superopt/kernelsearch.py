@@ -81,6 +81,8 @@ class BlockCatalog:
     def _build(self, subset: tuple, infos: dict) -> list:
         options = []
         for st in self._structures(subset, infos):
+            if self.ctx.timed_out():
+                break
             best = self._best_counts(st, infos)
             if best is not None and best[1] != math.inf:
                 options.append((st, best[0], best[1]))
@@ -182,6 +184,8 @@ class KernelSearch:
                 if not must_read <= set(subset):
                     continue  # the last op must read every tensor nobody read yet
                 for idx, (st, sizes, cost) in enumerate(self.catalog.options(subset, tensors)):
+                    if self.ctx.timed_out():
+                        return
                     key = ("c", subset, idx)
                     if not _canonical(key, subset, prev):
                         continue

@@ -27,8 +27,8 @@ def verify_field(ug: UGraph, g: Graph, trials: int = 3, seed: int = 0) -> bool:
         ref = run_graph(alg, g, feeds)
         try:
             out = run_ugraph(alg, ug, feeds)
-        except (ValueError, IndexError):
-            return False  # shapes that do not line up: certainly not equivalent
+        except (ValueError, IndexError, KeyError):
+            return False  # maps or shapes that do not line up: certainly not equivalent
         if not alg.equal(ref, out):
             return False
     return True
@@ -87,7 +87,10 @@ def verify_float(ug: UGraph, g: Graph, seed: int = 0, rtol: float = 2e-3) -> boo
     """True when ``ug`` in float32 matches torch's float32 result of the target."""
     feeds = float_inputs(g, seed)
     ref = torch_reference(g, feeds)
-    out = run_float(ug, feeds, dtype=np.float32)[0]
+    try:
+        out = run_float(ug, feeds, dtype=np.float32)[0]
+    except (ValueError, IndexError, KeyError):
+        return False
     if out.shape != ref.shape:
         return False
     scale = float(np.abs(ref).max()) or 1.0

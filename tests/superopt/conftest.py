@@ -1,0 +1,31 @@
+"""Shared search results for the superopt tests (each search runs once per session)."""
+
+from __future__ import annotations
+
+import pytest
+
+from mpk_dist.superopt import superoptimize
+from mpk_dist.superopt.patterns import build
+
+# Small shapes and bounds: the whole directory must stay well under two minutes on 2 cores.
+SMALL = {
+    "rmsnorm_linear": ({"M": 4, "K": 512, "N": 256}, dict(max_kernel_ops=2, max_block_ops=6)),
+    "silu_mul_linear": ({"M": 2, "I": 256, "N": 64}, dict(max_kernel_ops=2, max_block_ops=3)),
+    "attention_decode": ({"H": 4, "D": 128, "S": 4096}, dict(max_kernel_ops=2, max_block_ops=4)),
+}
+
+
+@pytest.fixture(scope="session")
+def results():
+    """{pattern: (graph, SearchResult)}, computed lazily and shared by all tests."""
+    cache: dict = {}
+
+    def get(name: str):
+        if name not in cache:
+            shape, bounds = SMALL[name]
+            g = build(name, shape)
+            cache[name] = (g, superoptimize(g, timeout_s=120, cache=False, processes=2,
+                                            **bounds))
+        return cache[name]
+
+    return get
