@@ -34,6 +34,12 @@ class _Builder:
     def __init__(self, cfg: ModelConfig, plan: ShardPlan, graph: Graph, qk_norm: bool, paged: "PagedSpec | None" = None):
         self.cfg, self.plan, self.g, self.qk_norm = cfg, plan, graph, qk_norm
         self.dt = _DT[cfg.dtype]
+        # NOTE: the residual stream is kept in fp32. In bf16 every residual add rounds the whole
+        # stream, and two correct implementations whose sums differ in the last fp32 bit then
+        # drift apart by ~1 bf16 ulp per element per layer (seen: ~8% of the logits' std on
+        # qwen3-0.6b shapes). In fp32 the stream carries no such noise; norms still feed bf16
+        # activations to the linears, so weight traffic is unchanged.
+        self.res = "f32"
         self.B = graph.batch
         self.paged = paged
         self.gather_last = True
@@ -63,12 +69,12 @@ def _embedding(b: _Builder) -> str:
         _paged_inputs(b)
     table = b.weight("embed", (p.vocab_size, c.hidden_size), WeightRef((_rows("model.embed_tokens.weight", p.vocab_start, p.vocab_start + p.vocab_size),)))
     if p.tp == 1:
-        x = b.act("x0", c.hidden_size)
+        x = b.act("x0", c.hidden_size, dtype=b.res)
         g.op("embedding", ["tokens", table], [x], None, vocab_start=p.vocab_start)
         return x
-    part = b.act("embed_partial", c.hidden_size)
+    part = b.act("embed_partial", c.hidden_size, dtype=b.res)
     g.op("embedding", ["tokens", table], [part], None, vocab_start=p.vocab_start)
-    x = b.act("x0", c.hidden_size)
+    x = b.act("x0", c.hidden_size, dtype=b.res)
     b.reduce(part, None, x, None, "embed_reduce")
     return x
 
@@ -92,7 +98,7 @@ def _attention_block(b: _Builder, i: int, x: str) -> str:
     wo = b.weight(f"L{i}.wo", (c.hidden_size, hq * D), WeightRef((_cols(pre + "self_attn.o_proj.weight", q0, q0 + hq * D),)))
     part = b.act(f"L{i}.o_partial", c.hidden_size)
     g.op("linear", [o, wo], [part], i, op_name="o_proj")
-    out = b.act(f"L{i}.x_mid", c.hidden_size)
+    out = b.act(f"L{i}.x_mid", c.hidden_size, dtype=b.res)
     b.reduce(part, x, out, i, "attn_reduce")
     return out
 
@@ -157,7 +163,7 @@ def _mlp_block(b: _Builder, i: int, x: str) -> str:
     wd = b.weight(f"L{i}.wdown", (c.hidden_size, n), WeightRef((_cols(pre + "mlp.down_proj.weight", s, s + n),)))
     part = b.act(f"L{i}.down_partial", c.hidden_size)
     g.op("linear", [a, wd], [part], i, op_name="down_proj")
-    out = b.act(f"L{i}.x_out", c.hidden_size)
+    out = b.act(f"L{i}.x_out", c.hidden_size, dtype=b.res)
     b.reduce(part, x, out, i, "mlp_reduce")
     return out
 

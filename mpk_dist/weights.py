@@ -112,8 +112,8 @@ class SafetensorsSource:
 class SyntheticSource:
     """Deterministic random weights for a config: each tensor seeded from (seed, its name).
 
-    Generated on ``device`` (fast on a GPU), so presets with real shapes need no files. Linear
-    weights have std 1/sqrt(fan_in) so activations stay O(1); norm weights are 1 + small noise.
+    Generated on ``device`` (fast on a GPU), so presets with real shapes need no files. Scales are
+    chosen per tensor (see ``_std``) so activations stay O(1) and rounding does not blow up with depth.
     """
 
     def __init__(self, cfg: ModelConfig, seed: int = 0, device: str | torch.device = "cpu"):
@@ -139,11 +139,23 @@ class SyntheticSource:
         shape = self._shapes[name]
         gen = torch.Generator(device=self.device).manual_seed((self.seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
         x = torch.randn(shape, generator=gen, device=self.device, dtype=torch.float32)
+        return (x * self._std(name, shape) + (1.0 if len(shape) == 1 else 0.0)).to(self._dtype)
+
+    def _std(self, name: str, shape: tuple[int, ...]) -> float:
+        """Init scale per tensor, chosen so the random model behaves like a trained one numerically.
+
+        Linears have std 1/sqrt(fan_in); the residual-branch outputs (o_proj, down_proj) are further
+        scaled by 1/sqrt(2 * layers) as in GPT-2's init, so the residual stream dominates each
+        layer's update as in trained models; embeddings have unit rows; norms are 1 + noise.
+        """
         if len(shape) == 1:
-            x = 1.0 + 0.1 * x
-        else:
-            x = x * shape[1] ** -0.5
-        return x.to(self._dtype)
+            return 0.1
+        if name == "model.embed_tokens.weight":
+            return 1.0
+        std = shape[1] ** -0.5
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            std /= (2 * self.cfg.num_layers) ** 0.5
+        return std
 
     def read(self, part: WeightSlice) -> torch.Tensor:
         """Rows or columns [start, stop) of a generated tensor."""

@@ -27,8 +27,8 @@ __device__ void run_linear(const TaskView& t, int tid, int nt) {
   const int xs = t.param(LINEAR_PARAM_X_STRIDE), ys = t.param(LINEAR_PARAM_Y_STRIDE);
   const bf16* x = t.arg<const bf16>(LINEAR_ARG_X);
   const bf16* w = t.arg<const bf16>(LINEAR_ARG_W);
-  if (t.dtype(LINEAR_ARG_Y) == DTYPE_F32)  // logits: fp32 storage of the bf16-rounded product
-    linear<float>(B, x, xs, w, t.arg<float>(LINEAR_ARG_Y), ys, K, n, true, tid, nt);
+  if (t.dtype(LINEAR_ARG_Y) == DTYPE_F32)  // logits: the fp32 accumulation, unrounded (as the reference)
+    linear<float>(B, x, xs, w, t.arg<float>(LINEAR_ARG_Y), ys, K, n, false, tid, nt);
   else
     linear<bf16>(B, x, xs, w, t.arg<bf16>(LINEAR_ARG_Y), ys, K, n, false, tid, nt);
 }
@@ -50,18 +50,83 @@ __device__ void run_attention(const TaskView& t, float* smem, int tid, int nt) {
             t.param(ATTENTION_PARAM_KV_BATCH_STRIDE), t.fparam(ATTENTION_PARAM_SCALE), smem, tid, nt);
 }
 
+template <typename T>
+__device__ void push_partial(const TaskView& t, int world, int tid, int nt) {
+  T* dst[kMaxWorld];
+  for (int r = 0; r < world; ++r) dst[r] = t.peer_arg<T>(ALLREDUCE_PUSH_ARG_DST, r);
+  allreduce_push(t.arg<const T>(ALLREDUCE_PUSH_ARG_SRC), dst, world, t.param(ALLREDUCE_PUSH_PARAM_BATCH),
+                 t.param(ALLREDUCE_PUSH_PARAM_COLS), t.param(ALLREDUCE_PUSH_PARAM_SRC_STRIDE),
+                 t.param(ALLREDUCE_PUSH_PARAM_DST_STRIDE), tid, nt);
+}
+
+// The residual stream is fp32 (models/llama.py); q/k norms and all-bf16 graphs are bf16. These
+// helpers pick the template instance from the buffers' dtypes.
+template <typename OutT>
+__device__ void run_embedding_as(const TaskView& t, int tid, int nt) {
+  embedding(t.arg<const int32_t>(EMBEDDING_ARG_TOKENS), t.arg<const bf16>(EMBEDDING_ARG_TABLE),
+            t.arg<OutT>(EMBEDDING_ARG_OUT), t.param(EMBEDDING_PARAM_BATCH), t.param(EMBEDDING_PARAM_COLS),
+            t.param(EMBEDDING_PARAM_TABLE_STRIDE), t.param(EMBEDDING_PARAM_OUT_STRIDE),
+            t.param(EMBEDDING_PARAM_VOCAB_START), t.param(EMBEDDING_PARAM_VOCAB_ROWS), tid, nt);
+}
+
+__device__ void run_rms_norm(const TaskView& t, float* smem, int tid, int nt) {
+  const bf16* w = t.arg<const bf16>(RMS_NORM_ARG_W);
+  bf16* y = t.arg<bf16>(RMS_NORM_ARG_Y);
+  const int n = t.param(RMS_NORM_PARAM_N);
+  const float eps = t.fparam(RMS_NORM_PARAM_EPS);
+  if (t.dtype(RMS_NORM_ARG_X) == DTYPE_F32) rms_norm(t.arg<const float>(RMS_NORM_ARG_X), w, y, n, eps, smem, tid, nt);
+  else rms_norm(t.arg<const bf16>(RMS_NORM_ARG_X), w, y, n, eps, smem, tid, nt);
+}
+
+template <typename XT, typename YT, typename OutT>
+__device__ void run_add_as(const TaskView& t, int tid, int nt) {
+  add(t.arg<const XT>(ADD_ARG_X), t.arg<const YT>(ADD_ARG_Y), t.arg<OutT>(ADD_ARG_OUT), t.param(ADD_PARAM_BATCH),
+      t.param(ADD_PARAM_COLS), t.param(ADD_PARAM_STRIDE), tid, nt);
+}
+
+__device__ void run_add(const TaskView& t, int tid, int nt) {
+  // fp32 residual graphs: bf16 partial + fp32 residual -> fp32; otherwise all bf16.
+  if (t.dtype(ADD_ARG_OUT) == DTYPE_F32) {
+    if (t.dtype(ADD_ARG_X) == DTYPE_F32) run_add_as<float, float, float>(t, tid, nt);
+    else run_add_as<bf16, float, float>(t, tid, nt);
+  } else {
+    run_add_as<bf16, bf16, bf16>(t, tid, nt);
+  }
+}
+
+template <typename RecvT, typename OutT>
+__device__ void run_reduce_as(const TaskView& t, int tid, int nt) {
+  const int B = t.param(ALLREDUCE_REDUCE_PARAM_BATCH), cols = t.param(ALLREDUCE_REDUCE_PARAM_COLS);
+  const int world = t.param(ALLREDUCE_REDUCE_PARAM_WORLD), slots = t.param(ALLREDUCE_REDUCE_PARAM_SLOT_STRIDE);
+  const int stride = t.param(ALLREDUCE_REDUCE_PARAM_STRIDE);
+  const RecvT* recv = t.arg<const RecvT>(ALLREDUCE_REDUCE_ARG_RECV);
+  OutT* out = t.arg<OutT>(ALLREDUCE_REDUCE_ARG_OUT);
+  if (t.dtype(ALLREDUCE_REDUCE_ARG_RESIDUAL) == DTYPE_BF16)
+    allreduce_reduce(recv, t.arg<const bf16>(ALLREDUCE_REDUCE_ARG_RESIDUAL), out, B, cols, world, slots, stride, tid, nt);
+  else  // fp32 residual, or none (nullptr)
+    allreduce_reduce(recv, t.arg<const float>(ALLREDUCE_REDUCE_ARG_RESIDUAL), out, B, cols, world, slots, stride, tid, nt);
+}
+
+__device__ void run_allreduce_reduce(const TaskView& t, int tid, int nt) {
+  const bool recv32 = t.dtype(ALLREDUCE_REDUCE_ARG_RECV) == DTYPE_F32;
+  if (t.dtype(ALLREDUCE_REDUCE_ARG_OUT) == DTYPE_F32) {
+    if (recv32) run_reduce_as<float, float>(t, tid, nt);
+    else run_reduce_as<bf16, float>(t, tid, nt);
+  } else {
+    run_reduce_as<bf16, bf16>(t, tid, nt);
+  }
+}
+
 __device__ void run_comm_push(const TaskView& t, int opcode, int tid, int nt) {
   const int world = t.p.world;
   if (opcode == OP_ALLGATHER_PUSH) {
     float* dst[kMaxWorld];
     for (int r = 0; r < world; ++r) dst[r] = t.peer_arg<float>(ALLGATHER_PUSH_ARG_DST, r);
     allgather_push(t.arg<const float>(ALLGATHER_PUSH_ARG_SRC), dst, world, t.param(ALLGATHER_PUSH_PARAM_COUNT), tid, nt);
+  } else if (t.dtype(ALLREDUCE_PUSH_ARG_SRC) == DTYPE_F32) {
+    push_partial<float>(t, world, tid, nt);
   } else {
-    bf16* dst[kMaxWorld];
-    for (int r = 0; r < world; ++r) dst[r] = t.peer_arg<bf16>(ALLREDUCE_PUSH_ARG_DST, r);
-    allreduce_push(t.arg<const bf16>(ALLREDUCE_PUSH_ARG_SRC), dst, world, t.param(ALLREDUCE_PUSH_PARAM_BATCH),
-                   t.param(ALLREDUCE_PUSH_PARAM_COLS), t.param(ALLREDUCE_PUSH_PARAM_SRC_STRIDE),
-                   t.param(ALLREDUCE_PUSH_PARAM_DST_STRIDE), tid, nt);
+    push_partial<bf16>(t, world, tid, nt);
   }
 }
 
@@ -77,15 +142,10 @@ __device__ bool run_task(const RuntimeParams& p, int task, int step, float* smem
                  t.arg<int32_t>(STEP_BEGIN_ARG_POSITIONS), t.param(STEP_BEGIN_PARAM_BATCH), step, tid, nt);
       return true;
     case OP_EMBEDDING:
-      embedding(t.arg<const int32_t>(EMBEDDING_ARG_TOKENS), t.arg<const bf16>(EMBEDDING_ARG_TABLE),
-                t.arg<bf16>(EMBEDDING_ARG_OUT), t.param(EMBEDDING_PARAM_BATCH), t.param(EMBEDDING_PARAM_COLS),
-                t.param(EMBEDDING_PARAM_TABLE_STRIDE), t.param(EMBEDDING_PARAM_OUT_STRIDE),
-                t.param(EMBEDDING_PARAM_VOCAB_START), t.param(EMBEDDING_PARAM_VOCAB_ROWS), tid, nt);
+      if (t.dtype(EMBEDDING_ARG_OUT) == DTYPE_F32) run_embedding_as<float>(t, tid, nt);
+      else run_embedding_as<bf16>(t, tid, nt);
       return true;
-    case OP_RMS_NORM:
-      rms_norm(t.arg<const bf16>(RMS_NORM_ARG_X), t.arg<const bf16>(RMS_NORM_ARG_W), t.arg<bf16>(RMS_NORM_ARG_Y),
-               t.param(RMS_NORM_PARAM_N), t.fparam(RMS_NORM_PARAM_EPS), smem, tid, nt);
-      return true;
+    case OP_RMS_NORM: run_rms_norm(t, smem, tid, nt); return true;
     case OP_LINEAR: run_linear(t, tid, nt); return true;
     case OP_QKV_PREP: run_qkv_prep(t, tid, nt); return true;
     case OP_ATTENTION: run_attention(t, smem, tid, nt); return true;
@@ -94,18 +154,10 @@ __device__ bool run_task(const RuntimeParams& p, int task, int step, float* smem
                t.param(SILU_MUL_PARAM_COLS), t.param(SILU_MUL_PARAM_GU_STRIDE), t.param(SILU_MUL_PARAM_UP_OFFSET),
                t.param(SILU_MUL_PARAM_OUT_STRIDE), tid, nt);
       return true;
-    case OP_ADD:
-      add(t.arg<const bf16>(ADD_ARG_X), t.arg<const bf16>(ADD_ARG_Y), t.arg<bf16>(ADD_ARG_OUT), t.param(ADD_PARAM_BATCH),
-          t.param(ADD_PARAM_COLS), t.param(ADD_PARAM_STRIDE), tid, nt);
-      return true;
+    case OP_ADD: run_add(t, tid, nt); return true;
     case OP_ALLREDUCE_PUSH:
     case OP_ALLGATHER_PUSH: run_comm_push(t, op, tid, nt); return true;
-    case OP_ALLREDUCE_REDUCE:
-      allreduce_reduce(t.arg<const bf16>(ALLREDUCE_REDUCE_ARG_RECV), t.arg<const bf16>(ALLREDUCE_REDUCE_ARG_RESIDUAL),
-                       t.arg<bf16>(ALLREDUCE_REDUCE_ARG_OUT), t.param(ALLREDUCE_REDUCE_PARAM_BATCH),
-                       t.param(ALLREDUCE_REDUCE_PARAM_COLS), t.param(ALLREDUCE_REDUCE_PARAM_WORLD),
-                       t.param(ALLREDUCE_REDUCE_PARAM_SLOT_STRIDE), t.param(ALLREDUCE_REDUCE_PARAM_STRIDE), tid, nt);
-      return true;
+    case OP_ALLREDUCE_REDUCE: run_allreduce_reduce(t, tid, nt); return true;
     case OP_ARGMAX_PARTIAL:
       argmax_partial(t.arg<const float>(ARGMAX_PARTIAL_ARG_LOGITS), t.arg<float>(ARGMAX_PARTIAL_ARG_OUT),
                      t.param(ARGMAX_PARTIAL_PARAM_BATCH), t.param(ARGMAX_PARTIAL_PARAM_COLS),

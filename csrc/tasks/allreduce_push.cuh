@@ -5,7 +5,8 @@
 
 namespace mpk {
 
-__device__ void allreduce_push(const bf16* src, bf16* const* dst_per_rank, int world, int B, int cols, int src_stride,
+template <typename T>  // bf16 partials of o_proj / down_proj, fp32 for the embedding's
+__device__ void allreduce_push(const T* src, T* const* dst_per_rank, int world, int B, int cols, int src_stride,
                                int dst_stride, int tid, int nt) {
   const int per_rank = B * cols;
   for (int i = tid; i < world * per_rank; i += nt) {

@@ -15,9 +15,12 @@ __device__ __forceinline__ bf16 f2bf(float v) { return __float2bfloat16_rn(v); }
 // Round a float to the nearest bf16 and back: reproduces torch's bf16 intermediate results.
 __device__ __forceinline__ float round_bf(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
 
-// Output stores for the two output dtypes the graph uses (bf16 activations, fp32 logits).
+// Output stores for the two output dtypes the graph uses (bf16 activations; fp32 logits and the
+// fp32 residual stream), and the matching loads.
 __device__ __forceinline__ void store_out(bf16* p, float v) { *p = f2bf(v); }
 __device__ __forceinline__ void store_out(float* p, float v) { *p = v; }
+__device__ __forceinline__ float load_f(const bf16* p) { return bf2f(*p); }
+__device__ __forceinline__ float load_f(const float* p) { return *p; }
 
 // 16-byte streaming load of read-only data (weights): never written during the kernel, so the
 // non-coherent path is legal; no L1 allocation since each byte is used once per step.

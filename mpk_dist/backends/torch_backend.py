@@ -82,7 +82,7 @@ def run_graphs(graphs: list, envs: list[dict], comm=None) -> None:
             totals = comm.all_reduce([env[op.inputs[0]] for op, env in zip(ops, envs)])
             for op, env, total in zip(ops, envs, totals):
                 res = total + env[op.inputs[1]].float() if len(op.inputs) > 1 else total
-                env[op.outputs[0]] = res.to(env[op.inputs[0]].dtype)
+                env[op.outputs[0]] = res.to(env["__dtypes__"][op.outputs[0]])
         elif op0.kind == "all_gather":
             gathered = comm.all_gather([env[op.inputs[0]] for op, env in zip(ops, envs)])
             for op, env, g in zip(ops, envs, gathered):
@@ -90,6 +90,9 @@ def run_graphs(graphs: list, envs: list[dict], comm=None) -> None:
         else:
             for op, env in zip(ops, envs):
                 _run_local_op(op, env, op.attrs)
+                out = op.outputs[0]
+                # every op's result takes its declared dtype (e.g. the fp32 residual stream)
+                env[out] = env[out].to(env["__dtypes__"][out])
 
 
 class TorchBackend(StepBackend):
@@ -110,6 +113,7 @@ class TorchBackend(StepBackend):
         self.graphs = [build_graph(cfg, tp=tp, rank=r, batch=1, max_seq_len=max_seq_len) for r in self.ranks]
         self.weights = [load_rank_weights(g, source, self.device) for g in self.graphs]
         self._dtypes = {t.name: TORCH_DTYPES[t.dtype] for t in self.graphs[0].tensors.values()}
+        T.probe_fp32_out(self.device)
         self.batch = 0
         self._graph = None
         self._compiled = None

@@ -23,15 +23,39 @@ def embedding(tokens: torch.Tensor, table: torch.Tensor, vocab_start: int) -> to
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """y = x / sqrt(mean(x^2) + eps) * w over the last axis, normalised in fp32."""
+    """y = w * round(x / sqrt(mean(x^2) + eps)) over the last axis: statistics in fp32, the
+    normalised row rounded to the weight's dtype before the multiply (HF's RMSNorm order)."""
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return w * xf.to(x.dtype)
+    return w * xf.to(w.dtype)
+
+
+# device type -> whether torch.mm(..., out_dtype=torch.float32) works there (set by probe_fp32_out).
+_MM_FP32_OUT: dict[str, bool] = {}
+
+
+def probe_fp32_out(device: torch.device) -> bool:
+    """Find out once per device type whether bf16 x bf16 -> fp32 matmuls (no rounding) are native."""
+    kind = torch.device(device).type
+    if kind not in _MM_FP32_OUT:
+        a = torch.ones(2, 8, dtype=torch.bfloat16, device=device)
+        try:
+            _MM_FP32_OUT[kind] = torch.mm(a, a.t(), out_dtype=torch.float32).dtype == torch.float32
+        except (RuntimeError, NotImplementedError, TypeError):
+            _MM_FP32_OUT[kind] = False
+    return _MM_FP32_OUT[kind]
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """y = x @ w.T in the weight dtype (fp32 accumulation inside the matmul)."""
-    y = torch.matmul(x.to(w.dtype), w.t())
+    """y = x @ w.T with fp32 accumulation, rounded once to the weight dtype; an fp32 ``out_dtype``
+    (the logits) keeps the fp32 result unrounded."""
+    x = x.to(w.dtype)
+    if out_dtype == torch.float32 and w.dtype != torch.float32:
+        if _MM_FP32_OUT.get(x.device.type):
+            flat = torch.mm(x.reshape(-1, x.shape[-1]), w.t(), out_dtype=torch.float32)
+            return flat.reshape(*x.shape[:-1], w.shape[0])
+        return torch.matmul(x.float(), w.float().t())
+    y = torch.matmul(x, w.t())
     return y if out_dtype is None else y.to(out_dtype)
 
 

@@ -7,8 +7,8 @@ same graph serves decode ([B, N]) and prefill ([B, T, N]).
 |---|---|---|
 | embedding | tokens[B] i32, table[V, H] -> x[B, H] | x = table[tok - vocab_start] if the id is in this rank's slice, else 0 |
 | all_reduce | partial[B, N] (, residual[B, N]) -> y[B, N] | y = sum over ranks of partial, + residual (added once) |
-| rms_norm | x[B, N], w[N] -> y[B, N] | y = x / sqrt(mean(x^2) + eps) * w, in fp32 |
-| linear | x[B, K], w[N, K] -> y[B, N] | y = x @ w.T, fp32 accumulation |
+| rms_norm | x[B, N], w[N] -> y[B, N] | y = w * round(x / sqrt(mean(x^2) + eps)), statistics in fp32 |
+| linear | x[B, K], w[N, K] -> y[B, N] | y = x @ w.T, fp32 accumulation, rounded once to y's dtype (fp32 logits are not rounded) |
 | qkv_prep | qkv[B, (Hq+2Hkv)D], pos[B] (, q_norm[D], k_norm[D]), k_cache, v_cache -> q[B, Hq D], k_cache, v_cache | split q|k|v; optional per-head rms_norm of q and k; rope on q and k; write k, v at pos into the caches |
 | attention | q[B, Hq D], k_cache[B, S, Hkv, D], v_cache, pos[B] -> o[B, Hq D] | causal attention of each query over cache positions 0..pos, GQA (query head h reads kv head h // (Hq/Hkv)) |
 | silu_mul | gu[B, 2I] -> a[B, I] | a = silu(gu[:, :I]) * gu[:, I:] |
@@ -18,6 +18,10 @@ same graph serves decode ([B, N]) and prefill ([B, T, N]).
 | argmax_select | cands[world, B, 2] -> token[B] i32 | the candidate with the largest value; ties go to the lowest index |
 
 Token indices in ``cand`` are stored as float32, exact below 2**24 (far above any vocabulary).
+
+Precision: every op computes in fp32 from its inputs and rounds its output once to the output
+tensor's dtype. The residual stream (embedding output, all_reduce/add outputs) is fp32 even in
+bf16 models; the norms hand bf16 activations to the linears.
 
 Paged KV cache (opt-in: ``models.llama.build_paged_graph``, see docs/SERVING.md). The batch is RAGGED:
 N tokens of up to MB sequences in one pass (decode tokens and prompt chunks mixed); token i belongs

@@ -14,9 +14,6 @@ import torch
 
 pytestmark = pytest.mark.gpu
 
-if not torch.cuda.is_available():  # collected on CPU machines only with -m gpu; say why they skip
-    pytest.skip("needs a CUDA GPU", allow_module_level=True)
-
 from mpk_dist.backends.base import GenerateRequest, StepBackend  # noqa: E402
 from mpk_dist.backends.torch_backend import TorchBackend, run_graphs  # noqa: E402
 from mpk_dist.errors import DeviceTimeout  # noqa: E402
@@ -35,6 +32,7 @@ _BACKENDS: dict = {}
 
 def model(name: str):
     """Random-weight preset (cached)."""
+    assert torch.cuda.is_available(), "gpu tests need a CUDA GPU (run them with scripts/gpu_check.sh on the device)"
     if name not in _MODELS:
         _MODELS[name] = open_model(name, seed=0, device="cuda")
     return _MODELS[name]

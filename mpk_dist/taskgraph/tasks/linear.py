@@ -35,7 +35,8 @@ class Linear(TaskKind):
         B, K, n = t.p("BATCH"), t.p("K"), t.p("N_TILE")
         x = view2d(t.buf("X"), t.off("X"), B, K, t.p("X_STRIDE"))
         w = view2d(t.buf("W"), t.off("W"), n, K, K)
-        view2d(t.buf("Y"), t.off("Y"), B, n, t.p("Y_STRIDE")).copy_(T.linear(x, w))
+        y = view2d(t.buf("Y"), t.off("Y"), B, n, t.p("Y_STRIDE"))
+        y.copy_(T.linear(x, w, y.dtype))
 
     def accesses(self, t: TileContext) -> list[Access]:
         B, K, n = t.p("BATCH"), t.p("K"), t.p("N_TILE")
