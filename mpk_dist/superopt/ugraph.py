@@ -21,7 +21,7 @@ comments of generated code).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 
 from mpk_dist.superopt import expr as E
 from mpk_dist.superopt.target import chain_text
@@ -250,6 +250,10 @@ class UGraph:
     def expression(self) -> str:
         """The output's abstract expression as text."""
         return E.to_text(self.tensors[self.output].expr)
+
+    def to_dict(self) -> dict:
+        """Plain nested dicts/tuples of the whole graph (for code generation and JSON dumps)."""
+        return asdict(self)
 
     def with_kernel_ops(self, ops: list) -> "UGraph":
         """A copy with other kernel ops (used to build mutants in tests)."""
