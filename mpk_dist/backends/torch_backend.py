@@ -47,9 +47,11 @@ def _run_local_op(op, env: dict, attrs: dict) -> None:
         env[op.outputs[0]] = T.argmax_select(x[0])
     elif k == "qkv_prep_paged":  # paged graphs (mpk_dist.serving): qkv, pos, slots, page_table, (norms), pools
         qn, kn = (x[4], x[5]) if attrs.get("qk_norm") else (None, None)
-        env[op.outputs[0]] = T.qkv_prep_paged(x[0], x[1], x[2], x[3], qn, kn, x[-2], x[-1], attrs)
+        layout = env.get("__paged_layout__")
+        env[op.outputs[0]] = T.qkv_prep_paged(x[0], x[1], x[2], x[3], qn, kn, x[-2], x[-1], attrs,
+                                              None if layout is None else layout.live)
     elif k == "paged_attention":
-        env[op.outputs[0]] = T.paged_attention(*x, attrs)
+        env[op.outputs[0]] = T.paged_attention(*x, attrs, layout=env.get("__paged_layout__"))
     elif k == "gather_rows":
         env[op.outputs[0]] = T.gather_rows(x[0], x[1])
     else:

@@ -9,7 +9,9 @@ rope tables in fp32. Activations carry an optional token axis: decode [B, N], pr
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -171,28 +173,32 @@ def argmax_select(cands: torch.Tensor) -> torch.Tensor:
 
 def qkv_prep_paged(qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, page_table: torch.Tensor,
                    q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, k_pages: torch.Tensor,
-                   v_pages: torch.Tensor, attrs: dict) -> torch.Tensor:
-    """qkv_prep over a ragged batch [N, ..]; k, v go into the page pools; returns q [N, Hq*D]."""
+                   v_pages: torch.Tensor, attrs: dict, live: torch.Tensor | None = None) -> torch.Tensor:
+    """qkv_prep over a ragged batch [N, ..]; k, v go into the page pools; returns q [N, Hq*D].
+
+    ``live``: rows with slot >= 0 if known (``PagedLayout.live``), to skip a device-to-host sync.
+    """
     q, k, v = split_norm_rope(qkv, positions, q_norm, k_norm, attrs)
-    write_kv_paged(k_pages, v_pages, k, v, positions, slots, page_table)
+    write_kv_paged(k_pages, v_pages, k, v, positions, slots, page_table, live)
     return q.reshape(qkv.shape[0], attrs["q_heads"] * attrs["head_dim"])
 
 
 def write_kv_paged(k_pages: torch.Tensor, v_pages: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   positions: torch.Tensor, slots: torch.Tensor, page_table: torch.Tensor) -> None:
+                   positions: torch.Tensor, slots: torch.Tensor, page_table: torch.Tensor,
+                   live: torch.Tensor | None = None) -> None:
     """k_pages[page_table[slot[i], pos[i] // P], pos[i] % P] = k[i] (same for v); slot < 0 skipped."""
     P = k_pages.shape[1]
-    keep = slots >= 0
+    keep = (slots >= 0).nonzero().squeeze(1) if live is None else live
     s, p = slots[keep].long(), positions[keep].long()
     page = page_table[s, p // P].long()
     k_pages[page, p % P] = k[keep].to(k_pages.dtype)
     v_pages[page, p % P] = v[keep].to(v_pages.dtype)
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [n, Hq, D] at positions pos [n] over k, v [n or 1, L, Hkv, D] (positions 0..L-1); fp32 [n, Hq, D]."""
+def _attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query per row, each over its own keys: q [n, Hq, D], k, v [n, L, Hkv, D]; fp32 [n, Hq, D]."""
     group = q.shape[1] // k.shape[2]
-    kf = k.float().transpose(1, 2).repeat_interleave(group, dim=1)  # [n|1, Hq, L, D]
+    kf = k.float().transpose(1, 2).repeat_interleave(group, dim=1)  # [n, Hq, L, D]
     vf = v.float().transpose(1, 2).repeat_interleave(group, dim=1)
     scores = torch.matmul(q.float().unsqueeze(2), kf.transpose(-1, -2)).squeeze(2) * scale  # [n, Hq, L]
     mask = torch.arange(k.shape[1], device=q.device)[None, :] > pos[:, None]  # [n, L]
@@ -200,37 +206,78 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor
     return torch.matmul(probs.unsqueeze(2), vf).squeeze(2)  # [n, Hq, D]
 
 
+def _attend_shared(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, scale: float) -> torch.Tensor:
+    """Many queries of ONE sequence over its keys: q [n, Hq, D], k, v [L, Hkv, D]; fp32 [n, Hq, D].
+
+    NOTE: heads lead ([Hq, n, L] scores) so the keys are never broadcast per query (a 4096-token
+    prompt would otherwise materialise [n, Hq, L, D]: 256 GiB, seen on the H200).
+    """
+    group = q.shape[1] // k.shape[1]
+    kf = k.float().transpose(0, 1).repeat_interleave(group, dim=0)  # [Hq, L, D]
+    vf = v.float().transpose(0, 1).repeat_interleave(group, dim=0)
+    scores = torch.matmul(q.float().transpose(0, 1), kf.transpose(-1, -2)) * scale  # [Hq, n, L]
+    mask = torch.arange(k.shape[0], device=q.device)[None, :] > pos[:, None]  # [n, L]
+    probs = torch.softmax(scores.masked_fill(mask[None], float("-inf")), dim=-1)
+    return torch.matmul(probs, vf).transpose(0, 1)  # [n, Hq, D]
+
+
+@dataclass
+class PagedLayout:
+    """Where each sequence's tokens sit in a ragged pass, computed once per pass on the host, so
+    paged_attention needs no device-to-host sync per layer.
+
+    ``single``: rows (on the device) of sequences with one token in the pass (decode) and
+    ``single_pages`` the pages covering the longest of them; ``chunks``: (rows on the device, slot,
+    pages) of each sequence with several tokens (a prompt chunk); ``live``: every non-padding row.
+    """
+
+    single: torch.Tensor
+    single_pages: int
+    chunks: list[tuple[torch.Tensor, int, int]]
+    live: torch.Tensor  # rows with slot >= 0
+
+
+def paged_layout(positions, slots, page_size: int, device) -> PagedLayout:
+    """The ``PagedLayout`` of a pass from host copies (numpy or CPU tensors) of positions and slots."""
+    pos, sl = np.asarray(positions).astype(np.int64), np.asarray(slots).astype(np.int64)
+    live = np.nonzero(sl >= 0)[0]
+    per_slot = np.bincount(sl[live]) if len(live) else np.zeros(0, np.int64)
+    one = live[per_slot[sl[live]] == 1] if len(live) else live
+    npg = int(pos[one].max()) // page_size + 1 if len(one) else 0
+    chunks = []
+    for s in np.nonzero(per_slot > 1)[0].tolist():
+        rows = np.nonzero(sl == s)[0]
+        chunks.append((torch.from_numpy(rows).to(device), s, int(pos[rows].max()) // page_size + 1))
+    return PagedLayout(torch.from_numpy(one).to(device), npg, chunks, torch.from_numpy(live).to(device))
+
+
 def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, positions: torch.Tensor,
-                    slots: torch.Tensor, page_table: torch.Tensor, attrs: dict) -> torch.Tensor:
+                    slots: torch.Tensor, page_table: torch.Tensor, attrs: dict,
+                    layout: PagedLayout | None = None) -> torch.Tensor:
     """Token i attends over positions 0..pos[i] of sequence slot[i]'s pages; padding (slot < 0) -> 0.
 
-    NOTE: reads the lengths on the host (one sync per pass): sequences with one token in the pass
-    (decode) are batched together, each multi-token sequence (a prompt chunk) is its own matmul, so
-    memory stays O(tokens x context) without a [N, N, ..] blow-up for long prompts.
+    Sequences with one token in the pass (decode) are batched together; each multi-token sequence
+    (a prompt chunk) is one matmul over its own keys. ``layout`` (``paged_layout``, once per pass)
+    avoids reading lengths back from the device in every layer; without it, it is computed here.
     """
     hq, d, P = attrs["q_heads"], attrs["head_dim"], k_pages.shape[1]
+    if layout is None:
+        layout = paged_layout(positions.cpu(), slots.cpu(), P, q.device)
     N = q.shape[0]
     qh = q.reshape(N, hq, d)
     out = torch.zeros(N, hq, d, dtype=torch.float32, device=q.device)
-    live = (slots >= 0).nonzero().squeeze(1)
-    if live.numel() == 0:
-        return out.reshape(N, hq * d).to(q.dtype)
-    per_slot = torch.bincount(slots[live].long())  # tokens of each sequence in this pass
-    one = live[per_slot[slots[live].long()] == 1]
+    one, npg = layout.single, layout.single_pages
     if one.numel():
-        npg = int(positions[one].max()) // P + 1
         # -1 (unallocated) columns of shorter sequences read page 0: masked, never used
         pages = page_table[slots[one].long(), :npg].long().clamp(min=0)  # [n, npg]
         k = k_pages[pages].reshape(one.numel(), npg * P, *k_pages.shape[2:])  # [n, L, Hkv, D]
         v = v_pages[pages].reshape(one.numel(), npg * P, *v_pages.shape[2:])
-        out[one] = _attend(qh[one], k, v, positions[one].long(), attrs["scale"])
-    for s in (per_slot > 1).nonzero().squeeze(1).tolist():
-        idx = (slots == s).nonzero().squeeze(1)
-        npg = int(positions[idx].max()) // P + 1
+        out[one] = _attend_rows(qh[one], k, v, positions[one].long(), attrs["scale"])
+    for rows, s, npg in layout.chunks:
         pages = page_table[s, :npg].long()
-        k = k_pages[pages].reshape(1, npg * P, *k_pages.shape[2:])
-        v = v_pages[pages].reshape(1, npg * P, *v_pages.shape[2:])
-        out[idx] = _attend(qh[idx], k, v, positions[idx].long(), attrs["scale"])
+        k = k_pages[pages].reshape(npg * P, *k_pages.shape[2:])  # [L, Hkv, D]
+        v = v_pages[pages].reshape(npg * P, *v_pages.shape[2:])
+        out[rows] = _attend_shared(qh[rows], k, v, positions[rows].long(), attrs["scale"])
     return out.reshape(N, hq * d).to(q.dtype)
 
 

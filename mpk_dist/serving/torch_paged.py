@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from mpk_dist.backends import torch_ops as T
 from mpk_dist.backends.torch_backend import LocalComm, run_graphs
 from mpk_dist.config import ModelConfig
 from mpk_dist.errors import InputError
@@ -55,7 +56,10 @@ class TorchPagedBackend:
         if batch.num_tokens and int(batch.tokens.max()) >= self.vocab_size:
             raise InputError(f"token id: expected 0 <= id < {self.vocab_size}, got {int(batch.tokens.max())}")
         inputs = batch.tensors(self.device)
-        envs = [{**w, **p, **inputs, "__dtypes__": self._dtypes} for w, p in zip(self.weights, self.pools)]
+        # once per pass, from the host arrays: no device->host sync inside the layers
+        layout = T.paged_layout(batch.positions, batch.slots, self.spec.page_size, self.device)
+        envs = [{**w, **p, **inputs, "__dtypes__": self._dtypes, "__paged_layout__": layout}
+                for w, p in zip(self.weights, self.pools)]
         run_graphs(self.graphs, envs, self.comm)
         return torch.cat([env["logits"] for env in envs], dim=-1).float()
 

@@ -56,3 +56,17 @@ def test_gather_rows():
     x = torch.arange(12.0).reshape(4, 3)
     y = T.gather_rows(x, torch.tensor([3, 0, -1], dtype=torch.int32))
     assert torch.equal(y, torch.tensor([[9.0, 10, 11], [0, 1, 2], [0, 0, 0]]))
+
+
+def test_host_layout_gives_the_same_result_as_deriving_it():
+    g = torch.Generator().manual_seed(1)
+    kp, vp = torch.randn(10, 4, 2, 8, generator=g), torch.randn(10, 4, 2, 8, generator=g)
+    table = torch.tensor([[3, 7, 1], [0, 9, -1]], dtype=torch.int32)
+    slots = torch.tensor([1, 0, 0, 0, -1], dtype=torch.int32)
+    pos = torch.tensor([5, 8, 9, 10, 0], dtype=torch.int32)
+    q = torch.randn(5, 32, generator=g)
+    lay = T.paged_layout(pos.numpy(), slots.numpy(), 4, "cpu")
+    assert lay.single.tolist() == [0] and lay.single_pages == 2 and [c[1] for c in lay.chunks] == [0]
+    assert lay.live.tolist() == [0, 1, 2, 3]
+    assert torch.equal(T.paged_attention(q, kp, vp, pos, slots, table, ATTRS, layout=lay),
+                       T.paged_attention(q, kp, vp, pos, slots, table, ATTRS))

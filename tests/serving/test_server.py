@@ -56,7 +56,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _serve(model, tp, workload, force=None, **kw):
-    opts = dict(max_batch=4, page_size=4, max_seq_len=48, max_tokens_per_step=16)
+    opts = dict(max_batch=4, page_size=4, max_seq_len=48, max_tokens_per_step=16, device="cpu")
     opts.update(kw)
     srv = Server(model, tp=tp, clock=VirtualClock(0.01), **opts)
     for i, (p, n, t) in enumerate(workload):
@@ -120,7 +120,7 @@ def test_sixty_four_requests_at_once(references):
 def test_errors(model):
     with pytest.raises(BackendUnavailable, match="serving backend"):
         Server(model, backend="megakernel")
-    srv = Server(model, max_batch=2, page_size=4, max_seq_len=8)
+    srv = Server(model, max_batch=2, page_size=4, max_seq_len=8, device="cpu")
     with pytest.raises(InputError, match="max_seq_len"):
         srv.submit(list(range(8)), 4)
     with pytest.raises(InputError, match="token id"):

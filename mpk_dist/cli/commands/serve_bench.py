@@ -39,6 +39,8 @@ def register(subparsers) -> None:
     p.add_argument("--max-tokens-per-step", type=int, default=512, help="tokens per pass: decode + prompt chunks (default 512)")
     p.add_argument("--ignore-eos", action="store_true", help="always produce the requested output length")
     p.add_argument("--percentiles", default="99", help="comma-separated percentiles (vLLM --metric-percentiles, default 99)")
+    p.add_argument("--warmup", type=int, default=0, metavar="K",
+                   help="first serve the workload's first K requests untimed (CUDA/cuBLAS start-up out of TTFT)")
     p.add_argument("--check", action="store_true", help="compare each request's tokens with a run of it alone")
     p.add_argument("--virtual-pass-ms", type=float, default=None, metavar="MS",
                    help="deterministic clock: every pass takes MS (for tests; default: wall clock)")
@@ -119,6 +121,11 @@ def main(args) -> int:
                     max_seq_len=max_seq_len, num_pages=args.num_pages, max_tokens_per_step=args.max_tokens_per_step,
                     device=device, seed=args.seed, clock=clock)
     stop_ids = () if args.ignore_eos else tuple(model.config.eos_token_ids)
+    if args.warmup > 0:
+        for it in items[: args.warmup]:
+            server.submit(it.prompt_ids, it.output_len, 0.0, stop_ids=stop_ids)
+        server.run()
+        server.passes = []
     for it in items:
         server.submit(it.prompt_ids, it.output_len, it.arrival_time, stop_ids=stop_ids)
     outputs = server.run()
