@@ -102,6 +102,17 @@ def _print_report(args, items, outputs, summary, checks, ps) -> None:
             print(f"{stat.capitalize() if stat != 'median' else 'Median'} {title} (ms):".ljust(41) + f"{summary[f'{stat}_{name}_ms']:.3f}")
 
 
+def _write_json(args, items, server, summary: dict, checks: list) -> None:
+    """The vLLM-style record plus our run parameters."""
+    record = {"date": _dt.datetime.now().strftime("%Y%m%d-%H%M%S"), "backend": args.backend, "model_id": args.model,
+              "tp": args.tp, "num_prompts": len(items), "request_rate": args.rate if args.synthetic else None,
+              "max_concurrency": args.max_batch, "page_size": args.page_size, "num_pages": server.pool.num_pages,
+              "max_tokens_per_step": server.spec.max_tokens, "passes": len(server.passes),
+              "clock": "virtual" if args.virtual_pass_ms else "wall", "correct": checks, **summary}
+    with open(args.output_json, "w") as f:
+        json.dump(record, f, indent=1)
+
+
 def main(args) -> int:
     """Run the workload and report; exit 1 when --check finds a mismatch."""
     from mpk_dist.model_source import open_model
@@ -135,11 +146,5 @@ def main(args) -> int:
     ok = all(c is not False for c in checks)
     print(f"# {'OK' if ok else 'FAILED'}" + ("" if args.check else " (not checked: pass --check)"))
     if args.output_json:
-        record = {"date": _dt.datetime.now().strftime("%Y%m%d-%H%M%S"), "backend": args.backend, "model_id": args.model,
-                  "tp": args.tp, "num_prompts": len(items), "request_rate": args.rate if args.synthetic else None,
-                  "max_concurrency": args.max_batch, "page_size": args.page_size, "num_pages": server.pool.num_pages,
-                  "max_tokens_per_step": server.spec.max_tokens, "passes": len(server.passes),
-                  "clock": "virtual" if args.virtual_pass_ms else "wall", "correct": checks, **summary}
-        with open(args.output_json, "w") as f:
-            json.dump(record, f, indent=1)
+        _write_json(args, items, server, summary, checks)
     return 0 if ok else 1
