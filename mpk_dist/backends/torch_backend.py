@@ -132,8 +132,15 @@ class TorchBackend(StepBackend):
                 st = {s.name: torch.zeros((batch, *s.shape[1:]), dtype=TORCH_DTYPES[s.dtype], device=self.device)
                       for s in g.by_kind("state")}
                 self.states.append(st)
+            if self.mode == "compile" and self.device.type == "cuda":
+                # The caches are updated in place by the compiled step; CUDA-graph trees only keep
+                # graphs whose mutated inputs live at fixed addresses (otherwise they fall back to
+                # plain launches), so declare them, and the weights, static.
+                for t in [*(x for s in self.states for x in s.values()), *(x for w in self.weights for x in w.values())]:
+                    torch._dynamo.mark_static_address(t)
             self.batch = batch
             self._graph = None
+            self._compiled = None
         else:
             for st in self.states:
                 for t in st.values():

@@ -79,15 +79,25 @@ def rope_inv_freq(head_dim: int, theta: float, rope_type: str = "default", facto
     return torch.where(medium, smoothed, scaled)
 
 
-def rope_attrs_inv_freq(attrs: dict) -> torch.Tensor:
-    """``rope_inv_freq`` from the attrs of a qkv_prep op."""
-    return rope_inv_freq(attrs["head_dim"], attrs["rope_theta"], attrs["rope_type"], attrs["rope_factor"],
-                         attrs["rope_low_freq_factor"], attrs["rope_high_freq_factor"], attrs["rope_original_max_pos"])
+_ROPE_KEYS = ("head_dim", "rope_theta", "rope_type", "rope_factor", "rope_low_freq_factor",
+              "rope_high_freq_factor", "rope_original_max_pos")
+# (rope attrs, device) -> inverse frequencies already on that device. NOTE: a host-to-device copy
+# inside a CUDA-graph capture is an error, so the table is made once, outside any capture (the
+# eager warm-up step fills this cache).
+_INV_FREQ_CACHE: dict[tuple, torch.Tensor] = {}
+
+
+def rope_attrs_inv_freq(attrs: dict, device: torch.device | str = "cpu") -> torch.Tensor:
+    """``rope_inv_freq`` from the attrs of a qkv_prep op, on ``device`` (cached)."""
+    key = (*(attrs[k] for k in _ROPE_KEYS), str(device))
+    if key not in _INV_FREQ_CACHE:
+        _INV_FREQ_CACHE[key] = rope_inv_freq(*(attrs[k] for k in _ROPE_KEYS)).to(device)
+    return _INV_FREQ_CACHE[key]
 
 
 def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
     """Rotate-half rope (HF convention) of x [..., heads, D] at positions [...]."""
-    freqs = positions.float().unsqueeze(-1) * inv_freq.to(x.device)  # [..., D/2]
+    freqs = positions.float().unsqueeze(-1) * inv_freq  # [..., D/2]; inv_freq is on x's device
     emb = torch.cat([freqs, freqs], dim=-1)
     cos, sin = emb.cos().to(x.dtype).unsqueeze(-2), emb.sin().to(x.dtype).unsqueeze(-2)
     half = x.shape[-1] // 2
@@ -114,7 +124,7 @@ def split_norm_rope(qkv: torch.Tensor, positions: torch.Tensor, q_norm: torch.Te
     if attrs.get("qk_norm"):
         q = rms_norm(q, q_norm, attrs["eps"])
         k = rms_norm(k, k_norm, attrs["eps"])
-    inv = rope_attrs_inv_freq(attrs)
+    inv = rope_attrs_inv_freq(attrs, qkv.device)
     return apply_rope(q, positions, inv), apply_rope(k, positions, inv), v
 
 
