@@ -33,20 +33,30 @@ def _same_structure(a: Program, b: Program) -> bool:
 
 def compile_rank_programs(cfg: ModelConfig, tp: int, batch: int = 1, sms: int = 132, max_seq_len: int = 512,
                           max_steps: int | None = None, ranks: list[int] | None = None, check: bool = True,
-                          timings: dict | None = None) -> list[CompiledGraph]:
-    """The compiled program of each rank in ``ranks`` (default all), validated when ``check``."""
+                          timings: dict | None = None, fuse=False) -> list[CompiledGraph]:
+    """The compiled program of each rank in ``ranks`` (default all), validated when ``check``.
+
+    ``fuse``: fold rms_norm / silu_mul / the tp-1 residual add into the neighbouring linear tiles
+    (True = all, or names, see ``mpk_dist.taskgraph.fusion``); default off.
+    """
+    from mpk_dist.taskgraph.fusion import fusion_set
+
+    fusions = fusion_set(fuse)
     if sms < 1 or batch < 1:
         raise InputError(f"--sms / --batch: expected positive integers, got sms={sms}, batch={batch}")
     max_steps = max_seq_len if max_steps is None else max_steps
     ranks = list(range(tp)) if ranks is None else ranks
     t0 = time.perf_counter()
-    progs = {r: lower_graph(build_graph(cfg, tp=tp, rank=r, batch=batch, max_seq_len=max_seq_len), sms, max_steps)
+    progs = {r: lower_graph(build_graph(cfg, tp=tp, rank=r, batch=batch, max_seq_len=max_seq_len), sms, max_steps,
+                            fusions)
              for r in sorted(set(ranks) | {0})}
     t1 = time.perf_counter()
     eg: EventGraph = reduce_events(build_events(progs[0]))
     t2 = time.perf_counter()
     info = {"model": cfg.architecture or cfg.family, "family": cfg.family, "max_seq_len": max_seq_len,
             "sms": sms, "num_layers": cfg.num_layers}
+    if fusions:  # only when on, so unfused programs (and their metadata) stay exactly as before
+        info["fusions"] = sorted(fusions)
     out = []
     for r in ranks:
         if not _same_structure(progs[0], progs[r]):

@@ -53,10 +53,12 @@ class Lowerer:
                 self.consumers.setdefault(t, []).append(op)
 
     # -- buffers ---------------------------------------------------------------------------------
-    def declare_buffers(self) -> None:
-        """One buffer per graph tensor plus the step-loop buffers."""
+    def declare_buffers(self, skip: set[str] | frozenset[str] = frozenset()) -> None:
+        """One buffer per graph tensor (except ``skip``: activations fused away) plus the step-loop buffers."""
         gathered = {op.outputs[0] for op in self.g.ops if op.kind == "all_gather"}
         for t in self.g.tensors.values():
+            if t.name in skip:
+                continue
             kind = {"input": "activation"}.get(t.kind, t.kind)  # tokens/positions: written by step_begin
             if t.name in PAGED_HOST_INPUTS:
                 kind = "input"  # paged graphs: the host writes the slot map and page table before a launch

@@ -83,14 +83,24 @@ def argmax_select(lw: Lowerer, op: Op) -> None:
     t.writes = [_all_fp(nxt, p, 1), _all_fp(out, p, 1)]
 
 
-def lower_graph(graph, sms: int, max_steps: int):
-    """The ``Program`` of one rank: buffers and task-ops in a topological order of one step."""
+def lower_graph(graph, sms: int, max_steps: int, fuse=False):
+    """The ``Program`` of one rank: buffers and task-ops in a topological order of one step.
+
+    ``fuse``: which fusions to apply (``mpk_dist.taskgraph.fusion.fusion_set``); False keeps every op.
+    """
+    from mpk_dist.taskgraph.fusion import FusedLinear, dropped_tensors, plan
+    from mpk_dist.taskgraph.lowering_fused import lower_fused
+
+    items = plan(graph, fuse)
     lw = Lowerer(graph, sms, max_steps)
-    lw.declare_buffers()
+    lw.declare_buffers(skip=dropped_tensors(items))
     lw.step_begin()
     handlers = {"all_reduce": all_reduce, "argmax_partial": argmax_partial, "all_gather": all_gather,
                 "argmax_select": argmax_select}
-    for op in graph.ops:
+    for op in items:
+        if isinstance(op, FusedLinear):
+            lower_fused(lw, op)
+            continue
         h = handlers.get(op.kind)
         if h is not None:
             h(lw, op)

@@ -6,15 +6,18 @@
 from __future__ import annotations
 
 from mpk_dist.taskgraph.tasks import (add, allgather_push, allreduce_push, allreduce_reduce, argmax_partial,
-                                      argmax_reduce, argmax_select, attention, embedding, linear, paged_attention,
-                                      qkv_prep, qkv_prep_paged, rms_norm, silu_mul, step_begin)
+                                      argmax_reduce, argmax_select, attention, embedding, linear, linear_residual,
+                                      norm_linear, paged_attention, qkv_prep, qkv_prep_paged, rms_norm, silu_linear,
+                                      silu_mul, step_begin)
 from mpk_dist.taskgraph.tasks.base import TaskKind
 
 KINDS: tuple[TaskKind, ...] = tuple(sorted(
     (m.KIND for m in (step_begin, embedding, rms_norm, linear, qkv_prep, attention, silu_mul, add, allreduce_push,
                       allreduce_reduce, argmax_partial, argmax_reduce, allgather_push, argmax_select,
                       # paged KV cache (opt-in graphs; docs/SERVING.md): appended, earlier opcodes unchanged
-                      qkv_prep_paged, paged_attention)),
+                      qkv_prep_paged, paged_attention,
+                      # fused linears (opt-in: compile_rank_programs(fuse=...); docs/TASKGRAPH.md)
+                      norm_linear, linear_residual, silu_linear)),
     key=lambda k: k.opcode))
 
 BY_NAME: dict[str, TaskKind] = {k.name: k for k in KINDS}

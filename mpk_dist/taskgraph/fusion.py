@@ -1,0 +1,137 @@
+"""Fusion pass: which ops of a rank's graph are folded into the linear tiles next to them.
+
+Each fusion removes one task-op, and with it one dependency level of the decode step (the step is a
+chain of levels, each costing an event round trip; docs/TASKGRAPH.md, 'Fused linears'):
+
+* ``norm``: rms_norm -> linear becomes one ``norm_linear`` (every tile normalises its B input rows);
+* ``silu``: silu_mul -> linear becomes one ``silu_linear`` (the tile computes silu(gate) * up);
+* ``residual``: linear -> add (the tp-1 residual add) becomes ``linear_residual`` (or the residual
+  epilogue of ``silu_linear``). At tp > 1 the all-reduce adds the residual already.
+
+The pass only plans; ``mpk_dist.taskgraph.lowering_fused`` lowers the plan. Numerics are unchanged:
+every fused kind rounds at exactly the points the unfused ops round. OFF by default until verified
+on a GPU; ``compile_rank_programs(..., fuse=True)`` turns all of them on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+from mpk_dist.errors import InputError
+from mpk_dist.graph import Graph, Op
+
+FUSIONS = ("norm", "silu", "residual")
+"""Names of the fusions, in the order they are documented."""
+
+VEC = 8
+"""The fused CUDA bodies load 8 bf16 at a time: K must be a multiple of this (else not fused)."""
+
+
+def fusion_set(fuse: bool | str | Iterable[str] | None) -> frozenset[str]:
+    """Normalise the ``fuse`` option: True = all, False/None = none, or names ('norm,silu' or a list)."""
+    if fuse is None or fuse is False:
+        return frozenset()
+    if fuse is True:
+        return frozenset(FUSIONS)
+    names = [n.strip() for n in fuse.split(",")] if isinstance(fuse, str) else list(fuse)
+    bad = [n for n in names if n not in FUSIONS]
+    if bad:
+        raise InputError(f"fuse: expected True/False or names from {', '.join(FUSIONS)}, got {bad}; "
+                         "e.g. fuse='norm,silu'")
+    return frozenset(names)
+
+
+@dataclass
+class FusedLinear:
+    """A linear op and the ops folded into its tiles (prologue: ``norm`` or ``silu``; epilogue: ``residual``)."""
+
+    linear: Op
+    norm: Op | None = None
+    silu: Op | None = None
+    residual: Op | None = None
+
+    @property
+    def kind(self) -> str:
+        """The task kind that runs it."""
+        if self.silu is not None:
+            return "silu_linear"
+        return "norm_linear" if self.norm is not None else "linear_residual"
+
+    @property
+    def output(self) -> str:
+        """The tensor the fused tiles write (the add's output when the residual is fused)."""
+        return (self.residual or self.linear).outputs[0]
+
+    def residual_input(self) -> str | None:
+        """The residual operand of the fused add (its input that is not the linear's output)."""
+        if self.residual is None:
+            return None
+        a, b = self.residual.inputs
+        return b if a == self.linear.outputs[0] else a
+
+
+def _consumers(graph: Graph) -> dict[str, list[Op]]:
+    out: dict[str, list[Op]] = {}
+    for op in graph.ops:
+        for t in op.inputs:
+            out.setdefault(t, []).append(op)
+    return out
+
+
+def _sole_consumer(graph: Graph, cons: dict[str, list[Op]], tensor: str, op: Op) -> bool:
+    """``op`` is the only reader of the activation ``tensor`` (so the tensor need not exist)."""
+    return graph.tensors[tensor].kind == "activation" and [id(c) for c in cons.get(tensor, [])] == [id(op)]
+
+
+def _plan_one(graph: Graph, lin: Op, producer: dict[str, Op], cons: dict[str, list[Op]],
+              fusions: frozenset[str]) -> FusedLinear | None:
+    x, out = lin.inputs[0], lin.outputs[0]
+    K = graph.tensors[lin.inputs[1]].shape[1]
+    if K % VEC:
+        return None
+    f = FusedLinear(lin)
+    src = producer.get(x)
+    if src is not None and _sole_consumer(graph, cons, x, lin):
+        if "norm" in fusions and src.kind == "rms_norm":
+            f.norm = src
+        elif "silu" in fusions and src.kind == "silu_mul":
+            f.silu = src
+    users = cons.get(out, [])
+    if ("residual" in fusions and f.norm is None and len(users) == 1 and users[0].kind == "add"
+            and _sole_consumer(graph, cons, out, users[0])):
+        add = users[0]
+        other = add.inputs[1] if add.inputs[0] == out else add.inputs[0]
+        if graph.tensors[add.outputs[0]].dtype == "f32" and graph.tensors[other].dtype == "f32":
+            f.residual = add
+    return f if (f.norm or f.silu or f.residual) else None
+
+
+def plan(graph: Graph, fuse: bool | str | Iterable[str] | None) -> list[Op | FusedLinear]:
+    """The ops of ``graph`` in order, with each fused group replaced by one ``FusedLinear`` at the
+    linear's place (the ops it absorbs are dropped). ``fuse`` as in ``fusion_set``."""
+    fusions = fusion_set(fuse)
+    if not fusions:
+        return list(graph.ops)
+    producer = {t: op for op in graph.ops for t in op.outputs}
+    cons = _consumers(graph)
+    fused: dict[int, FusedLinear] = {}
+    for op in graph.ops:
+        if op.kind == "linear":
+            f = _plan_one(graph, op, producer, cons, fusions)
+            if f is not None:
+                fused[id(op)] = f
+    absorbed = {id(o) for f in fused.values() for o in (f.norm, f.silu, f.residual) if o is not None}
+    return [fused.get(id(op), op) for op in graph.ops if id(op) not in absorbed]
+
+
+def dropped_tensors(items: list[Op | FusedLinear]) -> set[str]:
+    """Activations no task reads or writes once the plan is lowered (their buffers are not declared)."""
+    out: set[str] = set()
+    for f in items:
+        if isinstance(f, FusedLinear):
+            if f.norm is not None or f.silu is not None:
+                out.add(f.linear.inputs[0])
+            if f.residual is not None:
+                out.add(f.linear.outputs[0])
+    return out
