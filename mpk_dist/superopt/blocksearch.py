@@ -75,8 +75,10 @@ def _tile(info: TensorInfo, splits: dict) -> tuple:
 class _Builder:
     """Mutable DFS state for one layout at representative counts."""
 
-    def __init__(self, ctx: Context, layout: Layout, infos: dict, sizes: dict) -> None:
+    def __init__(self, ctx: Context, layout: Layout, infos: dict, sizes: dict,
+                 max_outputs: int) -> None:
         self.ctx, self.layout = ctx, layout
+        self.max_outputs = max_outputs
         grid_split = {s: sizes[s] for s in layout.grid_syms}
         loop = layout.loop_sym
         self.locals: list = []          # [(name, info, phase, loop_dep)]
@@ -110,7 +112,7 @@ class _Builder:
         sinks = sum(1 for x in self.locals if x[2] != "in" and x[0] not in used
                     and ("a" + x[0][1:] not in used))
         left = self.ctx.config.max_block_ops - len(ops)
-        return max(unused_in, unused_in + sinks - self.ctx.config.max_block_outputs) <= left
+        return max(unused_in, unused_in + sinks - self.max_outputs) <= left
 
     def _body(self, body: list, prev) -> None:
         if self.ctx.timed_out() or not self._slack(body, set()):
@@ -201,7 +203,7 @@ class _Builder:
                 outputs.append(acc)
             elif phase == "post" and name not in used:
                 outputs.append(name)
-        if not outputs or len(outputs) > self.ctx.config.max_block_outputs:
+        if not outputs or len(outputs) > self.max_outputs:
             return
         self.results.append(Structure(self.layout, tuple(body), tuple(post), tuple(outputs)))
 
@@ -223,8 +225,11 @@ def representative_sizes(layout: Layout, infos: dict, sym_size: dict, config) ->
     return sizes
 
 
-def enumerate_layout(ctx: Context, layout: Layout, infos: dict) -> list:
-    """All complete structures of one layout (see module docstring)."""
+def enumerate_layout(ctx: Context, layout: Layout, infos: dict, final: bool = False) -> list:
+    """All complete structures of one layout (see module docstring).
+
+    ``final``: the op will be the last kernel op, so it has exactly one output (the target).
+    """
     sym_size = {}
     for n in layout.inputs:
         for s, x in zip(infos[n].syms, infos[n].shape):
@@ -233,7 +238,8 @@ def enumerate_layout(ctx: Context, layout: Layout, infos: dict) -> list:
     sizes = representative_sizes(layout, infos, sym_size, ctx.config)
     if sizes is None:
         return []
-    return _Builder(ctx, layout, infos, sizes).run()
+    outs = 1 if final else ctx.config.max_block_outputs
+    return _Builder(ctx, layout, infos, sizes, outs).run()
 
 
 class _Invalid(Exception):
@@ -305,7 +311,8 @@ def _ops(spec: tuple, prefix: str, env: dict, origin_of) -> tuple:
             raise _Invalid(kind)
         name = f"{prefix}{k}"
         env[name] = info
-        out.append(BlockOp(kind, args, name, info, attrs, origin_of(info.expr) if origin_of else ""))
+        origin = origin_of(info.expr) if origin_of else ""
+        out.append(BlockOp(kind, args, name, info, attrs, origin))
     return tuple(out)
 
 

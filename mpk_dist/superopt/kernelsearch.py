@@ -31,10 +31,10 @@ def _init_worker(target, config, deadline) -> None:
 
 
 def _layout_task(args):
-    layout, infos = args
+    layout, infos, final = args
     ctx = _WORKER_CTX
     before = ctx.stats()
-    structs = B.enumerate_layout(ctx, layout, infos)
+    structs = B.enumerate_layout(ctx, layout, infos, final)
     after = ctx.stats()
     return structs, {k: after[k] - before.get(k, 0) for k in after}
 
@@ -60,27 +60,29 @@ class BlockCatalog:
             self.pool.terminate()
             self.pool.join()
 
-    def options(self, subset: tuple, infos: dict) -> list:
-        """[(Structure, sizes, cost_us)] for custom ops reading exactly ``subset``, best first."""
-        key = tuple((n, infos[n]) for n in subset)
+    def options(self, subset: tuple, infos: dict, final: bool = False) -> list:
+        """[(Structure, sizes, cost_us)] for custom ops reading exactly ``subset``, best first;
+        ``final``: for the last kernel op (one output)."""
+        key = (final, *((n, infos[n]) for n in subset))
         if key not in self.memo:
-            self.memo[key] = self._build(subset, {n: infos[n] for n in subset})
+            self.memo[key] = self._build(subset, {n: infos[n] for n in subset}, final)
         return self.memo[key]
 
-    def _structures(self, subset: tuple, infos: dict) -> list:
+    def _structures(self, subset: tuple, infos: dict, final: bool) -> list:
         lays = list(B.layouts(subset, infos, self.ctx.config.max_grid_dims))
         if self.pool is None:
-            return [s for lay in lays for s in B.enumerate_layout(self.ctx, lay, infos)]
+            return [s for lay in lays for s in B.enumerate_layout(self.ctx, lay, infos, final)]
         out = []
-        for structs, delta in self.pool.imap_unordered(_layout_task,
-                                                       [(lay, infos) for lay in lays]):
+        # imap (ordered): the same option order as the one-process path, so results and counters
+        # do not depend on the number of processes
+        for structs, delta in self.pool.imap(_layout_task, [(lay, infos, final) for lay in lays]):
             out.extend(structs)
             self.ctx.add_remote(delta)
-        return sorted(out, key=repr)
+        return out
 
-    def _build(self, subset: tuple, infos: dict) -> list:
+    def _build(self, subset: tuple, infos: dict, final: bool) -> list:
         options = []
-        for st in self._structures(subset, infos):
+        for st in self._structures(subset, infos, final):
             if self.ctx.timed_out():
                 break
             best = self._best_counts(st, infos)
@@ -183,7 +185,10 @@ class KernelSearch:
             for subset in combinations(names, r):
                 if not must_read <= set(subset):
                     continue  # the last op must read every tensor nobody read yet
-                for idx, (st, sizes, cost) in enumerate(self.catalog.options(subset, tensors)):
+                if not _canonical(("c", subset, math.inf), subset, prev):
+                    continue  # no option of this subset can be canonical here: do not build
+                options = self.catalog.options(subset, tensors, final=last)
+                for idx, (st, sizes, cost) in enumerate(options):
                     if self.ctx.timed_out():
                         return
                     key = ("c", subset, idx)

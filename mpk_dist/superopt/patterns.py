@@ -72,8 +72,9 @@ def build(name: str, shape: dict | None = None) -> Graph:
     dims = dict(DEFAULT_SHAPES[name])
     for k, v in (shape or {}).items():
         if k not in dims:
+            example = ",".join(f"{a}={b}" for a, b in dims.items())
             raise MpkError(f"superopt --shape for {name}: expected keys among {sorted(dims)}, "
-                           f"got {k!r}; e.g. --shape " + ",".join(f"{a}={b}" for a, b in dims.items()))
+                           f"got {k!r}; e.g. --shape {example}")
         if not isinstance(v, int) or v < 1:
             raise MpkError(f"superopt --shape {k}: expected a positive int, got {v!r}")
         dims[k] = v

@@ -95,10 +95,13 @@ def superoptimize(g: Graph, max_kernel_ops: int = 2, max_block_ops: int = 6,
     """Find the cheapest verified µGraph computing ``g``'s output.
 
     bounds: further SearchConfig fields (grid_counts, loop_counts, max_grid_dims,
-    max_custom_inputs, max_block_outputs, keep, trials). processes: worker processes for the
-    block-graph enumeration (default: CPU count; 1 runs in this process). rank: optional callable
-    taking the verified candidates and returning them reordered. progress: optional callable
-    receiving the stats dict while searching.
+    max_custom_inputs, max_block_outputs, keep, trials).
+    processes: worker processes for the block-graph enumeration (default: CPU count, at most 8;
+    1 runs in this process).
+    rank: optional callable taking the verified candidates and returning them reordered (the
+    GPU-timing hook).
+    progress: optional callable receiving the stats dict while searching.
+    Raises MpkError for bad bounds; returns a SearchResult (best None if nothing verified).
     """
     _check_args(max_kernel_ops, max_block_ops, timeout_s, processes)
     bad = sorted(set(bounds) - set(SearchConfig.__dataclass_fields__))
@@ -114,7 +117,8 @@ def superoptimize(g: Graph, max_kernel_ops: int = 2, max_block_ops: int = 6,
         if isinstance(hit, SearchResult):
             stats = dict(hit.stats, cached=True, seconds=time.monotonic() - start)
             return _ranked(replace(hit, stats=stats), rank)
-    res = _search(g, config, timeout_s, processes or os.cpu_count() or 1, progress, start)
+    procs = processes or min(8, os.cpu_count() or 1)
+    res = _search(g, config, timeout_s, procs, progress, start)
     if cache and not res.stats.get("timed_out"):
         _store(path, res)
     return _ranked(res, rank)

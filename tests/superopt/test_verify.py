@@ -39,7 +39,8 @@ def test_at_least_200_wrong_mutants_all_rejected(results):
     wrong, equivalent, kinds = 0, 0, set()
     for name in PATTERNS:
         g, res = results(name)
-        for ug in res.candidates[:3]:
+        top = 2 if name == "attention_decode" else 3  # attention mutants emulate 128+ blocks
+        for ug in res.candidates[:top]:
             for desc, m in mutants(ug):
                 if _is_wrong(m, g):
                     wrong += 1
