@@ -56,6 +56,12 @@ def hf_models(tmp_path_factory):
 
 
 @pytest.fixture(autouse=True, scope="session")
+def _one_torch_thread():
+    """Tiny models run 10-100x faster single-threaded on a shared 2-core machine (thread-pool churn)."""
+    torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True, scope="session")
 def _isolated_cache(tmp_path_factory):
     """Presets materialise into a per-session cache, never the user's."""
     os.environ["MPK_CACHE_DIR"] = str(tmp_path_factory.mktemp("mpk_cache"))
