@@ -55,14 +55,28 @@ def _replica_rank(dp: bool) -> tuple[int, int]:
     return info.rank, info.world_size
 
 
-def _gather_replicas(records: list[dict], ok: bool) -> tuple[list[dict] | None, bool]:
-    """Rank 0 receives every replica's records and pools them per backend; other ranks get None."""
+def ranks_per_replica(tp: int, transport: str, backends: list[str]) -> int:
+    """MPI processes that form one data-parallel replica.
+
+    With ``--transport ipc`` (and the torch backends under MPI) each TP rank is its own process, so
+    a replica is ``tp`` consecutive ranks; otherwise one process drives all TP ranks of a replica.
+    """
+    per_rank_processes = transport == "ipc" or all(b.startswith("torch") for b in backends)
+    return tp if tp > 1 and per_rank_processes else 1
+
+
+def _gather_replicas(records: list[dict], ok: bool, group: int) -> tuple[list[dict] | None, bool]:
+    """Rank 0 receives every replica leader's records and pools them per backend; others get None.
+
+    ``group`` = processes per replica; the first rank of each group (rank % group == 0) reports.
+    """
     from mpk_dist.bench.results import combine_replicas
     from mpk_dist.dist.gather import gather_to_rank0
 
     gathered = gather_to_rank0((records, ok))
     if gathered is None:
         return None, ok
+    gathered = gathered[::group]
     per_backend = [combine_replicas([recs[i] for recs, _ in gathered]) for i in range(len(records))]
     for rec in per_backend:
         print(f"# {rec['backend']}: {rec.get('dp_replicas', len(gathered))} replicas pooled, "
@@ -115,7 +129,7 @@ def main(args) -> int:
             sys.stdout.flush()
         records.append(rec)
     if args.dp:
-        records, all_ok = _gather_replicas(records, all_ok)
+        records, all_ok = _gather_replicas(records, all_ok, ranks_per_replica(args.tp, args.transport, names))
         if records is None:
             return 0  # not rank 0: rank 0 reports for every replica
     if len(records) > 1:
