@@ -35,8 +35,10 @@ struct RuntimeParams {
   const uint64_t* buf_base;       // [NB] device address of buffer b on this rank (0 = none)
   const uint64_t* arg_addr;       // [NA] args[k] resolved on the host: base + OFFSET * elem size (0 = NULL)
   const uint64_t* peer_base;      // [WORLD, NB] buffer b on rank r (symmetric buffers; remote args)
-  const uint64_t* peer_events;    // [WORLD] address of rank r's event counters
-  uint32_t* events;               // [E] this rank's counters (zeroed before a generation)
+  const uint64_t* peer_events;    // [WORLD] address of rank r's event counters (start of its symmetric region)
+  const int32_t* peer_quota;      // [E] SIG_ALL_RANKS signallers of event e per step on ONE rank (watchdog)
+  uint32_t* events;               // [2E] this rank's counters, then its signal tallies (zeroed before a
+                                  //      generation): events[E + e] = ALL_RANKS signals this rank sent to e
   // ---- jit scheduling (built by mpk_dist/runtime/tables.py) -----------------------------
   const int32_t* dep_ptr;         // [E + 1] waits on event e: dep_task/dep_offset[dep_ptr[e]..]
   const int32_t* dep_task;        // [NW]
@@ -74,7 +76,7 @@ struct RuntimeParams {
   int32_t trace_cap;
   int32_t inject_hang_task;       // test hook: this task never signals (-1 = off)
   int32_t abi_version;
-  int32_t pad0;
+  int32_t trace_from;             // trace records only for steps >= trace_from
 };
 
 }  // namespace mpk

@@ -55,6 +55,14 @@ __device__ __forceinline__ int32_t ld_relaxed_gpu(const int32_t* p) {
   return (int32_t)ld_relaxed_gpu((const uint32_t*)p);
 }
 
+// Relaxed load at system scope: a fresh value of a word that a peer GPU (or another process on
+// this GPU) writes; no ordering. Used only by the watchdog to read peers' signal tallies.
+__device__ __forceinline__ uint32_t ld_relaxed_sys(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.relaxed.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
 // ---- stores --------------------------------------------------------------------------------
 // Release store at gpu scope: every earlier write of this thread is visible to a block that
 // acquires this word (queue tails, slot publication).
@@ -107,6 +115,12 @@ __device__ __forceinline__ uint32_t atom_add_relaxed_gpu(uint32_t* p, uint32_t v
   uint32_t old;
   asm volatile("atom.add.relaxed.gpu.global.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
   return old;
+}
+
+// Relaxed reduction (no return value) at system scope: a diagnostic tally that peers read after a
+// timeout (watchdog), so only "eventually visible" matters; it orders nothing.
+__device__ __forceinline__ void red_add_relaxed_sys(uint32_t* p, uint32_t v) {
+  asm volatile("red.relaxed.sys.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
 // Compare-and-swap with acq_rel at system scope: the first writer of the error record wins; the

@@ -18,7 +18,7 @@ enum ErrorCode : uint32_t {
   kErrInjected = 4,     // raised on purpose by the fault-injection test hook
 };
 
-// Layout mirrored by mpk_dist/runtime/records.py (ERROR_RECORD_FIELDS); a test checks both agree.
+// Layout mirrored by mpk_dist/runtime/params.py (ERROR_FIELDS); the generated source static_asserts it.
 struct ErrorRecord {
   uint32_t code;      // ErrorCode; claimed by the first failing block with a CAS
   uint32_t valid;     // 1 once every field below is written (system-scope release)
@@ -31,11 +31,25 @@ struct ErrorRecord {
   uint32_t seen;      // the counter value last read
   uint32_t expected;  // the threshold it waited for
   uint64_t elapsed_ns;
+  // A wait on a system-scope event (signalled by every rank): the first rank whose signal tally
+  // for that event is short, read from its symmetric region (-1: none short, or a local event).
+  int32_t peer;
+  uint32_t peer_sent;      // the signals that rank had sent for the event
+  uint32_t peer_expected;  // the signals it should have sent by the waited step
+  uint32_t pad0;
+};
+
+// Who a timed-out wait on a peer-signalled event is waiting for (see find_short_peer, worker.cuh).
+struct PeerShortfall {
+  int32_t peer = -1;
+  uint32_t sent = 0;
+  uint32_t expected = 0;
 };
 
 // Record the first failure and raise the abort flag. Called by ONE thread of the failing block.
 __device__ inline void raise_error(ErrorRecord* rec, uint32_t* halt, uint32_t code, int task_id, int event_id,
-                                   int step, int rank, uint32_t seen, uint32_t expected, uint64_t elapsed_ns) {
+                                   int step, int rank, uint32_t seen, uint32_t expected, uint64_t elapsed_ns,
+                                   PeerShortfall peer = PeerShortfall()) {
   if (atom_cas_acq_rel_sys(&rec->code, kErrNone, code) == kErrNone) {
     rec->task_id = task_id;
     rec->event_id = event_id;
@@ -46,6 +60,9 @@ __device__ inline void raise_error(ErrorRecord* rec, uint32_t* halt, uint32_t co
     rec->seen = seen;
     rec->expected = expected;
     rec->elapsed_ns = elapsed_ns;
+    rec->peer = peer.peer;
+    rec->peer_sent = peer.sent;
+    rec->peer_expected = peer.expected;
     st_release_sys(&rec->valid, 1u);  // release: the fields above are visible to the host first
   }
   // Relaxed is enough for the flag: it only tells other blocks to stop; they read nothing we wrote.

@@ -20,16 +20,41 @@ struct BlockState {  // shared memory, written by thread 0, read by all after a 
   int step;
 };
 
-__device__ __forceinline__ uint32_t wait_target(const RuntimeParams& p, int wait_row, int s, int* event) {
+// Threshold of wait row `wait_row` at step s: (s + 1 + offset) * triggers (0 when <= 0). `mult`
+// (optional) receives s + 1 + offset, the number of steps' worth of signals the wait needs.
+__device__ __forceinline__ uint32_t wait_target(const RuntimeParams& p, int wait_row, int s, int* event,
+                                                int* mult_out = nullptr) {
   const int32_t* w = p.waits + (size_t)wait_row * WAIT_NUM_COLS;
   const int e = w[WAIT_COL_EVENT];
   *event = e;
   const int mult = s + 1 + w[WAIT_COL_STEP_OFFSET];
+  if (mult_out != nullptr) *mult_out = mult;
   return mult <= 0 ? 0u : (uint32_t)mult * (uint32_t)p.event_tab[(size_t)e * EVENT_NUM_COLS + EVENT_COL_TRIGGERS];
 }
 
 __device__ __forceinline__ bool event_is_system(const RuntimeParams& p, int e) {
   return p.event_tab[(size_t)e * EVENT_NUM_COLS + EVENT_COL_SCOPE] == EV_SCOPE_SYSTEM;
+}
+
+// After a timed-out wait on event e needing `mult` steps' worth of signals: the first rank whose
+// tally of ALL_RANKS signals to e (events[E + e] in ITS symmetric region, read through the peer
+// table) is short of mult * peer_quota[e]; another rank is preferred over this one. The tallies are
+// diagnostic (relaxed); by the time a wait has timed out, anything sent long ago is visible.
+__device__ PeerShortfall find_short_peer(const RuntimeParams& p, int e, int mult) {
+  PeerShortfall out;
+  if (p.peer_quota == nullptr || mult <= 0 || !event_is_system(p, e)) return out;
+  const uint32_t need = (uint32_t)mult * (uint32_t)p.peer_quota[e];
+  if (need == 0) return out;
+  for (int r = 0; r < p.world; ++r) {
+    const uint32_t* tally = reinterpret_cast<const uint32_t*>(p.peer_events[r]) + p.num_events + e;
+    const uint32_t sent = ld_relaxed_sys(tally);
+    if ((int32_t)(sent - need) < 0 && (out.peer < 0 || out.peer == p.rank)) {
+      out.peer = r;
+      out.sent = sent;
+      out.expected = need;
+    }
+  }
+  return out;
 }
 
 // True when the final task (argmax_select) of step s - 1 has signalled its first event.
@@ -45,8 +70,8 @@ __device__ bool previous_step_done(const RuntimeParams& p, int s) {
 __device__ int wait_task_events(const RuntimeParams& p, int task, int s) {
   const int32_t* row = p.tasks + (size_t)task * TASK_NUM_COLS;
   for (int k = row[TASK_COL_WAIT_BEGIN]; k < row[TASK_COL_WAIT_END]; ++k) {
-    int e;
-    const uint32_t target = wait_target(p, k, s, &e);
+    int e, mult;
+    const uint32_t target = wait_target(p, k, s, &e, &mult);
     if (target == 0) continue;  // threshold <= 0: met at once (host-initialised state)
     uint32_t seen = 0;
     const uint64_t t0 = globaltimer_ns();
@@ -59,7 +84,9 @@ __device__ int wait_task_events(const RuntimeParams& p, int task, int s) {
       // stall is: give the workers of the earlier step a few rounds to report it.
       if (r != 1 || round >= 3 || s == 0 || previous_step_done(p, s)) break;
     }
-    if (r == 1) raise_error(p.error, p.halt, kErrTimeout, task, e, s, p.rank, seen, target, globaltimer_ns() - t0);
+    if (r == 1)
+      raise_error(p.error, p.halt, kErrTimeout, task, e, s, p.rank, seen, target, globaltimer_ns() - t0,
+                  find_short_peer(p, e, mult));
     if (r != 0) return r;
   }
   return 0;
@@ -141,6 +168,9 @@ __device__ bool run_and_signal(const RuntimeParams& p, int task, int s, float* s
           const uint32_t o = atom_add_release_sys(reinterpret_cast<uint32_t*>(p.peer_events[r]) + e, 1u);
           if (r == p.rank) old = o;
         }
+        // Diagnostic tally in this rank's region (peers read it when their wait on e times out, to
+        // name the rank whose signals are missing); after the releases, so it never over-reports.
+        red_add_relaxed_sys(&p.events[p.num_events + e], 1u);
       } else if (event_is_system(p, e)) {
         old = atom_add_release_sys(&p.events[e], 1u);
       } else {
@@ -174,7 +204,7 @@ __device__ void worker_loop_aot(const RuntimeParams& p, BlockState& st, float* s
       if (st.failed) { stop = true; break; }
       const uint64_t t_ready = globaltimer_ns();
       if (!run_and_signal<false>(p, task, s, smem, tid, nt)) { stop = true; break; }
-      if (tid == 0) trace_record(p, ntrace, task, s, t0, t_ready);
+      if (tid == 0 && s >= p.trace_from) trace_record(p, ntrace, task, s, t0, t_ready);
       worker_barrier(nt);  // st is rewritten by thread 0 for the next task
     }
     if (stop) break;
@@ -274,7 +304,7 @@ __device__ void worker_loop_jit(const RuntimeParams& p, BlockState& st, float* s
     last_step = s;
     const uint64_t t_ready = globaltimer_ns();  // a queued task is ready: no prefetch-before-wait here
     if (!run_and_signal<true>(p, task, s, smem, tid, nt)) break;
-    if (tid == 0) trace_record(p, ntrace, task, s, t0, t_ready);
+    if (tid == 0 && s >= p.trace_from) trace_record(p, ntrace, task, s, t0, t_ready);
     worker_barrier(nt);
   }
   if (tid == 0 && p.trace_len != nullptr) p.trace_len[w] = (uint32_t)ntrace;

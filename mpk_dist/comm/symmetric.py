@@ -65,26 +65,35 @@ def _check(result, what: str):
     return rest[0] if len(rest) == 1 else rest
 
 
-def _handle_bytes(handle) -> bytes:
+def handle_to_bytes(handle) -> bytes:
+    """The 64 bytes of a CUipcMemHandle (what travels between processes)."""
     return ctypes.string_at(handle.getPtr(), IPC_HANDLE_BYTES)
 
 
-def _handle_from_bytes(data: bytes):
+def handle_from_bytes(data: bytes):
+    """A CUipcMemHandle from its 64 bytes; raises ValueError on any other length."""
     from cuda.bindings import driver
 
+    if not isinstance(data, (bytes, bytearray)) or len(data) != IPC_HANDLE_BYTES:
+        raise ValueError(f"IPC handle: expected {IPC_HANDLE_BYTES} bytes, got "
+                         f"{len(data) if isinstance(data, (bytes, bytearray)) else type(data).__name__}")
     handle = driver.CUipcMemHandle()
-    ctypes.memmove(handle.getPtr(), data, IPC_HANDLE_BYTES)
+    ctypes.memmove(handle.getPtr(), bytes(data), IPC_HANDLE_BYTES)
     return handle
 
 
-def allocate_ipc(nbytes: int, device: torch.device, comm, rank: int, world_size: int) -> SymmetricBuffer:
+def allocate_ipc(nbytes: int, device: torch.device, comm, rank: int, world_size: int,
+                 timeout_s: float | None = None) -> SymmetricBuffer:
     """One rank of an ``--transport ipc`` group: allocate, export, exchange handles over MPI, import.
 
     ``comm`` is an mpi4py communicator of exactly the TP group. The buffer is allocated by torch
     (cudaMalloc through the caching allocator) and exported as the base of its allocation plus an
-    offset, so peers map the right bytes.
+    offset, so peers map the right bytes. The exchange is bounded (mpk_dist.dist.gather: a rank that
+    never arrives raises DeviceTimeout naming it; ``timeout_s`` or MPK_GATHER_TIMEOUT_S).
     """
     from cuda.bindings import driver
+
+    from mpk_dist.dist.gather import allgather
 
     nbytes = _round_up(nbytes)
     local = torch.zeros(nbytes, dtype=torch.uint8, device=device)
@@ -93,13 +102,17 @@ def allocate_ipc(nbytes: int, device: torch.device, comm, rank: int, world_size:
     base, _size = _check(driver.cuMemGetAddressRange(ptr), "cuMemGetAddressRange")
     offset = ptr - int(base)
     handle = _check(driver.cuIpcGetMemHandle(base), "cuIpcGetMemHandle")
-    everyone = comm.allgather((_handle_bytes(handle), offset))
+    everyone = allgather((handle_to_bytes(handle), offset, nbytes), comm=comm, timeout_s=timeout_s)
+    sizes = [n for _, _, n in everyone]
+    if len(set(sizes)) != 1 or len(everyone) != world_size:
+        raise BackendUnavailable(f"symmetric buffer: expected {world_size} ranks with equal sizes, got sizes {sizes}; "
+                                 "every rank must build the same program (same model, --tp, --batch, --sms)")
     peers, closers = [], []
-    for r, (data, off) in enumerate(everyone):
+    for r, (data, off, _n) in enumerate(everyone):
         if r == rank:
             peers.append(ptr)
             continue
-        mapped = _check(driver.cuIpcOpenMemHandle(_handle_from_bytes(data),
+        mapped = _check(driver.cuIpcOpenMemHandle(handle_from_bytes(data),
                                                   driver.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS),
                         f"cuIpcOpenMemHandle of rank {r}'s buffer")
         peers.append(int(mapped) + off)

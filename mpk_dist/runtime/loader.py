@@ -65,8 +65,14 @@ class LoadedKernel:
         """Blocks that can be resident at once (occupancy x SMs)."""
         return self.blocks_per_sm * self.num_sms
 
-    def launch(self, grid: int, params_ptr: int, stream_handle: int) -> None:
-        """Cooperative launch of ``grid`` blocks with one argument (the RuntimeParams address)."""
+    def launch(self, grid: int, params_ptr: int, stream_handle: int, cooperative: bool = True) -> None:
+        """Launch ``grid`` blocks with one argument (the RuntimeParams address).
+
+        ``cooperative``: the driver checks that the grid is co-resident and refuses otherwise (one
+        kernel on the GPU). A TP group of several kernels on one GPU launches plainly: a cooperative
+        launch checks each grid against the WHOLE GPU, not against its peers, so the group checks
+        the sum itself (mpk_dist.runtime.partition.check_coresident) before launching.
+        """
         from cuda.bindings import driver as cu
 
         if grid > self.max_coresident():
@@ -75,9 +81,11 @@ class LoadedKernel:
                                      "compile the task graph for fewer workers")
         arg = np.array([params_ptr], dtype=np.uint64)
         argv = np.array([arg.ctypes.data], dtype=np.uint64)
-        _check(cu.cuLaunchCooperativeKernel(self.func, grid, 1, 1, self.block_threads, 1, 1, self.smem_bytes,
-                                            cu.CUstream(stream_handle), argv.ctypes.data),
-               "cuLaunchCooperativeKernel")
+        call = cu.cuLaunchCooperativeKernel if cooperative else cu.cuLaunchKernel
+        tail = () if cooperative else (0,)  # cuLaunchKernel also takes `extra` (none here)
+        _check(call(self.func, grid, 1, 1, self.block_threads, 1, 1, self.smem_bytes, cu.CUstream(stream_handle),
+                    argv.ctypes.data, *tail),
+               "cuLaunchCooperativeKernel" if cooperative else "cuLaunchKernel")
         self._last_args = (arg, argv)  # keep alive until the launch has read them
 
 

@@ -1,93 +1,161 @@
 """The mega-kernel backend: the whole generation (prefill as decode steps, greedy argmax, stop on
-EOS / max tokens, teacher forcing, logits dump) runs in ONE persistent kernel launch per request.
+EOS / max tokens, teacher forcing, logits dump) runs in ONE persistent kernel launch per rank.
+
+Tensor parallelism: one kernel per TP rank (mpk_dist.runtime.group). ``--transport local`` drives
+every rank from this process on one GPU (own stream and SM share each); ``--transport ipc`` is one
+rank per process under mpirun/srun. Tokens are read from the lowest driven rank (every rank selects
+the same token); logits are merged from the ranks' vocabulary slices.
 
 ``generate`` streams tokens from mapped pinned memory while the kernel runs (``on_token``), and
-reports per-token latencies from device timestamps (%globaltimer at the end of each step).
-``prefill`` / ``decode`` give the one-step-per-launch mode (StepBackend API) for embedding into
-other engines; KV cache and event counters carry over between those launches.
+reports per-token latencies from device timestamps (%globaltimer at the end of each step). At
+tp > 1 it also reports the exposed communication of the decode steps (``extra['exposed_comm_share']``,
+mpk_dist.runtime.comm_profile) from trace records of those steps. ``prefill`` / ``decode`` give the
+one-step-per-launch mode (StepBackend API); KV cache and counters carry over between those launches.
 """
 
 from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 import torch
 
 from mpk_dist.backends.base import GenerateRequest, GenerateResult, StepBackend
 from mpk_dist.errors import BackendUnavailable, InputError
 from mpk_dist.models import build_graph
-from mpk_dist.runtime.session import Session
+from mpk_dist.runtime.transport import IpcTransport, LocalTransport, check_options
 
 SCHEDULES = ("aot", "jit")
+PROFILE_STEPS = 128
+"""Decode steps whose trace records are kept for the exposed-communication figure (tp > 1)."""
 
 
 class MegakernelBackend(StepBackend):
-    """One persistent kernel per TP rank (tp 1 here; the comm hooks exist for tp > 1)."""
+    """One persistent kernel per TP rank.
+
+    Options beyond the StepBackend ones: ``schedule`` aot|jit (jit only at tp 1), ``transport``
+    local|ipc, ``sms`` (SMs the group may use), ``trace`` (Chrome trace path), ``timeout_s``
+    (watchdog), ``comm_profile`` (default on at tp > 1; MPK_COMM_PROFILE=0 turns it off), test hooks
+    ``inject_hang_task`` / ``inject_hang_rank`` (that task never signals, on that rank or all).
+    """
 
     name = "megakernel"
 
     def __init__(self, cfg, source, tp: int = 1, device: str | torch.device = "cuda", max_seq_len: int = 512,
                  schedule: str = "aot", trace: str | None = None, timeout_s: float = 5.0, worker_threads: int = 256,
                  sms: int | None = None, transport: str | None = None, compiler: str | None = None,
-                 inject_hang_task: int = -1, on_token=None, linear_rows: int | None = None):
+                 inject_hang_task: int = -1, on_token=None, linear_rows: int | None = None,
+                 inject_hang_rank: int | None = None, comm_profile: bool | None = None):
         if schedule not in SCHEDULES:
             raise InputError(f"--schedule: expected one of {SCHEDULES}, got {schedule!r}")
-        if tp != 1:
-            raise BackendUnavailable(f"--backend megakernel: expected --tp 1 (tensor parallelism in the mega-kernel "
-                                     f"comes with the TP issue), got {tp}; use --backend torch for tp > 1")
-        if transport not in (None, "local"):
-            raise InputError(f"--transport: expected local (or none) at tp 1, got {transport!r}")
+        self.transport_name = check_options(tp, transport, schedule)
         if timeout_s <= 0:
             raise InputError(f"--timeout: expected a positive number of seconds, got {timeout_s}")
         self.device = torch.device(device)
-        if self.device.type != "cuda":
-            raise BackendUnavailable(f"--backend megakernel: expected a CUDA device, got {self.device}")
-        from mpk_dist.weights import load_rank_weights
-
+        self._check_device()
         self.cfg, self.tp, self.max_seq_len, self.schedule = cfg, tp, max_seq_len, schedule
         self.vocab_size = cfg.vocab_size
         self.trace_path, self.timeout_s, self.worker_threads = trace, timeout_s, worker_threads
         self.compiler, self.inject_hang_task, self.on_token = compiler, inject_hang_task, on_token
+        self.inject_hang_rank = inject_hang_rank
         # Rows per warp in flight in linear tiles: 1 is the GPU-verified default; MPK_LINEAR_ROWS=2|4
         # tries the variant that keeps more loads in flight for short K (not yet measured).
         self.linear_rows = int(linear_rows or os.environ.get("MPK_LINEAR_ROWS", "1"))
         if self.linear_rows not in (1, 2, 4, 8):
             raise InputError(f"MPK_LINEAR_ROWS: expected 1, 2, 4 or 8, got {self.linear_rows}")
-        self.sms = sms or torch.cuda.get_device_properties(self.device).multi_processor_count
-        graph = build_graph(cfg, tp=tp, rank=0, batch=1, max_seq_len=max_seq_len)
-        self.weights = load_rank_weights(graph, source, self.device)
-        self.sessions: dict[int, Session] = {}
-        self.last_session: Session | None = None
+        self.transport = self._make_transport()
+        from mpk_dist.runtime.partition import workers_per_rank
+
+        self.workers = workers_per_rank(self._num_sms(), self.transport.ranks_per_gpu, sms)
+        want = tp > 1 if comm_profile is None else comm_profile
+        self.comm_profile = want and os.environ.get("MPK_COMM_PROFILE", "1") != "0"
+        from mpk_dist.weights import load_rank_weights
+
+        self.weights = [load_rank_weights(build_graph(cfg, tp=tp, rank=r, batch=1, max_seq_len=max_seq_len), source,
+                                          self.device) for r in self.transport.ranks]
+        self.groups: dict = {}
+        self.last_session = None
         self.batch = 0
         self._step = 0
 
-    # -- sessions ------------------------------------------------------------------------------------
-    def session(self, batch: int) -> Session:
-        """The compiled program + buffers for ``batch`` sequences (built once, then cached)."""
-        if batch not in self.sessions:
+    def _check_device(self) -> None:
+        if self.device.type != "cuda":
+            raise BackendUnavailable(f"--backend megakernel: expected a CUDA device, got {self.device}")
+
+    def _num_sms(self) -> int:
+        return torch.cuda.get_device_properties(self.device).multi_processor_count
+
+    def _make_transport(self):
+        if self.transport_name == "local":
+            return LocalTransport(self.tp, self.device)
+        if self.device.index is not None:
+            raise InputError(f"--device with --transport ipc: expected cuda (each rank picks its GPU by local rank), "
+                             f"got {self.device}; use CUDA_VISIBLE_DEVICES to choose GPUs")
+        t = IpcTransport(self.tp)
+        self.device = t.device
+        return t
+
+    # -- groups and sessions ---------------------------------------------------------------------------
+    def group(self, batch: int):
+        """The compiled programs + buffers of every driven rank for ``batch`` sequences (built once)."""
+        if batch not in self.groups:
+            from mpk_dist.runtime.group import RankGroup
             from mpk_dist.taskgraph.compiler import compile_rank_programs
 
             t0 = time.perf_counter()
-            cg = compile_rank_programs(self.cfg, tp=1, batch=batch, sms=self.sms, max_seq_len=self.max_seq_len)[0]
+            cgs = compile_rank_programs(self.cfg, tp=self.tp, batch=batch, sms=self.workers,
+                                        max_seq_len=self.max_seq_len, ranks=self.transport.ranks)
             compile_s = time.perf_counter() - t0
-            s = Session(cg, self.weights, self.device, self.schedule, self.worker_threads, self.timeout_s,
-                        self.trace_path is not None, compiler=self.compiler,
-                        model=self.cfg.architecture or self.cfg.family, linear_rows=self.linear_rows)
-            s.taskgraph_s = compile_s
-            self.sessions[batch] = s
-        return self.sessions[batch]
+            trace = True if self.trace_path else (PROFILE_STEPS if self.comm_profile else 0)
+            kw = dict(schedule=self.schedule, worker_threads=self.worker_threads, timeout_s=self.timeout_s, trace=trace,
+                      compiler=self.compiler, model=self.cfg.architecture or self.cfg.family,
+                      linear_rows=self.linear_rows)
+            g = RankGroup(cgs, self.weights, self.transport, self.device, kw)
+            for s in g.sessions:
+                s.taskgraph_s = compile_s
+            self.groups[batch] = g
+        return self.groups[batch]
+
+    def session(self, batch: int):
+        """The lowest driven rank's session for ``batch`` (rank 0 under --transport local)."""
+        return self.group(batch).lead
 
     def build_info(self, batch: int = 1) -> dict:
-        """Compile/load timings of a session (cold compile vs cached cubin, load)."""
+        """Compile/load timings of a session (cold compile vs cached cubin, load) and the TP layout."""
         s = self.session(batch)
         return {"taskgraph_s": s.taskgraph_s, "kernel_build_s": s.build_s, "kernel_cached": s.build.cached,
                 "compiler": s.build.compiler, "load_s": s.load_s, "cubin": str(s.build.path), "workers": s.workers,
-                "smem_bytes": s.smem, "block_threads": s.block_threads}
+                "smem_bytes": s.smem, "block_threads": s.block_threads, "tp": self.tp,
+                "transport": self.transport_name, "ranks_per_gpu": self.transport.ranks_per_gpu}
+
+    def _inject(self) -> dict[int, int]:
+        if self.inject_hang_task < 0:
+            return {}
+        return {r: self.inject_hang_task for r in self.transport.ranks
+                if self.inject_hang_rank is None or r == self.inject_hang_rank}
 
     # -- whole generation in one launch ----------------------------------------------------------------
     def generate(self, req: GenerateRequest) -> GenerateResult:
-        """Prefill (as decode steps) + decode up to ``max_new_tokens`` in ONE kernel launch."""
+        """Prefill (as decode steps) + decode up to ``max_new_tokens`` in ONE launch per rank."""
+        B, T, steps = self._check_request(req)
+        g = self.group(B)
+        self.last_session = g.lead
+        g.reset()
+        g.fill_forced(req.prompts, req.force_tokens, steps)
+        trace_from = 0 if self.trace_path else T
+        g.launch(0, steps, T, req.max_new_tokens, tuple(req.stop_ids), req.force_tokens is None, req.want_logits,
+                 self._inject(), trace_from)
+        tok_rows = g.lead.pinned["token_out"]
+
+        def on_step(step: int) -> None:
+            if self.on_token is not None and step >= T - 1:
+                self.on_token(step - (T - 1), tok_rows[step].tolist())
+
+        g.wait(on_step)
+        return self._result(g, req, B, T)
+
+    def _check_request(self, req: GenerateRequest) -> tuple[int, int, int]:
         lengths = {len(p) for p in req.prompts}
         if len(lengths) != 1 or 0 in lengths:
             raise InputError(f"prompts: expected non-empty prompts of equal length in one batch, got lengths {sorted(lengths)}")
@@ -104,23 +172,10 @@ class MegakernelBackend(StepBackend):
         for p in req.prompts:
             if min(p) < 0 or max(p) >= self.vocab_size:
                 raise InputError(f"token id: expected 0 <= id < {self.vocab_size}, got {min(p)}..{max(p)}")
-        s = self.session(B)
-        self.last_session = s
-        s.reset()
-        s.fill_forced(req.prompts, req.force_tokens, steps)
-        stop = tuple(req.stop_ids)
-        s.launch(0, steps, T, req.max_new_tokens, stop, req.force_tokens is None, req.want_logits,
-                 self.inject_hang_task)
-        tok_rows = s.pinned["token_out"]
+        return B, T, steps
 
-        def on_step(step: int) -> None:
-            if self.on_token is not None and step >= T - 1:
-                self.on_token(step - (T - 1), tok_rows[step].tolist())
-
-        s.wait(on_step)
-        return self._result(s, req, B, T)
-
-    def _result(self, s: Session, req: GenerateRequest, B: int, T: int) -> GenerateResult:
+    def _result(self, g, req: GenerateRequest, B: int, T: int) -> GenerateResult:
+        s = g.lead
         done_steps = s.progress()
         n_gen = max(0, done_steps - (T - 1))
         rows = s.pinned["token_out"][T - 1:T - 1 + n_gen].tolist()
@@ -134,34 +189,71 @@ class MegakernelBackend(StepBackend):
         ns = s.pinned["step_end_ns"][: done_steps + 1].tolist()
         prefill_ms = (ns[T] - ns[0]) / 1e6 if done_steps >= T else 0.0
         per_token = [(ns[i + 1] - ns[i]) / 1e6 for i in range(T, done_steps)]
-        logits = s.logits_dump[:n_gen].float().cpu() if req.want_logits else None
+        logits = g.logits(lambda x: x.logits_dump[:n_gen], self.vocab_size) if req.want_logits else None
+        logits = logits.cpu() if logits is not None else None
         extra = {"schedule": self.schedule, "launches": 1, "steps": done_steps, **self.build_info(B)}
+        if self.comm_profile:
+            extra.update(self._exposure(g, T, done_steps))
         if self.trace_path:
-            from mpk_dist.runtime.trace import chrome_trace, write_trace
-
-            extra["trace"] = str(write_trace(self.trace_path, chrome_trace(s.cg, s.trace_records(), s.rank)))
+            extra["trace"] = str(self._write_trace(g))
         return GenerateResult(out, prefill_ms, per_token, logits, extra)
+
+    def _exposure(self, g, first_decode: int, done_steps: int) -> dict:
+        """Exposed communication of the traced decode steps, worst rank (ipc: gathered on rank 0)."""
+        from mpk_dist.runtime import comm_profile as cp
+        from mpk_dist.runtime.tables import max_tasks_per_worker
+
+        rows = []
+        for s in g.sessions:
+            rng = cp.profiled_steps(s.trace_from, done_steps, s.trace_cap, max_tasks_per_worker(s.cg))
+            steps = range(max(rng.start, first_decode), rng.stop)
+            rows.append(cp.step_exposure(s.trace_records(), cp.comm_wait_tasks(s.cg), s.pinned["step_end_ns"].tolist(),
+                                         steps, s.rank))
+        if self.transport_name == "ipc":
+            got = self.transport.gather([rows[0]], "exposed communication")
+            rows = got if got is not None else rows
+        return cp.summarize(rows)
+
+    def _write_trace(self, g) -> Path:
+        """One Chrome trace of every driven rank (pid = rank); under ipc, rank r > 0 writes <name>.rank<r>.json."""
+        from mpk_dist.runtime.trace import chrome_trace, write_trace
+
+        recs = [s.trace_records() for s in g.sessions]
+        starts = [int(r["start_ns"].min()) for per in recs for r in per if len(r)]
+        t0 = min(starts) if starts else 0
+        events = []
+        for s, per in zip(g.sessions, recs):
+            events += chrome_trace(s.cg, per, s.rank, t0=t0)["traceEvents"]
+        path = Path(self.trace_path)
+        if self.transport_name == "ipc" and g.lead.rank > 0:
+            path = path.with_name(f"{path.stem}.rank{g.lead.rank}{path.suffix or '.json'}")
+        return write_trace(path, {"traceEvents": events, "displayTimeUnit": "ns",
+                                  "otherData": {"generator": "mpk_dist.runtime.trace", "tp": self.tp,
+                                                "transport": self.transport_name}})
 
     # -- one step per launch (StepBackend API) --------------------------------------------------------
     def reset(self, batch: int) -> None:
         """Start a new sequence batch: KV cache and counters zeroed; next step is 0."""
         self.batch, self._step = batch, 0
-        self.session(batch).reset()
+        self.group(batch).reset()
 
     def _run_steps(self, tokens_by_step: list[list[int]], first_pos: int) -> torch.Tensor:
-        s = self.session(self.batch)
+        g = self.group(self.batch)
+        s = g.lead
         n = len(tokens_by_step)
         if self._step != first_pos:
             raise InputError(f"position: expected {self._step} (the next step of this batch), got {first_pos}")
         if self._step + n > s.max_steps:
             raise InputError(f"sequence length: expected <= {s.max_steps} steps (--max-seq-len), got {self._step + n}")
         sp = s.cg.meta["special"]
-        forced = s.bufs[sp["forced_tokens"]]
-        forced[self._step:self._step + n].copy_(torch.tensor(tokens_by_step, dtype=torch.int32))  # [n, B]
-        s.launch(self._step, self._step + n, 1 << 30, 1 << 30, (), False, False, self.inject_hang_task)
-        s.wait()
+        rows = torch.tensor(tokens_by_step, dtype=torch.int32)  # [n, B]
+        for x in g.sessions:
+            with x._on_stream():
+                x.bufs[sp["forced_tokens"]][self._step:self._step + n].copy_(rows)
+        g.launch(self._step, self._step + n, 1 << 30, 1 << 30, (), False, False, self._inject())
+        g.wait()
         self._step += n
-        return s.bufs[sp["logits"]].float().clone()
+        return g.logits(lambda x: x.bufs[sp["logits"]], self.vocab_size, everywhere=True)
 
     def prefill(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Prompts [B, T] as T decode steps in one launch; logits of the last token [B, V]."""

@@ -18,7 +18,7 @@ _I = ctypes.c_int32
 PARAM_FIELDS = [
     ("tasks", _P), ("event_tab", _P), ("waits", _P), ("signals", _P), ("args", _P), ("params", _P),
     ("buffers", _P), ("worker_offsets", _P), ("worker_tasks", _P),
-    ("buf_base", _P), ("arg_addr", _P), ("peer_base", _P), ("peer_events", _P), ("events", _P),
+    ("buf_base", _P), ("arg_addr", _P), ("peer_base", _P), ("peer_events", _P), ("peer_quota", _P), ("events", _P),
     ("dep_ptr", _P), ("dep_task", _P), ("dep_offset", _P), ("launched", _P), ("queues", _P), ("queue_tail", _P),
     ("sched_queues", _P), ("sched_tail", _P),
     ("next_token", _P), ("token_out", _P), ("logits", _P), ("stop_ids", _P), ("done", _P), ("logits_dump", _P),
@@ -28,7 +28,7 @@ PARAM_FIELDS = [
     ("world", _I), ("rank", _I), ("final_task", _I), ("batch", _I), ("vocab", _I), ("prompt_len", _I),
     ("max_new_tokens", _I), ("num_stop", _I), ("stop_on_done", _I), ("step_begin", _I), ("step_end", _I),
     ("queue_cap", _I), ("sched_cap", _I), ("num_sched", _I), ("trace_cap", _I), ("inject_hang_task", _I),
-    ("abi_version", _I), ("pad0", _I),
+    ("abi_version", _I), ("trace_from", _I),
 ]
 
 
@@ -41,7 +41,8 @@ class RuntimeParams(ctypes.Structure):
 ERROR_FIELDS = [
     ("code", ctypes.c_uint32), ("valid", ctypes.c_uint32), ("task_id", _I), ("event_id", _I), ("step", _I),
     ("sm_id", _I), ("worker", _I), ("rank", _I), ("seen", ctypes.c_uint32), ("expected", ctypes.c_uint32),
-    ("elapsed_ns", ctypes.c_uint64),
+    ("elapsed_ns", ctypes.c_uint64), ("peer", _I), ("peer_sent", ctypes.c_uint32),
+    ("peer_expected", ctypes.c_uint32), ("pad0", ctypes.c_uint32),
 ]
 
 

@@ -1,13 +1,18 @@
 """One compiled program on one GPU: its buffers (torch tensors), runtime state, kernel and launches.
 
-A ``Session`` is built per (model, batch): it compiles the task graph, allocates every buffer of
-the ABI buffer table (weights shared with the backend), loads the kernel and fills RuntimeParams.
-``launch`` starts steps [s0, s1) in one persistent kernel; ``wait`` streams progress from mapped
-pinned memory until the kernel ends (bounded), then raises on a watchdog record.
+A ``Session`` is built per (rank, batch): it allocates every buffer of the ABI buffer table
+(weights shared with the backend), loads the kernel and fills RuntimeParams. Event counters, the
+signal tallies and the ``comm`` buffers live in the rank's symmetric region (mpk_dist.runtime.
+comm_layout), which peers reach through the peer tables; at tp 1 the region is a plain allocation
+and the tables point at this rank only. ``launch`` = ``prepare`` (host-side state, on the session's
+stream) + ``start`` (the kernel launch); a TP group prepares every rank, orders the device, then
+starts them back to back (mpk_dist.runtime.group). ``wait`` streams progress from mapped pinned
+memory until the kernel ends (bounded), then raises on a watchdog record.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import numpy as np
@@ -16,6 +21,7 @@ import torch
 from mpk_dist.errors import DeviceTimeout, InputError
 from mpk_dist.runtime import tables
 from mpk_dist.runtime.codegen import KernelShape, tables_hash
+from mpk_dist.runtime.comm_layout import comm_layout, peer_quota, peer_tables
 from mpk_dist.runtime.kernel import build_kernel
 from mpk_dist.runtime.loader import LoadedKernel, host_device_pointer
 from mpk_dist.runtime.params import ERROR_CODES, TRACE_DTYPE, ErrorRecord, RuntimeParams, to_bytes
@@ -30,11 +36,19 @@ def _pow2(n: int) -> int:
 
 
 class Session:
-    """Buffers + kernel of one compiled rank program (tp 1: world 1, peers = self)."""
+    """Buffers + kernel of one compiled rank program.
+
+    ``region``: this rank's symmetric region (mpk_dist.comm.SymmetricBuffer, its ``peer_ptrs`` the
+    regions of every rank as reached from here); None allocates a world-1 region here. ``stream``:
+    the CUDA stream of this rank's kernel (None: the current stream). ``trace_steps``: steps of
+    trace records to keep room for (0 = no trace). ``cooperative``: launch cooperatively (one grid
+    on the GPU); a TP group on one GPU launches plainly after its own co-residency check.
+    """
 
     def __init__(self, cg, weights: dict[str, torch.Tensor], device: torch.device, schedule: str = "aot",
-                 worker_threads: int = 256, timeout_s: float = 5.0, trace: bool = False, num_sched: int = 4,
-                 compiler: str | None = None, model: str = "-", linear_rows: int = 1):
+                 worker_threads: int = 256, timeout_s: float = 5.0, trace: bool | int = False, num_sched: int = 4,
+                 compiler: str | None = None, model: str = "-", linear_rows: int = 1, region=None, stream=None,
+                 cooperative: bool = True):
         if cg.meta["abi_version"] != ABI_VERSION:
             raise InputError(f"task graph ABI: expected version {ABI_VERSION}, got {cg.meta['abi_version']}")
         tables.check_supported(cg)
@@ -44,10 +58,12 @@ class Session:
         self.cg, self.device, self.schedule = cg, device, schedule
         self.batch, self.world, self.rank = int(cg.meta["batch"]), int(cg.meta["world_size"]), int(cg.meta["rank"])
         self.max_steps, self.workers = int(cg.meta["max_steps"]), int(cg.meta["workers"])
-        self.timeout_s = timeout_s
-        # Room for every task of every step, capped at ~256 MB of records.
-        per_worker = tables.max_tasks_per_worker(cg) * self.max_steps
-        self.trace_cap = min(per_worker, (256 << 20) // (24 * self.workers)) if trace else 0
+        self.timeout_s, self.stream, self.cooperative = timeout_s, stream, cooperative
+        # Room for every task of `trace_steps` steps (True: all steps), capped at ~256 MB of records.
+        trace_steps = self.max_steps if trace is True else int(trace)
+        per_worker = tables.max_tasks_per_worker(cg) * min(trace_steps, self.max_steps)
+        self.trace_cap = min(per_worker, (256 << 20) // (24 * self.workers)) if trace_steps > 0 else 0
+        self.trace_from = 0
         self.final = tables.final_task(cg)
         t0 = time.perf_counter()
         self.source, self.build = build_kernel(KernelShape(self.batch, worker_threads, schedule, linear_rows), model=model,
@@ -59,6 +75,15 @@ class Session:
         t0 = time.perf_counter()
         self.kernel = LoadedKernel(self.build.cubin, device.index or 0, self.block_threads, self.smem)
         self.load_s = time.perf_counter() - t0
+        self.layout = comm_layout(cg)
+        if region is None:
+            from mpk_dist.comm.symmetric import allocate_local_group
+
+            region = allocate_local_group(1, self.layout.nbytes, device)[0]
+        if region.nbytes < self.layout.nbytes or len(region.peer_ptrs) != self.world:
+            raise InputError(f"symmetric region of rank {self.rank}: expected >= {self.layout.nbytes} bytes and "
+                             f"{self.world} peers, got {region.nbytes} bytes and {len(region.peer_ptrs)} peers")
+        self.region = region
         self._alloc(weights, num_sched)
 
     # -- memory ------------------------------------------------------------------------------------
@@ -81,6 +106,8 @@ class Session:
                 t = w.contiguous()
             elif b["kind"] == "const":
                 t = torch.from_numpy(np.ascontiguousarray(cg.consts[b["name"]])).to(dev, dt).reshape(shape)
+            elif b["kind"] == "comm":  # a view into the symmetric region, where peers write it
+                t = self._region_view(self.layout.buffer_offsets[i], self.layout.buffer_bytes[i], dt).reshape(shape)
             elif i == special["token_out"]:
                 t = _pinned(shape, dt)  # mapped: the host streams tokens from it while the kernel runs
                 self.pinned["token_out"] = t
@@ -91,9 +118,13 @@ class Session:
         self.buf_base = torch.tensor(addrs, dtype=torch.int64, device=dev)
         self.arg_addr = torch.from_numpy(resolve_args(cg.arrays["args"], addrs, [t.element_size() for t in self.bufs])).to(dev)
         E, T, W = cg.arrays["events"].shape[0], cg.arrays["tasks"].shape[0], self.workers
-        self.events = torch.zeros(E, dtype=torch.int32, device=dev)
-        self.peer_base = self.buf_base.clone()  # world 1: this rank is its only peer
-        self.peer_events = torch.tensor([self.events.data_ptr()], dtype=torch.int64, device=dev)
+        # Counters [E] then tallies [E], contiguous at the start of the region (the kernel reads
+        # events[E + e] for the tallies; one zero_() clears both).
+        self.events = self._region_view(self.layout.counters_offset, 8 * E, torch.int32)
+        base, evs = peer_tables(self.layout, self.rank, addrs, list(self.region.peer_ptrs))
+        self.peer_base = torch.from_numpy(base.copy()).to(dev)
+        self.peer_events = torch.from_numpy(evs.copy()).to(dev)
+        self.peer_quota = self._dev(peer_quota(cg))
         dep_ptr, dep_task, dep_off = tables.dependents(cg)
         self.deps = [self._dev(dep_ptr), self._dev(dep_task), self._dev(dep_off)]
         self.num_sched = max(1, min(num_sched, W))
@@ -112,6 +143,21 @@ class Session:
         self.logits_dump: torch.Tensor | None = None
         self.params_dev = torch.zeros(ctypes_size(RuntimeParams), dtype=torch.uint8, device=dev)
 
+    def _region_view(self, offset: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
+        """A typed view of bytes [offset, offset + nbytes) of this rank's symmetric region."""
+        return self.region.local[offset:offset + nbytes].view(dtype)
+
+    def counters(self) -> np.ndarray:
+        """This rank's event counters (uint32 values as int64) after a launch."""
+        E = self.cg.arrays["events"].shape[0]
+        return self.events[:E].cpu().numpy().astype(np.uint32).astype(np.int64)
+
+    def _on_stream(self):
+        """Context that puts this session's host-issued device work on its stream."""
+        if self.stream is None or self.device.type != "cuda":
+            return contextlib.nullcontext()
+        return torch.cuda.stream(self.stream)
+
     def _addr(self, t: torch.Tensor | None) -> int:
         if t is None:
             return 0
@@ -125,12 +171,17 @@ class Session:
         raise KeyError(name)
 
     def reset(self) -> None:
-        """New generation: counters, KV cache (state buffers) and flags back to zero."""
-        for b, t in zip(self.cg.meta["buffers"], self.bufs):
-            if b["kind"] == "state":
+        """New generation: counters, tallies, KV cache (state buffers) and flags back to zero.
+
+        At tp > 1 no peer may signal these counters until every rank has reset: the group orders
+        the device and (ipc) waits for every rank before any kernel starts.
+        """
+        with self._on_stream():
+            for b, t in zip(self.cg.meta["buffers"], self.bufs):
+                if b["kind"] == "state":
+                    t.zero_()
+            for t in (self.events, self.launched, self.done):
                 t.zero_()
-        for t in (self.events, self.launched, self.done):
-            t.zero_()
 
     # -- launch --------------------------------------------------------------------------------------
     def fill_forced(self, prompts: list[list[int]], force: list[int] | None, n_steps: int) -> None:
@@ -142,19 +193,33 @@ class Session:
         if force:
             k = min(len(force), max(0, n_steps - T))
             forced[T:T + k] = np.asarray(force[:k], np.int32)[:, None]
-        self.bufs[sp["forced_tokens"]].copy_(torch.from_numpy(forced))
-        self.bufs[sp["start_pos"]].zero_()
+        with self._on_stream():
+            self.bufs[sp["forced_tokens"]].copy_(torch.from_numpy(forced))
+            self.bufs[sp["start_pos"]].zero_()
 
     def launch(self, s0: int, s1: int, prompt_len: int, max_new: int, stop_ids: tuple[int, ...], stop_on_done: bool,
-               want_logits: bool, inject_hang_task: int = -1) -> None:
-        """Start steps [s0, s1) in one persistent kernel on the current stream (returns at once)."""
+               want_logits: bool, inject_hang_task: int = -1, trace_from: int | None = None) -> None:
+        """Start steps [s0, s1) in one persistent kernel on the session's stream (returns at once)."""
+        self.prepare(s0, s1, prompt_len, max_new, stop_ids, stop_on_done, want_logits, inject_hang_task, trace_from)
+        self.start()
+
+    def prepare(self, s0: int, s1: int, prompt_len: int, max_new: int, stop_ids: tuple[int, ...], stop_on_done: bool,
+                want_logits: bool, inject_hang_task: int = -1, trace_from: int | None = None) -> None:
+        """Everything of a launch but the launch: per-launch state zeroed and RuntimeParams filled (on
+        the session's stream). ``trace_from``: first traced step (default s0)."""
         if s1 > self.max_steps:
             raise InputError(f"steps: expected <= {self.max_steps} (max_seq_len), got {s1}")
-        for t in (self.queues, self.queue_tail, self.sched_queues, self.sched_tail, self.halt, self.trace_len):
-            t.zero_()
         for k in ("progress", "error", "step_end_ns"):
             self.pinned[k].zero_()
-        self.stop_ids = torch.tensor(list(stop_ids) or [-1], dtype=torch.int32, device=self.device)
+        with self._on_stream():
+            for t in (self.queues, self.queue_tail, self.sched_queues, self.sched_tail, self.halt, self.trace_len):
+                t.zero_()
+            self.stop_ids = torch.tensor(list(stop_ids) or [-1], dtype=torch.int32, device=self.device)
+            self._fill_params(s0, s1, prompt_len, max_new, stop_ids, stop_on_done, want_logits, inject_hang_task,
+                              s0 if trace_from is None else trace_from)
+
+    def _fill_params(self, s0, s1, prompt_len, max_new, stop_ids, stop_on_done, want_logits, inject_hang_task,
+                     trace_from) -> None:
         sp, cg = self.cg.meta["special"], self.cg
         logits = self.bufs[sp["logits"]]
         if want_logits:
@@ -166,6 +231,7 @@ class Session:
             setattr(p, name, self.tabs[name].data_ptr())
         p.event_tab = self.tabs["events"].data_ptr()
         p.buf_base, p.peer_base, p.peer_events = self.buf_base.data_ptr(), self.peer_base.data_ptr(), self.peer_events.data_ptr()
+        p.peer_quota = self.peer_quota.data_ptr()
         p.arg_addr = self.arg_addr.data_ptr()
         p.events = self.events.data_ptr()
         p.dep_ptr, p.dep_task, p.dep_offset = (d.data_ptr() for d in self.deps)
@@ -191,13 +257,28 @@ class Session:
         p.step_begin, p.step_end = s0, s1
         p.queue_cap, p.sched_cap, p.num_sched = self.queue_cap, self.sched_cap, self.num_sched
         p.trace_cap, p.inject_hang_task, p.abi_version = self.trace_cap, inject_hang_task, ABI_VERSION
+        p.trace_from = trace_from
+        self.trace_from = trace_from
         self.params_dev.copy_(torch.frombuffer(bytearray(to_bytes(p)), dtype=torch.uint8))
-        self._launched_at = time.perf_counter()
         self._steps = (s0, s1)
-        self.kernel.launch(self.workers, self.params_dev.data_ptr(), self._stream().cuda_stream)
+
+    def start(self) -> None:
+        """Launch the prepared kernel on the session's stream (returns at once)."""
+        self._launched_at = time.perf_counter()
+        self.kernel.launch(self.workers, self.params_dev.data_ptr(), self._stream().cuda_stream,
+                           cooperative=self.cooperative)
 
     def _stream(self):
-        return torch.cuda.current_stream(self.device)
+        return self.stream if self.stream is not None else torch.cuda.current_stream(self.device)
+
+    def finished(self) -> bool:
+        """True once the kernel of the last launch has ended (non-blocking)."""
+        return self._stream().query()
+
+    def deadline(self) -> float:
+        """perf_counter time by which the last launch must have ended (the host-side bound)."""
+        s0, s1 = self._steps
+        return self._launched_at + self.timeout_s * 3 + 0.05 * (s1 - s0) + 10.0
 
     def progress(self) -> int:
         """Steps finished so far (read from mapped pinned memory while the kernel runs)."""
@@ -207,7 +288,7 @@ class Session:
         """Wait for the kernel (bounded), streaming progress to ``on_step(step)``; raise on a watchdog record."""
         stream = self._stream()
         s0, s1 = self._steps
-        deadline = self._launched_at + self.timeout_s * 3 + 0.05 * (s1 - s0) + 10.0
+        deadline = self.deadline()
         seen = s0
         while not stream.query():
             now = self.progress()
@@ -231,9 +312,15 @@ class Session:
 
     def raise_on_error(self) -> None:
         """Raise DeviceTimeout naming task, event, step, SM and rank when the last launch failed."""
+        msg = self.error_message()
+        if msg is not None:
+            raise DeviceTimeout(msg)
+
+    def error_message(self) -> str | None:
+        """The watchdog record of the last launch as one message (None when there is none)."""
         r = self.error_record()
         if r.code == 0:
-            return
+            return None
         cg = self.cg
         task = cg.task_label(r.task_id) if 0 <= r.task_id < cg.arrays["tasks"].shape[0] else f"task {r.task_id}"
         if 0 <= r.event_id < len(cg.meta["events"]):
@@ -241,11 +328,19 @@ class Session:
             event = f"event {r.event_id} '{cg.meta['events'][r.event_id]}' (signalled by {prods})"
         else:
             event = f"event {r.event_id}"
-        raise DeviceTimeout(
-            f"mega-kernel watchdog ({ERROR_CODES.get(r.code, r.code)}): {task} (task {r.task_id}) waited on {event} "
-            f"at step {r.step} on SM {r.sm_id} (worker {r.worker}, rank {r.rank}): expected counter >= {r.expected}, "
-            f"got {r.seen} after {r.elapsed_ns / 1e9:.2f} s; {self.root_cause(r.step)} (raise --timeout if a step is "
-            "legitimately slower)")
+        return (f"mega-kernel watchdog ({ERROR_CODES.get(r.code, r.code)}): {task} (task {r.task_id}) waited on {event} "
+                f"at step {r.step} on SM {r.sm_id} (worker {r.worker}, rank {r.rank}): expected counter >= {r.expected}, "
+                f"got {r.seen} after {r.elapsed_ns / 1e9:.2f} s; {self.cause(r)} (raise --timeout if a step is "
+                "legitimately slower)")
+
+    def cause(self, r: ErrorRecord) -> str:
+        """Why the wait of record ``r`` stayed short: a peer rank that did not signal, else the root
+        cause found in this rank's own counters."""
+        if self.world > 1 and 0 <= r.peer < self.world:
+            who = "this rank itself" if r.peer == self.rank else f"peer rank {r.peer}"
+            return (f"waiting on {who}: rank {r.peer} sent {r.peer_sent} of the {r.peer_expected} signals of event "
+                    f"{r.event_id} due by step {r.step} (that rank stalled, died or timed out first; see its error)")
+        return self.root_cause(r.step)
 
     def root_cause(self, step: int) -> str:
         """From the final counters: the first event (task order) incomplete at ``step`` although every
@@ -255,7 +350,7 @@ class Session:
         cg = self.cg
         tasks, waits, sig = cg.arrays["tasks"], cg.arrays["waits"], cg.arrays["signals"]
         trig = cg.arrays["events"][:, EVENT_COLS["TRIGGERS"]].astype(np.int64)
-        ctr = self.events.cpu().numpy().astype(np.uint32).astype(np.int64)
+        ctr = self.counters()
 
         def met(t: int) -> bool:
             rows = waits[tasks[t, TASK_COLS["WAIT_BEGIN"]]:tasks[t, TASK_COLS["WAIT_END"]]]

@@ -18,14 +18,17 @@ from mpk_dist.errors import InputError
 from mpk_dist.taskgraph.abi import TASK_COLS
 
 
-def chrome_trace(cg, per_worker: list[np.ndarray], rank: int = 0) -> dict:
+def chrome_trace(cg, per_worker: list[np.ndarray], rank: int = 0, t0: int | None = None) -> dict:
     """Build the trace dict from per-worker TraceRecord arrays of one launch.
 
     Each task gives a 'wait' event (category "wait": from the worker turning to the task until its
     inputs were ready) and the task's own event (name = op, category = task kind) for the run.
+    Times are relative to ``t0`` (device ns; default the earliest start here): ranks traced on one
+    clock share one t0 so their events line up.
     """
-    starts = [int(r["start_ns"].min()) for r in per_worker if len(r)]
-    t0 = min(starts) if starts else 0
+    if t0 is None:
+        starts = [int(r["start_ns"].min()) for r in per_worker if len(r)]
+        t0 = min(starts) if starts else 0
     ops, tasks = cg.meta["ops"], cg.arrays["tasks"]
     events = []
     for w, recs in enumerate(per_worker):

@@ -5,9 +5,63 @@ from __future__ import annotations
 
 import json
 import os
+import types
 
 import pytest
+import torch
 
+# ---- fakes of the GPU parts, for CPU tests of the host side ----------------------------------------
+class FakeKernel:
+    blocks_per_sm, num_sms = 1, 8
+
+    def __init__(self, cubin, device_index, block_threads, smem):
+        self.block_threads, self.smem, self.launches = block_threads, smem, []
+
+    def launch(self, grid, params_ptr, stream, cooperative=True):
+        self.launches.append((grid, params_ptr, cooperative))
+
+
+class FakeStream:
+    cuda_stream = 0
+
+    def query(self):
+        return True
+
+    def synchronize(self):
+        pass
+
+
+def fake_wait(self, on_step=None):
+    """What the device would leave behind for steps s0..s1-1 (token t = step, 1 ms per step, logits
+    dump rows filled with rank + 1)."""
+    s0, s1 = self._steps
+    self.pinned["token_out"][s0:s1] = torch.arange(s0, s1, dtype=torch.int32)[:, None]
+    self.pinned["step_end_ns"][s0:s1 + 1] = torch.arange(s0, s1 + 1) * 1_000_000
+    self.pinned["progress"][0] = s1
+    if self.logits_dump is not None:
+        self.logits_dump.fill_(float(self.rank + 1))
+
+
+@pytest.fixture()
+def fake_gpu(monkeypatch):
+    """Patch the GPU-only parts (kernel build/load, streams, SM count, device check) away; returns
+    mpk_dist.runtime.megakernel_backend. CPU tests of the host side of launches use it."""
+    from mpk_dist.runtime import megakernel_backend as MB
+    from mpk_dist.runtime import session as S
+
+    monkeypatch.setattr(S, "build_kernel", lambda *a, **k: ("src", types.SimpleNamespace(cubin=b"", cached=True,
+                                                                                          compiler="fake", path="x")))
+    monkeypatch.setattr(S, "LoadedKernel", FakeKernel)
+    monkeypatch.setattr(S, "host_device_pointer", lambda p: p)
+    monkeypatch.setattr(S.Session, "_stream", lambda self: FakeStream())
+    monkeypatch.setattr(S.Session, "wait", fake_wait)
+    monkeypatch.setattr(S.Session, "finished", lambda self: fake_wait(self) or True)
+    monkeypatch.setattr(MB.MegakernelBackend, "_check_device", lambda self: None)
+    monkeypatch.setattr(MB.MegakernelBackend, "_num_sms", lambda self: 8)
+    return MB
+
+
+# ---- GPU result rows ----------------------------------------------------------------------------
 class _Rows(list):
     """Result rows; each append is also written to $MPK_GPU_REPORT at once (a run cut short by a
     time limit still leaves the rows it finished)."""
