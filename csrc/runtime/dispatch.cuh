@@ -17,6 +17,9 @@
 #include "argmax_reduce.cuh"
 #include "allgather_push.cuh"
 #include "argmax_select.cuh"
+#include "norm_linear.cuh"
+#include "linear_residual.cuh"
+#include "silu_linear.cuh"
 
 namespace mpk {
 
@@ -130,6 +133,51 @@ __device__ void run_comm_push(const TaskView& t, int opcode, int tid, int nt) {
   }
 }
 
+// ---- fused linears (opt-in: compile_rank_programs(fuse=...); docs/TASKGRAPH.md 'Fused linears') ----
+// Only the dtype combinations the fused graphs produce are instantiated (bf16 models: fp32
+// residual stream, bf16 activations, fp32 logits); any other combination returns false, which the
+// worker reports as a bad task instead of computing something wrong.
+__device__ bool run_norm_linear(const TaskView& t, float* smem, int tid, int nt) {
+  if (t.dtype(NORM_LINEAR_ARG_X) != DTYPE_F32) return false;
+  const int B = t.param(NORM_LINEAR_PARAM_BATCH), K = t.param(NORM_LINEAR_PARAM_K);
+  const int n = t.param(NORM_LINEAR_PARAM_N_TILE), xs = t.param(NORM_LINEAR_PARAM_X_STRIDE);
+  const int ys = t.param(NORM_LINEAR_PARAM_Y_STRIDE);
+  const float eps = t.fparam(NORM_LINEAR_PARAM_EPS);
+  const float* x = t.arg<const float>(NORM_LINEAR_ARG_X);
+  const bf16* nw = t.arg<const bf16>(NORM_LINEAR_ARG_NORM_W);
+  const bf16* w = t.arg<const bf16>(NORM_LINEAR_ARG_W);
+  const int y_dt = t.dtype(NORM_LINEAR_ARG_Y);  // fp32: the lm_head's logits, unrounded
+  const Epi epi{t.arg<void>(NORM_LINEAR_ARG_Y), nullptr, ys, y_dt == DTYPE_F32 ? kEpiF32 : kEpiBf16};
+  norm_linear(B, x, xs, nw, w, epi, K, n, eps, smem, tid, nt);
+  return true;
+}
+
+__device__ bool run_linear_residual(const TaskView& t, int tid, int nt) {
+  if (t.dtype(LINEAR_RESIDUAL_ARG_Y) != DTYPE_F32 || t.dtype(LINEAR_RESIDUAL_ARG_RESIDUAL) != DTYPE_F32) return false;
+  linear_residual(t.param(LINEAR_RESIDUAL_PARAM_BATCH), t.arg<const bf16>(LINEAR_RESIDUAL_ARG_X),
+                  t.param(LINEAR_RESIDUAL_PARAM_X_STRIDE), t.arg<const bf16>(LINEAR_RESIDUAL_ARG_W),
+                  t.arg<const float>(LINEAR_RESIDUAL_ARG_RESIDUAL), t.arg<float>(LINEAR_RESIDUAL_ARG_Y),
+                  t.param(LINEAR_RESIDUAL_PARAM_Y_STRIDE), t.param(LINEAR_RESIDUAL_PARAM_K),
+                  t.param(LINEAR_RESIDUAL_PARAM_N_TILE), tid, nt);
+  return true;
+}
+
+__device__ bool run_silu_linear(const TaskView& t, float* smem, int tid, int nt) {
+  const int B = t.param(SILU_LINEAR_PARAM_BATCH), K = t.param(SILU_LINEAR_PARAM_K);
+  const int n = t.param(SILU_LINEAR_PARAM_N_TILE), gs = t.param(SILU_LINEAR_PARAM_GU_STRIDE);
+  const int up = t.param(SILU_LINEAR_PARAM_UP_OFFSET), ys = t.param(SILU_LINEAR_PARAM_Y_STRIDE);
+  const bf16* gu = t.arg<const bf16>(SILU_LINEAR_ARG_GU);
+  const bf16* w = t.arg<const bf16>(SILU_LINEAR_ARG_W);
+  const int res_dt = t.dtype(SILU_LINEAR_ARG_RESIDUAL), y_dt = t.dtype(SILU_LINEAR_ARG_Y);
+  // tp 1: the residual add as epilogue (fp32 stream); tp > 1: the bf16 partial the all-reduce pushes
+  const bool residual = res_dt == DTYPE_F32 && y_dt == DTYPE_F32;
+  if (!residual && !(res_dt < 0 && y_dt == DTYPE_BF16)) return false;
+  const Epi epi{t.arg<void>(SILU_LINEAR_ARG_Y), t.arg<const float>(SILU_LINEAR_ARG_RESIDUAL), ys,
+                residual ? kEpiResidual : kEpiBf16};
+  silu_linear(B, gu, gs, up, w, epi, K, n, smem, tid, nt);
+  return true;
+}
+
 // Run task `task` of step `step` on the worker threads (tid < nt). Returns false for an unknown
 // opcode (the caller raises kErrBadTask).
 __device__ bool run_task(const RuntimeParams& p, int task, int step, float* smem, int tid, int nt) {
@@ -173,6 +221,9 @@ __device__ bool run_task(const RuntimeParams& p, int task, int step, float* smem
                     t.arg<int32_t>(ARGMAX_SELECT_ARG_TOKEN_OUT), t.param(ARGMAX_SELECT_PARAM_BATCH),
                     t.param(ARGMAX_SELECT_PARAM_WORLD), step, tid, nt);
       return true;
+    case OP_NORM_LINEAR: return run_norm_linear(t, smem, tid, nt);
+    case OP_LINEAR_RESIDUAL: return run_linear_residual(t, tid, nt);
+    case OP_SILU_LINEAR: return run_silu_linear(t, smem, tid, nt);
     default: return false;
   }
 }
@@ -183,6 +234,15 @@ __device__ void prefetch_task(const RuntimeParams& p, int task, int tid, int nt)
   const TaskView t(p, task);
   if (t.opcode() == OP_LINEAR)
     linear_prefetch(t.arg<const bf16>(LINEAR_ARG_W), t.param(LINEAR_PARAM_K), t.param(LINEAR_PARAM_N_TILE), tid, nt);
+  else if (t.opcode() == OP_NORM_LINEAR)  // fused linears: the weight block is independent of the waits too
+    linear_prefetch(t.arg<const bf16>(NORM_LINEAR_ARG_W), t.param(NORM_LINEAR_PARAM_K),
+                    t.param(NORM_LINEAR_PARAM_N_TILE), tid, nt);
+  else if (t.opcode() == OP_LINEAR_RESIDUAL)
+    linear_prefetch(t.arg<const bf16>(LINEAR_RESIDUAL_ARG_W), t.param(LINEAR_RESIDUAL_PARAM_K),
+                    t.param(LINEAR_RESIDUAL_PARAM_N_TILE), tid, nt);
+  else if (t.opcode() == OP_SILU_LINEAR)
+    linear_prefetch(t.arg<const bf16>(SILU_LINEAR_ARG_W), t.param(SILU_LINEAR_PARAM_K),
+                    t.param(SILU_LINEAR_PARAM_N_TILE), tid, nt);
 }
 
 }  // namespace mpk

@@ -1,0 +1,202 @@
+// The GEMV loop of the fused linear kinds (norm_linear, linear_residual, silu_linear), with the
+// input and the epilogue as policies: y[b, n] = epi(b, n, sum_k x[b, k] * w[n, k]) for the N_TILE
+// weight rows of one tile. The loop is linear.cuh's (one warp per row, or MPK_LINEAR_ROWS rows per
+// warp; each lane streams 16-byte weight vectors with kLinUnroll of them in flight before the first
+// use; the same fp32 accumulation order), so a fused tile sums exactly as the unfused linear does.
+//
+// Input policies give 8 bf16 of x[b, k..k+7] as a uint4: XRows reads a bf16 matrix (global
+// activations, or a prologue's result staged in shared memory by stage_rows). When the staged
+// input does not fit the launch's shared memory, gemv_rowwise computes the prologue per element
+// (NormRow, SiluRow) with a bit-identical result. Every prologue rounds exactly as the unfused task
+// that wrote x would have. Only the instantiations the fused graphs use exist (few templates keep
+// the one-kernel build fast).
+#pragma once
+#include "common.cuh"
+#include "linear.cuh"
+#include "silu_mul.cuh"
+
+namespace mpk {
+
+#if defined(MPK_LINEAR_ROWS) && MPK_LINEAR_ROWS > 1
+constexpr int kFuseRows = MPK_LINEAR_ROWS;
+#else
+constexpr int kFuseRows = 1;
+#endif
+
+// Bytes of dynamic shared memory of this launch (the host sizes it from the task graph; a fused
+// tile stages its prologue there only when it fits, and computes it on the fly otherwise).
+__device__ __forceinline__ uint32_t dynamic_smem_bytes() {
+  uint32_t r;
+  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(r));
+  return r;
+}
+
+// x[b, k..k+7] of a row-major bf16 matrix (global memory or shared memory; 16-byte aligned rows).
+struct XRows {
+  const bf16* x;
+  int ld;
+  __device__ __forceinline__ uint4 load8(int b, int k) const { return ld_act_v4(x + (size_t)b * ld + k); }
+};
+
+// The 8 normalised values w[k+i] * bf16(x[k+i] * r) of one fp32 row, each rounded to bf16 (rms_norm.cuh).
+__device__ __forceinline__ uint4 norm8(const float* xr, const bf16* nw, float r, int k) {
+  const float4 a = *reinterpret_cast<const float4*>(xr + k), c = *reinterpret_cast<const float4*>(xr + k + 4);
+  const float f[8] = {a.x, a.y, a.z, a.w, c.x, c.y, c.z, c.w};
+  float g[8];
+  unpack8(ld_stream_v4(nw + k), g);
+  __align__(16) bf16 o[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) o[i] = f2bf(g[i] * round_bf(f[i] * r));
+  return *reinterpret_cast<const uint4*>(o);
+}
+
+// The 8 values bf16(bf16(silu(gate)) * up) of silu_mul.cuh, gate at g[k..], up at g[up + k..].
+__device__ __forceinline__ uint4 silu8(const bf16* g, int up, int k) {
+  float fg[8], fu[8];
+  unpack8(ld_act_v4(g + k), fg);
+  unpack8(ld_act_v4(g + up + k), fu);
+  __align__(16) bf16 o[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) o[i] = f2bf(silu_bf(fg[i]) * fu[i]);
+  return *reinterpret_cast<const uint4*>(o);
+}
+
+// One input row with its prologue computed per element (the fallback path, gemv_rowwise).
+struct NormRow {
+  const float* x;
+  const bf16* nw;
+  float r;
+  __device__ __forceinline__ uint4 load8(int k) const { return norm8(x, nw, r, k); }
+};
+
+struct SiluRow {
+  const bf16* g;
+  int up;
+  __device__ __forceinline__ uint4 load8(int k) const { return silu8(g, up, k); }
+};
+
+// Staged prologue rows live after the block-reduction scratch (kStageOffset floats), so the
+// statistics of row b+1 (block_sum) can run while row b is already staged.
+constexpr int kStageOffset = 64;
+
+__device__ __forceinline__ bf16* stage_base(float* smem) { return reinterpret_cast<bf16*>(smem + kStageOffset); }
+
+// True when B staged rows of K bf16 fit the launch's dynamic shared memory (uniform over the block).
+__device__ __forceinline__ bool stage_fits(int B, int K) {
+  return kStageOffset * sizeof(float) + (uint32_t)B * (uint32_t)K * (uint32_t)sizeof(bf16) <= dynamic_smem_bytes();
+}
+
+// st[k..] = row.load8(k) over one row of K (the block's threads share it).
+template <class Row>
+__device__ __forceinline__ void stage_row(bf16* st, int K, const Row& row, int tid, int nt) {
+  for (int k = tid * 8; k < K; k += nt * 8) *reinterpret_cast<uint4*>(st + k) = row.load8(k);
+}
+
+// Epilogue, chosen at run time (one GEMV instance serves every fused kind; the choice costs a
+// branch per output element): store the fp32 sum rounded to bf16 (activations) or unrounded (fp32
+// logits), or add the bf16-rounded product to the fp32 residual (the tp-1 residual add, computed
+// as the unfused add does: bf16 partial + fp32 stream in fp32).
+enum EpiMode : int { kEpiBf16 = 0, kEpiF32 = 1, kEpiResidual = 2 };
+
+struct Epi {
+  void* y;
+  const float* res;  // kEpiResidual only
+  int ld;
+  int mode;
+  __device__ __forceinline__ void operator()(int b, int n, float s) const {
+    const size_t o = (size_t)b * ld + n;
+    if (mode == kEpiResidual) reinterpret_cast<float*>(y)[o] = round_bf(s) + res[o];
+    else if (mode == kEpiF32) reinterpret_cast<float*>(y)[o] = s;
+    else reinterpret_cast<bf16*>(y)[o] = f2bf(s);
+  }
+};
+
+template <int B, int R, class XS, class Epi>
+__device__ __noinline__ void gemv_tile(const XS xs, const bf16* __restrict__ w, int K, int n_tile, const Epi epi, int tid,
+                          int nt) {
+  constexpr int U = kLinUnroll / R > 0 ? kLinUnroll / R : 1;
+  const int warp = tid >> 5, lane = tid & 31, nwarps = nt >> 5;
+  for (int n0 = warp * R; n0 < n_tile; n0 += nwarps * R) {
+    float acc[R][B];
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+      for (int b = 0; b < B; ++b) acc[r][b] = 0.f;
+    for (int kb = 0; kb < K; kb += U * 256) {
+      uint4 wv[R][U];
+#pragma unroll
+      for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int u = 0; u < U; ++u) {  // every weight load of the R rows before any use
+          const int k = kb + u * 256 + lane * 8;
+          wv[r][u] = (k < K && n0 + r < n_tile) ? ld_stream_v4(w + (size_t)(n0 + r) * K + k) : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int k = kb + u * 256 + lane * 8;
+        if (k < K) {
+#pragma unroll
+          for (int b = 0; b < B; ++b) {
+            const uint4 xv = xs.load8(b, k);
+#pragma unroll
+            for (int r = 0; r < R; ++r) acc[r][b] += dot8(wv[r][u], xv);
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+      for (int b = 0; b < B; ++b) {
+        const float s = warp_sum(acc[r][b]);
+        if (lane == (b & 31) && n0 + r < n_tile) epi(b, n0 + r, s);
+      }
+  }
+}
+
+// Fallback when the staged input does not fit the launch's shared memory: batch row b only, one
+// warp per weight row, the prologue computed per element. Each lane sums its k = lane*8 + 256 j
+// terms in increasing j, as gemv_tile does for any R and U, so the result is bit-identical to the
+// staged path; slower (the weight block is re-read per batch row, one prologue per weight row).
+template <class Row, class Epi>
+__device__ void gemv_rowwise(const Row& row, const bf16* __restrict__ w, int K, int n_tile, const Epi& epi, int b,
+                             int tid, int nt) {
+  const int warp = tid >> 5, lane = tid & 31, nwarps = nt >> 5;
+  for (int n = warp; n < n_tile; n += nwarps) {
+    float acc = 0.f;
+    for (int k = lane * 8; k < K; k += 256) acc += dot8(ld_stream_v4(w + (size_t)n * K + k), row.load8(k));
+    const float s = warp_sum(acc);
+    if (lane == (b & 31)) epi(b, n, s);
+  }
+}
+
+// Runtime batch -> compile-time kB for CALL (the generated kernel fixes MPK_BATCH; the host checked
+// every task's BATCH equals it). Without MPK_BATCH every batch 1..16 is instantiated.
+#ifdef MPK_BATCH
+#define MPK_FUSED_WITH_BATCH(B_, CALL) \
+  do {                                 \
+    constexpr int kB = MPK_BATCH;      \
+    (void)(B_);                        \
+    CALL;                              \
+  } while (0)
+#else
+#define MPK_FUSED_BATCH_CASE(bb, CALL) \
+  case bb: {                           \
+    constexpr int kB = bb;             \
+    CALL;                              \
+  } break;
+#define MPK_FUSED_WITH_BATCH(B_, CALL)                                                                   \
+  do {                                                                                                   \
+    switch (B_) {                                                                                        \
+      MPK_FUSED_BATCH_CASE(1, CALL) MPK_FUSED_BATCH_CASE(2, CALL) MPK_FUSED_BATCH_CASE(3, CALL)          \
+      MPK_FUSED_BATCH_CASE(4, CALL) MPK_FUSED_BATCH_CASE(5, CALL) MPK_FUSED_BATCH_CASE(6, CALL)          \
+      MPK_FUSED_BATCH_CASE(7, CALL) MPK_FUSED_BATCH_CASE(8, CALL) MPK_FUSED_BATCH_CASE(9, CALL)          \
+      MPK_FUSED_BATCH_CASE(10, CALL) MPK_FUSED_BATCH_CASE(11, CALL) MPK_FUSED_BATCH_CASE(12, CALL)       \
+      MPK_FUSED_BATCH_CASE(13, CALL) MPK_FUSED_BATCH_CASE(14, CALL) MPK_FUSED_BATCH_CASE(15, CALL)       \
+      MPK_FUSED_BATCH_CASE(16, CALL)                                                                     \
+      default: break;                                                                                    \
+    }                                                                                                    \
+  } while (0)
+#endif
+
+}  // namespace mpk
