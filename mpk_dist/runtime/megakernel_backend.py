@@ -46,7 +46,10 @@ class MegakernelBackend(StepBackend):
                  schedule: str = "aot", trace: str | None = None, timeout_s: float = 5.0, worker_threads: int = 256,
                  sms: int | None = None, transport: str | None = None, compiler: str | None = None,
                  inject_hang_task: int = -1, on_token=None, linear_rows: int | None = None,
-                 inject_hang_rank: int | None = None, comm_profile: bool | None = None):
+                 inject_hang_rank: int | None = None, comm_profile: bool | None = None, fuse=False):
+        from mpk_dist.taskgraph.fusion import fusion_set
+
+        self.fuse = fusion_set(fuse)  # fused linears (mpk_dist.taskgraph.fusion); off until GPU-verified
         if schedule not in SCHEDULES:
             raise InputError(f"--schedule: expected one of {SCHEDULES}, got {schedule!r}")
         self.transport_name = check_options(tp, transport, schedule)
@@ -105,7 +108,7 @@ class MegakernelBackend(StepBackend):
 
             t0 = time.perf_counter()
             cgs = compile_rank_programs(self.cfg, tp=self.tp, batch=batch, sms=self.workers,
-                                        max_seq_len=self.max_seq_len, ranks=self.transport.ranks)
+                                        max_seq_len=self.max_seq_len, ranks=self.transport.ranks, fuse=self.fuse)
             compile_s = time.perf_counter() - t0
             trace = True if self.trace_path else (PROFILE_STEPS if self.comm_profile else 0)
             kw = dict(schedule=self.schedule, worker_threads=self.worker_threads, timeout_s=self.timeout_s, trace=trace,
