@@ -25,14 +25,15 @@ class InterpreterBackend(StepBackend):
 
     Options: ``sms`` (tile sizing), ``seed`` (schedule), ``schedule`` 'jit' (any ready task) or
     'aot' (per-worker lists), ``check_races`` (default True), ``weights`` (per-rank dicts, instead
-    of loading from ``source``).
+    of loading from ``source``), ``fuse`` (fused linears, ``mpk_dist.taskgraph.fusion``; default off).
     """
 
     name = "interpreter"
 
     def __init__(self, cfg: ModelConfig, source, tp: int = 1, device: str | torch.device = "cpu",
                  max_seq_len: int = 512, sms: int = DEFAULT_SMS, seed: int = 0, schedule: str = "jit",
-                 check_races: bool = True, weights: list[dict[str, torch.Tensor]] | None = None, **_opts):
+                 check_races: bool = True, weights: list[dict[str, torch.Tensor]] | None = None, fuse=False,
+                 **_opts):
         self.device = torch.device(device)
         if self.device.type != "cpu":
             raise BackendUnavailable(f"--backend interpreter: expected device cpu, got {self.device}; "
@@ -41,6 +42,9 @@ class InterpreterBackend(StepBackend):
             raise InputError(f"--schedule: expected jit or aot, got {schedule!r}")
         self.cfg, self.tp, self.max_seq_len = cfg, tp, max_seq_len
         self.sms, self.seed, self.schedule, self.check_races = sms, seed, schedule, check_races
+        from mpk_dist.taskgraph.fusion import fusion_set
+
+        self.fuse = fusion_set(fuse)
         self.vocab_size = cfg.vocab_size
         if weights is None:
             from mpk_dist.weights import load_rank_weights
@@ -55,7 +59,8 @@ class InterpreterBackend(StepBackend):
     def reset(self, batch: int) -> None:
         """Compile for ``batch`` sequences (cached) and clear the KV caches."""
         if batch != self.batch or self.interp is None:
-            programs = compile_rank_programs(self.cfg, self.tp, batch=batch, sms=self.sms, max_seq_len=self.max_seq_len)
+            programs = compile_rank_programs(self.cfg, self.tp, batch=batch, sms=self.sms, max_seq_len=self.max_seq_len,
+                                             fuse=self.fuse)
             self.interp = Interpreter(programs, self.weights, seed=self.seed, mode=self.schedule,
                                       check_races=self.check_races)
             self.batch = batch

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 
@@ -31,6 +32,9 @@ def add_model_args(p) -> None:
     p.add_argument("--schedule", default=None, choices=["jit", "aot"], help="mega-kernel task dispatch (default jit)")
     p.add_argument("--trace", default=None, metavar="FILE.json", help="mega-kernel: write a per-task Perfetto trace")
     p.add_argument("--timeout", type=float, default=None, metavar="S", help="mega-kernel: watchdog timeout per wait (s)")
+    p.add_argument("--fuse", action=argparse.BooleanOptionalAction, default=None,
+                   help="megakernel/interpreter: fuse rms_norm, silu_mul and the tp-1 residual add into the linear "
+                        "tiles (fewer dependent levels per step; default off until verified on a GPU)")
 
 
 def backend_opts(args) -> dict:
@@ -44,6 +48,8 @@ def backend_opts(args) -> dict:
         opts["timeout_s"] = args.timeout
     if args.transport != "local":
         opts["transport"] = args.transport
+    if args.fuse is not None:
+        opts["fuse"] = args.fuse
     return opts
 
 
