@@ -66,28 +66,34 @@ class LocalTransport:
 
 
 class IpcTransport:
-    """This process is one rank of an mpirun/srun job whose ``tp`` processes form the group."""
+    """This process is one rank of a TP group of ``tp`` consecutive MPI ranks (group g = ranks
+    g*tp .. g*tp+tp-1; several groups are data-parallel replicas, e.g. ``mpk-dist bench --dp``)."""
 
     name = "ipc"
 
     def __init__(self, tp: int, info=None, comm=None, timeout_s: float | None = None):
-        from mpk_dist.dist.env import rank_info
+        from mpk_dist.dist.env import check_tp_group_on_one_node, rank_info
 
         self.info = info or rank_info()
-        if self.info.world_size != tp:
-            raise InputError(f"--transport ipc: expected {tp} processes (one per rank: mpirun -np {tp}), got "
-                             f"{self.info.world_size} ({self.info.source}); start mpirun -np {tp}, or use "
+        if self.info.world_size % tp or self.info.world_size < tp:
+            raise InputError(f"--transport ipc: expected a multiple of {tp} processes (one per rank: mpirun -np {tp}), "
+                             f"got {self.info.world_size} ({self.info.source}); start mpirun -np {tp}, or use "
                              "--transport local for all ranks in one process")
-        self.world, self.rank, self.ranks = tp, self.info.rank, [self.info.rank]
-        self.timeout_s = timeout_s
-        self.comm = comm if comm is not None else _world_comm()
+        check_tp_group_on_one_node(self.info, tp)
+        self.world, self.rank = tp, self.info.rank % tp
+        self.ranks, self.timeout_s = [self.rank], timeout_s
+        world_comm = comm if comm is not None else _world_comm()
+        # NOTE: Split is an unbounded collective, so every rank first proves it is here (bounded).
+        _allgather(world_comm, None, "transport start", timeout_s)
+        self.comm = world_comm if world_comm.Get_size() == tp else world_comm.Split(self.info.rank // tp, self.info.rank)
         self.device = torch.device("cuda", pick_device(self.info))
         torch.cuda.set_device(self.device)
-        uuids = self.allgather_mine(device_uuid(self.device), "device ids")
         from mpk_dist.runtime.partition import max_ranks_per_device
 
+        # Every process of the job counts (replicas may share GPUs too); UUIDs are unique per GPU.
+        uuids = _allgather(world_comm, device_uuid(self.device), "device ids", timeout_s)
         self.ranks_per_gpu = max_ranks_per_device(uuids)
-        self.sharing = uuids.count(uuids[self.rank])
+        self.sharing = uuids.count(uuids[self.info.rank])
         require_mps(self.info, self.sharing)
 
     def allocate(self, nbytes: int) -> list:
@@ -97,23 +103,15 @@ class IpcTransport:
         return [allocate_ipc(nbytes, self.device, self.comm, self.rank, self.world, timeout_s=self.timeout_s)]
 
     def barrier(self, what: str) -> None:
-        """Every rank arrives, or DeviceTimeout names the missing ranks (MPK_GATHER_TIMEOUT_S)."""
-        self.allgather_mine(None, what)
-
-    def allgather_mine(self, obj, what: str) -> list:
-        """This rank's ``obj`` from every rank, in rank order (bounded)."""
-        from mpk_dist.dist.gather import allgather
-
-        got = allgather((what, obj), comm=self.comm, timeout_s=self.timeout_s)
-        check_in_step(got, what)
-        return [o for _, o in got]
+        """Every rank of the group arrives, or DeviceTimeout names the missing ranks (MPK_GATHER_TIMEOUT_S)."""
+        _allgather(self.comm, None, what, self.timeout_s)
 
     def allgather(self, obj, what: str) -> list:
-        """``obj`` is a one-element list (this rank's); returns every rank's element in rank order."""
-        return self.allgather_mine(obj[0], what)
+        """``obj`` is a one-element list (this rank's); returns every group rank's element in rank order."""
+        return _allgather(self.comm, obj[0], what, self.timeout_s)
 
     def gather(self, obj, what: str) -> list | None:
-        """Every rank's element on rank 0 (None on other ranks), bounded."""
+        """Every group rank's element on group rank 0 (None on other ranks), bounded."""
         from mpk_dist.dist.gather import gather_to_rank0
 
         got = gather_to_rank0((what, obj[0]), comm=self.comm, timeout_s=self.timeout_s)
@@ -121,6 +119,15 @@ class IpcTransport:
             return None
         check_in_step(got, what)
         return [o for _, o in got]
+
+
+def _allgather(comm, obj, what: str, timeout_s: float | None) -> list:
+    """``obj`` of every rank of ``comm`` in rank order (bounded; checks the ranks are in step)."""
+    from mpk_dist.dist.gather import allgather
+
+    got = allgather((what, obj), comm=comm, timeout_s=timeout_s)
+    check_in_step(got, what)
+    return [o for _, o in got]
 
 
 def check_in_step(got: list[tuple[str, object]], what: str) -> None:

@@ -73,6 +73,29 @@ def test_abi_header_written_once(cache):
 
 
 @needs_nvcc
+def test_kernel_for_tp_programs_compiles_once_for_every_rank(cache):
+    """tp 2 and tp 4 programs (tiny: kv_heads 2 < tp 4; qwen3-0.6b shapes) pass the support checks
+    and run on the same sm_90a binary: the banner names the rank, the task graph travels as data,
+    and the layout asserts cover the peer fields (peer_quota, trace_from, ErrorRecord.peer)."""
+    from mpk_dist.models.presets import get_preset
+    from mpk_dist.runtime import tables
+    from mpk_dist.runtime.codegen import tables_hash
+    from mpk_dist.taskgraph.compiler import compile_rank_programs
+
+    keys = set()
+    for name, tp in (("tiny", 2), ("tiny", 4), ("qwen3-0.6b", 2), ("qwen3-0.6b", 4)):
+        cg = compile_rank_programs(get_preset(name), tp=tp, batch=1, sms=132 // tp, max_seq_len=64, ranks=[tp - 1])[0]
+        tables.check_supported(cg)
+        src, res = build_kernel(KernelShape(batch=1, schedule="aot"), model=name, rank=tp - 1, world=tp,
+                                input_hash=tables_hash(cg.arrays), compiler="nvcc")
+        assert f"tp rank {tp - 1}/{tp}" in src and res.cubin[:4] == b"\x7fELF"
+        for field in ("RuntimeParams, peer_quota", "RuntimeParams, trace_from", "ErrorRecord, peer_expected"):
+            assert f"offsetof(mpk::{field})" in src, field
+        keys.add(res.key)
+    assert len(keys) == 1, "one binary for every rank and tp (only the banner differs)"
+
+
+@needs_nvcc
 def test_compile_error_is_reported(cache):
     """A broken source raises BuildError with the compiler's message."""
     with pytest.raises(build.BuildError, match="nvcc failed"):
