@@ -18,6 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable
 
+import numpy as np
+
 from mpk_dist.errors import InputError
 from mpk_dist.graph import Graph, Op
 
@@ -26,6 +28,14 @@ FUSIONS = ("norm", "silu", "residual")
 
 VEC = 8
 """The fused CUDA bodies load 8 bf16 at a time: K must be a multiple of this (else not fused)."""
+
+STAGE_OFFSET_BYTES = 256
+"""Where staged prologue rows start in shared memory (``kStageOffset`` floats in csrc/tasks/fused_gemv.cuh)."""
+
+STAGE_LIMIT = 200 * 1024
+"""Largest shared-memory staging (bytes) a prologue fusion may plan for: an H200 block may opt in
+to 227 KB. A norm/silu prologue whose B*K bf16 rows would need more is not fused (the unfused pair
+is faster than the per-element fallback the kernel would take)."""
 
 
 def fusion_set(fuse: bool | str | Iterable[str] | None) -> frozenset[str]:
@@ -92,7 +102,8 @@ def _plan_one(graph: Graph, lin: Op, producer: dict[str, Op], cons: dict[str, li
         return None
     f = FusedLinear(lin)
     src = producer.get(x)
-    if src is not None and _sole_consumer(graph, cons, x, lin):
+    stage_ok = STAGE_OFFSET_BYTES + 2 * graph.batch * K <= STAGE_LIMIT
+    if src is not None and stage_ok and _sole_consumer(graph, cons, x, lin):
         if "norm" in fusions and src.kind == "rms_norm":
             f.norm = src
         elif "silu" in fusions and src.kind == "silu_mul":
@@ -135,3 +146,29 @@ def dropped_tensors(items: list[Op | FusedLinear]) -> set[str]:
             if f.residual is not None:
                 out.add(f.linear.outputs[0])
     return out
+
+STAGING_KINDS = ("norm_linear", "silu_linear")
+
+
+def staging_bytes(cg, limit: int) -> int:
+    """Dynamic shared memory the fused tiles of a compiled program want for staging their prologue
+    (the reduction scratch plus B*K bf16), the largest such need that is <= ``limit`` (the device's
+    per-block maximum minus what else the kernel keeps there); 0 without staging tiles. A tile that
+    needs more than the launch provides computes its prologue per element instead (same result,
+    slower), so the runtime should size its dynamic shared memory to at least this."""
+    from mpk_dist.taskgraph.abi import TASK_COLS
+    from mpk_dist.taskgraph.tasks import BY_NAME
+
+    tasks, params = cg.arrays["tasks"], cg.arrays["params"]
+    best = 0
+    for name in STAGING_KINDS:
+        kind = BY_NAME[name]
+        rows = tasks[tasks[:, TASK_COLS["OPCODE"]] == kind.opcode]
+        if not len(rows):
+            continue
+        p0 = rows[:, TASK_COLS["PARAM_BEGIN"]]
+        need = STAGE_OFFSET_BYTES + 2 * params[p0 + kind.param_index("BATCH")].astype(np.int64) * \
+            params[p0 + kind.param_index("K")].astype(np.int64)
+        fits = need[need <= limit]
+        best = max(best, int(fits.max(initial=0)))
+    return best

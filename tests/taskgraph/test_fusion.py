@@ -1,0 +1,136 @@
+"""Fused linears (mpk_dist.taskgraph.fusion): the pass rewrites only what it should, the fused graph
+computes exactly what the unfused one does (fp32 against the torch backend over random schedules,
+bf16 bit for bit against the unfused interpreter), and every dependency edge of a fused layer is
+necessary."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from mpk_dist.errors import DeviceTimeout, InputError
+from mpk_dist.models import build_graph
+from mpk_dist.models.presets import get_preset
+from mpk_dist.taskgraph import fusion
+from mpk_dist.taskgraph.interpreter import Interpreter
+from mpk_dist.taskgraph.race import RaceError
+from mpk_dist.taskgraph.testing import (MAX_SEQ, drop_signal, drop_wait, fp32, max_rel_err, programs, reference,
+                                        rows_of_layer, weights)
+
+SCHEDULES = 8
+LONG, SHORT = 12, 2
+
+
+def _layer_kinds(cg, layer: int) -> list[str]:
+    return [o["kind"] for o in cg.meta["ops"] if o["layer"] == layer]
+
+
+def test_fuse_off_keeps_the_program_identical():
+    cfg = fp32("tiny")
+    a, b = programs(cfg, 2), programs(cfg, 2, fuse=False)
+    for x, y in zip(a, b):
+        assert x.meta == y.meta
+        for k in x.arrays:
+            np.testing.assert_array_equal(x.arrays[k], y.arrays[k])
+
+
+def test_tp1_layer_is_four_fused_linears_and_two_attention_ops():
+    (cg,) = programs(fp32("tiny"), 1, fuse=True)
+    assert _layer_kinds(cg, 0) == ["norm_linear", "qkv_prep", "attention", "linear_residual", "norm_linear",
+                                   "silu_linear"]
+    head = [o["kind"] for o in cg.meta["ops"] if o["layer"] == -1]
+    assert head[-5] == "norm_linear" and "rms_norm" not in head  # final_norm fused into the lm_head
+    names = {b["name"] for b in cg.meta["buffers"]}
+    assert not names & {"L0.h_attn", "L0.h_mlp", "L0.act", "L0.o_partial", "L0.down_partial", "h_final"}
+    assert {"L0.x_mid", "L0.x_out", "L0.gate_up", "L0.ln1"} <= names and cg.meta["fusions"] == sorted(fusion.FUSIONS)
+
+
+def test_tp2_keeps_the_all_reduce_and_fuses_the_prologues():
+    cg = programs(fp32("tiny"), 2, fuse=True)[0]
+    kinds = _layer_kinds(cg, 1)
+    assert kinds.count("norm_linear") == 2 and kinds.count("silu_linear") == 1 and "linear_residual" not in kinds
+    assert kinds.count("allreduce_reduce") == 2 and "rms_norm" not in kinds and "silu_mul" not in kinds
+
+
+def test_fusions_can_be_chosen_one_by_one():
+    (cg,) = programs(fp32("tiny"), 1, fuse="silu")
+    assert _layer_kinds(cg, 0) == ["rms_norm", "linear", "qkv_prep", "attention", "linear", "add", "rms_norm",
+                                   "linear", "silu_linear", "add"]
+    (cg,) = programs(fp32("tiny"), 1, fuse=["residual"])
+    assert _layer_kinds(cg, 0).count("linear_residual") == 2 and "add" not in _layer_kinds(cg, 0)
+    with pytest.raises(InputError, match=r"fuse: expected .* got \['gelu'\]"):
+        fusion.fusion_set("norm,gelu")
+
+
+def test_prologue_too_large_to_stage_is_not_fused():
+    g = build_graph(get_preset("qwen3-8b"), tp=1, rank=0, batch=16, max_seq_len=64)
+    kinds = {i.linear.name: i.kind for i in fusion.plan(g, True) if isinstance(i, fusion.FusedLinear)}
+    # down_proj: 16 rows x 12288 bf16 = 384 KiB > STAGE_LIMIT: silu stays a task, the residual is still fused
+    assert kinds["L0.down_proj"] == "linear_residual" and kinds["L0.qkv_proj"] == "norm_linear"
+
+
+def test_staging_bytes_is_the_largest_fused_prologue():
+    cg = programs(fp32("tiny"), 1, batch=2, fuse=True)[0]
+    I, H = get_preset("tiny").intermediate_size, get_preset("tiny").hidden_size
+    assert fusion.staging_bytes(cg, 1 << 20) == fusion.STAGE_OFFSET_BYTES + 2 * 2 * I
+    assert fusion.staging_bytes(cg, fusion.STAGE_OFFSET_BYTES + 2 * 2 * H) == fusion.STAGE_OFFSET_BYTES + 2 * 2 * H
+    assert fusion.staging_bytes(programs(fp32("tiny"), 1)[0], 1 << 20) == 0
+
+
+@pytest.mark.parametrize("config,tp", [("tiny", 1), ("tiny", 2), ("tiny-llama", 1), ("tiny-llama", 2)])
+def test_fused_random_schedules_match_torch_backend(config, tp):
+    cfg = fp32(config)
+    cgs, ws = programs(cfg, tp, fuse=True), weights(cfg, tp)
+    greedy, forced = [[7]] + [[-1]] * (LONG - 1), [[7], [300]]
+    refs = {"greedy": reference(cfg, tp, greedy), "forced": reference(cfg, tp, forced)}
+    for seed in range(SCHEDULES):
+        feed, (ref_logits, ref_tokens) = (greedy, refs["greedy"]) if seed % 2 == 0 else (forced, refs["forced"])
+        steps = LONG if seed == 0 else SHORT
+        res = Interpreter(cgs, ws, seed=seed, mode="aot" if seed % 4 == 3 else "jit").run(
+            steps, torch.tensor(feed[:steps]), torch.tensor([0]))
+        err = max_rel_err(res.captured["logits"], ref_logits[:steps])
+        assert err <= 1e-5, f"{config} tp={tp} schedule {seed}: max rel. error {err:.2e}"
+        assert torch.equal(res.tokens, ref_tokens[:steps]), f"{config} tp={tp} schedule {seed}: tokens differ"
+
+
+@pytest.mark.parametrize("config,tp,batch", [("tiny", 1, 2), ("tiny-llama", 2, 1)])
+def test_bf16_fused_equals_unfused_bit_for_bit(config, tp, batch):
+    """Rounding points unchanged: in bf16 the fused and unfused programs give identical logits."""
+    cfg = get_preset(config)
+    ws = weights(cfg, tp, batch=batch)
+    feed = torch.tensor([[7, 11][:batch]] + [[-1] * batch] * 5)
+    out = [Interpreter(programs(cfg, tp, batch=batch, fuse=f), ws, seed=2).run(6, feed, torch.zeros(batch, dtype=torch.int32))
+           for f in (False, True)]
+    assert torch.equal(out[0].captured["logits"], out[1].captured["logits"])
+    assert torch.equal(out[0].tokens, out[1].tokens)
+
+
+def _caught(mutated, ws, baseline, feed) -> bool:
+    for seed in range(3):
+        try:
+            res = Interpreter(mutated, ws, seed=seed, on_race="raise").run(2, feed, torch.tensor([0]))
+        except (DeviceTimeout, RaceError):
+            return True
+        if not torch.equal(res.captured["logits"], baseline):
+            return True
+    return False
+
+
+@pytest.mark.parametrize("tp,layer", [(1, 1), (2, 0)])
+def test_deleting_any_edge_of_a_fused_layer_is_caught(tp, layer):
+    cfg = fp32("tiny")
+    cgs, ws = programs(cfg, tp, fuse=True), weights(cfg, tp)
+    kinds = _layer_kinds(cgs[0], layer)
+    assert "norm_linear" in kinds and "silu_linear" in kinds
+    feed = torch.tensor([[5], [-1]])
+    baseline = Interpreter(cgs, ws, seed=0).run(2, feed, torch.tensor([0])).captured["logits"]
+    missed, tried = [], 0
+    for what, begin, end, mutate in (("wait", "WAIT_BEGIN", "WAIT_END", drop_wait),
+                                     ("signal", "SIGNAL_BEGIN", "SIGNAL_END", drop_signal)):
+        for k in rows_of_layer(cgs[0], layer, begin, end):
+            tried += 1
+            if not _caught([mutate(cg, k) for cg in cgs], ws, baseline, feed):
+                missed.append(f"{what} row {k}")
+    assert tried >= 20
+    assert not missed, f"deleting these edges of a fused layer went unnoticed: {missed}"
