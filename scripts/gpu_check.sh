@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Run every GPU test and the mega-kernel checks on a machine with an NVIDIA GPU; print a short
-# table last. Usage: scripts/gpu_check.sh [--runtime-only] [--no-sanitizer] [--bench]
+# table last. Usage: scripts/gpu_check.sh [--runtime-only] [--no-sanitizer] [--bench] [--fusion-only|--no-fusion]
 #   --runtime-only  only tests/runtime (the mega-kernel), not every gpu-marked test of the repo
 #   --no-sanitizer  skip compute-sanitizer memcheck/racecheck on the 2-layer model
 #   --bench         also run mpk-dist bench on qwen3-0.6b (megakernel vs torch-graph/compile)
+#   --fusion-only   only the fused-linear section (tests/runtime/test_fusion_gpu.py, bench and trace
+#                   with --fuse vs --no-fuse); --no-fusion skips that section. Limit: FUSION_LIMIT
 # Logs and JSON go to $OUT (or ./gpu_check_out). Time limits (s): PYTEST_LIMIT, SAN_LIMIT, TRACE_LIMIT;
 # PYTEST_K selects tests (pytest -k), SKIP_TRACE=1 skips the traced qwen3-0.6b run.
 set -u
@@ -11,13 +13,15 @@ OUT=${OUT:-$PWD/gpu_check_out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 MPK_CACHE_DIR=${MPK_CACHE_DIR:-/tmp/mpk_cache}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-RUNTIME_ONLY=0; SANITIZE=1; BENCH=0
+RUNTIME_ONLY=0; SANITIZE=1; BENCH=0; FUSION=1; FUSION_ONLY=0
 for a in "$@"; do
   case "$a" in
     --runtime-only) RUNTIME_ONLY=1 ;;
     --no-sanitizer) SANITIZE=0 ;;
     --bench) BENCH=1 ;;
-    *) echo "gpu_check.sh: unknown option $a (expected --runtime-only, --no-sanitizer, --bench)" >&2; exit 2 ;;
+    --fusion-only) FUSION_ONLY=1 ;;
+    --no-fusion) FUSION=0 ;;
+    *) echo "gpu_check.sh: unknown option $a (expected --runtime-only, --no-sanitizer, --bench, --fusion-only, --no-fusion)" >&2; exit 2 ;;
   esac
 done
 declare -A STATUS
@@ -36,7 +40,8 @@ python3 -c "import torch, cuda.bindings; print('torch', torch.__version__, 'cuda
 
 TESTS=tests; [ $RUNTIME_ONLY -eq 1 ] && TESTS=tests/runtime
 KSEL=(); [ -n "${PYTEST_K:-}" ] && KSEL=(-k "$PYTEST_K")  # e.g. PYTEST_K="not 0.6b-16" to save time
-step pytest_gpu "${PYTEST_LIMIT:-900}" env MPK_GPU_REPORT="$OUT/gpu_results.json" python3 -m pytest -m gpu "$TESTS" "${KSEL[@]}" -q -rs -p no:cacheprovider --tb=short --maxfail=${MAXFAIL:-8} -o addopts="--import-mode=importlib"
+if [ $FUSION_ONLY -eq 0 ]; then  # (closed after the bench step; the fusion section follows it)
+step pytest_gpu "${PYTEST_LIMIT:-900}" env MPK_GPU_REPORT="$OUT/gpu_results.json" python3 -m pytest -m gpu "$TESTS" --ignore=tests/runtime/test_fusion_gpu.py "${KSEL[@]}" -q -rs -p no:cacheprovider --tb=short --maxfail=${MAXFAIL:-8} -o addopts="--import-mode=importlib"
 
 if [ $SANITIZE -eq 1 ] && command -v compute-sanitizer > /dev/null; then
   SAN_PY='from mpk_dist.model_source import open_model
@@ -58,15 +63,33 @@ if [ "${SKIP_TRACE:-0}" = 1 ]; then STATUS[trace_0p6b]="skipped"; fi
 if [ $BENCH -eq 1 ]; then
   step bench_0p6b 600 mpk-dist bench --model qwen3-0.6b --backend megakernel,torch-graph,torch-compile
 fi
+fi  # FUSION_ONLY
+
+# ---- fused linears (issue 6: mpk_dist.taskgraph.fusion, docs/TASKGRAPH.md 'Fused linears') ----------
+# GPU acceptance of MegakernelBackend(fuse=True) against torch and the unfused kernel, then the speed
+# of qwen3-0.6b batch 1 with --fuse against --no-fuse (and torch-compile), and a fused trace summary.
+rm -f "$OUT/gpu_results_fusion.json"  # no stale rows in the summary
+if [ $FUSION -eq 1 ]; then
+  step fusion_gpu "${FUSION_LIMIT:-900}" env MPK_GPU_REPORT="$OUT/gpu_results_fusion.json" python3 -m pytest -m gpu \
+    tests/runtime/test_fusion_gpu.py "${KSEL[@]}" -q -rs -p no:cacheprovider --tb=short -o addopts="--import-mode=importlib"
+  step fusion_bench_0p6b 600 bash -c "mpk-dist bench --model qwen3-0.6b --backend megakernel --no-fuse \
+    --output-json $OUT/bench_0p6b_unfused.json && mpk-dist bench --model qwen3-0.6b --backend megakernel,torch-compile \
+    --fuse --output-json $OUT/bench_0p6b_fused.json"
+  step fusion_trace_0p6b 300 bash -c "mpk-dist run --model qwen3-0.6b --backend megakernel --fuse --prompt-ids 1,2,3,4 \
+    --max-new-tokens 8 --trace $OUT/trace_qwen3_0p6b_fused.json > /dev/null \
+    && mpk-dist trace-summary $OUT/trace_qwen3_0p6b_fused.json | head -40 && gzip -f $OUT/trace_qwen3_0p6b_fused.json"
+fi
 
 echo
 echo "==================== gpu_check summary ===================="
-python3 - "$OUT/gpu_results.json" <<'PY'
+python3 - "$OUT/gpu_results.json" "$OUT/gpu_results_fusion.json" <<'PY'
 import json, sys
-try:
-    rows = json.load(open(sys.argv[1]))
-except OSError:
-    rows = []
+rows = []
+for path in sys.argv[1:]:
+    try:
+        rows += json.load(open(path))
+    except OSError:
+        pass
 keys = ["case", "steps", "max_err/std", "argmax_agree", "tokens_equal", "ms/token", "ok"]
 print(f"{keys[0]:<34}" + "".join(f"{k:>13}" for k in keys[1:]))
 for r in rows:
