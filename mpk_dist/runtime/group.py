@@ -79,6 +79,9 @@ class RankGroup:
             stream = torch.cuda.Stream(device) if multi else None
             self.sessions.append(Session(cg, w, device, region=region, stream=stream, cooperative=self.world == 1,
                                          **session_kw))
+        if transport.name == "local":
+            for s in self.sessions:  # the host reads peers' tallies directly (error diagnosis)
+                s.peer_regions = regions
         k = self.sessions[0].kernel
         check_coresident(self.sessions[0].workers, transport.ranks_per_gpu, k.blocks_per_sm, k.num_sms)
 

@@ -24,7 +24,7 @@ from mpk_dist.runtime.codegen import KernelShape, tables_hash
 from mpk_dist.runtime.comm_layout import comm_layout, peer_quota, peer_tables
 from mpk_dist.runtime.kernel import build_kernel
 from mpk_dist.runtime.loader import LoadedKernel, host_device_pointer
-from mpk_dist.runtime.params import ERROR_CODES, TRACE_DTYPE, ErrorRecord, RuntimeParams, to_bytes
+from mpk_dist.runtime.params import TRACE_DTYPE, ErrorRecord, RuntimeParams, to_bytes
 from mpk_dist.taskgraph.abi import ABI_VERSION, TASK_COLS
 
 _TORCH = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32, "i32": torch.int32}
@@ -84,6 +84,7 @@ class Session:
             raise InputError(f"symmetric region of rank {self.rank}: expected >= {self.layout.nbytes} bytes and "
                              f"{self.world} peers, got {region.nbytes} bytes and {len(region.peer_ptrs)} peers")
         self.region = region
+        self.peer_regions = None  # every rank's region when they live in this process (local transport)
         self._alloc(weights, num_sched)
 
     # -- memory ------------------------------------------------------------------------------------
@@ -318,61 +319,33 @@ class Session:
 
     def error_message(self) -> str | None:
         """The watchdog record of the last launch as one message (None when there is none)."""
-        r = self.error_record()
-        if r.code == 0:
-            return None
-        cg = self.cg
-        task = cg.task_label(r.task_id) if 0 <= r.task_id < cg.arrays["tasks"].shape[0] else f"task {r.task_id}"
-        if 0 <= r.event_id < len(cg.meta["events"]):
-            prods = self.producers(r.event_id)
-            event = f"event {r.event_id} '{cg.meta['events'][r.event_id]}' (signalled by {prods})"
-        else:
-            event = f"event {r.event_id}"
-        return (f"mega-kernel watchdog ({ERROR_CODES.get(r.code, r.code)}): {task} (task {r.task_id}) waited on {event} "
-                f"at step {r.step} on SM {r.sm_id} (worker {r.worker}, rank {r.rank}): expected counter >= {r.expected}, "
-                f"got {r.seen} after {r.elapsed_ns / 1e9:.2f} s; {self.cause(r)} (raise --timeout if a step is "
-                "legitimately slower)")
+        from mpk_dist.runtime.diagnosis import error_message
 
-    def cause(self, r: ErrorRecord) -> str:
-        """Why the wait of record ``r`` stayed short: a peer rank that did not signal, else the root
-        cause found in this rank's own counters."""
-        if self.world > 1 and 0 <= r.peer < self.world:
-            who = "this rank itself" if r.peer == self.rank else f"peer rank {r.peer}"
-            return (f"waiting on {who}: rank {r.peer} sent {r.peer_sent} of the {r.peer_expected} signals of event "
-                    f"{r.event_id} due by step {r.step} (that rank stalled, died or timed out first; see its error)")
-        return self.root_cause(r.step)
+        return error_message(self)
 
     def root_cause(self, step: int) -> str:
-        """From the final counters: the first event (task order) incomplete at ``step`` although every
-        producer had its inputs, i.e. a producer that ran (or could run) but never signalled."""
-        from mpk_dist.taskgraph.abi import EVENT_COLS, WAIT_COLS
+        """The first producer that had its inputs at ``step`` but left its event short (own counters)."""
+        from mpk_dist.runtime.diagnosis import root_cause
 
-        cg = self.cg
-        tasks, waits, sig = cg.arrays["tasks"], cg.arrays["waits"], cg.arrays["signals"]
-        trig = cg.arrays["events"][:, EVENT_COLS["TRIGGERS"]].astype(np.int64)
-        ctr = self.counters()
+        return root_cause(self.cg, self.counters(), step)
 
-        def met(t: int) -> bool:
-            rows = waits[tasks[t, TASK_COLS["WAIT_BEGIN"]]:tasks[t, TASK_COLS["WAIT_END"]]]
-            return all(ctr[e] >= (step + 1 + o) * trig[e] for e, o in rows[:, [WAIT_COLS["EVENT"], WAIT_COLS["STEP_OFFSET"]]])
+    def tallies_of(self, r: int) -> np.ndarray | None:
+        """Rank r's tallies of SIG_ALL_RANKS signals per event (int64 [E]), read from its region:
+        own memory, a region of this process (local transport), or through the IPC mapping (ipc);
+        None when a peer's region cannot be read (the peer process is gone)."""
+        E = self.cg.arrays["events"].shape[0]
+        try:
+            if r == self.rank:
+                t = self.events[E:2 * E]
+            elif self.peer_regions is not None:
+                t = self.peer_regions[r].local[4 * E:8 * E].view(torch.int32)
+            else:
+                from mpk_dist.comm.symmetric import peer_view
 
-        for t in range(tasks.shape[0]):
-            evs = sig[tasks[t, TASK_COLS["SIGNAL_BEGIN"]]:tasks[t, TASK_COLS["SIGNAL_END"]], 0]
-            for e in evs:
-                if ctr[e] < (step + 1) * trig[e] and met(t):
-                    return (f"root cause: {cg.task_label(t)} (task {t}) had all its inputs at step {step} but event {e} "
-                            f"'{cg.meta['events'][e]}' stopped at {ctr[e]} of {(step + 1) * trig[e]}")
-        return "no producer with ready inputs left the event short (a wait on a later step?)"
-
-    def producers(self, event: int) -> str:
-        """Labels of the tasks that signal ``event`` (for error messages)."""
-        tasks, sig = self.cg.arrays["tasks"], self.cg.arrays["signals"]
-        out = []
-        for t in range(tasks.shape[0]):
-            rows = sig[tasks[t, TASK_COLS["SIGNAL_BEGIN"]]:tasks[t, TASK_COLS["SIGNAL_END"]], 0]
-            if event in rows:
-                out.append(f"task {t}")
-        return ", ".join(out[:4]) + (" ..." if len(out) > 4 else "") if out else "no task"
+                t = peer_view(self.region, r, torch.int32, 2 * E)[E:]
+            return t.cpu().numpy().astype(np.uint32).astype(np.int64)
+        except Exception:  # noqa: BLE001 - a dead peer's mapping: diagnosis only, never fatal
+            return None
 
     def trace_records(self) -> list[np.ndarray]:
         """Per worker: the trace records of the last launch."""

@@ -128,3 +128,34 @@ def test_merge_vocab_orders_and_checks_slices():
         merge_vocab([a, b], [0, 4], 9)
     with pytest.raises(InputError, match="expected 9 ids"):
         merge_vocab([a, b], [0, 3], 9)
+
+
+def test_a_local_timeout_downstream_of_a_missing_push_still_names_the_peer(tp2):
+    """Rank 0 timed out on a LOCAL event (the norm after the all-reduce), so its record names no
+    peer; the host reads both ranks' tallies and finds rank 1 behind on L0's all-reduce pushes."""
+    from mpk_dist.runtime.comm_layout import peer_quota
+    from mpk_dist.runtime.diagnosis import first_signaller
+
+    g = tp2.group(1)
+    g.launch(0, 4, 3, 2, (), True, False)
+    s0, s1 = g.sessions
+    cg, E = s0.cg, s0.cg.num_events
+    quota = torch.from_numpy(peer_quota(cg))
+    names = cg.meta["events"]
+    late = torch.tensor([names[e].startswith("L0.attn_reduce/push") for e in range(E)])
+    s0.events[E:] = quota  # step 0: rank 0 sent all its pushes
+    s1.events[E:] = torch.where(late, torch.zeros_like(quota), quota)  # rank 1 never pushed L0's attention
+    norm = next(t for t in range(cg.num_tasks) if "L0.mlp_norm" in cg.task_label(t))
+    local_ev = int(cg.arrays["waits"][cg.arrays["tasks"][norm, 4], 0])
+    assert cg.arrays["events"][local_ev, 1] == 0, "the norm waits on a local event"
+    rec = ErrorRecord(code=1, valid=1, task_id=norm, event_id=local_ev, step=0, sm_id=1, worker=0, rank=0, seen=0,
+                      expected=1, elapsed_ns=10**9, peer=-1)
+    s0.pinned["error"].copy_(torch.frombuffer(bytearray(bytes(rec)), dtype=torch.uint8))
+    with pytest.raises(DeviceTimeout) as info:
+        g.raise_on_error()
+    msg = str(info.value)
+    first_late = min((e for e in range(E) if late[e]), key=lambda e: first_signaller(cg)[e])
+    assert f"waiting on peer rank 1: it sent 0 of the {int(quota[first_late])} signals of event {first_late}" in msg, msg
+    s1.events[E:] = quota  # rank 1 caught up: no peer is behind, the own-counter root cause is reported
+    with pytest.raises(DeviceTimeout, match="root cause|no producer"):
+        g.raise_on_error()

@@ -1,0 +1,114 @@
+"""Turn a watchdog record into a message that says who waited on what, and why it never came.
+
+Causes, in order of preference:
+
+1. the record names a peer (the kernel found that rank's tally for the waited system-scope event
+   short: csrc/runtime/worker.cuh find_short_peer);
+2. at tp > 1, the ranks' tallies (read from every region on the host) show a peer behind this rank:
+   the first peer-signalled event, in task order, that some peer has not signalled as often as
+   due by the step while this rank has. This covers a rank whose first timeout was on a LOCAL event
+   downstream of the missing communication (e.g. the norm waiting on the all-reduce's output);
+3. the root cause in this rank's own counters: the first producer whose inputs were met at the
+   step but whose event stayed short (it ran, or could run, but never signalled).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mpk_dist.runtime.comm_layout import peer_quota
+from mpk_dist.runtime.params import ERROR_CODES
+from mpk_dist.taskgraph.abi import EVENT_COLS, TASK_COLS, WAIT_COLS
+
+
+def error_message(sess) -> str | None:
+    """The last launch's watchdog record of session ``sess`` as one message (None: no record)."""
+    r = sess.error_record()
+    if r.code == 0:
+        return None
+    cg = sess.cg
+    task = cg.task_label(r.task_id) if 0 <= r.task_id < cg.num_tasks else f"task {r.task_id}"
+    if 0 <= r.event_id < len(cg.meta["events"]):
+        event = f"event {r.event_id} '{cg.meta['events'][r.event_id]}' (signalled by {producers(cg, r.event_id)})"
+    else:
+        event = f"event {r.event_id}"
+    return (f"mega-kernel watchdog ({ERROR_CODES.get(r.code, r.code)}): {task} (task {r.task_id}) waited on {event} "
+            f"at step {r.step} on SM {r.sm_id} (worker {r.worker}, rank {r.rank}): expected counter >= {r.expected}, "
+            f"got {r.seen} after {r.elapsed_ns / 1e9:.2f} s; {cause(sess, r)} (raise --timeout if a step is "
+            "legitimately slower)")
+
+
+def cause(sess, r) -> str:
+    """Why the wait of record ``r`` stayed short (see the module docstring for the order)."""
+    cg = sess.cg
+    if sess.world > 1 and 0 <= r.peer < sess.world:
+        who = "this rank itself" if r.peer == sess.rank else f"peer rank {r.peer}"
+        return (f"waiting on {who}: rank {r.peer} sent {r.peer_sent} of the {r.peer_expected} signals of event "
+                f"{r.event_id} due by step {r.step} (that rank stalled, died or timed out first; see its error)")
+    if sess.world > 1:
+        tallies = [sess.tallies_of(q) for q in range(sess.world)]
+        lag = lagging_peer(cg, tallies, sess.rank, r.step)
+        if lag is not None:
+            q, e, have, need = lag
+            return (f"waiting on peer rank {q}: it sent {have} of the {need} signals of event {e} "
+                    f"'{cg.meta['events'][e]}' due by step {r.step} while this rank sent all of its own "
+                    "(that rank stalled, died or timed out first; see its error)")
+    return root_cause(cg, sess.counters(), r.step)
+
+
+def first_signaller(cg) -> np.ndarray:
+    """int64 [E]: the lowest task id that signals each event (task order = a topological order)."""
+    tasks, sig = cg.arrays["tasks"], cg.arrays["signals"]
+    E = cg.arrays["events"].shape[0]
+    owner = np.repeat(np.arange(tasks.shape[0]), tasks[:, TASK_COLS["SIGNAL_END"]] - tasks[:, TASK_COLS["SIGNAL_BEGIN"]])
+    first = np.full(E, np.iinfo(np.int64).max, np.int64)
+    np.minimum.at(first, sig[:, 0].astype(np.int64), owner)
+    return first
+
+
+def lagging_peer(cg, tallies: list[np.ndarray | None], rank: int, step: int) -> tuple[int, int, int, int] | None:
+    """(peer, event, its tally, due) for the first peer-signalled event (task order) that a peer has
+    signalled fewer than (step + 1) x quota times while ``rank`` has not; None when no peer is behind
+    this rank (or the tallies cannot be read)."""
+    mine = tallies[rank]
+    if mine is None:
+        return None
+    quota = peer_quota(cg).astype(np.int64)
+    due = (step + 1) * quota
+    for e in np.argsort(first_signaller(cg), kind="stable"):
+        if quota[e] == 0:
+            continue
+        if mine[e] < due[e]:
+            return None  # this rank itself has not got this far: no peer is behind it
+        for q, t in enumerate(tallies):
+            if q != rank and t is not None and t[e] < due[e]:
+                return q, int(e), int(t[e]), int(due[e])
+    return None
+
+
+def root_cause(cg, ctr: np.ndarray, step: int) -> str:
+    """From the final counters ``ctr``: the first event (task order) incomplete at ``step`` although
+    its producer had all its inputs, i.e. a producer that ran (or could run) but never signalled."""
+    tasks, waits, sig = cg.arrays["tasks"], cg.arrays["waits"], cg.arrays["signals"]
+    trig = cg.arrays["events"][:, EVENT_COLS["TRIGGERS"]].astype(np.int64)
+
+    def met(t: int) -> bool:
+        rows = waits[tasks[t, TASK_COLS["WAIT_BEGIN"]]:tasks[t, TASK_COLS["WAIT_END"]]]
+        return all(ctr[e] >= (step + 1 + o) * trig[e] for e, o in rows[:, [WAIT_COLS["EVENT"], WAIT_COLS["STEP_OFFSET"]]])
+
+    for t in range(tasks.shape[0]):
+        for e in sig[tasks[t, TASK_COLS["SIGNAL_BEGIN"]]:tasks[t, TASK_COLS["SIGNAL_END"]], 0]:
+            if ctr[e] < (step + 1) * trig[e] and met(t):
+                return (f"root cause: {cg.task_label(t)} (task {t}) had all its inputs at step {step} but event {e} "
+                        f"'{cg.meta['events'][e]}' stopped at {ctr[e]} of {(step + 1) * trig[e]}")
+    return "no producer with ready inputs left the event short (a wait on a later step?)"
+
+
+def producers(cg, event: int) -> str:
+    """Labels of the tasks that signal ``event`` (for error messages)."""
+    tasks, sig = cg.arrays["tasks"], cg.arrays["signals"]
+    out = []
+    for t in range(tasks.shape[0]):
+        if event in sig[tasks[t, TASK_COLS["SIGNAL_BEGIN"]]:tasks[t, TASK_COLS["SIGNAL_END"]], 0]:
+            out.append(f"task {t}")
+    return ", ".join(out[:4]) + (" ..." if len(out) > 4 else "") if out else "no task"
