@@ -5,7 +5,7 @@
 // use; the same fp32 accumulation order), so a fused tile sums exactly as the unfused linear does.
 //
 // Input policies give 8 bf16 of x[b, k..k+7] as a uint4: XRows reads a bf16 matrix (global
-// activations, or a prologue's result staged in shared memory by stage_rows). When the staged
+// activations, or a prologue's result staged in shared memory by stage_row). When the staged
 // input does not fit the launch's shared memory, gemv_rowwise computes the prologue per element
 // (NormRow, SiluRow) with a bit-identical result. Every prologue rounds exactly as the unfused task
 // that wrote x would have. Only the instantiations the fused graphs use exist (few templates keep
@@ -75,8 +75,8 @@ struct SiluRow {
   __device__ __forceinline__ uint4 load8(int k) const { return silu8(g, up, k); }
 };
 
-// Staged prologue rows live after the block-reduction scratch (kStageOffset floats), so the
-// statistics of row b+1 (block_sum) can run while row b is already staged.
+// Staged prologue rows live after the block-reduction scratch (kStageOffset floats >= 32 warps), so
+// block_sum for row b+1's statistics never overwrites the already staged row b.
 constexpr int kStageOffset = 64;
 
 __device__ __forceinline__ bf16* stage_base(float* smem) { return reinterpret_cast<bf16*>(smem + kStageOffset); }
@@ -111,9 +111,11 @@ struct Epi {
   }
 };
 
-template <int B, int R, class XS, class Epi>
-__device__ __noinline__ void gemv_tile(const XS xs, const bf16* __restrict__ w, int K, int n_tile, const Epi epi, int tid,
-                          int nt) {
+// NOTE: not inlined: one copy per batch serves all three fused kinds (inlined at each call site it
+// tripled the batch-16 kernel's build time); the call costs nothing next to a tile's weight stream.
+template <int B, int R, class XS, class EpiT>
+__device__ __noinline__ void gemv_tile(const XS xs, const bf16* __restrict__ w, int K, int n_tile, const EpiT epi,
+                                       int tid, int nt) {
   constexpr int U = kLinUnroll / R > 0 ? kLinUnroll / R : 1;
   const int warp = tid >> 5, lane = tid & 31, nwarps = nt >> 5;
   for (int n0 = warp * R; n0 < n_tile; n0 += nwarps * R) {
@@ -158,8 +160,8 @@ __device__ __noinline__ void gemv_tile(const XS xs, const bf16* __restrict__ w, 
 // warp per weight row, the prologue computed per element. Each lane sums its k = lane*8 + 256 j
 // terms in increasing j, as gemv_tile does for any R and U, so the result is bit-identical to the
 // staged path; slower (the weight block is re-read per batch row, one prologue per weight row).
-template <class Row, class Epi>
-__device__ void gemv_rowwise(const Row& row, const bf16* __restrict__ w, int K, int n_tile, const Epi& epi, int b,
+template <class Row, class EpiT>
+__device__ void gemv_rowwise(const Row& row, const bf16* __restrict__ w, int K, int n_tile, const EpiT& epi, int b,
                              int tid, int nt) {
   const int warp = tid >> 5, lane = tid & 31, nwarps = nt >> 5;
   for (int n = warp; n < n_tile; n += nwarps) {
