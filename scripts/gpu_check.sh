@@ -6,6 +6,11 @@
 #   --bench         also run mpk-dist bench on qwen3-0.6b (megakernel vs torch-graph/compile)
 #   --fusion-only   only the fused-linear section (tests/runtime/test_fusion_gpu.py, bench and trace
 #                   with --fuse vs --no-fuse); --no-fusion skips that section. Limit: FUSION_LIMIT
+#   --tp            ONLY the tensor-parallel checks (bounded, ~9 min): tp 2/4 local transport
+#                   (tests/runtime/test_megakernel_tp_gpu.py), ipc transport under launch/mpirun.sh with
+#                   a private MPS (test_megakernel_ipc_gpu.py, tests/comm IPC) and
+#                   mpk-dist bench --tp 2 --transport local (exposed_comm_share). Limits (s): TP_LIMIT,
+#                   IPC_LIMIT, TP_BENCH_LIMIT. Without --tp those two test files are left out.
 # Logs and JSON go to $OUT (or ./gpu_check_out). Time limits (s): PYTEST_LIMIT, SAN_LIMIT, TRACE_LIMIT;
 # PYTEST_K selects tests (pytest -k), SKIP_TRACE=1 skips the traced qwen3-0.6b run.
 set -u
@@ -13,7 +18,7 @@ OUT=${OUT:-$PWD/gpu_check_out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 MPK_CACHE_DIR=${MPK_CACHE_DIR:-/tmp/mpk_cache}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-RUNTIME_ONLY=0; SANITIZE=1; BENCH=0; FUSION=1; FUSION_ONLY=0
+RUNTIME_ONLY=0; SANITIZE=1; BENCH=0; FUSION=1; FUSION_ONLY=0; TP=0
 for a in "$@"; do
   case "$a" in
     --runtime-only) RUNTIME_ONLY=1 ;;
@@ -21,7 +26,8 @@ for a in "$@"; do
     --bench) BENCH=1 ;;
     --fusion-only) FUSION_ONLY=1 ;;
     --no-fusion) FUSION=0 ;;
-    *) echo "gpu_check.sh: unknown option $a (expected --runtime-only, --no-sanitizer, --bench, --fusion-only, --no-fusion)" >&2; exit 2 ;;
+    --tp) TP=1 ;;
+    *) echo "gpu_check.sh: unknown option $a (expected --runtime-only, --no-sanitizer, --bench, --fusion-only, --no-fusion, --tp)" >&2; exit 2 ;;
   esac
 done
 declare -A STATUS
@@ -38,10 +44,44 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
 python3 -c "import torch, cuda.bindings; print('torch', torch.__version__, 'cuda-bindings', cuda.bindings.__version__)"
 
+# ---- tensor parallelism (--tp): this section only, then the summary ----
+TP_FILES=(tests/runtime/test_megakernel_tp_gpu.py tests/runtime/test_megakernel_ipc_gpu.py)
+if [ $TP -eq 1 ]; then
+  rm -f "$OUT/gpu_results_tp.json" "$OUT/gpu_results_ipc.json" "$OUT/ipc_jobs.log"
+  # Local transport first (it warms the kernel cache for the mpirun ranks), then ipc in its own pytest
+  # process: its mpirun jobs run before that process creates a CUDA context (MPS shares the GPU).
+  step tp_local "${TP_LIMIT:-210}" env MPK_GPU_REPORT="$OUT/gpu_results_tp.json" python3 -m pytest -m gpu \
+    tests/runtime/test_megakernel_tp_gpu.py -q -rs -p no:cacheprovider --tb=short -o addopts="--import-mode=importlib"
+  step tp_ipc "${IPC_LIMIT:-270}" env MPK_GPU_REPORT="$OUT/gpu_results_ipc.json" MPK_IPC_LOG="$OUT/ipc_jobs.log" \
+    python3 -m pytest -m "gpu and mpi" tests/runtime/test_megakernel_ipc_gpu.py tests/comm/test_symmetric.py -q -rs \
+    -p no:cacheprovider --tb=short -o addopts="--import-mode=importlib"
+  step tp_bench "${TP_BENCH_LIMIT:-75}" bash -c "mpk-dist bench --model qwen3-0.6b --backend megakernel --tp 2 \
+    --transport local --prompt-len 64 --output-len 32 --iters 2 --no-progress --output-json $OUT/bench_tp2.json && \
+    python3 -c \"import json; r = json.load(open('$OUT/bench_tp2.json'))[0]; \
+print('exposed_comm_share', r.get('exposed_comm_share'), 'ms/token p50', r['ms_per_token_p50'])\""
+  echo
+  echo "==================== gpu_check --tp summary ===================="
+  python3 - "$OUT/gpu_results_tp.json" "$OUT/gpu_results_ipc.json" <<'PY'
+import json, sys
+rows = []
+for path in sys.argv[1:]:
+    try:
+        rows += json.load(open(path))
+    except (OSError, ValueError):
+        pass
+keys = ["case", "steps", "max_err/std", "argmax_agree", "tokens_equal", "ms/token", "ok"]
+print(f"{keys[0]:<34}" + "".join(f"{k:>13}" for k in keys[1:]))
+for r in rows:
+    print(f"{str(r.get('case')):<34}" + "".join(f"{str(r.get(k, '-')):>13}" for k in keys[1:]))
+PY
+  for k in "${!STATUS[@]}"; do printf '%-14s %s\n' "$k" "${STATUS[$k]}"; done | sort
+  exit 0
+fi
+
 TESTS=tests; [ $RUNTIME_ONLY -eq 1 ] && TESTS=tests/runtime
 KSEL=(); [ -n "${PYTEST_K:-}" ] && KSEL=(-k "$PYTEST_K")  # e.g. PYTEST_K="not 0.6b-16" to save time
 if [ $FUSION_ONLY -eq 0 ]; then  # (closed after the bench step; the fusion section follows it)
-step pytest_gpu "${PYTEST_LIMIT:-900}" env MPK_GPU_REPORT="$OUT/gpu_results.json" python3 -m pytest -m gpu "$TESTS" --ignore=tests/runtime/test_fusion_gpu.py "${KSEL[@]}" -q -rs -p no:cacheprovider --tb=short --maxfail=${MAXFAIL:-8} -o addopts="--import-mode=importlib"
+step pytest_gpu "${PYTEST_LIMIT:-900}" env MPK_GPU_REPORT="$OUT/gpu_results.json" python3 -m pytest -m gpu "$TESTS" --ignore=tests/runtime/test_fusion_gpu.py --ignore="${TP_FILES[0]}" --ignore="${TP_FILES[1]}" "${KSEL[@]}" -q -rs -p no:cacheprovider --tb=short --maxfail=${MAXFAIL:-8} -o addopts="--import-mode=importlib"
 
 if [ $SANITIZE -eq 1 ] && command -v compute-sanitizer > /dev/null; then
   SAN_PY='from mpk_dist.model_source import open_model
