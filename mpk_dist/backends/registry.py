@@ -10,7 +10,7 @@ import importlib
 
 import torch
 
-from mpk_dist.errors import BackendUnavailable
+from mpk_dist.errors import BackendUnavailable, InputError
 
 BACKENDS = ("auto", "megakernel", "interpreter", "torch", "torch-graph", "torch-compile")
 
@@ -40,6 +40,35 @@ def default_device(name: str) -> str:
     return "cuda"
 
 
+# backend option -> the command-line flag that sets it (for error messages)
+_OPTION_FLAGS = {"schedule": "--schedule", "trace": "--trace", "timeout_s": "--timeout", "transport": "--transport",
+                 "fuse": "--fuse/--no-fuse"}
+
+
+def _check_options(name: str, cls, opts: dict) -> None:
+    """Refuse options the backend does not take, naming the flag and the backends that take it."""
+    import inspect
+
+    params = inspect.signature(cls.__init__).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return
+    for key in opts:
+        if key not in params:
+            takers = [n for n, (m, c, _) in _IMPLS.items() if n != name and _takes(m, c, key)]
+            flag = _OPTION_FLAGS.get(key, key)
+            raise InputError(f"{flag}: not an option of --backend {name}; it applies to {', '.join(takers) or 'no backend'}")
+
+
+def _takes(module_name: str, cls_name: str, key: str) -> bool:
+    import inspect
+
+    try:
+        cls = getattr(importlib.import_module(module_name), cls_name)
+    except ImportError:
+        return False
+    return key in inspect.signature(cls.__init__).parameters
+
+
 def create_backend(name: str, cfg, source, tp: int = 1, device: str | None = None, max_seq_len: int = 512, **opts):
     """Instantiate backend ``name`` (after ``resolve_backend``) for all ``tp`` ranks of a model."""
     name = resolve_backend(name)
@@ -51,6 +80,7 @@ def create_backend(name: str, cfg, source, tp: int = 1, device: str | None = Non
     except ImportError as exc:
         raise BackendUnavailable(f"--backend {name}: not available in this installation ({exc})") from None
     cls = getattr(module, cls_name)
+    _check_options(name, cls, opts)
     if name.startswith("torch") and tp > 1:
         from mpk_dist.dist.env import rank_info
 

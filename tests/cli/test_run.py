@@ -70,3 +70,10 @@ def test_console_entry_point_reports_errors_without_traceback():
 def test_info_lists_backends(capsys):
     code, out, _ = _run(capsys, "info", "--json")
     assert code == 0 and "torch" in json.loads(out)["backends"]
+
+
+@pytest.mark.parametrize("flag, needle", [(["--fuse"], "--fuse/--no-fuse: not an option of --backend torch"),
+                                          (["--schedule", "aot"], "--schedule: not an option of --backend torch")])
+def test_backend_specific_flags_are_refused_not_ignored(capsys, flag, needle):
+    code, _, err = _run(capsys, "run", "--backend", "torch", *flag)
+    assert code == 2 and needle in err and "interpreter" in err
