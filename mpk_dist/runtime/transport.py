@@ -86,8 +86,7 @@ class IpcTransport:
         # NOTE: Split is an unbounded collective, so every rank first proves it is here (bounded).
         _allgather(world_comm, None, "transport start", timeout_s)
         self.comm = world_comm if world_comm.Get_size() == tp else world_comm.Split(self.info.rank // tp, self.info.rank)
-        self.device = torch.device("cuda", pick_device(self.info))
-        torch.cuda.set_device(self.device)
+        self.device = self._select_device()
         from mpk_dist.runtime.partition import max_ranks_per_device
 
         # Every process of the job counts (replicas may share GPUs too); UUIDs are unique per GPU.
@@ -95,6 +94,12 @@ class IpcTransport:
         self.ranks_per_gpu = max_ranks_per_device(uuids)
         self.sharing = uuids.count(uuids[self.info.rank])
         require_mps(self.info, self.sharing)
+
+    def _select_device(self) -> torch.device:
+        """This rank's GPU (by local rank; see pick_device), made current."""
+        device = torch.device("cuda", pick_device(self.info))
+        torch.cuda.set_device(device)
+        return device
 
     def allocate(self, nbytes: int) -> list:
         """This rank's region, its peers' mapped through CUDA IPC handles (exchanged with a bounded gather)."""

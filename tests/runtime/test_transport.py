@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from mpk_dist.dist.env import RankInfo
@@ -84,3 +86,49 @@ def test_ipc_handle_bytes_round_trip():
     assert handle_to_bytes(handle_from_bytes(bytearray(data[::-1]))) == data[::-1]
     with pytest.raises(ValueError, match="expected 64 bytes, got 63"):
         handle_from_bytes(data[:-1])
+
+
+def _mpirun(n: int, *args: str, env: dict | None = None, timeout: float = 120):
+    """Run tests/runtime/ipc_cpu_job.py on n ranks; (return code, {rank: row}, output)."""
+    import json
+    import os
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    cmd = [shutil.which("mpirun") or "mpirun", "-n", str(n), "--oversubscribe"]
+    if os.geteuid() == 0:
+        cmd.insert(1, "--allow-run-as-root")
+    full = {**os.environ, "PYTHONPATH": f"{repo}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", **(env or {})}
+    proc = subprocess.run([*cmd, sys.executable, str(repo / "tests/runtime/ipc_cpu_job.py"), *args],
+                          capture_output=True, text=True, timeout=timeout, env=full)
+    rows = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith('{"rank"'):
+            row = json.loads(line)
+            rows[row["rank"]] = row
+    return proc.returncode, rows, proc.stdout[-2000:] + proc.stderr[-2000:]
+
+
+@pytest.mark.mpi
+def test_ipc_host_path_under_mpirun():
+    """Two real MPI processes, CUDA faked: regions' pointers exchanged, peer tables built from them,
+    kernels started after the barrier, logits slices merged on rank 0 in vocabulary order, the
+    exposure gathered, the one-step API's logits on every rank; a rank that never reaches the
+    launch makes rank 0's bounded barrier name it."""
+    rc, rows, out = _mpirun(2, "ok", env={"MPK_GATHER_TIMEOUT_S": "60"})
+    assert rc == 0 and sorted(rows) == [0, 1], out
+    for r, row in rows.items():
+        assert row["tp_rank"] == r and row["sharing"] == 2 and row["grid"] == 4 and not row["cooperative"], row
+        assert row["peers_ok"] and row["events_ok"] and row["tokens"] == [[2, 3, 4, 5]], row
+        assert row["step_logits"] == [1, 512], "the one-step API gathers the logits on every rank"
+    assert rows[0]["logits"] == [[4, 1, 512], 1.0, 2.0], "rank 0 merges rank 0's then rank 1's slice"
+    assert rows[1]["logits"] is None, "only rank 0 holds the merged logits"
+    assert rows[0]["share"] == 0.0 and rows[0]["by_rank"] == [0.0, 0.0]
+    t0 = time.perf_counter()
+    rc, rows, out = _mpirun(2, "hoststall", env={"MPK_GATHER_TIMEOUT_S": "60"})
+    assert rc != 0, out
+    assert "DeviceTimeout" in rows[0]["error"] and "ranks [1]" in rows[0]["error"], out
+    assert time.perf_counter() - t0 < 50, "the 2 s barrier, not the 60 s start-up bound, ended the job"
