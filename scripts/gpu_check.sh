@@ -50,9 +50,9 @@ if [ $TP -eq 1 ]; then
   rm -f "$OUT/gpu_results_tp.json" "$OUT/gpu_results_ipc.json" "$OUT/ipc_jobs.log"
   # Local transport first (it warms the kernel cache for the mpirun ranks), then ipc in its own pytest
   # process: its mpirun jobs run before that process creates a CUDA context (MPS shares the GPU).
-  step tp_local "${TP_LIMIT:-210}" env MPK_GPU_REPORT="$OUT/gpu_results_tp.json" python3 -m pytest -m gpu \
+  step tp_local "${TP_LIMIT:-240}" env MPK_GPU_REPORT="$OUT/gpu_results_tp.json" python3 -m pytest -m gpu \
     tests/runtime/test_megakernel_tp_gpu.py -q -rs -p no:cacheprovider --tb=short -o addopts="--import-mode=importlib"
-  step tp_ipc "${IPC_LIMIT:-270}" env MPK_GPU_REPORT="$OUT/gpu_results_ipc.json" MPK_IPC_LOG="$OUT/ipc_jobs.log" \
+  step tp_ipc "${IPC_LIMIT:-250}" env MPK_GPU_REPORT="$OUT/gpu_results_ipc.json" MPK_IPC_LOG="$OUT/ipc_jobs.log" \
     python3 -m pytest -m "gpu and mpi" tests/runtime/test_megakernel_ipc_gpu.py tests/comm/test_symmetric.py -q -rs \
     -p no:cacheprovider --tb=short -o addopts="--import-mode=importlib"
   step tp_bench "${TP_BENCH_LIMIT:-75}" bash -c "mpk-dist bench --model qwen3-0.6b --backend megakernel --tp 2 \

@@ -210,8 +210,9 @@ class MegakernelBackend(StepBackend):
         for s in g.sessions:
             rng = cp.profiled_steps(s.trace_from, done_steps, s.trace_cap, max_tasks_per_worker(s.cg))
             steps = range(max(rng.start, first_decode), rng.stop)
-            rows.append(cp.step_exposure(s.trace_records(), cp.comm_wait_tasks(s.cg), s.pinned["step_end_ns"].tolist(),
-                                         steps, s.rank))
+            if getattr(s, "comm_wait_mask", None) is None:
+                s.comm_wait_mask = cp.comm_wait_tasks(s.cg)
+            rows.append(cp.step_exposure(s.trace_records(), s.comm_wait_mask, s.pinned["step_end_ns"].numpy(), steps))
         if self.transport_name == "ipc":
             got = self.transport.gather([rows[0]], "exposed communication")
             rows = got if got is not None else rows
