@@ -55,7 +55,6 @@ def runs(tmp_path_factory):
     res["np2"] = launch(2, "check", out, "--repeats", "100", "--greedy-0p6b")
     res["stall"] = launch(2, "stall", out, limit=STALL_LIMIT_S + 60)
     res["die"] = launch(2, "die", out, limit=STALL_LIMIT_S + 60)
-    res["hoststall"] = launch(2, "hoststall", out, limit=STALL_LIMIT_S + 60, env={"MPK_GATHER_TIMEOUT_S": "20"})
     res["np4"] = launch(4, "check", out, "--repeats", "10")
     return res
 
@@ -143,14 +142,13 @@ def test_ipc_stalled_kernel_is_named_by_the_peer(runs, gpu_results):
     assert f"root cause: {rows[1]['victim']}" in msg1, tail
 
 
-@pytest.mark.parametrize("mode", ["hoststall", "die"])
-def test_ipc_rank_that_stalls_or_dies_before_launch(runs, mode, gpu_results):
-    """Rank 1 never reaches the launch (sleeps) or exits: rank 0's bounded pre-launch wait names
-    rank 1, or mpirun ends the job; either way it exits non-zero within the bound."""
-    rc, rows, secs, tail = runs[mode]
-    msg0 = rows.get(0, {}).get("error", "")
+def test_ipc_rank_that_dies_before_launch(runs, gpu_results):
+    """Rank 1 exits before the launch: mpirun ends the job (or rank 0's bounded pre-launch wait
+    names rank 1); either way the launcher exits non-zero within the bound. (A rank that stalls on
+    the host is the same bounded wait: tests/runtime/test_transport.py runs it under mpirun on the CPU.)"""
+    rc, rows, secs, tail = runs["die"]
     ok = rc != 0 and secs < STALL_LIMIT_S
-    gpu_results.append({"case": f"ipc np2 rank 1 {mode}", "steps": "-", "ok": ok})
+    gpu_results.append({"case": "ipc np2 rank 1 dies", "steps": "-", "ok": ok})
     assert rc != 0 and secs < STALL_LIMIT_S, tail
-    if mode == "hoststall":
-        assert "ranks [1]" in msg0 and "DeviceTimeout" in msg0, tail
+    msg0 = rows.get(0, {}).get("error", "")
+    assert not msg0 or "ranks [1]" in msg0, msg0
