@@ -33,22 +33,26 @@ def _same_structure(a: Program, b: Program) -> bool:
 
 def compile_rank_programs(cfg: ModelConfig, tp: int, batch: int = 1, sms: int = 132, max_seq_len: int = 512,
                           max_steps: int | None = None, ranks: list[int] | None = None, check: bool = True,
-                          timings: dict | None = None, fuse=False) -> list[CompiledGraph]:
+                          timings: dict | None = None, fuse=False, attn_splits=1) -> list[CompiledGraph]:
     """The compiled program of each rank in ``ranks`` (default all), validated when ``check``.
 
     ``fuse``: fold rms_norm / silu_mul / the tp-1 residual add into the neighbouring linear tiles
     (True = all, or names, see ``mpk_dist.taskgraph.fusion``); default off.
+    ``attn_splits``: split-KV attention, N KV ranges per kv head or 'auto' (from ``sms`` and
+    ``max_seq_len``; ``mpk_dist.taskgraph.lowering_attention``); default 1 = unsplit.
     """
+    from mpk_dist.taskgraph.lowering_attention import check_attn_splits
     from mpk_dist.taskgraph.fusion import fusion_set
 
     fusions = fusion_set(fuse)
+    attn_splits = check_attn_splits(attn_splits)
     if sms < 1 or batch < 1:
         raise InputError(f"--sms / --batch: expected positive integers, got sms={sms}, batch={batch}")
     max_steps = max_seq_len if max_steps is None else max_steps
     ranks = list(range(tp)) if ranks is None else ranks
     t0 = time.perf_counter()
     progs = {r: lower_graph(build_graph(cfg, tp=tp, rank=r, batch=batch, max_seq_len=max_seq_len), sms, max_steps,
-                            fusions)
+                            fusions, attn_splits)
              for r in sorted(set(ranks) | {0})}
     t1 = time.perf_counter()
     eg: EventGraph = reduce_events(build_events(progs[0]))
@@ -57,6 +61,8 @@ def compile_rank_programs(cfg: ModelConfig, tp: int, batch: int = 1, sms: int = 
             "sms": sms, "num_layers": cfg.num_layers}
     if fusions:  # only when on, so unfused programs (and their metadata) stay exactly as before
         info["fusions"] = sorted(fusions)
+    if attn_splits != 1:  # likewise: unsplit programs keep their metadata
+        info["attn_splits"] = attn_splits
     out = []
     for r in ranks:
         if not _same_structure(progs[0], progs[r]):

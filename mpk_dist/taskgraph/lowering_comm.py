@@ -83,14 +83,18 @@ def argmax_select(lw: Lowerer, op: Op) -> None:
     t.writes = [_all_fp(nxt, p, 1), _all_fp(out, p, 1)]
 
 
-def lower_graph(graph, sms: int, max_steps: int, fuse=False):
+def lower_graph(graph, sms: int, max_steps: int, fuse=False, attn_splits=1):
     """The ``Program`` of one rank: buffers and task-ops in a topological order of one step.
 
     ``fuse``: which fusions to apply (``mpk_dist.taskgraph.fusion.fusion_set``); False keeps every op.
+    ``attn_splits``: KV ranges per attention kv head (int or 'auto', ``lowering_attention``); 1 keeps
+    one attention task per kv head.
     """
     from mpk_dist.taskgraph.fusion import FusedLinear, dropped_tensors, plan
+    from mpk_dist.taskgraph.lowering_attention import check_attn_splits, lower_split_attention, resolve_splits
     from mpk_dist.taskgraph.lowering_fused import lower_fused
 
+    check_attn_splits(attn_splits)
     items = plan(graph, fuse)
     lw = Lowerer(graph, sms, max_steps)
     lw.declare_buffers(skip=dropped_tensors(items))
@@ -101,6 +105,11 @@ def lower_graph(graph, sms: int, max_steps: int, fuse=False):
         if isinstance(op, FusedLinear):
             lower_fused(lw, op)
             continue
+        if op.kind == "attention" and attn_splits != 1:
+            splits = resolve_splits(attn_splits, sms, op.attrs["kv_heads"], graph.max_seq_len)
+            if splits > 1:
+                lower_split_attention(lw, op, splits)
+                continue
         h = handlers.get(op.kind)
         if h is not None:
             h(lw, op)

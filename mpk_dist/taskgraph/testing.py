@@ -25,9 +25,11 @@ def fp32(name: str, **changes) -> ModelConfig:
     return dataclasses.replace(get_preset(name), dtype="float32", **changes)
 
 
-def programs(cfg: ModelConfig, tp: int, sms: int = 8, batch: int = 1, fuse=False) -> list[CompiledGraph]:
-    """Compiled, validated programs of every rank (``fuse``: fused linears, as compile_rank_programs)."""
-    return compile_rank_programs(cfg, tp, batch=batch, sms=sms, max_seq_len=MAX_SEQ, fuse=fuse)
+def programs(cfg: ModelConfig, tp: int, sms: int = 8, batch: int = 1, fuse=False,
+             attn_splits=1) -> list[CompiledGraph]:
+    """Compiled, validated programs of every rank (``fuse``, ``attn_splits``: as compile_rank_programs)."""
+    return compile_rank_programs(cfg, tp, batch=batch, sms=sms, max_seq_len=MAX_SEQ, fuse=fuse,
+                                 attn_splits=attn_splits)
 
 
 def weights(cfg: ModelConfig, tp: int, seed: int = 1, batch: int = 1) -> list[dict[str, torch.Tensor]]:

@@ -6,7 +6,8 @@
 from __future__ import annotations
 
 from mpk_dist.taskgraph.tasks import (add, allgather_push, allreduce_push, allreduce_reduce, argmax_partial,
-                                      argmax_reduce, argmax_select, attention, embedding, linear, linear_residual,
+                                      argmax_reduce, argmax_select, attention, attention_merge,
+                                      attention_split, embedding, linear, linear_residual,
                                       norm_linear, paged_attention, qkv_prep, qkv_prep_paged, rms_norm, silu_linear,
                                       silu_mul, step_begin)
 from mpk_dist.taskgraph.tasks.base import TaskKind
@@ -17,7 +18,9 @@ KINDS: tuple[TaskKind, ...] = tuple(sorted(
                       # paged KV cache (opt-in graphs; docs/SERVING.md): appended, earlier opcodes unchanged
                       qkv_prep_paged, paged_attention,
                       # fused linears (opt-in: compile_rank_programs(fuse=...); docs/TASKGRAPH.md)
-                      norm_linear, linear_residual, silu_linear)),
+                      norm_linear, linear_residual, silu_linear,
+                      # split-KV attention (opt-in: compile_rank_programs(attn_splits=...); docs/TASKGRAPH.md)
+                      attention_split, attention_merge)),
     key=lambda k: k.opcode))
 
 BY_NAME: dict[str, TaskKind] = {k.name: k for k in KINDS}

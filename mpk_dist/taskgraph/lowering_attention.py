@@ -1,0 +1,98 @@
+"""Lowering of split-KV decode attention (opt-in: ``compile_rank_programs(..., attn_splits=N|'auto')``).
+
+One ``attention`` op becomes two task-ops: ``<op>/split`` with one tile per (kv head h, KV range i)
+(kind attention_split) and ``<op>/merge`` with one tile per (kv head h, sequence b) (kind
+attention_merge), connected through an fp32 scratch buffer ``<op>.partial`` [Hkv, B, SPLITS, GROUP,
+D + 2] whose 2-D view has one row per (h, b), so split tile (h, i) writes one rectangle (rows of h,
+the columns of range i) and merge tile (h, b) reads one row: the merge of head h waits only for
+head h's splits. See docs/TASKGRAPH.md, "Split-KV attention".
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import numpy as np
+
+from mpk_dist.errors import InputError
+from mpk_dist.graph import Op
+from mpk_dist.taskgraph.lowering import Lowerer, _all_fp
+from mpk_dist.taskgraph.program import Footprint
+from mpk_dist.taskgraph.tasks import BY_NAME
+
+MIN_SPLIT_POSITIONS = 64
+"""'auto' never cuts the cache into ranges shorter than this (a split's fixed cost must stay small
+next to its KV reads)."""
+
+
+def check_attn_splits(attn_splits) -> int | str:
+    """Normalise the option: a positive int or 'auto'; raise InputError otherwise."""
+    if isinstance(attn_splits, str):
+        text = attn_splits.strip().lower()
+        if text == "auto":
+            return "auto"
+        n = int(text) if text.isdigit() else 0
+    else:
+        n = int(attn_splits) if isinstance(attn_splits, numbers.Integral) and not isinstance(attn_splits, bool) else 0
+    if n < 1:
+        raise InputError(f"attn_splits: expected a positive integer or 'auto', got {attn_splits!r}; "
+                         "e.g. --attn-splits 4 or --attn-splits auto (1 = one attention task per kv head)")
+    return n
+
+
+def resolve_splits(attn_splits, sms: int, kv_heads: int, max_seq_len: int) -> int:
+    """Number of KV ranges per kv head. 'auto': enough for kv_heads x splits to about fill ``sms``
+    workers, but no range shorter than MIN_SPLIT_POSITIONS positions (1 = no split)."""
+    n = check_attn_splits(attn_splits)
+    if n == "auto":
+        return max(1, min(sms // max(1, kv_heads), max_seq_len // MIN_SPLIT_POSITIONS))
+    if n > max_seq_len:
+        raise InputError(f"attn_splits: expected at most max_seq_len = {max_seq_len} ranges, got {n}; "
+                         "use fewer splits or 'auto'")
+    return n
+
+
+def split_ranges(max_seq_len: int, splits: int) -> list[tuple[int, int]]:
+    """[(s0, s1), ...]: ``splits`` requested ranges of equal length (the last may be shorter; a
+    request that would leave trailing ranges empty gets fewer ranges)."""
+    per = -(-max_seq_len // splits)
+    return [(s0, min(s0 + per, max_seq_len)) for s0 in range(0, max_seq_len, per)]
+
+
+def lower_split_attention(lw: Lowerer, op: Op, splits: int) -> None:
+    """Append ``<op>/split`` and ``<op>/merge`` (and the scratch buffer) for one attention op."""
+    p, B, a = lw.p, lw.B, op.attrs
+    hq, hkv, D = a["q_heads"], a["kv_heads"], a["head_dim"]
+    q, kc, vc, pos = (p.id(n) for n in op.inputs)
+    o = p.id(op.outputs[0])
+    S, G = lw.g.max_seq_len, hq // hkv
+    ranges = split_ranges(S, splits)
+    P, E = len(ranges), G * (D + 2)  # E: floats of one (h, b, split) entry
+    part = p.buffer(f"{op.name}.partial", (hkv, B, P, G, D + 2), "f32", "activation", view=(hkv * B, P * E))
+    cache_count = (B - 1) * S * hkv * D + (S - 1) * hkv * D + D
+    sp = p.op(op.name + "/split", BY_NAME["attention_split"], op.layer, op.name)
+    for j in range(hkv):
+        qa = (j * G * D, (B - 1) * hq * D + G * D)
+        for i, (s0, s1) in enumerate(ranges):
+            sp.add_tile({"Q": (q, *qa), "K_CACHE": (kc, j * D, cache_count), "V_CACHE": (vc, j * D, cache_count),
+                         "POSITIONS": (pos, 0, B), "OUT": (part, (j * B * P + i) * E, (B - 1) * P * E + E)},
+                        {"BATCH": B, "HEAD_DIM": D, "GROUP": G, "Q_STRIDE": hq * D, "KV_POS_STRIDE": hkv * D,
+                         "KV_BATCH_STRIDE": S * hkv * D, "POS_BEGIN": s0, "POS_END": s1, "OUT_STRIDE": P * E,
+                         "SCALE": a["scale"]})
+    tiles = [(j, i) for j in range(hkv) for i in range(P)]
+    qrect = np.array([(0, B, j * G * D, (j + 1) * G * D) for j, _ in tiles], np.int64).reshape(-1, 4)
+    # NOTE: the whole head's cache rows, not just the range: qkv_prep's kv tile writes them all, so
+    # the finer rectangle would give the same edges.
+    kvrect = np.array([(0, B * S, j * D, (j + 1) * D) for j, _ in tiles], np.int64).reshape(-1, 4)
+    sp.reads = [Footprint(q, qrect), Footprint(kc, kvrect), Footprint(vc, kvrect.copy()), _all_fp(pos, p, len(tiles))]
+    sp.writes = [Footprint(part, np.array([(j * B, (j + 1) * B, i * E, (i + 1) * E) for j, i in tiles],
+                                          np.int64).reshape(-1, 4))]
+    mg = p.op(op.name + "/merge", BY_NAME["attention_merge"], op.layer, op.name)
+    for j in range(hkv):
+        for b in range(B):
+            mg.add_tile({"PARTIAL": (part, (j * B + b) * P * E, P * E), "OUT": (o, b * hq * D + j * G * D, G * D)},
+                        {"HEAD_DIM": D, "GROUP": G, "SPLITS": P})
+    mg.reads = [Footprint(part, np.array([(j * B + b, j * B + b + 1, 0, P * E) for j in range(hkv) for b in range(B)],
+                                         np.int64).reshape(-1, 4))]
+    mg.writes = [Footprint(o, np.array([(b, b + 1, j * G * D, (j + 1) * G * D) for j in range(hkv) for b in range(B)],
+                                       np.int64).reshape(-1, 4))]
