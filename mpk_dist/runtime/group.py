@@ -112,8 +112,18 @@ class RankGroup:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # every rank's resets and prepares done on the device
         self.transport.barrier(f"launch of steps {s0}..{s1}")
-        for s in self.sessions:
-            s.start()
+        started = []
+        try:
+            for s in self.sessions:
+                s.start()
+                started.append(s)
+        except BaseException:
+            # A rank that did not start leaves its peers waiting: let their watchdogs end them
+            # (bounded) so no kernel still runs when the error reaches the caller.
+            for s in started:
+                while not s.finished() and time.perf_counter() < s.deadline():
+                    time.sleep(0.001)
+            raise
 
     def wait(self, on_step=None) -> None:
         """Wait (bounded) for every driven kernel, streaming the lead rank's progress; raise one

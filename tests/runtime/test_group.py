@@ -159,3 +159,22 @@ def test_a_local_timeout_downstream_of_a_missing_push_still_names_the_peer(tp2):
     s1.events[E:] = quota  # rank 1 caught up: no peer is behind, the own-counter root cause is reported
     with pytest.raises(DeviceTimeout, match="root cause|no producer"):
         g.raise_on_error()
+
+
+def test_a_rank_that_fails_to_start_does_not_leave_its_peers_running(tp2):
+    """Rank 1's launch fails after rank 0 started: the group waits (bounded) for rank 0's kernel to
+    end before the error reaches the caller."""
+    from mpk_dist.errors import BackendUnavailable
+
+    g = tp2.group(1)
+    polled = []
+    s0, s1 = g.sessions
+    s0.finished = lambda: polled.append(1) or len(polled) > 2  # 'runs' for two polls, then ends
+
+    def refuse(*a, **k):
+        raise BackendUnavailable("cuLaunchKernel: expected CUDA_SUCCESS, got CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES")
+
+    s1.kernel.launch = refuse
+    with pytest.raises(BackendUnavailable, match="OUT_OF_RESOURCES"):
+        g.launch(0, 4, 3, 2, (), True, False)
+    assert len(s0.kernel.launches) == 1 and len(polled) == 3
