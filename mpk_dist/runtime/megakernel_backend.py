@@ -37,7 +37,8 @@ class MegakernelBackend(StepBackend):
     Options beyond the StepBackend ones: ``schedule`` aot|jit (jit only at tp 1), ``transport``
     local|ipc, ``sms`` (SMs the group may use), ``trace`` (Chrome trace path), ``timeout_s``
     (watchdog), ``comm_profile`` (default on at tp > 1; MPK_COMM_PROFILE=0 turns it off), test hooks
-    ``inject_hang_task`` / ``inject_hang_rank`` (that task never signals, on that rank or all).
+    ``inject_hang_task`` / ``inject_hang_rank`` (that task never signals, on that rank or all),
+    ``fuse`` (fused linears), ``attn_splits`` (split-KV attention: N or 'auto'; default 1).
     """
 
     name = "megakernel"
@@ -46,10 +47,13 @@ class MegakernelBackend(StepBackend):
                  schedule: str = "aot", trace: str | None = None, timeout_s: float = 5.0, worker_threads: int = 256,
                  sms: int | None = None, transport: str | None = None, compiler: str | None = None,
                  inject_hang_task: int = -1, on_token=None, linear_rows: int | None = None,
-                 inject_hang_rank: int | None = None, comm_profile: bool | None = None, fuse=False):
+                 inject_hang_rank: int | None = None, comm_profile: bool | None = None, fuse=False,
+                 attn_splits=1):
         from mpk_dist.taskgraph.fusion import fusion_set
+        from mpk_dist.taskgraph.lowering_attention import check_attn_splits
 
         self.fuse = fusion_set(fuse)  # fused linears (mpk_dist.taskgraph.fusion); off until GPU-verified
+        self.attn_splits = check_attn_splits(attn_splits)  # split-KV attention (taskgraph.lowering_attention)
         if schedule not in SCHEDULES:
             raise InputError(f"--schedule: expected one of {SCHEDULES}, got {schedule!r}")
         self.transport_name = check_options(tp, transport, schedule)
@@ -108,7 +112,8 @@ class MegakernelBackend(StepBackend):
 
             t0 = time.perf_counter()
             cgs = compile_rank_programs(self.cfg, tp=self.tp, batch=batch, sms=self.workers,
-                                        max_seq_len=self.max_seq_len, ranks=self.transport.ranks, fuse=self.fuse)
+                                        max_seq_len=self.max_seq_len, ranks=self.transport.ranks, fuse=self.fuse,
+                                        attn_splits=self.attn_splits)
             compile_s = time.perf_counter() - t0
             trace = True if self.trace_path else (PROFILE_STEPS if self.comm_profile else 0)
             kw = dict(schedule=self.schedule, worker_threads=self.worker_threads, timeout_s=self.timeout_s, trace=trace,
