@@ -25,7 +25,8 @@ class InterpreterBackend(StepBackend):
 
     Options: ``sms`` (tile sizing), ``seed`` (schedule), ``schedule`` 'jit' (any ready task) or
     'aot' (per-worker lists), ``check_races`` (default True), ``weights`` (per-rank dicts, instead
-    of loading from ``source``), ``fuse`` (fused linears, ``mpk_dist.taskgraph.fusion``; default off).
+    of loading from ``source``), ``fuse`` (fused linears, ``mpk_dist.taskgraph.fusion``; default off),
+    ``attn_splits`` (split-KV attention, N or 'auto'; default 1).
     """
 
     name = "interpreter"
@@ -33,7 +34,7 @@ class InterpreterBackend(StepBackend):
     def __init__(self, cfg: ModelConfig, source, tp: int = 1, device: str | torch.device = "cpu",
                  max_seq_len: int = 512, sms: int = DEFAULT_SMS, seed: int = 0, schedule: str = "jit",
                  check_races: bool = True, weights: list[dict[str, torch.Tensor]] | None = None, fuse=False,
-                 **_opts):
+                 attn_splits=1, **_opts):
         self.device = torch.device(device)
         if self.device.type != "cpu":
             raise BackendUnavailable(f"--backend interpreter: expected device cpu, got {self.device}; "
@@ -45,6 +46,9 @@ class InterpreterBackend(StepBackend):
         from mpk_dist.taskgraph.fusion import fusion_set
 
         self.fuse = fusion_set(fuse)
+        from mpk_dist.taskgraph.lowering_attention import check_attn_splits
+
+        self.attn_splits = check_attn_splits(attn_splits)
         self.vocab_size = cfg.vocab_size
         if weights is None:
             from mpk_dist.weights import load_rank_weights
@@ -60,7 +64,7 @@ class InterpreterBackend(StepBackend):
         """Compile for ``batch`` sequences (cached) and clear the KV caches."""
         if batch != self.batch or self.interp is None:
             programs = compile_rank_programs(self.cfg, self.tp, batch=batch, sms=self.sms, max_seq_len=self.max_seq_len,
-                                             fuse=self.fuse)
+                                             fuse=self.fuse, attn_splits=self.attn_splits)
             self.interp = Interpreter(programs, self.weights, seed=self.seed, mode=self.schedule,
                                       check_races=self.check_races)
             self.batch = batch

@@ -35,6 +35,9 @@ def add_model_args(p) -> None:
     p.add_argument("--fuse", action=argparse.BooleanOptionalAction, default=None,
                    help="megakernel/interpreter: fuse rms_norm, silu_mul and the tp-1 residual add into the linear "
                         "tiles (fewer dependent levels per step; default off until verified on a GPU)")
+    p.add_argument("--attn-splits", default=None, metavar="N|auto",
+                   help="megakernel/interpreter: split each kv head's attention into N KV ranges + a merge task "
+                        "(auto: from the SM count and --max-seq-len; default 1 = unsplit)")
 
 
 def backend_opts(args) -> dict:
@@ -50,6 +53,8 @@ def backend_opts(args) -> dict:
         opts["transport"] = args.transport
     if args.fuse is not None:
         opts["fuse"] = args.fuse
+    if args.attn_splits is not None:
+        opts["attn_splits"] = args.attn_splits
     return opts
 
 
