@@ -75,7 +75,7 @@ def reference(name: str, prompt: list[int], force: list[int] | None, n: int, tp:
     orig = T.linear
     if strict:  # the op table's fp32-accumulated linear (as in test_megakernel_tp_gpu.py)
         T.linear = lambda x, w, out_dtype=None: (lambda y: y if out_dtype == torch.float32 else y.to(
-            w.dtype if out_dtype is None else out_dtype))(x.float() @ w.float().t())
+            w.dtype if out_dtype is None else out_dtype))(x.to(w.dtype).float() @ w.float().t())
     try:
         return TorchBackend(m.config, m.weights, tp=tp, device="cuda", max_seq_len=MAX_SEQ, mode="eager").generate(req)
     finally:

@@ -124,7 +124,7 @@ def test_teacher_forced_logits_tp(name, tp, gpu_results):
 
 def strict_linear(x, w, out_dtype=None):
     """The op table's linear: fp32 products of the bf16 operands, accumulated in fp32, rounded once."""
-    y = x.float() @ w.float().t()
+    y = x.to(w.dtype).float() @ w.float().t()  # the input rounded to the weight dtype first, as torch_ops.linear
     return y if out_dtype == torch.float32 else y.to(w.dtype if out_dtype is None else out_dtype)
 
 
