@@ -20,6 +20,8 @@
 #include "norm_linear.cuh"
 #include "linear_residual.cuh"
 #include "silu_linear.cuh"
+#include "attention_split.cuh"
+#include "attention_merge.cuh"
 
 namespace mpk {
 
@@ -178,6 +180,29 @@ __device__ bool run_silu_linear(const TaskView& t, float* smem, int tid, int nt)
   return true;
 }
 
+// ---- split-KV attention (opt-in: compile_rank_programs(attn_splits=...); docs/TASKGRAPH.md) ----
+// The scratch is fp32 and the output bf16 (bf16 graphs); anything else is reported as a bad task.
+__device__ bool run_attention_split(const TaskView& t, float* smem, int tid, int nt) {
+  if (t.dtype(ATTENTION_SPLIT_ARG_OUT) != DTYPE_F32) return false;
+  attention_split(t.arg<const bf16>(ATTENTION_SPLIT_ARG_Q), t.arg<const bf16>(ATTENTION_SPLIT_ARG_K_CACHE),
+                  t.arg<const bf16>(ATTENTION_SPLIT_ARG_V_CACHE), t.arg<const int32_t>(ATTENTION_SPLIT_ARG_POSITIONS),
+                  t.arg<float>(ATTENTION_SPLIT_ARG_OUT), t.param(ATTENTION_SPLIT_PARAM_BATCH),
+                  t.param(ATTENTION_SPLIT_PARAM_HEAD_DIM), t.param(ATTENTION_SPLIT_PARAM_GROUP),
+                  t.param(ATTENTION_SPLIT_PARAM_Q_STRIDE), t.param(ATTENTION_SPLIT_PARAM_KV_POS_STRIDE),
+                  t.param(ATTENTION_SPLIT_PARAM_KV_BATCH_STRIDE), t.param(ATTENTION_SPLIT_PARAM_POS_BEGIN),
+                  t.param(ATTENTION_SPLIT_PARAM_POS_END), t.param(ATTENTION_SPLIT_PARAM_OUT_STRIDE),
+                  t.fparam(ATTENTION_SPLIT_PARAM_SCALE), smem, tid, nt);
+  return true;
+}
+
+__device__ bool run_attention_merge(const TaskView& t, int tid, int nt) {
+  if (t.dtype(ATTENTION_MERGE_ARG_PARTIAL) != DTYPE_F32 || t.dtype(ATTENTION_MERGE_ARG_OUT) != DTYPE_BF16) return false;
+  attention_merge(t.arg<const float>(ATTENTION_MERGE_ARG_PARTIAL), t.arg<bf16>(ATTENTION_MERGE_ARG_OUT),
+                  t.param(ATTENTION_MERGE_PARAM_HEAD_DIM), t.param(ATTENTION_MERGE_PARAM_GROUP),
+                  t.param(ATTENTION_MERGE_PARAM_SPLITS), tid, nt);
+  return true;
+}
+
 // Run task `task` of step `step` on the worker threads (tid < nt). Returns false for an unknown
 // opcode (the caller raises kErrBadTask).
 __device__ bool run_task(const RuntimeParams& p, int task, int step, float* smem, int tid, int nt) {
@@ -224,6 +249,8 @@ __device__ bool run_task(const RuntimeParams& p, int task, int step, float* smem
     case OP_NORM_LINEAR: return run_norm_linear(t, smem, tid, nt);
     case OP_LINEAR_RESIDUAL: return run_linear_residual(t, tid, nt);
     case OP_SILU_LINEAR: return run_silu_linear(t, smem, tid, nt);
+    case OP_ATTENTION_SPLIT: return run_attention_split(t, smem, tid, nt);
+    case OP_ATTENTION_MERGE: return run_attention_merge(t, tid, nt);
     default: return false;
   }
 }

@@ -37,13 +37,14 @@ class AttentionMerge(TaskKind):
     def run_tile(self, t: TileContext) -> None:
         D, G, P = t.p("HEAD_DIM"), t.p("GROUP"), t.p("SPLITS")
         part = view2d(t.buf("PARTIAL"), t.off("PARTIAL"), P * G, D + 2, D + 2).reshape(P, G, D + 2).float()
-        m = part[:, :, D]  # [P, G]
-        M = m.amax(dim=0)  # [G]; a split that saw no position has m = -inf
-        live = torch.isfinite(m)
-        w = torch.where(live, torch.exp(m - M), torch.zeros_like(m))  # [P, G]
-        acc = torch.where(live[:, :, None], part[:, :, :D], torch.zeros_like(part[:, :, :D]))
-        num = (w[:, :, None] * acc).sum(0)  # [G, D]
-        den = (w * part[:, :, D + 1]).sum(0)  # [G]
+        M = part[:, :, D].amax(dim=0)  # [G]; a split that saw no position has m = -inf
+        num, den = torch.zeros(G, D), torch.zeros(G)
+        for i in range(P):  # index order, as the CUDA body
+            m = part[i, :, D]
+            live = torch.isfinite(m)  # empty ranges: weight 0, acc not read into the sum
+            w = torch.where(live, torch.exp(m - M), torch.zeros_like(m))  # [G]
+            num += w[:, None] * torch.where(live[:, None], part[i, :, :D], torch.zeros_like(part[i, :, :D]))
+            den += w * torch.where(live, part[i, :, D + 1], torch.zeros_like(m))
         o = torch.where(den[:, None] > 0, num / den[:, None], torch.zeros_like(num))
         out = t.buf("OUT")
         out[t.off("OUT"): t.off("OUT") + G * D] = o.reshape(-1).to(out.dtype)

@@ -1,0 +1,36 @@
+// attention_merge (split-KV decode attention; mpk_dist/taskgraph/tasks/attention_merge.py): for one
+// (kv head h, sequence b), combine the SPLITS partials (acc_i, m_i, l_i) of each of the GROUP query
+// heads with the log-sum-exp rule, all fp32:
+//   M = max_i m_i,  w_i = exp(m_i - M),  o[d] = sum_i w_i acc_i[d] / sum_i w_i l_i
+// and round o once to bf16 (as the unsplit attention rounds softmax(..) v). Splits with m_i = -inf
+// (no position in range) are skipped; they are summed in index order, so the result is deterministic.
+// Pointers: part at entry (h, b, split 0, g 0) of the [Hkv, B, SPLITS, GROUP, D + 2] scratch; out at
+// row b, first column of query head h*GROUP. One thread per output element; no shared memory.
+#pragma once
+#include "common.cuh"
+
+namespace mpk {
+
+__device__ void attention_merge(const float* part, bf16* out, int D, int G, int splits, int tid, int nt) {
+  const int entry = D + 2, per_split = G * entry;
+  for (int idx = tid; idx < G * D; idx += nt) {
+    const int j = idx / D, d = idx % D;
+    const float* p = part + (size_t)j * entry;
+    float M = -INFINITY;
+    for (int i = 0; i < splits; ++i) M = fmaxf(M, p[(size_t)i * per_split + D]);
+    float num = 0.f, den = 0.f;
+    if (M != -INFINITY) {
+      for (int i = 0; i < splits; ++i) {
+        const float* pi = p + (size_t)i * per_split;
+        const float m = pi[D];
+        if (m == -INFINITY) continue;  // empty range: weight 0, acc never read into the sum
+        const float w = expf(m - M);
+        num = fmaf(w, pi[d], num);
+        den = fmaf(w, pi[D + 1], den);
+      }
+    }
+    out[idx] = f2bf(den > 0.f ? num / den : 0.f);
+  }
+}
+
+}  // namespace mpk
