@@ -11,6 +11,8 @@
 #                   a private MPS (test_megakernel_ipc_gpu.py, tests/comm IPC) and
 #                   mpk-dist bench --tp 2 --transport local (exposed_comm_share). Limits (s): TP_LIMIT,
 #                   IPC_LIMIT, TP_BENCH_LIMIT. Without --tp those two test files are left out.
+#   --attn-split-only  only the split-KV attention section (tests/runtime/test_attn_split_gpu.py and a
+#                   qwen3-0.6b bench with --attn-splits auto vs 1); --no-attn-split skips it. Limit: ATTN_LIMIT
 # Logs and JSON go to $OUT (or ./gpu_check_out). Time limits (s): PYTEST_LIMIT, SAN_LIMIT, TRACE_LIMIT;
 # PYTEST_K selects tests (pytest -k), SKIP_TRACE=1 skips the traced qwen3-0.6b run.
 set -u
@@ -18,7 +20,7 @@ OUT=${OUT:-$PWD/gpu_check_out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 MPK_CACHE_DIR=${MPK_CACHE_DIR:-/tmp/mpk_cache}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-RUNTIME_ONLY=0; SANITIZE=1; BENCH=0; FUSION=1; FUSION_ONLY=0; TP=0
+RUNTIME_ONLY=0; SANITIZE=1; BENCH=0; FUSION=1; FUSION_ONLY=0; TP=0; ATTN=1
 for a in "$@"; do
   case "$a" in
     --runtime-only) RUNTIME_ONLY=1 ;;
@@ -27,7 +29,9 @@ for a in "$@"; do
     --fusion-only) FUSION_ONLY=1 ;;
     --no-fusion) FUSION=0 ;;
     --tp) TP=1 ;;
-    *) echo "gpu_check.sh: unknown option $a (expected --runtime-only, --no-sanitizer, --bench, --fusion-only, --no-fusion, --tp)" >&2; exit 2 ;;
+    --attn-split-only) FUSION_ONLY=1; FUSION=0 ;;  # skips the main and fusion sections
+    --no-attn-split) ATTN=0 ;;
+    *) echo "gpu_check.sh: unknown option $a (expected --runtime-only, --no-sanitizer, --bench, --fusion-only, --no-fusion, --tp, --attn-split-only, --no-attn-split)" >&2; exit 2 ;;
   esac
 done
 declare -A STATUS
@@ -81,7 +85,7 @@ fi
 TESTS=tests; [ $RUNTIME_ONLY -eq 1 ] && TESTS=tests/runtime
 KSEL=(); [ -n "${PYTEST_K:-}" ] && KSEL=(-k "$PYTEST_K")  # e.g. PYTEST_K="not 0.6b-16" to save time
 if [ $FUSION_ONLY -eq 0 ]; then  # (closed after the bench step; the fusion section follows it)
-step pytest_gpu "${PYTEST_LIMIT:-900}" env MPK_GPU_REPORT="$OUT/gpu_results.json" python3 -m pytest -m gpu "$TESTS" --ignore=tests/runtime/test_fusion_gpu.py --ignore="${TP_FILES[0]}" --ignore="${TP_FILES[1]}" "${KSEL[@]}" -q -rs -p no:cacheprovider --tb=short --maxfail=${MAXFAIL:-8} -o addopts="--import-mode=importlib"
+step pytest_gpu "${PYTEST_LIMIT:-900}" env MPK_GPU_REPORT="$OUT/gpu_results.json" python3 -m pytest -m gpu "$TESTS" --ignore=tests/runtime/test_fusion_gpu.py --ignore=tests/runtime/test_attn_split_gpu.py --ignore="${TP_FILES[0]}" --ignore="${TP_FILES[1]}" "${KSEL[@]}" -q -rs -p no:cacheprovider --tb=short --maxfail=${MAXFAIL:-8} -o addopts="--import-mode=importlib"
 
 if [ $SANITIZE -eq 1 ] && command -v compute-sanitizer > /dev/null; then
   SAN_PY='from mpk_dist.model_source import open_model
@@ -120,9 +124,22 @@ if [ $FUSION -eq 1 ]; then
     && mpk-dist trace-summary $OUT/trace_qwen3_0p6b_fused.json | head -40 && gzip -f $OUT/trace_qwen3_0p6b_fused.json"
 fi
 
+# ---- split-KV attention (docs/TASKGRAPH.md 'Split-KV attention') ----------------------------------
+# GPU acceptance of MegakernelBackend(attn_splits='auto') (per-warp and staged paths) against torch
+# and the unsplit kernel, then qwen3-0.6b batch 1 speed with --attn-splits auto vs 1 at a long context.
+rm -f "$OUT/gpu_results_attn.json"
+if [ $ATTN -eq 1 ] && { [ $FUSION_ONLY -eq 0 ] || [ $FUSION -eq 0 ]; }; then
+  step attn_split_gpu "${ATTN_LIMIT:-600}" env MPK_GPU_REPORT="$OUT/gpu_results_attn.json" python3 -m pytest -m gpu \
+    tests/runtime/test_attn_split_gpu.py "${KSEL[@]}" -q -rs -p no:cacheprovider --tb=short -o addopts="--import-mode=importlib"
+  step attn_split_bench_0p6b 300 bash -c "mpk-dist bench --model qwen3-0.6b --backend megakernel --attn-splits 1 \
+    --max-seq-len 4096 --prompt-len 2048 --output-len 32 --iters 2 --no-progress --output-json $OUT/bench_0p6b_attn1.json \
+    && mpk-dist bench --model qwen3-0.6b --backend megakernel --attn-splits auto --max-seq-len 4096 --prompt-len 2048 \
+    --output-len 32 --iters 2 --no-progress --output-json $OUT/bench_0p6b_attn_auto.json"
+fi
+
 echo
 echo "==================== gpu_check summary ===================="
-python3 - "$OUT/gpu_results.json" "$OUT/gpu_results_fusion.json" <<'PY'
+python3 - "$OUT/gpu_results.json" "$OUT/gpu_results_fusion.json" "$OUT/gpu_results_attn.json" <<'PY'
 import json, sys
 rows = []
 for path in sys.argv[1:]:
