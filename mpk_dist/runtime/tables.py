@@ -82,6 +82,11 @@ def check_supported(cg) -> None:
             raise InputError(f"{cg.task_label(t)}: expected an even head_dim <= 512, got {p['HEAD_DIM']}")
 
 
+# Opt-in dynamic shared memory per block on sm_90 (227 KiB), minus a margin for static shared data.
+HOPPER_MAX_DYNAMIC_SMEM = 227 * 1024
+SMEM_RESERVE = 1024
+
+
 def smem_bytes(cg, worker_threads: int) -> int:
     """Dynamic shared memory per worker block: the largest need over the task bodies."""
     nwarps = worker_threads // 32
@@ -91,6 +96,11 @@ def smem_bytes(cg, worker_threads: int) -> int:
     for t in np.nonzero(tasks[:, TASK_COLS["OPCODE"]] == att)[0]:
         p = task_params(cg, int(t))
         need = max(need, nwarps * p["GROUP"] * (p["HEAD_DIM"] + 2) * 4)
+    # Fused linears stage their normalised / silu'd input rows in shared memory when it fits; a
+    # tile that does not get the space recomputes per weight row (same bits, slower).
+    from mpk_dist.taskgraph.fusion import staging_bytes
+
+    need = max(need, staging_bytes(cg, HOPPER_MAX_DYNAMIC_SMEM - SMEM_RESERVE))
     return (need + 127) // 128 * 128
 
 

@@ -45,10 +45,8 @@ def _row(name, r, ref_tokens, tokens) -> tuple[str, bool]:
     return line, ok
 
 
-def _replica_rank(dp: bool) -> tuple[int, int]:
-    """(rank, number of replicas) under --dp; (0, 1) otherwise."""
-    if not dp:
-        return 0, 1
+def _mpi_rank() -> tuple[int, int]:
+    """(rank, processes) of this process under MPI; rank 0 alone prints and writes results."""
     from mpk_dist.dist.env import rank_info
 
     info = rank_info()
@@ -100,7 +98,7 @@ def main(args) -> int:
     nbytes = step_bytes(cfg, args.tp, args.batch, context)
     floor_ms = nbytes / bw * 1e3
     env = collect_environment()
-    rank, replicas = _replica_rank(args.dp)
+    rank, _ = _mpi_rank()
     show = rank == 0
     if show:
         print(f"# mpk-dist bench | model {args.model} | tp {args.tp} | batch {args.batch} | prompt {args.prompt_len} | "
@@ -128,6 +126,8 @@ def main(args) -> int:
             print(line)
             sys.stdout.flush()
         records.append(rec)
+    if not args.dp and rank != 0:
+        return 0 if all_ok else 1  # the TP ranks of one replica: rank 0 reports
     if args.dp:
         records, all_ok = _gather_replicas(records, all_ok, ranks_per_replica(args.tp, args.transport, names))
         if records is None:

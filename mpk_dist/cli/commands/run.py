@@ -29,7 +29,7 @@ def add_model_args(p) -> None:
                    help="KV-cache length per sequence (default: min(1024, the model's max_position_embeddings))")
     p.add_argument("--device", default=None, help="torch device (default: cuda if present, else cpu)")
     p.add_argument("--seed", type=int, default=0, help="seed for preset weights, sampling and interpreter schedules")
-    p.add_argument("--schedule", default=None, choices=["jit", "aot"], help="mega-kernel task dispatch (default jit)")
+    p.add_argument("--schedule", default=None, choices=["jit", "aot"], help="mega-kernel task dispatch (default aot: static per-SM lists; jit: in-kernel scheduler)")
     p.add_argument("--trace", default=None, metavar="FILE.json", help="mega-kernel: write a per-task Perfetto trace")
     p.add_argument("--timeout", type=float, default=None, metavar="S", help="mega-kernel: watchdog timeout per wait (s)")
     p.add_argument("--fuse", action=argparse.BooleanOptionalAction, default=None,
