@@ -42,7 +42,7 @@ def default_device(name: str) -> str:
 
 # backend option -> the command-line flag that sets it (for error messages)
 _OPTION_FLAGS = {"schedule": "--schedule", "trace": "--trace", "timeout_s": "--timeout", "transport": "--transport",
-                 "fuse": "--fuse/--no-fuse"}
+                 "fuse": "--fuse/--no-fuse", "attn_splits": "--attn-splits"}
 
 
 def _check_options(name: str, cls, opts: dict) -> None:

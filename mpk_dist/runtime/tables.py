@@ -75,7 +75,7 @@ def check_supported(cg) -> None:
         if kind == "linear" and (p["K"] % 8 or p["X_STRIDE"] % 8):
             raise InputError(f"{cg.task_label(t)}: expected K and X_STRIDE multiples of 8 (16-byte loads), "
                              f"got K={p['K']}, X_STRIDE={p['X_STRIDE']}")
-        if kind == "attention" and (p["GROUP"] > MAX_GROUP or p["HEAD_DIM"] > MAX_ATTN_HEAD_DIM):
+        if kind in ("attention", "attention_split") and (p["GROUP"] > MAX_GROUP or p["HEAD_DIM"] > MAX_ATTN_HEAD_DIM):
             raise InputError(f"{cg.task_label(t)}: expected GROUP <= {MAX_GROUP} and head_dim <= {MAX_ATTN_HEAD_DIM}, "
                              f"got GROUP={p['GROUP']}, head_dim={p['HEAD_DIM']}")
         if kind == "qkv_prep" and (p["HEAD_DIM"] % 2 or p["HEAD_DIM"] > 512):
@@ -101,6 +101,10 @@ def smem_bytes(cg, worker_threads: int) -> int:
     from mpk_dist.taskgraph.fusion import staging_bytes
 
     need = max(need, staging_bytes(cg, HOPPER_MAX_DYNAMIC_SMEM - SMEM_RESERVE))
+    # Split-KV attention's staged path wants the unsplit attention's nwarps x GROUP x (D + 2) floats.
+    from mpk_dist.taskgraph.lowering_attention import split_smem_bytes
+
+    need = max(need, split_smem_bytes(cg, worker_threads))
     return (need + 127) // 128 * 128
 
 
