@@ -19,6 +19,7 @@ from mpk_dist.backends.torch_backend import TorchBackend  # noqa: E402
 from mpk_dist.model_source import open_model  # noqa: E402
 from mpk_dist.runtime.megakernel_backend import MegakernelBackend  # noqa: E402
 from mpk_dist.taskgraph.lowering_attention import split_smem_bytes  # noqa: E402
+from mpk_dist.runtime.testing import compare_logits, median, rand_ids  # noqa: E402
 
 # The reference's "fp32 accumulation" (as in test_megakernel_gpu.py): no reduced-precision split-K.
 torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
@@ -50,18 +51,6 @@ def ref(name: str) -> TorchBackend:
         _CACHE[("torch", name)] = TorchBackend(m.config, m.weights, tp=1, device="cuda", max_seq_len=MAX_SEQ,
                                                mode="eager")
     return _CACHE[("torch", name)]
-
-
-def rand_ids(n: int, vocab: int, seed: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab, (n,), generator=g).tolist()
-
-
-def compare_logits(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
-    """(worst over steps of max|a-b| / std(b), share of (step, seq) with equal argmax)."""
-    a, b = a.float(), b.float()
-    err = (a - b).abs().flatten(1).max(dim=1).values / b.flatten(1).std(dim=1)
-    return float(err.max()), float((a.argmax(-1) == b.argmax(-1)).float().mean())
 
 
 def forced_request(name: str, batch: int) -> GenerateRequest:
@@ -116,16 +105,14 @@ def test_split_teacher_forced_logits(name, batch, schedule, staged, gpu_results,
     assert agree >= 0.99, f"argmax agreement {agree:.4f} < 0.99"
 
 
-def test_split_close_to_unsplit_kernel(gpu_results, monkeypatch):
-    """qwen3-0.6b b1: split (staged) and unsplit kernels differ only by attention's final rounding
-    and what it propagates; recorded with ms/token of both."""
-    _staged(monkeypatch)
+def test_split_close_to_unsplit_kernel(gpu_results):
+    """qwen3-0.6b b1: split (staged, as the runtime sizes it) and unsplit kernels differ only by
+    attention's final rounding and what it propagates; recorded with ms/token of both."""
     req = forced_request("qwen3-0.6b", 1)
     split, plain = mk("qwen3-0.6b").generate(req), mk("qwen3-0.6b", attn_splits=1).generate(req)
     err, agree = compare_logits(split.logits, plain.logits)
-    med = lambda xs: sorted(xs)[len(xs) // 2] if xs else float("nan")  # noqa: E731
     gpu_results.append({"case": "attn split vs unsplit qwen3-0.6b b1", "steps": split.logits.shape[0],
                         "max_err/std": f"{err:.4f}", "argmax_agree": f"{agree:.4f}",
-                        "ms/token": f"{med(split.per_token_ms):.3f}/{med(plain.per_token_ms):.3f}",
+                        "ms/token": f"{median(split.per_token_ms):.3f}/{median(plain.per_token_ms):.3f}",
                         "ok": err <= 0.03 and agree >= 0.99})
     assert err <= 0.03 and agree >= 0.99, f"split vs unsplit kernel: max |err| / std {err:.4f}, argmax {agree:.4f}"

@@ -20,6 +20,7 @@ from mpk_dist.backends.base import GenerateRequest  # noqa: E402
 from mpk_dist.backends.torch_backend import TorchBackend  # noqa: E402
 from mpk_dist.model_source import open_model  # noqa: E402
 from mpk_dist.runtime.megakernel_backend import MegakernelBackend  # noqa: E402
+from mpk_dist.runtime.testing import compare_logits, median, rand_ids  # noqa: E402
 
 # The reference's "fp32 accumulation" (as in test_megakernel_gpu.py): no reduced-precision split-K.
 torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
@@ -55,22 +56,6 @@ def ref(name: str, tp: int = 1) -> TorchBackend:
         m = model(name)
         _CACHE[key] = TorchBackend(m.config, m.weights, tp=tp, device="cuda", max_seq_len=MAX_SEQ, mode="eager")
     return _CACHE[key]
-
-
-def rand_ids(n: int, vocab: int, seed: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab, (n,), generator=g).tolist()
-
-
-def compare_logits(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
-    """(worst over steps of max|a-b| / std(b), share of (step, seq) with equal argmax)."""
-    a, b = a.float(), b.float()
-    err = (a - b).abs().flatten(1).max(dim=1).values / b.flatten(1).std(dim=1)
-    return float(err.max()), float((a.argmax(-1) == b.argmax(-1)).float().mean())
-
-
-def median(xs) -> float:
-    return sorted(xs)[len(xs) // 2] if xs else float("nan")
 
 
 def forced_request(name: str, batch: int) -> GenerateRequest:

@@ -19,6 +19,7 @@ from mpk_dist.backends.torch_backend import TorchBackend, run_graphs  # noqa: E4
 from mpk_dist.errors import DeviceTimeout  # noqa: E402
 from mpk_dist.model_source import open_model  # noqa: E402
 from mpk_dist.runtime.megakernel_backend import MegakernelBackend  # noqa: E402
+from mpk_dist.runtime.testing import compare_logits, rand_ids  # noqa: E402
 
 # The op semantics say "fp32 accumulation"; cuBLAS's reduced-precision (bf16) split-K reductions,
 # which torch allows by default, would make the reference itself deviate from that.
@@ -57,19 +58,6 @@ def ref(name: str) -> TorchBackend:
         m = model(name)
         _BACKENDS[key] = TorchBackend(m.config, m.weights, tp=1, device="cuda", max_seq_len=MAX_SEQ, mode="eager")
     return _BACKENDS[key]
-
-
-def rand_ids(n: int, vocab: int, seed: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab, (n,), generator=g).tolist()
-
-
-def compare_logits(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
-    """(worst over steps of max|a-b| / std(b), share of (step, seq) with equal argmax)."""
-    a, b = a.float(), b.float()
-    err = (a - b).abs().flatten(1).max(dim=1).values / b.flatten(1).std(dim=1)
-    agree = (a.argmax(-1) == b.argmax(-1)).float().mean()
-    return float(err.max()), float(agree)
 
 
 @pytest.mark.parametrize("name,batch,schedule", [

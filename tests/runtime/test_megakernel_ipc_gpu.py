@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from mpk_dist.runtime.testing import compare_logits  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.mpi]
 
@@ -80,12 +81,6 @@ def reference(name: str, prompt: list[int], force: list[int] | None, n: int, tp:
         return TorchBackend(m.config, m.weights, tp=tp, device="cuda", max_seq_len=MAX_SEQ, mode="eager").generate(req)
     finally:
         T.linear = orig
-
-
-def compare_logits(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
-    a, b = a.float(), b.float()
-    err = (a - b).abs().flatten(1).max(dim=1).values / b.flatten(1).std(dim=1)
-    return float(err.max()), float((a.argmax(-1) == b.argmax(-1)).float().mean())
 
 
 @pytest.mark.parametrize("np_,name", [(2, "tiny"), (2, "tiny-llama"), (4, "tiny"), (4, "tiny-llama")])
