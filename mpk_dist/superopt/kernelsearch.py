@@ -220,7 +220,10 @@ class KernelSearch:
         if set(used) != set(self.inputs):
             return  # the target reads every input; a graph that ignores one is wrong
         ug.cost = graph_cost(ug)
-        self.candidates.setdefault(ug.key(), ug)
+        key = ug.key()
+        if key in self.candidates:
+            self.ctx.counts["duplicates"] = self.ctx.counts.get("duplicates", 0) + 1
+        self.candidates.setdefault(key, ug)
 
 
 def _dangling(tensors: dict, ops: list) -> set:

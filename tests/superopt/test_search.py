@@ -120,3 +120,10 @@ def test_bad_arguments(kw, message):
     g = build("silu_mul_linear", {"M": 2, "I": 64, "N": 32})
     with pytest.raises(MpkError, match=message):
         superoptimize(g, cache=False, **kw)
+
+
+def test_canonical_enumeration_generates_each_graph_once(results):
+    for name in ("rmsnorm_linear", "attention_decode"):
+        _, res = results(name)
+        assert res.stats["complete_graphs"] > 1
+        assert res.stats.get("duplicates", 0) == 0, name
