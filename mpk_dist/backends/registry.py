@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import importlib
 
-import torch
-
 from mpk_dist.errors import BackendUnavailable, InputError
 
 BACKENDS = ("auto", "megakernel", "interpreter", "torch", "torch-graph", "torch-compile")
@@ -24,18 +22,24 @@ _IMPLS = {
 }
 
 
+def _cuda_available() -> bool:
+    import torch  # lazy: the CLI parses its flags before paying for torch
+
+    return torch.cuda.is_available()
+
+
 def resolve_backend(name: str) -> str:
     """Map ``auto`` to a concrete backend for this machine; validate other names."""
     if name not in BACKENDS:
         raise BackendUnavailable(f"--backend: expected one of {', '.join(BACKENDS)}, got {name!r}")
     if name == "auto":
-        return "megakernel" if torch.cuda.is_available() else "interpreter"
+        return "megakernel" if _cuda_available() else "interpreter"
     return name
 
 
 def default_device(name: str) -> str:
     """The device a backend runs on by default: the interpreter on the CPU, others on the GPU if any."""
-    if name == "interpreter" or not torch.cuda.is_available():
+    if name == "interpreter" or not _cuda_available():
         return "cpu"
     return "cuda"
 
@@ -73,7 +77,7 @@ def create_backend(name: str, cfg, source, tp: int = 1, device: str | None = Non
     """Instantiate backend ``name`` (after ``resolve_backend``) for all ``tp`` ranks of a model."""
     name = resolve_backend(name)
     module_name, cls_name, extra = _IMPLS[name]
-    if name == "megakernel" and not torch.cuda.is_available():
+    if name == "megakernel" and not _cuda_available():
         raise BackendUnavailable("--backend megakernel: no CUDA GPU visible; use --backend interpreter (CPU) or torch")
     try:
         module = importlib.import_module(module_name)

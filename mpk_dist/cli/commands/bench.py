@@ -8,17 +8,8 @@ from __future__ import annotations
 
 import sys
 
-import torch
-
-from mpk_dist.backends.registry import default_device, resolve_backend
-from mpk_dist.bench.environment import collect_environment
-from mpk_dist.bench.results import build_result, write_result
-from mpk_dist.bench.runner import measure_read_bandwidth, random_prompt, run_case, step_bytes
 from mpk_dist.cli.commands.run import add_model_args, backend_opts
-from mpk_dist.engine import RunSpec, check_length
 from mpk_dist.errors import InputError
-from mpk_dist.model_source import open_model
-
 
 def register(subparsers) -> None:
     """Add ``bench`` to the CLI."""
@@ -84,6 +75,15 @@ def _gather_replicas(records: list[dict], ok: bool, group: int) -> tuple[list[di
 
 def main(args) -> int:
     """Run every backend named in --backend (comma-separated) and print/write the table."""
+    import torch
+
+    from mpk_dist.backends.registry import default_device, resolve_backend
+    from mpk_dist.bench.environment import collect_environment
+    from mpk_dist.bench.results import build_result, write_result
+    from mpk_dist.bench.runner import measure_read_bandwidth, random_prompt, run_case, step_bytes
+    from mpk_dist.engine import RunSpec, check_length
+    from mpk_dist.model_source import open_model
+
     names = [resolve_backend(n.strip()) for n in args.backend.split(",") if n.strip()]
     if not names:
         raise InputError("--backend: expected at least one backend name")

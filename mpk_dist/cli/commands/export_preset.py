@@ -9,7 +9,6 @@ from __future__ import annotations
 from pathlib import Path
 
 from mpk_dist.errors import InputError
-from mpk_dist.model_source import write_checkpoint
 from mpk_dist.models.presets import get_preset
 
 
@@ -24,6 +23,8 @@ def register(subparsers) -> None:
 
 def main(args) -> int:
     """Write the checkpoint and say where."""
+    from mpk_dist.model_source import write_checkpoint
+
     cfg = get_preset(args.name)
     out = Path(args.out_dir)
     if out.exists():

@@ -6,15 +6,8 @@ import argparse
 import json
 import sys
 
-import numpy as np
-
-from mpk_dist.backends.base import SamplingParams
 from mpk_dist.backends.registry import BACKENDS, default_device, resolve_backend
-from mpk_dist.dist.env import rank_info
 from mpk_dist.errors import InputError
-from mpk_dist.model_source import open_model
-from mpk_dist.engine import (RunSpec, build_backend, check_ids, check_length, latency_summary, make_request,
-                             parse_id_list, prompt_ids)
 from mpk_dist.models.presets import DEFAULT_PRESET
 
 
@@ -76,6 +69,16 @@ def register(subparsers) -> None:
 
 def main(args) -> int:
     """Run the generation and print the result."""
+    # Heavy imports (torch, the backends) only once a command runs, so `mpk-dist --help` and the
+    # other sub-commands start fast.
+    import numpy as np
+
+    from mpk_dist.backends.base import SamplingParams
+    from mpk_dist.dist.env import rank_info
+    from mpk_dist.engine import (RunSpec, build_backend, check_ids, check_length, latency_summary, make_request,
+                                 parse_id_list, prompt_ids)
+    from mpk_dist.model_source import open_model
+
     name = resolve_backend(args.backend)
     model = open_model(args.model, seed=args.seed, device=args.device or default_device(name))
     max_seq_len = args.max_seq_len or min(1024, model.config.max_position_embeddings)
