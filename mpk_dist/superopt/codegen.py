@@ -1,0 +1,249 @@
+"""CUDA task bodies for the mega-kernel, generated from the µGraphs the superoptimizer chose.
+
+``render(ug, kind)`` lowers a chosen µGraph (a ``UGraph`` or its ``to_dict()``) of the
+rmsnorm_linear or silu_mul_linear pattern to a ``__device__`` function in namespace ``mpk::gen``
+with the same name, signature and argument order as the hand-written fused kind it replaces
+(csrc/tasks/norm_linear.cuh, silu_linear.cuh; args/params of mpk_dist/taskgraph/tasks/), built from
+csrc/tasks/tile_primitives.cuh. The text is deterministic (same µGraph, same bytes) and readable:
+every step carries a comment naming the µGraph op(s) it comes from. ``write_if_changed`` saves it
+(csrc/tasks/generated/, next to the kernel sources) without touching an unchanged file, so the
+kernel's build cache is not invalidated by a re-run.
+
+Numerics follow the kinds' CPU references: row statistics in fp32, every element-wise value of the
+operand rounded to bf16 as the unfused tasks store it, the row factor applied before the matmul
+(see codegen_plan's NOTE), fp32 GEMV accumulation, the ABI's epilogue (``Epi``) for the output.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from mpk_dist.superopt.codegen_plan import CodegenError, GemvPlan, plan
+
+
+@dataclass(frozen=True)
+class KindAbi:
+    """How a fused task kind's C signature binds the µGraph's inputs."""
+
+    name: str               # the hand-written kind (and the generated function's name)
+    pattern: str            # superopt pattern (patterns.py)
+    signature: str          # C parameter list, in the order run_<kind> in dispatch.cuh passes it
+    rows: dict              # µGraph input -> (C type, pointer at batch row b, per-row?)
+    weight: str             # C name of the [N, K] weight (W^T of the µGraph's (K, N) W)
+    has_eps: bool = False
+
+
+KINDS = {
+    "norm_linear": KindAbi(
+        "norm_linear", "rmsnorm_linear",
+        "int B, const float* x, int ldx, const bf16* nw, const bf16* w, const Epi& epi, int K, int n_tile, "
+        "float eps, float* smem, int tid, int nt",
+        {"X": ("const float*", "x + (size_t)b * ldx", True), "G": ("const bf16*", "nw", False)}, "w", True),
+    "silu_linear": KindAbi(
+        "silu_linear", "silu_mul_linear",
+        "int B, const bf16* gu, int ldg, int up, const bf16* w, const Epi& epi, int K, int n_tile, "
+        "float* smem, int tid, int nt",
+        {"A": ("const bf16*", "gu + (size_t)b * ldg", True), "B": ("const bf16*", "gu + (size_t)b * ldg + up", True)},
+        "w"),
+}
+
+
+def _c_float(v: float) -> str:
+    s = repr(float(v))
+    return (s if ("e" in s or "." in s) else s + ".0") + "f"
+
+
+class _Consts:
+    """Constants of the search shape bound to the ABI's run-time values (1/K -> / K, eps -> eps)."""
+
+    def __init__(self, K: int, eps: float | None):
+        self.K, self.eps = K, eps
+
+    def is_inv_k(self, c) -> bool:
+        return isinstance(c, float) and abs(c * self.K - 1.0) < 1e-9
+
+    def value(self, c) -> str:
+        if self.eps is not None and isinstance(c, float) and abs(c - self.eps) <= 1e-12 * max(1.0, abs(c)):
+            return "eps"
+        if self.is_inv_k(c):
+            return "(1.0f / (float)K)"
+        return _c_float(c)
+
+
+def _prog(p, x: str, consts: _Consts) -> str:
+    """C expression of a chain program (target.py's form) applied to ``x``."""
+    if p == "x":
+        return x
+    if isinstance(p, (int, float)):
+        return consts.value(float(p))
+    op, *args = p
+    if op == "mul" and len(args) == 2 and consts.is_inv_k(args[1]):  # x * (1/K) as the reference's x / K
+        return f"({_prog(args[0], x, consts)} / (float)K)"
+    a = [_prog(q, x, consts) for q in args]
+    if op in ("mul", "add", "div"):
+        return f"({a[0]} {dict(mul='*', add='+', div='/')[op]} {a[1]})"
+    if op in ("exp", "sqrt"):
+        return f"{op}f({a[0]})"
+    raise CodegenError(f"superopt codegen chain: expected ops mul, add, div, exp, sqrt, got {op!r}")
+
+
+def _prog_text(p) -> str:
+    if p == "x" or isinstance(p, (int, float)):
+        return str(p)
+    op, *args = p
+    a = [_prog_text(q) for q in args]
+    return f"({a[0]}{dict(mul='*', add='+', div='/')[op]}{a[1]})" if len(a) == 2 else f"{op}({a[0]})"
+
+
+def op_text(op: dict) -> str:
+    """One µGraph block op as in UGraph's text form: ``b1 = mul(i0, i1) (8, 256)  # rms_norm#0``."""
+    prog = dict(op["attrs"]).get("prog")
+    kind = f"chain[{_prog_text(prog)}]" if prog is not None else op["kind"]
+    dim = dict(op["attrs"]).get("dim")
+    kind += f"[dim={dim}]" if op["kind"] == "sum" else ""
+    shape = tuple(op["info"]["shape"])
+    return f"{op['out']} = {kind}({', '.join(op['inputs'])}) {shape}  # {op.get('origin', '')}".rstrip(" #")
+
+
+def _expr(tree, consts: _Consts, root: bool = True) -> str:
+    """C expression of element e of the operand tree; every op's value rounded to bf16 except the
+    root's (pack8 rounds it)."""
+    if tree[0] == "in":
+        return f"v_{tree[1]}[e]"
+    if tree[0] == "scaled":
+        return f"round_bf(v_{tree[1]}[e] * r)"
+    kind, op, args = tree
+    a = [_expr(t, consts, False) for t in args]
+    s = (_prog(dict(op["attrs"])["prog"], a[0], consts) if kind == "chain"
+         else f"({a[0]} {dict(mul='*', add='+', div='/')[kind]} {a[1]})")
+    return s if root else f"round_bf({s})"
+
+
+def _operand_ops(tree) -> list:
+    if tree[0] in ("in", "scaled"):
+        return []
+    return [o for t in tree[2] for o in _operand_ops(t)] + [tree[1]]
+
+
+def _used(tree) -> list:
+    if tree[0] in ("in", "scaled"):
+        return [tree[1]]
+    return sorted({u for t in tree[2] for u in _used(t)})
+
+
+def _row_struct(p: GemvPlan, abi: KindAbi, consts: _Consts, struct: str) -> list:
+    """The operand of the matmul for one batch row, computed in registers 8 values at a time."""
+    used = _used(p.operand)
+    lines = [f"// Operand of {op_text(p.matmul)}: element-wise ops in registers, each value rounded to",
+             "// bf16 as the unfused tasks store it:"]
+    lines += [f"//   {op_text(o)}" for o in _operand_ops(p.operand)]
+    if p.factor is not None:
+        lines.append(f"//   {p.factor.stat.src_input} scaled by the row factor r before use (see {abi.name}() below)")
+    lines.append(f"struct {struct} {{")
+    for loc in used:
+        name = p.inputs[loc]["name"]
+        ctype, _, per_row = abi.rows[name]
+        where = "row b" if per_row else "whole"
+        lines.append(f"  {ctype} {loc};  // µGraph input {name} ({where}), tile {tuple(p.inputs[loc]['tile'])}, "
+                     f"imap={_map(p.inputs[loc]['imap'])} fmap={p.inputs[loc]['fmap']}")
+    if p.factor is not None:
+        lines.append("  float r;  // row factor")
+    lines.append("  __device__ __forceinline__ uint4 load8(int k) const {")
+    for loc in used:
+        load = "load8" if abi.rows[p.inputs[loc]["name"]][2] else "load8_param"
+        lines.append(f"    float v_{loc}[8];")
+        lines.append(f"    tile::{load}({loc} + k, v_{loc});")
+    lines += ["    float o[8];", "#pragma unroll",
+              f"    for (int e = 0; e < 8; ++e) o[e] = {_expr(p.operand, consts)};",
+              "    return tile::pack8(o);", "  }", "};"]
+    return lines
+
+
+def _map(m) -> str:
+    return "[" + ",".join("φ" if v is None else str(v) for v in m) + "]"
+
+
+def _row_init(p: GemvPlan, abi: KindAbi) -> str:
+    vals = [abi.rows[p.inputs[loc]["name"]][1] for loc in _used(p.operand)]
+    return ", ".join(vals + (["r"] if p.factor is not None else []))
+
+
+def _body(p: GemvPlan, abi: KindAbi, consts: _Consts, struct: str) -> list:
+    """The task function: per batch row the row statistic and factor, the operand staged (or per
+    element), then the GEMV over the tile."""
+    grid, loop = p.grid, p.loop
+    lines = [f"__device__ void {abi.name}({abi.signature}) {{",
+             f"  // grid=({grid[0]}/{grid[1]}): one grid block = this task's tile of n_tile output columns;",
+             (f"  // loop={loop[0]}/{loop[1]}: the K loop of the tile primitives (16-byte vectors per lane; the"
+              if loop else "  // no for-loop: the K loop of the tile primitives (16-byte vectors per lane; the"),
+             "  // search's loop count sizes its shared-memory tile, the primitives stream K instead)."]
+    lines += ["  const bool staged = stage_fits(B, K);",
+              "  bf16* st = stage_base(smem);  // [B, K] operand rows after the reduction scratch",
+              "  for (int b = 0; b < B; ++b) {"]
+    if p.factor is not None:
+        st = p.factor.stat
+        x = abi.rows[p.inputs[st.src_input]["name"]][1]
+        lines += [f"    // acc {st.acc} = sum over the loop of:"]
+        lines += [f"    //   {op_text(o)}" for o in st.ops]
+        lines += [f"    const float {st.acc} = tile::row_sum_sq({x}, K, smem, tid, nt);"]
+        lines += ["    // post ops, as a row factor r = 1 / p applied before the matmul (reference rounding):"]
+        lines += [f"    //   {op_text(o)}" for o in p.factor.ops]
+        lines += [f"    const float r = rsqrtf({_prog(p.factor.inner_prog, st.acc, consts)});"]
+    lines += [f"    const {struct} row{{{_row_init(p, abi)}}};",
+              "    if (staged) tile::stage_row(st + (size_t)b * K, K, row, tid, nt);",
+              f"    else tile::gemv_acc_row(row, {abi.weight}, K, n_tile, epi, b, tid, nt);  // {p.matmul['out']} per row",
+              "  }",
+              "  if (!staged) return;",
+              "  worker_barrier(nt);  // the staged rows are complete before any warp reads them",
+              f"  // {op_text(p.matmul)}",
+              f"  // acc {p.acc['out']} = sum({p.acc['src']}); out {p.output['src']} -> {p.output['name']} "
+              f"omap={_map(p.output['omap'])} through the ABI's epilogue",
+              f"  MPK_FUSED_WITH_BATCH(B, (tile::gemv_acc<kB>(XRows{{st, K}}, {abi.weight}, K, n_tile, epi, tid, nt)));",
+              "}"]
+    return lines
+
+
+def render(ug, kind: str, eps: float = 1e-6) -> str:
+    """CUDA source of the generated body of fused kind ``kind`` from µGraph ``ug`` (a UGraph or its
+    to_dict()); ``eps`` is the rms_norm epsilon the search's target used (bound to the EPS param)."""
+    if kind not in KINDS:
+        raise CodegenError(f"superopt codegen kind: expected one of {sorted(KINDS)}, got {kind!r}")
+    abi = KINDS[kind]
+    d = ug if isinstance(ug, dict) else ug.to_dict()
+    missing = sorted(set(abi.rows) - set(d["inputs"]))
+    if missing:
+        raise CodegenError(f"superopt codegen {kind}: expected the {abi.pattern} µGraph's inputs "
+                           f"{sorted(abi.rows) + ['W']}, got {sorted(d['inputs'])}")
+    p = plan(d)
+    consts = _Consts(p.k_extent, eps if abi.has_eps else None)
+    struct = "".join(w.capitalize() for w in kind.split("_")) + "Operand"
+    cost = d.get("cost") or {}
+    head = [f"// GENERATED by mpk_dist.superopt.codegen from the {abi.pattern} µGraph; do not edit.",
+            f"// Replaces the hand-written {kind} (csrc/tasks/{kind}.cuh): same signature and ABI.",
+            f"// µGraph ops: {', '.join(p.origins)}; search estimate {_us(cost.get('time_us'))} at shapes "
+            + ", ".join(f"{k}{tuple(v['shape'])}" for k, v in sorted(d["inputs"].items())) + ".",
+            "#pragma once", '#include "tile_primitives.cuh"  // csrc/tasks (on the include path)', "", "namespace mpk {", "namespace gen {", ""]
+    tail = ["", "}  // namespace gen", "}  // namespace mpk", ""]
+    return "\n".join(head + _row_struct(p, abi, consts, struct) + [""] + _body(p, abi, consts, struct) + tail)
+
+
+def _us(t) -> str:
+    return "?" if t is None else f"{t:.2f} us"
+
+
+def write_if_changed(path, text: str) -> bool:
+    """Write ``text`` to ``path`` atomically unless it already holds exactly that; True if written."""
+    path = os.fspath(path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            if f.read() == text:
+                return False
+    except FileNotFoundError:
+        pass
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(tmp, path)
+    return True
