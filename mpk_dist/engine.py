@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mpk_dist.backends.base import GenerateRequest, GenerateResult, SamplingParams
-from mpk_dist.backends.registry import create_backend, resolve_backend
+from mpk_dist.backends.base import GenerateRequest, SamplingParams
+from mpk_dist.backends.registry import create_backend, default_device, resolve_backend
 from mpk_dist.errors import InputError
 from mpk_dist.model_source import ModelSource, open_model
 
@@ -77,20 +77,13 @@ def build_backend(spec: RunSpec, model: ModelSource | None = None):
     """Open the model (if not given) and create the backend for it."""
     name = resolve_backend(spec.backend)
     if model is None:
-        device = spec.device or ("cuda" if name not in ("interpreter",) and _has_cuda() else "cpu")
-        model = open_model(spec.model, seed=spec.seed, device=device)
+        model = open_model(spec.model, seed=spec.seed, device=spec.device or default_device(name))
     if spec.max_seq_len > model.config.max_position_embeddings:
         raise InputError(f"--max-seq-len: expected at most max_position_embeddings="
                          f"{model.config.max_position_embeddings}, got {spec.max_seq_len}")
     backend = create_backend(name, model.config, model.weights, tp=spec.tp, device=spec.device,
                              max_seq_len=spec.max_seq_len, **(spec.backend_opts or {}))
     return model, backend
-
-
-def _has_cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
 
 
 def make_request(prompts: list[list[int]], max_new_tokens: int, sampling: SamplingParams, stop_ids=(),
@@ -109,8 +102,3 @@ def latency_summary(per_token_ms: list[float]) -> dict:
     a = np.asarray(per_token_ms, dtype=np.float64)
     return {"p50": float(np.percentile(a, 50)), "p90": float(np.percentile(a, 90)), "p99": float(np.percentile(a, 99)),
             "mean": float(a.mean()), "tokens_per_s": float(1e3 / a.mean())}
-
-
-def generate(backend, req: GenerateRequest) -> GenerateResult:
-    """Run one request on a backend."""
-    return backend.generate(req)
