@@ -25,7 +25,7 @@ from mpk_dist.runtime.comm_layout import comm_layout, peer_quota, peer_tables
 from mpk_dist.runtime.kernel import build_kernel
 from mpk_dist.runtime.loader import LoadedKernel, host_device_pointer
 from mpk_dist.runtime.params import TRACE_DTYPE, ErrorRecord, RuntimeParams, to_bytes
-from mpk_dist.taskgraph.abi import ABI_VERSION, TASK_COLS
+from mpk_dist.taskgraph.abi import ABI_VERSION
 
 _TORCH = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32, "i32": torch.int32}
 QUEUE_SLOT_WORDS = 4

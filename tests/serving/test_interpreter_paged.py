@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-import torch
 
 from mpk_dist.backends.base import GenerateRequest
 from mpk_dist.backends.torch_backend import TorchBackend

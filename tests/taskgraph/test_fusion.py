@@ -15,7 +15,7 @@ from mpk_dist.models.presets import get_preset
 from mpk_dist.taskgraph import fusion
 from mpk_dist.taskgraph.interpreter import Interpreter
 from mpk_dist.taskgraph.race import RaceError
-from mpk_dist.taskgraph.testing import (MAX_SEQ, drop_signal, drop_wait, fp32, max_rel_err, programs, reference,
+from mpk_dist.taskgraph.testing import (drop_signal, drop_wait, fp32, max_rel_err, programs, reference,
                                         rows_of_layer, weights)
 
 SCHEDULES = 8

@@ -12,7 +12,6 @@ Splits are summed in index order (the CUDA body does the same), so the result is
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from mpk_dist.taskgraph.tasks.base import Access, ArgSpec, ParamSpec, TaskKind, TileContext, rect, view2d
