@@ -20,7 +20,7 @@ from mpk_dist.config import ModelConfig, load_config
 from mpk_dist.errors import ConfigError
 from mpk_dist.models.presets import PRESETS, get_preset
 from mpk_dist.tokenizer import load_tokenizer
-from mpk_dist.weights import SafetensorsSource, SyntheticSource, check_source, expected_tensors
+from mpk_dist.weights import SYNTHETIC_VERSION, SafetensorsSource, SyntheticSource, check_source, expected_tensors
 
 # Presets up to this many parameters are materialised as files (tiny ones, for the loader path).
 MAX_MATERIALIZED_PARAMS = 50_000_000
@@ -84,7 +84,7 @@ def open_model(model: str, seed: int = 0, device: str | torch.device = "cpu") ->
         get_preset(model)  # raises the "unknown preset" error
     cfg = get_preset(model)
     if _num_params(cfg) <= MAX_MATERIALIZED_PARAMS:
-        target = cache_dir() / "presets" / f"{model}-seed{seed}"
+        target = cache_dir() / "presets" / f"{model}-seed{seed}-v{SYNTHETIC_VERSION}"
         if not (target / "model.safetensors").is_file():
             write_checkpoint(cfg, target, seed=seed)
         return ModelSource(model, cfg, SafetensorsSource(target), load_tokenizer(None), target)

@@ -109,6 +109,11 @@ class SafetensorsSource:
         return sl[:, part.start:part.stop]
 
 
+# Bumped whenever SyntheticSource's numbers change, so preset checkpoints cached on disk by an
+# older version are not read as if they were current.
+SYNTHETIC_VERSION = 2
+
+
 class SyntheticSource:
     """Deterministic random weights for a config: each tensor seeded from (seed, its name).
 
