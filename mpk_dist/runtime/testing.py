@@ -26,3 +26,30 @@ def compare_logits(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
 def median(xs) -> float:
     """Median (upper middle) of a list, NaN when empty."""
     return sorted(xs)[len(xs) // 2] if xs else float("nan")
+
+
+# KV-cache length of every GPU test model: >= 256 teacher-forced steps plus a short prompt.
+MAX_SEQ = 320
+# Shared by all GPU test modules of one pytest process, so a preset's weights are made once.
+_MODELS: dict = {}
+_REFS: dict = {}
+
+
+def model(name: str):
+    """Random-weight preset on the GPU (small ones are HF checkpoints written to $MPK_CACHE_DIR); cached."""
+    assert torch.cuda.is_available(), "gpu tests need a CUDA GPU (run them with scripts/gpu_check.sh on the device)"
+    from mpk_dist.model_source import open_model
+
+    if name not in _MODELS:
+        _MODELS[name] = open_model(name, seed=0, device="cuda")
+    return _MODELS[name]
+
+
+def ref(name: str, tp: int = 1):
+    """The torch eager reference at ``tp`` (all ranks in this process, MAX_SEQ cache); cached."""
+    from mpk_dist.backends.torch_backend import TorchBackend
+
+    if (name, tp) not in _REFS:
+        m = model(name)
+        _REFS[name, tp] = TorchBackend(m.config, m.weights, tp=tp, device="cuda", max_seq_len=MAX_SEQ, mode="eager")
+    return _REFS[name, tp]

@@ -15,26 +15,14 @@ import torch
 pytestmark = pytest.mark.gpu
 
 from mpk_dist.backends.base import GenerateRequest  # noqa: E402
-from mpk_dist.backends.torch_backend import TorchBackend  # noqa: E402
-from mpk_dist.model_source import open_model  # noqa: E402
 from mpk_dist.runtime.megakernel_backend import MegakernelBackend  # noqa: E402
 from mpk_dist.taskgraph.lowering_attention import split_smem_bytes  # noqa: E402
-from mpk_dist.runtime.testing import compare_logits, median, rand_ids  # noqa: E402
+from mpk_dist.runtime.testing import MAX_SEQ, compare_logits, median, model, rand_ids, ref  # noqa: E402
 
 # The reference's "fp32 accumulation" (as in test_megakernel_gpu.py): no reduced-precision split-K.
 torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
 
-MAX_SEQ = 320
 FORCED_STEPS = 256
-_CACHE: dict = {}
-
-
-def model(name: str):
-    """Random-weight preset (cached)."""
-    assert torch.cuda.is_available(), "gpu tests need a CUDA GPU (scripts/gpu_check.sh --attn-split-only)"
-    if ("model", name) not in _CACHE:
-        _CACHE[("model", name)] = open_model(name, seed=0, device="cuda")
-    return _CACHE[("model", name)]
 
 
 def mk(name: str, schedule: str = "aot", attn_splits="auto") -> MegakernelBackend:
@@ -42,15 +30,6 @@ def mk(name: str, schedule: str = "aot", attn_splits="auto") -> MegakernelBacken
     m = model(name)
     return MegakernelBackend(m.config, m.weights, tp=1, device="cuda", max_seq_len=MAX_SEQ, schedule=schedule,
                              attn_splits=attn_splits)
-
-
-def ref(name: str) -> TorchBackend:
-    """The torch eager reference (cached)."""
-    if ("torch", name) not in _CACHE:
-        m = model(name)
-        _CACHE[("torch", name)] = TorchBackend(m.config, m.weights, tp=1, device="cuda", max_seq_len=MAX_SEQ,
-                                               mode="eager")
-    return _CACHE[("torch", name)]
 
 
 def forced_request(name: str, batch: int) -> GenerateRequest:

@@ -15,28 +15,17 @@ import torch
 pytestmark = pytest.mark.gpu
 
 from mpk_dist.backends.base import GenerateRequest, StepBackend  # noqa: E402
-from mpk_dist.backends.torch_backend import TorchBackend, run_graphs  # noqa: E402
+from mpk_dist.backends.torch_backend import run_graphs  # noqa: E402
 from mpk_dist.errors import DeviceTimeout  # noqa: E402
-from mpk_dist.model_source import open_model  # noqa: E402
 from mpk_dist.runtime.megakernel_backend import MegakernelBackend  # noqa: E402
-from mpk_dist.runtime.testing import compare_logits, rand_ids  # noqa: E402
+from mpk_dist.runtime.testing import MAX_SEQ, compare_logits, model, rand_ids, ref  # noqa: E402
 
 # The op semantics say "fp32 accumulation"; cuBLAS's reduced-precision (bf16) split-K reductions,
 # which torch allows by default, would make the reference itself deviate from that.
 torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
 
-MAX_SEQ = 320
 FORCED_STEPS = 256
-_MODELS: dict = {}
 _BACKENDS: dict = {}
-
-
-def model(name: str):
-    """Random-weight preset (cached)."""
-    assert torch.cuda.is_available(), "gpu tests need a CUDA GPU (run them with scripts/gpu_check.sh on the device)"
-    if name not in _MODELS:
-        _MODELS[name] = open_model(name, seed=0, device="cuda")
-    return _MODELS[name]
 
 
 def mk(name: str, schedule: str = "aot", **kw) -> MegakernelBackend:
@@ -48,15 +37,6 @@ def mk(name: str, schedule: str = "aot", **kw) -> MegakernelBackend:
         if kw:
             return b
         _BACKENDS[key] = b
-    return _BACKENDS[key]
-
-
-def ref(name: str) -> TorchBackend:
-    """The torch eager reference backend (cached)."""
-    key = (name, "torch")
-    if key not in _BACKENDS:
-        m = model(name)
-        _BACKENDS[key] = TorchBackend(m.config, m.weights, tp=1, device="cuda", max_seq_len=MAX_SEQ, mode="eager")
     return _BACKENDS[key]
 
 

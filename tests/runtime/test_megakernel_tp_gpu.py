@@ -20,24 +20,14 @@ pytestmark = pytest.mark.gpu
 from mpk_dist.backends.base import GenerateRequest, StepBackend  # noqa: E402
 from mpk_dist.backends.torch_backend import TorchBackend, run_graphs  # noqa: E402
 from mpk_dist.errors import DeviceTimeout  # noqa: E402
-from mpk_dist.model_source import open_model  # noqa: E402
 from mpk_dist.runtime.megakernel_backend import MegakernelBackend  # noqa: E402
-from mpk_dist.runtime.testing import compare_logits, median, rand_ids  # noqa: E402
+from mpk_dist.runtime.testing import MAX_SEQ, compare_logits, median, model, rand_ids, ref  # noqa: E402
 
 # The reference's "fp32 accumulation" (as in test_megakernel_gpu.py): no reduced-precision split-K.
 torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
 
-MAX_SEQ = 320
 FORCED_STEPS = 256
 _CACHE: dict = {}
-
-
-def model(name: str):
-    """Random-weight preset (small ones are HF checkpoints written to $MPK_CACHE_DIR); cached."""
-    assert torch.cuda.is_available(), "gpu tests need a CUDA GPU (scripts/gpu_check.sh --tp on the device)"
-    if ("model", name) not in _CACHE:
-        _CACHE[("model", name)] = open_model(name, seed=0, device="cuda")
-    return _CACHE[("model", name)]
 
 
 def mk(name: str, tp: int, **kw) -> MegakernelBackend:
@@ -49,15 +39,6 @@ def mk(name: str, tp: int, **kw) -> MegakernelBackend:
         if kw:
             return b
         _CACHE[key] = b
-    return _CACHE[key]
-
-
-def ref(name: str, tp: int = 1) -> TorchBackend:
-    """The torch eager backend at ``tp`` (all ranks in this process); cached."""
-    key = ("torch", name, tp)
-    if key not in _CACHE:
-        m = model(name)
-        _CACHE[key] = TorchBackend(m.config, m.weights, tp=tp, device="cuda", max_seq_len=MAX_SEQ, mode="eager")
     return _CACHE[key]
 
 
