@@ -13,6 +13,8 @@
 #                   IPC_LIMIT, TP_BENCH_LIMIT. Without --tp those two test files are left out.
 #   --attn-split-only  only the split-KV attention section (tests/runtime/test_attn_split_gpu.py and a
 #                   qwen3-0.6b bench with --attn-splits auto vs 1); --no-attn-split skips it. Limit: ATTN_LIMIT
+# Two GPUs: run two copies side by side, e.g. CUDA_VISIBLE_DEVICES=0 ... --runtime-only and
+# CUDA_VISIBLE_DEVICES=1 ... --fusion-only, each with its own OUT and MPK_CACHE_DIR and MPK_SKIP_INSTALL=1.
 # Logs and JSON go to $OUT (or ./gpu_check_out). Time limits (s): PYTEST_LIMIT, SAN_LIMIT, TRACE_LIMIT;
 # PYTEST_K selects tests (pytest -k), SKIP_TRACE=1 skips the traced qwen3-0.6b run.
 set -u
@@ -45,7 +47,10 @@ step() {  # step NAME TIMEOUT_S CMD...: run with a time limit, log to $OUT/NAME.
 }
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
+# MPK_SKIP_INSTALL=1: the caller installed already (two copies of this script run side by side, one per GPU).
+if [ "${MPK_SKIP_INSTALL:-0}" != 1 ]; then
+  python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
+fi
 python3 -c "import torch, cuda.bindings; print('torch', torch.__version__, 'cuda-bindings', cuda.bindings.__version__)"
 
 # ---- tensor parallelism (--tp): this section only, then the summary ----
