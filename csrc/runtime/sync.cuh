@@ -186,4 +186,22 @@ __device__ __forceinline__ int spin_wait_geq_sys(const uint32_t* counter, uint32
   }
 }
 
+// Busy-wait (no sleep, no abort flag) until *counter >= target, acquire at system scope: for
+// latency measurements (csrc/bench/), where __nanosleep would add to the figure being measured.
+// Still bounded: the clock is read every MPK_SPIN_CHECK polls. Returns 0 when satisfied, 1 on
+// timeout; *seen gets the last value read.
+__device__ __forceinline__ int spin_wait_geq_sys_busy(const uint32_t* counter, uint32_t target, uint64_t timeout_ns,
+                                                      uint32_t* seen) {
+  uint64_t start = 0;
+  for (uint32_t iter = 0;; ++iter) {
+    uint32_t v = ld_acquire_sys(counter);  // acquire: pairs with the peer's system-scope release
+    if ((int32_t)(v - target) >= 0) { *seen = v; return 0; }
+    if ((iter % MPK_SPIN_CHECK) == 0) {
+      uint64_t now = globaltimer_ns();
+      if (iter == 0) start = now;
+      else if (now - start > timeout_ns) { *seen = v; return 1; }
+    }
+  }
+}
+
 }  // namespace mpk
