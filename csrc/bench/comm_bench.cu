@@ -50,19 +50,20 @@ __device__ __forceinline__ uint32_t* flag_at(const uint64_t* peers, int r, size_
 
 }  // namespace
 
-// One block, one thread. peers[r]: rank r's symmetric buffer as reachable from here.
-extern "C" __global__ void comm_pingpong(const uint64_t* peers, int rank, int iters, uint64_t timeout_ns,
-                                         uint32_t* status) {
+// One block, one thread. peers[r]: rank r's symmetric buffer as reachable from here. Round trips
+// [timed_from, iters) are timed (the first ones line the two ranks up after their launches).
+extern "C" __global__ void comm_pingpong(const uint64_t* peers, int rank, int iters, int timed_from,
+                                         uint64_t timeout_ns, uint32_t* status) {
   if (threadIdx.x != 0 || blockIdx.x != 0 || rank > 1) return;
   if (status[0] != 0u) return;  // an earlier launch timed out: the peer is gone, do not wait again
   // Counters only grow across launches, so flags never need a reset: this launch uses base+1..base+iters.
   const uint32_t base = status[CB_ST_PP_EPOCH];
   uint32_t* mine = flag_at(peers, rank, CB_PP_FLAG_OFF);
   uint32_t* theirs = flag_at(peers, 1 - rank, CB_PP_FLAG_OFF);
-  uint64_t* times = reinterpret_cast<uint64_t*>(status + CB_ST_TIMES);
-  const uint64_t t0 = mpk::globaltimer_ns();
-  for (int i = 1; i <= iters; ++i) {
-    const uint32_t v = base + (uint32_t)i;
+  uint64_t t0 = 0;
+  for (int i = 0; i < iters; ++i) {
+    if (i == timed_from) t0 = mpk::globaltimer_ns();
+    const uint32_t v = base + (uint32_t)i + 1u;
     uint32_t seen = 0;
     // release store into the peer's memory; the peer's acquire load of its own flag pairs with it
     if (rank == 0) mpk::st_release_sys(theirs, v);
@@ -72,6 +73,7 @@ extern "C" __global__ void comm_pingpong(const uint64_t* peers, int rank, int it
     }
     if (rank == 1) mpk::st_release_sys(theirs, v);
   }
+  uint64_t* times = reinterpret_cast<uint64_t*>(status + CB_ST_TIMES);
   times[0] = t0;
   times[1] = mpk::globaltimer_ns();
   status[CB_ST_PP_EPOCH] = base + (uint32_t)iters;
