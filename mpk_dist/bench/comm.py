@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from mpk_dist.bench.comm_report import (build_record, combine_ranks, compare, format_table, nccl_tolerance,
                                         preamble)
 from mpk_dist.errors import BackendUnavailable, DeviceTimeout, InputError
+from mpk_dist.runtime.build import CSRC
 
-KERNEL_SOURCE = Path(__file__).resolve().parents[1] / "csrc" / "bench" / "comm_bench.cu"
+KERNEL_SOURCE = CSRC / "bench" / "comm_bench.cu"  # repo checkout or installed package (mpk_dist/csrc)
 # Layout of the symmetric buffer and of the local status words: passed to the kernel as -D
 # defines, so this dict is the one place it is written (csrc/bench/comm_bench.cu reads CB_*).
 LAYOUT = {
@@ -42,6 +42,13 @@ STATUS_WORDS = 64
 BLOCK_THREADS = 256
 ERROR_CODES = {1: "ping-pong flag", 2: "all-reduce flag"}
 MAX_SIZE_BYTES = 16 << 20
+# Argument (name, bytes) of each kernel, in order: tests/bench/test_comm.py checks them against the
+# signatures in comm_bench.cu, since a wrong size would be read as garbage by the kernel.
+KERNEL_ARGS = {
+    "comm_pingpong": (("peers", 8), ("rank", 4), ("iters", 4), ("timed_from", 4), ("timeout_ns", 8), ("status", 8)),
+    "comm_allreduce": (("peers", 8), ("in", 8), ("out", 8), ("rank", 4), ("world", 4), ("n", 4), ("iters", 4),
+                       ("timed_from", 4), ("timeout_ns", 8), ("status", 8)),
+}
 
 
 @dataclass(frozen=True)
@@ -133,6 +140,15 @@ def timeout_message(status: list[int], timeout_s: float) -> str:
             "(see its output); --timeout raises the limit")
 
 
+def pack_args(kernel: str, **values: int) -> list:
+    """ctypes values of ``kernel``'s arguments in order (KERNEL_ARGS); every argument must be given."""
+    spec = KERNEL_ARGS[kernel]
+    names = [n for n, _ in spec]
+    if sorted(values) != sorted(names):
+        raise ValueError(f"{kernel} arguments: expected {names}, got {sorted(values)}")
+    return [(ctypes.c_uint64 if size == 8 else ctypes.c_int32)(int(values[name])) for name, size in spec]
+
+
 def build_kernel(compiler: str | None = None, use_cache: bool = True):
     """Compile comm_bench.cu with the LAYOUT defines (cached by content; mpk_dist.runtime.build)."""
     from mpk_dist.runtime.build import compile_source
@@ -199,10 +215,10 @@ class _Rank:
 
         return torch.cuda.current_stream().cuda_stream
 
-    def args(self, *vals) -> list:
-        """ctypes kernel arguments: peer table, then ``vals`` (int32 unless given as ctypes)."""
-        return [ctypes.c_uint64(self.peers.data_ptr()),
-                *[v if isinstance(v, ctypes._SimpleCData) else ctypes.c_int32(v) for v in vals]]
+    def args(self, kernel: str, **values: int) -> list:
+        """``kernel``'s ctypes arguments; the peer table, rank, timeout and status are filled in."""
+        return pack_args(kernel, peers=self.peers.data_ptr(), rank=self.rank, timeout_ns=int(self.timeout_s * 1e9),
+                         status=self.status.data_ptr(), **values)
 
     def times_us(self, count: int) -> float:
         """(end - start) of the last launch's timed part, per ``count`` events, in us."""
@@ -274,10 +290,9 @@ def run_pingpong(r: _Rank, opts: CommOptions) -> tuple[float | None, tuple[bool,
     if r.rank > 1:
         return None, (True, "pingpong: not a party (ranks 0 and 1)")
     lead = max(1, opts.warmup)
-    timeout = ctypes.c_uint64(int(opts.timeout_s * 1e9))
     before = int(r.status[LAYOUT["CB_ST_PP_EPOCH"]])
     r.kernels.launch(r.kernels.pingpong, 1, 32,
-                     r.args(r.rank, lead + opts.iters, lead, timeout, ctypes.c_uint64(r.status.data_ptr())), r.stream())
+                     r.args("comm_pingpong", iters=lead + opts.iters, timed_from=lead), r.stream())
     r.check()
     moved = int(r.status[LAYOUT["CB_ST_PP_EPOCH"]]) - before
     ok = moved == lead + opts.iters
@@ -290,13 +305,12 @@ def run_ours(r: _Rank, opts: CommOptions, x, out, want) -> tuple[dict[str, float
     import torch
 
     n = x.numel()
-    grid, timeout = ar_blocks(n), ctypes.c_uint64(int(opts.timeout_s * 1e9))
-    status = ctypes.c_uint64(r.status.data_ptr())
+    grid = ar_blocks(n)
 
     def launch(iters: int = 1, timed_from: int = 1) -> None:
         r.kernels.launch(r.kernels.allreduce, grid, BLOCK_THREADS,
-                         r.args(ctypes.c_uint64(x.data_ptr()), ctypes.c_uint64(out.data_ptr()), r.rank, r.world, n,
-                                iters, timed_from, timeout, status), r.stream())
+                         r.args("comm_allreduce", **{"in": x.data_ptr()}, out=out.data_ptr(), world=r.world, n=n,
+                                iters=iters, timed_from=timed_from), r.stream())
 
     times, checks = {}, {}
     lead = max(1, opts.warmup)
