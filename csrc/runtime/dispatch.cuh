@@ -233,9 +233,10 @@ __device__ bool run_task(const RuntimeParams& p, int task, int step, float* smem
     case OP_ALLREDUCE_REDUCE: run_allreduce_reduce(t, tid, nt); return true;
     case OP_ARGMAX_PARTIAL:
       argmax_partial(t.arg<const float>(ARGMAX_PARTIAL_ARG_LOGITS), t.arg<float>(ARGMAX_PARTIAL_ARG_OUT),
-                     t.param(ARGMAX_PARTIAL_PARAM_BATCH), t.param(ARGMAX_PARTIAL_PARAM_COLS),
-                     t.param(ARGMAX_PARTIAL_PARAM_LOGITS_STRIDE), t.param(ARGMAX_PARTIAL_PARAM_OUT_STRIDE),
-                     t.param(ARGMAX_PARTIAL_PARAM_INDEX_BASE), smem, tid, nt);
+                     t.arg<const int32_t>(ARGMAX_PARTIAL_ARG_SAMPLING), t.param(ARGMAX_PARTIAL_PARAM_BATCH),
+                     t.param(ARGMAX_PARTIAL_PARAM_COLS), t.param(ARGMAX_PARTIAL_PARAM_LOGITS_STRIDE),
+                     t.param(ARGMAX_PARTIAL_PARAM_OUT_STRIDE), t.param(ARGMAX_PARTIAL_PARAM_INDEX_BASE), step, smem,
+                     tid, nt);
       return true;
     case OP_ARGMAX_REDUCE:
       argmax_reduce(t.arg<const float>(ARGMAX_REDUCE_ARG_PARTIAL), t.arg<float>(ARGMAX_REDUCE_ARG_OUT),

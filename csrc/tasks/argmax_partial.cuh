@@ -1,8 +1,12 @@
 // argmax_partial: (max, INDEX_BASE + first argmax) of COLS fp32 logits per sequence, stored as an
 // fp32 pair. `logits` points at column v0 of row 0, `out` at this tile's pair of row 0.
 // Ties go to the lowest index; a NaN never wins (comparisons with NaN are false).
+// Sampling (the launch's `sampling` words hold T > 0): the tile scores x * (1/T) + g, g the Gumbel
+// draw of (seed, step, b, vocabulary id) (sampling_rng.cuh), so the best score over the whole
+// vocabulary is a draw from softmax(x / T); reduce and select are unchanged.
 #pragma once
 #include "common.cuh"
+#include "sampling_rng.cuh"
 
 namespace mpk {
 
@@ -33,14 +37,27 @@ __device__ void block_argmax(float& v, float& i, float* smem, int tid, int nt) {
   worker_barrier(nt);
 }
 
-__device__ void argmax_partial(const float* logits, float* out, int B, int cols, int logits_stride, int out_stride,
-                               int index_base, float* smem, int tid, int nt) {
+// `sampling`: the launch's int32 [4] sampling words (nullptr or temperature 0: greedy); `step`
+// is the kernel's step, one of the draw's counters.
+__device__ void argmax_partial(const float* logits, float* out, const int32_t* sampling, int B, int cols,
+                               int logits_stride, int out_stride, int index_base, int step, float* smem, int tid,
+                               int nt) {
+  const SamplingState st = load_sampling(sampling);
   for (int b = 0; b < B; ++b) {
     float bv = -INFINITY, bi = kNoIndex;
     const float* row = logits + (size_t)b * logits_stride;
-    for (int c = tid; c < cols; c += nt) {
-      const float x = row[c];
-      if (argmax_better(x, (float)(index_base + c), bv, bi)) { bv = x; bi = (float)(index_base + c); }
+    if (st.inv_t > 0.0f) {
+      const uint64_t key = rng_stream_key(st.seed, step, b);
+      for (int c = tid; c < cols; c += nt) {
+        const int id = index_base + c;
+        const float x = gumbel_score(row[c], st.inv_t, rng_gumbel(rng_uniform(rng_bits(key, id))));
+        if (argmax_better(x, (float)id, bv, bi)) { bv = x; bi = (float)id; }
+      }
+    } else {
+      for (int c = tid; c < cols; c += nt) {
+        const float x = row[c];
+        if (argmax_better(x, (float)(index_base + c), bv, bi)) { bv = x; bi = (float)(index_base + c); }
+      }
     }
     block_argmax(bv, bi, smem, tid, nt);
     if (tid == 0) { out[(size_t)b * out_stride] = bv; out[(size_t)b * out_stride + 1] = bi; }

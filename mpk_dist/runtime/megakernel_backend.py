@@ -1,5 +1,7 @@
-"""The mega-kernel backend: the whole generation (prefill as decode steps, greedy argmax, stop on
-EOS / max tokens, teacher forcing, logits dump) runs in ONE persistent kernel launch per rank.
+"""The mega-kernel backend: the whole generation (prefill as decode steps, greedy argmax or seeded
+temperature sampling, stop on EOS / max tokens, teacher forcing, logits dump) runs in ONE persistent
+kernel launch per rank. Sampling happens in the kernel (Gumbel-max in argmax_partial,
+``mpk_dist.taskgraph.sampling_rng``); the per-launch words reach it through the ``sampling`` buffer.
 
 Tensor parallelism: one kernel per TP rank (mpk_dist.runtime.group). ``--transport local`` drives
 every rank from this process on one GPU (own stream and SM share each); ``--transport ipc`` is one
@@ -25,6 +27,7 @@ from mpk_dist.backends.base import GenerateRequest, GenerateResult, StepBackend
 from mpk_dist.errors import BackendUnavailable, InputError
 from mpk_dist.models import build_graph
 from mpk_dist.runtime.transport import IpcTransport, LocalTransport, check_options
+from mpk_dist.taskgraph.sampling_rng import check_device_sampling, sampling_words
 
 SCHEDULES = ("aot", "jit")
 PROFILE_STEPS = 128
@@ -151,6 +154,7 @@ class MegakernelBackend(StepBackend):
         self.last_session = g.lead
         g.reset()
         g.fill_forced(req.prompts, req.force_tokens, steps)
+        self._fill_sampling(g, req.sampling)
         trace_from = 0 if self.trace_path else T
         g.launch(0, steps, T, req.max_new_tokens, tuple(req.stop_ids), req.force_tokens is None, req.want_logits,
                  self._inject(), trace_from)
@@ -163,13 +167,19 @@ class MegakernelBackend(StepBackend):
         g.wait(on_step)
         return self._result(g, req, B, T)
 
+    @staticmethod
+    def _fill_sampling(g, sp) -> None:
+        """The launch's sampling words (temperature, top_p, seed) into every driven rank's buffer."""
+        words = torch.from_numpy(sampling_words(sp.temperature, sp.top_p, sp.seed))
+        for x in g.sessions:
+            with x._on_stream():
+                x.bufs[x.cg.meta["special"]["sampling"]].copy_(words)
+
     def _check_request(self, req: GenerateRequest) -> tuple[int, int, int]:
         lengths = {len(p) for p in req.prompts}
         if len(lengths) != 1 or 0 in lengths:
             raise InputError(f"prompts: expected non-empty prompts of equal length in one batch, got lengths {sorted(lengths)}")
-        if req.sampling.temperature > 0:
-            raise InputError(f"--temperature: expected 0 (greedy; on-device sampling is not implemented yet), "
-                             f"got {req.sampling.temperature}")
+        check_device_sampling(req.sampling)
         if req.max_new_tokens < 1:
             raise InputError(f"max_new_tokens: expected >= 1, got {req.max_new_tokens}")
         B, T = len(req.prompts), lengths.pop()

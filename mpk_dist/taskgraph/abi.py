@@ -26,7 +26,7 @@ signal entry adds 1 to the counter on its target rank(s) per step.
 
 from __future__ import annotations
 
-ABI_VERSION = 1
+ABI_VERSION = 2
 """Bumped whenever a column, code, opcode or argument order changes; the runtime checks it."""
 
 

@@ -3,18 +3,26 @@
 The CPU path of ``mpk-dist run`` (backend ``auto`` on a machine without a GPU). Every rank's program
 is compiled for the batch, weights are loaded per rank, and each ``prefill``/``decode`` call is one
 launch of the interpreter (prefill runs the prompt as forced decode steps). Races raise.
+
+``generate`` with temperature > 0 samples IN the task graph, as the mega-kernel does: the whole
+generation is one launch (prompt rows forced, later rows take the token argmax_select chose), the
+sampling words go into the ``sampling`` buffer, and argmax_partial draws the same Gumbel noise
+(``mpk_dist.taskgraph.sampling_rng``) as the kernel. Greedy requests keep the step-wise loop.
 """
 
 from __future__ import annotations
 
+import time
+
 import torch
 
-from mpk_dist.backends.base import StepBackend
+from mpk_dist.backends.base import GenerateRequest, GenerateResult, StepBackend
 from mpk_dist.config import ModelConfig
 from mpk_dist.errors import BackendUnavailable, InputError
 from mpk_dist.models import build_graph
 from mpk_dist.taskgraph.compiler import compile_rank_programs
 from mpk_dist.taskgraph.interpreter import Interpreter
+from mpk_dist.taskgraph.sampling_rng import check_device_sampling, sampling_words
 
 DEFAULT_SMS = 16
 """Tiles are sized for this many workers on the CPU (fewer, larger tiles run faster in Python)."""
@@ -70,18 +78,18 @@ class InterpreterBackend(StepBackend):
             self.batch = batch
         self.interp.reset_state()
 
-    def _launch(self, forced: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+    def _launch(self, forced: torch.Tensor, start: torch.Tensor, full: bool = False):
         if self.interp is None:
             raise InputError("interpreter backend: call reset(batch) before prefill/decode")
         if int(start.max()) + forced.shape[0] > self.max_seq_len:
             raise InputError(f"sequence length: expected at most {self.max_seq_len} tokens (--max-seq-len), "
                              f"got {int(start.max()) + forced.shape[0]}")
-        if int(forced.max()) >= self.vocab_size or int(forced.min()) < 0:
+        if int(forced.max()) >= self.vocab_size or int(forced[0].min()) < 0 or (not full and int(forced.min()) < 0):
             raise InputError(f"token id: expected 0 <= id < {self.vocab_size}, got {forced.tolist()}")
         self.interp.rng.seed(self.seed + self._launches)  # a different valid order every launch
         self._launches += 1
         res = self.interp.run(forced.shape[0], forced, start)
-        return res.captured["logits"][-1].float()
+        return res if full else res.captured["logits"][-1].float()
 
     def prefill(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Prompts [B, T] as T forced decode steps in one launch; logits [B, V] of the last token."""
@@ -95,3 +103,36 @@ class InterpreterBackend(StepBackend):
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """One decode step for tokens [B] at positions [B]; logits [B, V]."""
         return self._launch(tokens.to(torch.int32).cpu().reshape(1, -1), positions.to(torch.int32).cpu())
+
+    def generate(self, req: GenerateRequest) -> GenerateResult:
+        """Greedy: the step-wise loop; temperature > 0: one launch that samples in the task graph."""
+        if req.sampling.temperature <= 0:
+            return super().generate(req)
+        check_device_sampling(req.sampling)
+        lengths = {len(p) for p in req.prompts}
+        if len(lengths) != 1 or 0 in lengths:
+            raise InputError(f"prompts: expected non-empty prompts of equal length in one batch, got lengths "
+                             f"{sorted(lengths)}")
+        if req.max_new_tokens < 1:
+            raise InputError(f"max_new_tokens: expected >= 1, got {req.max_new_tokens}")
+        B, T = len(req.prompts), lengths.pop()
+        steps = T + req.max_new_tokens - 1
+        forced = torch.full((steps, B), -1, dtype=torch.int32)
+        forced[:T] = torch.tensor(req.prompts, dtype=torch.int32).T
+        if req.force_tokens:  # teacher forcing: generated step i feeds force_tokens[i]
+            k = min(len(req.force_tokens), steps - T)
+            forced[T:T + k] = torch.tensor(req.force_tokens[:k], dtype=torch.int32)[:, None]
+        self.reset(B)
+        words = torch.from_numpy(sampling_words(req.sampling.temperature, req.sampling.top_p, req.sampling.seed))
+        for r in range(self.tp):
+            self.interp.buffer(r, "sampling").copy_(words)
+        t0 = time.perf_counter()
+        res = self._launch(forced, torch.zeros(B, dtype=torch.int32), full=True)
+        ms = (time.perf_counter() - t0) * 1e3
+        out: list[list[int]] = [[] for _ in range(B)]
+        for row in res.tokens[T - 1:].tolist():  # the same stop bookkeeping as StepBackend.generate
+            for b in range(B):
+                if not out[b] or out[b][-1] not in req.stop_ids:
+                    out[b].append(int(row[b]))
+        logits = res.captured["logits"][T - 1:].float() if req.want_logits else None
+        return GenerateResult(out, ms, [], logits, {"launches": 1, "sampling": "in-graph"})

@@ -2,7 +2,7 @@
 
 all_reduce -> allreduce_push (per column tile: my partial tile into slot[my_rank] of every rank's
 symmetric receive buffer, signalling every rank) + allreduce_reduce (per tile: sum the WORLD slots in
-fp32, add the residual once). argmax_partial -> per-vocabulary-tile (max, index) + one local reduce;
+fp32, add the residual once). argmax_partial -> per-vocabulary-tile (max, index) (of Gumbel scores when sampling) + one local reduce;
 all_gather -> allgather_push of the rank's candidate; argmax_select picks the token.
 """
 
@@ -13,6 +13,7 @@ import numpy as np
 from mpk_dist.graph import Op
 from mpk_dist.taskgraph.lowering import Lowerer, _all_fp, _cols_fp, col_tiles
 from mpk_dist.taskgraph.program import Footprint
+from mpk_dist.taskgraph.sampling_rng import SAMPLING_WORDS
 
 
 def all_reduce(lw: Lowerer, op: Op) -> None:
@@ -41,6 +42,15 @@ def all_reduce(lw: Lowerer, op: Op) -> None:
     red.writes = [_cols_fp(out, tiles, B)]
 
 
+def sampling_buffer(lw: Lowerer) -> int:
+    """The host-written per-launch sampling words (``sampling_rng.sampling_words``), declared once."""
+    p = lw.p
+    if "sampling" not in p.by_name:
+        p.buffer("sampling", (SAMPLING_WORDS,), "i32", "input")
+        p.special["sampling"] = p.id("sampling")
+    return p.id("sampling")
+
+
 def argmax_partial(lw: Lowerer, op: Op) -> None:
     """(max, index) per vocabulary tile (the lm_head's tiles), then one local reduce."""
     p, B = lw.p, lw.B
@@ -49,9 +59,11 @@ def argmax_partial(lw: Lowerer, op: Op) -> None:
     tiles = col_tiles(V, lw.sms)
     nt = len(tiles)
     part = p.buffer(f"{op.name}.tiles", (B, nt, 2), "f32", "activation", view=(B, nt * 2))
+    smp = sampling_buffer(lw)
     t = lw._new(op, "argmax_partial")
     for j, (v0, n) in enumerate(tiles):
-        t.add_tile({"LOGITS": (logits, v0, (B - 1) * V + n), "OUT": (part, 2 * j, (B - 1) * nt * 2 + 2)},
+        t.add_tile({"LOGITS": (logits, v0, (B - 1) * V + n), "OUT": (part, 2 * j, (B - 1) * nt * 2 + 2),
+                    "SAMPLING": (smp, 0, SAMPLING_WORDS)},
                    {"BATCH": B, "COLS": n, "LOGITS_STRIDE": V, "OUT_STRIDE": nt * 2,
                     "INDEX_BASE": op.attrs["vocab_start"] + v0})
     t.reads = [_cols_fp(logits, tiles, B)]

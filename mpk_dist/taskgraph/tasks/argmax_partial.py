@@ -1,12 +1,17 @@
 """argmax_partial: (max, index) of one vocabulary tile of the logits, per sequence.
 
-Ties resolve to the lowest index (first maximum), like torch.max.
+Ties resolve to the lowest index (first maximum), like torch.max. With sampling on (the launch's
+SAMPLING words hold a temperature T > 0) the tile scores l * (1/T) + g instead of l, g a Gumbel draw
+of (seed, step, sequence, vocabulary id) (``mpk_dist.taskgraph.sampling_rng``): the best score over
+the vocabulary is then a draw from softmax(l / T), and argmax_reduce / argmax_select stay as they are.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
+from mpk_dist.taskgraph import sampling_rng as rng
 from mpk_dist.taskgraph.tasks.base import Access, ArgSpec, ParamSpec, TaskKind, TileContext, rect, view2d
 
 
@@ -15,10 +20,13 @@ class ArgmaxPartial(TaskKind):
 
     name = "argmax_partial"
     opcode = 10
-    doc = "cand[b, tile] = (max_v logits[b, v], INDEX_BASE + argmax) over this tile's columns"
+    doc = ("cand[b, tile] = (max_v score[b, v], INDEX_BASE + argmax) over this tile's columns; score = logit, "
+           "or logit / T + Gumbel(seed, step, b, v) when SAMPLING holds T > 0")
     args = (
         ArgSpec("LOGITS", "r", "f32 [B, V]; offset = column v0 of row 0"),
         ArgSpec("OUT", "w", "f32 [B, NTILES, 2]; offset = this tile's pair in row 0"),
+        ArgSpec("SAMPLING", "r", "i32 [4] per-launch words: temperature bits, top_p bits, seed lo, seed hi "
+                "(host-written; temperature 0 = greedy)", optional=True),
     )
     params = (
         ParamSpec("BATCH", "B"),
@@ -31,14 +39,32 @@ class ArgmaxPartial(TaskKind):
     def run_tile(self, t: TileContext) -> None:
         B, n = t.p("BATCH"), t.p("COLS")
         x = view2d(t.buf("LOGITS"), t.off("LOGITS"), B, n, t.p("LOGITS_STRIDE")).float()
-        val, idx = x.max(dim=-1)
+        temperature, _, seed = self.sampling(t)
+        if temperature > 0:
+            scores = rng.gumbel_scores(x.numpy(), temperature, seed, t.step, t.p("INDEX_BASE"))
+            idx = torch.from_numpy(scores.argmax(-1))  # first maximum, as the kernel
+            val = torch.from_numpy(np.take_along_axis(scores, idx.numpy()[:, None], -1)[:, 0])
+        else:
+            val, idx = x.max(dim=-1)
         pair = torch.stack([val, (idx + t.p("INDEX_BASE")).float()], dim=-1)
         view2d(t.buf("OUT"), t.off("OUT"), B, 2, t.p("OUT_STRIDE")).copy_(pair)
 
+    @staticmethod
+    def sampling(t: TileContext) -> tuple[float, float, int]:
+        """(temperature, top_p, seed) of the launch; greedy (0, 1, 0) without a SAMPLING buffer."""
+        words = t.buf("SAMPLING")
+        if words is None:
+            return 0.0, 1.0, 0
+        o = t.off("SAMPLING")
+        return rng.unpack_words(words[o:o + rng.SAMPLING_WORDS].numpy())
+
     def accesses(self, t: TileContext) -> list[Access]:
         B, n = t.p("BATCH"), t.p("COLS")
-        return [Access(0, "r", rect(t.off("LOGITS"), B, n, t.p("LOGITS_STRIDE"))),
-                Access(1, "w", rect(t.off("OUT"), B, 2, t.p("OUT_STRIDE")))]
+        acc = [Access(0, "r", rect(t.off("LOGITS"), B, n, t.p("LOGITS_STRIDE"))),
+               Access(1, "w", rect(t.off("OUT"), B, 2, t.p("OUT_STRIDE")))]
+        if t.buf("SAMPLING") is not None:
+            acc.append(Access(2, "r", t.off("SAMPLING") + np.arange(rng.SAMPLING_WORDS)))
+        return acc
 
     def traffic(self, counts, elem_bytes, params, world):
         B, n = params[0], params[1]
