@@ -327,6 +327,7 @@ def run_ours(r: _Rank, opts: CommOptions, x, out, want) -> tuple[dict[str, float
     for _ in range(opts.warmup):
         launch()
     r.check()
+    checks["ours fresh slots"] = _fresh_slots_check(r, launch, out, want)
     r.barrier("ours eager")
     out.fill_(float("nan"))
     times["ours_eager_us"] = _events_us(launch, opts.iters)
@@ -339,6 +340,18 @@ def run_ours(r: _Rank, opts: CommOptions, x, out, want) -> tuple[dict[str, float
     r.check()
     checks["ours graph"] = compare("ours graph", out, want)
     return times, checks
+
+
+def _fresh_slots_check(r: _Rank, launch, out, want) -> tuple[bool, str]:
+    """One all-reduce into zeroed receive slots: a rank that summed before its peers' data arrived
+    (a broken flag wait) reads zeros, which the repeated calls (same data every time) would hide."""
+    r.buf.local[LAYOUT["CB_RECV_OFF"]:].zero_()
+    out.fill_(float("nan"))
+    r.check()
+    r.barrier("ours fresh slots")  # nobody pushes before every rank has zeroed its slots
+    launch()
+    r.check()
+    return compare("ours fresh slots", out, want)
 
 
 def run_nccl(r: _Rank, opts: CommOptions, x, ours_out, want) -> tuple[dict[str, float], dict[str, tuple[bool, str]]]:

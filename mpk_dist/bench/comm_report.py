@@ -34,7 +34,7 @@ def nccl_tolerance(world: int) -> float:
 
 
 ROW_SPECS = (  # (test, ours key, NCCL key, checks that decide the row)
-    ("allreduce eager", "ours_eager_us", "nccl_eager_us", ("ours eager", "nccl eager", "ours vs nccl")),
+    ("allreduce eager", "ours_eager_us", "nccl_eager_us", ("ours eager", "ours fresh slots", "nccl eager", "ours vs nccl")),
     ("allreduce graph", "ours_graph_us", "nccl_graph_us", ("ours graph",)),
     ("allreduce in-kernel vs NCCL graph", "ours_inkernel_us", "nccl_graph_us", ("ours in-kernel",)),
 )

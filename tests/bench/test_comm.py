@@ -145,8 +145,8 @@ def test_compare_reports_a_wrong_sum():
 
 
 def _fake_rank(rank: int, slow: float = 1.0, bad: str | None = None) -> dict:
-    checks = {c: (True, f"{c}: OK") for c in ("pingpong", "ours in-kernel", "ours eager", "ours graph", "nccl eager",
-                                              "ours vs nccl")}
+    checks = {c: (True, f"{c}: OK") for c in ("pingpong", "ours in-kernel", "ours eager", "ours graph", "ours fresh slots",
+                                              "nccl eager", "ours vs nccl")}
     if bad:
         checks[bad] = (False, f"{bad}: expected the sum within 0, got 3 wrong element(s)")
     return {"rank": rank, "pingpong_us": 0.9 if rank == 0 else None, "ours_inkernel_us": 2.0 * slow,
