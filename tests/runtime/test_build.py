@@ -100,3 +100,28 @@ def test_compile_error_is_reported(cache):
     """A broken source raises BuildError with the compiler's message."""
     with pytest.raises(build.BuildError, match="nvcc failed"):
         build.compile_source("this is not C++;\n", "broken", compiler="nvcc")
+
+
+@needs_nvcc
+@pytest.mark.parametrize("shape", [KernelShape(batch=1, worker_threads=512, linear_unroll=16),
+                                   KernelShape(batch=8, worker_threads=1024, linear_unroll=4)])
+def test_tuned_kernel_variants_compile(cache, shape):
+    """The MPK_LINEAR_UNROLL / MPK_WORKER_THREADS variants a GPU sweep may pick build, under their own name."""
+    src, res = build_kernel(shape, compiler="nvcc")
+    assert f"#define MPK_LINEAR_UNROLL {shape.linear_unroll}" in src and res.cubin[:4] == b"\x7fELF"
+    assert f"_t{shape.worker_threads}_" in shape.name()
+
+
+def test_tuning_knobs_from_env_are_checked():
+    """Env overrides reach the kernel shape; a value outside the compiled-for set is one clear error."""
+    from mpk_dist.errors import InputError
+    from mpk_dist.runtime.megakernel_backend import tuning_from_env
+
+    assert tuning_from_env(256, {}) == (8, 256)
+    assert tuning_from_env(256, {"MPK_LINEAR_UNROLL": "16", "MPK_WORKER_THREADS": "512"}) == (16, 512)
+    with pytest.raises(InputError, match="MPK_LINEAR_UNROLL: expected one of 4, 8, 16, got '3'"):
+        tuning_from_env(256, {"MPK_LINEAR_UNROLL": "3"})
+    with pytest.raises(InputError, match="MPK_WORKER_THREADS"):
+        tuning_from_env(256, {"MPK_WORKER_THREADS": "many"})
+    with pytest.raises(ValueError, match="linear_unroll"):
+        render_source(KernelShape(batch=1, linear_unroll=5))
