@@ -125,8 +125,15 @@ __device__ void linear(int B, const bf16* x, int ldx, const bf16* w, OutT* y, in
 
 // Prefetch the tile's weight rows into L2: called before the task waits on its input event, so
 // the dominant bytes are on their way while the producer tiles still run.
+// MPK_PREFETCH_KB caps the prefetched head of the tile (-1: the whole tile; 0: none): all SMs'
+// whole tiles can exceed the L2 (qwen3-8b: 132 x ~0.8 MB > 60 MB), evicting lines before use.
+#ifndef MPK_PREFETCH_KB
+#define MPK_PREFETCH_KB -1
+#endif
 __device__ __forceinline__ void linear_prefetch(const bf16* w, int K, int n_tile, int tid, int nt) {
-  prefetch_l2(w, (uint64_t)n_tile * K * sizeof(bf16), tid, nt);
+  uint64_t bytes = (uint64_t)n_tile * K * sizeof(bf16);
+  if (MPK_PREFETCH_KB >= 0 && bytes > (uint64_t)MPK_PREFETCH_KB * 1024) bytes = (uint64_t)MPK_PREFETCH_KB * 1024;
+  prefetch_l2(w, bytes, tid, nt);
 }
 
 }  // namespace mpk

@@ -35,13 +35,15 @@ class KernelShape:
     schedule: str = "aot"  # 'aot' | 'jit'
     linear_rows: int = 1  # rows per warp in flight in linear tiles (1: the GPU-verified path)
     linear_unroll: int = 8  # 16-byte weight loads in flight per lane in linear tiles
+    prefetch_kb: int = -1  # L2 prefetch of a linear tile's weights before its wait: -1 whole tile, else KB cap
 
 
     def name(self) -> str:
-        """File-name label: mk_b<batch>_t<threads>_<schedule>[_r<rows>][_u<unroll>]."""
+        """File-name label: mk_b<batch>_t<threads>_<schedule>[_r<rows>][_u<unroll>][_p<prefetch KB>]."""
         rows = f"_r{self.linear_rows}" if self.linear_rows != 1 else ""
         unroll = f"_u{self.linear_unroll}" if self.linear_unroll != 8 else ""
-        return f"mk_b{self.batch}_t{self.worker_threads}_{self.schedule}{rows}{unroll}"
+        pf = f"_p{self.prefetch_kb}" if self.prefetch_kb != -1 else ""
+        return f"mk_b{self.batch}_t{self.worker_threads}_{self.schedule}{rows}{unroll}{pf}"
 
 
 def git_commit() -> str:
@@ -71,6 +73,8 @@ def render_source(shape: KernelShape, model: str = "-", rank: int = 0, world: in
         raise ValueError(f"linear_rows: expected 1, 2, 4 or 8, got {shape.linear_rows}")
     if shape.linear_unroll not in LINEAR_UNROLLS:
         raise ValueError(f"linear_unroll: expected one of {LINEAR_UNROLLS}, got {shape.linear_unroll}")
+    if shape.prefetch_kb < -1:
+        raise ValueError(f"prefetch_kb: expected -1 (whole tile) or a cap >= 0 in KB, got {shape.prefetch_kb}")
     if shape.worker_threads not in WORKER_THREADS:
         raise ValueError(f"worker_threads: expected one of {WORKER_THREADS}, got {shape.worker_threads}")
     banner = [
@@ -84,6 +88,7 @@ def render_source(shape: KernelShape, model: str = "-", rank: int = 0, world: in
         f"#define MPK_SCHEDULE_JIT {1 if shape.schedule == 'jit' else 0}",
         f"#define MPK_LINEAR_ROWS {shape.linear_rows}",
         f"#define MPK_LINEAR_UNROLL {shape.linear_unroll}",
+        f"#define MPK_PREFETCH_KB {shape.prefetch_kb}",
         "#include <cstddef>",
         '#include "abi_generated.h"  // mpk_dist.taskgraph.abi.render_cuda_abi_header()',
         '#include "megakernel.cuh"',

@@ -48,7 +48,7 @@ class Session:
     def __init__(self, cg, weights: dict[str, torch.Tensor], device: torch.device, schedule: str = "aot",
                  worker_threads: int = 256, timeout_s: float = 5.0, trace: bool | int = False, num_sched: int = 4,
                  compiler: str | None = None, model: str = "-", linear_rows: int = 1, linear_unroll: int = 8,
-                 region=None, stream=None,
+                 prefetch_kb: int = -1, region=None, stream=None,
                  cooperative: bool = True):
         if cg.meta["abi_version"] != ABI_VERSION:
             raise InputError(f"task graph ABI: expected version {ABI_VERSION}, got {cg.meta['abi_version']}")
@@ -68,7 +68,7 @@ class Session:
         self.final = tables.final_task(cg)
         t0 = time.perf_counter()
         self.source, self.build = build_kernel(KernelShape(self.batch, worker_threads, schedule, linear_rows,
-                                                                   linear_unroll), model=model,
+                                                                   linear_unroll, prefetch_kb), model=model,
                                                rank=self.rank, world=self.world, input_hash=tables_hash(cg.arrays),
                                                compiler=compiler)
         self.build_s = time.perf_counter() - t0

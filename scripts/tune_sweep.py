@@ -1,0 +1,86 @@
+#!/usr/bin/env python3
+"""Sweep the mega-kernel's compile-time knobs on one GPU, in ONE process (weights made once):
+MPK_LINEAR_UNROLL, MPK_WORKER_THREADS, MPK_PREFETCH_KB (see mpk_dist.runtime.codegen.KernelShape).
+
+    python3 scripts/tune_sweep.py --model qwen3-8b --variants "base;u16;t512;t512,u16;p64;p0"
+
+A variant is a comma list of u<unroll>, t<threads>, p<prefetch KB>, r<rows> ('base' = defaults).
+Every variant runs the same greedy request; its tokens must equal the base variant's (the knobs change
+how bytes move, never the arithmetic order of a row), else the row says DIFFERS and the exit code is 1.
+Prints p50 ms/token, the floor measured in the same run and the ratio; --output-json keeps the rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+KNOBS = {"u": "MPK_LINEAR_UNROLL", "t": "MPK_WORKER_THREADS", "p": "MPK_PREFETCH_KB", "r": "MPK_LINEAR_ROWS"}
+
+
+def parse_variant(text: str) -> dict[str, str]:
+    """'t512,u16' -> {'MPK_WORKER_THREADS': '512', 'MPK_LINEAR_UNROLL': '16'}; 'base' -> {}."""
+    env = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        if part == "base":
+            continue
+        if part[0] not in KNOBS or not part[1:].lstrip("-").isdigit():
+            raise SystemExit(f"tune_sweep: variant part {part!r}: expected u<N>, t<N>, p<N> or r<N> (or 'base')")
+        env[KNOBS[part[0]]] = part[1:]
+    return env
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="qwen3-8b")
+    ap.add_argument("--variants", default="base;u16;t512;t512,u16;p64;p0")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--iters", type=int, default=2)
+    ap.add_argument("--output-json")
+    args = ap.parse_args(argv)
+    variants = [(text, parse_variant(text)) for text in args.variants.split(";")]
+
+    import torch
+
+    from mpk_dist.bench.runner import measure_read_bandwidth, random_prompt, run_case, step_bytes
+    from mpk_dist.engine import RunSpec
+    from mpk_dist.model_source import open_model
+
+    model = open_model(args.model, seed=0, device="cuda")
+    prompt = random_prompt(model.config.vocab_size, args.prompt_len, 0)
+    nbytes = step_bytes(model.config, 1, args.batch, args.prompt_len + args.output_len // 2)
+    rows, base_tokens, ok = [], None, True
+    print(f"# tune_sweep {args.model} b{args.batch} prompt {args.prompt_len} output {args.output_len} | "
+          f"{torch.cuda.get_device_name()}")
+    print(f"{'variant':<14}{'p50 ms':>9}{'floor ms':>10}{'/floor':>8}  tokens")
+    for text, env in variants:
+        saved = {k: os.environ.get(k) for k in KNOBS.values()}
+        os.environ.update(env)
+        try:
+            spec = RunSpec(model=args.model, backend="megakernel", tp=1, batch=args.batch,
+                           max_new_tokens=args.output_len, max_seq_len=args.prompt_len + args.output_len,
+                           device="cuda", seed=0, backend_opts={})
+            case = run_case(spec, model, prompt, args.output_len, args.iters, 1, False)
+        finally:
+            for k, v in saved.items():
+                os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+        floor_ms = nbytes / measure_read_bandwidth(torch.device("cuda")) * 1e3
+        p50 = sorted(case.decode_step_ms)[len(case.decode_step_ms) // 2]
+        base_tokens = case.tokens if base_tokens is None else base_tokens
+        same = case.tokens == base_tokens
+        ok &= same
+        rows.append({"variant": text, "env": env, "p50_ms": p50, "floor_ms": floor_ms, "same_tokens": same})
+        print(f"{text:<14}{p50:>9.3f}{floor_ms:>10.3f}{p50 / floor_ms:>8.2f}  {'same' if same else 'DIFFERS'}")
+        sys.stdout.flush()
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
