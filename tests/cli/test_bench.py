@@ -27,3 +27,14 @@ def test_replica_grouping():
     assert ranks_per_replica(2, "local", ["megakernel"]) == 1
     assert ranks_per_replica(4, "local", ["torch", "torch-graph"]) == 4
     assert ranks_per_replica(1, "ipc", ["megakernel"]) == 1
+
+
+def test_floor_is_per_gpu_when_each_rank_is_a_process():
+    """ipc (or torch under MPI) spreads a replica over min(tp, GPUs) HBMs; local keeps it on one."""
+    from mpk_dist.cli.commands.bench import gpus_per_replica
+
+    assert gpus_per_replica(2, "ipc", ["megakernel"], world_size=2, visible_gpus=2) == 2
+    assert gpus_per_replica(4, "ipc", ["megakernel"], world_size=4, visible_gpus=2) == 2  # 2 ranks per GPU (MPS)
+    assert gpus_per_replica(2, "local", ["megakernel"], world_size=1, visible_gpus=2) == 1
+    assert gpus_per_replica(2, "local", ["torch-graph"], world_size=2, visible_gpus=8) == 2  # torch.distributed
+    assert gpus_per_replica(1, "ipc", ["megakernel"], world_size=2, visible_gpus=2) == 1  # --dp replicas of tp 1

@@ -54,6 +54,14 @@ def ranks_per_replica(tp: int, transport: str, backends: list[str]) -> int:
     return tp if tp > 1 and per_rank_processes else 1
 
 
+def gpus_per_replica(tp: int, transport: str, backends: list[str], world_size: int, visible_gpus: int) -> int:
+    """GPUs whose HBM one replica's weights are spread over: its processes' GPUs when each TP rank is a
+    process (ranks pick GPUs by local rank, several per GPU under MPS), else the one GPU of this process."""
+    if world_size > 1 and ranks_per_replica(tp, transport, backends) > 1:
+        return max(1, min(tp, visible_gpus))
+    return 1
+
+
 def _gather_replicas(records: list[dict], ok: bool, group: int) -> tuple[list[dict] | None, bool]:
     """Rank 0 receives every replica leader's records and pools them per backend; others get None.
 
@@ -96,15 +104,18 @@ def main(args) -> int:
     bw = measure_read_bandwidth(torch.device("cuda" if device.startswith("cuda") else "cpu"))
     context = args.prompt_len + args.output_len // 2
     nbytes = step_bytes(cfg, args.tp, args.batch, context)
-    floor_ms = nbytes / bw * 1e3
+    rank, world = _mpi_rank()
+    # The floor is per GPU: a replica spread over g GPUs moves 1/g of the step's bytes through each HBM.
+    gpus = gpus_per_replica(args.tp, args.transport or "local", names, world,
+                            torch.cuda.device_count() if device.startswith("cuda") else 1)
+    floor_ms = nbytes / gpus / bw * 1e3
     env = collect_environment()
-    rank, _ = _mpi_rank()
     show = rank == 0
     if show:
         print(f"# mpk-dist bench | model {args.model} | tp {args.tp} | batch {args.batch} | prompt {args.prompt_len} | "
               f"output {args.output_len} | iters {args.iters}")
         print(f"# device {env.get('gpu') or device} | torch {torch.__version__} | read bandwidth {bw / 1e9:.1f} GB/s | "
-              f"bytes/step {nbytes / 1e9:.3f} GB | floor {floor_ms:.3f} ms/token")
+              f"bytes/step {nbytes / 1e9:.3f} GB over {gpus} GPU(s) | floor per GPU {floor_ms:.3f} ms/token")
         print(f"#{'backend':>13s} {'p50 ms':>10s} {'p90 ms':>9s} {'p99 ms':>9s} {'tokens/s':>10s} {'GB/s':>9s} {'/floor':>7s} {'match':>8s}  check")
     records, ref_tokens, all_ok = [], None, True
     for name in names:
@@ -116,8 +127,9 @@ def main(args) -> int:
                            transport=args.transport, prompt_len=args.prompt_len, output_len=args.output_len,
                            prefill_ms=case.prefill_ms, decode_step_ms=case.decode_step_ms, floor_ms=floor_ms,
                            exposed_comm_share=case.extra.get("exposed_comm_share"),
-                           extra={"read_bandwidth_gb_s": bw / 1e9, "bytes_per_step": nbytes, "tokens": case.tokens})
-        rec["achieved_gb_s"] = nbytes / (rec["ms_per_token_p50"] / 1e3) / 1e9
+                           extra={"read_bandwidth_gb_s": bw / 1e9, "bytes_per_step": nbytes, "gpus": gpus,
+                                  "tokens": case.tokens})
+        rec["achieved_gb_s"] = nbytes / gpus / (rec["ms_per_token_p50"] / 1e3) / 1e9  # per GPU
         ref_tokens = case.tokens if ref_tokens is None else ref_tokens
         line, ok = _row(case.backend, rec, ref_tokens, case.tokens)
         rec["correct"] = ok  # first greedy token agrees with the first backend's
