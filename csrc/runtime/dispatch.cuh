@@ -17,9 +17,30 @@
 #include "argmax_reduce.cuh"
 #include "allgather_push.cuh"
 #include "argmax_select.cuh"
+#include "argmax_nucleus_hist.cuh"
+#include "argmax_nucleus_cut.cuh"
 #include "norm_linear.cuh"
 #include "linear_residual.cuh"
 #include "silu_linear.cuh"
+// Superoptimized bodies (mpk_dist.runtime.superopt_tasks): MPK_SUPEROPT comes from the generated .cu
+// (KernelShape.superopt); a kind whose search found no lowerable µGraph is built with
+// -DMPK_SUPEROPT_<KIND>=0 and runs its hand-written body. "generated/<kind>.cuh" resolves to the
+// build's per-µGraph folder (first on the include path), else to csrc/tasks/generated.
+#ifndef MPK_SUPEROPT
+#define MPK_SUPEROPT 0
+#endif
+#ifndef MPK_SUPEROPT_NORM_LINEAR
+#define MPK_SUPEROPT_NORM_LINEAR MPK_SUPEROPT
+#endif
+#ifndef MPK_SUPEROPT_SILU_LINEAR
+#define MPK_SUPEROPT_SILU_LINEAR MPK_SUPEROPT
+#endif
+#if MPK_SUPEROPT_NORM_LINEAR
+#include "generated/norm_linear.cuh"
+#endif
+#if MPK_SUPEROPT_SILU_LINEAR
+#include "generated/silu_linear.cuh"
+#endif
 #include "attention_split.cuh"
 #include "attention_merge.cuh"
 
@@ -150,7 +171,11 @@ __device__ bool run_norm_linear(const TaskView& t, float* smem, int tid, int nt)
   const bf16* w = t.arg<const bf16>(NORM_LINEAR_ARG_W);
   const int y_dt = t.dtype(NORM_LINEAR_ARG_Y);  // fp32: the lm_head's logits, unrounded
   const Epi epi{t.arg<void>(NORM_LINEAR_ARG_Y), nullptr, ys, y_dt == DTYPE_F32 ? kEpiF32 : kEpiBf16};
+#if MPK_SUPEROPT_NORM_LINEAR
+  gen::norm_linear(B, x, xs, nw, w, epi, K, n, eps, smem, tid, nt);  // generated from the chosen µGraph
+#else
   norm_linear(B, x, xs, nw, w, epi, K, n, eps, smem, tid, nt);
+#endif
   return true;
 }
 
@@ -176,7 +201,11 @@ __device__ bool run_silu_linear(const TaskView& t, float* smem, int tid, int nt)
   if (!residual && !(res_dt < 0 && y_dt == DTYPE_BF16)) return false;
   const Epi epi{t.arg<void>(SILU_LINEAR_ARG_Y), t.arg<const float>(SILU_LINEAR_ARG_RESIDUAL), ys,
                 residual ? kEpiResidual : kEpiBf16};
+#if MPK_SUPEROPT_SILU_LINEAR
+  gen::silu_linear(B, gu, gs, up, w, epi, K, n, smem, tid, nt);  // generated from the chosen µGraph
+#else
   silu_linear(B, gu, gs, up, w, epi, K, n, smem, tid, nt);
+#endif
   return true;
 }
 
@@ -233,7 +262,8 @@ __device__ bool run_task(const RuntimeParams& p, int task, int step, float* smem
     case OP_ALLREDUCE_REDUCE: run_allreduce_reduce(t, tid, nt); return true;
     case OP_ARGMAX_PARTIAL:
       argmax_partial(t.arg<const float>(ARGMAX_PARTIAL_ARG_LOGITS), t.arg<float>(ARGMAX_PARTIAL_ARG_OUT),
-                     t.arg<const int32_t>(ARGMAX_PARTIAL_ARG_SAMPLING), t.param(ARGMAX_PARTIAL_PARAM_BATCH),
+                     t.arg<const int32_t>(ARGMAX_PARTIAL_ARG_SAMPLING), t.arg<const float>(ARGMAX_PARTIAL_ARG_CUT),
+                     t.param(ARGMAX_PARTIAL_PARAM_BATCH),
                      t.param(ARGMAX_PARTIAL_PARAM_COLS), t.param(ARGMAX_PARTIAL_PARAM_LOGITS_STRIDE),
                      t.param(ARGMAX_PARTIAL_PARAM_OUT_STRIDE), t.param(ARGMAX_PARTIAL_PARAM_INDEX_BASE), step, smem,
                      tid, nt);
@@ -246,6 +276,21 @@ __device__ bool run_task(const RuntimeParams& p, int task, int step, float* smem
       argmax_select(t.arg<const float>(ARGMAX_SELECT_ARG_CANDS), t.arg<int32_t>(ARGMAX_SELECT_ARG_NEXT_TOKEN),
                     t.arg<int32_t>(ARGMAX_SELECT_ARG_TOKEN_OUT), t.param(ARGMAX_SELECT_PARAM_BATCH),
                     t.param(ARGMAX_SELECT_PARAM_WORLD), step, tid, nt);
+      return true;
+    case OP_ARGMAX_NUCLEUS_HIST:
+      argmax_nucleus_hist(t.arg<const float>(ARGMAX_NUCLEUS_HIST_ARG_LOGITS),
+                          t.arg<const float>(ARGMAX_NUCLEUS_HIST_ARG_MAXES),
+                          t.arg<const int32_t>(ARGMAX_NUCLEUS_HIST_ARG_SAMPLING),
+                          t.arg<int32_t>(ARGMAX_NUCLEUS_HIST_ARG_HIST), t.param(ARGMAX_NUCLEUS_HIST_PARAM_BATCH),
+                          t.param(ARGMAX_NUCLEUS_HIST_PARAM_COLS), t.param(ARGMAX_NUCLEUS_HIST_PARAM_LOGITS_STRIDE),
+                          t.param(ARGMAX_NUCLEUS_HIST_PARAM_WORLD), tid, nt);
+      return true;
+    case OP_ARGMAX_NUCLEUS_CUT:
+      argmax_nucleus_cut(t.arg<const int32_t>(ARGMAX_NUCLEUS_CUT_ARG_HIST_ALL),
+                         t.arg<const float>(ARGMAX_NUCLEUS_CUT_ARG_MAXES),
+                         t.arg<const int32_t>(ARGMAX_NUCLEUS_CUT_ARG_SAMPLING), t.arg<float>(ARGMAX_NUCLEUS_CUT_ARG_CUT),
+                         t.arg<int32_t>(ARGMAX_NUCLEUS_CUT_ARG_HIST), t.param(ARGMAX_NUCLEUS_CUT_PARAM_BATCH),
+                         t.param(ARGMAX_NUCLEUS_CUT_PARAM_WORLD), smem, tid, nt);
       return true;
     case OP_NORM_LINEAR: return run_norm_linear(t, smem, tid, nt);
     case OP_LINEAR_RESIDUAL: return run_linear_residual(t, tid, nt);

@@ -38,19 +38,25 @@ __device__ void block_argmax(float& v, float& i, float* smem, int tid, int nt) {
 }
 
 // `sampling`: the launch's int32 [4] sampling words (nullptr or temperature 0: greedy); `step`
-// is the kernel's step, one of the draw's counters.
-__device__ void argmax_partial(const float* logits, float* out, const int32_t* sampling, int B, int cols,
-                               int logits_stride, int out_stride, int index_base, int step, float* smem, int tid,
-                               int nt) {
+// is the kernel's step, one of the draw's counters. `cut` (nucleus programs, else nullptr): f32
+// [B, 2] (M, last kept bin) from argmax_nucleus_cut; with top_p < 1 a token past it scores -inf.
+__device__ void argmax_partial(const float* logits, float* out, const int32_t* sampling, const float* cut, int B,
+                               int cols, int logits_stride, int out_stride, int index_base, int step, float* smem,
+                               int tid, int nt) {
   const SamplingState st = load_sampling(sampling);
+  const bool nucleus = cut != nullptr && nucleus_active(st);
   for (int b = 0; b < B; ++b) {
     float bv = -INFINITY, bi = kNoIndex;
     const float* row = logits + (size_t)b * logits_stride;
     if (st.inv_t > 0.0f) {
       const uint64_t key = rng_stream_key(st.seed, step, b);
+      const float m = nucleus ? cut[2 * b] : 0.0f;
+      const int last = nucleus ? (int)cut[2 * b + 1] : kNucleusBins;
       for (int c = tid; c < cols; c += nt) {
         const int id = index_base + c;
-        const float x = gumbel_score(row[c], st.inv_t, rng_gumbel(rng_uniform(rng_bits(key, id))));
+        const float l = row[c];
+        const bool kept = !nucleus || nucleus_bin(nucleus_z(m, l, st.inv_t)) <= last;
+        const float x = kept ? gumbel_score(l, st.inv_t, rng_gumbel(rng_uniform(rng_bits(key, id)))) : -INFINITY;
         if (argmax_better(x, (float)id, bv, bi)) { bv = x; bi = (float)id; }
       }
     } else {

@@ -55,6 +55,36 @@ struct SamplingState {
   uint64_t seed;
 };
 
+// ---- top-p (nucleus): bins of z = (M - x) / T and fixed-point masses (sampling_rng.py, the same
+// constants; a CPU test reads them from this header) --------------------------------------------------
+constexpr int kNucleusBins = 2048;                // bins of the mass histogram
+constexpr float kBinsPerUnit = 64.0f;             // bins per unit of z: a power of two (exact products)
+constexpr float kZRange = 32.0f;                  // kNucleusBins / kBinsPerUnit
+constexpr float kMassScale = 17592186044416.0f;   // 2^44: the top token's mass
+
+__device__ __forceinline__ float nucleus_z(float m, float x, float inv_t) { return __fmul_rn(__fsub_rn(m, x), inv_t); }
+
+// floor(z * 64) below kZRange, else kNucleusBins (also for NaN: the comparison is false).
+__device__ __forceinline__ int nucleus_bin(float z) {
+  return z < kZRange ? (int)floorf(z * kBinsPerUnit) : kNucleusBins;
+}
+
+// rint(exp(-z) * 2^44) below kZRange, else 0.
+__device__ __forceinline__ unsigned long long nucleus_mass(float z) {
+  return z < kZRange ? __float2ull_rn(__fmul_rn(expf(-z), kMassScale)) : 0ull;
+}
+
+// The largest value of gathered [world, B, 2] (value, index) candidates for sequence b: the step's
+// max logit M over the whole vocabulary.
+__device__ __forceinline__ float gathered_max(const float* maxes, int b, int B, int world) {
+  float m = -INFINITY;
+  for (int r = 0; r < world; ++r) {
+    const float v = maxes[((size_t)r * B + b) * 2];
+    m = v > m ? v : m;
+  }
+  return m;
+}
+
 __device__ __forceinline__ SamplingState load_sampling(const int32_t* words) {
   SamplingState s{0.0f, 1.0f, 0};
   if (words == nullptr) return s;
@@ -64,5 +94,7 @@ __device__ __forceinline__ SamplingState load_sampling(const int32_t* words) {
   s.seed = (uint64_t)(uint32_t)words[kSamplingSeedLo] | ((uint64_t)(uint32_t)words[kSamplingSeedHi] << 32);
   return s;
 }
+
+__device__ __forceinline__ bool nucleus_active(const SamplingState& s) { return s.inv_t > 0.0f && s.top_p < 1.0f; }
 
 }  // namespace mpk

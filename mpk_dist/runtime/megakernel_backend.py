@@ -1,7 +1,8 @@
 """The mega-kernel backend: the whole generation (prefill as decode steps, greedy argmax or seeded
 temperature sampling, stop on EOS / max tokens, teacher forcing, logits dump) runs in ONE persistent
-kernel launch per rank. Sampling happens in the kernel (Gumbel-max in argmax_partial,
-``mpk_dist.taskgraph.sampling_rng``); the per-launch words reach it through the ``sampling`` buffer.
+kernel launch per rank. Sampling happens in the kernel (Gumbel-max in argmax_partial, top-p through
+the nucleus stages, ``mpk_dist.taskgraph.sampling_rng``); the per-launch words reach it through the
+``sampling`` buffer. top_p < 1 runs the programs compiled with those stages (``group(B, nucleus=True)``).
 
 Tensor parallelism: one kernel per TP rank (mpk_dist.runtime.group). ``--transport local`` drives
 every rank from this process on one GPU (own stream and SM share each); ``--transport ipc`` is one
@@ -32,6 +33,11 @@ from mpk_dist.taskgraph.sampling_rng import check_device_sampling, sampling_word
 SCHEDULES = ("aot", "jit")
 PROFILE_STEPS = 128
 """Decode steps whose trace records are kept for the exposed-communication figure (tp > 1)."""
+
+
+def _nucleus(sp) -> bool:
+    """Whether a request needs the programs with the top-p stages."""
+    return sp.temperature > 0 and sp.top_p < 1.0
 
 
 class MegakernelBackend(StepBackend):
@@ -74,6 +80,8 @@ class MegakernelBackend(StepBackend):
         self.linear_rows = int(linear_rows or os.environ.get("MPK_LINEAR_ROWS", "1"))
         if self.linear_rows not in (1, 2, 4, 8):
             raise InputError(f"MPK_LINEAR_ROWS: expected 1, 2, 4 or 8, got {self.linear_rows}")
+        self.kernel_tuning = tuning_from_env(worker_threads)  # KernelShape knobs (MPK_* overrides)
+        self.worker_threads = self.kernel_tuning.pop("worker_threads")
         self.transport = self._make_transport()
         from mpk_dist.runtime.partition import workers_per_rank
 
@@ -107,34 +115,37 @@ class MegakernelBackend(StepBackend):
         return t
 
     # -- groups and sessions ---------------------------------------------------------------------------
-    def group(self, batch: int):
-        """The compiled programs + buffers of every driven rank for ``batch`` sequences (built once)."""
-        if batch not in self.groups:
+    def group(self, batch: int, nucleus: bool = False):
+        """The compiled programs + buffers of every driven rank for ``batch`` sequences (built once).
+
+        ``nucleus``: the programs with the top-p stages (``compile_rank_programs(nucleus=True)``): the
+        same kernel binary, other task tables and buffers."""
+        if (batch, nucleus) not in self.groups:
             from mpk_dist.runtime.group import RankGroup
             from mpk_dist.taskgraph.compiler import compile_rank_programs
 
             t0 = time.perf_counter()
             cgs = compile_rank_programs(self.cfg, tp=self.tp, batch=batch, sms=self.workers,
                                         max_seq_len=self.max_seq_len, ranks=self.transport.ranks, fuse=self.fuse,
-                                        attn_splits=self.attn_splits)
+                                        attn_splits=self.attn_splits, nucleus=nucleus)
             compile_s = time.perf_counter() - t0
             trace = True if self.trace_path else (PROFILE_STEPS if self.comm_profile else 0)
             kw = dict(schedule=self.schedule, worker_threads=self.worker_threads, timeout_s=self.timeout_s, trace=trace,
                       compiler=self.compiler, model=self.cfg.architecture or self.cfg.family,
-                      linear_rows=self.linear_rows)
+                      linear_rows=self.linear_rows, **self.kernel_tuning)
             g = RankGroup(cgs, self.weights, self.transport, self.device, kw)
             for s in g.sessions:
                 s.taskgraph_s = compile_s
-            self.groups[batch] = g
-        return self.groups[batch]
+            self.groups[(batch, nucleus)] = g
+        return self.groups[(batch, nucleus)]
 
     def session(self, batch: int):
         """The lowest driven rank's session for ``batch`` (rank 0 under --transport local)."""
         return self.group(batch).lead
 
-    def build_info(self, batch: int = 1) -> dict:
+    def build_info(self, batch: int = 1, nucleus: bool = False) -> dict:
         """Compile/load timings of a session (cold compile vs cached cubin, load) and the TP layout."""
-        s = self.session(batch)
+        s = self.group(batch, nucleus).lead
         return {"taskgraph_s": s.taskgraph_s, "kernel_build_s": s.build_s, "kernel_cached": s.build.cached,
                 "compiler": s.build.compiler, "load_s": s.load_s, "cubin": str(s.build.path), "workers": s.workers,
                 "smem_bytes": s.smem, "block_threads": s.block_threads, "tp": self.tp,
@@ -150,7 +161,7 @@ class MegakernelBackend(StepBackend):
     def generate(self, req: GenerateRequest) -> GenerateResult:
         """Prefill (as decode steps) + decode up to ``max_new_tokens`` in ONE launch per rank."""
         B, T, steps = self._check_request(req)
-        g = self.group(B)
+        g = self.group(B, _nucleus(req.sampling))
         self.last_session = g.lead
         g.reset()
         g.fill_forced(req.prompts, req.force_tokens, steps)
@@ -169,11 +180,16 @@ class MegakernelBackend(StepBackend):
 
     @staticmethod
     def _fill_sampling(g, sp) -> None:
-        """The launch's sampling words (temperature, top_p, seed) into every driven rank's buffer."""
+        """The launch's sampling words (temperature, top_p, seed) into every driven rank's buffer; the
+        top-p histograms zeroed (the kernel leaves them zero after each step; this covers a launch
+        that stopped mid-step)."""
         words = torch.from_numpy(sampling_words(sp.temperature, sp.top_p, sp.seed))
         for x in g.sessions:
             with x._on_stream():
                 x.bufs[x.cg.meta["special"]["sampling"]].copy_(words)
+                for b, t in zip(x.cg.meta["buffers"], x.bufs):
+                    if b["name"].endswith(".hist"):
+                        t.zero_()
 
     def _check_request(self, req: GenerateRequest) -> tuple[int, int, int]:
         lengths = {len(p) for p in req.prompts}
@@ -209,7 +225,8 @@ class MegakernelBackend(StepBackend):
         per_token = [(ns[i + 1] - ns[i]) / 1e6 for i in range(T, done_steps)]
         logits = g.logits(lambda x: x.logits_dump[:n_gen], self.vocab_size) if req.want_logits else None
         logits = logits.cpu() if logits is not None else None
-        extra = {"schedule": self.schedule, "launches": 1, "steps": done_steps, **self.build_info(B)}
+        extra = {"schedule": self.schedule, "launches": 1, "steps": done_steps,
+                 **self.build_info(B, _nucleus(req.sampling))}
         if self.comm_profile:
             extra.update(self._exposure(g, T, done_steps))
         if self.trace_path:
@@ -282,3 +299,30 @@ class MegakernelBackend(StepBackend):
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """One decode step per launch: tokens [B] at positions [B] (all equal) -> logits [B, V]."""
         return self._run_steps([tokens.tolist()], int(positions.reshape(-1)[0]))
+
+
+def tuning_from_env(worker_threads: int, environ=None) -> dict:
+    """KernelShape knobs {linear_unroll, worker_threads, prefetch_kb, desc_prefetch}: MPK_LINEAR_UNROLL,
+    MPK_WORKER_THREADS, MPK_PREFETCH_KB and MPK_DESC_PREFETCH override the defaults (8 loads in flight
+    per lane; ``worker_threads``; -1 = prefetch a linear tile's whole weights into L2; 0) so a GPU
+    session can sweep them (scripts/tune_sweep.py); a bad value is refused with the allowed ones."""
+    from mpk_dist.runtime.codegen import LINEAR_UNROLLS, WORKER_THREADS
+
+    env = os.environ if environ is None else environ
+    out = {}
+    for key, var, default, ok, allowed in (
+            ("linear_unroll", "MPK_LINEAR_UNROLL", 8, lambda v: v in LINEAR_UNROLLS, ", ".join(map(str, LINEAR_UNROLLS))),
+            ("worker_threads", "MPK_WORKER_THREADS", worker_threads, lambda v: v in WORKER_THREADS,
+             ", ".join(map(str, WORKER_THREADS))),
+            ("prefetch_kb", "MPK_PREFETCH_KB", -1, lambda v: v >= -1, "-1 (whole tile) or a cap in KB >= 0"),
+            ("desc_prefetch", "MPK_DESC_PREFETCH", 0, lambda v: v in (0, 1), "0, 1")):
+        raw = env.get(var, "")
+        try:
+            val = int(raw) if raw else default
+        except ValueError:
+            val = None
+        if val is None or not ok(val):
+            raise InputError(f"{var}: expected one of {allowed}, got {raw!r}")
+        out[key] = val
+    out["desc_prefetch"] = bool(out["desc_prefetch"])
+    return out

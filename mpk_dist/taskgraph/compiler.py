@@ -33,13 +33,15 @@ def _same_structure(a: Program, b: Program) -> bool:
 
 def compile_rank_programs(cfg: ModelConfig, tp: int, batch: int = 1, sms: int = 132, max_seq_len: int = 512,
                           max_steps: int | None = None, ranks: list[int] | None = None, check: bool = True,
-                          timings: dict | None = None, fuse=False, attn_splits=1) -> list[CompiledGraph]:
+                          timings: dict | None = None, fuse=False, attn_splits=1,
+                          nucleus: bool = False) -> list[CompiledGraph]:
     """The compiled program of each rank in ``ranks`` (default all), validated when ``check``.
 
     ``fuse``: fold rms_norm / silu_mul / the tp-1 residual add into the neighbouring linear tiles
     (True = all, or names, see ``mpk_dist.taskgraph.fusion``); default off.
     ``attn_splits``: split-KV attention, N KV ranges per kv head or 'auto' (from ``sms`` and
     ``max_seq_len``; ``mpk_dist.taskgraph.lowering_attention``); default 1 = unsplit.
+    ``nucleus``: add the top-p stages to the head (``mpk_dist.taskgraph.lowering_nucleus``); default off.
     """
     from mpk_dist.taskgraph.lowering_attention import check_attn_splits
     from mpk_dist.taskgraph.fusion import fusion_set
@@ -52,7 +54,7 @@ def compile_rank_programs(cfg: ModelConfig, tp: int, batch: int = 1, sms: int = 
     ranks = list(range(tp)) if ranks is None else ranks
     t0 = time.perf_counter()
     progs = {r: lower_graph(build_graph(cfg, tp=tp, rank=r, batch=batch, max_seq_len=max_seq_len), sms, max_steps,
-                            fusions, attn_splits)
+                            fusions, attn_splits, nucleus)
              for r in sorted(set(ranks) | {0})}
     t1 = time.perf_counter()
     eg: EventGraph = reduce_events(build_events(progs[0]))
@@ -63,6 +65,8 @@ def compile_rank_programs(cfg: ModelConfig, tp: int, batch: int = 1, sms: int = 
         info["fusions"] = sorted(fusions)
     if attn_splits != 1:  # likewise: unsplit programs keep their metadata
         info["attn_splits"] = attn_splits
+    if nucleus:  # likewise
+        info["nucleus"] = True
     out = []
     for r in ranks:
         if not _same_structure(progs[0], progs[r]):

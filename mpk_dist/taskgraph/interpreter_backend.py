@@ -7,7 +7,8 @@ launch of the interpreter (prefill runs the prompt as forced decode steps). Race
 ``generate`` with temperature > 0 samples IN the task graph, as the mega-kernel does: the whole
 generation is one launch (prompt rows forced, later rows take the token argmax_select chose), the
 sampling words go into the ``sampling`` buffer, and argmax_partial draws the same Gumbel noise
-(``mpk_dist.taskgraph.sampling_rng``) as the kernel. Greedy requests keep the step-wise loop.
+(``mpk_dist.taskgraph.sampling_rng``) as the kernel; top_p < 1 runs the program with the nucleus
+stages. Greedy requests keep the step-wise loop.
 """
 
 from __future__ import annotations
@@ -64,18 +65,19 @@ class InterpreterBackend(StepBackend):
             weights = [load_rank_weights(build_graph(cfg, tp=tp, rank=r, batch=1, max_seq_len=max_seq_len), source)
                        for r in range(tp)]
         self.weights = weights
-        self.batch = 0
+        self.batch, self.nucleus = 0, False
         self.interp: Interpreter | None = None
         self._launches = 0
 
-    def reset(self, batch: int) -> None:
-        """Compile for ``batch`` sequences (cached) and clear the KV caches."""
-        if batch != self.batch or self.interp is None:
+    def reset(self, batch: int, nucleus: bool = False) -> None:
+        """Compile for ``batch`` sequences (cached) and clear the KV caches. ``nucleus``: the program
+        with the top-p stages (``compile_rank_programs(nucleus=True)``)."""
+        if (batch, nucleus) != (self.batch, self.nucleus) or self.interp is None:
             programs = compile_rank_programs(self.cfg, self.tp, batch=batch, sms=self.sms, max_seq_len=self.max_seq_len,
-                                             fuse=self.fuse, attn_splits=self.attn_splits)
+                                             fuse=self.fuse, attn_splits=self.attn_splits, nucleus=nucleus)
             self.interp = Interpreter(programs, self.weights, seed=self.seed, mode=self.schedule,
                                       check_races=self.check_races)
-            self.batch = batch
+            self.batch, self.nucleus = batch, nucleus
         self.interp.reset_state()
 
     def _launch(self, forced: torch.Tensor, start: torch.Tensor, full: bool = False):
@@ -122,7 +124,7 @@ class InterpreterBackend(StepBackend):
         if req.force_tokens:  # teacher forcing: generated step i feeds force_tokens[i]
             k = min(len(req.force_tokens), steps - T)
             forced[T:T + k] = torch.tensor(req.force_tokens[:k], dtype=torch.int32)[:, None]
-        self.reset(B)
+        self.reset(B, nucleus=req.sampling.top_p < 1.0)
         words = torch.from_numpy(sampling_words(req.sampling.temperature, req.sampling.top_p, req.sampling.seed))
         for r in range(self.tp):
             self.interp.buffer(r, "sampling").copy_(words)

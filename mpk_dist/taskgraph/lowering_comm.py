@@ -51,37 +51,49 @@ def sampling_buffer(lw: Lowerer) -> int:
     return p.id("sampling")
 
 
-def argmax_partial(lw: Lowerer, op: Op) -> None:
-    """(max, index) per vocabulary tile (the lm_head's tiles), then one local reduce."""
-    p, B = lw.p, lw.B
+def argmax_partial(lw: Lowerer, op: Op, cut: int | None = None) -> None:
+    """(max, index) per vocabulary tile (the lm_head's tiles), then one local reduce.
+
+    ``cut``: the nucleus programs' (M, last kept bin) buffer (``lowering_nucleus``), else None."""
+    p = lw.p
     logits, cand = p.id(op.inputs[0]), p.id(op.outputs[0])
+    head_tiles(lw, op, logits, cand, f"{op.name}.tiles", "", sampling_buffer(lw), cut)
+
+
+def head_tiles(lw: Lowerer, op: Op, logits: int, cand: int, part_name: str, suffix: str, smp: int | None,
+               cut: int | None) -> None:
+    """argmax_partial over the vocabulary tiles into ``part_name`` [B, NTILES, 2], argmax_reduce into ``cand``."""
+    p, B = lw.p, lw.B
     V = lw.g.tensors[op.inputs[0]].shape[-1]
     tiles = col_tiles(V, lw.sms)
     nt = len(tiles)
-    part = p.buffer(f"{op.name}.tiles", (B, nt, 2), "f32", "activation", view=(B, nt * 2))
-    smp = sampling_buffer(lw)
-    t = lw._new(op, "argmax_partial")
+    part = p.buffer(part_name, (B, nt, 2), "f32", "activation", view=(B, nt * 2))
+    t = lw._new(op, "argmax_partial", suffix)
     for j, (v0, n) in enumerate(tiles):
         t.add_tile({"LOGITS": (logits, v0, (B - 1) * V + n), "OUT": (part, 2 * j, (B - 1) * nt * 2 + 2),
-                    "SAMPLING": (smp, 0, SAMPLING_WORDS)},
+                    "SAMPLING": None if smp is None else (smp, 0, SAMPLING_WORDS),
+                    "CUT": None if cut is None else (cut, 0, 2 * B)},
                    {"BATCH": B, "COLS": n, "LOGITS_STRIDE": V, "OUT_STRIDE": nt * 2,
                     "INDEX_BASE": op.attrs["vocab_start"] + v0})
-    t.reads = [_cols_fp(logits, tiles, B)]
+    t.reads = [_cols_fp(logits, tiles, B)] + ([] if cut is None else [_all_fp(cut, p, nt)])
     t.writes = [Footprint(part, np.array([(0, B, 2 * j, 2 * j + 2) for j in range(nt)], np.int64))]
-    r = lw._new(op, "argmax_reduce", "/reduce")
+    r = lw._new(op, "argmax_reduce", suffix + "/reduce")
     r.add_tile({"PARTIAL": (part, 0, B * nt * 2), "OUT": (cand, 0, 2 * B)}, {"BATCH": B, "NTILES": nt})
     r.reads, r.writes = [_all_fp(part, p, 1)], [_all_fp(cand, p, 1)]
 
 
-def all_gather(lw: Lowerer, op: Op) -> None:
-    """One task: my candidate into slot[my_rank] of every rank's gather buffer."""
-    p, B = lw.p, lw.B
-    src, dst = p.id(op.inputs[0]), p.id(op.outputs[0])
+def gather_push(lw: Lowerer, op: Op, src: int, dst: int, suffix: str = "") -> None:
+    """One allgather_push task: all of ``src`` into slot[my_rank] of every rank's ``dst``."""
+    p = lw.p
     n = p.buffers[src].numel
-    t = lw._new(op, "allgather_push")
+    t = lw._new(op, "allgather_push", suffix)
     t.add_tile({"SRC": (src, 0, n), "DST": (dst, lw.rank * n, n)}, {"COUNT": n})
     t.reads, t.writes = [_all_fp(src, p, 1)], [_all_fp(dst, p, 1, remote=True)]
-    del B
+
+
+def all_gather(lw: Lowerer, op: Op) -> None:
+    """One task: my candidate into slot[my_rank] of every rank's gather buffer."""
+    gather_push(lw, op, lw.p.id(op.inputs[0]), lw.p.id(op.outputs[0]))
 
 
 def argmax_select(lw: Lowerer, op: Op) -> None:
@@ -95,16 +107,19 @@ def argmax_select(lw: Lowerer, op: Op) -> None:
     t.writes = [_all_fp(nxt, p, 1), _all_fp(out, p, 1)]
 
 
-def lower_graph(graph, sms: int, max_steps: int, fuse=False, attn_splits=1):
+def lower_graph(graph, sms: int, max_steps: int, fuse=False, attn_splits=1, nucleus: bool = False):
     """The ``Program`` of one rank: buffers and task-ops in a topological order of one step.
 
     ``fuse``: which fusions to apply (``mpk_dist.taskgraph.fusion.fusion_set``); False keeps every op.
     ``attn_splits``: KV ranges per attention kv head (int or 'auto', ``lowering_attention``); 1 keeps
     one attention task per kv head.
+    ``nucleus``: add the top-p stages before the token's scoring pass (``lowering_nucleus``); without
+    them a launch can sample with temperature but not with top_p < 1.
     """
     from mpk_dist.taskgraph.fusion import FusedLinear, dropped_tensors, plan
     from mpk_dist.taskgraph.lowering_attention import check_attn_splits, lower_split_attention, resolve_splits
     from mpk_dist.taskgraph.lowering_fused import lower_fused
+    from mpk_dist.taskgraph.lowering_nucleus import lower_nucleus_head
 
     check_attn_splits(attn_splits)
     items = plan(graph, fuse)
@@ -113,6 +128,8 @@ def lower_graph(graph, sms: int, max_steps: int, fuse=False, attn_splits=1):
     lw.step_begin()
     handlers = {"all_reduce": all_reduce, "argmax_partial": argmax_partial, "all_gather": all_gather,
                 "argmax_select": argmax_select}
+    if nucleus:
+        handlers["argmax_partial"] = lower_nucleus_head
     for op in items:
         if isinstance(op, FusedLinear):
             lower_fused(lw, op)

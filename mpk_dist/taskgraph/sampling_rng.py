@@ -15,6 +15,16 @@ and the sum are rounded separately (no fused multiply-add) on both sides. ``logf
 numpy's float32 ``log`` may differ in the last bit, so CPU and GPU tokens can only differ where two
 scores are within an ulp (a near-tie).
 
+Nucleus (top-p < 1) keeps {i : bin(i) <= cut}: bin(i) = floor(z_i * BINS_PER_UNIT) with
+z_i = (M - l_i) * (1/T) (float32, M the max logit over the whole vocabulary), for z_i < Z_RANGE
+(NUCLEUS_BINS bins), and the cut is the last bin whose mass ABOVE it is < top_p of the total (torch's
+rule: keep a token while the mass of the tokens before it is < top_p). Masses are exp(-z) in fixed
+point (rint(exp(-z) * 2^MASS_SHIFT), uint64), so sums are exact and independent of the order in
+which tiles and ranks add them. The boundary bin is kept whole: tokens within one bin width
+(1/BINS_PER_UNIT in units of T, a probability ratio of e^(1/64) = 1.016) of torch's cut are kept
+together, so the kept set is torch's nucleus plus, at most, the rest of its last bin. Tokens with
+z >= Z_RANGE (probability < e^-32 of the top token's) carry no mass and are never kept.
+
 The per-launch sampling state travels in a 4-word int32 buffer (``sampling_words``): temperature and
 top_p as float32 bits, the 64-bit seed as two words. Temperature 0 means greedy (plain argmax).
 """
@@ -34,6 +44,17 @@ U_BITS = 23
 SAMPLING_WORDS = 4
 """int32 words of the sampling buffer: temperature bits, top_p bits, seed low, seed high."""
 W_TEMPERATURE, W_TOP_P, W_SEED_LO, W_SEED_HI = range(SAMPLING_WORDS)
+
+NUCLEUS_BINS = 2048
+"""Bins of the top-p mass histogram."""
+BINS_PER_UNIT = 64
+"""Bins per unit of z = (M - l) / T: a power of two, so z * BINS_PER_UNIT is exact in float32."""
+Z_RANGE = NUCLEUS_BINS / BINS_PER_UNIT
+"""z covered by the bins (32: beyond it a token's mass e^-z rounds to 0 in fixed point anyway)."""
+MASS_SHIFT = 44
+"""Fixed-point scale of a bin's mass (the top token adds exactly 2^44)."""
+MAX_NUCLEUS_VOCAB = 1 << 19
+"""Vocabulary bound of top-p: V * 2^44 must stay below 2^63 (int64 sums in the interpreter)."""
 
 _U64 = np.uint64
 
@@ -91,12 +112,64 @@ def gumbel_scores(logits: np.ndarray, temperature: float, seed: int, step: int, 
     return (x * inv_temperature(temperature)).astype(np.float32) + g
 
 
-def sample_tokens(logits: np.ndarray, temperature: float, seed: int, step: int) -> np.ndarray:
+def sample_tokens(logits: np.ndarray, temperature: float, seed: int, step: int, top_p: float = 1.0) -> np.ndarray:
     """Tokens [B] the device would pick from full-vocabulary logits [B, V] (ties to the lowest id)."""
     x = np.asarray(logits, np.float32)
     if temperature <= 0:
         return x.argmax(-1)
-    return gumbel_scores(x, temperature, seed, step).argmax(-1)
+    scores = gumbel_scores(x, temperature, seed, step)
+    return np.where(nucleus_keep(x, temperature, top_p), scores, -np.inf).argmax(-1)
+
+
+def nucleus_z(logits: np.ndarray, m: np.ndarray, inv_t: np.float32) -> np.ndarray:
+    """z = (M - l) * (1/T) in float32, each operation rounded on its own (as the kernel)."""
+    x = np.asarray(logits, np.float32)
+    return ((np.asarray(m, np.float32) - x).astype(np.float32) * np.float32(inv_t)).astype(np.float32)
+
+
+def nucleus_bin(z: np.ndarray) -> np.ndarray:
+    """Bin of each z: floor(z * BINS_PER_UNIT) below Z_RANGE, else NUCLEUS_BINS (never kept); NaN too."""
+    z = np.asarray(z, np.float32)
+    inside = z < np.float32(Z_RANGE)
+    k = np.floor(np.where(inside, z, 0) * np.float32(BINS_PER_UNIT)).astype(np.int64)
+    return np.where(inside, k, NUCLEUS_BINS)
+
+
+def nucleus_mass(z: np.ndarray) -> np.ndarray:
+    """Fixed-point mass rint(exp(-z) * 2^MASS_SHIFT) (int64; 0 outside the bins)."""
+    z = np.asarray(z, np.float32)
+    inside = z < np.float32(Z_RANGE)
+    e = np.exp(-np.where(inside, z, 0)).astype(np.float32) * np.float32(2.0 ** MASS_SHIFT)
+    return np.where(inside, np.rint(e), 0).astype(np.int64)
+
+
+def nucleus_histogram(logits: np.ndarray, m: np.ndarray, inv_t: np.float32) -> np.ndarray:
+    """Mass per bin [B, NUCLEUS_BINS] (int64) of logits [B, n] against the row maxima m [B]."""
+    z = nucleus_z(logits, np.asarray(m, np.float32)[:, None], inv_t)
+    k, q = nucleus_bin(z), nucleus_mass(z)
+    hist = np.zeros((z.shape[0], NUCLEUS_BINS + 1), np.int64)
+    for b in range(z.shape[0]):
+        np.add.at(hist[b], k[b], q[b])
+    return hist[:, :NUCLEUS_BINS]
+
+
+def nucleus_cut(hist: np.ndarray, top_p: float) -> np.ndarray:
+    """Last kept bin per row [B]: the largest k with (mass of bins < k) < top_p * total, in float64."""
+    h = np.asarray(hist, np.int64)
+    above = np.cumsum(h, axis=-1) - h  # exact int64: mass of the bins before k
+    target = np.float64(np.float32(top_p)) * h.sum(-1).astype(np.float64)
+    ok = above.astype(np.float64) < target[:, None]
+    return np.where(ok, np.arange(h.shape[-1]), -1).max(-1)
+
+
+def nucleus_keep(logits: np.ndarray, temperature: float, top_p: float) -> np.ndarray:
+    """bool [B, V]: the tokens the device's nucleus keeps from full-vocabulary logits [B, V]."""
+    x = np.asarray(logits, np.float32)
+    if temperature <= 0 or top_p >= 1:
+        return np.ones(x.shape, bool)
+    inv_t, m = inv_temperature(temperature), x.max(-1)
+    cut = nucleus_cut(nucleus_histogram(x, m, inv_t), top_p)
+    return nucleus_bin(nucleus_z(x, m[:, None], inv_t)) <= cut[:, None]
 
 
 def check_sampling(temperature: float, top_p: float, seed: int) -> None:
@@ -110,11 +183,8 @@ def check_sampling(temperature: float, top_p: float, seed: int) -> None:
 
 
 def check_device_sampling(params) -> None:
-    """Raise InputError for SamplingParams the in-graph sampler cannot honour (top_p < 1 not yet)."""
+    """check_sampling on a SamplingParams (temperature, top_p, seed)."""
     check_sampling(params.temperature, params.top_p, params.seed)
-    if params.temperature > 0 and params.top_p < 1.0:
-        raise InputError(f"--top-p: expected 1 with on-device sampling (nucleus sampling is not implemented in "
-                         f"the task graph yet), got {params.top_p}; use --top-p 1 or --backend torch")
 
 
 def sampling_words(temperature: float, top_p: float, seed: int) -> np.ndarray:

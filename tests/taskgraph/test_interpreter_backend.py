@@ -60,10 +60,38 @@ def test_in_graph_sampling_is_seeded_and_equals_the_numpy_twin():
         assert R.sample_tokens(logits.numpy(), 0.8, 1, 2 + i).tolist() == [t[i] for t in a.tokens]
 
 
-def test_in_graph_sampling_refuses_what_it_cannot_do():
+def test_in_graph_top_p_draws_only_from_the_nucleus():
+    """top_p < 1 runs the nucleus program (tp 2, jit and aot schedules, races checked): every token is
+    what the numpy twin draws from the captured logits, lies in the device's nucleus, and that
+    nucleus is torch's sort-based one plus at most the rest of torch's last bin."""
+    from mpk_dist.taskgraph import sampling_rng as R
+
+    cfg = fp32("tiny-llama")
+    src = SyntheticSource(cfg, seed=2)
+    runs = {sched: _sampled(create_backend("interpreter", cfg, src, tp=2, max_seq_len=MAX_SEQ, schedule=sched), 7,
+                            top_p=0.5) for sched in ("jit", "aot")}
+    res = runs["jit"]
+    assert runs["aot"].tokens == res.tokens
+    for i, logits in enumerate(res.logits):
+        x = logits.numpy()
+        tok = [t[i] for t in res.tokens]
+        assert R.sample_tokens(x, 0.8, 7, 2 + i, top_p=0.5).tolist() == tok
+        keep = R.nucleus_keep(x, 0.8, 0.5)
+        assert all(keep[b, tok[b]] for b in range(2)) and keep.sum() < keep.size // 4
+        probs = torch.softmax(logits / 0.8, -1)
+        sp, order = probs.sort(-1, descending=True)
+        ref = torch.zeros_like(probs, dtype=torch.bool).scatter(-1, order, sp.cumsum(-1) - sp < 0.5).numpy()
+        assert (keep | ~ref).all(), "the device nucleus must contain torch's"
+        bins = R.nucleus_bin(R.nucleus_z(x, x.max(-1, keepdims=True), R.inv_temperature(0.8)))
+        for b in range(2):  # the extra tokens all sit in torch's last bin
+            assert set(bins[b][keep[b] & ~ref[b]].tolist()) <= {int(bins[b][ref[b]].max())}
+    assert _sampled(create_backend("interpreter", cfg, src, tp=1, max_seq_len=MAX_SEQ), 7, top_p=0.5).tokens == res.tokens
+
+
+def test_in_graph_sampling_refuses_bad_values():
     cfg = fp32("tiny-llama")
     be = create_backend("interpreter", cfg, SyntheticSource(cfg, seed=2), tp=1, max_seq_len=MAX_SEQ)
     with pytest.raises(InputError, match="top-p"):
-        _sampled(be, 1, top_p=0.5)
+        _sampled(be, 1, top_p=0.0)
     with pytest.raises(InputError, match="seed"):
         _sampled(be, -3)

@@ -82,9 +82,9 @@ def test_sampling_words_round_trip_and_refusals():
                        ((1.0, 0.0, 0), "top-p"), ((1.0, 1.5, 0), "top-p"), ((1.0, 1.0, -1), "seed")):
         with pytest.raises(InputError, match=match):
             R.sampling_words(*bad)
-    R.check_device_sampling(SamplingParams(0.0, 0.5, 0))  # top_p is ignored when greedy
+    R.check_device_sampling(SamplingParams(0.8, 0.5, 0))
     with pytest.raises(InputError, match="top-p"):
-        R.check_device_sampling(SamplingParams(0.8, 0.5, 0))
+        R.check_device_sampling(SamplingParams(0.8, 0.0, 0))
 
 
 HOST_MAIN = r"""
@@ -124,3 +124,56 @@ def test_cuda_header_makes_the_same_bits_as_numpy(tmp_path):
         assert int(bits) == int(want), (seed, step, b, i)
         assert np.float32(float(u)) == R.uniform(want)
         assert abs(float(g) - float(R.gumbel(R.uniform(want)))) <= 2e-6 * max(1.0, abs(float(g)))
+
+
+def _torch_nucleus(x: np.ndarray, temperature: float, top_p: float) -> np.ndarray:
+    """mpk_dist.backends.base.sample's kept set: sorted tokens while cumsum - own < top_p."""
+    probs = torch.softmax(torch.tensor(x) / temperature, -1)
+    sp, order = probs.sort(-1, descending=True)
+    return torch.zeros_like(probs, dtype=torch.bool).scatter(-1, order, sp.cumsum(-1) - sp < top_p).numpy()
+
+
+def test_nucleus_equals_torch_without_near_ties():
+    """Logits 0.1 apart (8 bins at T = 0.8): every token has a bin of its own, so the device's kept set
+    is exactly torch's nucleus."""
+    rng = np.random.default_rng(4)
+    x = np.stack([rng.permutation(-0.1 * np.arange(300)) for _ in range(3)]).astype(np.float32)
+    for top_p in (0.05, 0.3, 0.5, 0.77, 0.9, 0.99):
+        keep = R.nucleus_keep(x, 0.8, top_p)
+        assert np.array_equal(keep, _torch_nucleus(x, 0.8, top_p)), top_p
+    assert R.nucleus_keep(x, 0.8, 1.0).all() and R.nucleus_keep(x, 0.0, 0.5).all()
+
+
+def test_nucleus_is_torch_plus_its_boundary_bin_on_dense_logits():
+    x = (np.random.default_rng(5).standard_normal((4, 20_000)) * 2.5).astype(np.float32)
+    for temperature, top_p in ((1.0, 0.9), (0.6, 0.5), (2.0, 0.95)):
+        keep, ref = R.nucleus_keep(x, temperature, top_p), _torch_nucleus(x, temperature, top_p)
+        assert (keep | ~ref).all()
+        bins = R.nucleus_bin(R.nucleus_z(x, x.max(-1, keepdims=True), R.inv_temperature(temperature)))
+        for b in range(4):
+            assert set(bins[b][keep[b] & ~ref[b]].tolist()) <= {int(bins[b][ref[b]].max())}
+        assert keep.sum() - ref.sum() < 0.05 * ref.sum()
+
+
+def test_histogram_is_independent_of_tiling_and_top_token_always_kept():
+    x = (np.random.default_rng(6).standard_normal((2, 1000)) * 4).astype(np.float32)
+    m, inv_t = x.max(-1), R.inv_temperature(0.7)
+    full = R.nucleus_histogram(x, m, inv_t)
+    assert np.array_equal(sum(R.nucleus_histogram(x[:, a:a + 300], m, inv_t) for a in range(0, 1000, 300)), full)
+    assert (full[:, 0] >= 2 ** R.MASS_SHIFT).all()  # the top token adds exactly 2^44 to bin 0
+    assert (R.nucleus_cut(full, 1e-6) == 0).all()
+    keep = R.nucleus_keep(x, 0.7, 1e-6)
+    assert (keep.sum(-1) >= 1).all() and keep[np.arange(2), x.argmax(-1)].all()
+
+
+def test_cuda_header_constants_equal_the_python_ones():
+    text = (CSRC_TASKS / "sampling_rng.cuh").read_text()
+
+    def const(name: str) -> float:
+        import re
+
+        return float(re.search(rf"constexpr \w+ {name} = ([0-9.eEx+A-Fa-f]+?)(?:u?ll|f)?;", text).group(1).rstrip("f"))
+    assert const("kNucleusBins") == R.NUCLEUS_BINS and const("kBinsPerUnit") == R.BINS_PER_UNIT
+    assert const("kZRange") == R.Z_RANGE and const("kMassScale") == 2.0 ** R.MASS_SHIFT
+    assert const("kRngUBits") == R.U_BITS and "0x9E3779B97F4A7C15ull" in text
+    assert f"0x{R.MIX_M1:X}ull" in text and f"0x{R.MIX_M2:X}ull" in text

@@ -5,8 +5,8 @@
 
 from __future__ import annotations
 
-from mpk_dist.taskgraph.tasks import (add, allgather_push, allreduce_push, allreduce_reduce, argmax_partial,
-                                      argmax_reduce, argmax_select, attention, attention_merge,
+from mpk_dist.taskgraph.tasks import (add, allgather_push, allreduce_push, allreduce_reduce, argmax_nucleus_cut,
+                                      argmax_nucleus_hist, argmax_partial, argmax_reduce, argmax_select, attention, attention_merge,
                                       attention_split, embedding, linear, linear_residual,
                                       norm_linear, paged_attention, qkv_prep, qkv_prep_paged, rms_norm, silu_linear,
                                       silu_mul, step_begin)
@@ -20,7 +20,9 @@ KINDS: tuple[TaskKind, ...] = tuple(sorted(
                       # fused linears (opt-in: compile_rank_programs(fuse=...); docs/TASKGRAPH.md)
                       norm_linear, linear_residual, silu_linear,
                       # split-KV attention (opt-in: compile_rank_programs(attn_splits=...); docs/TASKGRAPH.md)
-                      attention_split, attention_merge)),
+                      attention_split, attention_merge,
+                      # top-p sampling (opt-in: compile_rank_programs(nucleus=True); docs/TASKGRAPH.md)
+                      argmax_nucleus_hist, argmax_nucleus_cut)),
     key=lambda k: k.opcode))
 
 BY_NAME: dict[str, TaskKind] = {k.name: k for k in KINDS}

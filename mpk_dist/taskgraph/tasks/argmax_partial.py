@@ -4,6 +4,8 @@ Ties resolve to the lowest index (first maximum), like torch.max. With sampling 
 SAMPLING words hold a temperature T > 0) the tile scores l * (1/T) + g instead of l, g a Gumbel draw
 of (seed, step, sequence, vocabulary id) (``mpk_dist.taskgraph.sampling_rng``): the best score over
 the vocabulary is then a draw from softmax(l / T), and argmax_reduce / argmax_select stay as they are.
+In nucleus programs (top_p < 1) a CUT argument holds (M, last kept bin) per sequence from
+argmax_nucleus_cut: tokens of a later bin score -inf (never chosen).
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ class ArgmaxPartial(TaskKind):
         ArgSpec("OUT", "w", "f32 [B, NTILES, 2]; offset = this tile's pair in row 0"),
         ArgSpec("SAMPLING", "r", "i32 [4] per-launch words: temperature bits, top_p bits, seed lo, seed hi "
                 "(host-written; temperature 0 = greedy)", optional=True),
+        ArgSpec("CUT", "r", "f32 [B, 2] (M, last kept bin) of the nucleus (argmax_nucleus_cut); nucleus programs "
+                "only", optional=True),
     )
     params = (
         ParamSpec("BATCH", "B"),
@@ -39,9 +43,13 @@ class ArgmaxPartial(TaskKind):
     def run_tile(self, t: TileContext) -> None:
         B, n = t.p("BATCH"), t.p("COLS")
         x = view2d(t.buf("LOGITS"), t.off("LOGITS"), B, n, t.p("LOGITS_STRIDE")).float()
-        temperature, _, seed = self.sampling(t)
+        temperature, top_p, seed = self.sampling(t)
         if temperature > 0:
             scores = rng.gumbel_scores(x.numpy(), temperature, seed, t.step, t.p("INDEX_BASE"))
+            if t.buf("CUT") is not None and top_p < 1.0:
+                cut = t.buf("CUT")[t.off("CUT"): t.off("CUT") + 2 * B].view(B, 2).numpy()
+                z = rng.nucleus_z(x.numpy(), cut[:, :1], rng.inv_temperature(temperature))
+                scores = np.where(rng.nucleus_bin(z) <= cut[:, 1:].astype(np.int64), scores, np.float32(-np.inf))
             idx = torch.from_numpy(scores.argmax(-1))  # first maximum, as the kernel
             val = torch.from_numpy(np.take_along_axis(scores, idx.numpy()[:, None], -1)[:, 0])
         else:
@@ -64,6 +72,8 @@ class ArgmaxPartial(TaskKind):
                Access(1, "w", rect(t.off("OUT"), B, 2, t.p("OUT_STRIDE")))]
         if t.buf("SAMPLING") is not None:
             acc.append(Access(2, "r", t.off("SAMPLING") + np.arange(rng.SAMPLING_WORDS)))
+        if t.buf("CUT") is not None:
+            acc.append(Access(3, "r", t.off("CUT") + np.arange(2 * B)))
         return acc
 
     def traffic(self, counts, elem_bytes, params, world):
