@@ -4,7 +4,8 @@ MPK_LINEAR_UNROLL, MPK_WORKER_THREADS, MPK_PREFETCH_KB (see mpk_dist.runtime.cod
 
     python3 scripts/tune_sweep.py --model qwen3-8b --variants "base;u16;t512;t512,u16;p64;p0"
 
-A variant is a comma list of u<unroll>, t<threads>, p<prefetch KB>, r<rows> ('base' = defaults).
+A variant is a comma list of u<unroll>, t<threads>, p<prefetch KB>, r<rows>, d<0|1> (descriptor
+prefetch) ('base' = defaults).
 Every variant runs the same greedy request; its tokens must equal the base variant's (the knobs change
 how bytes move, never the arithmetic order of a row), else the row says DIFFERS and the exit code is 1.
 Prints p50 ms/token, the floor measured in the same run and the ratio; --output-json keeps the rows.
@@ -17,7 +18,8 @@ import json
 import os
 import sys
 
-KNOBS = {"u": "MPK_LINEAR_UNROLL", "t": "MPK_WORKER_THREADS", "p": "MPK_PREFETCH_KB", "r": "MPK_LINEAR_ROWS"}
+KNOBS = {"u": "MPK_LINEAR_UNROLL", "t": "MPK_WORKER_THREADS", "p": "MPK_PREFETCH_KB", "r": "MPK_LINEAR_ROWS",
+         "d": "MPK_DESC_PREFETCH"}
 
 
 def parse_variant(text: str) -> dict[str, str]:
@@ -27,7 +29,7 @@ def parse_variant(text: str) -> dict[str, str]:
         if part == "base":
             continue
         if part[0] not in KNOBS or not part[1:].lstrip("-").isdigit():
-            raise SystemExit(f"tune_sweep: variant part {part!r}: expected u<N>, t<N>, p<N> or r<N> (or 'base')")
+            raise SystemExit(f"tune_sweep: variant part {part!r}: expected u<N>, t<N>, p<N>, r<N> or d<0|1> (or 'base')")
         env[KNOBS[part[0]]] = part[1:]
     return env
 

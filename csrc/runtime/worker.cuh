@@ -6,6 +6,7 @@
 //    of the block that owns the task (tasks[t, WORKER]); workers pop and run.
 // Both share run_and_signal(): run -> barrier -> [epilogue] -> signal.
 #pragma once
+#include "desc_prefetch.cuh"
 #include "dispatch.cuh"
 #include "params.cuh"
 #include "step.cuh"
@@ -199,6 +200,7 @@ __device__ void worker_loop_aot(const RuntimeParams& p, BlockState& st, float* s
       const int task = p.worker_tasks[i];
       const uint64_t t0 = globaltimer_ns();
       prefetch_task(p, task, tid, nt);  // weights stream in while we wait for the inputs
+      prefetch_descriptors(p, task, i + 1 < p.worker_offsets[w + 1] ? &p.worker_tasks[i + 1] : nullptr, tid);
       if (tid == 0) st.failed = wait_task_events(p, task, s);
       worker_barrier(nt);  // hands thread 0's acquired view to every worker thread
       if (st.failed) { stop = true; break; }

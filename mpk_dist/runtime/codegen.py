@@ -36,14 +36,18 @@ class KernelShape:
     linear_rows: int = 1  # rows per warp in flight in linear tiles (1: the GPU-verified path)
     linear_unroll: int = 8  # 16-byte weight loads in flight per lane in linear tiles
     prefetch_kb: int = -1  # L2 prefetch of a linear tile's weights before its wait: -1 whole tile, else KB cap
+    desc_prefetch: bool = False  # warp 1 pulls the task's descriptors into L1 during the wait (desc_prefetch.cuh)
+    superopt: bool = True  # fused linears run the superoptimizer's generated bodies (mpk_dist.runtime.superopt_tasks)
 
 
     def name(self) -> str:
-        """File-name label: mk_b<batch>_t<threads>_<schedule>[_r<rows>][_u<unroll>][_p<prefetch KB>]."""
+        """File-name label: mk_b<batch>_t<threads>_<schedule>[_r<rows>][_u<unroll>][_p<prefetch KB>][_nso]."""
         rows = f"_r{self.linear_rows}" if self.linear_rows != 1 else ""
         unroll = f"_u{self.linear_unroll}" if self.linear_unroll != 8 else ""
         pf = f"_p{self.prefetch_kb}" if self.prefetch_kb != -1 else ""
-        return f"mk_b{self.batch}_t{self.worker_threads}_{self.schedule}{rows}{unroll}{pf}"
+        pf += "_d" if self.desc_prefetch else ""
+        nso = "" if self.superopt else "_nso"
+        return f"mk_b{self.batch}_t{self.worker_threads}_{self.schedule}{rows}{unroll}{pf}{nso}"
 
 
 def git_commit() -> str:
@@ -89,6 +93,8 @@ def render_source(shape: KernelShape, model: str = "-", rank: int = 0, world: in
         f"#define MPK_LINEAR_ROWS {shape.linear_rows}",
         f"#define MPK_LINEAR_UNROLL {shape.linear_unroll}",
         f"#define MPK_PREFETCH_KB {shape.prefetch_kb}",
+        f"#define MPK_SUPEROPT {1 if shape.superopt else 0}",
+        f"#define MPK_DESC_PREFETCH {int(shape.desc_prefetch)}",
         "#include <cstddef>",
         '#include "abi_generated.h"  // mpk_dist.taskgraph.abi.render_cuda_abi_header()',
         '#include "megakernel.cuh"',

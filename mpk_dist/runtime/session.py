@@ -48,8 +48,8 @@ class Session:
     def __init__(self, cg, weights: dict[str, torch.Tensor], device: torch.device, schedule: str = "aot",
                  worker_threads: int = 256, timeout_s: float = 5.0, trace: bool | int = False, num_sched: int = 4,
                  compiler: str | None = None, model: str = "-", linear_rows: int = 1, linear_unroll: int = 8,
-                 prefetch_kb: int = -1, region=None, stream=None,
-                 cooperative: bool = True):
+                 prefetch_kb: int = -1, desc_prefetch: bool = False, region=None, stream=None,
+                 cooperative: bool = True, superopt: bool = True):
         if cg.meta["abi_version"] != ABI_VERSION:
             raise InputError(f"task graph ABI: expected version {ABI_VERSION}, got {cg.meta['abi_version']}")
         tables.check_supported(cg)
@@ -68,9 +68,11 @@ class Session:
         self.final = tables.final_task(cg)
         t0 = time.perf_counter()
         self.source, self.build = build_kernel(KernelShape(self.batch, worker_threads, schedule, linear_rows,
-                                                                   linear_unroll, prefetch_kb), model=model,
+                                                                   linear_unroll, prefetch_kb, desc_prefetch,
+                                                                   superopt=superopt),
+                                               model=model,
                                                rank=self.rank, world=self.world, input_hash=tables_hash(cg.arrays),
-                                               compiler=compiler)
+                                               compiler=compiler, program=cg)
         self.build_s = time.perf_counter() - t0
         self.block_threads = worker_threads + (32 if schedule == "jit" else 0)
         self.smem = tables.smem_bytes(cg, worker_threads)
