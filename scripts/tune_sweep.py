@@ -6,8 +6,9 @@ MPK_LINEAR_UNROLL, MPK_WORKER_THREADS, MPK_PREFETCH_KB (see mpk_dist.runtime.cod
 
 A variant is a comma list of u<unroll>, t<threads>, p<prefetch KB>, r<rows>, d<0|1> (descriptor
 prefetch) ('base' = defaults).
-Every variant runs the same greedy request; its tokens must equal the base variant's (the knobs change
-how bytes move, never the arithmetic order of a row), else the row says DIFFERS and the exit code is 1.
+f0/f1 turns --fuse off/on (fused and unfused programs are bit-identical on the GPU). Every variant
+runs the same greedy request; its tokens must equal the first variant's (the knobs change how bytes
+move, never the arithmetic order of a row), else the row says DIFFERS and the exit code is 1.
 Prints p50 ms/token, the floor measured in the same run and the ratio; --output-json keeps the rows.
 """
 
@@ -22,16 +23,21 @@ KNOBS = {"u": "MPK_LINEAR_UNROLL", "t": "MPK_WORKER_THREADS", "p": "MPK_PREFETCH
          "d": "MPK_DESC_PREFETCH"}
 
 
-def parse_variant(text: str) -> dict[str, str]:
-    """'t512,u16' -> {'MPK_WORKER_THREADS': '512', 'MPK_LINEAR_UNROLL': '16'}; 'base' -> {}."""
-    env = {}
+def parse_variant(text: str) -> tuple[dict[str, str], dict]:
+    """'t512,u16,f1' -> ({'MPK_WORKER_THREADS': '512', 'MPK_LINEAR_UNROLL': '16'}, {'fuse': True});
+    'base' -> ({}, {})."""
+    env, opts = {}, {}
     for part in filter(None, (p.strip() for p in text.split(","))):
         if part == "base":
             continue
+        if part in ("f0", "f1"):
+            opts["fuse"] = part == "f1"
+            continue
         if part[0] not in KNOBS or not part[1:].lstrip("-").isdigit():
-            raise SystemExit(f"tune_sweep: variant part {part!r}: expected u<N>, t<N>, p<N>, r<N> or d<0|1> (or 'base')")
+            raise SystemExit(f"tune_sweep: variant part {part!r}: expected u<N>, t<N>, p<N>, r<N>, d<0|1> or "
+                             "f<0|1> (--fuse), or 'base'")
         env[KNOBS[part[0]]] = part[1:]
-    return env
+    return env, opts
 
 
 def main(argv=None) -> int:
@@ -59,13 +65,13 @@ def main(argv=None) -> int:
     print(f"# tune_sweep {args.model} b{args.batch} prompt {args.prompt_len} output {args.output_len} | "
           f"{torch.cuda.get_device_name()}")
     print(f"{'variant':<14}{'p50 ms':>9}{'floor ms':>10}{'/floor':>8}  tokens")
-    for text, env in variants:
+    for text, (env, opts) in variants:
         saved = {k: os.environ.get(k) for k in KNOBS.values()}
         os.environ.update(env)
         try:
             spec = RunSpec(model=args.model, backend="megakernel", tp=1, batch=args.batch,
                            max_new_tokens=args.output_len, max_seq_len=args.prompt_len + args.output_len,
-                           device="cuda", seed=0, backend_opts={})
+                           device="cuda", seed=0, backend_opts=opts)
             case = run_case(spec, model, prompt, args.output_len, args.iters, 1, False)
         finally:
             for k, v in saved.items():
@@ -75,7 +81,7 @@ def main(argv=None) -> int:
         base_tokens = case.tokens if base_tokens is None else base_tokens
         same = case.tokens == base_tokens
         ok &= same
-        rows.append({"variant": text, "env": env, "p50_ms": p50, "floor_ms": floor_ms, "same_tokens": same})
+        rows.append({"variant": text, "env": env, "opts": opts, "p50_ms": p50, "floor_ms": floor_ms, "same_tokens": same})
         print(f"{text:<14}{p50:>9.3f}{floor_ms:>10.3f}{p50 / floor_ms:>8.2f}  {'same' if same else 'DIFFERS'}")
         sys.stdout.flush()
     if args.output_json:
