@@ -25,10 +25,22 @@ def abi_include_dir() -> Path:
 
 
 def build_kernel(shape: KernelShape, model: str = "-", rank: int = 0, world: int = 1, input_hash: str = "-",
-                 compiler: str | None = None, arch: str = "sm_90a", use_cache: bool = True) -> tuple[str, BuildResult]:
-    """Generate and compile the kernel for ``shape``; returns (source, build result)."""
+                 compiler: str | None = None, arch: str = "sm_90a", use_cache: bool = True,
+                 program=None) -> tuple[str, BuildResult]:
+    """Generate and compile the kernel for ``shape``; returns (source, build result).
+
+    ``program``: the compiled rank program (CompiledGraph) the kernel will run. With
+    ``shape.superopt`` its fused linears get bodies generated from the superoptimizer's µGraphs at
+    its shapes (mpk_dist.runtime.superopt_tasks; their folders go first on the include path). Without
+    a program, a superopt build compiles the bodies checked in under csrc/tasks/generated."""
     source = render_source(shape, model, rank, world, input_hash)
+    dirs, defines = [], {}
+    if shape.superopt and program is not None:
+        from mpk_dist.runtime.superopt_tasks import prepare
+
+        so = prepare(program)
+        dirs, defines = so.include_dirs, so.defines
     inc = abi_include_dir()
-    res = compile_source(source, shape.name(), arch=arch, compiler=compiler, include_dirs=[inc], use_cache=use_cache,
-                         key_text=source_for_key(source))
+    res = compile_source(source, shape.name(), defines=defines, arch=arch, compiler=compiler,
+                         include_dirs=dirs + [inc], use_cache=use_cache, key_text=source_for_key(source))
     return source, res

@@ -47,7 +47,8 @@ class MegakernelBackend(StepBackend):
     local|ipc, ``sms`` (SMs the group may use), ``trace`` (Chrome trace path), ``timeout_s``
     (watchdog), ``comm_profile`` (default on at tp > 1; MPK_COMM_PROFILE=0 turns it off), test hooks
     ``inject_hang_task`` / ``inject_hang_rank`` (that task never signals, on that rank or all),
-    ``fuse`` (fused linears), ``attn_splits`` (split-KV attention: N or 'auto'; default 1).
+    ``fuse`` (fused linears), ``attn_splits`` (split-KV attention: N or 'auto'; default 1),
+    ``superopt`` (fused linears run superoptimizer-generated bodies; default on, --no-superopt).
     """
 
     name = "megakernel"
@@ -57,11 +58,12 @@ class MegakernelBackend(StepBackend):
                  sms: int | None = None, transport: str | None = None, compiler: str | None = None,
                  inject_hang_task: int = -1, on_token=None, linear_rows: int | None = None,
                  inject_hang_rank: int | None = None, comm_profile: bool | None = None, fuse=False,
-                 attn_splits=1):
+                 attn_splits=1, superopt=True):
         from mpk_dist.taskgraph.fusion import fusion_set
         from mpk_dist.taskgraph.lowering_attention import check_attn_splits
 
         self.fuse = fusion_set(fuse)  # fused linears (mpk_dist.taskgraph.fusion); off until GPU-verified
+        self.superopt = bool(superopt)  # generated bodies for the fused linears (runtime.superopt_tasks)
         self.attn_splits = check_attn_splits(attn_splits)  # split-KV attention (taskgraph.lowering_attention)
         if schedule not in SCHEDULES:
             raise InputError(f"--schedule: expected one of {SCHEDULES}, got {schedule!r}")
@@ -132,7 +134,7 @@ class MegakernelBackend(StepBackend):
             trace = True if self.trace_path else (PROFILE_STEPS if self.comm_profile else 0)
             kw = dict(schedule=self.schedule, worker_threads=self.worker_threads, timeout_s=self.timeout_s, trace=trace,
                       compiler=self.compiler, model=self.cfg.architecture or self.cfg.family,
-                      linear_rows=self.linear_rows, **self.kernel_tuning)
+                      linear_rows=self.linear_rows, superopt=self.superopt, **self.kernel_tuning)
             g = RankGroup(cgs, self.weights, self.transport, self.device, kw)
             for s in g.sessions:
                 s.taskgraph_s = compile_s

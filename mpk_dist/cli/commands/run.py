@@ -28,6 +28,9 @@ def add_model_args(p) -> None:
     p.add_argument("--fuse", action=argparse.BooleanOptionalAction, default=None,
                    help="megakernel/interpreter: fuse rms_norm, silu_mul and the tp-1 residual add into the linear "
                         "tiles (fewer dependent levels per step; default off until verified on a GPU)")
+    p.add_argument("--no-superopt", dest="superopt", action="store_false", default=None,
+                   help="megakernel: fused linears run the hand-written bodies instead of the ones generated from "
+                        "the superoptimizer's µGraphs (default: generated, searched once per shape and cached)")
     p.add_argument("--attn-splits", default=None, metavar="N|auto",
                    help="megakernel/interpreter: split each kv head's attention into N KV ranges + a merge task "
                         "(auto: from the SM count and --max-seq-len; default 1 = unsplit)")
@@ -48,6 +51,8 @@ def backend_opts(args) -> dict:
         opts["fuse"] = args.fuse
     if args.attn_splits is not None:
         opts["attn_splits"] = args.attn_splits
+    if args.superopt is False:
+        opts["superopt"] = False
     return opts
 
 

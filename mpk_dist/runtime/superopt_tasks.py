@@ -1,0 +1,266 @@
+"""Superoptimized task bodies for one mega-kernel build: search, cache, render, include path.
+
+When a kernel is built with ``KernelShape.superopt`` (the default; ``--no-superopt`` turns it off),
+``prepare(program)`` asks the superoptimizer for every fusable pattern the compiled program runs, at
+the program's decode shapes (B, K, N of its ``norm_linear`` tiles: every rms_norm -> linear incl.
+the qkv, gate/up and lm_head projections; and of its ``silu_linear`` tiles: silu*mul -> down),
+renders the chosen µGraph with ``mpk_dist.superopt.codegen.render`` and writes the header into a
+per-(pattern, µGraph hash) folder of the kernel build cache. Those folders go first on the include
+path, so ``#include "generated/<kind>.cuh"`` in dispatch.cuh picks them over csrc/tasks/generated,
+and the build's cache key (which hashes every included header) covers the generated text.
+
+One generated function serves every tile of a kind (K and N are run-time parameters), so when a
+program has several shapes of one kind, the body comes from the shape that streams the most weight
+bytes per step (its choice is printed). A kind whose search found no µGraph the code generator can
+lower runs its hand-written body (``-DMPK_SUPEROPT_<KIND>=0``) with a printed note saying why.
+
+Cache: each problem's choice (the µGraph as plain data, the search statistics, or the reason there
+is none) is stored as JSON under ``$MPK_CACHE_DIR/superopt/tasks/`` keyed by pattern, shapes, eps,
+search bounds and package version, so a warm compile does not search again (it prints "cached").
+Unlike ``superoptimize``'s own cache, a timed-out search is stored too: a compile must be
+reproducible and fast on the second run; delete the file to search again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from mpk_dist import __version__
+
+KIND_PATTERN = {"norm_linear": "rmsnorm_linear", "silu_linear": "silu_mul_linear"}
+"""Fused task kind -> the superopt pattern whose µGraph replaces its hand-written body."""
+
+CACHE_FORMAT = 1
+DEFAULT_TIMEOUT_S = 120.0
+"""Per-problem search limit (``MPK_SUPEROPT_TIMEOUT`` overrides); the best verified graph so far is used."""
+MAX_SEARCH_WEIGHTS = 1 << 26
+"""Largest K*N searched (``MPK_SUPEROPT_MAX_WEIGHTS`` overrides). The verifier evaluates the whole
+µGraph at the real shape in float64 and over finite fields, so memory and time grow with the weight:
+qwen3-0.6b's lm_head (1024 x 151936) took 184 s and 4.8 GB on 2 cores. A larger problem runs the
+body its kind gets from the searched shapes (the body is generic in K and N)."""
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One fusable pattern at one decode shape: ``kind`` with B rows, reduction K, N output columns."""
+
+    kind: str
+    batch: int
+    k: int
+    n: int
+    eps: float = 0.0  # the rms_norm epsilon (norm_linear only)
+
+    @property
+    def pattern(self) -> str:
+        """The superopt pattern name."""
+        return KIND_PATTERN[self.kind]
+
+    def label(self) -> str:
+        """Short text for messages: ``norm_linear B=1 K=1024 N=4096``."""
+        return f"{self.kind} B={self.batch} K={self.k} N={self.n}"
+
+    def target(self):
+        """The superopt target Graph at this shape."""
+        from mpk_dist.superopt import patterns
+
+        if self.kind == "norm_linear":
+            return patterns.rmsnorm_linear(M=self.batch, K=self.k, N=self.n, eps=self.eps)
+        return patterns.silu_mul_linear(M=self.batch, I=self.k, N=self.n)
+
+
+@dataclass
+class Choice:
+    """What the search gave for one problem: the µGraph (plain data) or the reason there is none."""
+
+    problem: Problem
+    ugraph: dict | None
+    stats: dict = field(default_factory=dict)
+    note: str = ""
+
+    @property
+    def ug_hash(self) -> str:
+        """16 hex digits identifying the µGraph (its canonical JSON)."""
+        text = json.dumps(self.ugraph, sort_keys=True, default=str)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+@dataclass
+class SuperoptBuild:
+    """What the kernel build needs: include folders (first on the path) and -D defines."""
+
+    include_dirs: list[Path] = field(default_factory=list)
+    defines: dict[str, int] = field(default_factory=dict)
+    choices: dict[str, Choice] = field(default_factory=dict)  # kind -> the choice its body comes from
+    notes: list[str] = field(default_factory=list)
+
+
+def problems_of(cg) -> dict[Problem, int]:
+    """The fusable problems a compiled program runs -> weight elements its tiles stream per step."""
+    from mpk_dist.taskgraph.abi import TASK_COLS
+    from mpk_dist.taskgraph.tasks import BY_NAME
+
+    tasks, params = cg.arrays["tasks"], cg.arrays["params"]
+    out: dict[Problem, int] = {}
+    for kind_name in KIND_PATTERN:
+        kind = BY_NAME[kind_name]
+        rows = tasks[tasks[:, TASK_COLS["OPCODE"]] == kind.opcode]
+        for p0 in rows[:, TASK_COLS["PARAM_BEGIN"]].tolist():
+            get = lambda name: int(params[p0 + kind.param_index(name)])  # noqa: E731
+            eps = 0.0
+            if kind_name == "norm_linear":  # float params travel as their bit pattern
+                eps = float(np.array([get("EPS")], dtype=np.int32).view(np.float32)[0])
+            prob = Problem(kind_name, get("BATCH"), get("K"), get("Y_STRIDE"), eps)
+            out[prob] = out.get(prob, 0) + get("K") * get("N_TILE")
+    return out
+
+
+def _bounds(pattern: str) -> dict:
+    from mpk_dist.cli.commands.superopt import PATTERN_BOUNDS  # the CLI's bounds: one fact, one place
+
+    return dict(PATTERN_BOUNDS[pattern])
+
+
+def cache_path(problem: Problem) -> Path:
+    """The JSON file holding ``problem``'s choice."""
+    from mpk_dist.superopt.search import cache_dir
+
+    text = json.dumps([problem.pattern, problem.batch, problem.k, problem.n, repr(problem.eps),
+                       _bounds(problem.pattern), __version__, CACHE_FORMAT])
+    return cache_dir() / "tasks" / f"{hashlib.sha256(text.encode()).hexdigest()[:32]}.json"
+
+
+def _read(path: Path) -> Choice | None:
+    try:
+        d = json.loads(path.read_text())
+        prob = Problem(**d["problem"])
+        return Choice(prob, d["ugraph"], d.get("stats", {}), d.get("note", ""))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # missing or unreadable: search again
+
+
+def _write(path: Path, c: Choice) -> None:
+    d = {"problem": c.problem.__dict__, "ugraph": c.ugraph, "stats": c.stats, "note": c.note}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(d, default=str))
+        os.replace(tmp, path)  # atomic: a concurrent compile reads the old file or the new one
+    except OSError:
+        pass  # an unwritable cache only costs a later search
+
+
+def _jsonable(ug) -> dict:
+    """A µGraph's to_dict() as it reads back from JSON (tuples become lists)."""
+    return json.loads(json.dumps(ug.to_dict(), default=str))
+
+
+def search(problem: Problem, timeout_s: float | None = None, processes: int | None = None) -> Choice:
+    """Run the superoptimizer for ``problem`` and keep its cheapest candidate the codegen lowers."""
+    from mpk_dist.superopt import superoptimize
+    from mpk_dist.superopt.codegen import render
+    from mpk_dist.superopt.codegen_plan import CodegenError
+
+    timeout_s = timeout_s or float(os.environ.get("MPK_SUPEROPT_TIMEOUT", DEFAULT_TIMEOUT_S))
+    res = superoptimize(problem.target(), timeout_s=timeout_s, processes=processes, **_bounds(problem.pattern))
+    stats = {k: v for k, v in res.stats.items() if isinstance(v, (int, float, bool, str))}
+    if not res.candidates:
+        why = "timed out before verifying one" if res.stats.get("timed_out") else "none within the bounds"
+        return Choice(problem, None, stats, f"the search found no verified µGraph ({why})")
+    errors = []
+    for i, ug in enumerate(res.candidates):
+        d = _jsonable(ug)
+        try:
+            render(d, problem.kind, eps=problem.eps)
+        except CodegenError as exc:
+            errors.append(str(exc))
+            continue
+        note = f"candidate {i + 1} of {len(res.candidates)} (the cheaper ones do not lower: {errors[0]})" if errors else ""
+        return Choice(problem, d, dict(stats, rank=i), note)
+    return Choice(problem, None, stats, f"no verified µGraph lowers to a task body: {errors[0]}")
+
+
+_MEMO: dict[Path, Choice] = {}
+_NOTED: set[str] = set()
+
+
+def choose(problem: Problem, searcher=search, log=None) -> Choice:
+    """``problem``'s choice from this process, the disk cache, or a search (stored); prints one line
+    per problem and process: the search time when it searched, "cached" when it did not."""
+    log = log or _log
+    path = cache_path(problem)
+    if path in _MEMO:
+        return _MEMO[path]
+    c = _read(path)
+    if c is not None and c.problem == problem:
+        log(f"superopt: {problem.label()}: cached ({_what(c)})")
+    else:
+        c = searcher(problem)
+        _write(path, c)
+        log(f"superopt: {problem.label()}: searched in {c.stats.get('seconds', 0.0):.1f} s "
+            f"({c.stats.get('explored', 0)} explored{', timed out' if c.stats.get('timed_out') else ''}; {_what(c)})")
+    _MEMO[path] = c
+    return c
+
+
+def _what(c: Choice) -> str:
+    return f"µGraph {c.ug_hash}" if c.ugraph is not None else "no µGraph"
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def header_dir(c: Choice) -> Path:
+    """The include folder holding ``generated/<kind>.cuh`` rendered from ``c`` (written if changed)."""
+    from mpk_dist.runtime.build import cache_root
+    from mpk_dist.superopt.codegen import render, write_if_changed
+
+    d = cache_root() / "superopt" / f"{c.problem.pattern}-{c.ug_hash}"
+    write_if_changed(d / "generated" / f"{c.problem.kind}.cuh", render(c.ugraph, c.problem.kind, eps=c.problem.eps))
+    return d
+
+
+def prepare(cg, searcher=search, log=None) -> SuperoptBuild:
+    """Include folders and defines that make the build of ``cg``'s kernel use generated bodies."""
+    log = log or _log
+    out = SuperoptBuild()
+    probs = problems_of(cg)
+    for kind in KIND_PATTERN:
+        mine = {p: w for p, w in probs.items() if p.kind == kind}
+        if not mine:
+            continue  # the kind does not run: whatever body is compiled, no tile calls it
+        cap = int(os.environ.get("MPK_SUPEROPT_MAX_WEIGHTS", MAX_SEARCH_WEIGHTS))
+        small = {p: w for p, w in mine.items() if p.k * p.n <= cap}
+        big = sorted(p.label() for p in mine if p not in small)
+        if big:
+            out.notes.append(f"superopt: not searched (K*N > {cap}, MPK_SUPEROPT_MAX_WEIGHTS): {', '.join(big)}")
+        if not small:
+            out.defines[f"MPK_SUPEROPT_{kind.upper()}"] = 0
+            out.notes.append(f"superopt: {kind} runs the hand-written body (csrc/tasks/{kind}.cuh): no shape searched")
+            continue
+        choices = {p: choose(p, searcher, log) for p in sorted(small, key=lambda p: (p.k, p.n, p.batch))}
+        lead = max(small, key=lambda p: (small[p], p.n))  # the searched shape that streams the most weights
+        c = choices[lead]
+        if c.note:
+            out.notes.append(f"superopt: {lead.label()}: {c.note}")
+        if c.ugraph is None:
+            out.defines[f"MPK_SUPEROPT_{kind.upper()}"] = 0
+            out.notes.append(f"superopt: {kind} runs the hand-written body (csrc/tasks/{kind}.cuh)")
+            continue
+        out.include_dirs.append(header_dir(c))
+        out.choices[kind] = c
+        if len(mine) > 1:
+            out.notes.append(f"superopt: {kind} body from the µGraph of {lead.label()} (most weight bytes "
+                             f"of the {len(small)} searched shapes; {len(mine)} in the program)")
+    for n in out.notes:
+        if n not in _NOTED:  # once per process, not once per rank
+            _NOTED.add(n)
+            log(n)
+    return out
