@@ -1,0 +1,212 @@
+"""CPU tests of the superoptimized task bodies in the kernel build (mpk_dist.runtime.superopt_tasks):
+the problems are the program's fused shapes, a cold compile searches and a warm one does not, the
+generated header is the one on the include path (and in the build's hashed header list), a kind
+without a lowerable µGraph runs its hand-written body with a note, and --no-superopt reaches the
+kernel as MPK_SUPEROPT 0. The search runs for real once per module at the tiny preset's shapes."""
+
+from __future__ import annotations
+
+import copy
+import shutil
+import subprocess
+import types
+
+import numpy as np
+import pytest
+
+from mpk_dist.runtime import superopt_tasks as ST
+from mpk_dist.runtime.build import CSRC, BuildError, compile_source
+from mpk_dist.runtime.codegen import KernelShape, render_source
+from mpk_dist.runtime.kernel import abi_include_dir, build_kernel
+from mpk_dist.superopt.codegen import render
+
+needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH (CI installs CUDA 13.0)")
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    """A module-wide empty cache directory (search results and kernels)."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("MPK_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
+    mp.delenv("MPK_SUPEROPT_MAX_WEIGHTS", raising=False)
+    ST._MEMO.clear()
+    yield mp
+    mp.undo()
+    ST._MEMO.clear()
+
+
+@pytest.fixture(scope="module")
+def program():
+    """The tiny preset's fused rank program (norm_linear and silu_linear tiles)."""
+    from mpk_dist.models.presets import get_preset
+    from mpk_dist.taskgraph.compiler import compile_rank_programs
+
+    return compile_rank_programs(get_preset("tiny"), tp=1, batch=1, sms=8, max_seq_len=64, fuse=True)[0]
+
+
+class Counting:
+    """A searcher that counts its calls and runs the real search."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, problem):
+        self.calls.append(problem)
+        return ST.search(problem, processes=1)
+
+
+@pytest.fixture(scope="module")
+def cold(env, program):
+    """prepare() on an empty cache with the real search; (result, searcher, log lines)."""
+    searcher, log = Counting(), []
+    return ST.prepare(program, searcher, log.append), searcher, log
+
+
+def test_problems_are_the_programs_fused_shapes(program):
+    from mpk_dist.models.presets import get_preset
+
+    c = get_preset("tiny")
+    eps = float(np.float32(c.rms_norm_eps))
+    qkv = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+    want = {ST.Problem("norm_linear", 1, c.hidden_size, qkv, eps), ST.Problem("norm_linear", 1, c.hidden_size,
+                                                                              2 * c.intermediate_size, eps),
+            ST.Problem("norm_linear", 1, c.hidden_size, c.vocab_size, eps),
+            ST.Problem("silu_linear", 1, c.intermediate_size, c.hidden_size, 0.0)}
+    got = ST.problems_of(program)
+    assert set(got) == want
+    down = ST.Problem("silu_linear", 1, c.intermediate_size, c.hidden_size, 0.0)
+    assert got[down] == c.num_layers * c.intermediate_size * c.hidden_size  # weight elements per step
+
+
+def test_cold_compile_searches_once_per_problem_and_warm_does_not(env, program, cold):
+    so, searcher, log = cold
+    assert sorted(p.label() for p in searcher.calls) == sorted(p.label() for p in ST.problems_of(program))
+    assert sum("searched in" in m for m in log) == len(searcher.calls)
+    ST._MEMO.clear()  # a new process: only the disk cache is left
+    warm_log = []
+    warm = ST.prepare(program, searcher, warm_log.append)
+    assert len(searcher.calls) == len(ST.problems_of(program)), "a warm compile searched again"
+    assert sum(": cached (" in m for m in warm_log) == len(ST.problems_of(program)), warm_log
+    assert warm.include_dirs == so.include_dirs and warm.defines == so.defines
+
+
+def test_every_kind_gets_a_generated_header_or_the_hand_written_body(env, cold):
+    so, _, log = cold
+    for kind in ST.KIND_PATTERN:
+        if kind in so.choices:
+            c = so.choices[kind]
+            d = next(x for x in so.include_dirs if x.name == f"{c.problem.pattern}-{c.ug_hash}")
+            assert (d / "generated" / f"{kind}.cuh").read_text() == render(c.ugraph, kind, eps=c.problem.eps)
+            assert f"MPK_SUPEROPT_{kind.upper()}" not in so.defines
+        else:
+            assert so.defines[f"MPK_SUPEROPT_{kind.upper()}"] == 0
+            assert any(f"{kind} runs the hand-written body" in m for m in log), log
+    assert so.choices, "no kind got a generated body at the tiny shapes"
+
+
+def test_no_lowerable_graph_falls_back_with_a_note(env, program, monkeypatch, tmp_path):
+    def nothing(problem):
+        return ST.Choice(problem, None, {"seconds": 0.1}, "the search found no verified µGraph (test)")
+
+    ST._MEMO.clear()
+    monkeypatch.setenv("MPK_CACHE_DIR", str(tmp_path))
+    log = []
+    so = ST.prepare(program, nothing, log.append)
+    assert so.defines == {"MPK_SUPEROPT_NORM_LINEAR": 0, "MPK_SUPEROPT_SILU_LINEAR": 0} and not so.include_dirs
+    assert any("no verified µGraph (test)" in m for m in log)
+    assert any("silu_linear runs the hand-written body (csrc/tasks/silu_linear.cuh)" in m for m in log)
+    ST._MEMO.clear()
+
+
+def test_shapes_above_the_weight_cap_are_not_searched(env, program, monkeypatch):
+    monkeypatch.setenv("MPK_SUPEROPT_MAX_WEIGHTS", "100")
+    calls, log = [], []
+    so = ST.prepare(program, calls.append, log.append)
+    assert not calls and set(so.defines) == {"MPK_SUPEROPT_NORM_LINEAR", "MPK_SUPEROPT_SILU_LINEAR"}
+    assert any("not searched (K*N > 100" in m for m in log)
+
+
+def test_search_keeps_the_cheapest_candidate_that_lowers(env, cold, monkeypatch):
+    """The best candidate does not lower (grid over rows): the second one is kept, with a note."""
+    import mpk_dist.superopt as SO
+    from mpk_dist.superopt.search import SearchResult
+
+    so = cold[0]
+    kind = next(iter(so.choices))
+    good = so.choices[kind].ugraph
+    bad = copy.deepcopy(good)
+    bad["kernel_ops"][0]["block"]["grid"] = [["m", 2]]
+    cands = [types.SimpleNamespace(to_dict=lambda d=d: d) for d in (bad, good)]
+    monkeypatch.setattr(SO, "superoptimize", lambda g, **kw: SearchResult(cands[0], cands, {"seconds": 1.0}))
+    c = ST.search(so.choices[kind].problem)
+    assert c.ugraph == good and c.stats["rank"] == 1 and "candidate 2 of 2" in c.note and "grid" in c.note
+    cands.pop()
+    c = ST.search(so.choices[kind].problem)
+    assert c.ugraph is None and "no verified µGraph lowers to a task body" in c.note
+
+
+def test_kernel_shape_switch_is_rendered():
+    assert "#define MPK_SUPEROPT 1" in render_source(KernelShape(1))
+    off = KernelShape(1, superopt=False)
+    assert "#define MPK_SUPEROPT 0" in render_source(off) and off.name().endswith("_nso")
+
+
+def test_no_superopt_flag_reaches_the_megakernel_backend_only():
+    import argparse
+
+    from mpk_dist.backends import registry
+    from mpk_dist.cli.commands.run import add_model_args, backend_opts
+    from mpk_dist.errors import InputError
+    from mpk_dist.runtime.megakernel_backend import MegakernelBackend
+
+    p = argparse.ArgumentParser()
+    add_model_args(p)
+    assert backend_opts(p.parse_args(["--no-superopt"])) == {"superopt": False}
+    assert "superopt" not in backend_opts(p.parse_args([]))
+    registry._check_options("megakernel", MegakernelBackend, {"superopt": False})
+    from mpk_dist.backends.torch_backend import TorchBackend
+
+    with pytest.raises(InputError, match="superopt"):
+        registry._check_options("torch", TorchBackend, {"superopt": False})
+
+
+@needs_nvcc
+def test_superopt_kernel_compiles_with_the_generated_headers(env, program, cold):
+    """The whole mega-kernel with MPK_SUPEROPT 1 builds for sm_90a; its hashed headers hold the
+    generated files of the build's µGraph folders; a warm build neither searches nor compiles."""
+    so, searcher, _ = cold
+    ST._MEMO.clear()
+    src, res = build_kernel(KernelShape(1), compiler="nvcc", program=program)
+    assert "#define MPK_SUPEROPT 1" in src and res.cubin[:4] == b"\x7fELF"
+    hashed = {str(p) for p in res.headers}
+    for kind, c in so.choices.items():
+        gen = next(d for d in so.include_dirs if d.name.endswith(c.ug_hash)) / "generated" / f"{kind}.cuh"
+        assert str(gen.resolve()) in hashed, f"{gen} not among the hashed headers"
+    n = len(searcher.calls)
+    _, again = build_kernel(KernelShape(1), compiler="nvcc", program=program)
+    assert again.cached and again.key == res.key and len(searcher.calls) == n
+
+
+def _preprocess(tmp_path, shape: KernelShape, first) -> subprocess.CompletedProcess:
+    """nvcc -E of the kernel source with ``first`` ahead of the usual include path."""
+    cu = tmp_path / "k.cu"
+    cu.write_text(render_source(shape))
+    dirs = [first, abi_include_dir(), CSRC / "runtime", CSRC / "tasks", CSRC / "comm", CSRC]
+    cmd = ["nvcc", "-E", "-std=c++17", "-arch=sm_90a", *[f"-I{d}" for d in dirs], str(cu), "-o", str(tmp_path / "k.ii")]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
+
+
+@needs_nvcc
+def test_include_path_picks_the_build_folder_and_the_switch_turns_it_off(env, tmp_path):
+    """A folder first on the path wins over csrc/tasks/generated under MPK_SUPEROPT 1 (the poison
+    header is compiled); with --no-superopt (MPK_SUPEROPT 0) it is never included."""
+    poison = tmp_path / "poison"
+    (poison / "generated").mkdir(parents=True)
+    (poison / "generated" / "silu_linear.cuh").write_text('#error "the build folder was picked"\n')
+    on = _preprocess(tmp_path, KernelShape(1), poison)
+    assert on.returncode != 0 and "the build folder was picked" in on.stderr
+    off = _preprocess(tmp_path, KernelShape(1, superopt=False), poison)
+    assert off.returncode == 0, off.stderr[-2000:]
+    with pytest.raises(BuildError, match="the build folder was picked"):
+        compile_source(render_source(KernelShape(1)), "poisoned", compiler="nvcc", include_dirs=[poison, abi_include_dir()],
+                       use_cache=False)
