@@ -102,8 +102,10 @@ class StandaloneTask:
 
         dev = torch.cuda.current_device()
         ensure_context(dev)
-        self._image = bytes(res.cubin)
-        self.module = _check(cu.cuModuleLoadData(self._image), "cuModuleLoadData")
+        import numpy as np
+
+        self._image = np.frombuffer(res.cubin, dtype=np.uint8).copy()  # kept alive with the module
+        self.module = _check(cu.cuModuleLoadData(self._image.ctypes.data), "cuModuleLoadData")
         self.func = _check(cu.cuModuleGetFunction(self.module, b"mpk_task"), "cuModuleGetFunction")
         self.smem = 0
 
