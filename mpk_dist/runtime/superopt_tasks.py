@@ -203,8 +203,10 @@ def choose(problem: Problem, searcher=search, log=None) -> Choice:
     else:
         c = searcher(problem)
         _write(path, c)
-        log(f"superopt: {problem.label()}: searched in {c.stats.get('seconds', 0.0):.1f} s "
-            f"({c.stats.get('explored', 0)} explored{', timed out' if c.stats.get('timed_out') else ''}; {_what(c)})")
+        how = ("superoptimize's cache hit" if c.stats.get("cached") else
+               f"searched in {c.stats.get('seconds', 0.0):.1f} s ({c.stats.get('explored', 0)} explored"
+               f"{', timed out' if c.stats.get('timed_out') else ''})")
+        log(f"superopt: {problem.label()}: {how}; {_what(c)}")
     _MEMO[path] = c
     return c
 

@@ -81,7 +81,7 @@ def test_problems_are_the_programs_fused_shapes(program):
 def test_cold_compile_searches_once_per_problem_and_warm_does_not(env, program, cold):
     so, searcher, log = cold
     assert sorted(p.label() for p in searcher.calls) == sorted(p.label() for p in ST.problems_of(program))
-    assert sum("searched in" in m for m in log) == len(searcher.calls)
+    assert sum("searched in" in m or "superoptimize's cache hit" in m for m in log) == len(searcher.calls)
     ST._MEMO.clear()  # a new process: only the disk cache is left
     warm_log = []
     warm = ST.prepare(program, searcher, warm_log.append)
