@@ -137,4 +137,6 @@ class InterpreterBackend(StepBackend):
                 if not out[b] or out[b][-1] not in req.stop_ids:
                     out[b].append(int(row[b]))
         logits = res.captured["logits"][T - 1:].float() if req.want_logits else None
-        return GenerateResult(out, ms, [], logits, {"launches": 1, "sampling": "in-graph"})
+        per_step = ms / steps  # one launch: its time spread evenly over the steps (extra['timing'] says so)
+        return GenerateResult(out, per_step * T, [per_step] * (req.max_new_tokens - 1), logits,
+                              {"launches": 1, "sampling": "in-graph", "timing": "launch time / steps"})

@@ -172,6 +172,29 @@ def nucleus_keep(logits: np.ndarray, temperature: float, top_p: float) -> np.nda
     return nucleus_bin(nucleus_z(x, m[:, None], inv_t)) <= cut[:, None]
 
 
+def match_picks(logits: np.ndarray, tokens, temperature: float, top_p: float, seed: int, step: int,
+                score_tol: float, mass_tol: float) -> tuple[np.ndarray, np.ndarray]:
+    """(exact [B], explained [B]): did another executor's picks ``tokens`` [B] from these logits [B, V]
+    equal the twin's, or differ only by a near-tie?
+
+    A pick is explained when it lies in the nucleus of top_p + mass_tol and its score is within
+    score_tol of the best score over the nucleus of top_p - mass_tol: what logits off by a little
+    (score_tol ~ their error / T, mass_tol ~ the mass that error moves) can flip. Greedy: scores are
+    the logits."""
+    x = np.asarray(logits, np.float32)
+    tok = np.asarray(tokens, np.int64).reshape(-1)
+    exact = sample_tokens(x, temperature, seed, step, top_p) == tok
+    if temperature <= 0:
+        scores, lo, hi = x, np.ones(x.shape, bool), np.ones(x.shape, bool)
+    else:
+        scores = gumbel_scores(x, temperature, seed, step)
+        lo = nucleus_keep(x, temperature, max(top_p - mass_tol, 1e-9))
+        hi = nucleus_keep(x, temperature, min(top_p + mass_tol, 1.0))
+    rows = np.arange(len(tok))
+    best = np.where(lo, scores, -np.inf).max(-1)
+    return exact, exact | (hi[rows, tok] & (scores[rows, tok] >= best - score_tol))
+
+
 def check_sampling(temperature: float, top_p: float, seed: int) -> None:
     """Raise InputError for values the device sampler does not take."""
     if not np.isfinite(temperature) or temperature < 0:

@@ -177,3 +177,21 @@ def test_cuda_header_constants_equal_the_python_ones():
     assert const("kZRange") == R.Z_RANGE and const("kMassScale") == 2.0 ** R.MASS_SHIFT
     assert const("kRngUBits") == R.U_BITS and "0x9E3779B97F4A7C15ull" in text
     assert f"0x{R.MIX_M1:X}ull" in text and f"0x{R.MIX_M2:X}ull" in text
+
+
+def test_match_picks_tells_near_ties_from_wrong_picks():
+    """The GPU tests' acceptance: exact picks, picks from slightly different logits (explained), and
+    a pick outside the nucleus or far below the best score (not explained)."""
+    rng = np.random.default_rng(8)
+    x = (rng.standard_normal((64, 400)) * 2).astype(np.float32)
+    T, p, seed, step = 0.8, 0.9, 7, 5
+    tok = R.sample_tokens(x, T, seed, step, p)
+    exact, ok = R.match_picks(x, tok, T, p, seed, step, 0.0, 0.0)
+    assert exact.all() and ok.all()
+    noisy = x + (rng.standard_normal(x.shape) * 0.02).astype(np.float32)
+    other = R.sample_tokens(noisy, T, seed, step, p)
+    exact, ok = R.match_picks(x, other, T, p, seed, step, score_tol=0.1, mass_tol=0.05)
+    assert ok.all() and exact.mean() > 0.8
+    worst = x.argmin(-1)  # never in a 0.9 nucleus of 400 spread-out logits
+    assert not R.match_picks(x, worst, T, p, seed, step, 0.1, 0.05)[1].any()
+    assert R.match_picks(x, x.argmax(-1), 0.0, 1.0, 0, 0, 0.0, 0.0)[0].all()  # greedy
