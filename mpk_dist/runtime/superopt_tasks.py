@@ -115,7 +115,7 @@ def problems_of(cg) -> dict[Problem, int]:
             get = lambda name: int(params[p0 + kind.param_index(name)])  # noqa: E731
             eps = 0.0
             if kind_name == "norm_linear":  # float params travel as their bit pattern
-                eps = float(np.array([get("EPS")], dtype=np.int32).view(np.float32)[0])
+                eps = float(np.array([get("EPS") & 0xFFFFFFFF], dtype=np.uint32).view(np.float32)[0])
             prob = Problem(kind_name, get("BATCH"), get("K"), get("Y_STRIDE"), eps)
             out[prob] = out.get(prob, 0) + get("K") * get("N_TILE")
     return out
