@@ -57,12 +57,12 @@ class MegakernelBackend(StepBackend):
                  schedule: str = "aot", trace: str | None = None, timeout_s: float = 5.0, worker_threads: int = 256,
                  sms: int | None = None, transport: str | None = None, compiler: str | None = None,
                  inject_hang_task: int = -1, on_token=None, linear_rows: int | None = None,
-                 inject_hang_rank: int | None = None, comm_profile: bool | None = None, fuse=False,
+                 inject_hang_rank: int | None = None, comm_profile: bool | None = None, fuse=True,
                  attn_splits=1, superopt=True):
         from mpk_dist.taskgraph.fusion import fusion_set
         from mpk_dist.taskgraph.lowering_attention import check_attn_splits
 
-        self.fuse = fusion_set(fuse)  # fused linears (mpk_dist.taskgraph.fusion); off until GPU-verified
+        self.fuse = fusion_set(fuse)  # fused linears (mpk_dist.taskgraph.fusion); default on since verified on an H200
         self.superopt = bool(superopt)  # generated bodies for the fused linears (runtime.superopt_tasks)
         self.attn_splits = check_attn_splits(attn_splits)  # split-KV attention (taskgraph.lowering_attention)
         if schedule not in SCHEDULES:

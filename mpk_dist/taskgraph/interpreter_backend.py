@@ -34,7 +34,7 @@ class InterpreterBackend(StepBackend):
 
     Options: ``sms`` (tile sizing), ``seed`` (schedule), ``schedule`` 'jit' (any ready task) or
     'aot' (per-worker lists), ``check_races`` (default True), ``weights`` (per-rank dicts, instead
-    of loading from ``source``), ``fuse`` (fused linears, ``mpk_dist.taskgraph.fusion``; default off),
+    of loading from ``source``), ``fuse`` (fused linears, ``mpk_dist.taskgraph.fusion``; default on, as the mega-kernel),
     ``attn_splits`` (split-KV attention, N or 'auto'; default 1).
     """
 
@@ -42,7 +42,7 @@ class InterpreterBackend(StepBackend):
 
     def __init__(self, cfg: ModelConfig, source, tp: int = 1, device: str | torch.device = "cpu",
                  max_seq_len: int = 512, sms: int = DEFAULT_SMS, seed: int = 0, schedule: str = "jit",
-                 check_races: bool = True, weights: list[dict[str, torch.Tensor]] | None = None, fuse=False,
+                 check_races: bool = True, weights: list[dict[str, torch.Tensor]] | None = None, fuse=True,
                  attn_splits=1, **_opts):
         self.device = torch.device(device)
         if self.device.type != "cpu":

@@ -25,7 +25,7 @@ def tp2(fake_gpu):
     MB = fake_gpu
     m = open_model("tiny")
     return MB.MegakernelBackend(m.config, m.weights, tp=2, device="cpu", max_seq_len=32, inject_hang_task=3,
-                                inject_hang_rank=1)
+                                inject_hang_rank=1, fuse=False)  # the tests name unfused tasks
 
 
 def test_local_tp2_launches_every_rank_on_its_share(tp2):
