@@ -48,7 +48,8 @@ class MegakernelBackend(StepBackend):
     (watchdog), ``comm_profile`` (default on at tp > 1; MPK_COMM_PROFILE=0 turns it off), test hooks
     ``inject_hang_task`` / ``inject_hang_rank`` (that task never signals, on that rank or all),
     ``fuse`` (fused linears), ``attn_splits`` (split-KV attention: N or 'auto'; default 1),
-    ``superopt`` (fused linears run superoptimizer-generated bodies; default on, --no-superopt).
+    ``superopt`` (fused linears run superoptimizer-generated bodies; default on, --no-superopt or
+    MPK_SUPEROPT=0 for off).
     """
 
     name = "megakernel"
@@ -58,12 +59,14 @@ class MegakernelBackend(StepBackend):
                  sms: int | None = None, transport: str | None = None, compiler: str | None = None,
                  inject_hang_task: int = -1, on_token=None, linear_rows: int | None = None,
                  inject_hang_rank: int | None = None, comm_profile: bool | None = None, fuse=True,
-                 attn_splits=1, superopt=True):
+                 attn_splits=1, superopt=None):
         from mpk_dist.taskgraph.fusion import fusion_set
         from mpk_dist.taskgraph.lowering_attention import check_attn_splits
 
         self.fuse = fusion_set(fuse)  # fused linears (mpk_dist.taskgraph.fusion); default on since verified on an H200
-        self.superopt = bool(superopt)  # generated bodies for the fused linears (runtime.superopt_tasks)
+        # Generated bodies for the fused linears (runtime.superopt_tasks); MPK_SUPEROPT=0 turns the default
+        # off for a whole job (e.g. every rank under mpirun) without a flag on each command.
+        self.superopt = os.environ.get("MPK_SUPEROPT", "1") != "0" if superopt is None else bool(superopt)
         self.attn_splits = check_attn_splits(attn_splits)  # split-KV attention (taskgraph.lowering_attention)
         if schedule not in SCHEDULES:
             raise InputError(f"--schedule: expected one of {SCHEDULES}, got {schedule!r}")
