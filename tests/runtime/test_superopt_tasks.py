@@ -30,6 +30,7 @@ def env(tmp_path_factory):
     mp.setenv("MPK_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
     mp.delenv("MPK_SUPEROPT_MAX_WEIGHTS", raising=False)
     ST._MEMO.clear()
+    ST._NOTED.clear()
     yield mp
     mp.undo()
     ST._MEMO.clear()
@@ -109,6 +110,7 @@ def test_no_lowerable_graph_falls_back_with_a_note(env, program, monkeypatch, tm
         return ST.Choice(problem, None, {"seconds": 0.1}, "the search found no verified µGraph (test)")
 
     ST._MEMO.clear()
+    ST._NOTED.clear()  # notes print once per process; this test reads them
     monkeypatch.setenv("MPK_CACHE_DIR", str(tmp_path))
     log = []
     so = ST.prepare(program, nothing, log.append)
@@ -120,6 +122,7 @@ def test_no_lowerable_graph_falls_back_with_a_note(env, program, monkeypatch, tm
 
 def test_shapes_above_the_weight_cap_are_not_searched(env, program, monkeypatch):
     monkeypatch.setenv("MPK_SUPEROPT_MAX_WEIGHTS", "100")
+    ST._NOTED.clear()
     calls, log = [], []
     so = ST.prepare(program, calls.append, log.append)
     assert not calls and set(so.defines) == {"MPK_SUPEROPT_NORM_LINEAR", "MPK_SUPEROPT_SILU_LINEAR"}
