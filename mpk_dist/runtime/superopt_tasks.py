@@ -11,8 +11,8 @@ and the build's cache key (which hashes every included header) covers the genera
 
 One generated function serves every tile of a kind (K and N are run-time parameters), so when a
 program has several shapes of one kind, the body comes from the shape that streams the most weight
-bytes per step (its choice is printed). A kind whose search found no µGraph the code generator can
-lower runs its hand-written body (``-DMPK_SUPEROPT_<KIND>=0``) with a printed note saying why.
+bytes per step among those whose search gave a µGraph the code generator lowers (printed). A kind
+without any runs its hand-written body (``-DMPK_SUPEROPT_<KIND>=0``) with a printed note saying why.
 
 Cache: each problem's choice (the µGraph as plain data, the search statistics, or the reason there
 is none) is stored as JSON under ``$MPK_CACHE_DIR/superopt/tasks/`` keyed by pattern, shapes, eps,
@@ -229,6 +229,33 @@ def header_dir(c: Choice) -> Path:
     return d
 
 
+def _hand_written(out: SuperoptBuild, kind: str, why: str) -> None:
+    out.defines[f"MPK_SUPEROPT_{kind.upper()}"] = 0
+    out.notes.append(f"superopt: {kind} runs the hand-written body (csrc/tasks/{kind}.cuh): {why}")
+
+
+def _kind_body(out: SuperoptBuild, kind: str, mine: dict, searcher, log) -> None:
+    """Choose (and write) the body of ``kind`` from its problems ``mine`` (problem -> weights)."""
+    cap = int(os.environ.get("MPK_SUPEROPT_MAX_WEIGHTS", MAX_SEARCH_WEIGHTS))
+    small = {p: w for p, w in mine.items() if p.k * p.n <= cap}
+    big = sorted(p.label() for p in mine if p not in small)
+    if big:
+        out.notes.append(f"superopt: not searched (K*N > {cap}, MPK_SUPEROPT_MAX_WEIGHTS): {', '.join(big)}")
+    if not small:
+        return _hand_written(out, kind, "no shape searched")
+    choices = {p: choose(p, searcher, log) for p in sorted(small, key=lambda p: (p.k, p.n, p.batch))}
+    out.notes += [f"superopt: {p.label()}: {c.note}" for p, c in choices.items() if c.note]
+    ok = {p: w for p, w in small.items() if choices[p].ugraph is not None}
+    if not ok:
+        return _hand_written(out, kind, "no searched shape gave a µGraph the code generator lowers")
+    lead = max(ok, key=lambda p: (ok[p], p.n))  # the shape that streams the most weight bytes
+    out.include_dirs.append(header_dir(choices[lead]))
+    out.choices[kind] = choices[lead]
+    if len(mine) > 1:
+        out.notes.append(f"superopt: {kind} body from the µGraph of {lead.label()} (most weight bytes of the "
+                         f"{len(ok)} shape(s) with a lowerable µGraph; {len(mine)} in the program)")
+
+
 def prepare(cg, searcher=search, log=None) -> SuperoptBuild:
     """Include folders and defines that make the build of ``cg``'s kernel use generated bodies."""
     log = log or _log
@@ -236,31 +263,8 @@ def prepare(cg, searcher=search, log=None) -> SuperoptBuild:
     probs = problems_of(cg)
     for kind in KIND_PATTERN:
         mine = {p: w for p, w in probs.items() if p.kind == kind}
-        if not mine:
-            continue  # the kind does not run: whatever body is compiled, no tile calls it
-        cap = int(os.environ.get("MPK_SUPEROPT_MAX_WEIGHTS", MAX_SEARCH_WEIGHTS))
-        small = {p: w for p, w in mine.items() if p.k * p.n <= cap}
-        big = sorted(p.label() for p in mine if p not in small)
-        if big:
-            out.notes.append(f"superopt: not searched (K*N > {cap}, MPK_SUPEROPT_MAX_WEIGHTS): {', '.join(big)}")
-        if not small:
-            out.defines[f"MPK_SUPEROPT_{kind.upper()}"] = 0
-            out.notes.append(f"superopt: {kind} runs the hand-written body (csrc/tasks/{kind}.cuh): no shape searched")
-            continue
-        choices = {p: choose(p, searcher, log) for p in sorted(small, key=lambda p: (p.k, p.n, p.batch))}
-        lead = max(small, key=lambda p: (small[p], p.n))  # the searched shape that streams the most weights
-        c = choices[lead]
-        if c.note:
-            out.notes.append(f"superopt: {lead.label()}: {c.note}")
-        if c.ugraph is None:
-            out.defines[f"MPK_SUPEROPT_{kind.upper()}"] = 0
-            out.notes.append(f"superopt: {kind} runs the hand-written body (csrc/tasks/{kind}.cuh)")
-            continue
-        out.include_dirs.append(header_dir(c))
-        out.choices[kind] = c
-        if len(mine) > 1:
-            out.notes.append(f"superopt: {kind} body from the µGraph of {lead.label()} (most weight bytes "
-                             f"of the {len(small)} searched shapes; {len(mine)} in the program)")
+        if mine:  # else the kind does not run: whatever body is compiled, no tile calls it
+            _kind_body(out, kind, mine, searcher, log)
     for n in out.notes:
         if n not in _NOTED:  # once per process, not once per rank
             _NOTED.add(n)
