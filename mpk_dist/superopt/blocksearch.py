@@ -76,9 +76,10 @@ class _Builder:
     """Mutable DFS state for one layout at representative counts."""
 
     def __init__(self, ctx: Context, layout: Layout, infos: dict, sizes: dict,
-                 max_outputs: int) -> None:
+                 max_outputs: int, early_bound: bool = True) -> None:
         self.ctx, self.layout = ctx, layout
         self.max_outputs = max_outputs
+        self.early_bound = early_bound
         grid_split = {s: sizes[s] for s in layout.grid_syms}
         loop = layout.loop_sym
         self.locals: list = []          # [(name, info, phase, loop_dep)]
@@ -100,29 +101,41 @@ class _Builder:
         return self.results
 
     # -- body -------------------------------------------------------------------------------
-    def _slack(self, ops: list, exits: set) -> bool:
-        """Sound bound: can the remaining op budget still consume every dangling tensor?
+    def _dangling(self, ops: list) -> tuple[set, set]:
+        """(inputs nobody reads, sinks): the tensors the remaining ops must still consume.
 
-        Inputs must be read; tensors nobody reads must be outputs (at most max_block_outputs;
-        ``exits`` are body tensors that may still leave through an accumulator). A binary op
-        lowers the count of dangling tensors by at most one.
+        A sink is a body or post tensor nobody reads; a body tensor read after the loop through
+        its accumulator (``a<k>`` of ``b<k>``) is not a sink.
         """
         used = {a for _, args, _ in ops for a in args}
-        unused_in = sum(1 for x in self.locals if x[2] == "in" and x[0] not in used)
-        sinks = sum(1 for x in self.locals if x[2] != "in" and x[0] not in used
-                    and ("a" + x[0][1:] not in used))
-        left = self.ctx.config.max_block_ops - len(ops)
-        return max(unused_in, unused_in + sinks - self.max_outputs) <= left
+        unused_in = {x[0] for x in self.locals if x[2] == "in" and x[0] not in used}
+        sinks = {x[0] for x in self.locals if x[2] != "in" and x[0] not in used
+                 and not (x[2] == "body" and "a" + x[0][1:] in used)}
+        return unused_in, sinks
+
+    def _fits(self, unused_in: int, sinks: int, left: int) -> bool:
+        """Sound bound: can ``left`` more ops still consume every dangling tensor?
+
+        Every input must be read and at most ``max_outputs`` sinks may remain (outputs). An op
+        reads at most two tensors, so it consumes at most two unread inputs, and it creates one
+        tensor, so it lowers the count of dangling tensors by at most one. A prefix that fails
+        this has no complete extension, so dropping it never drops a graph (in both modes).
+        """
+        return max((unused_in + 1) // 2, unused_in + sinks - self.max_outputs) <= left
+
+    def _slack(self, ops: list) -> bool:
+        unused_in, sinks = self._dangling(ops)
+        return self._fits(len(unused_in), len(sinks), self.ctx.config.max_block_ops - len(ops))
 
     def _body(self, body: list, prev) -> None:
-        if self.ctx.timed_out() or not self._slack(body, set()):
+        if self.ctx.timed_out() or not self._slack(body):
             return
         if body:
             self._post(body, [], None, None)
         if len(body) >= self.ctx.config.max_block_ops:
             return
         avail = [x for x in self.locals if x[2] in ("in", "body")]
-        for kind, args, attrs, info, key in self._candidates(avail, prev):
+        for kind, args, attrs, info, key in self._candidates(avail, prev, body):
             if not any(avail[i][3] for i in args):
                 continue  # body ops must depend on the loop
             name = f"b{len(body)}"
@@ -145,7 +158,7 @@ class _Builder:
     def _post(self, body: list, post: list, prev, base) -> None:
         if self.ctx.timed_out():
             return
-        if not self._slack(body + post, set()):
+        if not self._slack(body + post):
             return
         if base is None:  # entering the post phase: invariant inputs and surviving accumulators
             accs = self._accs()
@@ -154,13 +167,15 @@ class _Builder:
             if any(x[2] == "body" and x[0] not in used and "a" + x[0][1:] not in exits
                    for x in self.locals):
                 return  # a body sink that cannot leave the loop is dead
+            if any(x[2] == "in" and x[3] and x[0] not in used for x in self.locals):
+                return  # a loop-dependent input the body did not read can never be read now
             base = [x for x in self.locals if x[2] == "in" and not x[3]]
             base += [a for a in accs if self.ctx.keep(a[1].expr)]
         avail = base + [x for x in self.locals if x[2] == "post"]
         self._finish(body, post, avail)
         if len(body) + len(post) >= self.ctx.config.max_block_ops:
             return
-        for kind, args, attrs, info, key in self._candidates(avail, prev):
+        for kind, args, attrs, info, key in self._candidates(avail, prev, body + post):
             name = f"p{len(post)}"
             self.locals.append((name, info, "post", False))
             post.append((kind, tuple(avail[i][0] for i in args), tuple(sorted(attrs.items()))))
@@ -168,17 +183,37 @@ class _Builder:
             post.pop()
             self.locals.pop()
 
-    def _candidates(self, avail: list, prev):
-        """Valid, canonical, non-redundant, unpruned ops on ``avail``."""
+    def _candidates(self, avail: list, prev, ops: list):
+        """Valid, canonical, non-redundant, unpruned ops on ``avail`` (``ops``: the prefix).
+
+        NOTE: the dangling-tensor bound (``_fits``) of the extended prefix is checked before the
+        op is inferred and counted: the same bound the child would fail at once, applied earlier
+        (it depends on names only), so it changes the counters, never the graphs found.
+        """
         infos = [x[1] for x in avail]
         seen = {x[1].expr for x in self.locals}
         chains = [p for p, _ in self.ctx.target.chains]
-        for kind, args, attrs, akey in candidate_ops(infos, chains):
+        unused_in, sinks = self._dangling(ops)
+        left = self.ctx.config.max_block_ops - len(ops) - 1
+        if not self.early_bound:  # tests: the bound applied only where the child checks it
+            unused_in, sinks, left = set(), set(), self.ctx.config.max_block_ops
+        # what reading each local consumes: itself, or for an accumulator its body tensor
+        consumes = [("b" + x[0][1:]) if x[2] == "acc" else x[0] for x in avail]
+        dangling = unused_in | sinks
+        # dangling tensors the next op itself must consume (it consumes at most two)
+        need = len(unused_in) + len(sinks) + 1 - self.max_outputs - left
+        if need > 2:
+            return
+        newest = {i for i, c in enumerate(consumes) if c in dangling} if need > 0 else None
+        for kind, args, attrs, akey in candidate_ops(infos, chains, newest):
             key = (kind, args, akey)
             if prev is not None:
                 prev_key, prev_n = prev
                 if prev_n not in args and key <= prev_key:
                     continue  # canonical order: independent ops appear sorted by key
+            read = {consumes[i] for i in args}
+            if not self._fits(len(unused_in - read), len(sinks - read) + 1, left):
+                continue
             info = infer(kind, [infos[i] for i in args], attrs)
             if info is None or info.expr in seen or not self.ctx.keep(info.expr):
                 continue
@@ -225,10 +260,13 @@ def representative_sizes(layout: Layout, infos: dict, sym_size: dict, config) ->
     return sizes
 
 
-def enumerate_layout(ctx: Context, layout: Layout, infos: dict, final: bool = False) -> list:
+def enumerate_layout(ctx: Context, layout: Layout, infos: dict, final: bool = False,
+                     early_bound: bool = True) -> list:
     """All complete structures of one layout (see module docstring).
 
     ``final``: the op will be the last kernel op, so it has exactly one output (the target).
+    ``early_bound=False`` checks the dangling-tensor bound only on entering a prefix instead of
+    before inferring each op (the same structures, more work; tests compare the two).
     """
     sym_size = {}
     for n in layout.inputs:
@@ -239,7 +277,7 @@ def enumerate_layout(ctx: Context, layout: Layout, infos: dict, final: bool = Fa
     if sizes is None:
         return []
     outs = 1 if final else ctx.config.max_block_outputs
-    return _Builder(ctx, layout, infos, sizes, outs).run()
+    return _Builder(ctx, layout, infos, sizes, outs, early_bound).run()
 
 
 class _Invalid(Exception):

@@ -18,7 +18,7 @@ from itertools import combinations
 from mpk_dist.superopt import blocksearch as B
 from mpk_dist.superopt.context import Context
 from mpk_dist.superopt.cost import H200, custom_op_cost, graph_cost, prim_op_cost
-from mpk_dist.superopt.inference import candidate_ops, infer
+from mpk_dist.superopt.inference import candidate_ops, infer, is_stack_sym
 from mpk_dist.superopt.ugraph import KernelOp, UGraph
 
 # -- worker side of the process pool ------------------------------------------------------------
@@ -82,9 +82,13 @@ class BlockCatalog:
 
     def _build(self, subset: tuple, infos: dict, final: bool) -> list:
         options = []
+        out_shape = self.ctx.target.graph.nodes[self.ctx.target.out_node].shape
         for st in self._structures(subset, infos, final):
             if self.ctx.timed_out():
                 break
+            if final and not _may_have_shape(st, infos, out_shape, self.ctx.config):
+                self.ctx.counts["shape_skipped"] = self.ctx.counts.get("shape_skipped", 0) + 1
+                continue
             best = self._best_counts(st, infos)
             if best is not None and best[1] != math.inf:
                 options.append((st, best[0], best[1]))
@@ -224,6 +228,30 @@ class KernelSearch:
         if key in self.candidates:
             self.ctx.counts["duplicates"] = self.ctx.counts.get("duplicates", 0) + 1
         self.candidates.setdefault(key, ug)
+
+
+def _may_have_shape(st, infos: dict, shape: tuple, config) -> bool:
+    """False when the custom op of ``st`` writes a tensor of another shape than ``shape`` at
+    every grid and loop count, so as the last kernel op it can never produce the target.
+
+    NOTE: an output dim carrying a grid symbol is tile x count = the full extent, the others are
+    unsplit or 1 (the loop symbol never reaches an accumulator or post op), so without STACK dims
+    the output shape does not depend on the counts: checking it at the representative counts is
+    the same shape test ``KernelSearch`` applies to the last op, done before the costing. A
+    STACK dim's extent is a grid count, so such outputs are kept for the full check.
+    """
+    sym_size = {s: x for n in st.layout.inputs for s, x in zip(infos[n].syms, infos[n].shape) if s}
+    sizes = B.representative_sizes(st.layout, infos, sym_size, config)
+    if sizes is None:
+        return True
+    names = tuple(f"@{k}" for k in range(len(st.outputs)))
+    _, kinfos = B.instantiate(st, sizes, infos, names, None)
+    if kinfos is None:
+        return True
+    for info in kinfos.values():
+        if any(is_stack_sym(s) for s in info.syms) or info.shape == shape:
+            return True
+    return False
 
 
 def _dangling(tensors: dict, ops: list) -> set:
