@@ -31,6 +31,13 @@ from mpk_dist.runtime.transport import IpcTransport, LocalTransport, check_optio
 from mpk_dist.taskgraph.sampling_rng import check_device_sampling, sampling_words
 
 SCHEDULES = ("aot", "jit")
+# Kernel knobs chosen by scripts/tune_sweep.py on an H200 (docs/PERF.md, 2026-11-29): 512 worker
+# threads keep twice the weight bytes in flight per SM, and a 64 KB cap on the L2 prefetch of a
+# linear tile stops 132 whole-tile prefetches (> the 60 MB L2) evicting each other (qwen3-8b b1:
+# 8.36 -> 6.32 ms/token, same tokens). 1024 threads changed block-reduction order and tokens.
+DEFAULT_WORKER_THREADS = 512
+DEFAULT_PREFETCH_KB = 64
+
 PROFILE_STEPS = 128
 """Decode steps whose trace records are kept for the exposed-communication figure (tp > 1)."""
 
@@ -55,7 +62,8 @@ class MegakernelBackend(StepBackend):
     name = "megakernel"
 
     def __init__(self, cfg, source, tp: int = 1, device: str | torch.device = "cuda", max_seq_len: int = 512,
-                 schedule: str = "aot", trace: str | None = None, timeout_s: float = 5.0, worker_threads: int = 256,
+                 schedule: str = "aot", trace: str | None = None, timeout_s: float = 5.0,
+                 worker_threads: int = DEFAULT_WORKER_THREADS,
                  sms: int | None = None, transport: str | None = None, compiler: str | None = None,
                  inject_hang_task: int = -1, on_token=None, linear_rows: int | None = None,
                  inject_hang_rank: int | None = None, comm_profile: bool | None = None, fuse=True,
@@ -309,17 +317,19 @@ class MegakernelBackend(StepBackend):
 def tuning_from_env(worker_threads: int, environ=None) -> dict:
     """KernelShape knobs {linear_unroll, worker_threads, prefetch_kb, desc_prefetch}: MPK_LINEAR_UNROLL,
     MPK_WORKER_THREADS, MPK_PREFETCH_KB and MPK_DESC_PREFETCH override the defaults (8 loads in flight
-    per lane; ``worker_threads``; -1 = prefetch a linear tile's whole weights into L2; 0) so a GPU
+    per lane; ``worker_threads``; DEFAULT_PREFETCH_KB of a linear tile's weights into L2; 0) so a GPU
     session can sweep them (scripts/tune_sweep.py); a bad value is refused with the allowed ones."""
     from mpk_dist.runtime.codegen import LINEAR_UNROLLS, WORKER_THREADS
 
     env = os.environ if environ is None else environ
     out = {}
     for key, var, default, ok, allowed in (
-            ("linear_unroll", "MPK_LINEAR_UNROLL", 8, lambda v: v in LINEAR_UNROLLS, ", ".join(map(str, LINEAR_UNROLLS))),
+            ("linear_unroll", "MPK_LINEAR_UNROLL", 8, lambda v: v in LINEAR_UNROLLS,
+             ", ".join(map(str, LINEAR_UNROLLS))),
             ("worker_threads", "MPK_WORKER_THREADS", worker_threads, lambda v: v in WORKER_THREADS,
              ", ".join(map(str, WORKER_THREADS))),
-            ("prefetch_kb", "MPK_PREFETCH_KB", -1, lambda v: v >= -1, "-1 (whole tile) or a cap in KB >= 0"),
+            ("prefetch_kb", "MPK_PREFETCH_KB", DEFAULT_PREFETCH_KB, lambda v: v >= -1,
+             "-1 (whole tile) or a cap in KB >= 0"),
             ("desc_prefetch", "MPK_DESC_PREFETCH", 0, lambda v: v in (0, 1), "0, 1")):
         raw = env.get(var, "")
         try:

@@ -69,7 +69,7 @@ def test_split_teacher_forced_logits(name, batch, schedule, staged, gpu_results,
     got = b.generate(req)
     want = ref(name).generate(req)
     smem = b.session(batch).smem
-    need = split_smem_bytes(b.session(batch).cg, 256)  # worker_threads: the backend's default 256
+    need = split_smem_bytes(b.session(batch).cg, b.worker_threads)
     # the path under test really ran: the staged one had its shared memory, the per-warp one did not
     assert (smem >= need) if staged else (smem < need), (staged, smem, need)
     assert got.logits.shape == want.logits.shape, (got.logits.shape, want.logits.shape)
