@@ -62,16 +62,21 @@ def _mpi_probe() -> str | None:
 
 
 def git_commit() -> str | None:
-    """Commit of the source tree (MPK_GIT_COMMIT wins, for installed copies on clusters)."""
+    """Commit of the source tree, with '+dirty' when tracked files differ from it (a copied working
+    tree, e.g. on a GPU machine, keeps an older .git); MPK_GIT_COMMIT wins, for installed copies."""
     if os.environ.get("MPK_GIT_COMMIT"):
         return os.environ["MPK_GIT_COMMIT"]
     try:
         out = subprocess.run(
             ["git", "-C", str(_REPO), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5
         )
+        if out.returncode != 0 or not out.stdout.strip():
+            return None
+        dirty = subprocess.run(["git", "-C", str(_REPO), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.TimeoutExpired):
         return None
-    return out.stdout.strip() or None if out.returncode == 0 else None
+    return out.stdout.strip() + ("+dirty" if dirty.returncode == 0 and dirty.stdout.strip() else "")
 
 
 def collect_environment() -> dict[str, Any]:

@@ -38,3 +38,12 @@ def test_floor_is_per_gpu_when_each_rank_is_a_process():
     assert gpus_per_replica(2, "local", ["megakernel"], world_size=1, visible_gpus=2) == 1
     assert gpus_per_replica(2, "local", ["torch-graph"], world_size=2, visible_gpus=8) == 2  # torch.distributed
     assert gpus_per_replica(1, "ipc", ["megakernel"], world_size=2, visible_gpus=2) == 1  # --dp replicas of tp 1
+
+
+def test_torch_records_say_nccl_under_mpi():
+    from mpk_dist.cli.commands.bench import transport_label
+
+    assert transport_label("megakernel", "ipc", 2) == "ipc"
+    assert transport_label("torch-graph", "ipc", 2) == "nccl"
+    assert transport_label("torch-graph", None, 1) == "local"
+    assert transport_label("megakernel", None, 1) == "local"

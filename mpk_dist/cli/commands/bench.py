@@ -54,6 +54,14 @@ def ranks_per_replica(tp: int, transport: str, backends: list[str]) -> int:
     return tp if tp > 1 and per_rank_processes else 1
 
 
+def transport_label(backend: str, transport: str | None, world_size: int) -> str:
+    """What carries a record's TP traffic: the mega-kernel's --transport, NCCL for the torch backends
+    under MPI (one process per rank, torch.distributed), else 'local' (all ranks in one process)."""
+    if backend == "megakernel":
+        return transport or "local"
+    return "nccl" if world_size > 1 else "local"
+
+
 def gpus_per_replica(tp: int, transport: str, backends: list[str], world_size: int, visible_gpus: int) -> int:
     """GPUs whose HBM one replica's weights are spread over: its processes' GPUs when each TP rank is a
     process (ranks pick GPUs by local rank, several per GPU under MPS), else the one GPU of this process."""
@@ -124,7 +132,8 @@ def main(args) -> int:
                        backend_opts=backend_opts(args) if name == "megakernel" else {})
         case = run_case(spec, model, prompt, args.output_len, args.iters, args.warmup, not args.no_progress)
         rec = build_result(model=args.model, tp=args.tp, batch=args.batch, backend=case.backend,
-                           transport=args.transport, prompt_len=args.prompt_len, output_len=args.output_len,
+                           transport=transport_label(name, args.transport, world), prompt_len=args.prompt_len,
+                           output_len=args.output_len,
                            prefill_ms=case.prefill_ms, decode_step_ms=case.decode_step_ms, floor_ms=floor_ms,
                            exposed_comm_share=case.extra.get("exposed_comm_share"),
                            extra={"read_bandwidth_gb_s": bw / 1e9, "bytes_per_step": nbytes, "gpus": gpus,
