@@ -46,7 +46,7 @@ def default_device(name: str) -> str:
 
 # backend option -> the command-line flag that sets it (for error messages)
 _OPTION_FLAGS = {"schedule": "--schedule", "trace": "--trace", "timeout_s": "--timeout", "transport": "--transport",
-                 "fuse": "--fuse/--no-fuse", "attn_splits": "--attn-splits"}
+                 "fuse": "--fuse/--no-fuse", "attn_splits": "--attn-splits", "superopt": "--no-superopt"}
 
 
 def _check_options(name: str, cls, opts: dict) -> None:

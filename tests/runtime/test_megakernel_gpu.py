@@ -126,7 +126,7 @@ def test_reference_noise_floor_qwen3_0p6b(gpu_results, monkeypatch):
     assert torch.isfinite(cublas.logits).all() and torch.isfinite(exact.logits).all()
 
 
-@pytest.mark.parametrize("batch,schedule", [(1, "aot"), (1, "jit"), (4, "aot")])
+@pytest.mark.parametrize("batch,schedule", [(1, "aot"), (1, "jit"), (4, "aot"), (16, "aot")])
 def test_greedy_tokens_qwen3_0p6b(batch, schedule, gpu_results):
     """Greedy decoding: the first 64 tokens equal the torch backend's."""
     vocab = model("qwen3-0.6b").config.vocab_size
