@@ -43,6 +43,9 @@
 #endif
 #include "attention_split.cuh"
 #include "attention_merge.cuh"
+// paged KV cache (opt-in serving graphs; docs/SERVING.md)
+#include "qkv_prep_paged.cuh"
+#include "paged_attention.cuh"
 
 namespace mpk {
 
@@ -232,6 +235,40 @@ __device__ bool run_attention_merge(const TaskView& t, int tid, int nt) {
   return true;
 }
 
+// ---- paged KV cache (opt-in serving graphs: compile_paged_programs; docs/SERVING.md) ----
+// bf16 activations and pools only; anything else, or a bad page-table entry, is reported as a
+// bad task (kErrBadTask) instead of computing something wrong.
+__device__ bool run_qkv_prep_paged(const TaskView& t, int tid, int nt) {
+  if (t.dtype(QKV_PREP_PAGED_ARG_QKV) != DTYPE_BF16 || t.dtype(QKV_PREP_PAGED_ARG_DST) != DTYPE_BF16) return false;
+  const PagedKv kv{t.arg<const int32_t>(QKV_PREP_PAGED_ARG_PAGE_TABLE),
+                   t.arg_row(QKV_PREP_PAGED_ARG_PAGE_TABLE)[ARG_COL_COUNT], t.param(QKV_PREP_PAGED_PARAM_PAGE_SIZE),
+                   t.param(QKV_PREP_PAGED_PARAM_PAGE_STRIDE), t.param(QKV_PREP_PAGED_PARAM_POS_STRIDE),
+                   t.param(QKV_PREP_PAGED_PARAM_MAX_PAGES), t.param(QKV_PREP_PAGED_PARAM_NUM_PAGES)};
+  return qkv_prep_paged(t.arg<const bf16>(QKV_PREP_PAGED_ARG_QKV), t.arg<const int32_t>(QKV_PREP_PAGED_ARG_POSITIONS),
+                        t.arg<const int32_t>(QKV_PREP_PAGED_ARG_SLOTS), kv, t.arg<const bf16>(QKV_PREP_PAGED_ARG_NORM_W),
+                        t.arg<const float>(QKV_PREP_PAGED_ARG_INV_FREQ), t.arg<bf16>(QKV_PREP_PAGED_ARG_DST),
+                        t.arg<bf16>(QKV_PREP_PAGED_ARG_DST_V), t.param(QKV_PREP_PAGED_PARAM_BATCH),
+                        t.param(QKV_PREP_PAGED_PARAM_HEAD_DIM), t.param(QKV_PREP_PAGED_PARAM_QKV_STRIDE),
+                        t.param(QKV_PREP_PAGED_PARAM_V_OFFSET), t.param(QKV_PREP_PAGED_PARAM_Q_STRIDE),
+                        t.param(QKV_PREP_PAGED_PARAM_IS_KV), t.fparam(QKV_PREP_PAGED_PARAM_EPS), tid, nt);
+}
+
+__device__ bool run_paged_attention(const TaskView& t, int tid, int nt) {
+  if (t.dtype(PAGED_ATTENTION_ARG_Q) != DTYPE_BF16 || t.dtype(PAGED_ATTENTION_ARG_K_PAGES) != DTYPE_BF16 ||
+      t.dtype(PAGED_ATTENTION_ARG_OUT) != DTYPE_BF16)
+    return false;
+  const PagedKv kv{t.arg<const int32_t>(PAGED_ATTENTION_ARG_PAGE_TABLE),
+                   t.arg_row(PAGED_ATTENTION_ARG_PAGE_TABLE)[ARG_COL_COUNT], t.param(PAGED_ATTENTION_PARAM_PAGE_SIZE),
+                   t.param(PAGED_ATTENTION_PARAM_PAGE_STRIDE), t.param(PAGED_ATTENTION_PARAM_POS_STRIDE),
+                   t.param(PAGED_ATTENTION_PARAM_MAX_PAGES), t.param(PAGED_ATTENTION_PARAM_NUM_PAGES)};
+  return paged_attention(t.arg<const bf16>(PAGED_ATTENTION_ARG_Q), t.arg<const bf16>(PAGED_ATTENTION_ARG_K_PAGES),
+                         t.arg<const bf16>(PAGED_ATTENTION_ARG_V_PAGES), t.arg<const int32_t>(PAGED_ATTENTION_ARG_POSITIONS),
+                         t.arg<const int32_t>(PAGED_ATTENTION_ARG_SLOTS), kv, t.arg<bf16>(PAGED_ATTENTION_ARG_OUT),
+                         t.param(PAGED_ATTENTION_PARAM_BATCH), t.param(PAGED_ATTENTION_PARAM_HEAD_DIM),
+                         t.param(PAGED_ATTENTION_PARAM_GROUP), t.param(PAGED_ATTENTION_PARAM_Q_STRIDE),
+                         t.fparam(PAGED_ATTENTION_PARAM_SCALE), tid, nt);
+}
+
 // Run task `task` of step `step` on the worker threads (tid < nt). Returns false for an unknown
 // opcode (the caller raises kErrBadTask).
 __device__ bool run_task(const RuntimeParams& p, int task, int step, float* smem, int tid, int nt) {
@@ -297,6 +334,8 @@ __device__ bool run_task(const RuntimeParams& p, int task, int step, float* smem
     case OP_SILU_LINEAR: return run_silu_linear(t, smem, tid, nt);
     case OP_ATTENTION_SPLIT: return run_attention_split(t, smem, tid, nt);
     case OP_ATTENTION_MERGE: return run_attention_merge(t, tid, nt);
+    case OP_QKV_PREP_PAGED: return run_qkv_prep_paged(t, tid, nt);
+    case OP_PAGED_ATTENTION: return run_paged_attention(t, tid, nt);
     default: return false;
   }
 }

@@ -1,0 +1,92 @@
+// paged_attention (mpk_dist/taskgraph/tasks/paged_attention.py): the GROUP query heads of one kv
+// head, for each of the N tokens of a ragged pass, over positions 0..pos[b] of sequence slot[b],
+// read page by page through the page table (PagedKv, qkv_prep_paged.cuh). fp32 scores, softmax
+// and products like the reference; output rounded once to bf16; padding tokens (slot -1) get 0.
+// Pointers: q/out at the first column of query head h*GROUP (row stride Q_STRIDE); k/v pools at
+// kv head h of row 0 of page 0.
+// Work split: one warp per token (tokens of a pass belong to different sequences or sit at
+// different positions, so the warps need no merge and no shared memory); each warp runs an online
+// softmax over its token's positions, lane l holding elements l*epl .. l*epl+epl-1 of a row, as
+// attention.cuh does. Limits (checked on the host, serving/megakernel_paged.py): GROUP <= 8, D <= 256.
+#pragma once
+#include "common.cuh"
+#include "attention.cuh"
+#include "qkv_prep_paged.cuh"
+
+namespace mpk {
+
+__device__ void paged_attention_token(const bf16* q, const bf16* kc, const bf16* vc, const PagedKv& kv, int slot,
+                                      int n_pos, bf16* out, int D, int G, float scale, int lane) {
+  const int epl = (D + 31) / 32;
+  float qv[kAttnMaxG][kAttnMaxEpl], acc[kAttnMaxG][kAttnMaxEpl], m[kAttnMaxG], l[kAttnMaxG];
+#pragma unroll
+  for (int j = 0; j < kAttnMaxG; ++j) {
+    m[j] = -INFINITY;
+    l[j] = 0.f;
+#pragma unroll
+    for (int i = 0; i < kAttnMaxEpl; ++i) {
+      const int d = lane * epl + i;
+      acc[j][i] = 0.f;
+      qv[j][i] = (j < G && i < epl && d < D) ? bf2f(q[(size_t)j * D + d]) : 0.f;
+    }
+  }
+  for (int t0 = 0; t0 < n_pos; t0 += kv.page_size) {
+    const size_t page_base = (size_t)kv.page(slot, t0 / kv.page_size) * kv.page_stride;  // validated by the caller
+    const int rows = min(kv.page_size, n_pos - t0);
+    for (int r = 0; r < rows; ++r) {
+      const size_t row = page_base + (size_t)r * kv.pos_stride;
+      float kr[kAttnMaxEpl], vr[kAttnMaxEpl];
+#pragma unroll
+      for (int i = 0; i < kAttnMaxEpl; ++i) {
+        const int d = lane * epl + i;
+        const bool in = i < epl && d < D;
+        kr[i] = in ? bf2f(kc[row + d]) : 0.f;
+        vr[i] = in ? bf2f(vc[row + d]) : 0.f;
+      }
+#pragma unroll
+      for (int j = 0; j < kAttnMaxG; ++j) {
+        if (j < G) {
+          float s = 0.f;
+#pragma unroll
+          for (int i = 0; i < kAttnMaxEpl; ++i) s = fmaf(qv[j][i], kr[i], s);
+          s = warp_sum(s) * scale;
+          const float mn = fmaxf(m[j], s), corr = expf(m[j] - mn), e = expf(s - mn);
+          l[j] = l[j] * corr + e;
+#pragma unroll
+          for (int i = 0; i < kAttnMaxEpl; ++i) acc[j][i] = acc[j][i] * corr + e * vr[i];
+          m[j] = mn;
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < kAttnMaxG; ++j) {
+    if (j < G) {
+#pragma unroll
+      for (int i = 0; i < kAttnMaxEpl; ++i) {
+        const int d = lane * epl + i;
+        if (i < epl && d < D) out[(size_t)j * D + d] = f2bf(l[j] > 0.f ? acc[j][i] / l[j] : 0.f);
+      }
+    }
+  }
+}
+
+// Returns false (on every thread) when a token's page table row has a bad entry.
+__device__ bool paged_attention(const bf16* q, const bf16* kc, const bf16* vc, const int32_t* pos,
+                                const int32_t* slots, const PagedKv& kv, bf16* out, int B, int D, int G, int q_stride,
+                                float scale, int tid, int nt) {
+  if (!paged_tokens_ok(kv, pos, slots, B, true, tid, nt)) return false;
+  const int warp = tid >> 5, lane = tid & 31, nwarps = nt >> 5;
+  for (int b = warp; b < B; b += nwarps) {
+    bf16* o = out + (size_t)b * q_stride;
+    const int s = slots[b];
+    if (s < 0) {  // padding token: zeros, as the reference
+      for (int i = lane; i < G * D; i += 32) o[i] = f2bf(0.f);
+      continue;
+    }
+    paged_attention_token(q + (size_t)b * q_stride, kc, vc, kv, s, pos[b] + 1, o, D, G, scale, lane);
+  }
+  return true;
+}
+
+}  // namespace mpk
