@@ -6,8 +6,15 @@
 // One warp per output row at a time; each lane streams 16-byte weight vectors with kLinUnroll of
 // them in flight before the first use. x (B rows, stride ldx) is re-read from L1/L2 per row.
 // Requires K % 8 == 0 and 16-byte aligned rows (checked on the host).
+// MPK_LINEAR_MMA=1 (KernelShape.linear_mma) runs batch 2..16 on tensor cores instead (linear_mma.cuh:
+// same loads and output rounding, another summation order); batch 1 always takes the scalar tile.
 #pragma once
 #include "common.cuh"
+#include "linear_mma.cuh"
+
+#ifndef MPK_LINEAR_MMA
+#define MPK_LINEAR_MMA 0
+#endif
 
 namespace mpk {
 
@@ -106,7 +113,10 @@ __device__ void linear(int B, const bf16* x, int ldx, const bf16* w, OutT* y, in
 #ifdef MPK_BATCH
   // The generated kernel fixes the batch; the host checked every linear task has BATCH == MPK_BATCH.
   (void)B;
-#if defined(MPK_LINEAR_ROWS) && MPK_LINEAR_ROWS > 1
+#if MPK_LINEAR_MMA && MPK_BATCH >= 2
+  // Nothing else lives in the dynamic shared memory during a plain linear: reserved = 0.
+  gemv_mma_tile<MPK_BATCH>(MmaRows{x, ldx}, w, K, n_tile, MmaStore<OutT>{y, ldy, round_out_bf16}, 0u, tid, nt);
+#elif defined(MPK_LINEAR_ROWS) && MPK_LINEAR_ROWS > 1
   linear_tile_rows<MPK_BATCH, MPK_LINEAR_ROWS, OutT>(x, ldx, w, y, ldy, K, n_tile, round_out_bf16, tid, nt);
 #else
   linear_tile<MPK_BATCH, OutT>(x, ldx, w, y, ldy, K, n_tile, round_out_bf16, tid, nt);

@@ -4,6 +4,7 @@
 //   row_sum_sq         a row reduction (sum over k of x^2) over the block's worker threads
 //   stage_row          an element-wise operand computed in registers and staged in shared memory
 //   gemv_acc           the matmul accumulated over the K loop for the tile's N_TILE weight rows
+//                      (tensor cores for batch >= 2 under MPK_LINEAR_MMA=1: linear_mma.cuh's order)
 // The reduction and GEMV keep the hand-written kinds' loops and summation orders (rms_norm.cuh's
 // fmaf over tid-strided k, fused_gemv.cuh's per-lane order), so a generated body that rounds as
 // its reference gives the same bits as the hand-written task.
@@ -57,6 +58,14 @@ __device__ __forceinline__ void stage_row(bf16* st, int K, const Row& row, int t
 template <int B, class XS, class EpiT>
 __device__ __forceinline__ void gemv_acc(const XS& xs, const bf16* __restrict__ w, int K, int n_tile, const EpiT& epi,
                                          int tid, int nt) {
+#if MPK_LINEAR_MMA
+  if constexpr (B >= 2) {
+    // The staged operand rows (kStageOffset floats + B*K bf16) stay below the split-K partials.
+    const uint32_t reserved = kStageOffset * sizeof(float) + (uint32_t)B * (uint32_t)K * sizeof(bf16);
+    gemv_mma_tile<B>(xs, w, K, n_tile, epi, reserved, tid, nt);
+    return;
+  }
+#endif
   gemv_tile<B, kFuseRows>(xs, w, K, n_tile, epi, tid, nt);
 }
 

@@ -38,16 +38,18 @@ class KernelShape:
     prefetch_kb: int = -1  # L2 prefetch of a linear tile's weights before its wait: -1 whole tile, else KB cap
     desc_prefetch: bool = False  # warp 1 pulls the task's descriptors into L1 during the wait (desc_prefetch.cuh)
     superopt: bool = True  # fused linears run the superoptimizer's generated bodies (mpk_dist.runtime.superopt_tasks)
+    linear_mma: bool = False  # batch >= 2 linear tiles on tensor cores (csrc/tasks/linear_mma.cuh; tolerance, not bits)
 
 
     def name(self) -> str:
-        """File-name label: mk_b<batch>_t<threads>_<schedule>[_r<rows>][_u<unroll>][_p<prefetch KB>][_nso]."""
+        """File-name label: mk_b<batch>_t<threads>_<schedule>[_r<rows>][_u<unroll>][_p<prefetch KB>][_d][_nso][_m]."""
         rows = f"_r{self.linear_rows}" if self.linear_rows != 1 else ""
         unroll = f"_u{self.linear_unroll}" if self.linear_unroll != 8 else ""
         pf = f"_p{self.prefetch_kb}" if self.prefetch_kb != -1 else ""
         pf += "_d" if self.desc_prefetch else ""
         nso = "" if self.superopt else "_nso"
-        return f"mk_b{self.batch}_t{self.worker_threads}_{self.schedule}{rows}{unroll}{pf}{nso}"
+        mma = "_m" if self.linear_mma else ""
+        return f"mk_b{self.batch}_t{self.worker_threads}_{self.schedule}{rows}{unroll}{pf}{nso}{mma}"
 
 
 def git_commit() -> str:
@@ -95,6 +97,7 @@ def render_source(shape: KernelShape, model: str = "-", rank: int = 0, world: in
         f"#define MPK_PREFETCH_KB {shape.prefetch_kb}",
         f"#define MPK_SUPEROPT {1 if shape.superopt else 0}",
         f"#define MPK_DESC_PREFETCH {int(shape.desc_prefetch)}",
+        f"#define MPK_LINEAR_MMA {int(shape.linear_mma)}",
         "#include <cstddef>",
         '#include "abi_generated.h"  // mpk_dist.taskgraph.abi.render_cuda_abi_header()',
         '#include "megakernel.cuh"',

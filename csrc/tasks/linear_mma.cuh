@@ -1,0 +1,154 @@
+// Tensor-core GEMV tile for batch 2..16 (MPK_LINEAR_MMA=1): y[b, n] = epi(b, n, sum_k x[b, k] * w[n, k])
+// for the n_tile weight rows of one tile, with mma.sync.m16n8k16 (bf16 in, fp32 accumulators).
+//
+// Operands: the batch rows are the MMA's M (16, padded with zeros), the weight rows its N (8 per
+// warp unit), k its K. Each lane streams 16-byte weight vectors with the same ld_stream_v4 as the
+// scalar tile (kLinUnroll in flight before the first use), and reads 16-byte x vectors through the
+// input policy (XS::load8(b, k), the fused kinds' interface), so neither operand is staged.
+//
+// NOTE: k permutation. The m16n8k16 fragments give lane (g = lane/4, q = lane%4) the k slots 2q, 2q+1,
+// 2q+8, 2q+9. A dot product does not care which physical k sits in which slot as long as A and B agree,
+// so for a chunk of 32 consecutive k, lane (g, q) loads w[g][kc + 8q .. +7] and x[g][kc + 8q .. +7]
+// (one 16-byte vector each) and feeds elements 0..3 to one mma and 4..7 to a second. That keeps every
+// load 16 bytes wide and coalesced (4 lanes cover 64 contiguous bytes of a row).
+//
+// Summation order (differs from the scalar path's per-lane fmaf chain + warp_sum, so results are
+// close but not bit-equal; the GPU tests compare with a tolerance): each mma adds 16 products to its
+// fp32 accumulator in the tensor core's own order; the mmas of one warp follow k upwards (chunk by
+// chunk, elements 0..3 before 4..7 of each lane's vector). Split-K (below) sums the warps' slices in
+// slice order 0, 1, ... S-1. For fixed (K, n_tile, worker threads, dynamic shared memory) the result is
+// deterministic. The output is rounded once, by the epilogue, as in the scalar path.
+//
+// Split-K: a tile of n_tile rows has ceil(n_tile / 8) warp units; when that is fewer than the worker
+// warps, K is split into S slices so ~every warp streams weights (a qwen3-8b tile of ~30 rows would
+// otherwise keep 4 of 16 warps busy). The partial accumulators (128 floats per warp) go to the top of
+// the dynamic shared memory, above `reserved` bytes the caller still uses (the fused kinds' staged
+// rows); when they do not fit, S = 1. Requires K % 8 == 0 and 16-byte aligned rows (host-checked).
+#pragma once
+#include "common.cuh"
+
+namespace mpk {
+
+#ifndef MPK_LINEAR_UNROLL
+#define MPK_LINEAR_UNROLL 8
+#endif
+
+// Activation rows x[b, k..k+7] of a row-major bf16 matrix (global or shared memory).
+struct MmaRows {
+  const bf16* x;
+  int ld;
+  __device__ __forceinline__ uint4 load8(int b, int k) const { return ld_act_v4(x + (size_t)b * ld + k); }
+};
+
+// Plain linear epilogue: y[b * ld + n] = s, rounded through bf16 when asked (fp32 logits), else the
+// store's own rounding (bf16 activations) -- the scalar linear_tile's output rounding.
+template <typename OutT>
+struct MmaStore {
+  OutT* y;
+  int ld;
+  bool round_out_bf16;
+  __device__ __forceinline__ void operator()(int b, int n, float s) const {
+    store_out(y + (size_t)b * ld + n, round_out_bf16 ? round_bf(s) : s);
+  }
+};
+
+// D = A * B + D for one m16n8k16 bf16 tile with fp32 accumulators (sm_80+).
+__device__ __forceinline__ void mma_bf16_16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                               uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t dyn_smem_bytes_mma() {
+  uint32_t r;
+  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(r));
+  return r;
+}
+
+// One warp's share: weight rows n0..n0+7 (lane row g), k over chunks [c0, c1) of 32, into d[4]
+// (d[0], d[1]: batch g, rows 2q, 2q+1; d[2], d[3]: batch g + 8, same rows).
+template <int B, class XS>
+__device__ __forceinline__ void mma_unit(const XS& xs, const bf16* __restrict__ w, int K, int n_tile, int n0, int c0,
+                                         int c1, float (&d)[4], int lane) {
+  constexpr int U = MPK_LINEAR_UNROLL;
+  const int g = lane >> 2, q = lane & 3;
+  const bool row_ok = n0 + g < n_tile;
+  const bf16* wr = w + (size_t)(n0 + g) * K;
+  const int k_end = min(K, c1 * 32);
+  for (int cb = c0; cb < c1; cb += U) {
+    uint4 wv[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {  // every weight load of the unit before any use
+      const int k = (cb + u) * 32 + q * 8;
+      wv[u] = (row_ok && k < k_end) ? ld_stream_v4(wr + k) : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      if (cb + u >= c1) break;  // warp-uniform: the mma needs all 32 lanes
+      const int k = (cb + u) * 32 + q * 8;
+      const bool k_ok = k < k_end;
+      const uint4 zero = make_uint4(0, 0, 0, 0);
+      const uint4 xa = (k_ok && g < B) ? xs.load8(g, k) : zero;           // batch row g
+      const uint4 xb = (B > 8 && k_ok && g + 8 < B) ? xs.load8(g + 8, k) : zero;  // batch row g + 8
+      mma_bf16_16816(d, xa.x, xb.x, xa.y, xb.y, wv[u].x, wv[u].y);  // elements 0..3 of each lane's 8
+      mma_bf16_16816(d, xa.z, xb.z, xa.w, xb.w, wv[u].z, wv[u].w);  // elements 4..7
+    }
+  }
+}
+
+// The lane's 4 results of a unit through the epilogue (skipping padded batch rows and rows past n_tile).
+template <int B, class EpiT>
+__device__ __forceinline__ void mma_store(const EpiT& epi, const float (&d)[4], int n0, int n_tile, int lane) {
+  const int g = lane >> 2, q = lane & 3;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int b = g + (i >> 1) * 8, n = n0 + 2 * q + (i & 1);
+    if (b < B && n < n_tile) epi(b, n, d[i]);
+  }
+}
+
+// NOTE: not inlined, as gemv_tile: one copy per batch serves the plain and the fused kinds.
+template <int B, class XS, class EpiT>
+__device__ __noinline__ void gemv_mma_tile(const XS xs, const bf16* __restrict__ w, int K, int n_tile, const EpiT epi,
+                                           uint32_t reserved, int tid, int nt) {
+  static_assert(B >= 1 && B <= 16, "gemv_mma_tile: batch 1..16");
+  const int warp = tid >> 5, lane = tid & 31, nwarps = nt >> 5;
+  const int units = (n_tile + 7) / 8, chunks = (K + 31) / 32;
+  // Slices per unit: enough to give every warp work, each slice at least one unroll of chunks.
+  int S = units >= nwarps ? 1 : nwarps / units;
+  S = max(1, min(S, chunks / MPK_LINEAR_UNROLL));
+  const uint32_t need = (uint32_t)(units * S) * 128u * sizeof(float);
+  const uint32_t dyn = dyn_smem_bytes_mma();
+  if (S > 1 && reserved + need + 16 > dyn) S = 1;  // no room for the partials: no split
+  if (S == 1) {
+    for (int u = warp; u < units; u += nwarps) {
+      float d[4] = {0.f, 0.f, 0.f, 0.f};
+      mma_unit<B>(xs, w, K, n_tile, u * 8, 0, chunks, d, lane);
+      mma_store<B>(epi, d, u * 8, n_tile, lane);
+    }
+    return;
+  }
+  extern __shared__ float4 mpk_mma_smem4[];  // the launch's dynamic shared memory (aliases the kernel's)
+  float* part = reinterpret_cast<float*>(reinterpret_cast<char*>(mpk_mma_smem4) + ((dyn - need) & ~15u));
+  if (warp < units * S) {  // warp -> (unit, slice); slice s covers chunks [s*chunks/S, (s+1)*chunks/S)
+    const int u = warp / S, s = warp % S;
+    float d[4] = {0.f, 0.f, 0.f, 0.f};
+    mma_unit<B>(xs, w, K, n_tile, u * 8, s * chunks / S, (s + 1) * chunks / S, d, lane);
+    *reinterpret_cast<float4*>(part + (size_t)warp * 128 + lane * 4) = make_float4(d[0], d[1], d[2], d[3]);
+  }
+  worker_barrier(nt);  // every slice's partials are in shared memory before the sums read them
+  if (warp < units) {  // unit `warp`: its slices summed in slice order, then the epilogue
+    float d[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int s = 0; s < S; ++s) {
+      const float4 p = *reinterpret_cast<const float4*>(part + (size_t)(warp * S + s) * 128 + lane * 4);
+      d[0] += p.x; d[1] += p.y; d[2] += p.z; d[3] += p.w;
+    }
+    mma_store<B>(epi, d, warp * 8, n_tile, lane);
+  }
+  worker_barrier(nt);  // the partials are read before the next task may reuse the shared memory
+}
+
+}  // namespace mpk
