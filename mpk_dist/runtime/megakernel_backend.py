@@ -315,10 +315,11 @@ class MegakernelBackend(StepBackend):
 
 
 def tuning_from_env(worker_threads: int, environ=None) -> dict:
-    """KernelShape knobs {linear_unroll, worker_threads, prefetch_kb, desc_prefetch}: MPK_LINEAR_UNROLL,
-    MPK_WORKER_THREADS, MPK_PREFETCH_KB and MPK_DESC_PREFETCH override the defaults (8 loads in flight
-    per lane; ``worker_threads``; DEFAULT_PREFETCH_KB of a linear tile's weights into L2; 0) so a GPU
-    session can sweep them (scripts/tune_sweep.py); a bad value is refused with the allowed ones."""
+    """KernelShape knobs {linear_unroll, worker_threads, prefetch_kb, desc_prefetch[, linear_mma]}:
+    MPK_LINEAR_UNROLL, MPK_WORKER_THREADS, MPK_PREFETCH_KB, MPK_DESC_PREFETCH and MPK_LINEAR_MMA override
+    the defaults (8 loads in flight per lane; ``worker_threads``; DEFAULT_PREFETCH_KB of a linear tile's
+    weights into L2; 0; 0) so a GPU session can sweep them (scripts/tune_sweep.py); a bad value is
+    refused with the allowed ones."""
     from mpk_dist.runtime.codegen import LINEAR_UNROLLS, WORKER_THREADS
 
     env = os.environ if environ is None else environ
@@ -340,4 +341,12 @@ def tuning_from_env(worker_threads: int, environ=None) -> dict:
             raise InputError(f"{var}: expected one of {allowed}, got {raw!r}")
         out[key] = val
     out["desc_prefetch"] = bool(out["desc_prefetch"])
+    # MPK_LINEAR_MMA=1: batch >= 2 linear tiles on tensor cores (csrc/tasks/linear_mma.cuh; same tokens
+    # not guaranteed: another summation order). NOTE: the key appears only when on, so the default
+    # dict (and every Session built from it) is what it was before the knob existed.
+    mma = env.get("MPK_LINEAR_MMA", "")
+    if mma not in ("", "0", "1"):
+        raise InputError(f"MPK_LINEAR_MMA: expected one of 0, 1, got {mma!r}")
+    if mma == "1":
+        out["linear_mma"] = True
     return out
