@@ -22,8 +22,8 @@ from mpk_dist.serving.pages import PagePool
 from mpk_dist.serving.request import Request, RequestOutput
 from mpk_dist.serving.scheduler import Scheduler
 
-SERVING_BACKENDS = ("torch", "interpreter")
-"""Backends with a paged, ragged step. The mega-kernel joins when its paged tasks exist."""
+SERVING_BACKENDS = ("torch", "interpreter", "megakernel")
+"""Backends with a paged, ragged step (megakernel: one launch per pass, CUDA only)."""
 
 
 class WallClock:
@@ -85,6 +85,10 @@ def _make_backend(name: str, cfg, source, spec: PagedSpec, tp: int, device: str,
         from mpk_dist.serving.interpreter_paged import InterpreterPagedBackend
 
         return InterpreterPagedBackend(cfg, source, spec, tp=tp, device=device, weights=weights, **opts)
+    if name == "megakernel":
+        from mpk_dist.serving.megakernel_paged import MegakernelPagedBackend
+
+        return MegakernelPagedBackend(cfg, source, spec, tp=tp, device=device, weights=weights, **opts)
     from mpk_dist.serving.torch_paged import TorchPagedBackend
 
     return TorchPagedBackend(cfg, source, spec, tp=tp, device=device, weights=weights, **opts)
@@ -97,21 +101,27 @@ class Server:
     ``page_size``: positions per page; ``max_seq_len``: prompt + output per request; ``num_pages``:
     pages per layer pool (default: enough for max_batch full-length sequences);
     ``max_tokens_per_step``: tokens per pass (prompt chunks + decode tokens; default 512).
-    ``backend``: 'torch' (op by op) or 'interpreter' (the compiled task graph on the CPU; the pass is
-    padded to max_tokens_per_step, so keep it small); ``backend_opts`` go to the backend (interpreter:
-    sms, seed, schedule, check_races).
+    ``backend``: 'torch' (op by op), 'interpreter' (the compiled task graph on the CPU; the pass is
+    padded to max_tokens_per_step, so keep it small) or 'megakernel' (the compiled task graph on the
+    GPU, one launch per pass; max_tokens_per_step <= 16 for now); ``backend_opts`` go to the backend
+    (interpreter: sms, seed, schedule, check_races; megakernel: schedule, sms, timeout_s,
+    worker_threads, compiler).
     """
 
     def __init__(self, model, backend: str = "torch", tp: int = 1, max_batch: int = 64, page_size: int = 16,
                  max_seq_len: int = 512, num_pages: int | None = None, max_tokens_per_step: int = 512,
                  device: str | None = None, seed: int = 0, clock=None, weights=None, backend_opts: dict | None = None):
         if backend not in SERVING_BACKENDS:
-            raise BackendUnavailable(f"serving backend: expected one of {', '.join(SERVING_BACKENDS)}, got {backend!r}; "
-                                     "the paged mega-kernel is not built yet (docs/SERVING.md)")
+            raise BackendUnavailable(f"serving backend: expected one of {', '.join(SERVING_BACKENDS)}, got {backend!r}")
         if max_batch < 1 or page_size < 1 or max_seq_len < 1:
             raise InputError(f"server sizes: expected max_batch, page_size, max_seq_len >= 1, got "
                              f"{max_batch}, {page_size}, {max_seq_len}")
-        device = device or ("cuda" if torch.cuda.is_available() and backend == "torch" else "cpu")
+        device = device or ("cuda" if backend == "megakernel" or (torch.cuda.is_available() and backend == "torch")
+                            else "cpu")
+        if backend == "megakernel":  # before any weight reaches the device: a clear error on a CPU-only machine
+            from mpk_dist.serving.megakernel_paged import check_device
+
+            check_device(device)
         cfg, source = _resolve_model(model, seed, device)
         pages_per_seq = -(-max_seq_len // page_size)
         num_pages = num_pages or max_batch * pages_per_seq

@@ -6,6 +6,8 @@ Output follows nccl-tests: a preamble, one row per request with units and a corr
 (``--check``: greedy tokens identical to the request run alone on the static-cache torch backend),
 the vLLM serving-bench summary, an OK/FAILED footer; ``--output-json`` writes the same data with
 vLLM's field names (mean_ttft_ms, median_tpot_ms, p99_itl_ms, request_throughput, ...).
+``--backend megakernel,torch`` serves the same workload on each backend in turn in this process (a
+report each, then one comparison table); the JSON is then a list of records, one per backend.
 """
 
 from __future__ import annotations
@@ -22,7 +24,11 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("serve-bench", help="serve a dynamic workload (continuous batching, paged KV); "
                                                    "TTFT / TPOT / ITL / E2E latency and throughput")
     p.add_argument("--model", default=DEFAULT_PRESET, help=f"checkpoint directory or preset (default {DEFAULT_PRESET})")
-    p.add_argument("--backend", default="torch", help="serving backend: torch (op by op) or interpreter (the compiled task graph, CPU; keep --max-tokens-per-step small) (default torch)")
+    p.add_argument("--backend", default="torch",
+                   help="serving backend(s), comma-separated to compare them on one workload: torch (op by op), "
+                        "interpreter (the compiled task graph, CPU; keep --max-tokens-per-step small), megakernel "
+                        "(the compiled task graph on the GPU, one launch per pass; --max-tokens-per-step <= 16) "
+                        "(default torch)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree, all ranks in this process (default 1)")
     p.add_argument("--device", default=None, help="torch device (default: cuda if present, else cpu)")
     p.add_argument("--seed", type=int, default=0, help="seed for preset weights and synthetic prompts")
@@ -58,6 +64,16 @@ def _percentiles(text: str) -> list[float]:
     return ps
 
 
+def _backends(text: str) -> list[str]:
+    from mpk_dist.serving.server import SERVING_BACKENDS
+
+    names = [b.strip() for b in text.split(",") if b.strip()]
+    if not names or len(set(names)) != len(names) or any(n not in SERVING_BACKENDS for n in names):
+        raise InputError(f"--backend: expected comma-separated names from {', '.join(SERVING_BACKENDS)}, each once, "
+                         f"got {text!r}")
+    return names
+
+
 def _workload(args, vocab: int):
     from mpk_dist.serving.workload import load_requests, synthetic
 
@@ -79,8 +95,8 @@ def _check_alone(model, args, items, outputs, stop_ids, max_seq_len) -> list[boo
     return ok
 
 
-def _print_report(args, items, outputs, summary, checks, ps) -> None:
-    print(f"# mpk-dist serve-bench: model {args.model}, backend {args.backend}, tp {args.tp}, max batch {args.max_batch}, "
+def _print_report(args, backend, items, outputs, summary, checks, ps) -> None:
+    print(f"# mpk-dist serve-bench: model {args.model}, backend {backend}, tp {args.tp}, max batch {args.max_batch}, "
           f"page size {args.page_size}, tokens/pass {args.max_tokens_per_step}, "
           f"clock {'virtual' if args.virtual_pass_ms else 'wall'}")
     print(f"# {len(items)} requests, {summary['total_input_tokens']} prompt tokens, {summary['total_output_tokens']} output tokens")
@@ -102,36 +118,36 @@ def _print_report(args, items, outputs, summary, checks, ps) -> None:
             print(f"{stat.capitalize() if stat != 'median' else 'Median'} {title} (ms):".ljust(41) + f"{summary[f'{stat}_{name}_ms']:.3f}")
 
 
-def _write_json(args, items, server, summary: dict, checks: list) -> None:
+def _record(args, backend, items, server, summary: dict, checks: list) -> dict:
     """The vLLM-style record plus our run parameters."""
-    record = {"date": _dt.datetime.now().strftime("%Y%m%d-%H%M%S"), "backend": args.backend, "model_id": args.model,
-              "tp": args.tp, "num_prompts": len(items), "request_rate": args.rate if args.synthetic else None,
-              "max_concurrency": args.max_batch, "page_size": args.page_size, "num_pages": server.pool.num_pages,
-              "max_tokens_per_step": server.spec.max_tokens, "passes": len(server.passes),
-              "clock": "virtual" if args.virtual_pass_ms else "wall", "correct": checks, **summary}
-    with open(args.output_json, "w") as f:
-        json.dump(record, f, indent=1)
+    return {"date": _dt.datetime.now().strftime("%Y%m%d-%H%M%S"), "backend": backend, "model_id": args.model,
+            "tp": args.tp, "num_prompts": len(items), "request_rate": args.rate if args.synthetic else None,
+            "max_concurrency": args.max_batch, "page_size": args.page_size, "num_pages": server.pool.num_pages,
+            "max_tokens_per_step": server.spec.max_tokens, "passes": len(server.passes),
+            "clock": "virtual" if args.virtual_pass_ms else "wall", "correct": checks, **summary}
 
 
-def main(args) -> int:
-    """Run the workload and report; exit 1 when --check finds a mismatch."""
-    from mpk_dist.model_source import open_model
-    from mpk_dist.serving.metrics import summarize
+def _print_comparison(records: list[dict]) -> None:
+    """One row per backend: the same workload's headline numbers side by side."""
+    print("============ Backends on the same workload ============")
+    print(f"#{'backend':>11s} {'mean ttft':>10s} {'p99 ttft':>10s} {'mean tpot':>10s} {'p99 tpot':>10s} "
+          f"{'output':>9s}  check")
+    print(f"#{'':>11s} {'(ms)':>10s} {'(ms)':>10s} {'(ms)':>10s} {'(ms)':>10s} {'(tok/s)':>9s}")
+    for r in records:
+        p99 = [k for k in r if k.startswith("p") and k.endswith("_ttft_ms")][-1]
+        mark = "-" if all(c is None for c in r["correct"]) else ("OK" if all(r["correct"]) else "FAILED")
+        print(f" {r['backend']:>11s} {r['mean_ttft_ms']:10.3f} {r[p99]:10.3f} {r['mean_tpot_ms']:10.3f} "
+              f"{r[p99.replace('ttft', 'tpot')]:10.3f} {r['output_throughput']:9.2f}  {mark}")
+
+
+def _serve(args, model, items, backend: str, max_seq_len: int, stop_ids: tuple):
+    """Serve the workload on one backend: (server, outputs)."""
     from mpk_dist.serving.server import Server, VirtualClock
 
-    ps = _percentiles(args.percentiles)
-    if args.tp < 1:
-        raise InputError(f"--tp: expected >= 1, got {args.tp}")
-    device = args.device
-    model = open_model(args.model, seed=args.seed, device=device or "cpu")
-    items = _workload(args, model.config.vocab_size)
-    longest = max(len(it.prompt_ids) + it.output_len for it in items)
-    max_seq_len = args.max_seq_len or longest
     clock = VirtualClock(args.virtual_pass_ms / 1e3) if args.virtual_pass_ms else None
-    server = Server(model, backend=args.backend, tp=args.tp, max_batch=args.max_batch, page_size=args.page_size,
+    server = Server(model, backend=backend, tp=args.tp, max_batch=args.max_batch, page_size=args.page_size,
                     max_seq_len=max_seq_len, num_pages=args.num_pages, max_tokens_per_step=args.max_tokens_per_step,
-                    device=device, seed=args.seed, clock=clock)
-    stop_ids = () if args.ignore_eos else tuple(model.config.eos_token_ids)
+                    device=args.device, seed=args.seed, clock=clock)
     if args.warmup > 0:
         for it in items[: args.warmup]:
             server.submit(it.prompt_ids, it.output_len, 0.0, stop_ids=stop_ids)
@@ -139,12 +155,41 @@ def main(args) -> int:
         server.passes = []
     for it in items:
         server.submit(it.prompt_ids, it.output_len, it.arrival_time, stop_ids=stop_ids)
-    outputs = server.run()
-    summary = summarize(outputs, ps)
-    checks = _check_alone(model, args, items, outputs, stop_ids, max_seq_len) if args.check else [None] * len(outputs)
-    _print_report(args, items, outputs, summary, checks, ps)
-    ok = all(c is not False for c in checks)
+    return server, server.run()
+
+
+def main(args) -> int:
+    """Run the workload on each backend and report; exit 1 when --check finds a mismatch."""
+    import torch
+
+    from mpk_dist.model_source import open_model
+    from mpk_dist.serving.metrics import summarize
+
+    ps = _percentiles(args.percentiles)
+    backends = _backends(args.backend)
+    if args.tp < 1:
+        raise InputError(f"--tp: expected >= 1, got {args.tp}")
+    # The mega-kernel reads its weights on the GPU: make random preset weights there directly.
+    on_gpu = "megakernel" in backends and torch.cuda.is_available()
+    model = open_model(args.model, seed=args.seed, device=args.device or ("cuda" if on_gpu else "cpu"))
+    items = _workload(args, model.config.vocab_size)
+    longest = max(len(it.prompt_ids) + it.output_len for it in items)
+    max_seq_len = args.max_seq_len or longest
+    stop_ids = () if args.ignore_eos else tuple(model.config.eos_token_ids)
+    records, ok = [], True
+    for backend in backends:
+        server, outputs = _serve(args, model, items, backend, max_seq_len, stop_ids)
+        summary = summarize(outputs, ps)
+        checks = (_check_alone(model, args, items, outputs, stop_ids, max_seq_len) if args.check
+                  else [None] * len(outputs))
+        _print_report(args, backend, items, outputs, summary, checks, ps)
+        ok = ok and all(c is not False for c in checks)
+        records.append(_record(args, backend, items, server, summary, checks))
+        del server  # one backend's device memory at a time
+    if len(records) > 1:
+        _print_comparison(records)
     print(f"# {'OK' if ok else 'FAILED'}" + ("" if args.check else " (not checked: pass --check)"))
     if args.output_json:
-        _write_json(args, items, server, summary, checks)
+        with open(args.output_json, "w") as f:
+            json.dump(records[0] if len(records) == 1 else records, f, indent=1)
     return 0 if ok else 1

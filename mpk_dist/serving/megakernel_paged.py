@@ -1,0 +1,194 @@
+"""The paged, ragged pass on the GPU: the compiled paged program run by the mega-kernel, one launch
+per pass (the first GPU milestone of docs/SERVING.md, "Inside the persistent kernel" item 5).
+
+Same contract as ``InterpreterPagedBackend``: the host pads the pass to the compiled N tokens
+(slot -1), writes ``seq_slots`` and ``page_table`` into every rank's input buffers, the tokens as
+row 0 of ``forced_tokens`` and the positions as ``start_pos``; ``step_begin`` copies them to
+``tokens`` / ``positions``. The page pools are state buffers: zeroed once, they persist across
+launches. Each launch runs step 0 of a one-step program (``max_steps`` 1), so the event counters
+(never reset inside a launch) are zeroed before every launch; the pools are not. The head runs
+over all N rows (no ``gather_rows`` task yet); the ``logit_rows`` are picked from the merged logits.
+
+TP: every rank in this process on one GPU (``--transport local``), one kernel per rank on its own
+stream and SM share (mpk_dist.runtime.group). Limits of this milestone: N (tokens per pass) <= 16,
+the linear tiles' row count (tables.MAX_BATCH), until row-tiled linears exist.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from mpk_dist.config import ModelConfig
+from mpk_dist.errors import BackendUnavailable, InputError
+from mpk_dist.models.llama import PagedSpec, build_paged_graph
+from mpk_dist.serving.scheduler import StepBatch
+
+MAX_PAGED_GROUP = 8
+"""Query heads per kv head the paged attention body holds in registers (csrc/tasks/paged_attention.cuh)."""
+MAX_PAGED_HEAD_DIM = 256
+"""Head dim of the paged attention body (8 elements per lane)."""
+
+
+def check_device(device) -> torch.device:
+    """The CUDA device to serve on; BackendUnavailable (one line, what to do) on a CPU-only machine."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        raise BackendUnavailable(f"serving backend megakernel: expected a CUDA device, got {dev}; "
+                                 "use --backend torch or interpreter on the CPU")
+    if not torch.cuda.is_available():
+        raise BackendUnavailable("serving backend megakernel: expected a CUDA GPU, got none visible "
+                                 "(torch.cuda.is_available() is False); use --backend torch or interpreter here")
+    return dev
+
+
+def check_spec(spec: PagedSpec) -> None:
+    """Refuse pass sizes the task bodies cannot run (N rows per linear tile)."""
+    from mpk_dist.runtime.tables import MAX_BATCH
+
+    if spec.max_tokens > MAX_BATCH:
+        raise InputError(f"megakernel serving: expected at most {MAX_BATCH} tokens per pass (linear tiles hold "
+                         f"{MAX_BATCH} rows until row-tiled linears exist), got {spec.max_tokens}; pass "
+                         f"--max-tokens-per-step {MAX_BATCH} and --max-batch <= {MAX_BATCH}")
+
+
+def check_paged_tasks(cg) -> None:
+    """Raise InputError naming the first paged task whose shape the CUDA bodies do not support."""
+    from mpk_dist.runtime.tables import task_params
+    from mpk_dist.taskgraph.abi import TASK_COLS
+    from mpk_dist.taskgraph.tasks import BY_NAME
+
+    ops = cg.arrays["tasks"][:, TASK_COLS["OPCODE"]]
+    for t in np.nonzero(ops == BY_NAME["paged_attention"].opcode)[0]:
+        p = task_params(cg, int(t))
+        if p["GROUP"] > MAX_PAGED_GROUP or p["HEAD_DIM"] > MAX_PAGED_HEAD_DIM:
+            raise InputError(f"{cg.task_label(int(t))}: expected GROUP <= {MAX_PAGED_GROUP} and head_dim <= "
+                             f"{MAX_PAGED_HEAD_DIM}, got GROUP={p['GROUP']}, head_dim={p['HEAD_DIM']}")
+    for t in np.nonzero(ops == BY_NAME["qkv_prep_paged"].opcode)[0]:
+        p = task_params(cg, int(t))
+        if p["HEAD_DIM"] % 2 or p["HEAD_DIM"] > 512:
+            raise InputError(f"{cg.task_label(int(t))}: expected an even head_dim <= 512, got {p['HEAD_DIM']}")
+
+
+def check_pages(batch: StepBatch, spec: PagedSpec) -> None:
+    """Every token's slot and the pages of positions 0..pos (what attention reads) are valid.
+
+    The kernel also refuses a bad entry (kErrBadTask); checking here names the slot and position."""
+    for s in np.unique(batch.slots[batch.slots >= 0]):
+        if s >= spec.max_seqs:
+            raise InputError(f"pass: expected sequence slots < {spec.max_seqs} (max_batch), got {int(s)}")
+        last = int(batch.positions[batch.slots == s].max())
+        cols = last // spec.page_size
+        pages = batch.page_table[s, : cols + 1] if cols < spec.max_pages_per_seq else None
+        if pages is None or (pages < 0).any() or (pages >= spec.num_pages).any():
+            raise InputError(f"page table row {int(s)}: expected page ids in [0, {spec.num_pages}) for positions "
+                             f"0..{last}, got {None if pages is None else pages.tolist()}")
+
+
+class MegakernelPagedBackend:
+    """Paged-KV step backend on the mega-kernel: ``step(batch) -> logits [R, V]`` (float32, on the GPU).
+
+    Options: ``schedule`` aot|jit (jit at tp 1 only), ``sms`` (SMs the group may use), ``timeout_s``
+    (watchdog), ``worker_threads``, ``compiler`` (nvcc|nvrtc); ``weights``: per-rank weight dicts
+    on the device to share (default: loaded from ``source``).
+    """
+
+    name = "megakernel"
+
+    def __init__(self, cfg: ModelConfig, source, spec: PagedSpec, tp: int = 1, device="cuda", weights=None,
+                 schedule: str = "aot", sms: int | None = None, timeout_s: float = 5.0,
+                 worker_threads: int | None = None, compiler: str | None = None):
+        from mpk_dist.runtime.transport import LocalTransport, check_options
+
+        check_options(tp, "local", schedule)
+        check_spec(spec)
+        if timeout_s <= 0:
+            raise InputError(f"timeout_s: expected a positive number of seconds, got {timeout_s}")
+        self.device = self._check_device(device)
+        self.cfg, self.spec, self.tp, self.schedule = cfg, spec, tp, schedule
+        self.vocab_size = cfg.vocab_size
+        self.transport = LocalTransport(tp, self.device)
+        from mpk_dist.runtime.partition import workers_per_rank
+
+        self.workers = workers_per_rank(self._num_sms(), self.transport.ranks_per_gpu, sms)
+        if weights is None:
+            from mpk_dist.weights import load_rank_weights
+
+            weights = [load_rank_weights(build_paged_graph(cfg, spec, tp=tp, rank=r), source, self.device)
+                       for r in range(tp)]
+        self.group = self._build_group(weights, schedule, timeout_s, worker_threads, compiler)
+        self.group.reset()  # pools and counters zeroed once; the pools then persist across launches
+        self._fill_sampling()
+        self.launches = 0
+
+    def _check_device(self, device) -> torch.device:
+        return check_device(device)
+
+    def _num_sms(self) -> int:
+        return torch.cuda.get_device_properties(self.device).multi_processor_count
+
+    def _build_group(self, weights, schedule, timeout_s, worker_threads, compiler):
+        """Compile the paged programs of every rank and build their sessions (kernel built here, not
+        at the first pass, so it is outside every TTFT)."""
+        from mpk_dist.runtime.group import RankGroup
+        from mpk_dist.runtime.megakernel_backend import DEFAULT_WORKER_THREADS, tuning_from_env
+        from mpk_dist.taskgraph.paged_compiler import compile_paged_programs
+
+        cgs = compile_paged_programs(self.cfg, self.spec, self.tp, sms=self.workers)
+        for cg in cgs:
+            check_paged_tasks(cg)
+        tuning = tuning_from_env(worker_threads or DEFAULT_WORKER_THREADS)
+        # superopt off: the paged programs have no fused linears, so there is nothing to generate.
+        kw = dict(schedule=schedule, timeout_s=timeout_s, trace=0, compiler=compiler,
+                  model=self.cfg.architecture or self.cfg.family, superopt=False, **tuning)
+        return RankGroup(cgs, weights, self.transport, self.device, kw)
+
+    def _fill_sampling(self) -> None:
+        """Greedy sampling words (the head's argmax runs in the kernel; the logits are what we return)."""
+        from mpk_dist.taskgraph.sampling_rng import sampling_words
+
+        words = torch.from_numpy(sampling_words(0.0, 1.0, 0))
+        for s in self.group.sessions:
+            with s._on_stream():
+                s.bufs[s.cg.meta["special"]["sampling"]].copy_(words)
+
+    def _write_inputs(self, x: dict) -> None:
+        """The pass's inputs into every rank's buffers, and the counters zeroed for step 0 (on each
+        rank's stream; RankGroup.launch orders the device before any kernel starts)."""
+        forced = x["tokens"].reshape(1, -1)
+        for s in self.group.sessions:
+            sp = s.cg.meta["special"]
+            with s._on_stream():
+                # counters and tallies (one view), launched flags, done flags: a fresh step 0
+                for t in (s.events, s.launched, s.done):
+                    t.zero_()
+                s.buffer("seq_slots").copy_(x["seq_slots"])
+                s.buffer("page_table").copy_(x["page_table"])
+                s.bufs[sp["forced_tokens"]].copy_(forced)
+                s.bufs[sp["start_pos"]].copy_(x["positions"])
+
+    def step(self, batch: StepBatch) -> torch.Tensor:
+        """Run one pass as one launch per rank; logits [len(logit_rows), V] of the rows that emit."""
+        N = self.spec.max_tokens
+        if batch.num_tokens > N or len(batch.logit_rows) > self.spec.max_seqs:
+            raise InputError(f"pass: expected at most {N} tokens and {self.spec.max_seqs} sequences, got "
+                             f"{batch.num_tokens} and {len(batch.logit_rows)}")
+        if batch.num_tokens and (int(batch.tokens.min()) < 0 or int(batch.tokens.max()) >= self.vocab_size):
+            raise InputError(f"token id: expected 0 <= id < {self.vocab_size}, got "
+                             f"{int(batch.tokens.min())}..{int(batch.tokens.max())}")
+        check_pages(batch, self.spec)
+        x = batch.tensors(self.device, pad_tokens=N)
+        self._write_inputs(x)
+        g = self.group
+        # One step, no stop ids; prompt_len / max_new out of reach: the epilogue only ends the launch.
+        g.launch(0, 1, 1 << 30, 1 << 30, (), False, False)
+        g.wait()
+        self.launches += 1
+        logits = g.logits(lambda s: s.bufs[s.cg.meta["special"]["logits"]], self.vocab_size)  # [N, V]
+        rows = torch.from_numpy(batch.logit_rows.astype(np.int64)).to(logits.device)
+        return logits[rows].float()
+
+    def synchronize(self) -> None:
+        """Wait for queued device work (``step`` already waited for its kernels)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)

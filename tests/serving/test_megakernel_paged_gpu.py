@@ -1,0 +1,92 @@
+"""GPU tests of serving on the mega-kernel (mpk_dist/serving/megakernel_paged.py, one launch per
+pass; issue 10's first GPU milestone). Run on a machine with an NVIDIA GPU:
+
+    python -m pytest -q -s -m gpu tests/serving/test_megakernel_paged_gpu.py
+
+Acceptance: a mixed continuous-batching workload (prompts of 2..30 tokens, some chunked; requests
+arriving and finishing at different passes; greedy and teacher-forced requests in the same passes)
+on tiny-llama and qwen3-0.6b at tp 1 and tp 2 (local transport): every greedy request's 32 (or
+fewer) tokens identical to the request run alone on the torch backend (static cache, eager), and
+every request's logits within compare_logits' ERR_TOL / AGREE_MIN of the alone run's; then one
+``serve-bench --backend megakernel,torch`` run on the same workload that prints TTFT / TPOT.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+from mpk_dist.backends.base import GenerateRequest  # noqa: E402
+from mpk_dist.runtime.testing import AGREE_MIN, ERR_TOL, compare_logits, model, rand_ids, ref  # noqa: E402
+from mpk_dist.serving.server import Server, VirtualClock  # noqa: E402
+
+# The reference's "fp32 accumulation" (as the mega-kernel tests): no reduced-precision split-K.
+torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+
+# (prompt length, outputs, arrival s, teacher-forced); 10 ms virtual passes, max_batch 4, 16 tokens a
+# pass: E leaves early, C's 21-token prompt is chunked next to decodes, F joins when a slot frees.
+WORKLOAD = [(5, 32, 0.0, False), (13, 32, 0.0, False), (9, 8, 0.02, False), (21, 24, 0.05, True),
+            (2, 32, 0.1, True), (30, 16, 0.3, False)]
+
+
+def _serve(name: str, tp: int):
+    """The workload through the megakernel server; (requests, outputs, server)."""
+    m = model(name)
+    vocab = m.config.vocab_size
+    srv = Server(m, backend="megakernel", tp=tp, max_batch=4, page_size=8, max_seq_len=64, max_tokens_per_step=16,
+                 device="cuda", clock=VirtualClock(0.01))
+    reqs = []
+    for i, (plen, n, t, forced) in enumerate(WORKLOAD):
+        prompt = rand_ids(plen, vocab, 100 + i)
+        force = rand_ids(n, vocab, 200 + i) if forced else None
+        srv.submit(prompt, n, t, force_tokens=force, want_logits=True)
+        reqs.append((prompt, n, force))
+    return reqs, srv.run(check_pages=True), srv
+
+
+@pytest.mark.parametrize("name,tp", [("tiny-llama", 1), ("tiny-llama", 2), ("qwen3-0.6b", 1), ("qwen3-0.6b", 2)])
+def test_each_request_equals_it_alone_on_torch(name, tp):
+    reqs, outs, srv = _serve(name, tp)
+    assert max(p["seqs"] for p in srv.passes) == 4, "expected passes with 4 sequences at once"
+    assert any(0 < p["prefill_tokens"] < p["tokens"] for p in srv.passes), "expected prompt chunks next to decodes"
+    assert srv.pool.num_free == srv.pool.num_pages, "every page back on the free list"
+    worst_err, worst_agree, bad = 0.0, 1.0, []
+    for (prompt, n, force), o in zip(reqs, outs):
+        alone = ref(name, 1).generate(GenerateRequest([prompt], n, force_tokens=force, want_logits=True))
+        if force is None and o.tokens != alone.tokens[0]:
+            first = next(i for i, (a, b) in enumerate(zip(o.tokens, alone.tokens[0])) if a != b)
+            bad.append(f"request {o.id} (prompt {len(prompt)}): tokens differ first at output {first}: "
+                       f"{o.tokens[first]} vs {alone.tokens[0][first]}")
+            continue  # the logits of diverged paths are not comparable
+        err, agree = compare_logits(o.logits.unsqueeze(1), alone.logits)
+        worst_err, worst_agree = max(worst_err, err), min(worst_agree, agree)
+    ok = not bad and worst_err <= ERR_TOL and worst_agree >= AGREE_MIN
+    print(f"\n[paged megakernel] {name} tp{tp}: {len(outs)} requests, {len(srv.passes)} passes, "
+          f"greedy tokens equal: {not bad}, max_err/std {worst_err:.4f}, argmax agree {worst_agree:.4f}: "
+          f"{'OK' if ok else 'FAILED'}")
+    assert not bad, "; ".join(bad)
+    assert worst_err <= ERR_TOL, f"max |err| / std = {worst_err:.4f} > {ERR_TOL}"
+    assert worst_agree >= AGREE_MIN, f"argmax agreement {worst_agree:.4f} < {AGREE_MIN}"
+
+
+def test_serve_bench_megakernel_and_torch_in_one_run(tmp_path, capsys):
+    from mpk_dist.cli import main
+
+    out = tmp_path / "serve.json"
+    code = main(["serve-bench", "--model", "qwen3-0.6b", "--backend", "megakernel,torch", "--synthetic", "8",
+                 "--prompt-len", "24", "--output-len", "16", "--max-batch", "8", "--max-tokens-per-step", "16",
+                 "--page-size", "16", "--warmup", "1", "--ignore-eos", "--check", "--device", "cuda",
+                 "--output-json", str(out)])
+    text = capsys.readouterr().out
+    recs = json.loads(out.read_text())
+    with capsys.disabled():
+        print("\n" + text[text.index("============ Backends"):])
+    assert code == 0, "serve-bench --check found a request whose tokens differ from it alone"
+    assert [r["backend"] for r in recs] == ["megakernel", "torch"]
+    for r in recs:
+        assert r["completed"] == 8 and r["total_output_tokens"] == 8 * 16 and all(r["correct"])
+        assert r["mean_ttft_ms"] > 0 and r["mean_tpot_ms"] > 0
