@@ -144,3 +144,20 @@ def test_bad_page_table_is_refused_before_launch(fake_device):
     with pytest.raises(InputError, match=r"page table row \d+: expected page ids in \[0, 12\)"):
         srv.backend.step(batch)
     assert srv.backend.launches == 0
+
+
+@pytest.mark.skipif(__import__("shutil").which("nvcc") is None, reason="nvcc not on PATH (CI installs CUDA 13.0)")
+def test_kernel_with_the_paged_bodies_compiles_for_sm90a(tmp_path, monkeypatch):
+    """The mega-kernel the backend builds for a tp-2 paged program (task bodies of opcodes 14 and 15
+    and their dispatch cases included) compiles with nvcc for sm_90a."""
+    from mpk_dist.runtime.codegen import KernelShape
+    from mpk_dist.runtime.kernel import build_kernel
+    from mpk_dist.taskgraph.paged_compiler import compile_paged_programs
+
+    monkeypatch.setenv("MPK_CACHE_DIR", str(tmp_path))
+    cg = compile_paged_programs(open_model("tiny").config, SPEC, 2, sms=4)[1]
+    src, res = build_kernel(KernelShape(batch=SPEC.max_tokens, worker_threads=512, superopt=False), rank=1, world=2,
+                            compiler="nvcc", program=cg)
+    assert "#define MPK_BATCH 8" in src and res.cubin[:4] == b"\x7fELF" and not res.cached
+    names = {p.name for p in res.headers}
+    assert {"qkv_prep_paged.cuh", "paged_attention.cuh", "dispatch.cuh"} <= names, "paged bodies in the cache key"
