@@ -115,8 +115,12 @@ __device__ void linear(int B, const bf16* x, int ldx, const bf16* w, OutT* y, in
   (void)B;
 #if MPK_LINEAR_MMA && MPK_BATCH >= 2
   // Nothing else lives in the dynamic shared memory during a plain linear: reserved = 0.
-  gemv_mma_tile<MPK_BATCH>(MmaRows{x, ldx}, w, K, n_tile, MmaStore<OutT>{y, ldy, round_out_bf16}, 0u, tid, nt);
-#elif defined(MPK_LINEAR_ROWS) && MPK_LINEAR_ROWS > 1
+  if (const int S = mma_slices(K, n_tile, 0u, nt)) {
+    gemv_mma_tile<MPK_BATCH>(MmaRows{x, ldx}, w, K, n_tile, MmaStore<OutT>{y, ldy, round_out_bf16}, S, tid, nt);
+    return;
+  }
+#endif
+#if defined(MPK_LINEAR_ROWS) && MPK_LINEAR_ROWS > 1
   linear_tile_rows<MPK_BATCH, MPK_LINEAR_ROWS, OutT>(x, ldx, w, y, ldy, K, n_tile, round_out_bf16, tid, nt);
 #else
   linear_tile<MPK_BATCH, OutT>(x, ldx, w, y, ldy, K, n_tile, round_out_bf16, tid, nt);

@@ -23,7 +23,8 @@
 // warps, K is split into S slices so ~every warp streams weights (a qwen3-8b tile of ~30 rows would
 // otherwise keep 4 of 16 warps busy). The partial accumulators (128 floats per warp) go to the top of
 // the dynamic shared memory, above `reserved` bytes the caller still uses (the fused kinds' staged
-// rows); when they do not fit, S = 1. Requires K % 8 == 0 and 16-byte aligned rows (host-checked).
+// rows); when they do not fit, S = 1, and when that leaves most warps idle the caller takes the
+// scalar tile instead (mma_slices). Requires K % 8 == 0 and 16-byte aligned rows (host-checked).
 #pragma once
 #include "common.cuh"
 
@@ -110,19 +111,26 @@ __device__ __forceinline__ void mma_store(const EpiT& epi, const float (&d)[4], 
   }
 }
 
-// NOTE: not inlined, as gemv_tile: one copy per batch serves the plain and the fused kinds.
-template <int B, class XS, class EpiT>
-__device__ __noinline__ void gemv_mma_tile(const XS xs, const bf16* __restrict__ w, int K, int n_tile, const EpiT epi,
-                                           uint32_t reserved, int tid, int nt) {
-  static_assert(B >= 1 && B <= 16, "gemv_mma_tile: batch 1..16");
-  const int warp = tid >> 5, lane = tid & 31, nwarps = nt >> 5;
-  const int units = (n_tile + 7) / 8, chunks = (K + 31) / 32;
-  // Slices per unit: enough to give every warp work, each slice at least one unroll of chunks.
+// Split-K slices S for a tile (warp units x S <= worker warps, each slice >= one unroll of chunks), or 0
+// when the tensor-core tile would keep fewer than half the warps streaming (few rows and no room for
+// the partials above `reserved`): the caller runs the scalar tile then, which gives every warp a row.
+__device__ __forceinline__ int mma_slices(int K, int n_tile, uint32_t reserved, int nt) {
+  const int nwarps = nt >> 5, units = (n_tile + 7) / 8, chunks = (K + 31) / 32;
   int S = units >= nwarps ? 1 : nwarps / units;
   S = max(1, min(S, chunks / MPK_LINEAR_UNROLL));
   const uint32_t need = (uint32_t)(units * S) * 128u * sizeof(float);
-  const uint32_t dyn = dyn_smem_bytes_mma();
-  if (S > 1 && reserved + need + 16 > dyn) S = 1;  // no room for the partials: no split
+  if (S > 1 && reserved + need + 16 > dyn_smem_bytes_mma()) S = 1;  // no room for the partials: no split
+  return 2 * units * S >= nwarps ? S : 0;
+}
+
+// NOTE: not inlined, as gemv_tile: one copy per batch serves the plain and the fused kinds.
+// S: mma_slices(...) > 0 (the caller decided this tile runs here).
+template <int B, class XS, class EpiT>
+__device__ __noinline__ void gemv_mma_tile(const XS xs, const bf16* __restrict__ w, int K, int n_tile, const EpiT epi,
+                                           int S, int tid, int nt) {
+  static_assert(B >= 1 && B <= 16, "gemv_mma_tile: batch 1..16");
+  const int warp = tid >> 5, lane = tid & 31, nwarps = nt >> 5;
+  const int units = (n_tile + 7) / 8, chunks = (K + 31) / 32;
   if (S == 1) {
     for (int u = warp; u < units; u += nwarps) {
       float d[4] = {0.f, 0.f, 0.f, 0.f};
@@ -131,6 +139,7 @@ __device__ __noinline__ void gemv_mma_tile(const XS xs, const bf16* __restrict__
     }
     return;
   }
+  const uint32_t need = (uint32_t)(units * S) * 128u * sizeof(float), dyn = dyn_smem_bytes_mma();
   extern __shared__ float4 mpk_mma_smem4[];  // the launch's dynamic shared memory (aliases the kernel's)
   float* part = reinterpret_cast<float*>(reinterpret_cast<char*>(mpk_mma_smem4) + ((dyn - need) & ~15u));
   if (warp < units * S) {  // warp -> (unit, slice); slice s covers chunks [s*chunks/S, (s+1)*chunks/S)

@@ -62,8 +62,10 @@ __device__ __forceinline__ void gemv_acc(const XS& xs, const bf16* __restrict__ 
   if constexpr (B >= 2) {
     // The staged operand rows (kStageOffset floats + B*K bf16) stay below the split-K partials.
     const uint32_t reserved = kStageOffset * sizeof(float) + (uint32_t)B * (uint32_t)K * sizeof(bf16);
-    gemv_mma_tile<B>(xs, w, K, n_tile, epi, reserved, tid, nt);
-    return;
+    if (const int S = mma_slices(K, n_tile, reserved, nt)) {
+      gemv_mma_tile<B>(xs, w, K, n_tile, epi, S, tid, nt);
+      return;
+    }
   }
 #endif
   gemv_tile<B, kFuseRows>(xs, w, K, n_tile, epi, tid, nt);
