@@ -177,7 +177,9 @@ class MegakernelPagedBackend:
             raise InputError(f"token id: expected 0 <= id < {self.vocab_size}, got "
                              f"{int(batch.tokens.min())}..{int(batch.tokens.max())}")
         check_pages(batch, self.spec)
-        x = batch.tensors(self.device, pad_tokens=N)
+        # NOTE: host tensors: each rank's copy then runs on that rank's stream (a device tensor made
+        # on the current stream would race with a copy on another stream).
+        x = batch.tensors("cpu", pad_tokens=N)
         self._write_inputs(x)
         g = self.group
         # One step, no stop ids; prompt_len / max_new out of reach: the epilogue only ends the launch.
