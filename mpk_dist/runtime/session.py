@@ -35,6 +35,9 @@ def _pow2(n: int) -> int:
     return 1 << max(4, (int(n) - 1).bit_length())
 
 
+MMA_PARTIAL_BYTES_PER_WARP = 512
+"""Shared memory per warp for the split-K partial sums of an MMA linear tile (a 16 x 8 fp32 fragment)."""
+
 class Session:
     """Buffers + kernel of one compiled rank program.
 
@@ -49,7 +52,7 @@ class Session:
                  worker_threads: int = 256, timeout_s: float = 5.0, trace: bool | int = False, num_sched: int = 4,
                  compiler: str | None = None, model: str = "-", linear_rows: int = 1, linear_unroll: int = 8,
                  prefetch_kb: int = -1, desc_prefetch: bool = False, region=None, stream=None,
-                 cooperative: bool = True, superopt: bool = True):
+                 cooperative: bool = True, superopt: bool = True, linear_mma: bool = False):
         if cg.meta["abi_version"] != ABI_VERSION:
             raise InputError(f"task graph ABI: expected version {ABI_VERSION}, got {cg.meta['abi_version']}")
         tables.check_supported(cg)
@@ -69,13 +72,15 @@ class Session:
         t0 = time.perf_counter()
         self.source, self.build = build_kernel(KernelShape(self.batch, worker_threads, schedule, linear_rows,
                                                                    linear_unroll, prefetch_kb, desc_prefetch,
-                                                                   superopt=superopt),
+                                                                   superopt=superopt, linear_mma=linear_mma),
                                                model=model,
                                                rank=self.rank, world=self.world, input_hash=tables_hash(cg.arrays),
                                                compiler=compiler, program=cg)
         self.build_s = time.perf_counter() - t0
         self.block_threads = worker_threads + (32 if schedule == "jit" else 0)
         self.smem = tables.smem_bytes(cg, worker_threads)
+        if linear_mma:  # room for the MMA linear tiles' split-K partials (csrc/tasks/linear_mma.cuh)
+            self.smem = max(self.smem, MMA_PARTIAL_BYTES_PER_WARP * (worker_threads // 32) + 128)
         t0 = time.perf_counter()
         self.kernel = LoadedKernel(self.build.cubin, device.index or 0, self.block_threads, self.smem)
         self.load_s = time.perf_counter() - t0
