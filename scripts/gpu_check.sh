@@ -13,6 +13,9 @@
 #                   IPC_LIMIT, TP_BENCH_LIMIT. Without --tp those two test files are left out.
 #   --attn-split-only  only the split-KV attention section (tests/runtime/test_attn_split_gpu.py and a
 #                   qwen3-0.6b bench with --attn-splits auto vs 1); --no-attn-split skips it. Limit: ATTN_LIMIT
+#   --extras-only   only the newer sections: sampling, superoptimized bodies, MMA linear tiles +
+#                   bench-linear, paged serving, and (2+ GPUs) bench-comm; --no-extras skips them.
+#                   Limit per section: EXTRA_LIMIT
 # Two GPUs: run two copies side by side, e.g. CUDA_VISIBLE_DEVICES=0 ... --runtime-only and
 # CUDA_VISIBLE_DEVICES=1 ... --fusion-only, each with its own OUT and MPK_CACHE_DIR and MPK_SKIP_INSTALL=1.
 # Logs and JSON go to $OUT (or ./gpu_check_out). Time limits (s): PYTEST_LIMIT, SAN_LIMIT, TRACE_LIMIT;
@@ -22,7 +25,7 @@ OUT=${OUT:-$PWD/gpu_check_out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 MPK_CACHE_DIR=${MPK_CACHE_DIR:-/tmp/mpk_cache}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-RUNTIME_ONLY=0; SANITIZE=1; BENCH=0; FUSION=1; FUSION_ONLY=0; TP=0; ATTN=1
+RUNTIME_ONLY=0; SANITIZE=1; BENCH=0; FUSION=1; FUSION_ONLY=0; TP=0; ATTN=1; EXTRAS=1
 for a in "$@"; do
   case "$a" in
     --runtime-only) RUNTIME_ONLY=1 ;;
@@ -33,7 +36,9 @@ for a in "$@"; do
     --tp) TP=1 ;;
     --attn-split-only) FUSION_ONLY=1; FUSION=0 ;;  # skips the main and fusion sections
     --no-attn-split) ATTN=0 ;;
-    *) echo "gpu_check.sh: unknown option $a (expected --runtime-only, --no-sanitizer, --bench, --fusion-only, --no-fusion, --tp, --attn-split-only, --no-attn-split)" >&2; exit 2 ;;
+    --extras-only) FUSION_ONLY=1; FUSION=0; ATTN=0; EXTRAS=1 ;;
+    --no-extras) EXTRAS=0 ;;
+    *) echo "gpu_check.sh: unknown option $a (expected --runtime-only, --no-sanitizer, --bench, --fusion-only, --no-fusion, --tp, --attn-split-only, --no-attn-split, --extras-only, --no-extras)" >&2; exit 2 ;;
   esac
 done
 declare -A STATUS
@@ -88,9 +93,12 @@ PY
 fi
 
 TESTS=tests; [ $RUNTIME_ONLY -eq 1 ] && TESTS=tests/runtime
+# The newer sections' files run in their own steps below (own limits and result files).
+EXTRA_IGNORE=(--ignore=tests/runtime/test_sampling_gpu.py --ignore=tests/runtime/test_superopt_gpu.py
+              --ignore=tests/runtime/test_linear_mma_gpu.py --ignore=tests/serving/test_megakernel_paged_gpu.py)
 KSEL=(); [ -n "${PYTEST_K:-}" ] && KSEL=(-k "$PYTEST_K")  # e.g. PYTEST_K="not 0.6b-16" to save time
 if [ $FUSION_ONLY -eq 0 ]; then  # (closed after the bench step; the fusion section follows it)
-step pytest_gpu "${PYTEST_LIMIT:-900}" env MPK_GPU_REPORT="$OUT/gpu_results.json" python3 -m pytest -m gpu "$TESTS" --ignore=tests/runtime/test_fusion_gpu.py --ignore=tests/runtime/test_attn_split_gpu.py --ignore="${TP_FILES[0]}" --ignore="${TP_FILES[1]}" "${KSEL[@]}" -q -rs -p no:cacheprovider --tb=short --maxfail=${MAXFAIL:-8} -o addopts="--import-mode=importlib"
+step pytest_gpu "${PYTEST_LIMIT:-900}" env MPK_GPU_REPORT="$OUT/gpu_results.json" python3 -m pytest -m gpu "$TESTS" --ignore=tests/runtime/test_fusion_gpu.py --ignore=tests/runtime/test_attn_split_gpu.py --ignore="${TP_FILES[0]}" --ignore="${TP_FILES[1]}" "${EXTRA_IGNORE[@]}" "${KSEL[@]}" -q -rs -p no:cacheprovider --tb=short --maxfail=${MAXFAIL:-8} -o addopts="--import-mode=importlib"
 
 if [ $SANITIZE -eq 1 ] && command -v compute-sanitizer > /dev/null; then
   SAN_PY='from mpk_dist.model_source import open_model
@@ -142,15 +150,31 @@ if [ $ATTN -eq 1 ] && { [ $FUSION_ONLY -eq 0 ] || [ $FUSION -eq 0 ]; }; then
     --output-len 32 --iters 2 --no-progress --output-json $OUT/bench_0p6b_attn_auto.json"
 fi
 
+# ---- newer sections (sampling, generated bodies, MMA linear tiles, paged serving, bench-comm) -------
+EXTRA_JSON=()
+if [ $EXTRAS -eq 1 ] && { [ $FUSION_ONLY -eq 0 ] || [ $FUSION -eq 0 ]; }; then
+  for sec in sampling:tests/runtime/test_sampling_gpu.py superopt:tests/runtime/test_superopt_gpu.py \
+             linear_mma:tests/runtime/test_linear_mma_gpu.py serving:tests/serving/test_megakernel_paged_gpu.py; do
+    name=${sec%%:*}; file=${sec#*:}; rm -f "$OUT/gpu_results_$name.json"; EXTRA_JSON+=("$OUT/gpu_results_$name.json")
+    step "$name" "${EXTRA_LIMIT:-240}" env MPK_GPU_REPORT="$OUT/gpu_results_$name.json" python3 -m pytest -m gpu "$file" \
+      "${KSEL[@]}" -q -rs -p no:cacheprovider --tb=short -o addopts="--import-mode=importlib"
+  done
+  step bench_linear "${EXTRA_LIMIT:-240}" python3 -m mpk_dist bench-linear --model qwen3-8b --batches 1,8 \
+    --output-json "$OUT/bench_linear.json"
+  if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
+    step bench_comm "${EXTRA_LIMIT:-240}" launch/mpirun.sh -n 2 bench-comm --output-json "$OUT/bench_comm.json"
+  fi
+fi
+
 echo
 echo "==================== gpu_check summary ===================="
-python3 - "$OUT/gpu_results.json" "$OUT/gpu_results_fusion.json" "$OUT/gpu_results_attn.json" <<'PY'
+python3 - "$OUT/gpu_results.json" "$OUT/gpu_results_fusion.json" "$OUT/gpu_results_attn.json" "${EXTRA_JSON[@]}" <<'PY'
 import json, sys
 rows = []
 for path in sys.argv[1:]:
     try:
         rows += json.load(open(path))
-    except OSError:
+    except (OSError, ValueError):
         pass
 keys = ["case", "steps", "max_err/std", "argmax_agree", "tokens_equal", "ms/token", "ok"]
 print(f"{keys[0]:<34}" + "".join(f"{k:>13}" for k in keys[1:]))
