@@ -95,15 +95,19 @@ def compare_prune(g: Graph, timeout_s: float = 60.0, progress=None, **kwargs) ->
     """Run ``superoptimize(g, prune=True, ...)`` and then with ``prune=False``; same bounds.
 
     timeout_s: the limit of *each* search. progress: optional callable(flag, stats) with flag
-    "on" / "off". kwargs: everything else ``superoptimize`` takes (bounds, processes, cache,
-    rank). Raises MpkError for bad bounds (from ``superoptimize``).
+    "on" / "off", called once with zero counters when that search starts. kwargs: everything
+    else ``superoptimize`` takes (bounds, processes, cache, rank). Raises MpkError for bad bounds
+    (from ``superoptimize``).
     """
     if "prune" in kwargs:
         raise MpkError("compare_prune: expected no 'prune' argument (both values run), got "
                        f"prune={kwargs['prune']!r}; drop it")
     results = {}
     for flag, prune in (("on", True), ("off", False)):
-        report = (lambda s, f=flag: progress(f, s)) if progress is not None else None
+        report = None
+        if progress is not None:
+            report = (lambda s, f=flag: progress(f, s))
+            report({"explored": 0, "pruned": 0, "z3_queries": 0})  # this search starts now
         results[flag] = superoptimize(g, timeout_s=timeout_s, prune=prune, progress=report,
                                       **kwargs)
     return PruneComparison(results["on"], results["off"])

@@ -30,3 +30,36 @@ def test_cli_bad_shape_is_one_line(capsys):
     assert "\n" not in err
     assert main(["superopt", "--pattern", "rmsnorm_linear", "--shape", "M8"]) == 2
     assert "expected NAME=INT" in capsys.readouterr().err
+
+
+def test_cli_compare_prune_prints_both_stats_and_the_verdict(capsys):
+    assert main([*ARGS, "--compare-prune"]) == 0
+    out, err = capsys.readouterr()
+    lines = out.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.lstrip().startswith("prune"))
+    on, off = lines[head + 1].split(), lines[head + 2].split()
+    assert on[0] == "on" and off[0] == "off"
+    assert int(on[2].replace(",", "")) > 0 and int(off[2].replace(",", "")) == 0  # pruned
+    assert int(off[1].replace(",", "")) > int(on[1].replace(",", ""))            # explored
+    assert on[-1] == off[-1]                                                     # best hash
+    assert "best graphs equal: yes" in out and "custom(A, B, W)" in out
+    assert "prune=on" in err and "prune=off" in err
+
+
+def test_cli_compare_prune_json_and_counts(capsys):
+    import json
+
+    assert main([*ARGS, "--compare-prune", "--json", "--grid-counts", "64,32",
+                 "--loop-counts", "2"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["same_best"] is True and data["complete"] is True
+    assert data["bounds"]["grid_counts"] == [32, 64] and data["bounds"]["loop_counts"] == [2]
+    assert [r["prune"] for r in data["rows"]] == ["on", "off"]
+
+
+def test_cli_compare_prune_errors_are_one_line(capsys):
+    assert main([*ARGS, "--compare-prune", "--no-prune"]) == 2
+    assert "expected at most one of --compare-prune and --no-prune" in capsys.readouterr().err
+    assert main([*ARGS, "--grid-counts", "8,x"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--grid-counts: expected positive integers" in err and "\n" not in err

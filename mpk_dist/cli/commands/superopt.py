@@ -148,9 +148,15 @@ def _run_compare(args, g, bounds: dict) -> int:
     is complete (no timeout) and the best graphs are equal."""
     from mpk_dist.superopt.compare import compare_prune
 
-    bars = {flag: _Progress(f"superopt prune={flag}") for flag in ("on", "off")}
+    bars: dict = {}
+
+    def report(flag: str, stats: dict) -> None:
+        if flag not in bars:  # first call: that search starts (elapsed is per search)
+            bars[flag] = _Progress(f"superopt prune={flag}")
+        bars[flag](stats)
+
     cmp = compare_prune(g, timeout_s=args.timeout, processes=args.processes,
-                        cache=not args.no_cache, progress=lambda f, s: bars[f](s), **bounds)
+                        cache=not args.no_cache, progress=report, **bounds)
     for bar in bars.values():
         bar.done()
     ok = cmp.complete and bool(cmp.same_best)
