@@ -257,13 +257,13 @@ def profiled_superoptimize(g, top_k: int = 4, iters: int = 50, **kw):
     report lands in ``res.stats["profile"]``. Raises ProfileError on a machine without a CUDA GPU."""
     from mpk_dist.superopt.search import superoptimize
 
-    ranker = GpuRanker(top_k=top_k, eps=_eps_of(g), iters=iters)
+    ranker = GpuRanker(top_k=top_k, eps=eps_of(g), iters=iters)
     res = superoptimize(g, rank=ranker, **kw)
     res.stats = dict(res.stats, profile=ranker.report)
     return res
 
 
-def _eps_of(g) -> float:
+def eps_of(g) -> float:
     """The rms_norm epsilon of a target (the constant added under the sqrt), 1e-6 if none."""
     for n in g.nodes:
         if n.op == "add":

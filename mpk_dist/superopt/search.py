@@ -91,7 +91,8 @@ def _check_args(max_kernel_ops, max_block_ops, timeout_s, processes) -> None:
 
 def superoptimize(g: Graph, max_kernel_ops: int = 2, max_block_ops: int = 6,
                   timeout_s: float = 60.0, prune: bool = True, processes: int | None = None,
-                  cache: bool = True, rank=None, progress=None, **bounds) -> SearchResult:
+                  cache: bool = True, rank=None, progress=None, profile: bool = False, top_k: int = 4,
+                  **bounds) -> SearchResult:
     """Find the cheapest verified µGraph computing ``g``'s output.
 
     bounds: further SearchConfig fields (grid_counts, loop_counts, max_grid_dims,
@@ -101,9 +102,22 @@ def superoptimize(g: Graph, max_kernel_ops: int = 2, max_block_ops: int = 6,
     rank: optional callable taking the verified candidates and returning them reordered (the
     GPU-timing hook).
     progress: optional callable receiving the stats dict while searching.
+    profile: rank the ``top_k`` best candidates by their measured time on the GPU (each compiled
+    as a standalone kernel, mpk_dist.superopt.profile.GpuRanker); the timings and where the cost
+    model and the measurement disagree land in ``res.stats["profile"]``. Needs a CUDA GPU.
     Raises MpkError for bad bounds; returns a SearchResult (best None if nothing verified).
     """
     _check_args(max_kernel_ops, max_block_ops, timeout_s, processes)
+    if profile:
+        if rank is not None:
+            raise MpkError("superoptimize: expected either profile=True (GPU timing ranks the candidates) or a "
+                           "rank= hook, got both")
+        from mpk_dist.superopt.profile import GpuRanker, eps_of
+
+        ranker = GpuRanker(top_k=top_k, eps=eps_of(g))
+        res = superoptimize(g, max_kernel_ops, max_block_ops, timeout_s, prune, processes, cache, ranker,
+                            progress, **bounds)
+        return replace(res, stats=dict(res.stats, profile=ranker.report))
     bad = sorted(set(bounds) - set(SearchConfig.__dataclass_fields__))
     if bad:
         raise MpkError(f"superoptimize: expected bounds among "

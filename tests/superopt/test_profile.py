@@ -27,6 +27,13 @@ def test_profile_without_a_gpu_is_a_clear_error():
     assert isinstance(e.value, MpkError) and "\n" not in str(e.value)
     with pytest.raises(P.ProfileError, match="expected a CUDA GPU"):
         P.StandaloneTask("silu_linear", None, 1)
+    from mpk_dist.superopt import superoptimize
+
+    g = build("silu_mul_linear", {"M": 2, "I": 256, "N": 64})
+    with pytest.raises(P.ProfileError, match="profile=True needs a CUDA GPU"):
+        superoptimize(g, max_block_ops=3, profile=True)  # the API's own switch, same error
+    with pytest.raises(MpkError, match="either profile=True .* or a rank= hook, got both"):
+        superoptimize(g, max_block_ops=3, profile=True, rank=lambda c: c)
 
 
 def test_disagreements_name_the_pairs_the_measurement_reorders():
