@@ -46,6 +46,7 @@
 // paged KV cache (opt-in serving graphs; docs/SERVING.md)
 #include "qkv_prep_paged.cuh"
 #include "paged_attention.cuh"
+#include "gather_rows.cuh"
 
 namespace mpk {
 
@@ -269,6 +270,21 @@ __device__ bool run_paged_attention(const TaskView& t, int tid, int nt) {
                          t.fparam(PAGED_ATTENTION_PARAM_SCALE), tid, nt);
 }
 
+// gather_rows (the paged head over sequences): fp32 or bf16 rows into fp32 or bf16 rows.
+template <typename XT, typename OutT>
+__device__ bool run_gather_rows_as(const TaskView& t, int tid, int nt) {
+  return gather_rows(t.arg<const XT>(GATHER_ROWS_ARG_X), t.arg<const int32_t>(GATHER_ROWS_ARG_ROWS),
+                     t.arg<OutT>(GATHER_ROWS_ARG_OUT), t.param(GATHER_ROWS_PARAM_BATCH), t.param(GATHER_ROWS_PARAM_COLS),
+                     t.param(GATHER_ROWS_PARAM_X_STRIDE), t.param(GATHER_ROWS_PARAM_OUT_STRIDE),
+                     t.param(GATHER_ROWS_PARAM_X_ROWS), tid, nt);
+}
+
+__device__ bool run_gather_rows(const TaskView& t, int tid, int nt) {
+  const bool x32 = t.dtype(GATHER_ROWS_ARG_X) == DTYPE_F32, o32 = t.dtype(GATHER_ROWS_ARG_OUT) == DTYPE_F32;
+  if (x32) return o32 ? run_gather_rows_as<float, float>(t, tid, nt) : run_gather_rows_as<float, bf16>(t, tid, nt);
+  return o32 ? run_gather_rows_as<bf16, float>(t, tid, nt) : run_gather_rows_as<bf16, bf16>(t, tid, nt);
+}
+
 // Run task `task` of step `step` on the worker threads (tid < nt). Returns false for an unknown
 // opcode (the caller raises kErrBadTask).
 __device__ bool run_task(const RuntimeParams& p, int task, int step, float* smem, int tid, int nt) {
@@ -336,6 +352,7 @@ __device__ bool run_task(const RuntimeParams& p, int task, int step, float* smem
     case OP_ATTENTION_MERGE: return run_attention_merge(t, tid, nt);
     case OP_QKV_PREP_PAGED: return run_qkv_prep_paged(t, tid, nt);
     case OP_PAGED_ATTENTION: return run_paged_attention(t, tid, nt);
+    case OP_GATHER_ROWS: return run_gather_rows(t, tid, nt);
     default: return false;
   }
 }

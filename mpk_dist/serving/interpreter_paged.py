@@ -4,8 +4,10 @@ will run, executed on the CPU in random valid orders with race detection.
 One pass = one launch of one step: the host pads the pass to the compiled N tokens (slot -1),
 writes ``seq_slots`` and ``page_table`` into every rank's input buffers, feeds the tokens as the
 forced tokens of step 0 and the positions as ``start_pos``; the page pools are state buffers and
-persist across launches. The head runs over all N rows (no gather_rows task yet), and the rows of
-``logit_rows`` are picked on the host.
+persist across launches. ``logit_rows`` (padded to MB with -1) is written too: a ``gather_rows``
+task picks those token rows, so the head runs over the MB sequences and row b of the [MB, V]
+logits belongs to ``logit_rows[b]``. ``gather_last=False`` compiles the head over all N token rows
+instead and picks the rows on the host (the behaviour before gather_rows; kept for comparisons).
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ class InterpreterPagedBackend:
     name = "interpreter"
 
     def __init__(self, cfg: ModelConfig, source, spec: PagedSpec, tp: int = 1, device: str = "cpu", sms: int = 8,
-                 seed: int = 0, schedule: str = "jit", check_races: bool = True, weights=None):
+                 seed: int = 0, schedule: str = "jit", check_races: bool = True, weights=None,
+                 gather_last: bool = True):
         if str(device) != "cpu":
             raise InputError(f"interpreter serving backend: expected device cpu, got {device}")
         self.cfg, self.spec, self.tp, self.seed = cfg, spec, tp, seed
@@ -36,7 +39,8 @@ class InterpreterPagedBackend:
             from mpk_dist.weights import load_rank_weights
 
             weights = [load_rank_weights(build_paged_graph(cfg, spec, tp=tp, rank=r), source) for r in range(tp)]
-        self.programs = compile_paged_programs(cfg, spec, tp, sms=sms)
+        self.gather_last = gather_last
+        self.programs = compile_paged_programs(cfg, spec, tp, sms=sms, gather_last=gather_last)
         self.interp = Interpreter(self.programs, weights, seed=seed, mode=schedule, check_races=check_races)
         self.interp.reset_state()
         self.launches = 0
@@ -46,15 +50,20 @@ class InterpreterPagedBackend:
         N = self.spec.max_tokens
         if batch.num_tokens > N:
             raise InputError(f"pass: expected at most {N} tokens (compiled max_tokens), got {batch.num_tokens}")
-        x = batch.tensors("cpu", pad_tokens=N)
+        if len(batch.logit_rows) > self.spec.max_seqs:
+            raise InputError(f"pass: expected at most {self.spec.max_seqs} rows with logits (compiled max_seqs), "
+                             f"got {len(batch.logit_rows)}")
+        x = batch.tensors("cpu", pad_tokens=N, pad_rows=self.spec.max_seqs)
         for r in range(self.tp):
-            self.interp.buffer(r, "seq_slots").copy_(x["seq_slots"])
-            self.interp.buffer(r, "page_table").copy_(x["page_table"])
+            for name in ("seq_slots", "page_table", "logit_rows")[: 3 if self.gather_last else 2]:
+                self.interp.buffer(r, name).copy_(x[name])
         self.interp.rng.seed(self.seed + self.launches)  # a different valid order every launch
         self.launches += 1
         res = self.interp.run(1, x["tokens"].reshape(1, N), x["positions"])
-        logits = res.captured["logits"][0]  # [N, V]
-        return logits[torch.from_numpy(batch.logit_rows).long()].float()
+        logits = res.captured["logits"][0]
+        if not self.gather_last:  # [N, V]: pick the rows here
+            return logits[torch.from_numpy(batch.logit_rows).long()].float()
+        return logits[: len(batch.logit_rows)].float()  # [MB, V]: row b = token row logit_rows[b]
 
     def synchronize(self) -> None:
         """Nothing queued: the interpreter is synchronous."""

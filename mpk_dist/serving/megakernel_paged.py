@@ -6,12 +6,13 @@ Same contract as ``InterpreterPagedBackend``: the host pads the pass to the comp
 row 0 of ``forced_tokens`` and the positions as ``start_pos``; ``step_begin`` copies them to
 ``tokens`` / ``positions``. The page pools are state buffers: zeroed once, they persist across
 launches. Each launch runs step 0 of a one-step program (``max_steps`` 1), so the event counters
-(never reset inside a launch) are zeroed before every launch; the pools are not. The head runs
-over all N rows (no ``gather_rows`` task yet); the ``logit_rows`` are picked from the merged logits.
+(never reset inside a launch) are zeroed before every launch; the pools are not. ``logit_rows``
+(padded to MB with -1) is written too: a ``gather_rows`` task picks those token rows, so the head
+runs over the MB sequences and row b of the merged [MB, V] logits belongs to ``logit_rows[b]``.
 
 TP: every rank in this process on one GPU (``--transport local``), one kernel per rank on its own
-stream and SM share (mpk_dist.runtime.group). Limits of this milestone: N (tokens per pass) <= 16,
-the linear tiles' row count (tables.MAX_BATCH), until row-tiled linears exist.
+stream and SM share (mpk_dist.runtime.group). Limits of this milestone: N (tokens per pass) <= 16
+(and so MB <= N), the linear tiles' row count (tables.MAX_BATCH), until row-tiled linears exist.
 """
 
 from __future__ import annotations
@@ -46,9 +47,10 @@ def check_spec(spec: PagedSpec) -> None:
     """Refuse pass sizes the task bodies cannot run (N rows per linear tile)."""
     from mpk_dist.runtime.tables import MAX_BATCH
 
-    if spec.max_tokens > MAX_BATCH:
+    if max(spec.max_tokens, spec.max_seqs) > MAX_BATCH:
         raise InputError(f"megakernel serving: expected at most {MAX_BATCH} tokens per pass (linear tiles hold "
-                         f"{MAX_BATCH} rows until row-tiled linears exist), got {spec.max_tokens}; pass "
+                         f"{MAX_BATCH} rows until row-tiled linears exist), got {spec.max_tokens} tokens and "
+                         f"{spec.max_seqs} sequences; pass "
                          f"--max-tokens-per-step {MAX_BATCH} and --max-batch <= {MAX_BATCH}")
 
 
@@ -164,6 +166,7 @@ class MegakernelPagedBackend:
                     t.zero_()
                 s.buffer("seq_slots").copy_(x["seq_slots"])
                 s.buffer("page_table").copy_(x["page_table"])
+                s.buffer("logit_rows").copy_(x["logit_rows"])
                 s.bufs[sp["forced_tokens"]].copy_(forced)
                 s.bufs[sp["start_pos"]].copy_(x["positions"])
 
@@ -179,16 +182,15 @@ class MegakernelPagedBackend:
         check_pages(batch, self.spec)
         # NOTE: host tensors: each rank's copy then runs on that rank's stream (a device tensor made
         # on the current stream would race with a copy on another stream).
-        x = batch.tensors("cpu", pad_tokens=N)
+        x = batch.tensors("cpu", pad_tokens=N, pad_rows=self.spec.max_seqs)
         self._write_inputs(x)
         g = self.group
         # One step, no stop ids; prompt_len / max_new out of reach: the epilogue only ends the launch.
         g.launch(0, 1, 1 << 30, 1 << 30, (), False, False)
         g.wait()
         self.launches += 1
-        logits = g.logits(lambda s: s.bufs[s.cg.meta["special"]["logits"]], self.vocab_size)  # [N, V]
-        rows = torch.from_numpy(batch.logit_rows.astype(np.int64)).to(logits.device)
-        return logits[rows].float()
+        logits = g.logits(lambda s: s.bufs[s.cg.meta["special"]["logits"]], self.vocab_size)  # [MB, V]
+        return logits[: len(batch.logit_rows)].float()  # row b = token row logit_rows[b] (gather_rows)
 
     def synchronize(self) -> None:
         """Wait for queued device work (``step`` already waited for its kernels)."""

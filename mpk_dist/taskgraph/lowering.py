@@ -19,7 +19,7 @@ from mpk_dist.taskgraph.tasks import BY_NAME as K
 ALIGN = 16
 """Column tiles are multiples of this many features (MMA-friendly)."""
 
-PAGED_HOST_INPUTS = ("seq_slots", "page_table")
+PAGED_HOST_INPUTS = ("seq_slots", "page_table", "logit_rows")
 """Inputs of paged graphs that stay host-written ``input`` buffers (not written by step_begin)."""
 
 
@@ -65,15 +65,26 @@ class Lowerer:
             if t.name in gathered:
                 kind = "comm"
             view = None
+            if t.name == "next_token" and t.shape[0] < self.B:
+                # NOTE: gathered head (paged graphs): argmax_select writes MB rows, step_begin reads N
+                # (its forced tokens always win in a one-step-per-launch pass); padded to N rows so
+                # both stay in bounds.
+                self.p.buffer(t.name, (self.B,), t.dtype, kind)
+                continue
             if t.kind == "state":  # KV cache [B, S, Hkv, D]: rows = (b, pos), cols = (head, d)
                 view = (t.shape[0] * t.shape[1], int(np.prod(t.shape[2:])))
             self.p.buffer(t.name, t.shape, t.dtype, kind, view)
-        S = self.p.max_steps
+        S, R = self.p.max_steps, self.head_rows()
         for name, shape, kind in (("forced_tokens", (S, self.B), "input"), ("start_pos", (self.B,), "input"),
-                                  ("token_out", (S, self.B), "output")):
+                                  ("token_out", (S, R), "output")):
             self.p.buffer(name, shape, "i32", kind)
         self.p.special = {n: self.p.id(n) for n in ("forced_tokens", "start_pos", "tokens", "positions",
                                                     "next_token", "token_out", "logits")}
+
+    def head_rows(self) -> int:
+        """Rows of the head (next_token): B, or MB when the graph gathers each sequence's last row."""
+        t = self.g.tensors.get("next_token")
+        return self.B if t is None else int(t.shape[0])
 
     def _new(self, op: Op, kind: str, suffix: str = "") -> TaskOp:
         return self.p.op(op.name + suffix, K[kind], op.layer, op.name)
@@ -282,6 +293,21 @@ class Lowerer:
         t.writes = [Footprint(o, qrect.copy())]
 
     def gather_rows(self, op: Op) -> None:
-        """Not lowered yet: task-graph paged programs keep the head over all N rows (gather_last=False)."""
-        raise NotImplementedError("taskgraph: gather_rows has no task kind yet; build the paged graph with "
-                                  "gather_last=False (docs/SERVING.md, 'what the GPU part still needs')")
+        """Hidden-column tiles copying the ``logit_rows`` rows of the N-row stream into MB rows.
+
+        NOTE: the ops after this one (the head: final norm, lm_head, argmax, token select) run over
+        the gathered rows, so the row count of the lowering becomes MB from here on (graph order is
+        topological and gather_rows is the last op over token rows).
+        """
+        p, N = self.p, self.B
+        x, rows, out = p.id(op.inputs[0]), p.id(op.inputs[1]), p.id(op.outputs[0])
+        MB, C = self.g.tensors[op.outputs[0]].shape
+        tiles = col_tiles(C, self.sms)
+        t = self._new(op, "gather_rows")
+        for c0, n in tiles:
+            t.add_tile({"X": (x, c0, (N - 1) * C + n), "ROWS": (rows, 0, MB), "OUT": (out, c0, (MB - 1) * C + n)},
+                       {"BATCH": MB, "COLS": n, "X_STRIDE": C, "OUT_STRIDE": C, "X_ROWS": N})
+        # Which rows are read depends on the pass's logit_rows: the tile may read any row of its columns.
+        t.reads = [_cols_fp(x, tiles, N), _all_fp(rows, p, len(tiles))]
+        t.writes = [_cols_fp(out, tiles, MB)]
+        self.B = MB

@@ -1,8 +1,10 @@
 """Compile the paged-KV graphs of all TP ranks (one ragged pass per launch) into task-graph programs.
 
 Same pipeline as ``compiler.compile_rank_programs`` (lower, events on rank 0, serialize, validate)
-over ``models.llama.build_paged_graph(..., gather_last=False)``: the head runs over all N token rows
-(no ``gather_rows`` task kind yet). One step per launch (``max_steps`` 1): the host lays out each
+over ``models.llama.build_paged_graph``. By default the head runs over the MB sequences: a
+``gather_rows`` task picks each emitting sequence's last token row (``logit_rows``) before the final
+norm, so ``logits`` is [MB, V/tp]; ``gather_last=False`` keeps the head over all N token rows
+(``logits`` [N, V/tp], the rows picked on the host). One step per launch (``max_steps`` 1): the host lays out each
 pass (tokens, positions, slots, page table) between launches; see docs/SERVING.md for the in-kernel
 loop that replaces this.
 """
@@ -19,15 +21,16 @@ from mpk_dist.taskgraph.validate import validate
 
 
 def compile_paged_programs(cfg: ModelConfig, spec: PagedSpec, tp: int, sms: int = 16,
-                           check: bool = True) -> list[CompiledGraph]:
-    """The validated paged program of every rank (rank order)."""
-    progs = [lower_graph(build_paged_graph(cfg, spec, tp=tp, rank=r, gather_last=False), sms, max_steps=1)
+                           check: bool = True, gather_last: bool = True) -> list[CompiledGraph]:
+    """The validated paged program of every rank (rank order); ``gather_last``: head over MB rows."""
+    progs = [lower_graph(build_paged_graph(cfg, spec, tp=tp, rank=r, gather_last=gather_last), sms, max_steps=1)
              for r in range(tp)]
     eg = reduce_events(build_events(progs[0]))
     info = {"model": cfg.architecture or cfg.family, "family": cfg.family,
             "max_seq_len": spec.page_size * spec.max_pages_per_seq, "sms": sms, "num_layers": cfg.num_layers,
             "paged": {"max_tokens": spec.max_tokens, "max_seqs": spec.max_seqs, "num_pages": spec.num_pages,
-                      "page_size": spec.page_size, "max_pages_per_seq": spec.max_pages_per_seq}}
+                      "page_size": spec.page_size, "max_pages_per_seq": spec.max_pages_per_seq,
+                      "gather_last": gather_last}}
     out = []
     for r, prog in enumerate(progs):
         if not _same_structure(progs[0], prog):

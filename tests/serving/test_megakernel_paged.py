@@ -1,8 +1,8 @@
 """CPU tests of the megakernel serving backend (mpk_dist/serving/megakernel_paged.py): clear refusals
 without a GPU and for pass sizes the bodies cannot run; the host side of a pass with the GPU parts
 faked (kernel build/load, stream): every rank gets the pass's inputs, counters are zeroed before
-each launch and the page pools are not, logits rows are picked after merging the ranks' vocabulary
-slices; and a whole continuous-batching run whose "device" computes a known rule from the inputs
+each launch and the page pools are not, the gathered logits rows (``logit_rows``) come back in order
+after merging the ranks' vocabulary slices; and a whole continuous-batching run whose "device" computes a known rule from the inputs
 it finds in the buffers. The GPU check of the same backend is test_megakernel_paged_gpu.py."""
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ from mpk_dist.runtime.group import vocab_start
 from mpk_dist.runtime.params import RuntimeParams
 from mpk_dist.serving import megakernel_paged as MP
 from mpk_dist.serving.server import Server, VirtualClock
+from mpk_dist.taskgraph.abi import TASK_COLS
+from mpk_dist.taskgraph.tasks import BY_NAME
 
 SPEC = PagedSpec(max_tokens=8, max_seqs=3, num_pages=12, page_size=4, max_pages_per_seq=4)
 
@@ -64,21 +66,25 @@ class _Stream:
 
 
 def _device_pass(sess) -> None:
-    """What this fake device does for one launch: check the counters were zeroed, then write logits
-    [N, V/tp] of this rank's slice as a one-hot of (token + position) % V and count some events."""
+    """What this fake device does for one launch: check the counters were zeroed, then write the
+    gathered logits [MB, V/tp] of this rank's slice: row b (token row logit_rows[b]; -1 = zeros) is a
+    one-hot of (token + position) % V of that token, and count some events."""
     if getattr(sess, "ran_launches", 0) == len(sess.kernel.launches):
         return  # already ran for this launch (finished() is polled)
     sess.ran_launches = len(sess.kernel.launches)
     sess.counters_at_launch = int(sess.events.abs().sum())
     sp = sess.cg.meta["special"]
-    tok = sess.bufs[sp["forced_tokens"]][0].long()
-    pos = sess.bufs[sp["start_pos"]].long()
+    rows = sess.buffer("logit_rows").long()
+    live = (rows >= 0).nonzero()[:, 0]
+    tok = sess.bufs[sp["forced_tokens"]][0].long()[rows[live]]
+    pos = sess.bufs[sp["start_pos"]].long()[rows[live]]
     logits = sess.bufs[sp["logits"]]
+    assert logits.shape[0] == rows.shape[0], "the head runs over the MB gathered rows"
     vocab = logits.shape[1] * int(sess.cg.meta["world_size"])  # equal slices (tiny: 512 ids)
     want = (tok + pos) % vocab - vocab_start(sess.cg)  # column of the hot id in this rank's slice
     logits.zero_()
     hit = (want >= 0) & (want < logits.shape[1])
-    logits[hit.nonzero()[:, 0], want[hit]] = 1.0
+    logits[live[hit], want[hit]] = 1.0
     sess.events.fill_(7)  # the kernel counts: the next launch must start from zero again
     sess.buffer("L0.k_pages").view(-1)[0] += 1  # the pools persist across launches
 
@@ -148,8 +154,8 @@ def test_bad_page_table_is_refused_before_launch(fake_device):
 
 @pytest.mark.skipif(__import__("shutil").which("nvcc") is None, reason="nvcc not on PATH (CI installs CUDA 13.0)")
 def test_kernel_with_the_paged_bodies_compiles_for_sm90a(tmp_path, monkeypatch):
-    """The mega-kernel the backend builds for a tp-2 paged program (task bodies of opcodes 14 and 15
-    and their dispatch cases included) compiles with nvcc for sm_90a."""
+    """The mega-kernel the backend builds for a tp-2 paged program (task bodies of opcodes 14, 15 and
+    gather_rows and their dispatch cases included) compiles with nvcc for sm_90a."""
     from mpk_dist.runtime.codegen import KernelShape
     from mpk_dist.runtime.kernel import build_kernel
     from mpk_dist.taskgraph.paged_compiler import compile_paged_programs
@@ -160,4 +166,6 @@ def test_kernel_with_the_paged_bodies_compiles_for_sm90a(tmp_path, monkeypatch):
                             compiler="nvcc", program=cg)
     assert "#define MPK_BATCH 8" in src and res.cubin[:4] == b"\x7fELF" and not res.cached
     names = {p.name for p in res.headers}
-    assert {"qkv_prep_paged.cuh", "paged_attention.cuh", "dispatch.cuh"} <= names, "paged bodies in the cache key"
+    assert {"qkv_prep_paged.cuh", "paged_attention.cuh", "gather_rows.cuh", "dispatch.cuh"} <= names, \
+        "paged bodies in the cache key"
+    assert BY_NAME["gather_rows"].opcode in set(cg.arrays["tasks"][:, TASK_COLS["OPCODE"]].tolist())

@@ -52,8 +52,8 @@ def _serve(name: str, tp: int):
 @pytest.mark.parametrize("tp", [1, 2])
 def test_one_pass_buffers_match_the_interpreter(tp):
     """Diff test on one ragged pass (two decodes, a prompt chunk, padding): every rank's op outputs
-    and page pools after the kernel equal the CPU interpreter's on the same compiled task stream;
-    names the first op that differs."""
+    (the gathered head rows x_last .. logits included) and page pools after the kernel equal the CPU
+    interpreter's on the same compiled task stream; names the first op that differs."""
     from mpk_dist.models.llama import build_paged_graph
     from mpk_dist.serving.interpreter_paged import InterpreterPagedBackend
 
@@ -71,7 +71,7 @@ def test_one_pass_buffers_match_the_interpreter(tp):
     assert 0 < batches[1].num_prefill_tokens < batches[1].num_tokens < 16, "expected decodes, a chunk and padding"
     bad = []
     for r, s in enumerate(srv.backend.group.sessions):
-        for op in build_paged_graph(m.config, srv.spec, tp=tp, rank=r, gather_last=False).ops:
+        for op in build_paged_graph(m.config, srv.spec, tp=tp, rank=r).ops:  # gathered head, as compiled
             for out in op.outputs:
                 if not any(x["name"] == out for x in s.cg.meta["buffers"]):
                     continue

@@ -67,12 +67,20 @@ def _interp(cgs, w, **kw):
     return it
 
 
-def _launch(it, batch, tp):
-    x = batch.tensors(pad_tokens=SPEC.max_tokens)
+def _launch(it, batch, tp, gathered=True):
+    """One pass; the logits of the ``logit_rows`` rows [R, V] (gathered in the graph, or picked here)."""
+    x = batch.tensors(pad_tokens=SPEC.max_tokens, pad_rows=SPEC.max_seqs)
     for r in range(tp):
         it.buffer(r, "seq_slots").copy_(x["seq_slots"])
         it.buffer(r, "page_table").copy_(x["page_table"])
-    return it.run(1, x["tokens"].reshape(1, -1), x["positions"]).captured["logits"][0]
+        if gathered:
+            it.buffer(r, "logit_rows").copy_(x["logit_rows"])
+    logits = it.run(1, x["tokens"].reshape(1, -1), x["positions"]).captured["logits"][0]
+    R = len(batch.logit_rows)
+    if gathered:
+        assert logits.shape[0] == SPEC.max_seqs and not bool(logits[R:].any()), "padding rows: zero logits"
+        return logits[:R]
+    return logits[torch.from_numpy(batch.logit_rows).long()]
 
 
 @pytest.mark.parametrize("name, tp", [("tiny", 1), ("tiny", 2), ("tiny-llama", 2)])
@@ -88,7 +96,7 @@ def test_ragged_passes_match_the_torch_paged_reference(name, tp):
         it = _interp(cgs, w, seed=3, mode=schedule)
         ref.reset()
         for batch in _passes()[1]:
-            ours = _launch(it, batch, tp)[torch.from_numpy(batch.logit_rows).long()]
+            ours = _launch(it, batch, tp)
             want = ref.step(batch)
             err = float(((ours - want).abs().amax(-1) / want.abs().amax(-1)).max())
             assert err <= 1e-5, f"{schedule}: logits differ by {err:.2e}"
@@ -124,3 +132,54 @@ def test_bad_page_table_is_a_clear_error():
     batch.page_table = np.full_like(batch.page_table, SPEC.num_pages)  # ids past the pool
     with pytest.raises(InputError, match="page table row"):
         _launch(it, batch, tp)
+
+
+def _ops(cg) -> set[int]:
+    return {int(o) for o in cg.arrays["tasks"][:, TASK_COLS["OPCODE"]]}
+
+
+def test_gathered_head_runs_over_sequences_and_matches_the_ungathered_head():
+    """gather_rows: the head buffers have MB rows, and the logits equal the N-row head's picked rows."""
+    cfg, tp = _cfg(), 2
+    w = _weights(cfg, tp)
+    gathered = compile_paged_programs(cfg, SPEC, tp, sms=8)
+    full = compile_paged_programs(cfg, SPEC, tp, sms=8, gather_last=False)
+    assert BY_NAME["gather_rows"].opcode in _ops(gathered[0]) and BY_NAME["gather_rows"].opcode not in _ops(full[0])
+    shapes = {b["name"]: tuple(b["shape"]) for b in gathered[0].meta["buffers"]}
+    V = cfg.vocab_size // tp
+    assert shapes["x_last"][0] == shapes["h_final"][0] == SPEC.max_seqs
+    assert shapes["logits"] == (SPEC.max_seqs, V) and shapes["argmax_cand"] == (SPEC.max_seqs, 2)
+    assert shapes["token_out"] == (1, SPEC.max_seqs) and shapes["tokens"] == (SPEC.max_tokens,)
+    assert {b["name"]: tuple(b["shape"]) for b in full[0].meta["buffers"]}["logits"] == (SPEC.max_tokens, V)
+    a, b = _interp(gathered, w, seed=5), _interp(full, w, seed=6)
+    for batch in _passes()[1]:
+        x, y = _launch(a, batch, tp), _launch(b, batch, tp, gathered=False)
+        assert x.shape == (len(batch.logit_rows), cfg.vocab_size)
+        # fp32 matmuls over 3 vs 12 rows sum in different orders: last-bit differences only
+        err = float(((x - y).abs().amax(-1) / y.abs().amax(-1)).max())
+        assert err <= 1e-5, f"gathered vs N-row head logits differ by {err:.2e}"
+
+
+def test_bad_logit_row_is_a_clear_error():
+    cfg, tp = _cfg(), 1
+    it = _interp(compile_paged_programs(cfg, SPEC, tp, sms=8), _weights(cfg, tp), check_races=False)
+    batch = _passes()[1][0]
+    batch.logit_rows = np.array([SPEC.max_tokens], np.int32)  # past the pass's token rows
+    with pytest.raises(InputError, match="gather_rows: expected row ids"):
+        _launch(it, batch, tp)
+
+
+def test_every_wait_of_gather_rows_is_necessary():
+    """Dropping any wait of a gather_rows tile (on the last layer's residual, or its readers' side) is caught."""
+    cfg, tp = _cfg(), 1
+    w = _weights(cfg, tp)
+    (cg,) = compile_paged_programs(cfg, SPEC, tp, sms=8)
+    t = cg.arrays["tasks"]
+    rows = [k for row in t if int(row[TASK_COLS["OPCODE"]]) == BY_NAME["gather_rows"].opcode
+            for k in range(row[TASK_COLS["WAIT_BEGIN"]], row[TASK_COLS["WAIT_END"]])]
+    assert rows, "gather_rows tiles wait on the residual stream"
+    batch = _passes()[1][1]
+    for k in rows:
+        it = _interp([drop_wait(cg, k)], w, seed=k)
+        with pytest.raises((RaceError, DeviceTimeout)):
+            _launch(it, batch, tp)
