@@ -183,3 +183,24 @@ def test_every_wait_of_gather_rows_is_necessary():
         it = _interp([drop_wait(cg, k)], w, seed=k)
         with pytest.raises((RaceError, DeviceTimeout)):
             _launch(it, batch, tp)
+
+
+def test_gather_rows_tile_picks_rows_zeroes_padding_and_rounds_to_the_output_dtype():
+    """One tile of the CPU reference: columns 2..5 of rows [3, -1, 0] of an fp32 [4, 8] stream into
+    a bf16 [3, 8] buffer; the declared accesses are exactly the rows read and the block written."""
+    from mpk_dist.taskgraph.tasks.base import TileContext
+
+    kind = BY_NAME["gather_rows"]
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0)).reshape(-1)
+    rows = torch.tensor([3, -1, 0], dtype=torch.int32)
+    out = torch.full((3 * 8,), 9.0, dtype=torch.bfloat16)
+    params = kind.pack_params({"BATCH": 3, "COLS": 4, "X_STRIDE": 8, "OUT_STRIDE": 8, "X_ROWS": 4})
+    t = TileContext(kind, [x, rows, out], [2, 0, 2], [3 * 8 + 4, 3, 2 * 8 + 4], params, 0, 0, 1, lambda i: [])
+    kind.run_tile(t)
+    o = out.reshape(3, 8)
+    assert torch.equal(o[0, 2:6], x.reshape(4, 8)[3, 2:6].to(torch.bfloat16))
+    assert torch.equal(o[2, 2:6], x.reshape(4, 8)[0, 2:6].to(torch.bfloat16))
+    assert not bool(o[1, 2:6].any()) and bool((o[:, :2] == 9).all()) and bool((o[:, 6:] == 9).all())
+    acc = {a.arg: set(a.index.tolist()) for a in kind.accesses(t)}
+    assert acc[0] == {3 * 8 + c for c in range(2, 6)} | set(range(2, 6))
+    assert acc[2] == {b * 8 + c for b in range(3) for c in range(2, 6)}
