@@ -174,7 +174,7 @@ def _head(b: _Builder, x: str) -> None:
         # Only each sequence's last token of the pass needs logits: pick those rows first, and the
         # head runs over max_seqs rows instead of max_tokens.
         b.B = b.paged.max_seqs
-        last = b.act("x_last", c.hidden_size)
+        last = b.act("x_last", c.hidden_size, dtype=b.res)  # fp32 like the stream it is cut from
         g.op("gather_rows", [x, "logit_rows"], [last], None)
         x = last
     ln = b.weight("final_norm", (c.hidden_size,), _whole("model.norm.weight"))
