@@ -50,6 +50,25 @@ step() {  # step NAME TIMEOUT_S CMD...: run with a time limit, log to $OUT/NAME.
   STATUS[$name]="$([ $rc -eq 0 ] && echo PASS || echo "FAIL(rc=$rc)") $(( $(date +%s) - t0 ))s"
   tail -n 25 "$OUT/$name.log"
 }
+summary() {  # summary TITLE JSON...: the result rows of the GPU tests (missing files skipped), then each step's status
+  local title=$1; shift
+  echo
+  echo "==================== $title ===================="
+  python3 - "$@" <<'PY'
+import json, sys
+rows = []
+for path in sys.argv[1:]:
+    try:
+        rows += json.load(open(path))
+    except (OSError, ValueError):
+        pass
+keys = ["case", "steps", "max_err/std", "argmax_agree", "tokens_equal", "ms/token", "ok"]
+print(f"{keys[0]:<34}" + "".join(f"{k:>13}" for k in keys[1:]))
+for r in rows:
+    print(f"{str(r.get('case')):<34}" + "".join(f"{str(r.get(k, '-')):>13}" for k in keys[1:]))
+PY
+  for k in "${!STATUS[@]}"; do printf '%-14s %s\n' "$k" "${STATUS[$k]}"; done | sort
+}
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 # MPK_SKIP_INSTALL=1: the caller installed already (two copies of this script run side by side, one per GPU).
@@ -73,22 +92,7 @@ if [ $TP -eq 1 ]; then
     --transport local --prompt-len 64 --output-len 32 --iters 2 --no-progress --output-json $OUT/bench_tp2.json && \
     python3 -c \"import json; r = json.load(open('$OUT/bench_tp2.json'))[0]; \
 print('exposed_comm_share', r.get('exposed_comm_share'), 'ms/token p50', r['ms_per_token_p50'])\""
-  echo
-  echo "==================== gpu_check --tp summary ===================="
-  python3 - "$OUT/gpu_results_tp.json" "$OUT/gpu_results_ipc.json" <<'PY'
-import json, sys
-rows = []
-for path in sys.argv[1:]:
-    try:
-        rows += json.load(open(path))
-    except (OSError, ValueError):
-        pass
-keys = ["case", "steps", "max_err/std", "argmax_agree", "tokens_equal", "ms/token", "ok"]
-print(f"{keys[0]:<34}" + "".join(f"{k:>13}" for k in keys[1:]))
-for r in rows:
-    print(f"{str(r.get('case')):<34}" + "".join(f"{str(r.get(k, '-')):>13}" for k in keys[1:]))
-PY
-  for k in "${!STATUS[@]}"; do printf '%-14s %s\n' "$k" "${STATUS[$k]}"; done | sort
+  summary "gpu_check --tp summary" "$OUT/gpu_results_tp.json" "$OUT/gpu_results_ipc.json"
   exit 0
 fi
 
@@ -166,19 +170,5 @@ if [ $EXTRAS -eq 1 ] && { [ $FUSION_ONLY -eq 0 ] || [ $FUSION -eq 0 ]; }; then
   fi
 fi
 
-echo
-echo "==================== gpu_check summary ===================="
-python3 - "$OUT/gpu_results.json" "$OUT/gpu_results_fusion.json" "$OUT/gpu_results_attn.json" "${EXTRA_JSON[@]}" <<'PY'
-import json, sys
-rows = []
-for path in sys.argv[1:]:
-    try:
-        rows += json.load(open(path))
-    except (OSError, ValueError):
-        pass
-keys = ["case", "steps", "max_err/std", "argmax_agree", "tokens_equal", "ms/token", "ok"]
-print(f"{keys[0]:<34}" + "".join(f"{k:>13}" for k in keys[1:]))
-for r in rows:
-    print(f"{str(r.get('case')):<34}" + "".join(f"{str(r.get(k, '-')):>13}" for k in keys[1:]))
-PY
-for k in "${!STATUS[@]}"; do printf '%-14s %s\n' "$k" "${STATUS[$k]}"; done | sort
+summary "gpu_check summary" "$OUT/gpu_results.json" "$OUT/gpu_results_fusion.json" "$OUT/gpu_results_attn.json" \
+  "${EXTRA_JSON[@]}"
