@@ -56,6 +56,7 @@ def main(argv=None) -> int:
 
     import torch
 
+    from mpk_dist.bench.results import percentile
     from mpk_dist.bench.runner import measure_read_bandwidth, random_prompt, run_case, step_bytes
     from mpk_dist.engine import RunSpec
     from mpk_dist.model_source import open_model
@@ -77,9 +78,12 @@ def main(argv=None) -> int:
             case = run_case(spec, model, prompt, args.output_len, args.iters, 1, False)
         finally:
             for k, v in saved.items():
-                os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
         floor_ms = nbytes / measure_read_bandwidth(torch.device("cuda")) * 1e3
-        p50 = sorted(case.decode_step_ms)[len(case.decode_step_ms) // 2]
+        p50 = percentile(case.decode_step_ms, 50)  # the p50 of mpk-dist bench
         base_tokens = case.tokens if base_tokens is None else base_tokens
         same = case.tokens == base_tokens
         ok &= same
