@@ -169,7 +169,10 @@ def compile_source(source: str, name: str, defines: dict[str, object] | None = N
     counts, default all of it). Raises ``BuildError`` with the compiler log.
     """
     include_dirs = list(include_dirs or []) + [CSRC / "runtime", CSRC / "tasks", CSRC / "comm", CSRC]
-    flags = tuple(BASE_FLAGS) + tuple(f"-D{k}={v}" for k, v in sorted((defines or {}).items())) + tuple(extra_flags)
+    # MPK_NVCC_EXTRA_FLAGS (e.g. "-lineinfo" so compute-sanitizer names source lines) is part of the key.
+    env_flags = tuple(os.environ.get("MPK_NVCC_EXTRA_FLAGS", "").split())
+    flags = (tuple(BASE_FLAGS) + tuple(f"-D{k}={v}" for k, v in sorted((defines or {}).items())) + tuple(extra_flags)
+             + env_flags)
     compiler = pick_compiler(compiler)
     headers = included_headers(source, include_dirs)
     key = cache_key(source if key_text is None else key_text, headers, flags, arch, compiler_version(compiler))
