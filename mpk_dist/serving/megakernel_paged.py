@@ -10,12 +10,18 @@ launches. Each launch runs step 0 of a one-step program (``max_steps`` 1), so th
 (padded to MB with -1) is written too: a ``gather_rows`` task picks those token rows, so the head
 runs over the MB sequences and row b of the merged [MB, V] logits belongs to ``logit_rows[b]``.
 
+The program is compiled for ``kernel_spec(spec)``: the head (and the page table) padded from MB
+to N rows, because a generated kernel fixes the row count of every linear tile (MPK_BATCH = N);
+rows MB..N-1 of ``logit_rows`` and of the page table are -1 (zero head rows, no pages).
+
 TP: every rank in this process on one GPU (``--transport local``), one kernel per rank on its own
 stream and SM share (mpk_dist.runtime.group). Limits of this milestone: N (tokens per pass) <= 16
 (and so MB <= N), the linear tiles' row count (tables.MAX_BATCH), until row-tiled linears exist.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import torch
@@ -54,12 +60,47 @@ def check_spec(spec: PagedSpec) -> None:
                          f"--max-tokens-per-step {MAX_BATCH} and --max-batch <= {MAX_BATCH}")
 
 
-def check_paged_tasks(cg) -> None:
-    """Raise InputError naming the first paged task whose shape the CUDA bodies do not support."""
+FIXED_BATCH_KINDS = ("linear", "norm_linear", "linear_residual", "silu_linear")
+"""Kinds whose CUDA body runs MPK_BATCH rows (the program's batch, a compile-time constant of the
+generated kernel; csrc/tasks/linear.cuh, fused_gemv.cuh) whatever the task's BATCH parameter says."""
+
+
+def kernel_spec(spec: PagedSpec) -> PagedSpec:
+    """The spec the mega-kernel's paged program is compiled for: head rows (and page-table rows) = N.
+
+    NOTE: the gathered head over MB < N rows makes the lm_head's linear tiles BATCH = MB while the
+    kernel is built for MPK_BATCH = N rows; the linear body then reads N rows of ``h_final`` and
+    writes N rows of ``logits`` past the ends of those [MB, *] buffers (the illegal memory access
+    of the first pass on the GPU). Padding the head to N keeps every linear at the kernel's batch;
+    the extra rows are -1 in ``logit_rows`` (zero rows) and in the page table (unused slots).
+    """
+    return dataclasses.replace(spec, max_seqs=spec.max_tokens)
+
+
+def check_kernel_batch(cg) -> None:
+    """Raise InputError naming the first task the kernel would run with another row count than its
+    BATCH parameter (FIXED_BATCH_KINDS tiles with BATCH != the program's batch)."""
     from mpk_dist.runtime.tables import task_params
     from mpk_dist.taskgraph.abi import TASK_COLS
     from mpk_dist.taskgraph.tasks import BY_NAME
 
+    batch = int(cg.meta["batch"])
+    ops = cg.arrays["tasks"][:, TASK_COLS["OPCODE"]]
+    for name in FIXED_BATCH_KINDS:
+        for t in np.nonzero(ops == BY_NAME[name].opcode)[0]:
+            b = task_params(cg, int(t))["BATCH"]
+            if b != batch:
+                raise InputError(f"{cg.task_label(int(t))}: expected BATCH {batch} (the kernel's compile-time "
+                                 f"rows, MPK_BATCH), got {b}; compile the paged program with kernel_spec(spec)")
+
+
+def check_paged_tasks(cg) -> None:
+    """Raise InputError naming the first task whose shape or row count the CUDA bodies do not support."""
+    from mpk_dist.runtime.tables import task_params
+    from mpk_dist.taskgraph.abi import TASK_COLS
+    from mpk_dist.taskgraph.tasks import BY_NAME
+
+    check_kernel_batch(cg)
     ops = cg.arrays["tasks"][:, TASK_COLS["OPCODE"]]
     for t in np.nonzero(ops == BY_NAME["paged_attention"].opcode)[0]:
         p = task_params(cg, int(t))
@@ -108,6 +149,7 @@ class MegakernelPagedBackend:
             raise InputError(f"timeout_s: expected a positive number of seconds, got {timeout_s}")
         self.device = self._check_device(device)
         self.cfg, self.spec, self.tp, self.schedule = cfg, spec, tp, schedule
+        self.kernel_spec = kernel_spec(spec)  # what the program is compiled for (head rows = N)
         self.vocab_size = cfg.vocab_size
         self.transport = LocalTransport(tp, self.device)
         from mpk_dist.runtime.partition import workers_per_rank
@@ -136,7 +178,7 @@ class MegakernelPagedBackend:
         from mpk_dist.runtime.megakernel_backend import DEFAULT_WORKER_THREADS, tuning_from_env
         from mpk_dist.taskgraph.paged_compiler import compile_paged_programs
 
-        cgs = compile_paged_programs(self.cfg, self.spec, self.tp, sms=self.workers)
+        cgs = compile_paged_programs(self.cfg, self.kernel_spec, self.tp, sms=self.workers)
         for cg in cgs:
             check_paged_tasks(cg)
         tuning = tuning_from_env(worker_threads or DEFAULT_WORKER_THREADS)
@@ -182,14 +224,14 @@ class MegakernelPagedBackend:
         check_pages(batch, self.spec)
         # NOTE: host tensors: each rank's copy then runs on that rank's stream (a device tensor made
         # on the current stream would race with a copy on another stream).
-        x = batch.tensors("cpu", pad_tokens=N, pad_rows=self.spec.max_seqs)
+        x = batch.tensors("cpu", pad_tokens=N, pad_rows=self.kernel_spec.max_seqs)
         self._write_inputs(x)
         g = self.group
         # One step, no stop ids; prompt_len / max_new out of reach: the epilogue only ends the launch.
         g.launch(0, 1, 1 << 30, 1 << 30, (), False, False)
         g.wait()
         self.launches += 1
-        logits = g.logits(lambda s: s.bufs[s.cg.meta["special"]["logits"]], self.vocab_size)  # [MB, V]
+        logits = g.logits(lambda s: s.bufs[s.cg.meta["special"]["logits"]], self.vocab_size)  # [N, V] (kernel_spec)
         return logits[: len(batch.logit_rows)].float()  # row b = token row logit_rows[b] (gather_rows)
 
     def synchronize(self) -> None:

@@ -47,14 +47,17 @@ class StepBatch:
         return len(self.tokens)
 
     def tensors(self, device: torch.device | str = "cpu", pad_tokens: int = 0, pad_rows: int = 0) -> dict:
-        """The graph inputs as int32 tensors; padding tokens get slot -1, padding rows -1."""
+        """The graph inputs as int32 tensors; padding tokens get slot -1, padding rows -1.
+
+        ``pad_rows``: rows of ``logit_rows`` and of ``page_table`` (a program compiled for more
+        sequence rows than the pool has slots: the extra page-table rows hold no page, -1)."""
         def pad(a: np.ndarray, n: int, fill: int) -> torch.Tensor:
-            out = np.full(max(n, len(a)), fill, dtype=np.int32)
+            out = np.full((max(n, len(a)), *a.shape[1:]), fill, dtype=np.int32)
             out[: len(a)] = a
             return torch.from_numpy(out).to(device)
         return {"tokens": pad(self.tokens, pad_tokens, 0), "positions": pad(self.positions, pad_tokens, 0),
                 "seq_slots": pad(self.slots, pad_tokens, -1), "logit_rows": pad(self.logit_rows, pad_rows, -1),
-                "page_table": torch.from_numpy(self.page_table.copy()).to(device)}
+                "page_table": pad(self.page_table, pad_rows, -1)}
 
 
 class Scheduler:

@@ -60,7 +60,9 @@ def test_one_pass_buffers_match_the_interpreter(tp):
     m = model("tiny")
     srv = Server(m, backend="megakernel", tp=tp, max_batch=4, page_size=4, max_seq_len=32, max_tokens_per_step=16,
                  device="cuda", clock=VirtualClock(0.01))
-    cpu = InterpreterPagedBackend(m.config, m.weights, srv.spec, tp=tp, sms=8)
+    # the program the kernel runs: head and page table padded to N rows (megakernel_paged.kernel_spec)
+    spec = srv.backend.kernel_spec
+    cpu = InterpreterPagedBackend(m.config, m.weights, spec, tp=tp, sms=8)
     for i, plen in enumerate((3, 6, 9)):
         srv.submit(rand_ids(plen, m.config.vocab_size, 300 + i), 4, 0.0 if i < 2 else 0.02)
     batches = [srv.scheduler.plan(0.0)]
@@ -71,7 +73,7 @@ def test_one_pass_buffers_match_the_interpreter(tp):
     assert 0 < batches[1].num_prefill_tokens < batches[1].num_tokens < 16, "expected decodes, a chunk and padding"
     bad = []
     for r, s in enumerate(srv.backend.group.sessions):
-        for op in build_paged_graph(m.config, srv.spec, tp=tp, rank=r).ops:  # gathered head, as compiled
+        for op in build_paged_graph(m.config, spec, tp=tp, rank=r).ops:  # gathered head, as compiled
             for out in op.outputs:
                 if not any(x["name"] == out for x in s.cg.meta["buffers"]):
                     continue
