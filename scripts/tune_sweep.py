@@ -5,7 +5,8 @@ MPK_LINEAR_UNROLL, MPK_WORKER_THREADS, MPK_PREFETCH_KB (see mpk_dist.runtime.cod
     python3 scripts/tune_sweep.py --model qwen3-8b --variants "base;u16;t512;t512,u16;p64;p0"
 
 A variant is a comma list of u<unroll>, t<threads>, p<prefetch KB>, r<rows>, d<0|1> (descriptor
-prefetch), m<0|1> (tensor-core linear tiles at batch >= 2) ('base' = defaults).
+prefetch), m<0|1> (tensor-core linear tiles at batch >= 2), w<0|1> (whole-tile L2 prefetch of linears
+after a narrow op: mpk_dist/runtime/prefetch_plan.py) ('base' = defaults).
 NOTE: m1 changes the summation order of linear tiles, so its tokens may differ from the base's
 (DIFFERS then means "check with compare_logits", not a bug by itself).
 f0/f1 turns --fuse off/on (fused and unfused programs are bit-identical on the GPU). Every variant
@@ -22,7 +23,8 @@ import os
 import sys
 
 KNOBS = {"u": "MPK_LINEAR_UNROLL", "t": "MPK_WORKER_THREADS", "p": "MPK_PREFETCH_KB", "r": "MPK_LINEAR_ROWS",
-         "d": "MPK_DESC_PREFETCH", "m": "MPK_LINEAR_MMA"}
+         "d": "MPK_DESC_PREFETCH", "m": "MPK_LINEAR_MMA",
+         "w": "MPK_PREFETCH_PLAN"}
 
 
 def parse_variant(text: str) -> tuple[dict[str, str], dict]:
@@ -36,7 +38,7 @@ def parse_variant(text: str) -> tuple[dict[str, str], dict]:
             opts["fuse"] = part == "f1"
             continue
         if part[0] not in KNOBS or not part[1:].lstrip("-").isdigit():
-            raise SystemExit(f"tune_sweep: variant part {part!r}: expected u<N>, t<N>, p<N>, r<N>, d<0|1>, m<0|1> or "
+            raise SystemExit(f"tune_sweep: variant part {part!r}: expected u<N>, t<N>, p<N>, r<N>, d<0|1>, m<0|1>, w<0|1> or "
                              "f<0|1> (--fuse), or 'base'")
         env[KNOBS[part[0]]] = part[1:]
     return env, opts

@@ -361,17 +361,19 @@ __device__ bool run_task(const RuntimeParams& p, int task, int step, float* smem
 // (a linear tile's weights). Only an L2 prefetch for now; the hook is where TMA staging goes.
 __device__ void prefetch_task(const RuntimeParams& p, int task, int tid, int nt) {
   const TaskView t(p, task);
+  const int planned = p.prefetch_bytes != nullptr ? p.prefetch_bytes[task] : -1;
   if (t.opcode() == OP_LINEAR)
-    linear_prefetch(t.arg<const bf16>(LINEAR_ARG_W), t.param(LINEAR_PARAM_K), t.param(LINEAR_PARAM_N_TILE), tid, nt);
+    linear_prefetch(t.arg<const bf16>(LINEAR_ARG_W), t.param(LINEAR_PARAM_K), t.param(LINEAR_PARAM_N_TILE), planned,
+                    tid, nt);
   else if (t.opcode() == OP_NORM_LINEAR)  // fused linears: the weight block is independent of the waits too
     linear_prefetch(t.arg<const bf16>(NORM_LINEAR_ARG_W), t.param(NORM_LINEAR_PARAM_K),
-                    t.param(NORM_LINEAR_PARAM_N_TILE), tid, nt);
+                    t.param(NORM_LINEAR_PARAM_N_TILE), planned, tid, nt);
   else if (t.opcode() == OP_LINEAR_RESIDUAL)
     linear_prefetch(t.arg<const bf16>(LINEAR_RESIDUAL_ARG_W), t.param(LINEAR_RESIDUAL_PARAM_K),
-                    t.param(LINEAR_RESIDUAL_PARAM_N_TILE), tid, nt);
+                    t.param(LINEAR_RESIDUAL_PARAM_N_TILE), planned, tid, nt);
   else if (t.opcode() == OP_SILU_LINEAR)
     linear_prefetch(t.arg<const bf16>(SILU_LINEAR_ARG_W), t.param(SILU_LINEAR_PARAM_K),
-                    t.param(SILU_LINEAR_PARAM_N_TILE), tid, nt);
+                    t.param(SILU_LINEAR_PARAM_N_TILE), planned, tid, nt);
 }
 
 }  // namespace mpk

@@ -61,6 +61,8 @@ struct RuntimeParams {
   ErrorRecord* error;             // mapped pinned
   TraceRecord* trace;             // [W, trace_cap] or nullptr
   uint32_t* trace_len;            // [W]
+  const int32_t* prefetch_bytes;  // [T] L2 prefetch of task t's weights before its waits; -1 (or a null
+                                  //     table): the MPK_PREFETCH_KB cap (mpk_dist/runtime/prefetch_plan.py)
   // ---- scalars ------------------------------------------------------------------------------
   uint64_t timeout_ns;
   int32_t num_tasks, num_events, num_workers, num_buffers;

@@ -349,4 +349,11 @@ def tuning_from_env(worker_threads: int, environ=None) -> dict:
         raise InputError(f"MPK_LINEAR_MMA: expected one of 0, 1, got {mma!r}")
     if mma == "1":
         out["linear_mma"] = True
+    # MPK_PREFETCH_PLAN=0 turns off the whole-tile L2 prefetch of linears after a narrow op
+    # (mpk_dist/runtime/prefetch_plan.py); like MPK_LINEAR_MMA, the key appears only when set.
+    plan = env.get("MPK_PREFETCH_PLAN", "")
+    if plan not in ("", "0", "1"):
+        raise InputError(f"MPK_PREFETCH_PLAN: expected one of 0, 1, got {plan!r}")
+    if plan == "0":
+        out["prefetch_plan"] = False
     return out

@@ -23,6 +23,7 @@ PARAM_FIELDS = [
     ("sched_queues", _P), ("sched_tail", _P),
     ("next_token", _P), ("token_out", _P), ("logits", _P), ("stop_ids", _P), ("done", _P), ("logits_dump", _P),
     ("step_end_ns", _P), ("progress", _P), ("halt", _P), ("error", _P), ("trace", _P), ("trace_len", _P),
+    ("prefetch_bytes", _P),
     ("timeout_ns", ctypes.c_uint64),
     ("num_tasks", _I), ("num_events", _I), ("num_workers", _I), ("num_buffers", _I),
     ("world", _I), ("rank", _I), ("final_task", _I), ("batch", _I), ("vocab", _I), ("prompt_len", _I),

@@ -31,6 +31,10 @@ _TORCH = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32, "i
 QUEUE_SLOT_WORDS = 4
 
 
+DEFAULT_L2_BYTES = 50 << 20
+"""L2 size assumed when the device does not report one (an H100/H200 has 50 MB)."""
+
+
 def _pow2(n: int) -> int:
     return 1 << max(4, (int(n) - 1).bit_length())
 
@@ -52,7 +56,8 @@ class Session:
                  worker_threads: int = 256, timeout_s: float = 5.0, trace: bool | int = False, num_sched: int = 4,
                  compiler: str | None = None, model: str = "-", linear_rows: int = 1, linear_unroll: int = 8,
                  prefetch_kb: int = -1, desc_prefetch: bool = False, region=None, stream=None,
-                 cooperative: bool = True, superopt: bool = True, linear_mma: bool = False):
+                 cooperative: bool = True, superopt: bool = True, linear_mma: bool = False,
+                 prefetch_plan: bool = True):
         if cg.meta["abi_version"] != ABI_VERSION:
             raise InputError(f"task graph ABI: expected version {ABI_VERSION}, got {cg.meta['abi_version']}")
         tables.check_supported(cg)
@@ -94,6 +99,7 @@ class Session:
                              f"{self.world} peers, got {region.nbytes} bytes and {len(region.peer_ptrs)} peers")
         self.region = region
         self.peer_regions = None  # every rank's region when they live in this process (local transport)
+        self.use_prefetch_plan = prefetch_plan
         self._alloc(weights, num_sched)
 
     # -- memory ------------------------------------------------------------------------------------
@@ -135,6 +141,7 @@ class Session:
         self.peer_base = torch.from_numpy(base.copy()).to(dev)
         self.peer_events = torch.from_numpy(evs.copy()).to(dev)
         self.peer_quota = self._dev(peer_quota(cg))
+        self.prefetch = self._dev(self._prefetch_plan()) if self.use_prefetch_plan else None
         dep_ptr, dep_task, dep_off = tables.dependents(cg)
         self.deps = [self._dev(dep_ptr), self._dev(dep_task), self._dev(dep_off)]
         self.num_sched = max(1, min(num_sched, W))
@@ -152,6 +159,15 @@ class Session:
         self.stop_ids = z32(1)
         self.logits_dump: torch.Tensor | None = None
         self.params_dev = torch.zeros(ctypes_size(RuntimeParams), dtype=torch.uint8, device=dev)
+
+    def _prefetch_plan(self) -> np.ndarray:
+        """Per-task L2 prefetch bytes (prefetch_plan.py) for this GPU's L2; ranks sharing one GPU
+        (local transport: a stream per rank) split it."""
+        from mpk_dist.runtime.prefetch_plan import prefetch_plan
+
+        l2 = int(getattr(torch.cuda.get_device_properties(self.device), "L2_cache_size", 0)) if self.device.type == "cuda" else 0
+        share = self.world if self.stream is not None else 1
+        return prefetch_plan(self.cg, self.workers, (l2 or DEFAULT_L2_BYTES) // share)
 
     def _region_view(self, offset: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
         """A typed view of bytes [offset, offset + nbytes) of this rank's symmetric region."""
@@ -257,6 +273,7 @@ class Session:
         p.halt = self.halt.data_ptr()
         p.trace = self.trace.data_ptr() if self.trace_cap else 0
         p.trace_len = self.trace_len.data_ptr()
+        p.prefetch_bytes = self.prefetch.data_ptr() if self.prefetch is not None else 0
         p.timeout_ns = int(self.timeout_s * 1e9)
         p.num_tasks, p.num_events = cg.arrays["tasks"].shape[0], cg.arrays["events"].shape[0]
         p.num_workers, p.num_buffers = self.workers, len(self.bufs)

@@ -17,7 +17,12 @@ from mpk_dist.taskgraph.program import EMPTY, Footprint, Program, TaskOp
 from mpk_dist.taskgraph.tasks import BY_NAME as K
 
 ALIGN = 16
-"""Column tiles are multiples of this many features (MMA-friendly)."""
+"""Column tiles of non-linear ops (all-reduce, argmax, norms) are multiples of this many features."""
+
+LINEAR_ALIGN = 8
+"""Linear tiles are multiples of this many weight rows: one MMA unit (linear_mma.cuh works in units of
+8 rows) and enough tiles for every SM on narrow outputs (qwen3-0.6b's N = 1024 over 132 SMs makes 128
+tiles of 8 rows; multiples of 16 made only 64, leaving half the SMs idle on o_proj and down_proj)."""
 
 PAGED_HOST_INPUTS = ("seq_slots", "page_table", "logit_rows")
 """Inputs of paged graphs that stay host-written ``input`` buffers (not written by step_begin)."""
@@ -128,9 +133,9 @@ class Lowerer:
 
     def _linear_tiles(self, op: Op, N: int) -> list[tuple[int, int]]:
         if any(c.kind == "silu_mul" for c in self.consumers.get(op.outputs[0], [])):
-            half = col_tiles(N // 2, max(1, self.sms // 2))
+            half = col_tiles(N // 2, max(1, self.sms // 2), LINEAR_ALIGN)
             return half + [(N // 2 + c0, n) for c0, n in half]
-        return col_tiles(N, self.sms)
+        return col_tiles(N, self.sms, LINEAR_ALIGN)
 
     def linear(self, op: Op) -> None:
         """Blocks of output features; all B rows per tile."""
@@ -211,7 +216,7 @@ class Lowerer:
         p, B = self.p, self.B
         gu, out = p.id(op.inputs[0]), p.id(op.outputs[0])
         I = self.g.tensors[op.outputs[0]].shape[-1]
-        tiles = col_tiles(I, max(1, self.sms // 2))
+        tiles = col_tiles(I, max(1, self.sms // 2), LINEAR_ALIGN)
         t = self._new(op, "silu_mul")
         for c0, n in tiles:
             t.add_tile({"GU": (gu, c0, (B - 1) * 2 * I + I + n), "OUT": (out, c0, (B - 1) * I + n)},

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from mpk_dist.graph import Op
-from mpk_dist.taskgraph.lowering import Lowerer, _all_fp, _cols_fp, col_tiles
+from mpk_dist.taskgraph.lowering import LINEAR_ALIGN, Lowerer, _all_fp, _cols_fp, col_tiles
 from mpk_dist.taskgraph.program import Footprint
 from mpk_dist.taskgraph.sampling_rng import SAMPLING_WORDS
 
@@ -24,7 +24,7 @@ def all_reduce(lw: Lowerer, op: Op) -> None:
     out = p.id(op.outputs[0])
     N = lw.g.tensors[op.outputs[0]].shape[-1]
     recv = p.buffer(f"{op.name}.recv", (W, B, N), p.buffers[part].dtype, "comm", view=(W * B, N))
-    tiles = col_tiles(N, lw.sms)
+    tiles = col_tiles(N, lw.sms, LINEAR_ALIGN)  # the producing linear's tiles: one producer per tile
     push = lw._new(op, "allreduce_push", "/push")
     for c0, n in tiles:
         push.add_tile({"SRC": (part, c0, (B - 1) * N + n), "DST": (recv, lw.rank * B * N + c0, (B - 1) * N + n)},

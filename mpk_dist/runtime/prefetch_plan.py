@@ -1,0 +1,79 @@
+"""How many weight bytes each linear tile pulls into L2 before it waits on its inputs.
+
+A worker issues an L2 prefetch of its next task's weights and then spins on that task's input
+events. Most linear ops follow another full-width linear: their wait is short, and prefetching whole
+tiles there (132 tiles of up to ~1.6 MB, more than the L2) only evicts lines before they are used,
+so those tasks keep the kernel's small default cap (``MPK_PREFETCH_KB``). A linear that waits on a
+NARROW op (few tasks: the o-projection after attention, whose qkv_prep -> attention chain runs on a
+handful of SMs for tens of microseconds) leaves every other SM idle for that long; its whole weight
+block fits in L2 and can be in L2 by the time the inputs arrive. This module marks those tasks.
+
+The plan is a per-task int32 array (bytes, or -1 for "the kernel's default cap") that the session
+copies to the device (``RuntimeParams.prefetch_bytes``); it depends on the device (L2 size, workers),
+so it is made at load time, not by the task-graph compiler.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mpk_dist.taskgraph.abi import EVENT_COLS, TASK_COLS, WAIT_COLS
+from mpk_dist.taskgraph.tasks import BY_NAME
+
+LINEAR_KINDS = ("linear", "norm_linear", "linear_residual", "silu_linear")
+"""Kinds whose CUDA bodies stream a contiguous [N_TILE, K] bf16 weight block (dispatch.cuh prefetch_task)."""
+
+NARROW_FRACTION = 0.25
+"""An input event with fewer signallers per step than this share of the workers marks a long wait."""
+
+L2_SHARE = 0.7
+"""Share of the L2 one op's whole-tile prefetches may fill (the rest: activations, the KV cache)."""
+
+WEIGHT_BYTES = 2  # the linear bodies read bf16 weights
+
+
+def _narrow_wait(cg, task: int, workers: int) -> bool:
+    """True when some wait of ``task`` in its own step is on an event with few signallers."""
+    tasks, waits, events = cg.arrays["tasks"], cg.arrays["waits"], cg.arrays["events"]
+    row = tasks[task]
+    for k in range(int(row[TASK_COLS["WAIT_BEGIN"]]), int(row[TASK_COLS["WAIT_END"]])):
+        if int(waits[k, WAIT_COLS["STEP_OFFSET"]]) != 0:
+            continue
+        trig = int(events[int(waits[k, WAIT_COLS["EVENT"]]), EVENT_COLS["TRIGGERS"]])
+        if 0 < trig < NARROW_FRACTION * workers:
+            return True
+    return False
+
+
+def prefetch_plan(cg, workers: int, l2_bytes: int) -> np.ndarray:
+    """Per task: L2 prefetch bytes before its waits (>= 0), or -1 for the kernel's default cap.
+
+    Tiles of a linear op that waits on a narrow op get their whole weight block, or an equal share of
+    ``L2_SHARE * l2_bytes`` when the op's blocks together exceed it; every other task gets -1.
+    """
+    tasks, params = cg.arrays["tasks"], cg.arrays["params"]
+    plan = np.full(tasks.shape[0], -1, np.int32)
+    opcodes = {BY_NAME[k].opcode: BY_NAME[k] for k in LINEAR_KINDS}
+    by_op: dict[int, list[tuple[int, int]]] = {}
+    for t in range(tasks.shape[0]):
+        kind = opcodes.get(int(tasks[t, TASK_COLS["OPCODE"]]))
+        if kind is None:
+            continue
+        p = params[tasks[t, TASK_COLS["PARAM_BEGIN"]]:tasks[t, TASK_COLS["PARAM_END"]]]
+        named = {spec.name: int(v) for spec, v in zip(kind.params, p)}
+        by_op.setdefault(int(tasks[t, TASK_COLS["OP_INDEX"]]), []).append((t, named["N_TILE"] * named["K"] * WEIGHT_BYTES))
+    budget = int(L2_SHARE * l2_bytes)
+    for tiles in by_op.values():
+        if not _narrow_wait(cg, tiles[0][0], workers):
+            continue
+        share = budget // len(tiles)
+        for t, nbytes in tiles:
+            plan[t] = min(nbytes, share)
+    return plan
+
+
+def describe(cg, plan: np.ndarray) -> str:
+    """One line: how many tasks of how many ops get a planned prefetch, and its total size."""
+    marked = np.nonzero(plan >= 0)[0]
+    ops = {int(cg.arrays["tasks"][t, TASK_COLS["OP_INDEX"]]) for t in marked}
+    return f"whole-tile L2 prefetch: {len(marked)} tasks of {len(ops)} ops, {int(plan[marked].sum()) / 1e6:.1f} MB per step"

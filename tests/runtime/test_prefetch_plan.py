@@ -1,0 +1,78 @@
+"""The per-task L2 prefetch plan (mpk_dist/runtime/prefetch_plan.py): which linear tiles prefetch
+their whole weight block before waiting, and the L2 budget split."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mpk_dist.models.presets import get_preset
+from mpk_dist.runtime.prefetch_plan import L2_SHARE, describe, prefetch_plan
+from mpk_dist.taskgraph.abi import TASK_COLS
+from mpk_dist.taskgraph.compiler import compile_rank_programs
+from mpk_dist.taskgraph.tasks import BY_OPCODE
+
+SMS = 132
+MODEL = "qwen3-0.6b"  # linears span the workers (the tiny preset's are all narrow)
+
+
+def _by_name(cg, plan):
+    """{(op name, kind): sorted set of planned values of its tasks}."""
+    out: dict = {}
+    for t, v in enumerate(plan.tolist()):
+        op = cg.meta["ops"][int(cg.arrays["tasks"][t, TASK_COLS["OP_INDEX"]])]
+        out.setdefault((op["name"], BY_OPCODE[int(cg.arrays["tasks"][t, TASK_COLS["OPCODE"]])].name), set()).add(v)
+    return out
+
+
+@pytest.mark.parametrize("fuse,tp", [(True, 1), (False, 1), (True, 2)])
+def test_only_linears_after_a_narrow_op_prefetch_whole_tiles(fuse, tp):
+    """Fused: only o_proj (after attention's 8 tasks). Unfused: also qkv_proj, gate_up_proj and lm_head,
+    which wait on a one-task rms_norm; never down_proj (after the full-width gate_up / silu_mul)."""
+    cg = compile_rank_programs(get_preset(MODEL), tp=tp, batch=1, sms=SMS, max_seq_len=64, fuse=fuse)[0]
+    plan = prefetch_plan(cg, SMS, 50 << 20)
+    marked = {k: v for k, v in _by_name(cg, plan).items() if v != {-1}}
+    layers = get_preset(MODEL).num_layers
+    want = {"o_proj"} if fuse else {"o_proj", "qkv_proj", "gate_up_proj", "lm_head"}
+    assert {name.split(".")[-1] for name, _ in marked} == want, sorted(marked)
+    assert len(marked) == layers * len(want - {"lm_head"}) + ("lm_head" in want)
+    for (name, kind), vals in marked.items():
+        assert kind in ("linear", "linear_residual", "norm_linear") and min(vals) > 0, (name, kind)
+    # planned bytes = the tile's whole weight block (o/qkv/gate_up: far below the budget; lm_head, 311 MB,
+    # gets an equal share of it)
+    ops = cg.arrays["tasks"][:, TASK_COLS["OP_INDEX"]]
+    head = [i for i, o in enumerate(cg.meta["ops"]) if o["name"].endswith("lm_head")]
+    for t in np.nonzero((plan >= 0) & ~np.isin(ops, head))[0]:
+        row = cg.arrays["tasks"][t]
+        p = cg.arrays["params"][row[TASK_COLS["PARAM_BEGIN"]]:row[TASK_COLS["PARAM_END"]]]
+        named = {s.name: int(x) for s, x in zip(BY_OPCODE[int(row[TASK_COLS["OPCODE"]])].params, p)}
+        assert plan[t] == named["N_TILE"] * named["K"] * 2
+    assert "whole-tile L2 prefetch" in describe(cg, plan)
+
+
+def test_budget_is_shared_when_the_blocks_exceed_it():
+    cg = compile_rank_programs(get_preset(MODEL), tp=1, batch=1, sms=SMS, max_seq_len=64, fuse=True)[0]
+    full = prefetch_plan(cg, SMS, 50 << 20)
+    tiny_l2 = 1 << 20
+    small = prefetch_plan(cg, SMS, tiny_l2)
+    assert ((small >= 0) == (full >= 0)).all()
+    ops = cg.arrays["tasks"][:, TASK_COLS["OP_INDEX"]]
+    for op in set(ops[full >= 0].tolist()):
+        tiles = np.nonzero(ops == op)[0]
+        assert small[tiles].sum() <= int(L2_SHARE * tiny_l2)
+        assert (small[tiles] < full[tiles]).all()
+
+
+def test_no_narrow_wait_means_no_plan():
+    """With as few workers as attention tasks nothing counts as narrow: every entry is -1."""
+    cg = compile_rank_programs(get_preset("tiny"), tp=1, batch=1, sms=4, max_seq_len=64, fuse=True)[0]
+    assert (prefetch_plan(cg, 4, 50 << 20) == -1).all()
+
+
+def test_the_rule_is_the_signaller_count_not_the_op():
+    """The tiny preset at 32 workers: its down_proj has 4 tiles, so the next layer's qkv_proj waits on a
+    narrow op and is planned too (at qwen3-0.6b's 128 down tiles it is not)."""
+    cg = compile_rank_programs(get_preset("tiny"), tp=1, batch=1, sms=32, max_seq_len=64, fuse=True)[0]
+    names = {n.split(".")[-1] for n, _ in (k for k, v in _by_name(cg, prefetch_plan(cg, 32, 50 << 20)).items()
+                                         if v != {-1})}
+    assert {"o_proj", "qkv_proj"} <= names
