@@ -29,3 +29,35 @@ def test_shape_check_drops_only_structures_that_never_have_the_target_shape():
                     _, kinfos = B.instantiate(st, sizes, infos, ("@0",), None)
                     assert kinfos is None or kinfos["@0"].shape != out_shape, (st, sizes)
     assert dropped > 0 and kept > 0
+
+
+def _last_op_options(K: int, N: int):
+    from mpk_dist.superopt.kernelsearch import BlockCatalog
+
+    target = analyze(build("silu_mul_linear", {"M": 1, "I": K, "N": N}))
+    ctx = Context(target, SearchConfig(max_block_ops=4), time.monotonic() + 60)
+    infos = _input_infos(target)
+    return BlockCatalog(ctx, 1).options(tuple(infos), infos, final=True), infos
+
+
+def test_long_reduction_keeps_the_one_op_graph_at_a_loop_count_that_fits():
+    """qwen3-8b's down projection (K=12288, N=4096): at the smallest loop count (2) no grid's W tile
+    fits in shared memory, and grid counts used to be costed only there, so the one-custom-op
+    silu*mul->matmul had no option at all and the search fell back to custom + matmul (which the
+    code generator does not lower). Each grid is now costed at its first loop count that fits."""
+    from mpk_dist.superopt.cost import custom_op_cost
+    from mpk_dist.superopt.ugraph import SMEM_LIMIT
+
+    options, infos = _last_op_options(12288, 4096)
+    assert options, "no one-custom-op silu*mul->matmul at K=12288"
+    st, sizes, cost = options[0]
+    assert cost < 2 * 2.0 + 12288 * 4096 * 2 / 4.3e6  # beats custom + library matmul (2 syncs + W)
+    loop_sym = st.layout.loop_sym
+    assert loop_sym and sizes[loop_sym] > 2  # the smallest loop count does not fit
+    bg, kinfos = B.instantiate(st, sizes, infos, ("@0",), None)
+    assert bg.smem_bytes() <= SMEM_LIMIT
+    assert custom_op_cost(bg, {**infos, **kinfos})["time_us"] == cost
+    small = {**sizes, loop_sym: 2}
+    bg2, kinfos2 = B.instantiate(st, small, infos, ("@0",), None)
+    assert bg2.smem_bytes() > SMEM_LIMIT  # the cause: at loop count 2 the tiles do not fit
+
