@@ -175,7 +175,8 @@ def test_kernel_with_the_paged_bodies_compiles_for_sm90a(tmp_path, monkeypatch):
 # ---- the CUDA bodies' addresses on the compiled tables (CPU emulation) -------------------------------
 # Each function below repeats the index arithmetic of one CUDA body (the file named in its docstring)
 # for one task: the element offsets, relative to each pointer argument, that the body touches with
-# the pass's host-written inputs. The bodies' contract (tasks/base.py) is 0 <= offset < COUNT.
+# the pass's host-written inputs. The bodies' contract (tasks/base.py) is 0 <= offset < COUNT, and
+# every element touched is one the Python kind's ``accesses`` declare (what the race checker sees).
 def _rows_cols(rows, stride: int, cols) -> np.ndarray:
     return (np.asarray(rows, np.int64)[:, None] * stride + np.asarray(cols, np.int64)[None, :]).reshape(-1)
 
@@ -212,8 +213,9 @@ def _kv_row(p, x, s: int, pos: int) -> int:
 def _qkv_prep_paged(p, x, mpk_batch: int) -> dict:
     """csrc/tasks/qkv_prep_paged.cuh (the per-token math of qkv_prep.cuh)."""
     B, D = p["BATCH"], p["HEAD_DIM"]
-    d, out = np.arange(D), {"POSITIONS": np.arange(B), "SLOTS": np.arange(B), "NORM_W": np.arange(D),
-                            "INV_FREQ": np.arange(D // 2)}
+    d, out = np.arange(D), {"POSITIONS": np.arange(B), "SLOTS": np.arange(B), "INV_FREQ": np.arange(D // 2)}
+    if "NORM_W" not in x["NULL"]:  # the per-head norm only when the model has one (norm_w != nullptr)
+        out["NORM_W"] = d
     if not p["IS_KV"]:
         return {**out, "QKV": _rows_cols(range(B), p["QKV_STRIDE"], d), "DST": _rows_cols(range(B), p["Q_STRIDE"], d)}
     if not _tokens_ok(p, x, prefix=False):
@@ -266,18 +268,37 @@ def _out_of_bounds(sess) -> list[str]:
         if kind.name not in _BODIES:
             continue
         args = cg.arrays["args"][tasks[t, TASK_COLS["ARG_BEGIN"]]:tasks[t, TASK_COLS["ARG_END"]]]
-        x = {}
+        x = {"NULL": {spec.name for spec, (buf, _, _) in zip(kind.args, args) if buf < 0}}
         for spec, (buf, off, cnt) in zip(kind.args, args):
             if spec.name in _INPUTS:
                 name = cg.meta["buffers"][buf]["name"]
                 x[spec.name] = host.get(name, sess.bufs[buf]).reshape(-1)[off:off + cnt].numpy().astype(np.int64)
         addrs = _BODIES[kind.name](task_params(cg, t), x, int(cg.meta["batch"]))
-        for spec, (buf, off, cnt) in zip(kind.args, args):
+        declared = _declared(sess, kind, t, args, host)
+        for i, (spec, (buf, off, cnt)) in enumerate(zip(kind.args, args)):
             a = addrs.get(spec.name, np.zeros(0, np.int64))
+            where = f"{cg.task_label(t)} {spec.name}"
             if len(a) and (buf < 0 or a.min() < 0 or a.max() >= cnt):
-                bad.append(f"{cg.task_label(t)} {spec.name}: touches [{a.min()}, {a.max()}], expected within "
+                bad.append(f"{where}: touches [{a.min()}, {a.max()}], expected within "
                            f"[0, {cnt}) of {cg.meta['buffers'][buf]['name'] if buf >= 0 else 'NULL'}")
+            elif i in declared and not np.isin(a + off, declared[i]).all():
+                bad.append(f"{where}: touches elements the kind's accesses() do not declare (the race checker's view)")
     return bad
+
+
+def _declared(sess, kind, t: int, args, host) -> dict[int, np.ndarray]:
+    """Argument index -> elements the kind's ``accesses`` declare for this tile (CPU reference footprint)."""
+    from mpk_dist.taskgraph.tasks.base import TileContext
+
+    cg = sess.cg
+    bufs = [None if b < 0 else host.get(cg.meta["buffers"][b]["name"], sess.bufs[b]).reshape(-1) for b, _, _ in args]
+    p = cg.arrays["params"][cg.arrays["tasks"][t, TASK_COLS["PARAM_BEGIN"]]:cg.arrays["tasks"][t, TASK_COLS["PARAM_END"]]]
+    ctx = TileContext(kind, bufs, [int(a[1]) for a in args], [int(a[2]) for a in args], p.tolist(), 0, sess.rank,
+                      int(cg.meta["world_size"]), lambda i: [bufs[i]])
+    out: dict[int, list] = {}
+    for acc in kind.accesses(ctx):
+        out.setdefault(acc.arg, []).append(np.asarray(acc.index, np.int64).reshape(-1))
+    return {i: np.concatenate(v) for i, v in out.items()}
 
 
 def _diff_test_server(backend: str, tp: int = 1):
@@ -298,7 +319,7 @@ def test_cuda_bodies_stay_inside_their_buffers_on_the_compiled_pass(fake_device,
     """The two passes of the GPU diff test (two prompts and padding; then two decodes next to a
     prompt chunk), as the backend compiles and writes them: every address the linear (at the
     kernel's MPK_BATCH rows), qkv_prep_paged, paged_attention and gather_rows bodies compute is
-    inside its argument. The gathered head over MB = 4 < N rows made the lm_head tiles read and
+    inside its argument and among the elements the kind's ``accesses`` declare. The gathered head over MB = 4 < N rows made the lm_head tiles read and
     write 16 rows of the [4, *] h_final and logits (the illegal memory access seen on the H200)."""
     srv, _ = _diff_test_server("megakernel", tp)
     kinds = {BY_OPCODE[int(o)].name for o in srv.backend.group.sessions[0].cg.arrays["tasks"][:, TASK_COLS["OPCODE"]]}
