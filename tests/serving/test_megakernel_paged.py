@@ -162,7 +162,8 @@ def test_kernel_with_the_paged_bodies_compiles_for_sm90a(tmp_path, monkeypatch):
     from mpk_dist.taskgraph.paged_compiler import compile_paged_programs
 
     monkeypatch.setenv("MPK_CACHE_DIR", str(tmp_path))
-    cg = compile_paged_programs(open_model("tiny").config, SPEC, 2, sms=4)[1]
+    cg = compile_paged_programs(open_model("tiny").config, MP.kernel_spec(SPEC), 2, sms=4)[1]  # as the backend
+    MP.check_paged_tasks(cg)
     src, res = build_kernel(KernelShape(batch=SPEC.max_tokens, worker_threads=512, superopt=False), rank=1, world=2,
                             compiler="nvcc", program=cg)
     assert "#define MPK_BATCH 8" in src and res.cubin[:4] == b"\x7fELF" and not res.cached
