@@ -10,48 +10,78 @@
 
 namespace mpk {
 
+// One head row of one sequence, one warp (lane 0..31): the per-head RMSNorm (when norm_w != nullptr)
+// and the rope at position `pos`; src / dst: the head's D values. This is the hook a superoptimizer-
+// generated body replaces: mpk::gen::qk_norm_rope (same signature; csrc/tasks/generated/qk_norm_rope.cuh,
+// rendered from the qk_norm_rope µGraph by mpk_dist.superopt.codegen_rope) when
+// MPK_SUPEROPT_QK_NORM_ROPE is 1 and the model has q/k norms.
+__device__ __forceinline__ void qk_norm_rope(const bf16* src, const bf16* norm_w, const float* inv_freq, int pos,
+                                             bf16* dst, int D, float eps, int lane) {
+  const int half = D / 2;
+  constexpr int kMaxPairs = 8;
+  float lo[kMaxPairs], hi[kMaxPairs], ss = 0.f;
+#pragma unroll
+  for (int i = 0; i < kMaxPairs; ++i) {
+    const int d = lane + 32 * i;
+    lo[i] = hi[i] = 0.f;
+    if (d < half) {
+      lo[i] = bf2f(src[d]);
+      hi[i] = bf2f(src[d + half]);
+      ss += lo[i] * lo[i] + hi[i] * hi[i];
+    }
+  }
+  if (norm_w != nullptr) {
+    const float r = rsqrtf(warp_sum(ss) / (float)D + eps);
+#pragma unroll
+    for (int i = 0; i < kMaxPairs; ++i) {
+      const int d = lane + 32 * i;
+      if (d < half) {
+        lo[i] = round_bf(bf2f(norm_w[d]) * round_bf(lo[i] * r));
+        hi[i] = round_bf(bf2f(norm_w[d + half]) * round_bf(hi[i] * r));
+      }
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < kMaxPairs; ++i) {
+    const int d = lane + 32 * i;
+    if (d < half) {
+      const float ang = (float)pos * inv_freq[d];  // fp32 product, as torch forms the angles
+      const float c = round_bf(cosf(ang)), s = round_bf(sinf(ang));
+      // rotate-half: out[d] = x[d] c - x[d+h] s ; out[d+h] = x[d+h] c + x[d] s
+      dst[d] = f2bf(round_bf(lo[i] * c) + round_bf(-hi[i] * s));
+      dst[d + half] = f2bf(round_bf(hi[i] * c) + round_bf(lo[i] * s));
+    }
+  }
+}
+
+}  // namespace mpk
+
+// Superoptimized body (mpk_dist.runtime.superopt_tasks): MPK_SUPEROPT comes from the generated .cu; a
+// build whose search gave no lowerable µGraph has -DMPK_SUPEROPT_QK_NORM_ROPE=0. "generated/qk_norm_rope.cuh"
+// resolves to the build's per-µGraph folder (first on the include path), else to csrc/tasks/generated.
+#ifndef MPK_SUPEROPT_QK_NORM_ROPE
+#define MPK_SUPEROPT_QK_NORM_ROPE MPK_SUPEROPT
+#endif
+#if MPK_SUPEROPT_QK_NORM_ROPE
+#include "generated/qk_norm_rope.cuh"
+#endif
+
+namespace mpk {
+
 __device__ void qkv_prep(const bf16* qkv, const int32_t* pos, const bf16* norm_w, const float* inv_freq, bf16* dst,
                          bf16* dst_v, int B, int D, int qkv_stride, int v_offset, int dst_bs, int dst_ps, int is_kv,
                          float eps, int tid, int nt) {
-  const int warp = tid >> 5, lane = tid & 31, nwarps = nt >> 5, half = D / 2;
-  constexpr int kMaxPairs = 8;
+  const int warp = tid >> 5, lane = tid & 31, nwarps = nt >> 5;
   for (int b = warp; b < B; b += nwarps) {
     const int p = pos[b];
     const bf16* src = qkv + (size_t)b * qkv_stride;
     const size_t o = (size_t)b * dst_bs + (size_t)p * dst_ps;
-    float lo[kMaxPairs], hi[kMaxPairs], ss = 0.f;
-#pragma unroll
-    for (int i = 0; i < kMaxPairs; ++i) {
-      const int d = lane + 32 * i;
-      lo[i] = hi[i] = 0.f;
-      if (d < half) {
-        lo[i] = bf2f(src[d]);
-        hi[i] = bf2f(src[d + half]);
-        ss += lo[i] * lo[i] + hi[i] * hi[i];
-      }
-    }
-    if (norm_w != nullptr) {
-      const float r = rsqrtf(warp_sum(ss) / (float)D + eps);
-#pragma unroll
-      for (int i = 0; i < kMaxPairs; ++i) {
-        const int d = lane + 32 * i;
-        if (d < half) {
-          lo[i] = round_bf(bf2f(norm_w[d]) * round_bf(lo[i] * r));
-          hi[i] = round_bf(bf2f(norm_w[d + half]) * round_bf(hi[i] * r));
-        }
-      }
-    }
-#pragma unroll
-    for (int i = 0; i < kMaxPairs; ++i) {
-      const int d = lane + 32 * i;
-      if (d < half) {
-        const float ang = (float)p * inv_freq[d];  // fp32 product, as torch forms the angles
-        const float c = round_bf(cosf(ang)), s = round_bf(sinf(ang));
-        // rotate-half: out[d] = x[d] c - x[d+h] s ; out[d+h] = x[d+h] c + x[d] s
-        dst[o + d] = f2bf(round_bf(lo[i] * c) + round_bf(-hi[i] * s));
-        dst[o + d + half] = f2bf(round_bf(hi[i] * c) + round_bf(lo[i] * s));
-      }
-    }
+#if MPK_SUPEROPT_QK_NORM_ROPE
+    if (norm_w != nullptr)  // the generated body is the qk_norm_rope µGraph's: norm, then rope
+      gen::qk_norm_rope(src, norm_w, inv_freq, p, dst + o, D, eps, lane);
+    else
+#endif
+      qk_norm_rope(src, norm_w, inv_freq, p, dst + o, D, eps, lane);
     if (is_kv) {
       for (int d = lane; d < D; d += 32) dst_v[o + d] = src[v_offset + d];
     }

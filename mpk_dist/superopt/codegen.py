@@ -57,8 +57,8 @@ def _c_float(v: float) -> str:
 class _Consts:
     """Constants of the search shape bound to the ABI's run-time values (1/K -> / K, eps -> eps)."""
 
-    def __init__(self, K: int, eps: float | None):
-        self.K, self.eps = K, eps
+    def __init__(self, K: int, eps: float | None, kname: str = "K"):
+        self.K, self.eps, self.kname = K, eps, kname  # kname: the C name of the run-time extent
 
     def is_inv_k(self, c) -> bool:
         return isinstance(c, float) and abs(c * self.K - 1.0) < 1e-9
@@ -67,7 +67,7 @@ class _Consts:
         if self.eps is not None and isinstance(c, float) and abs(c - self.eps) <= 1e-12 * max(1.0, abs(c)):
             return "eps"
         if self.is_inv_k(c):
-            return "(1.0f / (float)K)"
+            return f"(1.0f / (float){self.kname})"
         return _c_float(c)
 
 
@@ -79,7 +79,7 @@ def _prog(p, x: str, consts: _Consts) -> str:
         return consts.value(float(p))
     op, *args = p
     if op == "mul" and len(args) == 2 and consts.is_inv_k(args[1]):  # x * (1/K) as the reference's x / K
-        return f"({_prog(args[0], x, consts)} / (float)K)"
+        return f"({_prog(args[0], x, consts)} / (float){consts.kname})"
     a = [_prog(q, x, consts) for q in args]
     if op in ("mul", "add", "div"):
         return f"({a[0]} {dict(mul='*', add='+', div='/')[op]} {a[1]})"
@@ -207,8 +207,13 @@ def _body(p: GemvPlan, abi: KindAbi, consts: _Consts, struct: str) -> list:
 def render(ug, kind: str, eps: float = 1e-6) -> str:
     """CUDA source of the generated body of fused kind ``kind`` from µGraph ``ug`` (a UGraph or its
     to_dict()); ``eps`` is the rms_norm epsilon the search's target used (bound to the EPS param)."""
+    if kind == "qk_norm_rope":  # the per-head norm + rope of qkv_prep (codegen_rope.py)
+        from mpk_dist.superopt.codegen_rope import render_rope
+
+        return render_rope(ug, eps)
     if kind not in KINDS:
-        raise CodegenError(f"superopt codegen kind: expected one of {sorted(KINDS)}, got {kind!r}")
+        raise CodegenError(f"superopt codegen kind: expected one of {sorted(KINDS) + ['qk_norm_rope']}, "
+                           f"got {kind!r}")
     abi = KINDS[kind]
     d = ug if isinstance(ug, dict) else ug.to_dict()
     missing = sorted(set(abi.rows) - set(d["inputs"]))

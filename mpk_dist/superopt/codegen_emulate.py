@@ -54,3 +54,45 @@ def operand(p: GemvPlan, rows: dict, K: int, eps: float = 1e-6, search_eps: floa
         return out if root else rnd(out)
 
     return ev(p.operand, root=True).to(torch.bfloat16)
+
+
+def rope_rows(p, q, norm_w, inv_freq, pos, eps: float = 1e-6, search_eps: float = 1e-6):
+    """[B, D] bf16 output of the generated ``qk_norm_rope`` of RopePlan ``p`` (codegen_rope_plan),
+    emulated with its rounding: ``q`` [B, D] bf16 head rows, ``norm_w`` [D] bf16, ``inv_freq``
+    [D/2] fp32, ``pos`` [B] int positions. Each tree node is evaluated on whole rows (the lo|hi
+    halves side by side), ``rot`` as rotate-half."""
+    import torch
+
+    D = q.shape[-1]
+    half = D // 2
+
+    def rnd(t):
+        return t.to(torch.bfloat16).float()
+
+    ang = pos.float().unsqueeze(-1) * inv_freq  # [B, D/2] fp32
+    ang = torch.cat([ang, ang], dim=-1)
+    leaves = {"G": norm_w.float(), "C": rnd(ang.cos()), "S": rnd(ang.sin())}
+    x = q.float()
+    r = None
+    if p.factor is not None:
+        stat = (x * x).sum(-1, keepdim=True)
+        r = torch.rsqrt(_prog(p.factor[2], stat, D, eps, p.d_extent, search_eps))
+
+    def ev(n):
+        tag = n[0]
+        if tag == "q":
+            return x
+        if tag == "vec":
+            return leaves[n[2]]
+        if tag == "scaled":
+            return rnd(x * r)
+        if tag == "rot":
+            e = ev(n[2])
+            return torch.cat([-e[..., half:], e[..., :half]], dim=-1)
+        kind, prog, args = n[2], n[3], n[4]
+        a = [ev(t) for t in args]
+        if kind == "chain":
+            return rnd(_prog(prog, a[0], D, eps, p.d_extent, search_eps))
+        return rnd({"mul": torch.mul, "add": torch.add, "div": torch.div}[kind](a[0], a[1]))
+
+    return ev(p.root).to(torch.bfloat16)
