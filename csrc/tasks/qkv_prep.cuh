@@ -57,13 +57,14 @@ __device__ __forceinline__ void qk_norm_rope(const bf16* src, const bf16* norm_w
 }  // namespace mpk
 
 // Superoptimized body (mpk_dist.runtime.superopt_tasks): MPK_SUPEROPT comes from the generated .cu; a
-// build whose search gave no lowerable µGraph has -DMPK_SUPEROPT_QK_NORM_ROPE=0. "generated/qk_norm_rope.cuh"
-// resolves to the build's per-µGraph folder (first on the include path), else to csrc/tasks/generated.
+// build whose search gave no lowerable µGraph has -DMPK_SUPEROPT_QK_NORM_ROPE=0. The hook header forwards
+// to "generated/qk_norm_rope.cuh" on the include path: the build's per-µGraph folder (first on the path),
+// else csrc/tasks/generated (see generated/qk_norm_rope_hook.cuh for why it is not included from here).
 #ifndef MPK_SUPEROPT_QK_NORM_ROPE
 #define MPK_SUPEROPT_QK_NORM_ROPE MPK_SUPEROPT
 #endif
 #if MPK_SUPEROPT_QK_NORM_ROPE
-#include "generated/qk_norm_rope.cuh"
+#include "generated/qk_norm_rope_hook.cuh"
 #endif
 
 namespace mpk {

@@ -34,12 +34,19 @@ import numpy as np
 
 from mpk_dist import __version__
 
-KIND_PATTERN = {"norm_linear": "rmsnorm_linear", "silu_linear": "silu_mul_linear"}
-"""Fused task kind -> the superopt pattern whose µGraph replaces its hand-written body."""
+KIND_PATTERN = {"norm_linear": "rmsnorm_linear", "silu_linear": "silu_mul_linear", "qk_norm_rope": "qk_norm_rope"}
+"""Generated body (function name) -> the superopt pattern whose µGraph replaces its hand-written body.
+``qk_norm_rope`` is the per-head q/k norm + rope inside the qkv_prep task (csrc/tasks/qkv_prep.cuh)."""
+HAND_WRITTEN = {"qk_norm_rope": "qkv_prep.cuh"}
+"""Where a body's hand-written version lives when it is not csrc/tasks/<kind>.cuh."""
 
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2  # 2: grid counts costed at their first loop count that fits (K=12288 silu_linear lowers now)
 DEFAULT_TIMEOUT_S = 120.0
 """Per-problem search limit (``MPK_SUPEROPT_TIMEOUT`` overrides); the best verified graph so far is used."""
+PATTERN_TIMEOUT_S = {"qk_norm_rope": 30.0}
+"""Patterns whose search always ends at its limit (qk_norm_rope: the depth-2 space with five inputs is not
+exhausted within minutes; verified two-op graphs are found in ~6-15 s on 2 cores) get a shorter default, so a
+cold compile stays reasonable; ``MPK_SUPEROPT_TIMEOUT`` still overrides."""
 MAX_SEARCH_WEIGHTS = 1 << 26
 """Largest K*N searched (``MPK_SUPEROPT_MAX_WEIGHTS`` overrides). The verifier evaluates the whole
 µGraph at the real shape in float64 and over finite fields, so memory and time grow with the weight:
@@ -52,10 +59,10 @@ class Problem:
     """One fusable pattern at one decode shape: ``kind`` with B rows, reduction K, N output columns."""
 
     kind: str
-    batch: int
-    k: int
-    n: int
-    eps: float = 0.0  # the rms_norm epsilon (norm_linear only)
+    batch: int  # rows: batch rows of a linear; heads for qk_norm_rope
+    k: int      # reduction length; the head dim D for qk_norm_rope
+    n: int      # output columns; D for qk_norm_rope
+    eps: float = 0.0  # the rms_norm epsilon (norm_linear, qk_norm_rope)
 
     @property
     def pattern(self) -> str:
@@ -63,7 +70,9 @@ class Problem:
         return KIND_PATTERN[self.kind]
 
     def label(self) -> str:
-        """Short text for messages: ``norm_linear B=1 K=1024 N=4096``."""
+        """Short text for messages: ``norm_linear B=1 K=1024 N=4096``, ``qk_norm_rope H=16 D=128``."""
+        if self.kind == "qk_norm_rope":
+            return f"{self.kind} H={self.batch} D={self.k}"
         return f"{self.kind} B={self.batch} K={self.k} N={self.n}"
 
     def target(self):
@@ -72,6 +81,8 @@ class Problem:
 
         if self.kind == "norm_linear":
             return patterns.rmsnorm_linear(M=self.batch, K=self.k, N=self.n, eps=self.eps)
+        if self.kind == "qk_norm_rope":
+            return patterns.qk_norm_rope(H=self.batch, D=self.k, eps=self.eps)
         return patterns.silu_mul_linear(M=self.batch, I=self.k, N=self.n)
 
 
@@ -101,24 +112,54 @@ class SuperoptBuild:
     notes: list[str] = field(default_factory=list)
 
 
+def _f32(bits: int) -> float:
+    """A float param from its bit pattern (float params travel as int32)."""
+    return float(np.array([bits & 0xFFFFFFFF], dtype=np.uint32).view(np.float32)[0])
+
+
 def problems_of(cg) -> dict[Problem, int]:
-    """The fusable problems a compiled program runs -> weight elements its tiles stream per step."""
+    """The fusable problems a compiled program runs -> weight elements its tiles stream per step
+    (qk_norm_rope: head values per step). A model without q/k norms (Llama) has no qk_norm_rope problem:
+    its qkv_prep is rope only and keeps the hand-written body."""
     from mpk_dist.taskgraph.abi import TASK_COLS
     from mpk_dist.taskgraph.tasks import BY_NAME
 
     tasks, params = cg.arrays["tasks"], cg.arrays["params"]
     out: dict[Problem, int] = {}
-    for kind_name in KIND_PATTERN:
+    for kind_name in ("norm_linear", "silu_linear"):
         kind = BY_NAME[kind_name]
         rows = tasks[tasks[:, TASK_COLS["OPCODE"]] == kind.opcode]
         for p0 in rows[:, TASK_COLS["PARAM_BEGIN"]].tolist():
             get = lambda name: int(params[p0 + kind.param_index(name)])  # noqa: E731
-            eps = 0.0
-            if kind_name == "norm_linear":  # float params travel as their bit pattern
-                eps = float(np.array([get("EPS") & 0xFFFFFFFF], dtype=np.uint32).view(np.float32)[0])
+            eps = _f32(get("EPS")) if kind_name == "norm_linear" else 0.0
             prob = Problem(kind_name, get("BATCH"), get("K"), get("Y_STRIDE"), eps)
             out[prob] = out.get(prob, 0) + get("K") * get("N_TILE")
+    out.update(_qk_problems(cg))
     return out
+
+
+def _qk_problems(cg) -> dict[Problem, int]:
+    """qk_norm_rope at (H = q heads of one layer, D, eps) when the qkv_prep tiles have a norm weight."""
+    from mpk_dist.taskgraph.abi import ARG_COLS, NULL_BUFFER, TASK_COLS
+    from mpk_dist.taskgraph.tasks import BY_NAME
+
+    kind = BY_NAME["qkv_prep"]
+    tasks, params, args = cg.arrays["tasks"], cg.arrays["params"], cg.arrays["args"]
+    rows = tasks[tasks[:, TASK_COLS["OPCODE"]] == kind.opcode]
+    normed = [t for t in rows if args[t[TASK_COLS["ARG_BEGIN"]] + kind.arg_index("NORM_W"), ARG_COLS["BUFFER"]]
+              != NULL_BUFFER]
+    if not normed:
+        return {}
+
+    def get(t, name: str) -> int:
+        return int(params[int(t[TASK_COLS["PARAM_BEGIN"]]) + kind.param_index(name)])
+
+    layer0 = min(int(t[TASK_COLS["LAYER"]]) for t in normed)
+    q_heads = [t for t in normed if int(t[TASK_COLS["LAYER"]]) == layer0 and not get(t, "IS_KV")]
+    t = q_heads[0] if q_heads else normed[0]
+    D = get(t, "HEAD_DIM")
+    prob = Problem("qk_norm_rope", max(1, len(q_heads)), D, D, _f32(get(t, "EPS")))
+    return {prob: len(normed) * D * get(t, "BATCH")}
 
 
 def _bounds(pattern: str) -> dict:
@@ -167,7 +208,8 @@ def search(problem: Problem, timeout_s: float | None = None, processes: int | No
     from mpk_dist.superopt.codegen import render
     from mpk_dist.superopt.codegen_plan import CodegenError
 
-    timeout_s = timeout_s or float(os.environ.get("MPK_SUPEROPT_TIMEOUT", DEFAULT_TIMEOUT_S))
+    default = PATTERN_TIMEOUT_S.get(problem.pattern, DEFAULT_TIMEOUT_S)
+    timeout_s = timeout_s or float(os.environ.get("MPK_SUPEROPT_TIMEOUT", default))
     res = superoptimize(problem.target(), timeout_s=timeout_s, processes=processes, **_bounds(problem.pattern))
     stats = {k: v for k, v in res.stats.items() if isinstance(v, (int, float, bool, str))}
     if not res.candidates:
@@ -231,7 +273,8 @@ def header_dir(c: Choice) -> Path:
 
 def _hand_written(out: SuperoptBuild, kind: str, why: str) -> None:
     out.defines[f"MPK_SUPEROPT_{kind.upper()}"] = 0
-    out.notes.append(f"superopt: {kind} runs the hand-written body (csrc/tasks/{kind}.cuh): {why}")
+    out.notes.append(f"superopt: {kind} runs the hand-written body (csrc/tasks/{HAND_WRITTEN.get(kind, kind + '.cuh')}): "
+                     f"{why}")
 
 
 def _kind_body(out: SuperoptBuild, kind: str, mine: dict, searcher, log) -> None:
@@ -256,6 +299,13 @@ def _kind_body(out: SuperoptBuild, kind: str, mine: dict, searcher, log) -> None
                          f"{len(ok)} shape(s) with a lowerable µGraph; {len(mine)} in the program)")
 
 
+def _has_qkv_prep(cg) -> bool:
+    from mpk_dist.taskgraph.abi import TASK_COLS
+    from mpk_dist.taskgraph.tasks import BY_NAME
+
+    return bool((cg.arrays["tasks"][:, TASK_COLS["OPCODE"]] == BY_NAME["qkv_prep"].opcode).any())
+
+
 def prepare(cg, searcher=search, log=None) -> SuperoptBuild:
     """Include folders and defines that make the build of ``cg``'s kernel use generated bodies."""
     log = log or _log
@@ -265,6 +315,8 @@ def prepare(cg, searcher=search, log=None) -> SuperoptBuild:
         mine = {p: w for p, w in probs.items() if p.kind == kind}
         if mine:  # else the kind does not run: whatever body is compiled, no tile calls it
             _kind_body(out, kind, mine, searcher, log)
+        elif kind == "qk_norm_rope" and _has_qkv_prep(cg):  # rope only (no q/k norm): nothing to replace
+            _hand_written(out, kind, "the model has no q/k norm (rope only; the qk_norm_rope pattern needs one)")
     for n in out.notes:
         if n not in _NOTED:  # once per process, not once per rank
             _NOTED.add(n)

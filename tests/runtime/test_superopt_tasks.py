@@ -29,6 +29,9 @@ def env(tmp_path_factory):
     mp = pytest.MonkeyPatch()
     mp.setenv("MPK_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
     mp.delenv("MPK_SUPEROPT_MAX_WEIGHTS", raising=False)
+    # qk_norm_rope's search always runs to its limit (30 s by default); it verifies graphs at the tiny
+    # shapes within ~8 s on one process, and the GEMV patterns finish far below this
+    mp.setenv("MPK_SUPEROPT_TIMEOUT", "15")
     ST._MEMO.clear()
     ST._NOTED.clear()
     yield mp
@@ -72,7 +75,8 @@ def test_problems_are_the_programs_fused_shapes(program):
     want = {ST.Problem("norm_linear", 1, c.hidden_size, qkv, eps), ST.Problem("norm_linear", 1, c.hidden_size,
                                                                               2 * c.intermediate_size, eps),
             ST.Problem("norm_linear", 1, c.hidden_size, c.vocab_size, eps),
-            ST.Problem("silu_linear", 1, c.intermediate_size, c.hidden_size, 0.0)}
+            ST.Problem("silu_linear", 1, c.intermediate_size, c.hidden_size, 0.0),
+            ST.Problem("qk_norm_rope", c.num_heads, c.head_dim, c.head_dim, eps)}
     got = ST.problems_of(program)
     assert set(got) == want
     down = ST.Problem("silu_linear", 1, c.intermediate_size, c.hidden_size, 0.0)
@@ -114,11 +118,32 @@ def test_no_lowerable_graph_falls_back_with_a_note(env, program, monkeypatch, tm
     monkeypatch.setenv("MPK_CACHE_DIR", str(tmp_path))
     log = []
     so = ST.prepare(program, nothing, log.append)
-    assert so.defines == {"MPK_SUPEROPT_NORM_LINEAR": 0, "MPK_SUPEROPT_SILU_LINEAR": 0} and not so.include_dirs
+    assert so.defines == {"MPK_SUPEROPT_NORM_LINEAR": 0, "MPK_SUPEROPT_SILU_LINEAR": 0,
+                          "MPK_SUPEROPT_QK_NORM_ROPE": 0} and not so.include_dirs
     assert any("no verified µGraph (test)" in m for m in log)
     assert any("silu_linear runs the hand-written body (csrc/tasks/silu_linear.cuh): no searched shape gave"
                in m for m in log)
     ST._MEMO.clear()
+
+
+def test_qk_norm_rope_gets_a_generated_body_and_llama_keeps_the_hand_written_one(env, cold):
+    """The tiny preset (Qwen3: q/k norms) gets a generated qk_norm_rope from its search; a model without
+    q/k norms (tiny-llama: rope only) has no qk_norm_rope problem and keeps qkv_prep's hand-written body."""
+    from mpk_dist.models.presets import get_preset
+    from mpk_dist.taskgraph.compiler import compile_rank_programs
+
+    so, _, _ = cold
+    c = so.choices["qk_norm_rope"]
+    assert c.problem.label() == "qk_norm_rope H=4 D=32" and "MPK_SUPEROPT_QK_NORM_ROPE" not in so.defines
+    assert "mpk::qk_norm_rope" in render(c.ugraph, "qk_norm_rope", eps=c.problem.eps)
+    llama = compile_rank_programs(get_preset("tiny-llama"), tp=1, batch=1, sms=8, max_seq_len=64, fuse=True)[0]
+    assert not any(p.kind == "qk_norm_rope" for p in ST.problems_of(llama))
+    calls, log = [], []
+    ST._NOTED.clear()
+    out = ST.prepare(llama, lambda p: calls.append(p) or ST.search(p, processes=1), log.append)
+    assert out.defines.get("MPK_SUPEROPT_QK_NORM_ROPE") == 0 and not any(p.kind == "qk_norm_rope" for p in calls)
+    assert any("qk_norm_rope runs the hand-written body (csrc/tasks/qkv_prep.cuh): the model has no q/k norm" in m
+               for m in log), log
 
 
 def test_shapes_above_the_weight_cap_are_not_searched(env, program, monkeypatch):
@@ -126,7 +151,8 @@ def test_shapes_above_the_weight_cap_are_not_searched(env, program, monkeypatch)
     ST._NOTED.clear()
     calls, log = [], []
     so = ST.prepare(program, calls.append, log.append)
-    assert not calls and set(so.defines) == {"MPK_SUPEROPT_NORM_LINEAR", "MPK_SUPEROPT_SILU_LINEAR"}
+    assert not calls and set(so.defines) == {"MPK_SUPEROPT_NORM_LINEAR", "MPK_SUPEROPT_SILU_LINEAR",
+                                             "MPK_SUPEROPT_QK_NORM_ROPE"}
     assert any("not searched (K*N > 100" in m for m in log)
 
 
@@ -210,6 +236,13 @@ def test_include_path_picks_the_build_folder_and_the_switch_turns_it_off(env, tm
     on = _preprocess(tmp_path, KernelShape(1), poison)
     assert on.returncode != 0 and "the build folder was picked" in on.stderr
     off = _preprocess(tmp_path, KernelShape(1, superopt=False), poison)
+    assert off.returncode == 0, off.stderr[-2000:]
+    qk = tmp_path / "poison_qk"  # the qkv_prep hook: included under MPK_SUPEROPT 1 only
+    (qk / "generated").mkdir(parents=True)
+    (qk / "generated" / "qk_norm_rope.cuh").write_text('#error "the qk_norm_rope build folder was picked"\n')
+    on = _preprocess(tmp_path, KernelShape(1), qk)
+    assert on.returncode != 0 and "the qk_norm_rope build folder was picked" in on.stderr
+    off = _preprocess(tmp_path, KernelShape(1, superopt=False), qk)
     assert off.returncode == 0, off.stderr[-2000:]
     with pytest.raises(BuildError, match="the build folder was picked"):
         compile_source(render_source(KernelShape(1)), "poisoned", compiler="nvcc", include_dirs=[poison, abi_include_dir()],
