@@ -27,7 +27,7 @@ from mpk_dist.superopt.cost import H200
 from mpk_dist.superopt.ugraph import DTYPE_BYTES, UGraph, _numel
 from mpk_dist.superopt.verify import verify
 
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2  # 2: grid counts costed at their first loop count that fits in shared memory
 STAT_KEYS = ("explored", "pruned", "z3_queries", "cache_hits", "verified", "rejected", "seconds")
 
 

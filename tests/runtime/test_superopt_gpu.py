@@ -5,8 +5,9 @@ the torch backend and against ``--no-superopt``, and ms/token of both in one pro
 The generated bodies round at the hand-written kinds' points and reuse their GEMV loop
 (tile_primitives.cuh -> fused_gemv.cuh's gemv_tile, same summation order), so they are DESIGNED to be
 bit-identical to the hand-written ones: the standalone check and the model check assert equality.
-Run: ``python -m pytest -q -m gpu tests/runtime/test_superopt_gpu.py`` (about a minute on an H200
-with a cold superopt cache: the qwen3-0.6b shapes search in ~10-20 s, two kernels build)."""
+Run: ``python -m pytest -q -m gpu tests/runtime/test_superopt_gpu.py`` (about 1.5 minutes on an H200
+with a cold superopt cache: the qwen3-0.6b linear shapes search in ~10-20 s, qk_norm_rope runs to its
+30 s limit, two kernels build)."""
 
 from __future__ import annotations
 
@@ -77,6 +78,35 @@ def test_generated_body_alone_matches_torch_and_the_hand_written_body(kind, B, K
                         "ok": same and err <= 0.02})
     assert err <= 0.02, f"generated {kind} vs torch: max |err| / std = {err:.3e}"
     assert same, "generated body differs from the hand-written one (designed bit-identical)"
+
+
+def test_generated_qkv_prep_alone_matches_the_hand_written_body(gpu_results):
+    """qkv_prep (16 q heads of qwen3-0.6b, D=128, B=4 at random positions) with the generated per-head
+    norm + rope vs the hand-written one: bit-identical, and within bf16 rounding of torch."""
+    from mpk_dist.superopt.profile_rope import StandaloneQkvPrep
+
+    H, D, B = 16, 128, 4
+    eps = float(np.float32(1e-6))
+    c = ST.choose(ST.Problem("qk_norm_rope", H, D, D, eps))
+    if c.ugraph is None:
+        pytest.skip(f"the search gave no lowerable qk_norm_rope µGraph at H={H} D={D}: {c.note}")
+    g = torch.Generator(device="cuda").manual_seed(5)
+    qkv = (torch.randn(B, H * D, device="cuda", generator=g) * 2).bfloat16()
+    nw = (torch.randn(D, device="cuda", generator=g) * 0.3 + 1).bfloat16()
+    inv = (1.0 / (1e6 ** (torch.arange(0, D, 2, device="cuda").float() / D))).contiguous()
+    pos = torch.randint(0, 8192, (B,), device="cuda", generator=g, dtype=torch.int32)
+    out = {}
+    for name, body in (("gen", render(c.ugraph, "qk_norm_rope", eps=eps)), ("hand", None)):
+        out[name] = torch.full_like(qkv, float("nan"))
+        StandaloneQkvPrep(body).launch(qkv, pos, nw, inv, out[name], eps)
+    torch.cuda.synchronize()
+    want = T.apply_rope(T.rms_norm(qkv.view(B, H, D), nw, eps), pos.long(), inv).reshape(B, H * D)
+    err = float((out["gen"].float() - want.float()).abs().max() / want.float().std())
+    same = bool(torch.equal(out["gen"], out["hand"]))
+    gpu_results.append({"case": f"superopt alone qkv_prep H{H} D{D} B{B}", "max_err/std": f"{err:.2e}",
+                        "tokens_equal": same, "ok": same and err <= 0.02})
+    assert err <= 0.02, f"generated qkv_prep vs torch: max |err| / std = {err:.3e}"
+    assert same, "generated qk_norm_rope differs from the hand-written one (designed bit-identical)"
 
 
 def forced_request(batch: int = 1) -> GenerateRequest:

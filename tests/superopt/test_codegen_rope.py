@@ -152,3 +152,19 @@ def test_generated_body_compiles_inside_qkv_prep_for_sm90a(cands, tmp_path):
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
     assert res.returncode == 0, res.stderr[-4000:]
     assert out.read_bytes()[:4] == b"\x7fELF"
+
+
+@needs_nvcc
+def test_standalone_qkv_prep_harness_builds_with_either_body(cands, tmp_path, monkeypatch):
+    """The GPU tests' standalone qkv_prep (profile_rope.HARNESS) compiles with the generated body (taken
+    from the folder first on the include path) and with the hand-written one."""
+    from mpk_dist.runtime.build import compile_source
+    from mpk_dist.superopt.profile_rope import HARNESS
+
+    monkeypatch.setenv("MPK_CACHE_DIR", str(tmp_path / "cache"))
+    write_if_changed(tmp_path / "generated" / "qk_norm_rope.cuh", render(lowerable(cands)[0], "qk_norm_rope", eps=EPS))
+    gen = compile_source(HARNESS, "task_qkv_prep", {"MPK_SUPEROPT_QK_NORM_ROPE": 1}, compiler="nvcc",
+                         include_dirs=[tmp_path])
+    hand = compile_source(HARNESS, "task_qkv_prep", {"MPK_SUPEROPT_QK_NORM_ROPE": 0}, compiler="nvcc")
+    assert str((tmp_path / "generated" / "qk_norm_rope.cuh").resolve()) in {str(h) for h in gen.headers}
+    assert gen.cubin[:4] == hand.cubin[:4] == b"\x7fELF" and gen.key != hand.key
