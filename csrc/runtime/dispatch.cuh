@@ -1,6 +1,9 @@
 // Task dispatch: opcode -> task body (csrc/tasks/<kind>.cuh). Arguments and parameters are read
 // through the generated ABI constants (<KIND>_ARG_<NAME>, <KIND>_PARAM_<NAME>), so this file names
 // each field once and never repeats a column number or an argument position.
+// Every run_* is __noinline__: the kernel is one function, and inlined bodies share one register
+// allocation, so the attention kinds' per-lane arrays made ptxas spill ~1.7 KB in the worker loop
+// itself (128 registers at 512 threads). As separate functions each body spills (or not) on its own.
 #pragma once
 #include "task_view.cuh"
 #include "step_begin.cuh"
@@ -52,7 +55,7 @@ namespace mpk {
 
 constexpr int kMaxWorld = 8;
 
-__device__ void run_linear(const TaskView& t, int tid, int nt) {
+__device__ __noinline__ void run_linear(const TaskView& t, int tid, int nt) {
   const int B = t.param(LINEAR_PARAM_BATCH), K = t.param(LINEAR_PARAM_K), n = t.param(LINEAR_PARAM_N_TILE);
   const int xs = t.param(LINEAR_PARAM_X_STRIDE), ys = t.param(LINEAR_PARAM_Y_STRIDE);
   const bf16* x = t.arg<const bf16>(LINEAR_ARG_X);
@@ -63,7 +66,7 @@ __device__ void run_linear(const TaskView& t, int tid, int nt) {
     linear<bf16>(B, x, xs, w, t.arg<bf16>(LINEAR_ARG_Y), ys, K, n, false, tid, nt);
 }
 
-__device__ void run_qkv_prep(const TaskView& t, int tid, int nt) {
+__device__ __noinline__ void run_qkv_prep(const TaskView& t, int tid, int nt) {
   qkv_prep(t.arg<const bf16>(QKV_PREP_ARG_QKV), t.arg<const int32_t>(QKV_PREP_ARG_POSITIONS),
            t.arg<const bf16>(QKV_PREP_ARG_NORM_W), t.arg<const float>(QKV_PREP_ARG_INV_FREQ),
            t.arg<bf16>(QKV_PREP_ARG_DST), t.arg<bf16>(QKV_PREP_ARG_DST_V), t.param(QKV_PREP_PARAM_BATCH),
@@ -72,7 +75,7 @@ __device__ void run_qkv_prep(const TaskView& t, int tid, int nt) {
            t.param(QKV_PREP_PARAM_IS_KV), t.fparam(QKV_PREP_PARAM_EPS), tid, nt);
 }
 
-__device__ void run_attention(const TaskView& t, float* smem, int tid, int nt) {
+__device__ __noinline__ void run_attention(const TaskView& t, float* smem, int tid, int nt) {
   attention(t.arg<const bf16>(ATTENTION_ARG_Q), t.arg<const bf16>(ATTENTION_ARG_K_CACHE),
             t.arg<const bf16>(ATTENTION_ARG_V_CACHE), t.arg<const int32_t>(ATTENTION_ARG_POSITIONS),
             t.arg<bf16>(ATTENTION_ARG_OUT), t.param(ATTENTION_PARAM_BATCH), t.param(ATTENTION_PARAM_HEAD_DIM),
@@ -92,14 +95,14 @@ __device__ void push_partial(const TaskView& t, int world, int tid, int nt) {
 // The residual stream is fp32 (models/llama.py); q/k norms and all-bf16 graphs are bf16. These
 // helpers pick the template instance from the buffers' dtypes.
 template <typename OutT>
-__device__ void run_embedding_as(const TaskView& t, int tid, int nt) {
+__device__ __noinline__ void run_embedding_as(const TaskView& t, int tid, int nt) {
   embedding(t.arg<const int32_t>(EMBEDDING_ARG_TOKENS), t.arg<const bf16>(EMBEDDING_ARG_TABLE),
             t.arg<OutT>(EMBEDDING_ARG_OUT), t.param(EMBEDDING_PARAM_BATCH), t.param(EMBEDDING_PARAM_COLS),
             t.param(EMBEDDING_PARAM_TABLE_STRIDE), t.param(EMBEDDING_PARAM_OUT_STRIDE),
             t.param(EMBEDDING_PARAM_VOCAB_START), t.param(EMBEDDING_PARAM_VOCAB_ROWS), tid, nt);
 }
 
-__device__ void run_rms_norm(const TaskView& t, float* smem, int tid, int nt) {
+__device__ __noinline__ void run_rms_norm(const TaskView& t, float* smem, int tid, int nt) {
   const bf16* w = t.arg<const bf16>(RMS_NORM_ARG_W);
   bf16* y = t.arg<bf16>(RMS_NORM_ARG_Y);
   const int n = t.param(RMS_NORM_PARAM_N);
@@ -109,12 +112,12 @@ __device__ void run_rms_norm(const TaskView& t, float* smem, int tid, int nt) {
 }
 
 template <typename XT, typename YT, typename OutT>
-__device__ void run_add_as(const TaskView& t, int tid, int nt) {
+__device__ __noinline__ void run_add_as(const TaskView& t, int tid, int nt) {
   add(t.arg<const XT>(ADD_ARG_X), t.arg<const YT>(ADD_ARG_Y), t.arg<OutT>(ADD_ARG_OUT), t.param(ADD_PARAM_BATCH),
       t.param(ADD_PARAM_COLS), t.param(ADD_PARAM_STRIDE), tid, nt);
 }
 
-__device__ void run_add(const TaskView& t, int tid, int nt) {
+__device__ __noinline__ void run_add(const TaskView& t, int tid, int nt) {
   // fp32 residual graphs: bf16 partial + fp32 residual -> fp32; otherwise all bf16.
   if (t.dtype(ADD_ARG_OUT) == DTYPE_F32) {
     if (t.dtype(ADD_ARG_X) == DTYPE_F32) run_add_as<float, float, float>(t, tid, nt);
@@ -125,7 +128,7 @@ __device__ void run_add(const TaskView& t, int tid, int nt) {
 }
 
 template <typename RecvT, typename OutT>
-__device__ void run_reduce_as(const TaskView& t, int tid, int nt) {
+__device__ __noinline__ void run_reduce_as(const TaskView& t, int tid, int nt) {
   const int B = t.param(ALLREDUCE_REDUCE_PARAM_BATCH), cols = t.param(ALLREDUCE_REDUCE_PARAM_COLS);
   const int world = t.param(ALLREDUCE_REDUCE_PARAM_WORLD), slots = t.param(ALLREDUCE_REDUCE_PARAM_SLOT_STRIDE);
   const int stride = t.param(ALLREDUCE_REDUCE_PARAM_STRIDE);
@@ -137,7 +140,7 @@ __device__ void run_reduce_as(const TaskView& t, int tid, int nt) {
     allreduce_reduce(recv, t.arg<const float>(ALLREDUCE_REDUCE_ARG_RESIDUAL), out, B, cols, world, slots, stride, tid, nt);
 }
 
-__device__ void run_allreduce_reduce(const TaskView& t, int tid, int nt) {
+__device__ __noinline__ void run_allreduce_reduce(const TaskView& t, int tid, int nt) {
   const bool recv32 = t.dtype(ALLREDUCE_REDUCE_ARG_RECV) == DTYPE_F32;
   if (t.dtype(ALLREDUCE_REDUCE_ARG_OUT) == DTYPE_F32) {
     if (recv32) run_reduce_as<float, float>(t, tid, nt);
@@ -147,7 +150,7 @@ __device__ void run_allreduce_reduce(const TaskView& t, int tid, int nt) {
   }
 }
 
-__device__ void run_comm_push(const TaskView& t, int opcode, int tid, int nt) {
+__device__ __noinline__ void run_comm_push(const TaskView& t, int opcode, int tid, int nt) {
   const int world = t.p.world;
   if (opcode == OP_ALLGATHER_PUSH) {
     float* dst[kMaxWorld];
@@ -164,7 +167,7 @@ __device__ void run_comm_push(const TaskView& t, int opcode, int tid, int nt) {
 // Only the dtype combinations the fused graphs produce are instantiated (bf16 models: fp32
 // residual stream, bf16 activations, fp32 logits); any other combination returns false, which the
 // worker reports as a bad task instead of computing something wrong.
-__device__ bool run_norm_linear(const TaskView& t, float* smem, int tid, int nt) {
+__device__ __noinline__ bool run_norm_linear(const TaskView& t, float* smem, int tid, int nt) {
   if (t.dtype(NORM_LINEAR_ARG_X) != DTYPE_F32) return false;
   const int B = t.param(NORM_LINEAR_PARAM_BATCH), K = t.param(NORM_LINEAR_PARAM_K);
   const int n = t.param(NORM_LINEAR_PARAM_N_TILE), xs = t.param(NORM_LINEAR_PARAM_X_STRIDE);
@@ -183,7 +186,7 @@ __device__ bool run_norm_linear(const TaskView& t, float* smem, int tid, int nt)
   return true;
 }
 
-__device__ bool run_linear_residual(const TaskView& t, int tid, int nt) {
+__device__ __noinline__ bool run_linear_residual(const TaskView& t, int tid, int nt) {
   if (t.dtype(LINEAR_RESIDUAL_ARG_Y) != DTYPE_F32 || t.dtype(LINEAR_RESIDUAL_ARG_RESIDUAL) != DTYPE_F32) return false;
   linear_residual(t.param(LINEAR_RESIDUAL_PARAM_BATCH), t.arg<const bf16>(LINEAR_RESIDUAL_ARG_X),
                   t.param(LINEAR_RESIDUAL_PARAM_X_STRIDE), t.arg<const bf16>(LINEAR_RESIDUAL_ARG_W),
@@ -193,7 +196,7 @@ __device__ bool run_linear_residual(const TaskView& t, int tid, int nt) {
   return true;
 }
 
-__device__ bool run_silu_linear(const TaskView& t, float* smem, int tid, int nt) {
+__device__ __noinline__ bool run_silu_linear(const TaskView& t, float* smem, int tid, int nt) {
   const int B = t.param(SILU_LINEAR_PARAM_BATCH), K = t.param(SILU_LINEAR_PARAM_K);
   const int n = t.param(SILU_LINEAR_PARAM_N_TILE), gs = t.param(SILU_LINEAR_PARAM_GU_STRIDE);
   const int up = t.param(SILU_LINEAR_PARAM_UP_OFFSET), ys = t.param(SILU_LINEAR_PARAM_Y_STRIDE);
@@ -215,7 +218,7 @@ __device__ bool run_silu_linear(const TaskView& t, float* smem, int tid, int nt)
 
 // ---- split-KV attention (opt-in: compile_rank_programs(attn_splits=...); docs/TASKGRAPH.md) ----
 // The scratch is fp32 and the output bf16 (bf16 graphs); anything else is reported as a bad task.
-__device__ bool run_attention_split(const TaskView& t, float* smem, int tid, int nt) {
+__device__ __noinline__ bool run_attention_split(const TaskView& t, float* smem, int tid, int nt) {
   if (t.dtype(ATTENTION_SPLIT_ARG_OUT) != DTYPE_F32) return false;
   attention_split(t.arg<const bf16>(ATTENTION_SPLIT_ARG_Q), t.arg<const bf16>(ATTENTION_SPLIT_ARG_K_CACHE),
                   t.arg<const bf16>(ATTENTION_SPLIT_ARG_V_CACHE), t.arg<const int32_t>(ATTENTION_SPLIT_ARG_POSITIONS),
@@ -228,7 +231,7 @@ __device__ bool run_attention_split(const TaskView& t, float* smem, int tid, int
   return true;
 }
 
-__device__ bool run_attention_merge(const TaskView& t, int tid, int nt) {
+__device__ __noinline__ bool run_attention_merge(const TaskView& t, int tid, int nt) {
   if (t.dtype(ATTENTION_MERGE_ARG_PARTIAL) != DTYPE_F32 || t.dtype(ATTENTION_MERGE_ARG_OUT) != DTYPE_BF16) return false;
   attention_merge(t.arg<const float>(ATTENTION_MERGE_ARG_PARTIAL), t.arg<bf16>(ATTENTION_MERGE_ARG_OUT),
                   t.param(ATTENTION_MERGE_PARAM_HEAD_DIM), t.param(ATTENTION_MERGE_PARAM_GROUP),
@@ -239,7 +242,7 @@ __device__ bool run_attention_merge(const TaskView& t, int tid, int nt) {
 // ---- paged KV cache (opt-in serving graphs: compile_paged_programs; docs/SERVING.md) ----
 // bf16 activations and pools only; anything else, or a bad page-table entry, is reported as a
 // bad task (kErrBadTask) instead of computing something wrong.
-__device__ bool run_qkv_prep_paged(const TaskView& t, int tid, int nt) {
+__device__ __noinline__ bool run_qkv_prep_paged(const TaskView& t, int tid, int nt) {
   if (t.dtype(QKV_PREP_PAGED_ARG_QKV) != DTYPE_BF16 || t.dtype(QKV_PREP_PAGED_ARG_DST) != DTYPE_BF16) return false;
   const PagedKv kv{t.arg<const int32_t>(QKV_PREP_PAGED_ARG_PAGE_TABLE),
                    t.arg_row(QKV_PREP_PAGED_ARG_PAGE_TABLE)[ARG_COL_COUNT], t.param(QKV_PREP_PAGED_PARAM_PAGE_SIZE),
@@ -254,7 +257,7 @@ __device__ bool run_qkv_prep_paged(const TaskView& t, int tid, int nt) {
                         t.param(QKV_PREP_PAGED_PARAM_IS_KV), t.fparam(QKV_PREP_PAGED_PARAM_EPS), tid, nt);
 }
 
-__device__ bool run_paged_attention(const TaskView& t, int tid, int nt) {
+__device__ __noinline__ bool run_paged_attention(const TaskView& t, int tid, int nt) {
   if (t.dtype(PAGED_ATTENTION_ARG_Q) != DTYPE_BF16 || t.dtype(PAGED_ATTENTION_ARG_K_PAGES) != DTYPE_BF16 ||
       t.dtype(PAGED_ATTENTION_ARG_OUT) != DTYPE_BF16)
     return false;
@@ -272,14 +275,14 @@ __device__ bool run_paged_attention(const TaskView& t, int tid, int nt) {
 
 // gather_rows (the paged head over sequences): fp32 or bf16 rows into fp32 or bf16 rows.
 template <typename XT, typename OutT>
-__device__ bool run_gather_rows_as(const TaskView& t, int tid, int nt) {
+__device__ __noinline__ bool run_gather_rows_as(const TaskView& t, int tid, int nt) {
   return gather_rows(t.arg<const XT>(GATHER_ROWS_ARG_X), t.arg<const int32_t>(GATHER_ROWS_ARG_ROWS),
                      t.arg<OutT>(GATHER_ROWS_ARG_OUT), t.param(GATHER_ROWS_PARAM_BATCH), t.param(GATHER_ROWS_PARAM_COLS),
                      t.param(GATHER_ROWS_PARAM_X_STRIDE), t.param(GATHER_ROWS_PARAM_OUT_STRIDE),
                      t.param(GATHER_ROWS_PARAM_X_ROWS), tid, nt);
 }
 
-__device__ bool run_gather_rows(const TaskView& t, int tid, int nt) {
+__device__ __noinline__ bool run_gather_rows(const TaskView& t, int tid, int nt) {
   const bool x32 = t.dtype(GATHER_ROWS_ARG_X) == DTYPE_F32, o32 = t.dtype(GATHER_ROWS_ARG_OUT) == DTYPE_F32;
   if (x32) return o32 ? run_gather_rows_as<float, float>(t, tid, nt) : run_gather_rows_as<float, bf16>(t, tid, nt);
   return o32 ? run_gather_rows_as<bf16, float>(t, tid, nt) : run_gather_rows_as<bf16, bf16>(t, tid, nt);

@@ -153,9 +153,19 @@ __device__ __forceinline__ void worker_barrier(int num_threads) {
 #ifndef MPK_SPIN_CHECK
 #define MPK_SPIN_CHECK 64
 #endif
+// Sleep between polls: starts at MPK_SPIN_SLEEP_NS and doubles up to MPK_SPIN_SLEEP_MAX_NS (equal by
+// default: a flat 32 ns). A longer cap thins the polling of a hot counter (every waiting SM polls the
+// same event) at the price of a later wake-up; an experiment knob (-D through MPK_NVCC_EXTRA_FLAGS).
+#ifndef MPK_SPIN_SLEEP_NS
+#define MPK_SPIN_SLEEP_NS 32
+#endif
+#ifndef MPK_SPIN_SLEEP_MAX_NS
+#define MPK_SPIN_SLEEP_MAX_NS MPK_SPIN_SLEEP_NS
+#endif
 __device__ __forceinline__ int spin_wait_geq_gpu(const uint32_t* counter, uint32_t target, uint64_t timeout_ns,
                                                  const uint32_t* halt, uint32_t* seen) {
   uint64_t start = 0;
+  uint32_t sleep_ns = MPK_SPIN_SLEEP_NS;
   for (uint32_t iter = 0;; ++iter) {
     uint32_t v = ld_acquire_gpu(counter);  // acquire: pairs with the producers' release add
     if ((int32_t)(v - target) >= 0) { *seen = v; return 0; }
@@ -165,7 +175,8 @@ __device__ __forceinline__ int spin_wait_geq_gpu(const uint32_t* counter, uint32
       else if (now - start > timeout_ns) { *seen = v; return 1; }
       if (ld_relaxed_gpu(halt) != 0) { *seen = v; return 2; }
     }
-    __nanosleep(32);
+    __nanosleep(sleep_ns);
+    if (sleep_ns < MPK_SPIN_SLEEP_MAX_NS) sleep_ns *= 2;
   }
 }
 

@@ -13,18 +13,40 @@ namespace mpk {
 constexpr int kAttnMaxG = 8;
 constexpr int kAttnMaxEpl = 8;  // elements per lane: D <= 256
 
+// Runs CALL with constexpr kMG = the power of two >= G (<= kAttnMaxG) and kME = 2, 4 or 8 >= epl
+// (the host checked G <= kAttnMaxG and D <= 32 * kAttnMaxEpl).
+#define MPK_ATTN_ME(G_, EPL_, CALL, MG_)                  \
+  do {                                                    \
+    constexpr int kMG = MG_;                              \
+    if ((EPL_) <= 2) { constexpr int kME = 2; CALL; }     \
+    else if ((EPL_) <= 4) { constexpr int kME = 4; CALL; } \
+    else { constexpr int kME = 8; CALL; }                 \
+  } while (0)
+#define MPK_ATTN_BOUNDS(G_, EPL_, CALL)                                  \
+  do {                                                                   \
+    if ((G_) <= 1) MPK_ATTN_ME(G_, EPL_, CALL, 1);                       \
+    else if ((G_) <= 2) MPK_ATTN_ME(G_, EPL_, CALL, 2);                  \
+    else if ((G_) <= 4) MPK_ATTN_ME(G_, EPL_, CALL, 4);                  \
+    else MPK_ATTN_ME(G_, EPL_, CALL, kAttnMaxG);                          \
+  } while (0)
+
 __host__ __device__ inline int attention_smem_bytes(int nwarps, int G, int D) { return nwarps * G * (D + 2) * 4; }
 
-__device__ void attention_seq(const bf16* q, const bf16* kc, const bf16* vc, bf16* out, int D, int G, int kv_ps,
-                              int n_pos, float scale, float* smem, int tid, int nt) {
+// MG, ME: compile-time bounds (>= G, >= epl) of the per-lane register arrays. One instance per (MG, ME)
+// in {1, 2, 4, 8} x {2, 4, 8} keeps the arrays as small as the model needs: with the old fixed 8 x 8
+// the worker kernel (128 registers at 512 threads) spilled them to local memory. Every loop keeps its
+// runtime guard (j < G, i < epl && d < D), so the arithmetic is the same for every instance.
+template <int MG, int ME>
+__device__ __noinline__ void attention_seq(const bf16* q, const bf16* kc, const bf16* vc, bf16* out, int D, int G,
+                                           int kv_ps, int n_pos, float scale, float* smem, int tid, int nt) {
   const int warp = tid >> 5, lane = tid & 31, nwarps = nt >> 5, epl = (D + 31) / 32;
-  float qv[kAttnMaxG][kAttnMaxEpl], acc[kAttnMaxG][kAttnMaxEpl], m[kAttnMaxG], l[kAttnMaxG];
+  float qv[MG][ME], acc[MG][ME], m[MG], l[MG];
 #pragma unroll
-  for (int j = 0; j < kAttnMaxG; ++j) {
+  for (int j = 0; j < MG; ++j) {
     m[j] = -INFINITY;
     l[j] = 0.f;
 #pragma unroll
-    for (int i = 0; i < kAttnMaxEpl; ++i) {
+    for (int i = 0; i < ME; ++i) {
       const int d = lane * epl + i;
       acc[j][i] = 0.f;
       qv[j][i] = (j < G && i < epl && d < D) ? bf2f(q[(size_t)j * D + d]) : 0.f;
@@ -32,35 +54,35 @@ __device__ void attention_seq(const bf16* q, const bf16* kc, const bf16* vc, bf1
   }
   for (int t = warp; t < n_pos; t += nwarps) {
     const size_t row = (size_t)t * kv_ps;
-    float kv[kAttnMaxEpl], vv[kAttnMaxEpl];
+    float kv[ME], vv[ME];
 #pragma unroll
-    for (int i = 0; i < kAttnMaxEpl; ++i) {
+    for (int i = 0; i < ME; ++i) {
       const int d = lane * epl + i;
       const bool in = i < epl && d < D;
       kv[i] = in ? bf2f(kc[row + d]) : 0.f;
       vv[i] = in ? bf2f(vc[row + d]) : 0.f;
     }
 #pragma unroll
-    for (int j = 0; j < kAttnMaxG; ++j) {
+    for (int j = 0; j < MG; ++j) {
       if (j < G) {
         float s = 0.f;
 #pragma unroll
-        for (int i = 0; i < kAttnMaxEpl; ++i) s = fmaf(qv[j][i], kv[i], s);
+        for (int i = 0; i < ME; ++i) s = fmaf(qv[j][i], kv[i], s);
         s = warp_sum(s) * scale;
         const float mn = fmaxf(m[j], s), corr = expf(m[j] - mn), e = expf(s - mn);
         l[j] = l[j] * corr + e;
 #pragma unroll
-        for (int i = 0; i < kAttnMaxEpl; ++i) acc[j][i] = acc[j][i] * corr + e * vv[i];
+        for (int i = 0; i < ME; ++i) acc[j][i] = acc[j][i] * corr + e * vv[i];
         m[j] = mn;
       }
     }
   }
   float* mine = smem + (size_t)warp * G * (D + 2);
 #pragma unroll
-  for (int j = 0; j < kAttnMaxG; ++j) {
+  for (int j = 0; j < MG; ++j) {
     if (j < G) {
 #pragma unroll
-      for (int i = 0; i < kAttnMaxEpl; ++i) {
+      for (int i = 0; i < ME; ++i) {
         const int d = lane * epl + i;
         if (i < epl && d < D) mine[j * (D + 2) + d] = acc[j][i];
       }
@@ -88,9 +110,13 @@ __device__ void attention_seq(const bf16* q, const bf16* kc, const bf16* vc, bf1
 
 __device__ void attention(const bf16* q, const bf16* kc, const bf16* vc, const int32_t* pos, bf16* out, int B, int D,
                           int G, int q_stride, int kv_ps, int kv_bs, float scale, float* smem, int tid, int nt) {
-  for (int b = 0; b < B; ++b)
-    attention_seq(q + (size_t)b * q_stride, kc + (size_t)b * kv_bs, vc + (size_t)b * kv_bs,
-                  out + (size_t)b * q_stride, D, G, kv_ps, pos[b] + 1, scale, smem, tid, nt);
+  const int epl = (D + 31) / 32;
+  for (int b = 0; b < B; ++b) {
+    const bf16 *qb = q + (size_t)b * q_stride, *kb = kc + (size_t)b * kv_bs, *vb = vc + (size_t)b * kv_bs;
+    bf16* ob = out + (size_t)b * q_stride;
+    const int n = pos[b] + 1;
+    MPK_ATTN_BOUNDS(G, epl, (attention_seq<kMG, kME>(qb, kb, vb, ob, D, G, kv_ps, n, scale, smem, tid, nt)));
+  }
 }
 
 }  // namespace mpk
