@@ -9,7 +9,8 @@ prefetch), m<0|1> (tensor-core linear tiles at batch >= 2), w<0|1> (whole-tile L
 after a narrow op: mpk_dist/runtime/prefetch_plan.py) ('base' = defaults).
 NOTE: m1 changes the summation order of linear tiles, so its tokens may differ from the base's
 (DIFFERS then means "check with compare_logits", not a bug by itself).
-f0/f1 turns --fuse off/on (fused and unfused programs are bit-identical on the GPU). Every variant
+f0/f1 turns --fuse off/on (fused and unfused programs are bit-identical on the GPU); s0/s1 turns the
+superoptimizer-generated task bodies off/on (--no-superopt; designed bit-identical). Every variant
 runs the same greedy request; its tokens must equal the first variant's (the knobs change how bytes
 move, never the arithmetic order of a row), else the row says DIFFERS and the exit code is 1.
 Prints p50 ms/token, the floor measured in the same run and the ratio; --output-json keeps the rows.
@@ -37,9 +38,12 @@ def parse_variant(text: str) -> tuple[dict[str, str], dict]:
         if part in ("f0", "f1"):
             opts["fuse"] = part == "f1"
             continue
+        if part in ("s0", "s1"):
+            opts["superopt"] = part == "s1"
+            continue
         if part[0] not in KNOBS or not part[1:].lstrip("-").isdigit():
-            raise SystemExit(f"tune_sweep: variant part {part!r}: expected u<N>, t<N>, p<N>, r<N>, d<0|1>, m<0|1>, w<0|1> or "
-                             "f<0|1> (--fuse), or 'base'")
+            raise SystemExit(f"tune_sweep: variant part {part!r}: expected u<N>, t<N>, p<N>, r<N>, d<0|1>, m<0|1>, w<0|1>, "
+                             "f<0|1> (--fuse), s<0|1> (--superopt), or 'base'")
         env[KNOBS[part[0]]] = part[1:]
     return env, opts
 

@@ -192,23 +192,27 @@ class Lowerer:
                     Footprint(vc, np.array([EMPTY] * hq + [kvrow(j) for j in range(hkv)]))]
 
     def attention(self, op: Op) -> None:
-        """One tile per kv head (its GROUP query heads), all sequences."""
+        """One tile per (kv head, sequence): its GROUP query heads over that sequence's cache. A tile per
+        kv head over all B sequences ran them one after another on 8 SMs (qwen3-8b batch 8); per
+        sequence they spread over kv_heads x B SMs with the same arithmetic per sequence."""
         p, B, a = self.p, self.B, op.attrs
         hq, hkv, D = a["q_heads"], a["kv_heads"], a["head_dim"]
         q, kc, vc, pos = (p.id(n) for n in op.inputs)
         o = p.id(op.outputs[0])
         S, G = self.g.max_seq_len, hq // hkv
-        cache_count = (B - 1) * S * hkv * D + (S - 1) * hkv * D + D
+        cache_count = (S - 1) * hkv * D + D
         t = self._new(op, "attention")
-        for j in range(hkv):
-            qa = (j * G * D, (B - 1) * hq * D + G * D)
-            t.add_tile({"Q": (q, *qa), "K_CACHE": (kc, j * D, cache_count), "V_CACHE": (vc, j * D, cache_count),
-                        "POSITIONS": (pos, 0, B), "OUT": (o, *qa)},
-                       {"BATCH": B, "HEAD_DIM": D, "GROUP": G, "Q_STRIDE": hq * D, "KV_POS_STRIDE": hkv * D,
+        pairs = [(j, b) for j in range(hkv) for b in range(B)]
+        for j, b in pairs:
+            qa = (b * hq * D + j * G * D, G * D)
+            kva = (b * S * hkv * D + j * D, cache_count)
+            t.add_tile({"Q": (q, *qa), "K_CACHE": (kc, *kva), "V_CACHE": (vc, *kva), "POSITIONS": (pos, b, 1),
+                        "OUT": (o, *qa)},
+                       {"BATCH": 1, "HEAD_DIM": D, "GROUP": G, "Q_STRIDE": hq * D, "KV_POS_STRIDE": hkv * D,
                         "KV_BATCH_STRIDE": S * hkv * D, "MAX_SEQ": S, "SCALE": a["scale"]})
-        qrect = np.array([(0, B, j * G * D, (j + 1) * G * D) for j in range(hkv)], np.int64)
-        kvrect = np.array([(0, B * S, j * D, (j + 1) * D) for j in range(hkv)], np.int64)
-        t.reads = [Footprint(q, qrect), Footprint(kc, kvrect), Footprint(vc, kvrect.copy()), _all_fp(pos, p, hkv)]
+        qrect = np.array([(b, b + 1, j * G * D, (j + 1) * G * D) for j, b in pairs], np.int64)
+        kvrect = np.array([(b * S, (b + 1) * S, j * D, (j + 1) * D) for j, b in pairs], np.int64)
+        t.reads = [Footprint(q, qrect), Footprint(kc, kvrect), Footprint(vc, kvrect.copy()), _all_fp(pos, p, len(pairs))]
         t.writes = [Footprint(o, qrect.copy())]
 
     def silu_mul(self, op: Op) -> None:
