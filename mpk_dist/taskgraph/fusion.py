@@ -8,9 +8,15 @@ chain of levels, each costing an event round trip; docs/TASKGRAPH.md, 'Fused lin
 * ``residual``: linear -> add (the tp-1 residual add) becomes ``linear_residual`` (or the residual
   epilogue of ``silu_linear``). At tp > 1 the all-reduce adds the residual already.
 
-The pass only plans; ``mpk_dist.taskgraph.lowering_fused`` lowers the plan. Numerics are unchanged:
-every fused kind rounds at exactly the points the unfused ops round. OFF by default until verified
-on a GPU; ``compile_rank_programs(..., fuse=True)`` turns all of them on.
+Opt-in (named explicitly, not part of ``fuse=True`` until verified on a GPU):
+
+* ``attn_prep``: qkv_prep -> attention becomes one ``attention_prep`` task-op (tile = (kv head j,
+  sequence b): the q/k norm, rope and KV append of that pair, then its attention), so the qkv_prep
+  level disappears. Split-KV attention keeps the unfused pair (``lowering_attn_prep``).
+
+The pass only plans; ``mpk_dist.taskgraph.lowering_fused`` and ``lowering_attn_prep`` lower the plan.
+Numerics are unchanged: every fused kind rounds at exactly the points the unfused ops round. OFF by
+default in ``compile_rank_programs``; ``fuse=True`` turns on the ``FUSIONS``.
 """
 
 from __future__ import annotations
@@ -24,7 +30,10 @@ from mpk_dist.errors import InputError
 from mpk_dist.graph import Graph, Op
 
 FUSIONS = ("norm", "silu", "residual")
-"""Names of the fusions, in the order they are documented."""
+"""Names of the fusions ``fuse=True`` turns on, in the order they are documented."""
+
+OPT_IN_FUSIONS = ("attn_prep",)
+"""Fusions that must be named (``fuse='norm,silu,residual,attn_prep'`` or a list): not GPU-verified yet."""
 
 VEC = 8
 """The fused CUDA bodies load 8 bf16 at a time: K must be a multiple of this (else not fused)."""
@@ -39,15 +48,16 @@ is faster than the per-element fallback the kernel would take)."""
 
 
 def fusion_set(fuse: bool | str | Iterable[str] | None) -> frozenset[str]:
-    """Normalise the ``fuse`` option: True = all, False/None = none, or names ('norm,silu' or a list)."""
+    """Normalise the ``fuse`` option: True = the ``FUSIONS``, False/None = none, or names ('norm,silu',
+    a list, or a set such as another call's result) from ``FUSIONS`` and ``OPT_IN_FUSIONS``."""
     if fuse is None or fuse is False:
         return frozenset()
     if fuse is True:
         return frozenset(FUSIONS)
     names = [n.strip() for n in fuse.split(",")] if isinstance(fuse, str) else list(fuse)
-    bad = [n for n in names if n not in FUSIONS]
+    bad = [n for n in names if n not in FUSIONS + OPT_IN_FUSIONS]
     if bad:
-        raise InputError(f"fuse: expected True/False or names from {', '.join(FUSIONS)}, got {bad}; "
+        raise InputError(f"fuse: expected True/False or names from {', '.join(FUSIONS + OPT_IN_FUSIONS)}, got {bad}; "
                          "e.g. fuse='norm,silu'")
     return frozenset(names)
 
@@ -79,6 +89,19 @@ class FusedLinear:
             return None
         a, b = self.residual.inputs
         return b if a == self.linear.outputs[0] else a
+
+
+@dataclass
+class FusedAttention:
+    """A qkv_prep op and the attention op that reads its outputs, run as one ``attention_prep`` task-op."""
+
+    prep: Op
+    attention: Op
+
+    @property
+    def kind(self) -> str:
+        """The task kind that runs it."""
+        return "attention_prep"
 
 
 def _consumers(graph: Graph) -> dict[str, list[Op]]:
@@ -118,26 +141,43 @@ def _plan_one(graph: Graph, lin: Op, producer: dict[str, Op], cons: dict[str, li
     return f if (f.norm or f.silu or f.residual) else None
 
 
-def plan(graph: Graph, fuse: bool | str | Iterable[str] | None) -> list[Op | FusedLinear]:
+def _plan_attention(graph: Graph, attn: Op, producer: dict[str, Op], cons: dict[str, list[Op]]) -> FusedAttention | None:
+    """qkv_prep -> attention when the attention reads exactly the prep's q and caches and nothing else
+    reads q (so the q rows may be written and read inside one tile)."""
+    prep = producer.get(attn.inputs[0])
+    if prep is None or prep.kind != "qkv_prep" or list(attn.inputs[:3]) != list(prep.outputs):
+        return None
+    if attn.inputs[3] != prep.inputs[1] or not _sole_consumer(graph, cons, attn.inputs[0], attn):
+        return None
+    return FusedAttention(prep, attn)
+
+
+def plan(graph: Graph, fuse: bool | str | Iterable[str] | None) -> list[Op | FusedLinear | FusedAttention]:
     """The ops of ``graph`` in order, with each fused group replaced by one ``FusedLinear`` at the
-    linear's place (the ops it absorbs are dropped). ``fuse`` as in ``fusion_set``."""
+    linear's place, or one ``FusedAttention`` at the attention's place (the ops they absorb are
+    dropped). ``fuse`` as in ``fusion_set``."""
     fusions = fusion_set(fuse)
     if not fusions:
         return list(graph.ops)
     producer = {t: op for op in graph.ops for t in op.outputs}
     cons = _consumers(graph)
-    fused: dict[int, FusedLinear] = {}
+    fused: dict[int, FusedLinear | FusedAttention] = {}
     for op in graph.ops:
+        f = None
         if op.kind == "linear":
             f = _plan_one(graph, op, producer, cons, fusions)
-            if f is not None:
-                fused[id(op)] = f
-    absorbed = {id(o) for f in fused.values() for o in (f.norm, f.silu, f.residual) if o is not None}
+        elif op.kind == "attention" and "attn_prep" in fusions:
+            f = _plan_attention(graph, op, producer, cons)
+        if f is not None:
+            fused[id(op)] = f
+    absorbed = {id(o) for f in fused.values()
+                for o in ((f.prep,) if isinstance(f, FusedAttention) else (f.norm, f.silu, f.residual)) if o is not None}
     return [fused.get(id(op), op) for op in graph.ops if id(op) not in absorbed]
 
 
-def dropped_tensors(items: list[Op | FusedLinear]) -> set[str]:
-    """Activations no task reads or writes once the plan is lowered (their buffers are not declared)."""
+def dropped_tensors(items: list[Op | FusedLinear | FusedAttention]) -> set[str]:
+    """Activations no task reads or writes once the plan is lowered (their buffers are not declared;
+    a ``FusedAttention`` keeps q: its tiles write and read it)."""
     out: set[str] = set()
     for f in items:
         if isinstance(f, FusedLinear):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from mpk_dist.taskgraph.tasks import (add, allgather_push, allreduce_push, allreduce_reduce, argmax_nucleus_cut,
                                       argmax_nucleus_hist, argmax_partial, argmax_reduce, argmax_select, attention, attention_merge,
+                                      attention_prep,
                                       attention_split, embedding, gather_rows, linear, linear_residual,
                                       norm_linear, paged_attention, qkv_prep, qkv_prep_paged, rms_norm, silu_linear,
                                       silu_mul, step_begin)
@@ -24,7 +25,9 @@ KINDS: tuple[TaskKind, ...] = tuple(sorted(
                       # top-p sampling (opt-in: compile_rank_programs(nucleus=True); docs/TASKGRAPH.md)
                       argmax_nucleus_hist, argmax_nucleus_cut,
                       # the paged head over sequences, not tokens (compile_paged_programs; docs/SERVING.md)
-                      gather_rows)),
+                      gather_rows,
+                      # qkv_prep folded into the attention tiles (opt-in: fuse=[..., 'attn_prep']; docs/TASKGRAPH.md)
+                      attention_prep)),
     key=lambda k: k.opcode))
 
 BY_NAME: dict[str, TaskKind] = {k.name: k for k in KINDS}
