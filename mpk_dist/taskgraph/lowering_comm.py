@@ -116,7 +116,8 @@ def lower_graph(graph, sms: int, max_steps: int, fuse=False, attn_splits=1, nucl
     ``nucleus``: add the top-p stages before the token's scoring pass (``lowering_nucleus``); without
     them a launch can sample with temperature but not with top_p < 1.
     """
-    from mpk_dist.taskgraph.fusion import FusedLinear, dropped_tensors, plan
+    from mpk_dist.taskgraph.fusion import FusedAttention, FusedLinear, dropped_tensors, plan
+    from mpk_dist.taskgraph.lowering_attn_prep import lower_attn_prep
     from mpk_dist.taskgraph.lowering_attention import check_attn_splits, lower_split_attention, resolve_splits
     from mpk_dist.taskgraph.lowering_fused import lower_fused
     from mpk_dist.taskgraph.lowering_nucleus import lower_nucleus_head
@@ -133,6 +134,9 @@ def lower_graph(graph, sms: int, max_steps: int, fuse=False, attn_splits=1, nucl
     for op in items:
         if isinstance(op, FusedLinear):
             lower_fused(lw, op)
+            continue
+        if isinstance(op, FusedAttention):  # split-KV programs: lowered unfused (lowering_attn_prep)
+            lower_attn_prep(lw, op, attn_splits)
             continue
         if op.kind == "attention" and attn_splits != 1:
             splits = resolve_splits(attn_splits, sms, op.attrs["kv_heads"], graph.max_seq_len)
