@@ -215,4 +215,67 @@ __device__ __forceinline__ int spin_wait_geq_sys_busy(const uint32_t* counter, u
   }
 }
 
+// ---- shared-memory barriers and bulk copies (Hopper; the weight stream, weight_stream.cuh) ----------
+// An mbarrier is a 64-bit word in shared memory. A bulk copy (cp.async.bulk, the TMA engine's 1-D form)
+// moves a contiguous global range into shared memory and signals completion on an mbarrier as
+// "transaction bytes"; the waiting side acquires that data with mbarrier.try_wait (cta scope).
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count) : "memory");
+}
+
+// Makes mbarrier.init visible to the async proxy (the bulk-copy engine) before any copy uses it.
+__device__ __forceinline__ void fence_mbar_init() { asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
+
+// One arrival that also announces `bytes` of transactions the phase must see before it completes.
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
+}
+
+// One arrival with release semantics (cta scope): this thread's reads of the slot happen before.
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
+}
+
+// True once the phase with parity `parity` has completed (acquire, cta scope).
+__device__ __forceinline__ bool mbar_try_wait(uint64_t* bar, uint32_t parity) {
+  uint32_t done;
+  asm volatile(
+      "{\n\t.reg .pred p;\n\t"
+      "mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 p, [%1], %2;\n\t"
+      "selp.u32 %0, 1, 0, p;\n\t}"
+      : "=r"(done)
+      : "r"(smem_addr(bar)), "r"(parity)
+      : "memory");
+  return done != 0;
+}
+
+// Bounded wait for a phase of a block-local barrier: the bytes it waits for come from this SM's own
+// bulk copies (or its own warps), never from another block, so the bound only catches a bug; on
+// expiry the block traps with a message naming the wait (the host reports the launch failure).
+constexpr uint64_t kMbarWaitLimitNs = 2000000000ull;  // 2 s
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity, const char* what) {
+  if (mbar_try_wait(bar, parity)) return;
+  const uint64_t t0 = globaltimer_ns();
+  while (!mbar_try_wait(bar, parity)) {
+    if (globaltimer_ns() - t0 > kMbarWaitLimitNs) {
+      printf("mpk: block %d thread %d: shared-memory barrier wait (%s, parity %u) timed out\n", (int)blockIdx.x,
+             (int)threadIdx.x, what, parity);
+      __trap();
+    }
+  }
+}
+
+// Bulk copy of `bytes` (a multiple of 16; both addresses 16-byte aligned) from global memory into this
+// block's shared memory, completing as transactions on `bar`.
+__device__ __forceinline__ void bulk_copy_g2s(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(smem_addr(dst)),
+      "l"(src), "r"(bytes), "r"(smem_addr(bar))
+      : "memory");
+}
+
 }  // namespace mpk

@@ -10,6 +10,13 @@ namespace mpk {
 
 typedef __nv_bfloat16 bf16;
 
+// Bytes of dynamic shared memory of this launch (the host sizes it from the task graph).
+__device__ __forceinline__ uint32_t launch_smem_bytes() {
+  uint32_t r;
+  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(r));
+  return r;
+}
+
 __device__ __forceinline__ float bf2f(bf16 v) { return __bfloat162float(v); }
 __device__ __forceinline__ bf16 f2bf(float v) { return __float2bfloat16_rn(v); }
 // Round a float to the nearest bf16 and back: reproduces torch's bf16 intermediate results.

@@ -14,6 +14,7 @@
 #include "common.cuh"
 #include "linear.cuh"
 #include "silu_mul.cuh"
+#include "weight_stream.cuh"
 
 namespace mpk {
 
@@ -23,13 +24,9 @@ constexpr int kFuseRows = MPK_LINEAR_ROWS;
 constexpr int kFuseRows = 1;
 #endif
 
-// Bytes of dynamic shared memory of this launch (the host sizes it from the task graph; a fused
-// tile stages its prologue there only when it fits, and computes it on the fly otherwise).
-__device__ __forceinline__ uint32_t dynamic_smem_bytes() {
-  uint32_t r;
-  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(r));
-  return r;
-}
+// Dynamic shared memory a fused tile may stage its prologue in (below the weight ring when
+// MPK_LINEAR_TMA is on); it computes the prologue on the fly when the rows do not fit.
+__device__ __forceinline__ uint32_t dynamic_smem_bytes() { return smem_below_ring(); }
 
 // x[b, k..k+7] of a row-major bf16 matrix (global memory or shared memory; 16-byte aligned rows).
 struct XRows {
@@ -117,6 +114,10 @@ template <int B, int R, class XS, class EpiT>
 __device__ __noinline__ void gemv_tile(const XS xs, const bf16* __restrict__ w, int K, int n_tile, const EpiT epi,
                                        int tid, int nt) {
   constexpr int U = kLinUnroll / R > 0 ? kLinUnroll / R : 1;
+  if (R == 1 && stream_fits(K, nt)) {  // MPK_LINEAR_TMA: same sums, weights through shared memory
+    gemv_streamed<B>(xs, w, K, n_tile, epi, tid, nt);
+    return;
+  }
   const int warp = tid >> 5, lane = tid & 31, nwarps = nt >> 5;
   for (int n0 = warp * R; n0 < n_tile; n0 += nwarps * R) {
     float acc[R][B];

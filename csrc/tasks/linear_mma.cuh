@@ -27,6 +27,7 @@
 // scalar tile instead (mma_slices). Requires K % 8 == 0 and 16-byte aligned rows (host-checked).
 #pragma once
 #include "common.cuh"
+#include "weight_stream.cuh"  // smem_below_ring()
 
 namespace mpk {
 
@@ -63,11 +64,6 @@ __device__ __forceinline__ void mma_bf16_16816(float (&d)[4], uint32_t a0, uint3
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-__device__ __forceinline__ uint32_t dyn_smem_bytes_mma() {
-  uint32_t r;
-  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(r));
-  return r;
-}
 
 // One warp's share: weight rows n0..n0+7 (lane row g), k over chunks [c0, c1) of 32, into d[4]
 // (d[0], d[1]: batch g, rows 2q, 2q+1; d[2], d[3]: batch g + 8, same rows).
@@ -119,7 +115,7 @@ __device__ __forceinline__ int mma_slices(int K, int n_tile, uint32_t reserved, 
   int S = units >= nwarps ? 1 : nwarps / units;
   S = max(1, min(S, chunks / MPK_LINEAR_UNROLL));
   const uint32_t need = (uint32_t)(units * S) * 128u * sizeof(float);
-  if (S > 1 && reserved + need + 16 > dyn_smem_bytes_mma()) S = 1;  // no room for the partials: no split
+  if (S > 1 && reserved + need + 16 > smem_below_ring()) S = 1;  // no room for the partials: no split
   return 2 * units * S >= nwarps ? S : 0;
 }
 
@@ -139,7 +135,8 @@ __device__ __noinline__ void gemv_mma_tile(const XS xs, const bf16* __restrict__
     }
     return;
   }
-  const uint32_t need = (uint32_t)(units * S) * 128u * sizeof(float), dyn = dyn_smem_bytes_mma();
+  // The partials sit at the top of the shared memory below the weight ring (all of it when the ring is off).
+  const uint32_t need = (uint32_t)(units * S) * 128u * sizeof(float), dyn = smem_below_ring();
   extern __shared__ float4 mpk_mma_smem4[];  // the launch's dynamic shared memory (aliases the kernel's)
   float* part = reinterpret_cast<float*>(reinterpret_cast<char*>(mpk_mma_smem4) + ((dyn - need) & ~15u));
   if (warp < units * S) {  // warp -> (unit, slice); slice s covers chunks [s*chunks/S, (s+1)*chunks/S)

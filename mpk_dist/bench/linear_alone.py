@@ -23,7 +23,9 @@ from mpk_dist.errors import InputError
 from mpk_dist.superopt.profile import StandaloneTask
 
 MATRICES = ("qkv", "o", "gate_up", "down", "lm_head")
-VARIANTS = ("scalar", "mma")
+VARIANTS = ("scalar", "mma", "tma")
+"""scalar: 16-byte register loads; mma: tensor cores (batch >= 2); tma: weights through a shared-memory ring
+filled by bulk copies (MPK_LINEAR_TMA, csrc/tasks/weight_stream.cuh; same sums as scalar)."""
 TOLERANCE = 1e-2
 """max |y - ref| / max |ref| allowed (bf16 output rounding is 2^-8 relative; accumulation order differs)."""
 PARTIAL_SMEM_PER_WARP = 128 * 4
@@ -83,7 +85,8 @@ class LinearTileKernel(StandaloneTask):
     """``mpk::linear`` of one batch and variant as a standalone kernel (StandaloneTask's loading and
     timing; ``launch`` keeps its signature so ``time_us`` drives it: rows = x, nw = the tile table)."""
 
-    def __init__(self, batch: int, mma: bool, threads: int, unroll: int = 8, compiler: str | None = None):
+    def __init__(self, batch: int, mma: bool, threads: int, unroll: int = 8, compiler: str | None = None,
+                 tma: bool = False):
         from mpk_dist.runtime.build import compile_source
         from mpk_dist.runtime.loader import _check, ensure_context
         from mpk_dist.superopt.profile import require_gpu
@@ -93,9 +96,10 @@ class LinearTileKernel(StandaloneTask):
         import torch
         from cuda.bindings import driver as cu
 
-        self.kind, self.batch, self.threads = "linear_mma" if mma else "linear", batch, threads
+        self.kind = "linear_mma" if mma else "linear_tma" if tma else "linear"
+        self.batch, self.threads = batch, threads
         defines = {"MPK_BATCH": batch, "MPK_WORKER_THREADS": threads, "MPK_LINEAR_MMA": int(mma),
-                   "MPK_LINEAR_UNROLL": unroll}
+                   "MPK_LINEAR_UNROLL": unroll, "MPK_LINEAR_TMA": int(tma)}
         res = compile_source(HARNESS, f"bench_{self.kind}", defines, compiler=compiler)
         ensure_context(torch.cuda.current_device())
         self._image = np.frombuffer(res.cubin, dtype=np.uint8).copy()  # kept alive with the module
@@ -103,7 +107,9 @@ class LinearTileKernel(StandaloneTask):
         self.func = _check(cu.cuModuleGetFunction(self.module, b"mpk_task"), "cuModuleGetFunction")
         self.smem = 0
         # Room for the MMA tile's split-K partials (the mega-kernel has at least this with attention).
-        self._set_smem(PARTIAL_SMEM_PER_WARP * (threads // 32) + 128)
+        from mpk_dist.runtime.tables import WEIGHT_RING_BYTES
+
+        self._set_smem(PARTIAL_SMEM_PER_WARP * (threads // 32) + 128 + (WEIGHT_RING_BYTES if tma else 0))
 
     def launch(self, rows, nw, w, y, n_tile: int = 0, eps: float = 0.0) -> None:
         """y[B, N] = rows[B, K] @ w[N, K].T on torch's current stream, one block per row of ``nw``
@@ -148,7 +154,7 @@ def measure_case(kernel: LinearTileKernel, matrix: str, N: int, K: int, sms: int
     """Time one (matrix, batch, variant) and check its output against torch; one result row."""
     import torch
 
-    from mpk_dist.taskgraph.lowering import col_tiles
+    from mpk_dist.taskgraph.lowering import LINEAR_ALIGN, col_tiles
 
     B = kernel.batch
     g = torch.Generator(device="cuda").manual_seed(seed)
@@ -156,13 +162,13 @@ def measure_case(kernel: LinearTileKernel, matrix: str, N: int, K: int, sms: int
     x = torch.randn(B, K, device="cuda", generator=g).bfloat16()
     out_dtype = torch.float32 if matrix == "lm_head" else torch.bfloat16  # logits stay fp32 in the mega-kernel
     y = torch.zeros(B, N, device="cuda", dtype=out_dtype)
-    tiles = torch.tensor(col_tiles(N, sms), dtype=torch.int32, device="cuda")
+    tiles = torch.tensor(col_tiles(N, sms, LINEAR_ALIGN), dtype=torch.int32, device="cuda")  # the lowering's tiles
     kernel.launch(x, tiles, w, y)
     ref = x.float() @ w.float().T
     err = float((y.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
     us = kernel.time_us(x, tiles, w, y, 0, 0.0, iters)
     nbytes = row_bytes(N, K, B, y.element_size())
-    return {"matrix": matrix, "N": N, "K": K, "batch": B, "variant": "mma" if "mma" in kernel.kind else "scalar",
+    return {"matrix": matrix, "N": N, "K": K, "batch": B, "variant": kernel.kind.replace("linear_", "") if "_" in kernel.kind else "scalar",
             "tiles": int(tiles.shape[0]), "us": us, "gb_s": nbytes / us / 1e3, "rel_err": err,
             "ok": err <= TOLERANCE}
 
@@ -208,7 +214,7 @@ def run(opts: BenchOptions) -> int:
     read_gb_s = measure_read_bandwidth(torch.device("cuda")) / 1e9
     rows = []
     for batch, variant in cases(opts):
-        kernel = LinearTileKernel(batch, variant == "mma", opts.threads, opts.unroll)
+        kernel = LinearTileKernel(batch, variant == "mma", opts.threads, opts.unroll, tma=variant == "tma")
         for m in opts.matrices:
             N, K = shapes[m]
             rows.append(measure_case(kernel, m, N, K, sms, opts.iters))

@@ -349,6 +349,11 @@ def tuning_from_env(worker_threads: int, environ=None) -> dict:
         raise InputError(f"MPK_LINEAR_MMA: expected one of 0, 1, got {mma!r}")
     if mma == "1":
         out["linear_mma"] = True
+    tma = env.get("MPK_LINEAR_TMA", "")  # weights through a shared-memory ring (weight_stream.cuh; same bits)
+    if tma not in ("", "0", "1"):
+        raise InputError(f"MPK_LINEAR_TMA: expected one of 0, 1, got {tma!r}")
+    if tma == "1":
+        out["linear_tma"] = True
     # MPK_PREFETCH_PLAN=0 turns off the whole-tile L2 prefetch of linears after a narrow op
     # (mpk_dist/runtime/prefetch_plan.py); like MPK_LINEAR_MMA, the key appears only when set.
     plan = env.get("MPK_PREFETCH_PLAN", "")

@@ -57,7 +57,7 @@ class Session:
                  compiler: str | None = None, model: str = "-", linear_rows: int = 1, linear_unroll: int = 8,
                  prefetch_kb: int = -1, desc_prefetch: bool = False, region=None, stream=None,
                  cooperative: bool = True, superopt: bool = True, linear_mma: bool = False,
-                 prefetch_plan: bool = True):
+                 prefetch_plan: bool = True, linear_tma: bool = False):
         if cg.meta["abi_version"] != ABI_VERSION:
             raise InputError(f"task graph ABI: expected version {ABI_VERSION}, got {cg.meta['abi_version']}")
         tables.check_supported(cg)
@@ -77,15 +77,17 @@ class Session:
         t0 = time.perf_counter()
         self.source, self.build = build_kernel(KernelShape(self.batch, worker_threads, schedule, linear_rows,
                                                                    linear_unroll, prefetch_kb, desc_prefetch,
-                                                                   superopt=superopt, linear_mma=linear_mma),
+                                                                   superopt=superopt, linear_mma=linear_mma,
+                                                                   linear_tma=linear_tma),
                                                model=model,
                                                rank=self.rank, world=self.world, input_hash=tables_hash(cg.arrays),
                                                compiler=compiler, program=cg)
         self.build_s = time.perf_counter() - t0
         self.block_threads = worker_threads + (32 if schedule == "jit" else 0)
-        self.smem = tables.smem_bytes(cg, worker_threads)
-        if linear_mma:  # room for the MMA linear tiles' split-K partials (csrc/tasks/linear_mma.cuh)
-            self.smem = max(self.smem, MMA_PARTIAL_BYTES_PER_WARP * (worker_threads // 32) + 128)
+        self.smem = tables.smem_bytes(cg, worker_threads, weight_ring=linear_tma)
+        if linear_mma:  # room for the MMA linear tiles' split-K partials (csrc/tasks/linear_mma.cuh), below the ring
+            ring = tables.WEIGHT_RING_BYTES if linear_tma else 0
+            self.smem = max(self.smem, MMA_PARTIAL_BYTES_PER_WARP * (worker_threads // 32) + 128 + ring)
         t0 = time.perf_counter()
         self.kernel = LoadedKernel(self.build.cubin, device.index or 0, self.block_threads, self.smem)
         self.load_s = time.perf_counter() - t0

@@ -85,10 +85,15 @@ def check_supported(cg) -> None:
 # Opt-in dynamic shared memory per block on sm_90 (227 KiB), minus a margin for static shared data.
 HOPPER_MAX_DYNAMIC_SMEM = 227 * 1024
 SMEM_RESERVE = 1024
+RING_STAGES, RING_STAGE_BYTES = 4, 32 * 1024
+WEIGHT_RING_BYTES = RING_STAGES * RING_STAGE_BYTES + 2 * RING_STAGES * 8
+"""csrc/tasks/weight_stream.cuh's kRingBytes: stages plus their full/empty mbarriers (MPK_LINEAR_TMA)."""
 
 
-def smem_bytes(cg, worker_threads: int) -> int:
-    """Dynamic shared memory per worker block: the largest need over the task bodies."""
+def smem_bytes(cg, worker_threads: int, weight_ring: bool = False) -> int:
+    """Dynamic shared memory per worker block: the largest need over the task bodies, plus the weight
+    ring at the end when ``weight_ring`` (MPK_LINEAR_TMA; the staging budget shrinks by as much)."""
+    ring = WEIGHT_RING_BYTES if weight_ring else 0
     nwarps = worker_threads // 32
     need = 2 * nwarps * 4  # block reductions (rms_norm, argmax)
     tasks = cg.arrays["tasks"]
@@ -100,12 +105,12 @@ def smem_bytes(cg, worker_threads: int) -> int:
     # tile that does not get the space recomputes per weight row (same bits, slower).
     from mpk_dist.taskgraph.fusion import staging_bytes
 
-    need = max(need, staging_bytes(cg, HOPPER_MAX_DYNAMIC_SMEM - SMEM_RESERVE))
+    need = max(need, staging_bytes(cg, HOPPER_MAX_DYNAMIC_SMEM - SMEM_RESERVE - ring))
     # Split-KV attention's staged path wants the unsplit attention's nwarps x GROUP x (D + 2) floats.
     from mpk_dist.taskgraph.lowering_attention import split_smem_bytes
 
     need = max(need, split_smem_bytes(cg, worker_threads))
-    return (need + 127) // 128 * 128
+    return (need + 127) // 128 * 128 + ring
 
 
 def max_tasks_per_worker(cg) -> int:
