@@ -50,6 +50,8 @@
 #include "qkv_prep_paged.cuh"
 #include "paged_attention.cuh"
 #include "gather_rows.cuh"
+// qkv_prep folded into the attention tiles (opt-in fusion 'attn_prep'; docs/TASKGRAPH.md)
+#include "attention_prep.cuh"
 
 namespace mpk {
 
@@ -288,6 +290,41 @@ __device__ __noinline__ bool run_gather_rows(const TaskView& t, int tid, int nt)
   return o32 ? run_gather_rows_as<bf16, float>(t, tid, nt) : run_gather_rows_as<bf16, bf16>(t, tid, nt);
 }
 
+// ---- qkv_prep + attention in one tile (opt-in fusion 'attn_prep'; docs/TASKGRAPH.md) ----
+// bf16 activations and caches only; anything else, a bad position or too little shared memory is a
+// bad task (kErrBadTask) instead of something wrong.
+template <int MG, int ME>
+__device__ __noinline__ void run_attention_prep_attend(const TaskView& t, int p, float* smem, int tid, int nt) {
+  attention_seq<MG, ME>(t.arg<const bf16>(ATTENTION_PREP_ARG_Q), t.arg<const bf16>(ATTENTION_PREP_ARG_K_CACHE),
+                        t.arg<const bf16>(ATTENTION_PREP_ARG_V_CACHE), t.arg<bf16>(ATTENTION_PREP_ARG_OUT),
+                        t.param(ATTENTION_PREP_PARAM_HEAD_DIM), t.param(ATTENTION_PREP_PARAM_GROUP),
+                        t.param(ATTENTION_PREP_PARAM_KV_POS_STRIDE), p + 1, t.fparam(ATTENTION_PREP_PARAM_SCALE), smem,
+                        tid, nt);
+}
+
+__device__ __noinline__ bool run_attention_prep(const TaskView& t, float* smem, int tid, int nt) {
+  if (t.dtype(ATTENTION_PREP_ARG_QKV) != DTYPE_BF16 || t.dtype(ATTENTION_PREP_ARG_Q) != DTYPE_BF16 ||
+      t.dtype(ATTENTION_PREP_ARG_K_CACHE) != DTYPE_BF16 || t.dtype(ATTENTION_PREP_ARG_V_CACHE) != DTYPE_BF16 ||
+      t.dtype(ATTENTION_PREP_ARG_OUT) != DTYPE_BF16)
+    return false;
+  const int D = t.param(ATTENTION_PREP_PARAM_HEAD_DIM), G = t.param(ATTENTION_PREP_PARAM_GROUP);
+  const int p = *t.arg<const int32_t>(ATTENTION_PREP_ARG_POSITIONS);
+  if (!attention_prep_ok(D, G, p, t.param(ATTENTION_PREP_PARAM_MAX_SEQ), nt)) return false;
+  attention_prep_heads(t.arg<const bf16>(ATTENTION_PREP_ARG_QKV), t.arg<const bf16>(ATTENTION_PREP_ARG_Q_NORM_W),
+                       t.arg<const bf16>(ATTENTION_PREP_ARG_K_NORM_W), t.arg<const float>(ATTENTION_PREP_ARG_INV_FREQ),
+                       t.arg<bf16>(ATTENTION_PREP_ARG_Q), t.arg<bf16>(ATTENTION_PREP_ARG_K_CACHE),
+                       t.arg<bf16>(ATTENTION_PREP_ARG_V_CACHE), p, D, G, t.param(ATTENTION_PREP_PARAM_K_OFFSET),
+                       t.param(ATTENTION_PREP_PARAM_V_OFFSET), t.param(ATTENTION_PREP_PARAM_KV_POS_STRIDE),
+                       t.fparam(ATTENTION_PREP_PARAM_EPS), tid, nt);
+  worker_barrier(nt);  // the q rows and this position's k, v are written before any warp reads them
+  // The attention half, as run_attention's body for one sequence. One call per (MG, ME) instance, each
+  // with 5 operands (the wrapper reads the rest from the task): 12 attention_seq call sites here, each
+  // with all 12 operands live, made ptxas store 44 bytes to local memory in this function.
+  const int epl = (D + 31) / 32;
+  MPK_ATTN_BOUNDS(G, epl, (run_attention_prep_attend<kMG, kME>(t, p, smem, tid, nt)));
+  return true;
+}
+
 // Run task `task` of step `step` on the worker threads (tid < nt). Returns false for an unknown
 // opcode (the caller raises kErrBadTask).
 __device__ bool run_task(const RuntimeParams& p, int task, int step, float* smem, int tid, int nt) {
@@ -356,6 +393,7 @@ __device__ bool run_task(const RuntimeParams& p, int task, int step, float* smem
     case OP_QKV_PREP_PAGED: return run_qkv_prep_paged(t, tid, nt);
     case OP_PAGED_ATTENTION: return run_paged_attention(t, tid, nt);
     case OP_GATHER_ROWS: return run_gather_rows(t, tid, nt);
+    case OP_ATTENTION_PREP: return run_attention_prep(t, smem, tid, nt);
     default: return false;
   }
 }

@@ -1,0 +1,65 @@
+// attention_prep (mpk_dist/taskgraph/tasks/attention_prep.py; fusion 'attn_prep'): one tile = (kv head j,
+// sequence b). First qkv_prep's work for that pair: k head j -> norm + rope -> K cache at pos[b], v head j
+// -> V cache at pos[b], the GROUP q heads of group j -> norm + rope -> the q rows attention reads; then a
+// block barrier; then exactly attention's tile (j, b): attention_seq over positions 0..pos[b]. The task
+// body (run_attention_prep in csrc/runtime/dispatch.cuh) strings the two halves together.
+// Bit-identical to qkv_prep + attention: the per-head body is qkv_prep.cuh's qk_norm_rope (or the
+// superoptimizer's gen::qk_norm_rope under MPK_SUPEROPT_QK_NORM_ROPE, chosen as qkv_prep chooses it), one
+// warp per head as there, and the attention is attention.cuh's attention_seq<MG, ME> through
+// MPK_ATTN_BOUNDS with the same threads and shared memory (nwarps * G * (D + 2) floats).
+// Pointers: qkv at row b, query head j*G (k head k_off further, v head v_off after it); q / out at row
+// b, query head j*G; k / v cache at sequence b, position 0, head j.
+#pragma once
+#include "common.cuh"
+#include "qkv_prep.cuh"
+#include "attention.cuh"
+
+namespace mpk {
+
+// One head of one sequence, one warp: the body qkv_prep runs for it (same hook, same choice).
+__device__ __forceinline__ void attn_prep_head(const bf16* src, const bf16* norm_w, const float* inv_freq, int pos,
+                                               bf16* dst, int D, float eps, int lane) {
+#if MPK_SUPEROPT_QK_NORM_ROPE
+  if (norm_w != nullptr)  // the generated body is the qk_norm_rope µGraph's: norm, then rope
+    gen::qk_norm_rope(src, norm_w, inv_freq, pos, dst, D, eps, lane);
+  else
+#endif
+    qk_norm_rope(src, norm_w, inv_freq, pos, dst, D, eps, lane);
+}
+
+// Bytes of dynamic shared memory of this launch (attention_seq needs nwarps * G * (D + 2) floats of it).
+__device__ __forceinline__ uint32_t attn_prep_dynamic_smem() {
+  uint32_t r;
+  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(r));
+  return r;
+}
+
+// The prep half: warps 0..G-1 take the q heads of the group, warp G the kv head (k roped into the cache
+// at position p, v copied), looping when there are fewer warps. Not inlined: its per-lane arrays get
+// their own register allocation, apart from the attention's (as qkv_prep and attention are apart).
+__device__ __noinline__ void attention_prep_heads(const bf16* qkv, const bf16* q_norm, const bf16* k_norm,
+                                                  const float* inv_freq, bf16* q, bf16* kc, bf16* vc, int p, int D,
+                                                  int G, int k_off, int v_off, int kv_ps, float eps, int tid, int nt) {
+  const int warp = tid >> 5, lane = tid & 31, nwarps = nt >> 5;
+  for (int h = warp; h <= G; h += nwarps) {
+    if (h < G) {
+      attn_prep_head(qkv + (size_t)h * D, q_norm, inv_freq, p, q + (size_t)h * D, D, eps, lane);
+    } else {
+      const bf16* src = qkv + k_off;
+      const size_t o = (size_t)p * kv_ps;
+      attn_prep_head(src, k_norm, inv_freq, p, kc + o, D, eps, lane);
+      for (int d = lane; d < D; d += 32) vc[o + d] = src[v_off + d];
+    }
+  }
+}
+
+// Whether a tile's shape, position and the launch's shared memory are ones the bodies handle (else the
+// worker reports a bad task before anything is written): G <= kAttnMaxG, D even and <= 32 * kAttnMaxEpl,
+// 0 <= p < max_seq, and nwarps * G * (D + 2) floats of dynamic shared memory
+// (mpk_dist.taskgraph.lowering_attn_prep.attn_prep_smem_bytes).
+__device__ __forceinline__ bool attention_prep_ok(int D, int G, int p, int max_seq, int nt) {
+  return G >= 1 && G <= kAttnMaxG && D <= 32 * kAttnMaxEpl && !(D & 1) && p >= 0 && p < max_seq &&
+         (uint32_t)attention_smem_bytes(nt >> 5, G, D) <= attn_prep_dynamic_smem();
+}
+
+}  // namespace mpk
