@@ -38,6 +38,16 @@ SCHEDULES = ("aot", "jit")
 DEFAULT_WORKER_THREADS = 512
 DEFAULT_PREFETCH_KB = 64
 
+SWITCHES = (
+    # batch >= 2 linear tiles on tensor cores (csrc/tasks/linear_mma.cuh; another summation order)
+    ("linear_mma", "MPK_LINEAR_MMA", False),
+    # weights through a shared-memory ring by bulk copies (csrc/tasks/weight_stream.cuh; same sums)
+    ("linear_tma", "MPK_LINEAR_TMA", False),
+    # whole-tile L2 prefetch of linears that wait on a narrow op (mpk_dist/runtime/prefetch_plan.py)
+    ("prefetch_plan", "MPK_PREFETCH_PLAN", True),
+)
+"""On/off kernel switches read from the environment: (Session keyword, variable, default)."""
+
 PROFILE_STEPS = 128
 """Decode steps whose trace records are kept for the exposed-communication figure (tp > 1)."""
 
@@ -315,11 +325,11 @@ class MegakernelBackend(StepBackend):
 
 
 def tuning_from_env(worker_threads: int, environ=None) -> dict:
-    """KernelShape knobs {linear_unroll, worker_threads, prefetch_kb, desc_prefetch[, linear_mma]}:
-    MPK_LINEAR_UNROLL, MPK_WORKER_THREADS, MPK_PREFETCH_KB, MPK_DESC_PREFETCH and MPK_LINEAR_MMA override
-    the defaults (8 loads in flight per lane; ``worker_threads``; DEFAULT_PREFETCH_KB of a linear tile's
-    weights into L2; 0; 0) so a GPU session can sweep them (scripts/tune_sweep.py); a bad value is
-    refused with the allowed ones."""
+    """Kernel knobs {linear_unroll, worker_threads, prefetch_kb, desc_prefetch[, linear_mma, linear_tma,
+    prefetch_plan]}: MPK_LINEAR_UNROLL, MPK_WORKER_THREADS, MPK_PREFETCH_KB, MPK_DESC_PREFETCH and the
+    SWITCHES override the defaults (8 loads in flight per lane; ``worker_threads``; DEFAULT_PREFETCH_KB of a
+    linear tile's weights into L2; 0; each switch's default) so a GPU session can sweep them
+    (scripts/tune_sweep.py); a bad value is refused with the allowed ones."""
     from mpk_dist.runtime.codegen import LINEAR_UNROLLS, WORKER_THREADS
 
     env = os.environ if environ is None else environ
@@ -341,24 +351,12 @@ def tuning_from_env(worker_threads: int, environ=None) -> dict:
             raise InputError(f"{var}: expected one of {allowed}, got {raw!r}")
         out[key] = val
     out["desc_prefetch"] = bool(out["desc_prefetch"])
-    # MPK_LINEAR_MMA=1: batch >= 2 linear tiles on tensor cores (csrc/tasks/linear_mma.cuh; same tokens
-    # not guaranteed: another summation order). NOTE: the key appears only when on, so the default
-    # dict (and every Session built from it) is what it was before the knob existed.
-    mma = env.get("MPK_LINEAR_MMA", "")
-    if mma not in ("", "0", "1"):
-        raise InputError(f"MPK_LINEAR_MMA: expected one of 0, 1, got {mma!r}")
-    if mma == "1":
-        out["linear_mma"] = True
-    tma = env.get("MPK_LINEAR_TMA", "")  # weights through a shared-memory ring (weight_stream.cuh; same bits)
-    if tma not in ("", "0", "1"):
-        raise InputError(f"MPK_LINEAR_TMA: expected one of 0, 1, got {tma!r}")
-    if tma == "1":
-        out["linear_tma"] = True
-    # MPK_PREFETCH_PLAN=0 turns off the whole-tile L2 prefetch of linears after a narrow op
-    # (mpk_dist/runtime/prefetch_plan.py); like MPK_LINEAR_MMA, the key appears only when set.
-    plan = env.get("MPK_PREFETCH_PLAN", "")
-    if plan not in ("", "0", "1"):
-        raise InputError(f"MPK_PREFETCH_PLAN: expected one of 0, 1, got {plan!r}")
-    if plan == "0":
-        out["prefetch_plan"] = False
+    # Switches whose key appears only when set away from the default, so the default dict (and every
+    # Session built from it) is what it was before the switch existed.
+    for key, var, default in SWITCHES:
+        raw = env.get(var, "")
+        if raw not in ("", "0", "1"):
+            raise InputError(f"{var}: expected one of 0, 1, got {raw!r}")
+        if raw and (raw == "1") != default:
+            out[key] = raw == "1"
     return out

@@ -76,3 +76,20 @@ def test_the_rule_is_the_signaller_count_not_the_op():
     names = {n.split(".")[-1] for n, _ in (k for k, v in _by_name(cg, prefetch_plan(cg, 32, 50 << 20)).items()
                                          if v != {-1})}
     assert {"o_proj", "qkv_proj"} <= names
+
+
+def test_switch_from_env_and_what_the_kernel_reads():
+    """MPK_PREFETCH_PLAN=0 asks the session for no plan (the kernel then reads a null table and keeps its
+    MPK_PREFETCH_KB cap); the kernel's prefetch hook consults the per-task table."""
+    from mpk_dist.errors import InputError
+    from mpk_dist.runtime.build import CSRC
+    from mpk_dist.runtime.megakernel_backend import tuning_from_env
+
+    assert "prefetch_plan" not in tuning_from_env(512, {}) and tuning_from_env(512, {"MPK_PREFETCH_PLAN": "1"}) == \
+        tuning_from_env(512, {})
+    assert tuning_from_env(512, {"MPK_PREFETCH_PLAN": "0"})["prefetch_plan"] is False
+    with pytest.raises(InputError, match="MPK_PREFETCH_PLAN: expected one of 0, 1"):
+        tuning_from_env(512, {"MPK_PREFETCH_PLAN": "off"})
+    text = (CSRC / "runtime" / "dispatch.cuh").read_text()
+    hook = text[text.index("__device__ void prefetch_task("):]
+    assert "p.prefetch_bytes != nullptr ? p.prefetch_bytes[task] : -1" in hook
