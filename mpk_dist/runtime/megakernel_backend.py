@@ -64,7 +64,8 @@ class MegakernelBackend(StepBackend):
     local|ipc, ``sms`` (SMs the group may use), ``trace`` (Chrome trace path), ``timeout_s``
     (watchdog), ``comm_profile`` (default on at tp > 1; MPK_COMM_PROFILE=0 turns it off), test hooks
     ``inject_hang_task`` / ``inject_hang_rank`` (that task never signals, on that rank or all),
-    ``fuse`` (fused linears), ``attn_splits`` (split-KV attention: N or 'auto'; default 1),
+    ``fuse`` (fused linears: True, False or names incl. the opt-in 'attn_prep'; MPK_FUSE_ATTN_PREP=1 adds
+    'attn_prep'), ``attn_splits`` (split-KV attention: N or 'auto'; default 1),
     ``superopt`` (fused linears run superoptimizer-generated bodies; default on, --no-superopt or
     MPK_SUPEROPT=0 for off).
     """
@@ -82,6 +83,12 @@ class MegakernelBackend(StepBackend):
         from mpk_dist.taskgraph.lowering_attention import check_attn_splits
 
         self.fuse = fusion_set(fuse)  # fused linears (mpk_dist.taskgraph.fusion); default on since verified on an H200
+        # MPK_FUSE_ATTN_PREP=1 adds the opt-in qkv_prep -> attention fusion (not GPU-verified yet); or name it in fuse
+        knob = os.environ.get("MPK_FUSE_ATTN_PREP", "")
+        if knob not in ("", "0", "1"):
+            raise InputError(f"MPK_FUSE_ATTN_PREP: expected one of 0, 1, got {knob!r}")
+        if knob == "1":
+            self.fuse = self.fuse | {"attn_prep"}
         # Generated bodies for the fused linears (runtime.superopt_tasks); MPK_SUPEROPT=0 turns the default
         # off for a whole job (e.g. every rank under mpirun) without a flag on each command.
         self.superopt = os.environ.get("MPK_SUPEROPT", "1") != "0" if superopt is None else bool(superopt)
