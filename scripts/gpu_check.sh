@@ -17,6 +17,10 @@
 #                   bench-linear (scalar, mma, tma), paged serving, the shared-memory weight stream
 #                   (MPK_LINEAR_TMA), and (2+ GPUs) bench-comm; --no-extras skips them.
 #                   Limit per section: EXTRA_LIMIT
+#   --perf          ONLY the issue-6 speed table: `mpk-dist bench --backend megakernel,torch-compile` at
+#                   context ~512 for qwen3-8b, llama3-8b, qwen3-1.7b, qwen3-0.6b (batch 1) and qwen3-8b batch 8
+#                   (MPK_LINEAR_MMA=1), the knob sweep of the newest levers on qwen3-8b (PERF_VARIANTS,
+#                   default "base;b1"), and a traced qwen3-8b run's trace-summary. Limit per step: PERF_LIMIT
 # Two GPUs: run two copies side by side, e.g. CUDA_VISIBLE_DEVICES=0 ... --runtime-only and
 # CUDA_VISIBLE_DEVICES=1 ... --fusion-only, each with its own OUT and MPK_CACHE_DIR and MPK_SKIP_INSTALL=1.
 # Logs and JSON go to $OUT (or ./gpu_check_out). Time limits (s): PYTEST_LIMIT, SAN_LIMIT, TRACE_LIMIT;
@@ -26,7 +30,7 @@ OUT=${OUT:-$PWD/gpu_check_out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 MPK_CACHE_DIR=${MPK_CACHE_DIR:-/tmp/mpk_cache}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-RUNTIME_ONLY=0; SANITIZE=1; BENCH=0; FUSION=1; FUSION_ONLY=0; TP=0; ATTN=1; EXTRAS=1
+RUNTIME_ONLY=0; SANITIZE=1; BENCH=0; FUSION=1; FUSION_ONLY=0; TP=0; ATTN=1; EXTRAS=1; PERF=0
 for a in "$@"; do
   case "$a" in
     --runtime-only) RUNTIME_ONLY=1 ;;
@@ -39,7 +43,8 @@ for a in "$@"; do
     --no-attn-split) ATTN=0 ;;
     --extras-only) FUSION_ONLY=1; FUSION=0; ATTN=0; EXTRAS=1 ;;
     --no-extras) EXTRAS=0 ;;
-    *) echo "gpu_check.sh: unknown option $a (expected --runtime-only, --no-sanitizer, --bench, --fusion-only, --no-fusion, --tp, --attn-split-only, --no-attn-split, --extras-only, --no-extras)" >&2; exit 2 ;;
+    --perf) PERF=1 ;;
+    *) echo "gpu_check.sh: unknown option $a (expected --runtime-only, --no-sanitizer, --bench, --fusion-only, --no-fusion, --tp, --attn-split-only, --no-attn-split, --extras-only, --no-extras, --perf)" >&2; exit 2 ;;
   esac
 done
 declare -A STATUS
@@ -77,6 +82,47 @@ if [ "${MPK_SKIP_INSTALL:-0}" != 1 ]; then
   python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
 fi
 python3 -c "import torch, cuda.bindings; print('torch', torch.__version__, 'cuda-bindings', cuda.bindings.__version__)"
+
+# ---- speed (--perf): this section only, then its table ----
+if [ $PERF -eq 1 ]; then
+  CTX="--prompt-len 480 --output-len 64 --max-seq-len 576 --iters 2 --no-progress"
+  for m in qwen3-8b llama3-8b qwen3-1.7b qwen3-0.6b; do
+    step "perf_$m" "${PERF_LIMIT:-150}" python3 -m mpk_dist bench --model "$m" --backend megakernel,torch-compile $CTX \
+      --output-json "$OUT/perf_$m.json"
+  done
+  step perf_qwen3-8b_b8 "${PERF_LIMIT:-150}" env MPK_LINEAR_MMA=1 python3 -m mpk_dist bench --model qwen3-8b --batch 8 \
+    --backend megakernel,torch-compile $CTX --output-json "$OUT/perf_qwen3-8b_b8.json"
+  step perf_sweep "${PERF_LIMIT:-150}" python3 scripts/tune_sweep.py --model qwen3-8b --prompt-len 480 --output-len 64 \
+    --variants "${PERF_VARIANTS:-base;b1}" --output-json "$OUT/perf_sweep.json"
+  step perf_trace "${PERF_LIMIT:-150}" bash -c "python3 -m mpk_dist run --model qwen3-8b --backend megakernel \
+    --prompt-ids 1,2,3,4 --max-new-tokens 8 --no-stop --trace $OUT/trace_qwen3_8b.json > /dev/null \
+    && python3 -m mpk_dist trace-summary $OUT/trace_qwen3_8b.json | head -16 && gzip -f $OUT/trace_qwen3_8b.json"
+  echo
+  echo "==================== gpu_check --perf summary ===================="
+  python3 - "$OUT" <<'PY'
+import glob, json, os, sys
+print(f"{'case':<26}{'backend':>15}{'p50 ms':>10}{'floor ms':>10}{'/floor':>8}")
+for path in sorted(glob.glob(os.path.join(sys.argv[1], "perf_*.json"))):
+    if path.endswith("perf_sweep.json"):
+        continue
+    try:
+        rows = json.load(open(path))
+    except (OSError, ValueError):
+        continue
+    case = os.path.basename(path)[5:-5]
+    for r in rows:
+        print(f"{case:<26}{r['backend']:>15}{r['ms_per_token_p50']:>10.3f}{r['floor_ms_per_token']:>10.3f}"
+              f"{r['ratio_to_floor']:>8.2f}")
+try:
+    for r in json.load(open(os.path.join(sys.argv[1], "perf_sweep.json"))):
+        print(f"{'sweep qwen3-8b':<26}{r['variant']:>15}{r['p50_ms']:>10.3f}{r['floor_ms']:>10.3f}"
+              f"{r['p50_ms'] / r['floor_ms']:>8.2f}  {'same tokens' if r['same_tokens'] else 'DIFFERS'}")
+except (OSError, ValueError):
+    pass
+PY
+  for k in "${!STATUS[@]}"; do printf '%-18s %s\n' "$k" "${STATUS[$k]}"; done | sort
+  exit 0
+fi
 
 # ---- tensor parallelism (--tp): this section only, then the summary ----
 TP_FILES=(tests/runtime/test_megakernel_tp_gpu.py tests/runtime/test_megakernel_ipc_gpu.py)
