@@ -25,6 +25,7 @@ mpk_megakernel(const mpk::RuntimeParams* __restrict__ params) {
     if ((int)blockIdx.x < p.num_sched) mpk::scheduler_loop(p, blockIdx.x);
     return;
   }
+  mpk::stream_reset(tid);  // shared memory starts undefined: no weight ring is primed yet
   if (MPK_SCHEDULE_JIT) mpk::worker_loop_jit(p, st, smem, tid, MPK_WORKER_THREADS);
   else mpk::worker_loop_aot(p, st, smem, tid, MPK_WORKER_THREADS);
 }

@@ -206,6 +206,7 @@ __device__ void worker_loop_aot(const RuntimeParams& p, BlockState& st, float* s
       if (st.failed) { stop = true; break; }
       const uint64_t t_ready = globaltimer_ns();
       if (!run_and_signal<false>(p, task, s, smem, tid, nt)) { stop = true; break; }
+      if (tid == 0) stream_drain();  // a ring primed for this task but not streamed from (weight_stream.cuh)
       if (tid == 0 && s >= p.trace_from) trace_record(p, ntrace, task, s, t0, t_ready);
       worker_barrier(nt);  // st is rewritten by thread 0 for the next task
     }

@@ -170,6 +170,7 @@ __device__ __forceinline__ void linear_prefetch(const bf16* w, int K, int n_tile
   uint64_t bytes = (uint64_t)n_tile * K * sizeof(bf16);
   if (planned >= 0) bytes = bytes < (uint64_t)planned ? bytes : (uint64_t)planned;
   else if (MPK_PREFETCH_KB >= 0 && bytes > (uint64_t)MPK_PREFETCH_KB * 1024) bytes = (uint64_t)MPK_PREFETCH_KB * 1024;
+  if (tid == 0) stream_prime(w, K, n_tile, nt);  // MPK_LINEAR_TMA: the first stages into shared memory
   prefetch_l2(w, bytes, tid, nt);
 }
 

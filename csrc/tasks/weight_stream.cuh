@@ -16,6 +16,13 @@
 // producer's expect_tx + the copy's bytes; empty: one arrival per consumed row). A stage holds
 // rows_per_stage = kRingStageBytes / (2 K) whole rows; chunk c (rows c*rps ..) goes to stage c % S.
 // The barriers are re-initialised by every tile (the previous tile consumed every chunk it issued).
+//
+// Primed before the wait: the aot worker calls stream_prime() (thread 0) for its next linear task
+// BEFORE spinning on the task's input events, so the first kRingStages chunks are on their way (into
+// shared memory, not just L2) while the producers of the inputs still run; gemv_streamed() then
+// continues from the first chunk not yet issued. A primed ring the task did not consume (a path that
+// does not stream: MMA tiles, the per-element fallback) is drained by stream_drain() after the task,
+// so no copy is ever in flight when the barriers are re-initialised.
 #pragma once
 #include "common.cuh"
 
@@ -32,7 +39,8 @@ namespace mpk {
 constexpr int kRingStages = 4;
 constexpr uint32_t kRingStageBytes = 32 * 1024;
 constexpr uint32_t kRingBarrierBytes = 2 * kRingStages * sizeof(uint64_t);
-constexpr uint32_t kRingBytes = kRingStages * kRingStageBytes + kRingBarrierBytes;
+constexpr uint32_t kRingStateBytes = 16;  // RingState below
+constexpr uint32_t kRingBytes = kRingStages * kRingStageBytes + kRingBarrierBytes + kRingStateBytes;
 
 // Dynamic shared memory available to everything but the ring (the whole launch's when the ring is off).
 __device__ __forceinline__ uint32_t smem_below_ring() {
@@ -44,17 +52,73 @@ __device__ __forceinline__ bool stream_fits(int K, int nt) {
   return MPK_LINEAR_TMA && (uint32_t)K * sizeof(bf16) <= kRingStageBytes && nt >= 64;
 }
 
+struct RingState {
+  const void* primed_w;  // weight block the ring was primed with (nullptr: not primed)
+  int32_t primed_chunks;  // chunks issued by stream_prime
+  int32_t pad;
+};
+
 struct WeightRing {
   char* stage0;      // stage s at stage0 + s * kRingStageBytes
   uint64_t* full;    // [kRingStages]
   uint64_t* empty;   // [kRingStages]
+  RingState* state;  // written by thread 0 / the producer, read by all after a block barrier
 };
 
 __device__ __forceinline__ WeightRing weight_ring() {
   extern __shared__ __align__(128) char mpk_dyn_smem[];
   char* base = mpk_dyn_smem + (launch_smem_bytes() - kRingBytes);
   uint64_t* bars = reinterpret_cast<uint64_t*>(base + kRingStages * kRingStageBytes);
-  return WeightRing{base, bars, bars + kRingStages};
+  return WeightRing{base, bars, bars + kRingStages, reinterpret_cast<RingState*>(bars + 2 * kRingStages)};
+}
+
+// Whole rows per stage and the tile's chunk count.
+__device__ __forceinline__ int ring_rows_per_stage(int K) { return (int)(kRingStageBytes / ((uint32_t)K * sizeof(bf16))); }
+
+// One thread: (re)initialise the barriers.
+__device__ __forceinline__ void ring_init(const WeightRing& ring, int rps) {
+  for (int s = 0; s < kRingStages; ++s) {
+    mbar_init(&ring.full[s], 1);
+    mbar_init(&ring.empty[s], (uint32_t)rps);
+  }
+  fence_mbar_init();
+}
+
+// One thread: issue chunk c (stage c % kRingStages), waiting for the stage to be free when it was used.
+__device__ __forceinline__ void ring_issue(const WeightRing& ring, const bf16* w, int K, int n_tile, int rps, int c) {
+  const int s = c % kRingStages, use = c / kRingStages;
+  if (use > 0) mbar_wait(&ring.empty[s], (uint32_t)((use - 1) & 1), "weight stage free");
+  const uint32_t row_bytes = (uint32_t)K * sizeof(bf16);
+  const uint32_t bytes = (uint32_t)min(rps, n_tile - c * rps) * row_bytes;
+  mbar_arrive_expect_tx(&ring.full[s], bytes);
+  bulk_copy_g2s(ring.stage0 + (size_t)s * kRingStageBytes, w + (size_t)c * rps * K, bytes, &ring.full[s]);
+}
+
+// Thread 0 of an aot worker, before the task's waits: start the tile's first chunks (see the top).
+__device__ __forceinline__ void stream_prime(const bf16* w, int K, int n_tile, int nt) {
+  if (!stream_fits(K, nt) || n_tile <= 0) return;
+  const WeightRing ring = weight_ring();
+  const int rps = ring_rows_per_stage(K), nchunks = (n_tile + rps - 1) / rps;
+  ring_init(ring, rps);
+  const int n = min(nchunks, kRingStages);
+  for (int c = 0; c < n; ++c) ring_issue(ring, w, K, n_tile, rps, c);
+  ring.state->primed_w = w;
+  ring.state->primed_chunks = n;
+}
+
+// Thread 0 after a task: a primed ring the task did not stream from is waited out and released.
+__device__ __forceinline__ void stream_drain() {
+  if (!MPK_LINEAR_TMA) return;
+  const WeightRing ring = weight_ring();
+  if (ring.state->primed_w == nullptr) return;
+  for (int c = 0; c < ring.state->primed_chunks; ++c) mbar_wait(&ring.full[c], 0u, "primed stage drained");
+  ring.state->primed_w = nullptr;
+}
+
+// Host-initialised state: the kernel's first task sees an unprimed ring (the launch zeroes nothing, so
+// every worker clears it once at start).
+__device__ __forceinline__ void stream_reset(int tid) {
+  if (MPK_LINEAR_TMA && tid == 0) weight_ring().state->primed_w = nullptr;
 }
 
 // y[b, n] = epi(b, n, sum_k x[b, k] * w[n, k]) for the n_tile rows of w (contiguous [n_tile, K] bf16),
@@ -64,28 +128,16 @@ __device__ __noinline__ void gemv_streamed(const XS xs, const bf16* __restrict__
                                            int tid, int nt) {
   const WeightRing ring = weight_ring();
   const int warp = tid >> 5, lane = tid & 31, nwarps = nt >> 5, ncons = nwarps - 1;
-  const uint32_t row_bytes = (uint32_t)K * sizeof(bf16);
-  const int rps = (int)(kRingStageBytes / row_bytes);  // whole rows per stage (>= 1: stream_fits)
+  const int rps = ring_rows_per_stage(K);  // whole rows per stage (>= 1: stream_fits)
   const int nchunks = (n_tile + rps - 1) / rps;
-  if (tid == 0) {
-    for (int s = 0; s < kRingStages; ++s) {
-      mbar_init(&ring.full[s], 1);
-      mbar_init(&ring.empty[s], (uint32_t)rps);
-    }
-    fence_mbar_init();
-  }
-  worker_barrier(nt);  // barriers initialised before any copy or wait uses them
+  // Primed for this very block before the wait (stream_prime)? Then continue after its chunks.
+  const bool primed = ring.state->primed_w == static_cast<const void*>(w);
+  const int first = primed ? ring.state->primed_chunks : 0;
+  if (tid == 0 && !primed) ring_init(ring, rps);
+  worker_barrier(nt);  // barriers initialised (and the primed state read by all) before any copy or wait
   if (warp == nwarps - 1) {  // producer warp: lane 0 issues, in chunk order
-    if (lane == 0) {
-      for (int c = 0; c < nchunks; ++c) {
-        const int s = c % kRingStages, use = c / kRingStages;
-        if (use > 0) mbar_wait(&ring.empty[s], (uint32_t)((use - 1) & 1), "weight stage free");
-        const int rows = min(rps, n_tile - c * rps);
-        const uint32_t bytes = (uint32_t)rows * row_bytes;
-        mbar_arrive_expect_tx(&ring.full[s], bytes);
-        bulk_copy_g2s(ring.stage0 + (size_t)s * kRingStageBytes, w + (size_t)c * rps * K, bytes, &ring.full[s]);
-      }
-    }
+    if (lane == 0)
+      for (int c = first; c < nchunks; ++c) ring_issue(ring, w, K, n_tile, rps, c);
   } else {
     constexpr int U = MPK_LINEAR_UNROLL;
     for (int n = warp; n < n_tile; n += ncons) {
@@ -121,6 +173,7 @@ __device__ __noinline__ void gemv_streamed(const XS xs, const bf16* __restrict__
     }
   }
   worker_barrier(nt);  // every chunk consumed: the ring and its barriers are free for the next tile
+  if (tid == 0) ring.state->primed_w = nullptr;  // read again only after the next task's barriers
 }
 
 }  // namespace mpk

@@ -40,6 +40,8 @@ extern "C" __global__ void __launch_bounds__(MPK_WORKER_THREADS, 1)
 mpk_task(const mpk::bf16* x, const int* tiles, const mpk::bf16* w, void* y, int K, int N, int out_f32) {
   const int n0 = tiles[2 * blockIdx.x], n = tiles[2 * blockIdx.x + 1];
   const mpk::bf16* wt = w + (size_t)n0 * K;  // the tile's rows are contiguous
+  mpk::stream_reset(threadIdx.x);  // MPK_LINEAR_TMA: no ring primed (shared memory starts undefined)
+  __syncthreads();
   if (out_f32) mpk::linear<float>(MPK_BATCH, x, K, wt, reinterpret_cast<float*>(y) + n0, N, K, n, false,
                                   threadIdx.x, blockDim.x);
   else mpk::linear<mpk::bf16>(MPK_BATCH, x, K, wt, reinterpret_cast<mpk::bf16*>(y) + n0, N, K, n, false,

@@ -4,6 +4,7 @@
 * the final task (argmax_select), whose block runs the step epilogue.
 * limits of the CUDA task bodies (batch, head dim, group size, alignment) checked up front, so an
   unsupported shape is a clear error here rather than a wrong result on the GPU.
+* the kernel's batch (``kernel_batch``): the rows of every linear-kind tile, MPK_BATCH.
 * dynamic shared memory the worker blocks need.
 """
 
@@ -15,10 +16,31 @@ from mpk_dist.errors import InputError
 from mpk_dist.taskgraph.abi import TASK_COLS, WAIT_COLS
 from mpk_dist.taskgraph.tasks import BY_NAME
 
-MAX_BATCH = 16
+from mpk_dist.taskgraph.lowering import ROW_BLOCK
+
+MAX_BATCH = 256
+"""Sequences (or tokens of a paged pass) per program: linear-kind ops over more than ROW_BLOCK rows
+are tiled in row blocks of ROW_BLOCK (docs/TASKGRAPH.md, "Row blocks"), so above ROW_BLOCK the batch
+must be a multiple of it (the hosts pad: ``padded_batch``). The other bodies loop over any batch."""
+LINEAR_KINDS = ("linear", "norm_linear", "linear_residual", "silu_linear")
+"""Kinds whose CUDA body runs MPK_BATCH rows (a compile-time constant of the generated kernel;
+csrc/tasks/linear.cuh, fused_gemv.cuh, linear_mma.cuh, weight_stream.cuh) whatever the task's BATCH says."""
 MAX_GROUP = 8
 MAX_ATTN_HEAD_DIM = 256
 MAX_WORLD = 8
+
+
+def kernel_batch(cg) -> int:
+    """MPK_BATCH of the kernel that runs ``cg``: the rows of each linear-kind tile, min(batch, ROW_BLOCK)."""
+    return min(int(cg.meta["batch"]), ROW_BLOCK)
+
+
+def padded_batch(batch: int) -> int:
+    """The batch a mega-kernel program is compiled for: ``batch`` up to ROW_BLOCK, else the next
+    multiple of ROW_BLOCK (the host fills the extra rows and drops their results)."""
+    if not 1 <= batch <= MAX_BATCH:
+        raise InputError(f"batch: expected 1..{MAX_BATCH} sequences, got {batch}")
+    return batch if batch <= ROW_BLOCK else -(-batch // ROW_BLOCK) * ROW_BLOCK
 
 
 def task_params(cg, task: int) -> dict[str, int]:
@@ -67,11 +89,17 @@ def check_supported(cg) -> None:
     if bad:
         raise InputError(f"dtype: expected bf16 weights and activations, got {bad[0]['dtype']} for {bad[0]['name']}; "
                          "convert the checkpoint to bfloat16 (torch_dtype in config.json)")
+    batch = int(cg.meta["batch"])
+    if not 1 <= batch <= MAX_BATCH or (batch > ROW_BLOCK and batch % ROW_BLOCK):
+        raise InputError(f"batch: expected 1..{ROW_BLOCK} or a multiple of {ROW_BLOCK} up to {MAX_BATCH} sequences "
+                         f"(linear tiles hold {ROW_BLOCK} rows), got {batch}; "
+                         + (f"pad the batch to {padded_batch(batch)}" if 1 <= batch <= MAX_BATCH else "split the batch"))
+    check_linear_batch(cg)
     for t in range(tasks.shape[0]):
         kind = _kind_of(tasks[t]).name
         p = task_params(cg, t)
         if "BATCH" in p and not 1 <= p["BATCH"] <= MAX_BATCH:
-            raise InputError(f"batch: expected 1..{MAX_BATCH} sequences, got {p['BATCH']}")
+            raise InputError(f"{cg.task_label(t)}: expected BATCH 1..{MAX_BATCH}, got {p['BATCH']}")
         if kind == "linear" and (p["K"] % 8 or p["X_STRIDE"] % 8):
             raise InputError(f"{cg.task_label(t)}: expected K and X_STRIDE multiples of 8 (16-byte loads), "
                              f"got K={p['K']}, X_STRIDE={p['X_STRIDE']}")
@@ -82,12 +110,31 @@ def check_supported(cg) -> None:
             raise InputError(f"{cg.task_label(t)}: expected an even head_dim <= 512, got {p['HEAD_DIM']}")
 
 
+def check_linear_batch(cg) -> None:
+    """Raise InputError naming the first linear-kind task whose BATCH differs from the kernel's
+    (``kernel_batch``): its body would run MPK_BATCH rows past (or short of) the rows it owns."""
+    kb = kernel_batch(cg)
+    tasks = cg.arrays["tasks"]
+    ops = tasks[:, TASK_COLS["OPCODE"]]
+    for name in LINEAR_KINDS:
+        kind = BY_NAME[name]
+        rows = np.nonzero(ops == kind.opcode)[0]
+        got = cg.arrays["params"][tasks[rows, TASK_COLS["PARAM_BEGIN"]] + kind.param_index("BATCH")]
+        bad = np.nonzero(got != kb)[0]
+        if len(bad):
+            t = int(rows[bad[0]])
+            raise InputError(f"{cg.task_label(t)}: expected BATCH {kb} (the kernel's compile-time rows, MPK_BATCH), "
+                             f"got {int(got[bad[0]])}; batches above {ROW_BLOCK} rows must be multiples of {ROW_BLOCK} "
+                             "(paged programs: compile for megakernel_paged.kernel_spec(spec))")
+
+
 # Opt-in dynamic shared memory per block on sm_90 (227 KiB), minus a margin for static shared data.
 HOPPER_MAX_DYNAMIC_SMEM = 227 * 1024
 SMEM_RESERVE = 1024
 RING_STAGES, RING_STAGE_BYTES = 4, 32 * 1024
-WEIGHT_RING_BYTES = RING_STAGES * RING_STAGE_BYTES + 2 * RING_STAGES * 8
-"""csrc/tasks/weight_stream.cuh's kRingBytes: stages plus their full/empty mbarriers (MPK_LINEAR_TMA)."""
+WEIGHT_RING_BYTES = RING_STAGES * RING_STAGE_BYTES + 2 * RING_STAGES * 8 + 16
+"""csrc/tasks/weight_stream.cuh's kRingBytes: stages, their full/empty mbarriers and the 16-byte RingState
+(MPK_LINEAR_TMA)."""
 
 
 def smem_bytes(cg, worker_threads: int, weight_ring: bool = False) -> int:

@@ -37,12 +37,26 @@ def test_switch_puts_bulk_copies_in_plain_and_fused_linears(tmp_path, tma):
         assert ("mbarrier.try_wait.parity" in ptx) == bool(tma)
 
 
+def test_worker_primes_before_the_wait_and_drains_after_the_task():
+    """The aot worker's prefetch hook starts the ring (stream_prime) for linear tasks, the worker drains an
+    unconsumed ring after each task, and the kernel and the bench harness clear the ring state at start."""
+    linear = (CSRC / "tasks" / "linear.cuh").read_text()
+    prefetch = linear[linear.index("void linear_prefetch("):]
+    assert "stream_prime(w, K, n_tile, nt)" in prefetch[:prefetch.index("\n}")]
+    worker = (CSRC / "runtime" / "worker.cuh").read_text()
+    aot = worker[worker.index("void worker_loop_aot("):worker.index("// ---- just-in-time schedule")]
+    assert aot.index("run_and_signal<false>") < aot.index("stream_drain()")
+    assert "stream_reset(tid)" in (CSRC / "runtime" / "megakernel.cuh").read_text()
+    assert "stream_reset(threadIdx.x)" in LA.HARNESS
+
+
 def test_host_ring_size_equals_the_cuda_constants():
     text = (CSRC / "tasks" / "weight_stream.cuh").read_text()
     stages = int(re.search(r"constexpr int kRingStages = (\d+);", text).group(1))
     kb = int(re.search(r"constexpr uint32_t kRingStageBytes = (\d+) \* 1024;", text).group(1))
     assert (tables.RING_STAGES, tables.RING_STAGE_BYTES) == (stages, kb * 1024)
-    assert tables.WEIGHT_RING_BYTES == stages * kb * 1024 + 2 * stages * 8
+    state = int(re.search(r"constexpr uint32_t kRingStateBytes = (\d+);", text).group(1))
+    assert tables.WEIGHT_RING_BYTES == stages * kb * 1024 + 2 * stages * 8 + state
 
 
 def test_smem_budget_grows_by_the_ring_and_stays_in_hopper_limits():
