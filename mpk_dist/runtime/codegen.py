@@ -30,7 +30,7 @@ WORKER_THREADS = (128, 256, 512, 1024)
 class KernelShape:
     """Compile-time constants of one generated kernel."""
 
-    batch: int
+    batch: int  # MPK_BATCH: rows of every linear-kind tile, 1..16 (``tables.kernel_batch`` of the program)
     worker_threads: int = 256
     schedule: str = "aot"  # 'aot' | 'jit'
     linear_rows: int = 1  # rows per warp in flight in linear tiles (1: the GPU-verified path)
@@ -75,6 +75,8 @@ def tables_hash(arrays: dict[str, np.ndarray]) -> str:
 
 def render_source(shape: KernelShape, model: str = "-", rank: int = 0, world: int = 1, input_hash: str = "-") -> str:
     """The .cu text for ``shape`` (deterministic)."""
+    if not 1 <= shape.batch <= 16:  # the register accumulators of csrc/tasks/linear.cuh (lowering.ROW_BLOCK)
+        raise ValueError(f"batch: expected MPK_BATCH 1..16 (tables.kernel_batch), got {shape.batch}")
     if shape.schedule not in ("aot", "jit"):
         raise ValueError(f"schedule: expected aot or jit, got {shape.schedule!r}")
     if shape.linear_rows not in (1, 2, 4, 8):

@@ -27,6 +27,7 @@ import torch
 from mpk_dist.backends.base import GenerateRequest, GenerateResult, StepBackend
 from mpk_dist.errors import BackendUnavailable, InputError
 from mpk_dist.models import build_graph
+from mpk_dist.runtime.tables import padded_batch
 from mpk_dist.runtime.transport import IpcTransport, LocalTransport, check_options
 from mpk_dist.taskgraph.sampling_rng import check_device_sampling, sampling_words
 
@@ -149,7 +150,9 @@ class MegakernelBackend(StepBackend):
         """The compiled programs + buffers of every driven rank for ``batch`` sequences (built once).
 
         ``nucleus``: the programs with the top-p stages (``compile_rank_programs(nucleus=True)``): the
-        same kernel binary, other task tables and buffers."""
+        same kernel binary, other task tables and buffers. A batch above 16 is compiled as the next
+        multiple of 16 (``tables.padded_batch``; the callers pad their rows)."""
+        batch = padded_batch(batch)
         if (batch, nucleus) not in self.groups:
             from mpk_dist.runtime.group import RankGroup
             from mpk_dist.taskgraph.compiler import compile_rank_programs
@@ -191,10 +194,10 @@ class MegakernelBackend(StepBackend):
     def generate(self, req: GenerateRequest) -> GenerateResult:
         """Prefill (as decode steps) + decode up to ``max_new_tokens`` in ONE launch per rank."""
         B, T, steps = self._check_request(req)
-        g = self.group(B, _nucleus(req.sampling))
+        g = self.group(padded_batch(B), _nucleus(req.sampling))  # > 16 rows: a multiple of 16 (row blocks)
         self.last_session = g.lead
         g.reset()
-        g.fill_forced(req.prompts, req.force_tokens, steps)
+        g.fill_forced(_pad_rows(req.prompts, g.lead.batch), req.force_tokens, steps)
         self._fill_sampling(g, req.sampling)
         trace_from = 0 if self.trace_path else T
         g.launch(0, steps, T, req.max_new_tokens, tuple(req.stop_ids), req.force_tokens is None, req.want_logits,
@@ -254,9 +257,9 @@ class MegakernelBackend(StepBackend):
         prefill_ms = (ns[T] - ns[0]) / 1e6 if done_steps >= T else 0.0
         per_token = [(ns[i + 1] - ns[i]) / 1e6 for i in range(T, done_steps)]
         logits = g.logits(lambda x: x.logits_dump[:n_gen], self.vocab_size) if req.want_logits else None
-        logits = logits.cpu() if logits is not None else None
+        logits = logits[:, :B].cpu() if logits is not None else None  # the padding rows dropped
         extra = {"schedule": self.schedule, "launches": 1, "steps": done_steps,
-                 **self.build_info(B, _nucleus(req.sampling))}
+                 **self.build_info(padded_batch(B), _nucleus(req.sampling))}
         if self.comm_profile:
             extra.update(self._exposure(g, T, done_steps))
         if self.trace_path:
@@ -301,10 +304,10 @@ class MegakernelBackend(StepBackend):
     def reset(self, batch: int) -> None:
         """Start a new sequence batch: KV cache and counters zeroed; next step is 0."""
         self.batch, self._step = batch, 0
-        self.group(batch).reset()
+        self.group(padded_batch(batch)).reset()
 
     def _run_steps(self, tokens_by_step: list[list[int]], first_pos: int) -> torch.Tensor:
-        g = self.group(self.batch)
+        g = self.group(padded_batch(self.batch))
         s = g.lead
         n = len(tokens_by_step)
         if self._step != first_pos:
@@ -312,14 +315,15 @@ class MegakernelBackend(StepBackend):
         if self._step + n > s.max_steps:
             raise InputError(f"sequence length: expected <= {s.max_steps} steps (--max-seq-len), got {self._step + n}")
         sp = s.cg.meta["special"]
-        rows = torch.tensor(tokens_by_step, dtype=torch.int32)  # [n, B]
+        rows = torch.tensor([_pad_rows(r, s.batch) for r in tokens_by_step], dtype=torch.int32)  # [n, padded B]
         for x in g.sessions:
             with x._on_stream():
                 x.bufs[sp["forced_tokens"]][self._step:self._step + n].copy_(rows)
         g.launch(self._step, self._step + n, 1 << 30, 1 << 30, (), False, False, self._inject())
         g.wait()
         self._step += n
-        return g.logits(lambda x: x.bufs[sp["logits"]], self.vocab_size, everywhere=True)
+        logits = g.logits(lambda x: x.bufs[sp["logits"]], self.vocab_size, everywhere=True)
+        return None if logits is None else logits[:self.batch]
 
     def prefill(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Prompts [B, T] as T decode steps in one launch; logits of the last token [B, V]."""
@@ -329,6 +333,12 @@ class MegakernelBackend(StepBackend):
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """One decode step per launch: tokens [B] at positions [B] (all equal) -> logits [B, V]."""
         return self._run_steps([tokens.tolist()], int(positions.reshape(-1)[0]))
+
+
+def _pad_rows(rows: list, n: int) -> list:
+    """``rows`` (one per sequence) padded to ``n`` by repeating the last: a batch above 16 runs as a
+    multiple of 16 rows (``tables.padded_batch``); the copies' results are dropped."""
+    return list(rows) + [rows[-1]] * (n - len(rows))
 
 
 def tuning_from_env(worker_threads: int, environ=None) -> dict:

@@ -75,7 +75,8 @@ class Session:
         self.trace_from = 0
         self.final = tables.final_task(cg)
         t0 = time.perf_counter()
-        self.source, self.build = build_kernel(KernelShape(self.batch, worker_threads, schedule, linear_rows,
+        # MPK_BATCH: the rows of a linear tile (row blocks of 16 above 16 rows), not the program's batch
+        self.source, self.build = build_kernel(KernelShape(tables.kernel_batch(cg), worker_threads, schedule, linear_rows,
                                                                    linear_unroll, prefetch_kb, desc_prefetch,
                                                                    superopt=superopt, linear_mma=linear_mma,
                                                                    linear_tma=linear_tma),

@@ -10,13 +10,16 @@ launches. Each launch runs step 0 of a one-step program (``max_steps`` 1), so th
 (padded to MB with -1) is written too: a ``gather_rows`` task picks those token rows, so the head
 runs over the MB sequences and row b of the merged [MB, V] logits belongs to ``logit_rows[b]``.
 
-The program is compiled for ``kernel_spec(spec)``: the head (and the page table) padded from MB
-to N rows, because a generated kernel fixes the row count of every linear tile (MPK_BATCH = N);
-rows MB..N-1 of ``logit_rows`` and of the page table are -1 (zero head rows, no pages).
+The program is compiled for ``kernel_spec(spec)``: N padded to a multiple of 16 above 16 tokens, and
+the head (and the page table) padded from MB rows to what the kernel's linear tiles hold, because a
+generated kernel fixes the row count of every linear tile (MPK_BATCH = min(N, 16); linears over more
+rows run in row blocks of 16, docs/TASKGRAPH.md "Row blocks"); the padding rows of ``logit_rows`` and
+of the page table are -1 (zero head rows, no pages), padding tokens have slot -1.
 
 TP: every rank in this process on one GPU (``--transport local``), one kernel per rank on its own
-stream and SM share (mpk_dist.runtime.group). Limits of this milestone: N (tokens per pass) <= 16
-(and so MB <= N), the linear tiles' row count (tables.MAX_BATCH), until row-tiled linears exist.
+stream and SM share (mpk_dist.runtime.group). Limits: N (tokens per pass) and MB <= 256
+(tables.MAX_BATCH). Batched prefill runs on GEMV row blocks (each weight block read once per 16 tokens)
+until tensor-core prefill tiles exist.
 """
 
 from __future__ import annotations
@@ -50,48 +53,39 @@ def check_device(device) -> torch.device:
 
 
 def check_spec(spec: PagedSpec) -> None:
-    """Refuse pass sizes the task bodies cannot run (N rows per linear tile)."""
+    """Refuse pass sizes the programs cannot hold (tables.MAX_BATCH tokens and sequences)."""
     from mpk_dist.runtime.tables import MAX_BATCH
 
     if max(spec.max_tokens, spec.max_seqs) > MAX_BATCH:
-        raise InputError(f"megakernel serving: expected at most {MAX_BATCH} tokens per pass (linear tiles hold "
-                         f"{MAX_BATCH} rows until row-tiled linears exist), got {spec.max_tokens} tokens and "
-                         f"{spec.max_seqs} sequences; pass "
-                         f"--max-tokens-per-step {MAX_BATCH} and --max-batch <= {MAX_BATCH}")
-
-
-FIXED_BATCH_KINDS = ("linear", "norm_linear", "linear_residual", "silu_linear")
-"""Kinds whose CUDA body runs MPK_BATCH rows (the program's batch, a compile-time constant of the
-generated kernel; csrc/tasks/linear.cuh, fused_gemv.cuh) whatever the task's BATCH parameter says."""
+        raise InputError(f"megakernel serving: expected at most {MAX_BATCH} tokens and sequences per pass, got "
+                         f"{spec.max_tokens} tokens and {spec.max_seqs} sequences; pass "
+                         f"--max-tokens-per-step <= {MAX_BATCH} and --max-batch <= {MAX_BATCH}")
 
 
 def kernel_spec(spec: PagedSpec) -> PagedSpec:
-    """The spec the mega-kernel's paged program is compiled for: head rows (and page-table rows) = N.
+    """The spec the mega-kernel's paged program is compiled for: N tokens padded to
+    ``tables.padded_batch`` (a multiple of 16 above 16) and head rows (and page-table rows) MB padded
+    to N when N <= 16, else to a multiple of 16, so every linear tile has the kernel's row count.
 
-    NOTE: the gathered head over MB < N rows makes the lm_head's linear tiles BATCH = MB while the
-    kernel is built for MPK_BATCH = N rows; the linear body then reads N rows of ``h_final`` and
-    writes N rows of ``logits`` past the ends of those [MB, *] buffers (the illegal memory access
-    of the first pass on the GPU). Padding the head to N keeps every linear at the kernel's batch;
-    the extra rows are -1 in ``logit_rows`` (zero rows) and in the page table (unused slots).
+    NOTE: a gathered head over MB rows whose linear tiles have BATCH != MPK_BATCH makes the linear
+    body read and write MPK_BATCH rows of ``h_final`` / ``logits`` past the ends of those [MB, *]
+    buffers (the illegal memory access of the first pass on the GPU, MB < N <= 16). Padding the
+    head keeps every linear at the kernel's batch; the extra rows are -1 in ``logit_rows`` (zero
+    rows) and in the page table (unused slots).
     """
-    return dataclasses.replace(spec, max_seqs=spec.max_tokens)
+    from mpk_dist.runtime.tables import ROW_BLOCK, padded_batch
+
+    n = padded_batch(spec.max_tokens)
+    return dataclasses.replace(spec, max_tokens=n,
+                               max_seqs=n if n <= ROW_BLOCK else max(ROW_BLOCK, padded_batch(spec.max_seqs)))
 
 
 def check_kernel_batch(cg) -> None:
-    """Raise InputError naming the first task the kernel would run with another row count than its
-    BATCH parameter (FIXED_BATCH_KINDS tiles with BATCH != the program's batch)."""
-    from mpk_dist.runtime.tables import task_params
-    from mpk_dist.taskgraph.abi import TASK_COLS
-    from mpk_dist.taskgraph.tasks import BY_NAME
+    """Raise InputError naming the first linear-kind task the kernel would run with another row count
+    than its BATCH parameter (``tables.check_linear_batch``: BATCH != MPK_BATCH = kernel_batch(cg))."""
+    from mpk_dist.runtime.tables import check_linear_batch
 
-    batch = int(cg.meta["batch"])
-    ops = cg.arrays["tasks"][:, TASK_COLS["OPCODE"]]
-    for name in FIXED_BATCH_KINDS:
-        for t in np.nonzero(ops == BY_NAME[name].opcode)[0]:
-            b = task_params(cg, int(t))["BATCH"]
-            if b != batch:
-                raise InputError(f"{cg.task_label(int(t))}: expected BATCH {batch} (the kernel's compile-time "
-                                 f"rows, MPK_BATCH), got {b}; compile the paged program with kernel_spec(spec)")
+    check_linear_batch(cg)
 
 
 def check_paged_tasks(cg) -> None:
@@ -224,14 +218,14 @@ class MegakernelPagedBackend:
         check_pages(batch, self.spec)
         # NOTE: host tensors: each rank's copy then runs on that rank's stream (a device tensor made
         # on the current stream would race with a copy on another stream).
-        x = batch.tensors("cpu", pad_tokens=N, pad_rows=self.kernel_spec.max_seqs)
+        x = batch.tensors("cpu", pad_tokens=self.kernel_spec.max_tokens, pad_rows=self.kernel_spec.max_seqs)
         self._write_inputs(x)
         g = self.group
         # One step, no stop ids; prompt_len / max_new out of reach: the epilogue only ends the launch.
         g.launch(0, 1, 1 << 30, 1 << 30, (), False, False)
         g.wait()
         self.launches += 1
-        logits = g.logits(lambda s: s.bufs[s.cg.meta["special"]["logits"]], self.vocab_size)  # [N, V] (kernel_spec)
+        logits = g.logits(lambda s: s.bufs[s.cg.meta["special"]["logits"]], self.vocab_size)  # [MB', V] (kernel_spec)
         return logits[: len(batch.logit_rows)].float()  # row b = token row logit_rows[b] (gather_rows)
 
     def synchronize(self) -> None:

@@ -103,7 +103,7 @@ class Server:
     ``max_tokens_per_step``: tokens per pass (prompt chunks + decode tokens; default 512).
     ``backend``: 'torch' (op by op), 'interpreter' (the compiled task graph on the CPU; the pass is
     padded to max_tokens_per_step, so keep it small) or 'megakernel' (the compiled task graph on the
-    GPU, one launch per pass; max_tokens_per_step <= 16 for now); ``backend_opts`` go to the backend
+    GPU, one launch per pass; max_tokens_per_step and max_batch <= 256, padded to multiples of 16); ``backend_opts`` go to the backend
     (interpreter: sms, seed, schedule, check_races; megakernel: schedule, sms, timeout_s,
     worker_threads, compiler).
     """

@@ -4,7 +4,9 @@ Tiles are sized from the SM count: column-tiled ops (linear, embedding, add, all
 split their N columns into blocks of a multiple of ``ALIGN`` so there are about ``sms`` tiles; the
 gate|up projection is tiled on the intermediate boundary so silu_mul tile j needs gate tile j and
 up tile j only. Every op over the hidden size uses the same column blocks, so O-projection tile t
-feeds all-reduce tile t directly. See docs/TASKGRAPH.md.
+feeds all-reduce tile t directly. Linear-kind ops over B > ``ROW_BLOCK`` rows are tiled over
+(column block, row block of ``ROW_BLOCK`` rows) (``Lowerer.linear_grid``; docs/TASKGRAPH.md, "Row
+blocks"). See docs/TASKGRAPH.md.
 """
 
 from __future__ import annotations
@@ -24,6 +26,13 @@ LINEAR_ALIGN = 8
 8 rows) and enough tiles for every SM on narrow outputs (qwen3-0.6b's N = 1024 over 132 SMs makes 128
 tiles of 8 rows; multiples of 16 made only 64, leaving half the SMs idle on o_proj and down_proj)."""
 
+ROW_BLOCK = 16
+"""Rows of one linear-kind tile (linear, norm_linear, linear_residual, silu_linear) at most: the CUDA
+bodies keep one accumulator per row in registers (``acc[MPK_BATCH]``, csrc/tasks/linear.cuh,
+fused_gemv.cuh), so a linear over B > ROW_BLOCK rows is lowered to tiles of ROW_BLOCK rows each
+(the last block shorter when B is not a multiple; the mega-kernel refuses that, the interpreter runs
+it) and the kernel is generated for min(B, ROW_BLOCK) rows (``mpk_dist.runtime.tables.kernel_batch``)."""
+
 PAGED_HOST_INPUTS = ("seq_slots", "page_table", "logit_rows")
 """Inputs of paged graphs that stay host-written ``input`` buffers (not written by step_begin)."""
 
@@ -33,6 +42,23 @@ def col_tiles(n: int, sms: int, align: int = ALIGN) -> list[tuple[int, int]]:
     per = -(-n // max(1, sms))
     per = max(align, -(-per // align) * align)
     return [(c0, min(per, n - c0)) for c0 in range(0, n, per)]
+
+
+def row_blocks(rows: int, block: int = ROW_BLOCK) -> list[tuple[int, int]]:
+    """Split ``rows`` rows into blocks of ``block``: [(r0, nrows), ...] (one block when rows <= block)."""
+    return [(r0, min(block, rows - r0)) for r0 in range(0, rows, block)]
+
+
+def _grid_fp(buf: int, grid: list[tuple[int, int, int, int]], shift: int = 0, row_shift: int = 0,
+             remote: bool = False) -> Footprint:
+    """Rectangles rows [r0, r0 + nrows) x columns [c0, c0 + n) (+ shifts) of (r0, nrows, c0, n) tiles."""
+    return Footprint(buf, np.array([(row_shift + r0, row_shift + r0 + nr, shift + c0, shift + c0 + n)
+                                    for r0, nr, c0, n in grid], np.int64).reshape(-1, 4), remote)
+
+
+def _rows_fp(buf: int, grid: list[tuple[int, int, int, int]], cols: int) -> Footprint:
+    """All ``cols`` columns of each tile's rows (a linear tile's input: its row block, whole K)."""
+    return Footprint(buf, np.array([(r0, r0 + nr, 0, cols) for r0, nr, _, _ in grid], np.int64).reshape(-1, 4))
 
 
 def _cols_fp(buf: int, tiles: list[tuple[int, int]], rows: int, shift: int = 0, remote: bool = False) -> Footprint:
@@ -131,24 +157,42 @@ class Lowerer:
         rows = np.array([(b, b + 1, 0, N) for b in range(B)], np.int64)
         t.reads, t.writes = [Footprint(x, rows)], [Footprint(y, rows.copy())]
 
-    def _linear_tiles(self, op: Op, N: int) -> list[tuple[int, int]]:
-        if any(c.kind == "silu_mul" for c in self.consumers.get(op.outputs[0], [])):
-            half = col_tiles(N // 2, max(1, self.sms // 2), LINEAR_ALIGN)
+    def linear_cols(self, N: int, halves: bool = False) -> list[tuple[int, int]]:
+        """Column blocks of a linear-kind op with N outputs (``halves``: the gate|up projection, tiled on
+        the intermediate boundary). Over several row blocks each gets ``sms / blocks`` column tiles.
+
+        NOTE (trade-off, not measured): with R row blocks every weight block is read R times (once
+        per row block; the R tiles of one column block run next to each other, so the later reads
+        may hit L2) and each tile keeps >= LINEAR_ALIGN weight rows; keeping ~one wave of tiles over
+        all blocks (rather than ``sms`` column tiles per block) bounds the task and event counts. The
+        re-reads are the price of GEMV tiles until tensor-core prefill tiles (M rows x N features)
+        exist."""
+        share = max(1, self.sms // len(row_blocks(self.B)))
+        if halves:
+            half = col_tiles(N // 2, max(1, share // 2), LINEAR_ALIGN)
             return half + [(N // 2 + c0, n) for c0, n in half]
-        return col_tiles(N, self.sms, LINEAR_ALIGN)
+        return col_tiles(N, share, LINEAR_ALIGN)
+
+    def _linear_tiles(self, op: Op, N: int) -> list[tuple[int, int]]:
+        return self.linear_cols(N, any(c.kind == "silu_mul" for c in self.consumers.get(op.outputs[0], [])))
+
+    def linear_grid(self, cols: list[tuple[int, int]]) -> list[tuple[int, int, int, int]]:
+        """Tiles (r0, nrows, n0, n) of a linear-kind op: each column block, then its row blocks (the
+        tiles sharing a weight block sit next to each other, i.e. on neighbouring workers at once)."""
+        return [(r0, nr, n0, n) for n0, n in cols for r0, nr in row_blocks(self.B)]
 
     def linear(self, op: Op) -> None:
-        """Blocks of output features; all B rows per tile."""
-        p, B = self.p, self.B
+        """Blocks of output features x row blocks of <= ROW_BLOCK rows (one block when B <= 16)."""
+        p = self.p
         x, w, y = p.id(op.inputs[0]), p.id(op.inputs[1]), p.id(op.outputs[0])
         N, K_ = self.g.tensors[op.inputs[1]].shape
-        tiles = self._linear_tiles(op, N)
+        grid = self.linear_grid(self._linear_tiles(op, N))
         t = self._new(op, "linear")
-        for n0, n in tiles:
-            t.add_tile({"X": (x, 0, (B - 1) * K_ + K_), "W": (w, n0 * K_, n * K_), "Y": (y, n0, (B - 1) * N + n)},
-                       {"BATCH": B, "K": K_, "N_TILE": n, "X_STRIDE": K_, "Y_STRIDE": N})
-        t.reads = [_all_fp(x, p, len(tiles))]
-        t.writes = [_cols_fp(y, tiles, B)]
+        for r0, nr, n0, n in grid:
+            t.add_tile({"X": (x, r0 * K_, nr * K_), "W": (w, n0 * K_, n * K_), "Y": (y, r0 * N + n0, (nr - 1) * N + n)},
+                       {"BATCH": nr, "K": K_, "N_TILE": n, "X_STRIDE": K_, "Y_STRIDE": N})
+        t.reads = [_rows_fp(x, grid, K_)]
+        t.writes = [_grid_fp(y, grid)]
 
     def _inv_freq(self, attrs: dict) -> int:
         name = "rope_inv_freq"
@@ -220,7 +264,8 @@ class Lowerer:
         p, B = self.p, self.B
         gu, out = p.id(op.inputs[0]), p.id(op.outputs[0])
         I = self.g.tensors[op.outputs[0]].shape[-1]
-        tiles = col_tiles(I, max(1, self.sms // 2), LINEAR_ALIGN)
+        both = self.linear_cols(2 * I, halves=True)  # the gate|up projection's column blocks
+        tiles = both[:len(both) // 2]
         t = self._new(op, "silu_mul")
         for c0, n in tiles:
             t.add_tile({"GU": (gu, c0, (B - 1) * 2 * I + I + n), "OUT": (out, c0, (B - 1) * I + n)},
@@ -281,24 +326,27 @@ class Lowerer:
                     Footprint(vp, np.array([EMPTY] * hq + [kvcol(j) for j in range(hkv)]))]
 
     def paged_attention(self, op: Op) -> None:
-        """One tile per kv head (its GROUP query heads), all N tokens, keys read through the page table."""
+        """One tile per (kv head, block of <= ROW_BLOCK tokens): its GROUP query heads, keys read through
+        the page table. One warp per token walks its positions, so blocks spread a long prompt chunk
+        over more SMs (one block, as before, when N <= ROW_BLOCK)."""
         p, B, a = self.p, self.B, op.attrs
         hq, hkv, D = a["q_heads"], a["kv_heads"], a["head_dim"]
         q, kp, vp, pos, slots, table = (p.id(n) for n in op.inputs)
         o, G, pool_n = p.id(op.outputs[0]), hq // hkv, p.buffers[kp].numel
         MB, MP = self.g.tensors["page_table"].shape
         t = self._new(op, "paged_attention")
-        for j in range(hkv):
-            qa = (j * G * D, (B - 1) * hq * D + G * D)
+        tiles = [(j, r0, nr) for j in range(hkv) for r0, nr in row_blocks(B)]
+        for j, r0, nr in tiles:
+            qa = (r0 * hq * D + j * G * D, (nr - 1) * hq * D + G * D)
             t.add_tile({"Q": (q, *qa), "K_PAGES": (kp, j * D, pool_n - j * D), "V_PAGES": (vp, j * D, pool_n - j * D),
-                        "POSITIONS": (pos, 0, B), "SLOTS": (slots, 0, B), "PAGE_TABLE": (table, 0, MB * MP),
+                        "POSITIONS": (pos, r0, nr), "SLOTS": (slots, r0, nr), "PAGE_TABLE": (table, 0, MB * MP),
                         "OUT": (o, *qa)},
-                       {"BATCH": B, "HEAD_DIM": D, "GROUP": G, "Q_STRIDE": hq * D, "SCALE": a["scale"],
+                       {"BATCH": nr, "HEAD_DIM": D, "GROUP": G, "Q_STRIDE": hq * D, "SCALE": a["scale"],
                         **self._page_params(op.inputs[1])})
         rows = p.buffers[kp].view[0]
-        qrect = np.array([(0, B, j * G * D, (j + 1) * G * D) for j in range(hkv)], np.int64)
-        kvrect = np.array([(0, rows, j * D, (j + 1) * D) for j in range(hkv)], np.int64)
-        t.reads = [Footprint(q, qrect), Footprint(kp, kvrect), Footprint(vp, kvrect.copy()), _all_fp(pos, p, hkv)]
+        qrect = np.array([(r0, r0 + nr, j * G * D, (j + 1) * G * D) for j, r0, nr in tiles], np.int64)
+        kvrect = np.array([(0, rows, j * D, (j + 1) * D) for j, _, _ in tiles], np.int64)
+        t.reads = [Footprint(q, qrect), Footprint(kp, kvrect), Footprint(vp, kvrect.copy()), _all_fp(pos, p, len(tiles))]
         t.writes = [Footprint(o, qrect.copy())]
 
     def gather_rows(self, op: Op) -> None:

@@ -11,35 +11,47 @@ from __future__ import annotations
 import numpy as np
 
 from mpk_dist.graph import Op
-from mpk_dist.taskgraph.lowering import LINEAR_ALIGN, Lowerer, _all_fp, _cols_fp, col_tiles
+from mpk_dist.taskgraph.lowering import Lowerer, _all_fp, _cols_fp, _grid_fp, col_tiles
 from mpk_dist.taskgraph.program import Footprint
 from mpk_dist.taskgraph.sampling_rng import SAMPLING_WORDS
 
 
 def all_reduce(lw: Lowerer, op: Op) -> None:
-    """Push + reduce tiles over a per-op symmetric receive buffer [WORLD, B, N]."""
+    """Push + reduce tiles over a per-op symmetric receive buffer [WORLD, B, N], one per tile of the
+    producing linear (its column blocks x row blocks, ``Lowerer.linear_grid``)."""
     p, B, W = lw.p, lw.B, lw.W
     part = p.id(op.inputs[0])
     res = p.id(op.inputs[1]) if len(op.inputs) > 1 else None
     out = p.id(op.outputs[0])
     N = lw.g.tensors[op.outputs[0]].shape[-1]
     recv = p.buffer(f"{op.name}.recv", (W, B, N), p.buffers[part].dtype, "comm", view=(W * B, N))
-    tiles = col_tiles(N, lw.sms, LINEAR_ALIGN)  # the producing linear's tiles: one producer per tile
+    grid = lw.linear_grid(lw.linear_cols(N))  # the producing linear's tiles: one producer per tile
     push = lw._new(op, "allreduce_push", "/push")
-    for c0, n in tiles:
-        push.add_tile({"SRC": (part, c0, (B - 1) * N + n), "DST": (recv, lw.rank * B * N + c0, (B - 1) * N + n)},
-                      {"BATCH": B, "COLS": n, "SRC_STRIDE": N, "DST_STRIDE": N})
-    push.reads = [_cols_fp(part, tiles, B)]
+    for r0, nr, c0, n in grid:
+        push.add_tile({"SRC": (part, r0 * N + c0, (nr - 1) * N + n),
+                       "DST": (recv, (lw.rank * B + r0) * N + c0, (nr - 1) * N + n)},
+                      {"BATCH": nr, "COLS": n, "SRC_STRIDE": N, "DST_STRIDE": N})
+    push.reads = [_grid_fp(part, grid)]
     # Every rank writes its own slot of every rank's buffer: in the rank-symmetric graph that is
-    # all slots of the tile's columns.
-    push.writes = [_cols_fp(recv, tiles, W * B, remote=True)]
+    # every slot's rows of the tile's row block and columns.
+    push.writes = _slot_fps(recv, grid, B, W, remote=True)
     red = lw._new(op, "allreduce_reduce", "/reduce")
-    for c0, n in tiles:
-        ext = (c0, (B - 1) * N + n)
-        red.add_tile({"RECV": (recv, c0, (W - 1) * B * N + (B - 1) * N + n), "RESIDUAL": None if res is None else (res, *ext),
-                      "OUT": (out, *ext)}, {"BATCH": B, "COLS": n, "WORLD": W, "SLOT_STRIDE": B * N, "STRIDE": N})
-    red.reads = [_cols_fp(recv, tiles, W * B)] + ([] if res is None else [_cols_fp(res, tiles, B)])
-    red.writes = [_cols_fp(out, tiles, B)]
+    for r0, nr, c0, n in grid:
+        ext = (r0 * N + c0, (nr - 1) * N + n)
+        red.add_tile({"RECV": (recv, ext[0], (W - 1) * B * N + ext[1]), "RESIDUAL": None if res is None else (res, *ext),
+                      "OUT": (out, *ext)}, {"BATCH": nr, "COLS": n, "WORLD": W, "SLOT_STRIDE": B * N, "STRIDE": N})
+    red.reads = _slot_fps(recv, grid, B, W) + ([] if res is None else [_grid_fp(res, grid)])
+    red.writes = [_grid_fp(out, grid)]
+
+
+def _slot_fps(recv: int, grid, B: int, W: int, remote: bool = False) -> list[Footprint]:
+    """The tiles' rectangles in every slot of a [W, B, N] receive buffer (view [W * B, N]): one
+    footprint covering all slots when a tile holds all B rows (the slots' rows are then contiguous),
+    else one footprint per slot (row blocks: rows w * B + r0 .. of each slot w, exact)."""
+    if all(nr == B for _, nr, _, _ in grid):
+        return [Footprint(recv, np.array([(0, W * B, c0, c0 + n) for _, _, c0, n in grid], np.int64).reshape(-1, 4),
+                          remote)]
+    return [_grid_fp(recv, grid, row_shift=w * B, remote=remote) for w in range(W)]
 
 
 def sampling_buffer(lw: Lowerer) -> int:

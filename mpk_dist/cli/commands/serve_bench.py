@@ -27,7 +27,7 @@ def register(subparsers) -> None:
     p.add_argument("--backend", default="torch",
                    help="serving backend(s), comma-separated to compare them on one workload: torch (op by op), "
                         "interpreter (the compiled task graph, CPU; keep --max-tokens-per-step small), megakernel "
-                        "(the compiled task graph on the GPU, one launch per pass; --max-tokens-per-step <= 16) "
+                        "(the compiled task graph on the GPU, one launch per pass; --max-tokens-per-step and --max-batch <= 256) "
                         "(default torch)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree, all ranks in this process (default 1)")
     p.add_argument("--device", default=None, help="torch device (default: cuda if present, else cpu)")
