@@ -135,6 +135,8 @@ def problems_of(cg) -> dict[Problem, int]:
             prob = Problem(kind_name, get("BATCH"), get("K"), get("Y_STRIDE"), eps)
             out[prob] = out.get(prob, 0) + get("K") * get("N_TILE")
     out.update(_qk_problems(cg))
+    for prob, w in _qk_problems_fused(cg).items():
+        out[prob] = out.get(prob, 0) + w
     return out
 
 
@@ -160,6 +162,32 @@ def _qk_problems(cg) -> dict[Problem, int]:
     D = get(t, "HEAD_DIM")
     prob = Problem("qk_norm_rope", max(1, len(q_heads)), D, D, _f32(get(t, "EPS")))
     return {prob: len(normed) * D * get(t, "BATCH")}
+
+
+def _qk_problems_fused(cg) -> dict[Problem, int]:
+    """The same problem from attention_prep tiles (the attn_prep fusion: qkv_prep folded into the
+    attention tiles, one per (kv head, sequence)): H = GROUP x the kv heads of one layer."""
+    from mpk_dist.taskgraph.abi import ARG_COLS, NULL_BUFFER, TASK_COLS
+    from mpk_dist.taskgraph.tasks import BY_NAME
+
+    kind = BY_NAME["attention_prep"]
+    tasks, params, args = cg.arrays["tasks"], cg.arrays["params"], cg.arrays["args"]
+    rows = tasks[tasks[:, TASK_COLS["OPCODE"]] == kind.opcode]
+    normed = [t for t in rows if args[t[TASK_COLS["ARG_BEGIN"]] + kind.arg_index("Q_NORM_W"), ARG_COLS["BUFFER"]]
+              != NULL_BUFFER]
+    if not normed:
+        return {}
+
+    def get(t, name: str) -> int:
+        return int(params[int(t[TASK_COLS["PARAM_BEGIN"]]) + kind.param_index(name)])
+
+    layer0 = min(int(t[TASK_COLS["LAYER"]]) for t in normed)
+    tiles0 = [t for t in normed if int(t[TASK_COLS["LAYER"]]) == layer0]
+    t = tiles0[0]
+    D, G = get(t, "HEAD_DIM"), get(t, "GROUP")
+    kv_heads = max(1, len(tiles0) // max(1, int(cg.meta["batch"])))
+    prob = Problem("qk_norm_rope", G * kv_heads, D, D, _f32(get(t, "EPS")))
+    return {prob: len(normed) * (G + 1) * D}
 
 
 def _bounds(pattern: str) -> dict:
@@ -303,7 +331,8 @@ def _has_qkv_prep(cg) -> bool:
     from mpk_dist.taskgraph.abi import TASK_COLS
     from mpk_dist.taskgraph.tasks import BY_NAME
 
-    return bool((cg.arrays["tasks"][:, TASK_COLS["OPCODE"]] == BY_NAME["qkv_prep"].opcode).any())
+    ops = cg.arrays["tasks"][:, TASK_COLS["OPCODE"]]
+    return bool(((ops == BY_NAME["qkv_prep"].opcode) | (ops == BY_NAME["attention_prep"].opcode)).any())
 
 
 def prepare(cg, searcher=search, log=None) -> SuperoptBuild:

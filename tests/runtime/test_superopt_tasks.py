@@ -247,3 +247,19 @@ def test_include_path_picks_the_build_folder_and_the_switch_turns_it_off(env, tm
     with pytest.raises(BuildError, match="the build folder was picked"):
         compile_source(render_source(KernelShape(1)), "poisoned", compiler="nvcc", include_dirs=[poison, abi_include_dir()],
                        use_cache=False)
+
+
+def test_attn_prep_fusion_asks_for_the_same_qk_norm_rope_problem():
+    """With qkv_prep folded into the attention tiles (opt-in fusion attn_prep) the program still asks for
+    the qk_norm_rope body at the model's shapes (H q heads of a layer, D, eps), the one the unfused asks."""
+    from mpk_dist.models.presets import get_preset
+    from mpk_dist.taskgraph.compiler import compile_rank_programs
+    from mpk_dist.taskgraph.fusion import OPT_IN_FUSIONS
+
+    def qk(fuse):
+        cg = compile_rank_programs(get_preset("qwen3-0.6b"), tp=1, batch=4, sms=132, max_seq_len=64, fuse=fuse)[0]
+        return [p for p in ST.problems_of(cg) if p.kind == "qk_norm_rope"]
+
+    plain = qk(True)
+    fused = qk(("norm", "silu", "residual", *OPT_IN_FUSIONS))
+    assert len(plain) == 1 and fused == plain and plain[0].batch == get_preset("qwen3-0.6b").num_heads
