@@ -103,7 +103,7 @@ def check_supported(cg) -> None:
         if kind == "linear" and (p["K"] % 8 or p["X_STRIDE"] % 8):
             raise InputError(f"{cg.task_label(t)}: expected K and X_STRIDE multiples of 8 (16-byte loads), "
                              f"got K={p['K']}, X_STRIDE={p['X_STRIDE']}")
-        if kind in ("attention", "attention_split") and (p["GROUP"] > MAX_GROUP or p["HEAD_DIM"] > MAX_ATTN_HEAD_DIM):
+        if kind in ("attention", "attention_split", "attention_prep") and (p["GROUP"] > MAX_GROUP or p["HEAD_DIM"] > MAX_ATTN_HEAD_DIM):
             raise InputError(f"{cg.task_label(t)}: expected GROUP <= {MAX_GROUP} and head_dim <= {MAX_ATTN_HEAD_DIM}, "
                              f"got GROUP={p['GROUP']}, head_dim={p['HEAD_DIM']}")
         if kind == "qkv_prep" and (p["HEAD_DIM"] % 2 or p["HEAD_DIM"] > 512):
@@ -157,6 +157,10 @@ def smem_bytes(cg, worker_threads: int, weight_ring: bool = False) -> int:
     from mpk_dist.taskgraph.lowering_attention import split_smem_bytes
 
     need = max(need, split_smem_bytes(cg, worker_threads))
+    # attention_prep tiles (the attn_prep fusion) run the unfused attention's staged merge too.
+    from mpk_dist.taskgraph.lowering_attn_prep import attn_prep_smem_bytes
+
+    need = max(need, attn_prep_smem_bytes(cg, worker_threads))
     return (need + 127) // 128 * 128 + ring
 
 

@@ -72,8 +72,6 @@ def test_pre_launch_checks_accept_the_fused_program():
     tables.check_supported(_program(4))
 
 
-@pytest.mark.xfail(strict=True, reason="mpk_dist.runtime.tables.smem_bytes does not count attention_prep yet "
-                                        "(outside this fusion's paths; see lowering_attn_prep.attn_prep_smem_bytes)")
 def test_launch_shared_memory_covers_the_attention_half():
     from mpk_dist.runtime import tables
 
