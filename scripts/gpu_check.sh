@@ -15,12 +15,12 @@
 #                   qwen3-0.6b bench with --attn-splits auto vs 1); --no-attn-split skips it. Limit: ATTN_LIMIT
 #   --extras-only   only the newer sections: sampling, superoptimized bodies, MMA linear tiles +
 #                   bench-linear (scalar, mma, tma), paged serving, the shared-memory weight stream
-#                   (MPK_LINEAR_TMA), and (2+ GPUs) bench-comm; --no-extras skips them.
+#                   (MPK_LINEAR_TMA), the attn_prep fusion, and (2+ GPUs) bench-comm; --no-extras skips them.
 #                   Limit per section: EXTRA_LIMIT
 #   --perf          ONLY the issue-6 speed table: `mpk-dist bench --backend megakernel,torch-compile` at
 #                   context ~512 for qwen3-8b, llama3-8b, qwen3-1.7b, qwen3-0.6b (batch 1) and qwen3-8b batch 8
 #                   (MPK_LINEAR_MMA=1), the knob sweep of the newest levers on qwen3-8b (PERF_VARIANTS,
-#                   default "base;b1"), and a traced qwen3-8b run's trace-summary. Limit per step: PERF_LIMIT
+#                   default "base;b1;a1;a1,b1": weight stream, attn_prep fusion, both), and a traced qwen3-8b run's trace-summary. Limit per step: PERF_LIMIT
 # Two GPUs: run two copies side by side, e.g. CUDA_VISIBLE_DEVICES=0 ... --runtime-only and
 # CUDA_VISIBLE_DEVICES=1 ... --fusion-only, each with its own OUT and MPK_CACHE_DIR and MPK_SKIP_INSTALL=1.
 # Logs and JSON go to $OUT (or ./gpu_check_out). Time limits (s): PYTEST_LIMIT, SAN_LIMIT, TRACE_LIMIT;
@@ -93,7 +93,7 @@ if [ $PERF -eq 1 ]; then
   step perf_qwen3-8b_b8 "${PERF_LIMIT:-150}" env MPK_LINEAR_MMA=1 python3 -m mpk_dist bench --model qwen3-8b --batch 8 \
     --backend megakernel,torch-compile $CTX --output-json "$OUT/perf_qwen3-8b_b8.json"
   step perf_sweep "${PERF_LIMIT:-150}" python3 scripts/tune_sweep.py --model qwen3-8b --prompt-len 480 --output-len 64 \
-    --variants "${PERF_VARIANTS:-base;b1}" --output-json "$OUT/perf_sweep.json"
+    --variants "${PERF_VARIANTS:-base;b1;a1;a1,b1}" --output-json "$OUT/perf_sweep.json"
   step perf_trace "${PERF_LIMIT:-150}" bash -c "python3 -m mpk_dist run --model qwen3-8b --backend megakernel \
     --prompt-ids 1,2,3,4 --max-new-tokens 8 --no-stop --trace $OUT/trace_qwen3_8b.json > /dev/null \
     && python3 -m mpk_dist trace-summary $OUT/trace_qwen3_8b.json | head -16 && gzip -f $OUT/trace_qwen3_8b.json"
@@ -147,7 +147,7 @@ TESTS=tests; [ $RUNTIME_ONLY -eq 1 ] && TESTS=tests/runtime
 # The newer sections' files run in their own steps below (own limits and result files).
 EXTRA_IGNORE=(--ignore=tests/runtime/test_sampling_gpu.py --ignore=tests/runtime/test_superopt_gpu.py
               --ignore=tests/runtime/test_linear_mma_gpu.py --ignore=tests/serving/test_megakernel_paged_gpu.py
-              --ignore=tests/runtime/test_weight_stream_gpu.py)
+              --ignore=tests/runtime/test_weight_stream_gpu.py --ignore=tests/runtime/test_attn_prep_gpu.py)
 KSEL=(); [ -n "${PYTEST_K:-}" ] && KSEL=(-k "$PYTEST_K")  # e.g. PYTEST_K="not 0.6b-16" to save time
 if [ $FUSION_ONLY -eq 0 ]; then  # (closed after the bench step; the fusion section follows it)
 step pytest_gpu "${PYTEST_LIMIT:-900}" env MPK_GPU_REPORT="$OUT/gpu_results.json" python3 -m pytest -m gpu "$TESTS" --ignore=tests/runtime/test_fusion_gpu.py --ignore=tests/runtime/test_attn_split_gpu.py --ignore="${TP_FILES[0]}" --ignore="${TP_FILES[1]}" "${EXTRA_IGNORE[@]}" "${KSEL[@]}" -q -rs -p no:cacheprovider --tb=short --maxfail=${MAXFAIL:-8} -o addopts="--import-mode=importlib"
@@ -207,7 +207,7 @@ EXTRA_JSON=()
 if [ $EXTRAS -eq 1 ] && { [ $FUSION_ONLY -eq 0 ] || [ $FUSION -eq 0 ]; }; then
   for sec in sampling:tests/runtime/test_sampling_gpu.py superopt:tests/runtime/test_superopt_gpu.py \
              linear_mma:tests/runtime/test_linear_mma_gpu.py serving:tests/serving/test_megakernel_paged_gpu.py \
-             weight_stream:tests/runtime/test_weight_stream_gpu.py; do
+             weight_stream:tests/runtime/test_weight_stream_gpu.py attn_prep:tests/runtime/test_attn_prep_gpu.py; do
     name=${sec%%:*}; file=${sec#*:}; rm -f "$OUT/gpu_results_$name.json"; EXTRA_JSON+=("$OUT/gpu_results_$name.json")
     step "$name" "${EXTRA_LIMIT:-240}" env MPK_GPU_REPORT="$OUT/gpu_results_$name.json" python3 -m pytest -m gpu "$file" \
       "${KSEL[@]}" -q -rs -p no:cacheprovider --tb=short -o addopts="--import-mode=importlib"
