@@ -20,21 +20,26 @@ namespace mpk {
 
 // One warp's online softmax over positions begin, begin + step, ... < end for G query heads.
 // Lane holds elements lane * epl + i of q, acc. m = -inf and l = 0 when it saw no position.
+// MG, ME: compile-time bounds (>= G, >= epl) of the per-lane arrays, one instance per
+// MPK_ATTN_BOUNDS pair (attention.cuh): the fixed 8 x 8 arrays spilled ~750 B at 512 threads. The loops
+// keep their runtime guards, so every instance does the same arithmetic.
+template <int MG, int ME>
 struct SplitWarpState {
-  float acc[kAttnMaxG][kAttnMaxEpl], m[kAttnMaxG], l[kAttnMaxG];
+  float acc[MG][ME], m[MG], l[MG];
 };
 
+template <int MG, int ME>
 __device__ __forceinline__ void split_warp_partial(const bf16* q, const bf16* kc, const bf16* vc, int D, int G,
                                                    int kv_ps, int begin, int end, int step, float scale,
-                                                   SplitWarpState& st, int lane) {
+                                                   SplitWarpState<MG, ME>& st, int lane) {
   const int epl = (D + 31) / 32;
-  float qv[kAttnMaxG][kAttnMaxEpl];
+  float qv[MG][ME];
 #pragma unroll
-  for (int j = 0; j < kAttnMaxG; ++j) {
+  for (int j = 0; j < MG; ++j) {
     st.m[j] = -INFINITY;
     st.l[j] = 0.f;
 #pragma unroll
-    for (int i = 0; i < kAttnMaxEpl; ++i) {
+    for (int i = 0; i < ME; ++i) {
       const int d = lane * epl + i;
       st.acc[j][i] = 0.f;
       qv[j][i] = (j < G && i < epl && d < D) ? bf2f(q[(size_t)j * D + d]) : 0.f;
@@ -42,25 +47,25 @@ __device__ __forceinline__ void split_warp_partial(const bf16* q, const bf16* kc
   }
   for (int t = begin; t < end; t += step) {
     const size_t row = (size_t)t * kv_ps;
-    float kv[kAttnMaxEpl], vv[kAttnMaxEpl];
+    float kv[ME], vv[ME];
 #pragma unroll
-    for (int i = 0; i < kAttnMaxEpl; ++i) {
+    for (int i = 0; i < ME; ++i) {
       const int d = lane * epl + i;
       const bool in = i < epl && d < D;
       kv[i] = in ? bf2f(kc[row + d]) : 0.f;
       vv[i] = in ? bf2f(vc[row + d]) : 0.f;
     }
 #pragma unroll
-    for (int j = 0; j < kAttnMaxG; ++j) {
+    for (int j = 0; j < MG; ++j) {
       if (j < G) {
         float s = 0.f;
 #pragma unroll
-        for (int i = 0; i < kAttnMaxEpl; ++i) s = fmaf(qv[j][i], kv[i], s);
+        for (int i = 0; i < ME; ++i) s = fmaf(qv[j][i], kv[i], s);
         s = warp_sum(s) * scale;
         const float mn = fmaxf(st.m[j], s), corr = expf(st.m[j] - mn), e = expf(s - mn);
         st.l[j] = st.l[j] * corr + e;
 #pragma unroll
-        for (int i = 0; i < kAttnMaxEpl; ++i) st.acc[j][i] = st.acc[j][i] * corr + e * vv[i];
+        for (int i = 0; i < ME; ++i) st.acc[j][i] = st.acc[j][i] * corr + e * vv[i];
         st.m[j] = mn;
       }
     }
@@ -68,13 +73,14 @@ __device__ __forceinline__ void split_warp_partial(const bf16* q, const bf16* kc
 }
 
 // Store a warp's state as G entries of (acc[0..D), m, l) with `entry` floats between heads.
-__device__ __forceinline__ void split_store(const SplitWarpState& st, float* dst, int D, int G, int entry, int lane) {
+template <int MG, int ME>
+__device__ __forceinline__ void split_store(const SplitWarpState<MG, ME>& st, float* dst, int D, int G, int entry, int lane) {
   const int epl = (D + 31) / 32;
 #pragma unroll
-  for (int j = 0; j < kAttnMaxG; ++j) {
+  for (int j = 0; j < MG; ++j) {
     if (j < G) {
 #pragma unroll
-      for (int i = 0; i < kAttnMaxEpl; ++i) {
+      for (int i = 0; i < ME; ++i) {
         const int d = lane * epl + i;
         if (i < epl && d < D) dst[(size_t)j * entry + d] = st.acc[j][i];
       }
@@ -84,12 +90,13 @@ __device__ __forceinline__ void split_store(const SplitWarpState& st, float* dst
 }
 
 // Staged path for one sequence: warps split the range, merged through shared memory into `out`.
-__device__ void attention_split_seq(const bf16* q, const bf16* kc, const bf16* vc, float* out, int D, int G, int kv_ps,
+template <int MG, int ME>
+__device__ __noinline__ void attention_split_seq(const bf16* q, const bf16* kc, const bf16* vc, float* out, int D, int G, int kv_ps,
                                     int s0, int e, float scale, float* smem, int tid, int nt) {
   const int warp = tid >> 5, lane = tid & 31, nwarps = nt >> 5;
-  SplitWarpState st;
-  split_warp_partial(q, kc, vc, D, G, kv_ps, s0 + warp, e, nwarps, scale, st, lane);
-  split_store(st, smem + (size_t)warp * G * (D + 2), D, G, D + 2, lane);
+  SplitWarpState<MG, ME> st;
+  split_warp_partial<MG, ME>(q, kc, vc, D, G, kv_ps, s0 + warp, e, nwarps, scale, st, lane);
+  split_store<MG, ME>(st, smem + (size_t)warp * G * (D + 2), D, G, D + 2, lane);
   worker_barrier(nt);
   for (int idx = tid; idx < G * (D + 2); idx += nt) {
     const int j = idx / (D + 2), d = idx % (D + 2);
@@ -107,24 +114,38 @@ __device__ void attention_split_seq(const bf16* q, const bf16* kc, const bf16* v
   worker_barrier(nt);  // shared memory is reused by the next sequence / task
 }
 
+// Per-warp path: warp w takes whole sequences b = w, w + nwarps, ... and walks the range alone.
+template <int MG, int ME>
+__device__ __noinline__ void attention_split_per_warp(const bf16* q, const bf16* kc, const bf16* vc, const int32_t* pos,
+                                                      float* out, int B, int D, int G, int q_stride, int kv_ps,
+                                                      int kv_bs, int s0, int s1, int out_stride, float scale, int tid,
+                                                      int nt) {
+  const int warp = tid >> 5, lane = tid & 31, nwarps = nt >> 5;
+  for (int b = warp; b < B; b += nwarps) {
+    SplitWarpState<MG, ME> st;
+    split_warp_partial<MG, ME>(q + (size_t)b * q_stride, kc + (size_t)b * kv_bs, vc + (size_t)b * kv_bs, D, G, kv_ps,
+                               s0, min(s1, pos[b] + 1), 1, scale, st, lane);
+    split_store<MG, ME>(st, out + (size_t)b * out_stride, D, G, D + 2, lane);
+  }
+}
+
 __device__ void attention_split(const bf16* q, const bf16* kc, const bf16* vc, const int32_t* pos, float* out, int B,
                                 int D, int G, int q_stride, int kv_ps, int kv_bs, int s0, int s1, int out_stride,
                                 float scale, float* smem, int tid, int nt) {
   const int nwarps = nt >> 5;
   const bool staged = (uint32_t)attention_smem_bytes(nwarps, G, D) <= dynamic_smem_bytes();
   if (staged) {
-    for (int b = 0; b < B; ++b)  // e <= s0: no position; the loops below see none and store (0, -inf, 0)
-      attention_split_seq(q + (size_t)b * q_stride, kc + (size_t)b * kv_bs, vc + (size_t)b * kv_bs,
-                          out + (size_t)b * out_stride, D, G, kv_ps, s0, min(s1, pos[b] + 1), scale, smem, tid, nt);
+    for (int b = 0; b < B; ++b) {  // e <= s0: no position; the loops below see none and store (0, -inf, 0)
+      const bf16 *qb = q + (size_t)b * q_stride, *kb = kc + (size_t)b * kv_bs, *vb = vc + (size_t)b * kv_bs;
+      float* ob = out + (size_t)b * out_stride;
+      const int e = min(s1, pos[b] + 1);
+      MPK_ATTN_BOUNDS(G, (D + 31) / 32,
+                      (attention_split_seq<kMG, kME>(qb, kb, vb, ob, D, G, kv_ps, s0, e, scale, smem, tid, nt)));
+    }
     return;
   }
-  const int warp = tid >> 5, lane = tid & 31;
-  for (int b = warp; b < B; b += nwarps) {
-    SplitWarpState st;
-    split_warp_partial(q + (size_t)b * q_stride, kc + (size_t)b * kv_bs, vc + (size_t)b * kv_bs, D, G, kv_ps, s0,
-                       min(s1, pos[b] + 1), 1, scale, st, lane);
-    split_store(st, out + (size_t)b * out_stride, D, G, D + 2, lane);
-  }
+  MPK_ATTN_BOUNDS(G, (D + 31) / 32, (attention_split_per_warp<kMG, kME>(q, kc, vc, pos, out, B, D, G, q_stride, kv_ps,
+                                                                      kv_bs, s0, s1, out_stride, scale, tid, nt)));
 }
 
 }  // namespace mpk

@@ -15,16 +15,19 @@
 
 namespace mpk {
 
-__device__ void paged_attention_token(const bf16* q, const bf16* kc, const bf16* vc, const PagedKv& kv, int slot,
+// MG, ME: compile-time bounds of the per-lane arrays (MPK_ATTN_BOUNDS, attention.cuh): the fixed 8 x 8
+// arrays spilled ~500 B at 512 threads; the guards keep the arithmetic of every instance the same.
+template <int MG, int ME>
+__device__ __noinline__ void paged_attention_token(const bf16* q, const bf16* kc, const bf16* vc, const PagedKv& kv, int slot,
                                       int n_pos, bf16* out, int D, int G, float scale, int lane) {
   const int epl = (D + 31) / 32;
-  float qv[kAttnMaxG][kAttnMaxEpl], acc[kAttnMaxG][kAttnMaxEpl], m[kAttnMaxG], l[kAttnMaxG];
+  float qv[MG][ME], acc[MG][ME], m[MG], l[MG];
 #pragma unroll
-  for (int j = 0; j < kAttnMaxG; ++j) {
+  for (int j = 0; j < MG; ++j) {
     m[j] = -INFINITY;
     l[j] = 0.f;
 #pragma unroll
-    for (int i = 0; i < kAttnMaxEpl; ++i) {
+    for (int i = 0; i < ME; ++i) {
       const int d = lane * epl + i;
       acc[j][i] = 0.f;
       qv[j][i] = (j < G && i < epl && d < D) ? bf2f(q[(size_t)j * D + d]) : 0.f;
@@ -35,35 +38,35 @@ __device__ void paged_attention_token(const bf16* q, const bf16* kc, const bf16*
     const int rows = min(kv.page_size, n_pos - t0);
     for (int r = 0; r < rows; ++r) {
       const size_t row = page_base + (size_t)r * kv.pos_stride;
-      float kr[kAttnMaxEpl], vr[kAttnMaxEpl];
+      float kr[ME], vr[ME];
 #pragma unroll
-      for (int i = 0; i < kAttnMaxEpl; ++i) {
+      for (int i = 0; i < ME; ++i) {
         const int d = lane * epl + i;
         const bool in = i < epl && d < D;
         kr[i] = in ? bf2f(kc[row + d]) : 0.f;
         vr[i] = in ? bf2f(vc[row + d]) : 0.f;
       }
 #pragma unroll
-      for (int j = 0; j < kAttnMaxG; ++j) {
+      for (int j = 0; j < MG; ++j) {
         if (j < G) {
           float s = 0.f;
 #pragma unroll
-          for (int i = 0; i < kAttnMaxEpl; ++i) s = fmaf(qv[j][i], kr[i], s);
+          for (int i = 0; i < ME; ++i) s = fmaf(qv[j][i], kr[i], s);
           s = warp_sum(s) * scale;
           const float mn = fmaxf(m[j], s), corr = expf(m[j] - mn), e = expf(s - mn);
           l[j] = l[j] * corr + e;
 #pragma unroll
-          for (int i = 0; i < kAttnMaxEpl; ++i) acc[j][i] = acc[j][i] * corr + e * vr[i];
+          for (int i = 0; i < ME; ++i) acc[j][i] = acc[j][i] * corr + e * vr[i];
           m[j] = mn;
         }
       }
     }
   }
 #pragma unroll
-  for (int j = 0; j < kAttnMaxG; ++j) {
+  for (int j = 0; j < MG; ++j) {
     if (j < G) {
 #pragma unroll
-      for (int i = 0; i < kAttnMaxEpl; ++i) {
+      for (int i = 0; i < ME; ++i) {
         const int d = lane * epl + i;
         if (i < epl && d < D) out[(size_t)j * D + d] = f2bf(l[j] > 0.f ? acc[j][i] / l[j] : 0.f);
       }
@@ -84,7 +87,9 @@ __device__ bool paged_attention(const bf16* q, const bf16* kc, const bf16* vc, c
       for (int i = lane; i < G * D; i += 32) o[i] = f2bf(0.f);
       continue;
     }
-    paged_attention_token(q + (size_t)b * q_stride, kc, vc, kv, s, pos[b] + 1, o, D, G, scale, lane);
+    const bf16* qb = q + (size_t)b * q_stride;
+    const int n = pos[b] + 1;
+    MPK_ATTN_BOUNDS(G, (D + 31) / 32, (paged_attention_token<kMG, kME>(qb, kc, vc, kv, s, n, o, D, G, scale, lane)));
   }
   return true;
 }
