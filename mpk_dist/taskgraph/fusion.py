@@ -125,7 +125,10 @@ def _plan_one(graph: Graph, lin: Op, producer: dict[str, Op], cons: dict[str, li
         return None
     f = FusedLinear(lin)
     src = producer.get(x)
-    stage_ok = STAGE_OFFSET_BYTES + 2 * graph.batch * K <= STAGE_LIMIT
+    from mpk_dist.taskgraph.lowering import ROW_BLOCK  # (lowering imports this module)
+
+    # A tile stages its own row block's rows (at most ROW_BLOCK: linears over more rows are row-blocked).
+    stage_ok = STAGE_OFFSET_BYTES + 2 * min(graph.batch, ROW_BLOCK) * K <= STAGE_LIMIT
     if src is not None and stage_ok and _sole_consumer(graph, cons, x, lin):
         if "norm" in fusions and src.kind == "rms_norm":
             f.norm = src

@@ -39,12 +39,6 @@ def test_refuses_clearly_without_a_gpu(capsys):
     assert "--backend: expected comma-separated names" in capsys.readouterr().err
 
 
-def test_refuses_passes_wider_than_a_linear_tile():
-    with pytest.raises(InputError, match="--max-tokens-per-step 16"):
-        MP.check_spec(PagedSpec(max_tokens=32, max_seqs=4, num_pages=8, page_size=4, max_pages_per_seq=2))
-    MP.check_spec(PagedSpec(max_tokens=16, max_seqs=16, num_pages=8, page_size=4, max_pages_per_seq=2))
-
-
 # ---- the GPU parts faked ----------------------------------------------------------------------------
 class _Kernel:
     blocks_per_sm, num_sms = 1, 8

@@ -199,3 +199,13 @@ def test_batches_the_kernel_cannot_run_are_refused_clearly():
     with pytest.raises(InputError, match=r"\(linear\).*expected BATCH 16 \(the kernel's compile-time rows, "
                                          r"MPK_BATCH\), got 8"):
         tables.check_linear_batch(cg)
+
+
+def test_fusions_stay_at_large_batch():
+    """Prologue staging is sized per 16-row block, so batch 64 keeps every fusion batch 16 has."""
+    from mpk_dist.models.presets import get_preset
+    from mpk_dist.taskgraph.compiler import compile_rank_programs
+
+    kinds = [{o["kind"] for o in compile_rank_programs(get_preset("qwen3-0.6b"), tp=1, batch=b, sms=132,
+                                                      max_seq_len=64, fuse=True)[0].meta["ops"]} for b in (16, 64)]
+    assert kinds[0] == kinds[1] and "silu_mul" not in kinds[1] and "rms_norm" not in kinds[1]
