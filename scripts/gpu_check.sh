@@ -15,7 +15,8 @@
 #                   qwen3-0.6b bench with --attn-splits auto vs 1); --no-attn-split skips it. Limit: ATTN_LIMIT
 #   --extras-only   only the newer sections: sampling, superoptimized bodies, MMA linear tiles +
 #                   bench-linear (scalar, mma, tma), paged serving, the shared-memory weight stream
-#                   (MPK_LINEAR_TMA), the attn_prep fusion, and (2+ GPUs) bench-comm; --no-extras skips them.
+#                   (MPK_LINEAR_TMA), the attn_prep fusion, batch 32/64 row blocks, and (2+ GPUs) bench-comm;
+#                   --no-extras skips them.
 #                   Limit per section: EXTRA_LIMIT
 #   --perf          ONLY the issue-6 speed table: `mpk-dist bench --backend megakernel,torch-compile` at
 #                   context ~512 for qwen3-8b, llama3-8b, qwen3-1.7b, qwen3-0.6b (batch 1) and qwen3-8b batch 8
@@ -147,7 +148,8 @@ TESTS=tests; [ $RUNTIME_ONLY -eq 1 ] && TESTS=tests/runtime
 # The newer sections' files run in their own steps below (own limits and result files).
 EXTRA_IGNORE=(--ignore=tests/runtime/test_sampling_gpu.py --ignore=tests/runtime/test_superopt_gpu.py
               --ignore=tests/runtime/test_linear_mma_gpu.py --ignore=tests/serving/test_megakernel_paged_gpu.py
-              --ignore=tests/runtime/test_weight_stream_gpu.py --ignore=tests/runtime/test_attn_prep_gpu.py)
+              --ignore=tests/runtime/test_weight_stream_gpu.py --ignore=tests/runtime/test_attn_prep_gpu.py
+              --ignore=tests/runtime/test_megakernel_b64_gpu.py)
 KSEL=(); [ -n "${PYTEST_K:-}" ] && KSEL=(-k "$PYTEST_K")  # e.g. PYTEST_K="not 0.6b-16" to save time
 if [ $FUSION_ONLY -eq 0 ]; then  # (closed after the bench step; the fusion section follows it)
 step pytest_gpu "${PYTEST_LIMIT:-900}" env MPK_GPU_REPORT="$OUT/gpu_results.json" python3 -m pytest -m gpu "$TESTS" --ignore=tests/runtime/test_fusion_gpu.py --ignore=tests/runtime/test_attn_split_gpu.py --ignore="${TP_FILES[0]}" --ignore="${TP_FILES[1]}" "${EXTRA_IGNORE[@]}" "${KSEL[@]}" -q -rs -p no:cacheprovider --tb=short --maxfail=${MAXFAIL:-8} -o addopts="--import-mode=importlib"
@@ -207,7 +209,8 @@ EXTRA_JSON=()
 if [ $EXTRAS -eq 1 ] && { [ $FUSION_ONLY -eq 0 ] || [ $FUSION -eq 0 ]; }; then
   for sec in sampling:tests/runtime/test_sampling_gpu.py superopt:tests/runtime/test_superopt_gpu.py \
              linear_mma:tests/runtime/test_linear_mma_gpu.py serving:tests/serving/test_megakernel_paged_gpu.py \
-             weight_stream:tests/runtime/test_weight_stream_gpu.py attn_prep:tests/runtime/test_attn_prep_gpu.py; do
+             weight_stream:tests/runtime/test_weight_stream_gpu.py attn_prep:tests/runtime/test_attn_prep_gpu.py \
+             batch64:tests/runtime/test_megakernel_b64_gpu.py; do
     name=${sec%%:*}; file=${sec#*:}; rm -f "$OUT/gpu_results_$name.json"; EXTRA_JSON+=("$OUT/gpu_results_$name.json")
     step "$name" "${EXTRA_LIMIT:-240}" env MPK_GPU_REPORT="$OUT/gpu_results_$name.json" python3 -m pytest -m gpu "$file" \
       "${KSEL[@]}" -q -rs -p no:cacheprovider --tb=short -o addopts="--import-mode=importlib"
