@@ -24,27 +24,11 @@ namespace mpk {
 #endif
 constexpr int kLinUnroll = MPK_LINEAR_UNROLL;
 
-// x rows of a plain linear (global bf16 activations) and its store, for the streamed path.
-struct LinX {
-  const bf16* x;
-  int ld;
-  __device__ __forceinline__ uint4 load8(int b, int k) const { return ld_act_v4(x + (size_t)b * ld + k); }
-};
-template <typename OutT>
-struct LinStore {
-  OutT* y;
-  int ld;
-  bool round_bf16;
-  __device__ __forceinline__ void operator()(int b, int n, float s) const {
-    store_out(y + (size_t)b * ld + n, round_bf16 ? round_bf(s) : s);
-  }
-};
-
 template <int B, typename OutT>
 __device__ void linear_tile(const bf16* __restrict__ x, int ldx, const bf16* __restrict__ w, OutT* __restrict__ y,
                             int ldy, int K, int n_tile, bool round_out_bf16, int tid, int nt) {
   if (stream_fits(K, nt)) {  // MPK_LINEAR_TMA: same sums, weights through shared memory
-    gemv_streamed<B>(LinX{x, ldx}, w, K, n_tile, LinStore<OutT>{y, ldy, round_out_bf16}, tid, nt);
+    gemv_streamed<B>(MmaRows{x, ldx}, w, K, n_tile, MmaStore<OutT>{y, ldy, round_out_bf16}, tid, nt);
     return;
   }
   const int warp = tid >> 5, lane = tid & 31, nwarps = nt >> 5;

@@ -29,6 +29,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -140,24 +141,37 @@ def problems_of(cg) -> dict[Problem, int]:
     return out
 
 
-def _qk_problems(cg) -> dict[Problem, int]:
-    """qk_norm_rope at (H = q heads of one layer, D, eps) when the qkv_prep tiles have a norm weight."""
+def _normed_tiles(cg, kind_name: str, norm_arg: str) -> tuple[list, Callable[[object, str], int]]:
+    """Tiles of ``kind_name`` whose ``norm_arg`` is bound (the model has q/k norms), and a reader of their
+    parameters by name."""
     from mpk_dist.taskgraph.abi import ARG_COLS, NULL_BUFFER, TASK_COLS
     from mpk_dist.taskgraph.tasks import BY_NAME
 
-    kind = BY_NAME["qkv_prep"]
+    kind = BY_NAME[kind_name]
     tasks, params, args = cg.arrays["tasks"], cg.arrays["params"], cg.arrays["args"]
     rows = tasks[tasks[:, TASK_COLS["OPCODE"]] == kind.opcode]
-    normed = [t for t in rows if args[t[TASK_COLS["ARG_BEGIN"]] + kind.arg_index("NORM_W"), ARG_COLS["BUFFER"]]
+    normed = [t for t in rows if args[t[TASK_COLS["ARG_BEGIN"]] + kind.arg_index(norm_arg), ARG_COLS["BUFFER"]]
               != NULL_BUFFER]
-    if not normed:
-        return {}
 
     def get(t, name: str) -> int:
         return int(params[int(t[TASK_COLS["PARAM_BEGIN"]]) + kind.param_index(name)])
 
-    layer0 = min(int(t[TASK_COLS["LAYER"]]) for t in normed)
-    q_heads = [t for t in normed if int(t[TASK_COLS["LAYER"]]) == layer0 and not get(t, "IS_KV")]
+    return normed, get
+
+
+def _first_layer(tiles: list) -> list:
+    from mpk_dist.taskgraph.abi import TASK_COLS
+
+    layer0 = min(int(t[TASK_COLS["LAYER"]]) for t in tiles)
+    return [t for t in tiles if int(t[TASK_COLS["LAYER"]]) == layer0]
+
+
+def _qk_problems(cg) -> dict[Problem, int]:
+    """qk_norm_rope at (H = q heads of one layer, D, eps) when the qkv_prep tiles have a norm weight."""
+    normed, get = _normed_tiles(cg, "qkv_prep", "NORM_W")
+    if not normed:
+        return {}
+    q_heads = [t for t in _first_layer(normed) if not get(t, "IS_KV")]
     t = q_heads[0] if q_heads else normed[0]
     D = get(t, "HEAD_DIM")
     prob = Problem("qk_norm_rope", max(1, len(q_heads)), D, D, _f32(get(t, "EPS")))
@@ -167,22 +181,10 @@ def _qk_problems(cg) -> dict[Problem, int]:
 def _qk_problems_fused(cg) -> dict[Problem, int]:
     """The same problem from attention_prep tiles (the attn_prep fusion: qkv_prep folded into the
     attention tiles, one per (kv head, sequence)): H = GROUP x the kv heads of one layer."""
-    from mpk_dist.taskgraph.abi import ARG_COLS, NULL_BUFFER, TASK_COLS
-    from mpk_dist.taskgraph.tasks import BY_NAME
-
-    kind = BY_NAME["attention_prep"]
-    tasks, params, args = cg.arrays["tasks"], cg.arrays["params"], cg.arrays["args"]
-    rows = tasks[tasks[:, TASK_COLS["OPCODE"]] == kind.opcode]
-    normed = [t for t in rows if args[t[TASK_COLS["ARG_BEGIN"]] + kind.arg_index("Q_NORM_W"), ARG_COLS["BUFFER"]]
-              != NULL_BUFFER]
+    normed, get = _normed_tiles(cg, "attention_prep", "Q_NORM_W")
     if not normed:
         return {}
-
-    def get(t, name: str) -> int:
-        return int(params[int(t[TASK_COLS["PARAM_BEGIN"]]) + kind.param_index(name)])
-
-    layer0 = min(int(t[TASK_COLS["LAYER"]]) for t in normed)
-    tiles0 = [t for t in normed if int(t[TASK_COLS["LAYER"]]) == layer0]
+    tiles0 = _first_layer(normed)
     t = tiles0[0]
     D, G = get(t, "HEAD_DIM"), get(t, "GROUP")
     kv_heads = max(1, len(tiles0) // max(1, int(cg.meta["batch"])))
