@@ -141,26 +141,17 @@ def smem_bytes(cg, worker_threads: int, weight_ring: bool = False) -> int:
     """Dynamic shared memory per worker block: the largest need over the task bodies, plus the weight
     ring at the end when ``weight_ring`` (MPK_LINEAR_TMA; the staging budget shrinks by as much)."""
     ring = WEIGHT_RING_BYTES if weight_ring else 0
-    nwarps = worker_threads // 32
-    need = 2 * nwarps * 4  # block reductions (rms_norm, argmax)
-    tasks = cg.arrays["tasks"]
-    att = BY_NAME["attention"].opcode
-    for t in np.nonzero(tasks[:, TASK_COLS["OPCODE"]] == att)[0]:
-        p = task_params(cg, int(t))
-        need = max(need, nwarps * p["GROUP"] * (p["HEAD_DIM"] + 2) * 4)
+    from mpk_dist.taskgraph.fusion import staging_bytes
+    from mpk_dist.taskgraph.lowering_attention import attention_staging_bytes
+
+    need = 2 * (worker_threads // 32) * 4  # block reductions (rms_norm, argmax)
+    # Attention merges its warps' partials through shared memory (nwarps x GROUP x (D + 2) floats): the
+    # unsplit kind, split-KV's staged path, and attention_prep tiles (the attn_prep fusion).
+    for kind in ("attention", "attention_split", "attention_prep"):
+        need = max(need, attention_staging_bytes(cg, kind, worker_threads))
     # Fused linears stage their normalised / silu'd input rows in shared memory when it fits; a
     # tile that does not get the space recomputes per weight row (same bits, slower).
-    from mpk_dist.taskgraph.fusion import staging_bytes
-
     need = max(need, staging_bytes(cg, HOPPER_MAX_DYNAMIC_SMEM - SMEM_RESERVE - ring))
-    # Split-KV attention's staged path wants the unsplit attention's nwarps x GROUP x (D + 2) floats.
-    from mpk_dist.taskgraph.lowering_attention import split_smem_bytes
-
-    need = max(need, split_smem_bytes(cg, worker_threads))
-    # attention_prep tiles (the attn_prep fusion) run the unfused attention's staged merge too.
-    from mpk_dist.taskgraph.lowering_attn_prep import attn_prep_smem_bytes
-
-    need = max(need, attn_prep_smem_bytes(cg, worker_threads))
     return (need + 127) // 128 * 128 + ring
 
 

@@ -98,15 +98,13 @@ def lower_split_attention(lw: Lowerer, op: Op, splits: int) -> None:
                                        np.int64).reshape(-1, 4))]
 
 
-def split_smem_bytes(cg, worker_threads: int) -> int:
-    """Dynamic shared memory the staged path of csrc/tasks/attention_split.cuh wants: nwarps x GROUP x
-    (D + 2) floats (the unsplit attention's formula, ``attention_smem_bytes``), the largest over the
-    program's attention_split tasks; 0 without them. With less, the kernel takes its per-warp path
-    (same math, one warp per sequence), so the runtime should size its dynamic shared memory to at
-    least this (``mpk_dist.runtime.tables.smem_bytes`` counts only ``attention`` so far)."""
+def attention_staging_bytes(cg, kind_name: str, worker_threads: int) -> int:
+    """nwarps x GROUP x (D + 2) floats (csrc/tasks/attention.cuh ``attention_smem_bytes``: the warps'
+    partials merged through shared memory), the largest over the program's tasks of ``kind_name``
+    (attention, attention_split or attention_prep); 0 without them."""
     from mpk_dist.taskgraph.abi import TASK_COLS
 
-    kind = BY_NAME["attention_split"]
+    kind = BY_NAME[kind_name]
     tasks, params = cg.arrays["tasks"], cg.arrays["params"]
     rows = tasks[tasks[:, TASK_COLS["OPCODE"]] == kind.opcode]
     if not len(rows):
@@ -114,3 +112,12 @@ def split_smem_bytes(cg, worker_threads: int) -> int:
     p0 = rows[:, TASK_COLS["PARAM_BEGIN"]].astype(np.int64)
     G, D = params[p0 + kind.param_index("GROUP")], params[p0 + kind.param_index("HEAD_DIM")]
     return int(((worker_threads // 32) * G.astype(np.int64) * (D.astype(np.int64) + 2) * 4).max())
+
+
+def split_smem_bytes(cg, worker_threads: int) -> int:
+    """Dynamic shared memory the staged path of csrc/tasks/attention_split.cuh wants: nwarps x GROUP x
+    (D + 2) floats (the unsplit attention's formula, ``attention_smem_bytes``), the largest over the
+    program's attention_split tasks; 0 without them. With less, the kernel takes its per-warp path
+    (same math, one warp per sequence), so the runtime should size its dynamic shared memory to at
+    least this (``mpk_dist.runtime.tables.smem_bytes`` counts it)."""
+    return attention_staging_bytes(cg, "attention_split", worker_threads)

@@ -93,13 +93,6 @@ def attn_prep_smem_bytes(cg, worker_threads: int) -> int:
     GROUP x (D + 2) floats, as the unfused attention (csrc/tasks/attention.cuh ``attention_smem_bytes``);
     0 without such tiles. ``mpk_dist.runtime.tables.smem_bytes`` must count it (the kernel refuses the
     task as bad when the launch has less)."""
-    from mpk_dist.taskgraph.abi import TASK_COLS
+    from mpk_dist.taskgraph.lowering_attention import attention_staging_bytes
 
-    kind = BY_NAME["attention_prep"]
-    tasks, params = cg.arrays["tasks"], cg.arrays["params"]
-    rows = tasks[tasks[:, TASK_COLS["OPCODE"]] == kind.opcode]
-    if not len(rows):
-        return 0
-    p0 = rows[:, TASK_COLS["PARAM_BEGIN"]].astype(np.int64)
-    G, D = params[p0 + kind.param_index("GROUP")], params[p0 + kind.param_index("HEAD_DIM")]
-    return int(((worker_threads // 32) * G.astype(np.int64) * (D.astype(np.int64) + 2) * 4).max())
+    return attention_staging_bytes(cg, "attention_prep", worker_threads)
