@@ -13,6 +13,7 @@
 #include "common.cuh"
 #include "qkv_prep.cuh"
 #include "attention.cuh"
+#include "weight_stream.cuh"  // smem_below_ring(): attention_seq needs nwarps * G * (D + 2) floats
 
 namespace mpk {
 
@@ -25,13 +26,6 @@ __device__ __forceinline__ void attn_prep_head(const bf16* src, const bf16* norm
   else
 #endif
     qk_norm_rope(src, norm_w, inv_freq, pos, dst, D, eps, lane);
-}
-
-// Bytes of dynamic shared memory of this launch (attention_seq needs nwarps * G * (D + 2) floats of it).
-__device__ __forceinline__ uint32_t attn_prep_dynamic_smem() {
-  uint32_t r;
-  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(r));
-  return r;
 }
 
 // The prep half: warps 0..G-1 take the q heads of the group, warp G the kv head (k roped into the cache
@@ -59,7 +53,7 @@ __device__ __noinline__ void attention_prep_heads(const bf16* qkv, const bf16* q
 // (mpk_dist.taskgraph.lowering_attn_prep.attn_prep_smem_bytes).
 __device__ __forceinline__ bool attention_prep_ok(int D, int G, int p, int max_seq, int nt) {
   return G >= 1 && G <= kAttnMaxG && D <= 32 * kAttnMaxEpl && !(D & 1) && p >= 0 && p < max_seq &&
-         (uint32_t)attention_smem_bytes(nt >> 5, G, D) <= attn_prep_dynamic_smem();
+         (uint32_t)attention_smem_bytes(nt >> 5, G, D) <= smem_below_ring();
 }
 
 }  // namespace mpk
