@@ -30,10 +30,11 @@ def test_batch_64_program_passes_the_runtime_checks(qwen_b64):
     cg = qwen_b64
     tables.check_supported(cg)
     assert cg.meta["batch"] == 64 and tables.kernel_batch(cg) == 16
-    H = get_preset("qwen3-0.6b").hidden_size
+    cfg = get_preset("qwen3-0.6b")
+    K = max(cfg.hidden_size, cfg.intermediate_size)  # norm prologues stage hidden, silu ones intermediate
     # Fused prologues stage the 16 rows of their block, not 64.
-    assert tables.smem_bytes(cg, 256) >= STAGE_OFFSET_BYTES + 2 * 16 * H
-    assert tables.smem_bytes(cg, 256) < STAGE_OFFSET_BYTES + 2 * 32 * H
+    assert tables.smem_bytes(cg, 256) >= STAGE_OFFSET_BYTES + 2 * 16 * K
+    assert tables.smem_bytes(cg, 256) < STAGE_OFFSET_BYTES + 2 * 32 * K
 
 
 def test_session_builds_the_kernel_for_16_rows(qwen_b64, monkeypatch):
