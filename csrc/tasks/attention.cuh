@@ -30,17 +30,15 @@ constexpr int kAttnMaxEpl = 8;  // elements per lane: D <= 256
     else MPK_ATTN_ME(G_, EPL_, CALL, kAttnMaxG);                          \
   } while (0)
 
-__host__ __device__ inline int attention_smem_bytes(int nwarps, int G, int D) { return nwarps * G * (D + 2) * 4; }
+// ---- the per-warp online softmax shared by attention, attention_split, paged_attention and attention_prep --
+// Lane l holds elements l*epl .. l*epl+epl-1 of a head (epl = ceil(D / 32)); qv, acc, m, l live in registers.
+// The runtime guards (j < G, i < epl && d < D) make every (MG, ME) instance do the same arithmetic.
 
-// MG, ME: compile-time bounds (>= G, >= epl) of the per-lane register arrays. One instance per (MG, ME)
-// in {1, 2, 4, 8} x {2, 4, 8} keeps the arrays as small as the model needs: with the old fixed 8 x 8
-// the worker kernel (128 registers at 512 threads) spilled them to local memory. Every loop keeps its
-// runtime guard (j < G, i < epl && d < D), so the arithmetic is the same for every instance.
+// q of the G heads into registers; acc = 0, m = -inf, l = 0 (a warp that sees no position keeps them).
 template <int MG, int ME>
-__device__ __noinline__ void attention_seq(const bf16* q, const bf16* kc, const bf16* vc, bf16* out, int D, int G,
-                                           int kv_ps, int n_pos, float scale, float* smem, int tid, int nt) {
-  const int warp = tid >> 5, lane = tid & 31, nwarps = nt >> 5, epl = (D + 31) / 32;
-  float qv[MG][ME], acc[MG][ME], m[MG], l[MG];
+__device__ __forceinline__ void attn_warp_init(const bf16* q, int D, int G, int lane, float (&qv)[MG][ME],
+                                               float (&acc)[MG][ME], float (&m)[MG], float (&l)[MG]) {
+  const int epl = (D + 31) / 32;
 #pragma unroll
   for (int j = 0; j < MG; ++j) {
     m[j] = -INFINITY;
@@ -52,31 +50,52 @@ __device__ __noinline__ void attention_seq(const bf16* q, const bf16* kc, const 
       qv[j][i] = (j < G && i < epl && d < D) ? bf2f(q[(size_t)j * D + d]) : 0.f;
     }
   }
-  for (int t = warp; t < n_pos; t += nwarps) {
-    const size_t row = (size_t)t * kv_ps;
-    float kv[ME], vv[ME];
+}
+
+// One cache position (k and v rows at kr, vr): fp32 score per head, then the online-softmax update.
+template <int MG, int ME>
+__device__ __forceinline__ void attn_warp_step(const float (&qv)[MG][ME], const bf16* kr, const bf16* vr, int D, int G,
+                                               float scale, int lane, float (&acc)[MG][ME], float (&m)[MG],
+                                               float (&l)[MG]) {
+  const int epl = (D + 31) / 32;
+  float kv[ME], vv[ME];
 #pragma unroll
-    for (int i = 0; i < ME; ++i) {
-      const int d = lane * epl + i;
-      const bool in = i < epl && d < D;
-      kv[i] = in ? bf2f(kc[row + d]) : 0.f;
-      vv[i] = in ? bf2f(vc[row + d]) : 0.f;
-    }
+  for (int i = 0; i < ME; ++i) {
+    const int d = lane * epl + i;
+    const bool in = i < epl && d < D;
+    kv[i] = in ? bf2f(kr[d]) : 0.f;
+    vv[i] = in ? bf2f(vr[d]) : 0.f;
+  }
 #pragma unroll
-    for (int j = 0; j < MG; ++j) {
-      if (j < G) {
-        float s = 0.f;
+  for (int j = 0; j < MG; ++j) {
+    if (j < G) {
+      float s = 0.f;
 #pragma unroll
-        for (int i = 0; i < ME; ++i) s = fmaf(qv[j][i], kv[i], s);
-        s = warp_sum(s) * scale;
-        const float mn = fmaxf(m[j], s), corr = expf(m[j] - mn), e = expf(s - mn);
-        l[j] = l[j] * corr + e;
+      for (int i = 0; i < ME; ++i) s = fmaf(qv[j][i], kv[i], s);
+      s = warp_sum(s) * scale;
+      const float mn = fmaxf(m[j], s), corr = expf(m[j] - mn), e = expf(s - mn);
+      l[j] = l[j] * corr + e;
 #pragma unroll
-        for (int i = 0; i < ME; ++i) acc[j][i] = acc[j][i] * corr + e * vv[i];
-        m[j] = mn;
-      }
+      for (int i = 0; i < ME; ++i) acc[j][i] = acc[j][i] * corr + e * vv[i];
+      m[j] = mn;
     }
   }
+}
+
+__host__ __device__ inline int attention_smem_bytes(int nwarps, int G, int D) { return nwarps * G * (D + 2) * 4; }
+
+// MG, ME: compile-time bounds (>= G, >= epl) of the per-lane register arrays. One instance per (MG, ME)
+// in {1, 2, 4, 8} x {2, 4, 8} keeps the arrays as small as the model needs: with the old fixed 8 x 8
+// the worker kernel (128 registers at 512 threads) spilled them to local memory. Every loop keeps its
+// runtime guard (j < G, i < epl && d < D), so the arithmetic is the same for every instance.
+template <int MG, int ME>
+__device__ __noinline__ void attention_seq(const bf16* q, const bf16* kc, const bf16* vc, bf16* out, int D, int G,
+                                           int kv_ps, int n_pos, float scale, float* smem, int tid, int nt) {
+  const int warp = tid >> 5, lane = tid & 31, nwarps = nt >> 5, epl = (D + 31) / 32;
+  float qv[MG][ME], acc[MG][ME], m[MG], l[MG];
+  attn_warp_init<MG, ME>(q, D, G, lane, qv, acc, m, l);
+  for (int t = warp; t < n_pos; t += nwarps)
+    attn_warp_step<MG, ME>(qv, kc + (size_t)t * kv_ps, vc + (size_t)t * kv_ps, D, G, scale, lane, acc, m, l);
   float* mine = smem + (size_t)warp * G * (D + 2);
 #pragma unroll
   for (int j = 0; j < MG; ++j) {

@@ -32,44 +32,10 @@ template <int MG, int ME>
 __device__ __forceinline__ void split_warp_partial(const bf16* q, const bf16* kc, const bf16* vc, int D, int G,
                                                    int kv_ps, int begin, int end, int step, float scale,
                                                    SplitWarpState<MG, ME>& st, int lane) {
-  const int epl = (D + 31) / 32;
   float qv[MG][ME];
-#pragma unroll
-  for (int j = 0; j < MG; ++j) {
-    st.m[j] = -INFINITY;
-    st.l[j] = 0.f;
-#pragma unroll
-    for (int i = 0; i < ME; ++i) {
-      const int d = lane * epl + i;
-      st.acc[j][i] = 0.f;
-      qv[j][i] = (j < G && i < epl && d < D) ? bf2f(q[(size_t)j * D + d]) : 0.f;
-    }
-  }
-  for (int t = begin; t < end; t += step) {
-    const size_t row = (size_t)t * kv_ps;
-    float kv[ME], vv[ME];
-#pragma unroll
-    for (int i = 0; i < ME; ++i) {
-      const int d = lane * epl + i;
-      const bool in = i < epl && d < D;
-      kv[i] = in ? bf2f(kc[row + d]) : 0.f;
-      vv[i] = in ? bf2f(vc[row + d]) : 0.f;
-    }
-#pragma unroll
-    for (int j = 0; j < MG; ++j) {
-      if (j < G) {
-        float s = 0.f;
-#pragma unroll
-        for (int i = 0; i < ME; ++i) s = fmaf(qv[j][i], kv[i], s);
-        s = warp_sum(s) * scale;
-        const float mn = fmaxf(st.m[j], s), corr = expf(st.m[j] - mn), e = expf(s - mn);
-        st.l[j] = st.l[j] * corr + e;
-#pragma unroll
-        for (int i = 0; i < ME; ++i) st.acc[j][i] = st.acc[j][i] * corr + e * vv[i];
-        st.m[j] = mn;
-      }
-    }
-  }
+  attn_warp_init<MG, ME>(q, D, G, lane, qv, st.acc, st.m, st.l);
+  for (int t = begin; t < end; t += step)
+    attn_warp_step<MG, ME>(qv, kc + (size_t)t * kv_ps, vc + (size_t)t * kv_ps, D, G, scale, lane, st.acc, st.m, st.l);
 }
 
 // Store a warp's state as G entries of (acc[0..D), m, l) with `entry` floats between heads.

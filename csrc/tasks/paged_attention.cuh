@@ -18,48 +18,17 @@ namespace mpk {
 // MG, ME: compile-time bounds of the per-lane arrays (MPK_ATTN_BOUNDS, attention.cuh): the fixed 8 x 8
 // arrays spilled ~500 B at 512 threads; the guards keep the arithmetic of every instance the same.
 template <int MG, int ME>
-__device__ __noinline__ void paged_attention_token(const bf16* q, const bf16* kc, const bf16* vc, const PagedKv& kv, int slot,
-                                      int n_pos, bf16* out, int D, int G, float scale, int lane) {
+__device__ __noinline__ void paged_attention_token(const bf16* q, const bf16* kc, const bf16* vc, const PagedKv& kv,
+                                                  int slot, int n_pos, bf16* out, int D, int G, float scale, int lane) {
   const int epl = (D + 31) / 32;
   float qv[MG][ME], acc[MG][ME], m[MG], l[MG];
-#pragma unroll
-  for (int j = 0; j < MG; ++j) {
-    m[j] = -INFINITY;
-    l[j] = 0.f;
-#pragma unroll
-    for (int i = 0; i < ME; ++i) {
-      const int d = lane * epl + i;
-      acc[j][i] = 0.f;
-      qv[j][i] = (j < G && i < epl && d < D) ? bf2f(q[(size_t)j * D + d]) : 0.f;
-    }
-  }
+  attn_warp_init<MG, ME>(q, D, G, lane, qv, acc, m, l);
   for (int t0 = 0; t0 < n_pos; t0 += kv.page_size) {
     const size_t page_base = (size_t)kv.page(slot, t0 / kv.page_size) * kv.page_stride;  // validated by the caller
     const int rows = min(kv.page_size, n_pos - t0);
     for (int r = 0; r < rows; ++r) {
       const size_t row = page_base + (size_t)r * kv.pos_stride;
-      float kr[ME], vr[ME];
-#pragma unroll
-      for (int i = 0; i < ME; ++i) {
-        const int d = lane * epl + i;
-        const bool in = i < epl && d < D;
-        kr[i] = in ? bf2f(kc[row + d]) : 0.f;
-        vr[i] = in ? bf2f(vc[row + d]) : 0.f;
-      }
-#pragma unroll
-      for (int j = 0; j < MG; ++j) {
-        if (j < G) {
-          float s = 0.f;
-#pragma unroll
-          for (int i = 0; i < ME; ++i) s = fmaf(qv[j][i], kr[i], s);
-          s = warp_sum(s) * scale;
-          const float mn = fmaxf(m[j], s), corr = expf(m[j] - mn), e = expf(s - mn);
-          l[j] = l[j] * corr + e;
-#pragma unroll
-          for (int i = 0; i < ME; ++i) acc[j][i] = acc[j][i] * corr + e * vr[i];
-          m[j] = mn;
-        }
-      }
+      attn_warp_step<MG, ME>(qv, kc + row, vc + row, D, G, scale, lane, acc, m, l);
     }
   }
 #pragma unroll
