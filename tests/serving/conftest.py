@@ -1,7 +1,10 @@
 """Serving tests run tiny models: one torch thread is fastest, and on a loaded 2-core machine the
-intra-op thread pool's spin-waits made the same tests 10-100x slower (measured)."""
+intra-op thread pool's spin-waits made the same tests 10-100x slower (measured). Also the fake GPU the
+mega-kernel serving tests share (``install_fake_device``): each test file brings its own device pass."""
 
 from __future__ import annotations
+
+import types
 
 import pytest
 import torch
@@ -13,3 +16,38 @@ def _one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+class FakeKernel:
+    """LoadedKernel stand-in: records each launch's grid."""
+
+    blocks_per_sm, num_sms = 1, 8
+
+    def __init__(self, cubin, device_index, block_threads, smem):
+        self.launches = []
+
+    def launch(self, grid, params_ptr, stream, cooperative=True):
+        self.launches.append(grid)
+
+
+@pytest.fixture()
+def install_fake_device(monkeypatch):
+    """A function that fakes the GPU parts of the mega-kernel serving backend: no build, FakeKernel
+    launches, host pointers as device pointers, a stream that is always done, and ``device_pass(session)``
+    run when the host polls a session for completion (what the fake kernel "computes")."""
+
+    def install(device_pass) -> None:
+        from mpk_dist.runtime import session as S
+        from mpk_dist.serving import megakernel_paged as MP
+
+        built = types.SimpleNamespace(cubin=b"", cached=True, compiler="fake", path="x")
+        monkeypatch.setattr(S, "build_kernel", lambda *a, **k: ("src", built))
+        monkeypatch.setattr(S, "LoadedKernel", FakeKernel)
+        monkeypatch.setattr(S, "host_device_pointer", lambda p: p)
+        stream = types.SimpleNamespace(cuda_stream=0, query=lambda: True, synchronize=lambda: None)
+        monkeypatch.setattr(S.Session, "_stream", lambda self: stream)
+        monkeypatch.setattr(S.Session, "finished", lambda self: device_pass(self) or True)
+        monkeypatch.setattr(MP, "check_device", lambda device: torch.device(device))
+        monkeypatch.setattr(MP.MegakernelPagedBackend, "_num_sms", lambda self: 8)
+
+    return install

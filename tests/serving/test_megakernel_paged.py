@@ -7,7 +7,6 @@ it finds in the buffers. The GPU check of the same backend is test_megakernel_pa
 
 from __future__ import annotations
 
-import types
 
 import numpy as np
 import pytest
@@ -40,26 +39,6 @@ def test_refuses_clearly_without_a_gpu(capsys):
 
 
 # ---- the GPU parts faked ----------------------------------------------------------------------------
-class _Kernel:
-    blocks_per_sm, num_sms = 1, 8
-
-    def __init__(self, cubin, device_index, block_threads, smem):
-        self.launches = []
-
-    def launch(self, grid, params_ptr, stream, cooperative=True):
-        self.launches.append(grid)
-
-
-class _Stream:
-    cuda_stream = 0
-
-    def query(self):
-        return True
-
-    def synchronize(self):
-        pass
-
-
 def _device_pass(sess) -> None:
     """What this fake device does for one launch: check the counters were zeroed, then write the
     gathered logits [MB, V/tp] of this rank's slice: row b (token row logit_rows[b]; -1 = zeros) is a
@@ -85,17 +64,8 @@ def _device_pass(sess) -> None:
 
 
 @pytest.fixture()
-def fake_device(monkeypatch):
-    from mpk_dist.runtime import session as S
-
-    monkeypatch.setattr(S, "build_kernel", lambda *a, **k: ("src", types.SimpleNamespace(cubin=b"", cached=True,
-                                                                                          compiler="fake", path="x")))
-    monkeypatch.setattr(S, "LoadedKernel", _Kernel)
-    monkeypatch.setattr(S, "host_device_pointer", lambda p: p)
-    monkeypatch.setattr(S.Session, "_stream", lambda self: _Stream())
-    monkeypatch.setattr(S.Session, "finished", lambda self: _device_pass(self) or True)
-    monkeypatch.setattr(MP, "check_device", lambda device: torch.device(device))
-    monkeypatch.setattr(MP.MegakernelPagedBackend, "_num_sms", lambda self: 8)
+def fake_device(install_fake_device):
+    install_fake_device(_device_pass)
 
 
 def _server(tp: int) -> Server:

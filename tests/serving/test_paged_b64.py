@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import random
-import types
 
 import numpy as np
 import pytest
-import torch
 
 from mpk_dist.backends.base import GenerateRequest
 from mpk_dist.backends.torch_backend import TorchBackend
@@ -143,29 +141,9 @@ def _device_pass(sess) -> None:
     logits[live[hit], want[hit]] = 1.0
 
 
-class _Kernel:
-    blocks_per_sm, num_sms = 1, 8
-
-    def __init__(self, cubin, device_index, block_threads, smem):
-        self.launches = []
-
-    def launch(self, grid, params_ptr, stream, cooperative=True):
-        self.launches.append(grid)
-
-
 @pytest.fixture()
-def fake_device(monkeypatch):
-    from mpk_dist.runtime import session as S
-
-    monkeypatch.setattr(S, "build_kernel", lambda *a, **k: ("src", types.SimpleNamespace(cubin=b"", cached=True,
-                                                                                          compiler="fake", path="x")))
-    monkeypatch.setattr(S, "LoadedKernel", _Kernel)
-    monkeypatch.setattr(S, "host_device_pointer", lambda p: p)
-    monkeypatch.setattr(S.Session, "_stream", lambda self: types.SimpleNamespace(cuda_stream=0, query=lambda: True,
-                                                                                 synchronize=lambda: None))
-    monkeypatch.setattr(S.Session, "finished", lambda self: _device_pass(self) or True)
-    monkeypatch.setattr(MP, "check_device", lambda device: torch.device(device))
-    monkeypatch.setattr(MP.MegakernelPagedBackend, "_num_sms", lambda self: 8)
+def fake_device(install_fake_device):
+    install_fake_device(_device_pass)
 
 
 def test_megakernel_backend_pads_the_pass_and_returns_each_request(fake_device, monkeypatch):
