@@ -82,6 +82,25 @@ __device__ __forceinline__ void attn_warp_step(const float (&qv)[MG][ME], const 
   }
 }
 
+// A warp's state as G entries of (acc[0..D), m, l), `entry` floats apart (shared memory for the block merge,
+// or split-KV's partial buffer).
+template <int MG, int ME>
+__device__ __forceinline__ void attn_warp_store(const float (&acc)[MG][ME], const float (&m)[MG], const float (&l)[MG],
+                                                float* dst, int D, int G, int entry, int lane) {
+  const int epl = (D + 31) / 32;
+#pragma unroll
+  for (int j = 0; j < MG; ++j) {
+    if (j < G) {
+#pragma unroll
+      for (int i = 0; i < ME; ++i) {
+        const int d = lane * epl + i;
+        if (i < epl && d < D) dst[(size_t)j * entry + d] = acc[j][i];
+      }
+      if (lane == 0) { dst[(size_t)j * entry + D] = m[j]; dst[(size_t)j * entry + D + 1] = l[j]; }
+    }
+  }
+}
+
 __host__ __device__ inline int attention_smem_bytes(int nwarps, int G, int D) { return nwarps * G * (D + 2) * 4; }
 
 // MG, ME: compile-time bounds (>= G, >= epl) of the per-lane register arrays. One instance per (MG, ME)
@@ -91,23 +110,12 @@ __host__ __device__ inline int attention_smem_bytes(int nwarps, int G, int D) { 
 template <int MG, int ME>
 __device__ __noinline__ void attention_seq(const bf16* q, const bf16* kc, const bf16* vc, bf16* out, int D, int G,
                                            int kv_ps, int n_pos, float scale, float* smem, int tid, int nt) {
-  const int warp = tid >> 5, lane = tid & 31, nwarps = nt >> 5, epl = (D + 31) / 32;
+  const int warp = tid >> 5, lane = tid & 31, nwarps = nt >> 5;
   float qv[MG][ME], acc[MG][ME], m[MG], l[MG];
   attn_warp_init<MG, ME>(q, D, G, lane, qv, acc, m, l);
   for (int t = warp; t < n_pos; t += nwarps)
     attn_warp_step<MG, ME>(qv, kc + (size_t)t * kv_ps, vc + (size_t)t * kv_ps, D, G, scale, lane, acc, m, l);
-  float* mine = smem + (size_t)warp * G * (D + 2);
-#pragma unroll
-  for (int j = 0; j < MG; ++j) {
-    if (j < G) {
-#pragma unroll
-      for (int i = 0; i < ME; ++i) {
-        const int d = lane * epl + i;
-        if (i < epl && d < D) mine[j * (D + 2) + d] = acc[j][i];
-      }
-      if (lane == 0) { mine[j * (D + 2) + D] = m[j]; mine[j * (D + 2) + D + 1] = l[j]; }
-    }
-  }
+  attn_warp_store<MG, ME>(acc, m, l, smem + (size_t)warp * G * (D + 2), D, G, D + 2, lane);
   worker_barrier(nt);
   for (int idx = tid; idx < G * D; idx += nt) {
     const int j = idx / D, d = idx % D;

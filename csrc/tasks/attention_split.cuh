@@ -38,23 +38,6 @@ __device__ __forceinline__ void split_warp_partial(const bf16* q, const bf16* kc
     attn_warp_step<MG, ME>(qv, kc + (size_t)t * kv_ps, vc + (size_t)t * kv_ps, D, G, scale, lane, st.acc, st.m, st.l);
 }
 
-// Store a warp's state as G entries of (acc[0..D), m, l) with `entry` floats between heads.
-template <int MG, int ME>
-__device__ __forceinline__ void split_store(const SplitWarpState<MG, ME>& st, float* dst, int D, int G, int entry, int lane) {
-  const int epl = (D + 31) / 32;
-#pragma unroll
-  for (int j = 0; j < MG; ++j) {
-    if (j < G) {
-#pragma unroll
-      for (int i = 0; i < ME; ++i) {
-        const int d = lane * epl + i;
-        if (i < epl && d < D) dst[(size_t)j * entry + d] = st.acc[j][i];
-      }
-      if (lane == 0) { dst[(size_t)j * entry + D] = st.m[j]; dst[(size_t)j * entry + D + 1] = st.l[j]; }
-    }
-  }
-}
-
 // Staged path for one sequence: warps split the range, merged through shared memory into `out`.
 template <int MG, int ME>
 __device__ __noinline__ void attention_split_seq(const bf16* q, const bf16* kc, const bf16* vc, float* out, int D, int G, int kv_ps,
@@ -62,7 +45,7 @@ __device__ __noinline__ void attention_split_seq(const bf16* q, const bf16* kc, 
   const int warp = tid >> 5, lane = tid & 31, nwarps = nt >> 5;
   SplitWarpState<MG, ME> st;
   split_warp_partial<MG, ME>(q, kc, vc, D, G, kv_ps, s0 + warp, e, nwarps, scale, st, lane);
-  split_store<MG, ME>(st, smem + (size_t)warp * G * (D + 2), D, G, D + 2, lane);
+  attn_warp_store<MG, ME>(st.acc, st.m, st.l, smem + (size_t)warp * G * (D + 2), D, G, D + 2, lane);
   worker_barrier(nt);
   for (int idx = tid; idx < G * (D + 2); idx += nt) {
     const int j = idx / (D + 2), d = idx % (D + 2);
@@ -91,7 +74,7 @@ __device__ __noinline__ void attention_split_per_warp(const bf16* q, const bf16*
     SplitWarpState<MG, ME> st;
     split_warp_partial<MG, ME>(q + (size_t)b * q_stride, kc + (size_t)b * kv_bs, vc + (size_t)b * kv_bs, D, G, kv_ps,
                                s0, min(s1, pos[b] + 1), 1, scale, st, lane);
-    split_store<MG, ME>(st, out + (size_t)b * out_stride, D, G, D + 2, lane);
+    attn_warp_store<MG, ME>(st.acc, st.m, st.l, out + (size_t)b * out_stride, D, G, D + 2, lane);
   }
 }
 
