@@ -92,3 +92,23 @@ def rows_of_layer(cg: CompiledGraph, layer: int, begin: str, end: str) -> list[i
     for row in t[t[:, TASK_COLS["LAYER"]] == layer]:
         rows += range(int(row[TASK_COLS[begin]]), int(row[TASK_COLS[end]]))
     return rows
+
+
+def mutation_caught(mutated: list[CompiledGraph], ws, baseline: torch.Tensor, feed: torch.Tensor,
+                    start: torch.Tensor | None = None, seeds: int = 3) -> bool:
+    """True when the interpreter notices a mutated program (a dropped wait or signal): in one of ``seeds``
+    random valid orders it deadlocks (DeviceTimeout), races (RaceError), or its logits differ from
+    ``baseline``. ``start``: the start positions (default zeros, one per sequence of ``feed``)."""
+    from mpk_dist.errors import DeviceTimeout
+    from mpk_dist.taskgraph.interpreter import Interpreter
+    from mpk_dist.taskgraph.race import RaceError
+
+    start = torch.zeros(feed.shape[1], dtype=torch.int32) if start is None else start
+    for seed in range(seeds):
+        try:
+            res = Interpreter(mutated, ws, seed=seed, on_race="raise").run(2, feed, start)
+        except (DeviceTimeout, RaceError):
+            return True
+        if not torch.equal(res.captured["logits"], baseline):
+            return True
+    return False

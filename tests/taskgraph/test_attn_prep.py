@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 import torch
 
-from mpk_dist.errors import DeviceTimeout
 from mpk_dist.models import build_graph
 from mpk_dist.models.presets import get_preset
 from mpk_dist.taskgraph import fusion
@@ -18,10 +17,10 @@ from mpk_dist.taskgraph.abi import TASK_COLS
 from mpk_dist.taskgraph.interpreter import Interpreter
 from mpk_dist.taskgraph.levels import _producers, level_summary
 from mpk_dist.taskgraph.lowering_attn_prep import attn_prep_smem_bytes
-from mpk_dist.taskgraph.race import RaceError
 from mpk_dist.taskgraph.tasks import BY_NAME
 from mpk_dist.taskgraph.testing import (drop_signal, drop_wait, fp32, max_rel_err, programs, reference,
                                         rows_of_layer, weights)
+from mpk_dist.taskgraph.testing import mutation_caught
 
 DEFAULT = sorted(fusion.FUSIONS)
 WITH = DEFAULT + ["attn_prep"]
@@ -181,19 +180,8 @@ def test_paged_graphs_have_nothing_to_fuse():
     assert not [i for i in fusion.plan(g, ["attn_prep"]) if isinstance(i, fusion.FusedAttention)]
 
 
-def _caught(mutated, ws, baseline, feed) -> bool:
-    for seed in range(3):
-        try:
-            res = Interpreter(mutated, ws, seed=seed, on_race="raise").run(2, feed, torch.tensor([0]))
-        except (DeviceTimeout, RaceError):
-            return True
-        if not torch.equal(res.captured["logits"], baseline):
-            return True
-    return False
-
-
 @pytest.mark.parametrize("tp,layer", [(1, 1), (2, 0)])
-def test_deleting_any_edge_of_a_fused_layer_is_caught(tp, layer):
+def test_deleting_any_edge_of_a_fused_layer_ismutation_caught(tp, layer):
     cfg = fp32("tiny")
     cgs, ws = programs(cfg, tp, fuse=WITH), weights(cfg, tp)
     assert "attention_prep" in _kinds(cgs[0], layer)
@@ -204,7 +192,7 @@ def test_deleting_any_edge_of_a_fused_layer_is_caught(tp, layer):
                                      ("signal", "SIGNAL_BEGIN", "SIGNAL_END", drop_signal)):
         for k in rows_of_layer(cgs[0], layer, begin, end):
             tried += 1
-            if not _caught([mutate(cg, k) for cg in cgs], ws, baseline, feed):
+            if not mutation_caught([mutate(cg, k) for cg in cgs], ws, baseline, feed):
                 missed.append(f"{what} row {k}")
     assert tried >= 20
     assert not missed, f"deleting these edges of a fused layer went unnoticed: {missed}"

@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 import torch
 
-from mpk_dist.errors import DeviceTimeout, InputError
+from mpk_dist.errors import InputError
 from mpk_dist.models import build_graph
 from mpk_dist.models.presets import get_preset
 from mpk_dist.taskgraph import fusion
 from mpk_dist.taskgraph.interpreter import Interpreter
-from mpk_dist.taskgraph.race import RaceError
 from mpk_dist.taskgraph.testing import (drop_signal, drop_wait, fp32, max_rel_err, programs, reference,
                                         rows_of_layer, weights)
+from mpk_dist.taskgraph.testing import mutation_caught
 
 SCHEDULES = 8
 LONG, SHORT = 12, 2
@@ -106,19 +106,8 @@ def test_bf16_fused_equals_unfused_bit_for_bit(config, tp, batch):
     assert torch.equal(out[0].tokens, out[1].tokens)
 
 
-def _caught(mutated, ws, baseline, feed) -> bool:
-    for seed in range(3):
-        try:
-            res = Interpreter(mutated, ws, seed=seed, on_race="raise").run(2, feed, torch.tensor([0]))
-        except (DeviceTimeout, RaceError):
-            return True
-        if not torch.equal(res.captured["logits"], baseline):
-            return True
-    return False
-
-
 @pytest.mark.parametrize("tp,layer", [(1, 1), (2, 0)])
-def test_deleting_any_edge_of_a_fused_layer_is_caught(tp, layer):
+def test_deleting_any_edge_of_a_fused_layer_ismutation_caught(tp, layer):
     cfg = fp32("tiny")
     cgs, ws = programs(cfg, tp, fuse=True), weights(cfg, tp)
     kinds = _layer_kinds(cgs[0], layer)
@@ -130,7 +119,7 @@ def test_deleting_any_edge_of_a_fused_layer_is_caught(tp, layer):
                                      ("signal", "SIGNAL_BEGIN", "SIGNAL_END", drop_signal)):
         for k in rows_of_layer(cgs[0], layer, begin, end):
             tried += 1
-            if not _caught([mutate(cg, k) for cg in cgs], ws, baseline, feed):
+            if not mutation_caught([mutate(cg, k) for cg in cgs], ws, baseline, feed):
                 missed.append(f"{what} row {k}")
     assert tried >= 20
     assert not missed, f"deleting these edges of a fused layer went unnoticed: {missed}"

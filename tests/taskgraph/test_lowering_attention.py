@@ -10,15 +10,15 @@ import numpy as np
 import pytest
 import torch
 
-from mpk_dist.errors import DeviceTimeout, InputError
+from mpk_dist.errors import InputError
 from mpk_dist.models.presets import get_preset
 from mpk_dist.taskgraph.abi import SIGNAL_COLS, TASK_COLS, WAIT_COLS
 from mpk_dist.taskgraph.interpreter import Interpreter
 from mpk_dist.taskgraph.lowering_attention import check_attn_splits, resolve_splits, split_ranges
-from mpk_dist.taskgraph.race import RaceError
 from mpk_dist.taskgraph.tasks import BY_NAME
 from mpk_dist.taskgraph.testing import (MAX_SEQ, drop_signal, drop_wait, fp32, max_rel_err, programs, reference,
                                         rows_of_layer, weights)
+from mpk_dist.taskgraph.testing import mutation_caught
 
 SPLITS = 4  # MAX_SEQ 64 -> ranges of 16 positions
 
@@ -131,19 +131,8 @@ def test_bf16_split_within_one_rounding_of_unsplit(config, tp, batch):
     assert torch.equal(la.argmax(-1), lb.argmax(-1))
 
 
-def _caught(mutated, ws, baseline, feed, start) -> bool:
-    for seed in range(3):
-        try:
-            res = Interpreter(mutated, ws, seed=seed, on_race="raise").run(2, feed, start)
-        except (DeviceTimeout, RaceError):
-            return True
-        if not torch.equal(res.captured["logits"], baseline):
-            return True
-    return False
-
-
 @pytest.mark.parametrize("tp,layer", [(1, 1), (2, 0)])
-def test_deleting_any_edge_of_a_split_layer_is_caught(tp, layer):
+def test_deleting_any_edge_of_a_split_layer_ismutation_caught(tp, layer):
     cfg = fp32("tiny")
     cgs, ws = programs(cfg, tp, attn_splits=SPLITS), weights(cfg, tp)
     assert "attention_split" in [o["kind"] for o in cgs[0].meta["ops"] if o["layer"] == layer]
@@ -154,7 +143,7 @@ def test_deleting_any_edge_of_a_split_layer_is_caught(tp, layer):
                                      ("signal", "SIGNAL_BEGIN", "SIGNAL_END", drop_signal)):
         for k in rows_of_layer(cgs[0], layer, begin, end):
             tried += 1
-            if not _caught([mutate(cg, k) for cg in cgs], ws, baseline, feed, start):
+            if not mutation_caught([mutate(cg, k) for cg in cgs], ws, baseline, feed, start):
                 missed.append(f"{what} row {k}")
     assert tried >= 20
     assert not missed, f"deleting these edges of a split layer went unnoticed: {missed}"

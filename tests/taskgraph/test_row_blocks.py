@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from mpk_dist.errors import DeviceTimeout, InputError
+from mpk_dist.errors import InputError
 from mpk_dist.models import build_graph
 from mpk_dist.models.presets import get_preset
 from mpk_dist.runtime import tables
@@ -21,9 +21,9 @@ from mpk_dist.taskgraph.abi import TASK_COLS
 from mpk_dist.taskgraph.interpreter import Interpreter
 from mpk_dist.taskgraph.lowering import LINEAR_ALIGN, ROW_BLOCK, col_tiles, row_blocks
 from mpk_dist.taskgraph.lowering_comm import lower_graph
-from mpk_dist.taskgraph.race import RaceError
 from mpk_dist.taskgraph.testing import (MAX_SEQ, drop_wait, fp32, max_rel_err, programs, reference, rows_of_layer,
                                         weights)
+from mpk_dist.taskgraph.testing import mutation_caught
 from mpk_dist.taskgraph.tasks import BY_NAME, BY_OPCODE
 
 LINEAR_KINDS = tables.LINEAR_KINDS
@@ -143,20 +143,8 @@ def test_bf16_sequences_equal_their_batch_16_run_bit_for_bit(config, tp, fuse):
         assert torch.equal(big.tokens[:, r0:r0 + 16], part.tokens)
 
 
-def _caught(mutated, ws, baseline, feed) -> bool:
-    B = feed.shape[1]
-    for seed in range(3):
-        try:
-            res = Interpreter(mutated, ws, seed=seed, on_race="raise").run(2, feed, torch.zeros(B, dtype=torch.int32))
-        except (DeviceTimeout, RaceError):
-            return True
-        if not torch.equal(res.captured["logits"], baseline):
-            return True
-    return False
-
-
 @pytest.mark.parametrize("tp,fuse", [(1, True), (2, False)])
-def test_deleting_a_wait_of_a_row_blocked_layer_is_caught(tp, fuse):
+def test_deleting_a_wait_of_a_row_blocked_layer_ismutation_caught(tp, fuse):
     """Every wait of the row-blocked tasks of layer 0 (linear kinds and all-reduce tiles, batch 32)
     is necessary: without it the interpreter reports a race or a deadlock (or the logits change)."""
     cfg = fp32("tiny")
@@ -169,7 +157,7 @@ def test_deleting_a_wait_of_a_row_blocked_layer_is_caught(tp, fuse):
                                                                                  list(blocked)))[0]
             for k in range(int(tasks[t, TASK_COLS["WAIT_BEGIN"]]), int(tasks[t, TASK_COLS["WAIT_END"]]))]
     assert set(rows) <= set(rows_of_layer(cgs[0], 0, "WAIT_BEGIN", "WAIT_END")) and len(rows) >= 8
-    missed = [k for k in rows if not _caught([drop_wait(cg, k) for cg in cgs], ws, baseline, feed)]
+    missed = [k for k in rows if not mutation_caught([drop_wait(cg, k) for cg in cgs], ws, baseline, feed)]
     assert not missed, f"deleting these waits went unnoticed: {missed}"
 
 
