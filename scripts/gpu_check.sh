@@ -52,7 +52,7 @@ declare -A STATUS
 step() {  # step NAME TIMEOUT_S CMD...: run with a time limit, log to $OUT/NAME.log, record pass/fail
   local name=$1 limit=$2; shift 2
   local t0=$(date +%s)
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  timeout -s INT -k 20 "$limit" "$@" > "$OUT/$name.log" 2>&1  # INT first: pytest still prints what failed
   local rc=$?
   STATUS[$name]="$([ $rc -eq 0 ] && echo PASS || echo "FAIL(rc=$rc)") $(( $(date +%s) - t0 ))s"
   tail -n 25 "$OUT/$name.log"

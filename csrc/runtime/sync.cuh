@@ -240,7 +240,21 @@ __device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
   asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
 }
 
-// True once the phase with parity `parity` has completed (acquire, cta scope).
+// Block-local flags in shared memory (cta scope): the writer's earlier operations, barrier waits
+// included, happen before any read that sees the value.
+__device__ __forceinline__ void st_release_cta_shared(int32_t* p, int32_t v) {
+  asm volatile("st.release.cta.shared::cta.b32 [%0], %1;" ::"r"(smem_addr(p)), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ int32_t ld_acquire_cta_shared(const int32_t* p) {
+  int32_t v;
+  asm volatile("ld.acquire.cta.shared::cta.b32 %0, [%1];" : "=r"(v) : "r"(smem_addr(p)) : "memory");
+  return v;
+}
+
+// True once the phase with parity `parity` has completed (acquire, cta scope). A parity names one of
+// only two phases: a waiter must know the barrier has reached the phase before the one it wants (or
+// the wait returns at once for the phase before that), see weight_stream.cuh's armed tags.
 __device__ __forceinline__ bool mbar_try_wait(uint64_t* bar, uint32_t parity) {
   uint32_t done;
   asm volatile(
@@ -264,6 +278,19 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity, const 
     if (globaltimer_ns() - t0 > kMbarWaitLimitNs) {
       printf("mpk: block %d thread %d: shared-memory barrier wait (%s, parity %u) timed out\n", (int)blockIdx.x,
              (int)threadIdx.x, what, parity);
+      __trap();
+    }
+  }
+}
+
+// Bounded wait until a block-local shared-memory flag holds `value` (acquire, cta scope).
+__device__ __forceinline__ void smem_wait_eq(const int32_t* flag, int32_t value, const char* what) {
+  if (ld_acquire_cta_shared(flag) == value) return;
+  const uint64_t t0 = globaltimer_ns();
+  while (ld_acquire_cta_shared(flag) != value) {
+    if (globaltimer_ns() - t0 > kMbarWaitLimitNs) {
+      printf("mpk: block %d thread %d: shared-memory flag wait (%s == %d, saw %d) timed out\n", (int)blockIdx.x,
+             (int)threadIdx.x, what, value, ld_acquire_cta_shared(flag));
       __trap();
     }
   }

@@ -17,6 +17,12 @@
 // rows_per_stage = kRingStageBytes / (2 K) whole rows; chunk c (rows c*rps ..) goes to stage c % S.
 // The barriers are re-initialised by every tile (the previous tile consumed every chunk it issued).
 //
+// Armed tags: a consumer warp skips the chunks other warps read, so it may reach chunk c + S of a
+// stage while the stage's previous chunk c is still in flight; an mbarrier parity wait cannot tell
+// phase c + S from phase c - S (both odd or both even) and would return at once. So the producer
+// writes armed[s] = c (release) once stage s is free and about to receive chunk c, and a consumer
+// waits for armed[s] == c (acquire) before its parity wait: then the barrier is in chunk c's phase.
+//
 // Primed before the wait: the aot worker calls stream_prime() (thread 0) for its next linear task
 // BEFORE spinning on the task's input events, so the first kRingStages chunks are on their way (into
 // shared memory, not just L2) while the producers of the inputs still run; gemv_streamed() then
@@ -39,7 +45,7 @@ namespace mpk {
 constexpr int kRingStages = 4;
 constexpr uint32_t kRingStageBytes = 32 * 1024;
 constexpr uint32_t kRingBarrierBytes = 2 * kRingStages * sizeof(uint64_t);
-constexpr uint32_t kRingStateBytes = 16;  // RingState below
+constexpr uint32_t kRingStateBytes = 32;  // RingState below
 constexpr uint32_t kRingBytes = kRingStages * kRingStageBytes + kRingBarrierBytes + kRingStateBytes;
 
 // Dynamic shared memory available to everything but the ring (the whole launch's when the ring is off).
@@ -56,7 +62,9 @@ struct RingState {
   const void* primed_w;  // weight block the ring was primed with (nullptr: not primed)
   int32_t primed_chunks;  // chunks issued by stream_prime
   int32_t pad;
+  int32_t armed[kRingStages];  // chunk last issued into each stage (-1: none since ring_init)
 };
+static_assert(sizeof(RingState) == kRingStateBytes, "RingState: keep kRingStateBytes (and tables.py) in step");
 
 struct WeightRing {
   char* stage0;      // stage s at stage0 + s * kRingStageBytes
@@ -80,6 +88,7 @@ __device__ __forceinline__ void ring_init(const WeightRing& ring, int rps) {
   for (int s = 0; s < kRingStages; ++s) {
     mbar_init(&ring.full[s], 1);
     mbar_init(&ring.empty[s], (uint32_t)rps);
+    ring.state->armed[s] = -1;  // plain store: the block barrier (or the task's) orders it before readers
   }
   fence_mbar_init();
 }
@@ -88,6 +97,7 @@ __device__ __forceinline__ void ring_init(const WeightRing& ring, int rps) {
 __device__ __forceinline__ void ring_issue(const WeightRing& ring, const bf16* w, int K, int n_tile, int rps, int c) {
   const int s = c % kRingStages, use = c / kRingStages;
   if (use > 0) mbar_wait(&ring.empty[s], (uint32_t)((use - 1) & 1), "weight stage free");
+  st_release_cta_shared(&ring.state->armed[s], c);  // consumers of chunk c may now wait on its phase
   const uint32_t row_bytes = (uint32_t)K * sizeof(bf16);
   const uint32_t bytes = (uint32_t)min(rps, n_tile - c * rps) * row_bytes;
   mbar_arrive_expect_tx(&ring.full[s], bytes);
@@ -133,15 +143,20 @@ __device__ __noinline__ void gemv_streamed(const XS xs, const bf16* __restrict__
   // Primed for this very block before the wait (stream_prime)? Then continue after its chunks.
   const bool primed = ring.state->primed_w == static_cast<const void*>(w);
   const int first = primed ? ring.state->primed_chunks : 0;
-  if (tid == 0 && !primed) ring_init(ring, rps);
+  if (tid == 0 && !primed) {
+    stream_drain();  // primed for another block of weights: no copy may be in flight across ring_init
+    ring_init(ring, rps);
+  }
   worker_barrier(nt);  // barriers initialised (and the primed state read by all) before any copy or wait
   if (warp == nwarps - 1) {  // producer warp: lane 0 issues, in chunk order
     if (lane == 0)
       for (int c = first; c < nchunks; ++c) ring_issue(ring, w, K, n_tile, rps, c);
+    __syncwarp();  // the warp reaches the block barrier below converged
   } else {
     constexpr int U = MPK_LINEAR_UNROLL;
     for (int n = warp; n < n_tile; n += ncons) {
       const int c = n / rps, s = c % kRingStages;
+      smem_wait_eq(&ring.state->armed[s], c, "weight stage armed");  // the barrier is in chunk c's phase
       mbar_wait(&ring.full[s], (uint32_t)((c / kRingStages) & 1), "weight stage filled");
       const bf16* wr = reinterpret_cast<const bf16*>(ring.stage0 + (size_t)s * kRingStageBytes) + (size_t)(n % rps) * K;
       float acc[B];
@@ -173,7 +188,12 @@ __device__ __noinline__ void gemv_streamed(const XS xs, const bf16* __restrict__
     }
   }
   worker_barrier(nt);  // every chunk consumed: the ring and its barriers are free for the next tile
-  if (tid == 0) ring.state->primed_w = nullptr;  // read again only after the next task's barriers
+  if (tid == 0) {
+    // Primed beyond this call's rows (a caller streaming part of the primed block): wait those copies
+    // out too (chunks < kRingStages, so phase 0), then the ring is idle.
+    for (int c = nchunks; c < first; ++c) mbar_wait(&ring.full[c], 0u, "primed stage drained");
+    ring.state->primed_w = nullptr;  // read again only after the next task's barriers
+  }
 }
 
 }  // namespace mpk

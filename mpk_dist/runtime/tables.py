@@ -132,8 +132,8 @@ def check_linear_batch(cg) -> None:
 HOPPER_MAX_DYNAMIC_SMEM = 227 * 1024
 SMEM_RESERVE = 1024
 RING_STAGES, RING_STAGE_BYTES = 4, 32 * 1024
-WEIGHT_RING_BYTES = RING_STAGES * RING_STAGE_BYTES + 2 * RING_STAGES * 8 + 16
-"""csrc/tasks/weight_stream.cuh's kRingBytes: stages, their full/empty mbarriers and the 16-byte RingState
+WEIGHT_RING_BYTES = RING_STAGES * RING_STAGE_BYTES + 2 * RING_STAGES * 8 + 32
+"""csrc/tasks/weight_stream.cuh's kRingBytes: stages, their full/empty mbarriers and the 32-byte RingState
 (MPK_LINEAR_TMA)."""
 
 

@@ -57,11 +57,14 @@ def test_first_step_buffers_match_torch(name, batch, schedule, gpu_results):
     env = {**r.weights[0], **r.states[0], "tokens": torch.tensor(toks, dtype=torch.int32, device="cuda"),
            "positions": torch.zeros(batch, dtype=torch.int32, device="cuda"), "__dtypes__": r._dtypes}
     run_graphs(r.graphs, [env])
-    bad = []
+    bad, checked = [], 0
     for op in r.graphs[0].ops:
         for out in op.outputs:
-            if out in ("argmax_cands",) or out not in env:
+            # Fused linears never materialise their intermediates (the normed rows, silu·mul): only the
+            # program's own buffers are compared, as in the TP variant.
+            if out in ("argmax_cands",) or out not in env or not any(x["name"] == out for x in s.cg.meta["buffers"]):
                 continue
+            checked += 1
             got, want = s.buffer(out).float(), env[out].float()
             if want.shape != got.shape:
                 want = want.reshape(got.shape)
@@ -70,6 +73,7 @@ def test_first_step_buffers_match_torch(name, batch, schedule, gpu_results):
                 bad.append(f"{op.name}->{out}: max err {float((got - want).abs().max()):.4g} (tol {tol:.3g})")
     gpu_results.append({"case": f"buffers {name} b{batch} {schedule}", "steps": 1, "ok": not bad})
     assert not bad, "first differing ops: " + "; ".join(bad[:4])
+    assert checked >= 3, f"only {checked} buffers compared (expected every layer's materialised outputs)"
 
 
 FORCED_CASES = [("tiny", 1, "aot"), ("tiny", 1, "jit"), ("tiny", 4, "aot"), ("tiny-llama", 1, "aot"),
