@@ -16,7 +16,7 @@ pytestmark = pytest.mark.gpu
 
 from mpk_dist.backends.base import GenerateRequest  # noqa: E402
 from mpk_dist.runtime.megakernel_backend import MegakernelBackend  # noqa: E402
-from mpk_dist.taskgraph.lowering_attention import split_smem_bytes  # noqa: E402
+from mpk_dist.taskgraph import lowering_attention  # noqa: E402
 from mpk_dist.runtime.testing import MAX_SEQ, compare_logits, median, model, rand_ids, ref  # noqa: E402
 
 # The reference's "fp32 accumulation" (as in test_megakernel_gpu.py): no reduced-precision split-K.
@@ -38,12 +38,16 @@ def forced_request(name: str, batch: int) -> GenerateRequest:
                            want_logits=True)
 
 
+# The staged path's need, unpatched (the test compares the launch's shared memory with it).
+_SPLIT_NEED = lowering_attention.attention_staging_bytes
+
+
 def _per_warp(monkeypatch) -> None:
     """Withhold the staged path's shared memory (the runtime sizes it by default) so the per-warp
     path of attention_split.cuh runs."""
-    from mpk_dist.taskgraph import lowering_attention
-
-    monkeypatch.setattr(lowering_attention, "split_smem_bytes", lambda cg, wt: 0)
+    orig = lowering_attention.attention_staging_bytes  # what tables.smem_bytes sizes the launch by
+    monkeypatch.setattr(lowering_attention, "attention_staging_bytes",
+                        lambda cg, kind, wt: 0 if kind == "attention_split" else orig(cg, kind, wt))
 
 
 def test_auto_program_is_split():
@@ -69,7 +73,7 @@ def test_split_teacher_forced_logits(name, batch, schedule, staged, gpu_results,
     got = b.generate(req)
     want = ref(name).generate(req)
     smem = b.session(batch).smem
-    need = split_smem_bytes(b.session(batch).cg, b.worker_threads)
+    need = _SPLIT_NEED(b.session(batch).cg, "attention_split", b.worker_threads)
     # the path under test really ran: the staged one had its shared memory, the per-warp one did not
     assert (smem >= need) if staged else (smem < need), (staged, smem, need)
     assert got.logits.shape == want.logits.shape, (got.logits.shape, want.logits.shape)
