@@ -30,6 +30,9 @@ set -u
 OUT=${OUT:-$PWD/gpu_check_out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 MPK_CACHE_DIR=${MPK_CACHE_DIR:-/tmp/mpk_cache}
+# pytest keeps this cache too (tests/conftest.py): each test process would otherwise rebuild every kernel
+# (~20 s of nvcc each) and redo the superoptimizer searches (qk_norm_rope: 30 s per shape).
+export MPK_TEST_CACHE_DIR=${MPK_TEST_CACHE_DIR:-$MPK_CACHE_DIR}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 RUNTIME_ONLY=0; SANITIZE=1; BENCH=0; FUSION=1; FUSION_ONLY=0; TP=0; ATTN=1; EXTRAS=1; PERF=0
 for a in "$@"; do

@@ -63,5 +63,7 @@ def _one_torch_thread():
 
 @pytest.fixture(autouse=True, scope="session")
 def _isolated_cache(tmp_path_factory):
-    """Presets materialise into a per-session cache, never the user's."""
-    os.environ["MPK_CACHE_DIR"] = str(tmp_path_factory.mktemp("mpk_cache"))
+    """Presets materialise into a per-session cache, never the user's. MPK_TEST_CACHE_DIR names a cache
+    to reuse instead (scripts/gpu_check.sh: kernels, superoptimizer choices and preset checkpoints
+    carry over between its pytest processes rather than being rebuilt by each)."""
+    os.environ["MPK_CACHE_DIR"] = os.environ.get("MPK_TEST_CACHE_DIR") or str(tmp_path_factory.mktemp("mpk_cache"))
