@@ -8,6 +8,11 @@ persist across launches. ``logit_rows`` (padded to MB with -1) is written too: a
 task picks those token rows, so the head runs over the MB sequences and row b of the [MB, V]
 logits belongs to ``logit_rows[b]``. ``gather_last=False`` compiles the head over all N token rows
 instead and picks the rows on the host (the behaviour before gather_rows; kept for comparisons).
+
+``persistent_passes`` P > 0: the persistent form (docs/SERVING.md "Persistent passes"): one launch of
+a P-step program runs P passes, pass s as step s, the host posting each pass into the running launch
+(forced_tokens row s, start_pos = positions - s, slots, page table, logit rows) and reading the logits
+once the step's final task has run (``taskgraph.interpreter.PersistentLaunch``); a new launch after P.
 """
 
 from __future__ import annotations
@@ -22,6 +27,10 @@ from mpk_dist.taskgraph.interpreter import Interpreter
 from mpk_dist.taskgraph.paged_compiler import compile_paged_programs
 
 
+PERSISTENT_INPUTS = ("forced_tokens", "start_pos", "seq_slots", "page_table", "logit_rows")
+"""The buffers the host writes for each pass of a persistent launch (the GPU's pass staging copies)."""
+
+
 class InterpreterPagedBackend:
     """Paged-KV step backend over the interpreter: ``step(batch) -> logits [R, V]`` (float32)."""
 
@@ -29,7 +38,7 @@ class InterpreterPagedBackend:
 
     def __init__(self, cfg: ModelConfig, source, spec: PagedSpec, tp: int = 1, device: str = "cpu", sms: int = 8,
                  seed: int = 0, schedule: str = "jit", check_races: bool = True, weights=None,
-                 gather_last: bool = True):
+                 gather_last: bool = True, persistent_passes: int = 0):
         if str(device) != "cpu":
             raise InputError(f"interpreter serving backend: expected device cpu, got {device}")
         self.cfg, self.spec, self.tp, self.seed = cfg, spec, tp, seed
@@ -40,10 +49,15 @@ class InterpreterPagedBackend:
 
             weights = [load_rank_weights(build_paged_graph(cfg, spec, tp=tp, rank=r), source) for r in range(tp)]
         self.gather_last = gather_last
-        self.programs = compile_paged_programs(cfg, spec, tp, sms=sms, gather_last=gather_last)
+        if persistent_passes < 0 or (persistent_passes and not gather_last):
+            raise InputError(f"persistent_passes: expected >= 0 (and gather_last), got {persistent_passes}")
+        self.persistent_passes = persistent_passes
+        self.programs = compile_paged_programs(cfg, spec, tp, sms=sms, gather_last=gather_last,
+                                               max_steps=max(1, persistent_passes))
         self.interp = Interpreter(self.programs, weights, seed=seed, mode=schedule, check_races=check_races)
         self.interp.reset_state()
         self.launches = 0
+        self.launch = None  # the running PersistentLaunch (persistent_passes > 0)
 
     def step(self, batch: StepBatch) -> torch.Tensor:
         """Run one pass as one launch; logits of the ``logit_rows`` rows."""
@@ -54,6 +68,8 @@ class InterpreterPagedBackend:
             raise InputError(f"pass: expected at most {self.spec.max_seqs} rows with logits (compiled max_seqs), "
                              f"got {len(batch.logit_rows)}")
         x = batch.tensors("cpu", pad_tokens=N, pad_rows=self.spec.max_seqs)
+        if self.persistent_passes:
+            return self._persistent_step(x, len(batch.logit_rows))
         for r in range(self.tp):
             for name in ("seq_slots", "page_table", "logit_rows")[: 3 if self.gather_last else 2]:
                 self.interp.buffer(r, name).copy_(x[name])
@@ -64,6 +80,30 @@ class InterpreterPagedBackend:
         if not self.gather_last:  # [N, V]: pick the rows here
             return logits[torch.from_numpy(batch.logit_rows).long()].float()
         return logits[: len(batch.logit_rows)].float()  # [MB, V]: row b = token row logit_rows[b]
+
+    def _persistent_step(self, x: dict, rows: int) -> torch.Tensor:
+        """Post the pass into the running launch (a new one after P passes); logits of its rows."""
+        from mpk_dist.taskgraph.interpreter import PersistentLaunch
+
+        if self.launch is None or self.launch.posted == self.persistent_passes:
+            if self.launch is not None:
+                self.launch.finish()  # the last pass's tail, then the launch ends
+            self.interp.rng.seed(self.seed + self.launches)
+            self.launches += 1
+            self.launch = PersistentLaunch(self.interp, self.persistent_passes, PERSISTENT_INPUTS)
+        s = self.launch.posted
+
+        def write(r: int) -> None:
+            it = self.interp
+            it.buffer(r, "forced_tokens")[s].copy_(x["tokens"])
+            it.buffer(r, "start_pos").copy_(x["positions"] - s)  # step_begin: positions = start_pos + step
+            for name in ("seq_slots", "page_table", "logit_rows"):
+                it.buffer(r, name).copy_(x[name])
+
+        self.launch.post(s, write)
+        self.launch.wait_final(s)
+        logits = torch.cat([self.interp.buffer(r, "logits") for r in range(self.tp)], dim=-1)
+        return logits[:rows].float().clone()
 
     def synchronize(self) -> None:
         """Nothing queued: the interpreter is synchronous."""

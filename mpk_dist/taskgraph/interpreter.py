@@ -132,7 +132,7 @@ class Interpreter:
 class _Launch:
     """State of one launch: counters, waiting instances, happens-before sets, shadow memory."""
 
-    def __init__(self, it: Interpreter, steps: int, capture: tuple[str, ...]):
+    def __init__(self, it: Interpreter, steps: int, capture: tuple[str, ...], lazy: bool = False):
         self.it, self.steps = it, steps
         R, E = it.world, len(it.dec[0].triggers)
         self.counter = [[0] * E for _ in range(R)]
@@ -151,17 +151,29 @@ class _Launch:
         self.snap = {(n, r): torch.full((steps, *it.meta["buffers"][b]["shape"]), float("nan"))
                      for b, n in self.capture.items() for r in range(R)}
         self.insts: list[list] = []  # [rank, task, step, pending, hb]
+        self.ran: list[bool] = []  # per instance: executed
         self.ready: list[int] = []
-        for s in range(steps):
-            for r in range(R):
-                for t in range(len(it.dec[r].kind)):
-                    self._add_instance(r, t, s)
+        self.added = 0  # steps whose instances exist (all of them unless lazy: PersistentLaunch.post adds them)
+        for _ in range(0 if lazy else steps):
+            self.add_step()
+
+    def add_step(self) -> None:
+        """Create the instances of the next step (every rank's tasks), in the (step, rank, task) order
+        the aot heads index by."""
+        s = self.added
+        for r in range(self.it.world):
+            for t in range(len(self.it.dec[r].kind)):
+                self._add_instance(r, t, s)
+        self.added += 1
+        if hasattr(self, "heads"):  # aot workers parked at the end of the added steps move on
+            self.heads = [self._aot_head(w) if h < 0 else h for w, h in enumerate(self.heads)]
 
     def _add_instance(self, r: int, t: int, s: int) -> None:
         d = self.it.dec[r]
         i = len(self.insts)
         inst = [r, t, s, 0, 0]
         self.insts.append(inst)
+        self.ran.append(False)
         for e, off in d.waits[t]:
             th = (s + 1 + off) * d.triggers[e]
             if th > self.counter[r][e]:
@@ -207,15 +219,18 @@ class _Launch:
     def _aot_head(self, w: int) -> int:
         r, lst = self.queues[w]
         k = self.aot_pos[w]
-        if not lst or k >= len(lst) * self.steps:
+        if not lst or k >= len(lst) * self.added:
             return -1
         T = len(self.it.dec[0].kind)
         return ((k // len(lst)) * self.it.world + r) * T + lst[k % len(lst)]  # index of (rank, task, step)
 
     def execute(self) -> None:
         """Run every instance of every step; raises on a race (on_race='raise') or a deadlock."""
-        total = len(self.insts)
-        while self.executed < total:
+        self.run_until(lambda: self.executed >= len(self.insts))
+
+    def run_until(self, done) -> None:
+        """Run ready instances until ``done()``; a deadlock (nothing ready before that) raises."""
+        while not done():
             i = self._pick()
             if i is None:
                 self._deadlock()
@@ -235,6 +250,7 @@ class _Launch:
 
     def _run_instance(self, i: int) -> None:
         r, t, s, _, hb = self.insts[i]
+        self.ran[i] = True
         it, d = self.it, self.it.dec[r]
         kind, args = d.kind[t], d.args[t]
         xid = self.executed
@@ -286,3 +302,76 @@ class _Launch:
             inst[3] -= 1
             if inst[3] == 0:
                 self.ready.append(i)
+
+
+class PersistentLaunch:
+    """One launch that runs up to ``steps`` steps, each posted by the host while the launch runs: the
+    interpreter's model of the persistent paged kernel (docs/SERVING.md "Persistent passes").
+
+    ``post(s, write)`` is the host's doorbell for step s: ``write(rank)`` lays the step's inputs into
+    that rank's input buffers, then the step's instances exist (on the GPU: step_begin(s) waits for
+    the doorbell, so nothing of step s reads them earlier). ``wait_final(s)`` runs instances until the
+    final task (argmax_select) of step s has run on every rank: what the host sees through the step
+    epilogue's progress counter. The rest of step s may still be pending then, as on the GPU, so
+    ``post`` first checks that no pending instance of an earlier step reads one of ``inputs`` (the
+    host would overwrite what it reads): such a task must come before the final task in the graph.
+    """
+
+    def __init__(self, it: Interpreter, steps: int, inputs: tuple[str, ...]):
+        if not 0 < steps <= it.max_steps:
+            raise InputError(f"persistent launch: expected 1..{it.max_steps} steps (the program's max_steps), "
+                             f"got {steps}")
+        self.it, self.steps = it, steps
+        self.run = _Launch(it, steps, (), lazy=True)
+        names = [b["name"] for b in it.meta["buffers"]]
+        missing = [n for n in inputs if n not in names]
+        if missing:
+            raise InputError(f"persistent launch: expected input buffers {list(inputs)}, got none named {missing}")
+        self.inputs = {names.index(n): n for n in inputs}
+        # per rank: the tasks whose arguments include a host-written input (conservative read set)
+        self.readers = [{t for t in range(len(d.kind)) if any(b in self.inputs for b, _, _ in d.args[t])}
+                        for d in it.dec]
+        self.final = [int(np.nonzero(cg.arrays["tasks"][:, TASK_COLS["OPCODE"]]
+                                     == _opcode("argmax_select"))[0][0]) for cg in it.cgs]
+
+    @property
+    def posted(self) -> int:
+        """Steps posted so far."""
+        return self.run.added
+
+    def post(self, s: int, write) -> None:
+        """The host's doorbell for step ``s`` (the next one): check, write the inputs, add the step."""
+        if s != self.run.added or s >= self.steps:
+            raise InputError(f"persistent launch: expected step {self.run.added} next (of {self.steps}), got {s}")
+        for i, (r, t, step, _, _) in enumerate(self.run.insts):
+            if not self.run.ran[i] and t in self.readers[r]:
+                names = [self.inputs[b] for b, _, _ in self.it.dec[r].args[t] if b in self.inputs]
+                raise AssertionError(
+                    f"persistent launch: step {s}'s host inputs would overwrite {names} while rank {r} step {step} "
+                    f"{self.it.cgs[r].task_label(t)} has not read them yet (it is not an ancestor of the final task)")
+        for r in range(self.it.world):
+            write(r)
+        self.run.add_step()
+
+    def wait_final(self, s: int) -> None:
+        """Run until every rank's final task of step ``s`` has run (DeviceTimeout on a deadlock)."""
+        if s >= self.run.added:
+            raise InputError(f"persistent launch: step {s} was not posted (posted {self.run.added})")
+        T = len(self.it.dec[0].kind)
+        idx = [(s * self.it.world + r) * T + self.final[r] for r in range(self.it.world)]
+        self.run.run_until(lambda: all(self.run.ran[i] for i in idx))
+
+    def finish(self) -> None:
+        """Run whatever of the posted steps is still pending (the launch ends after its last pass)."""
+        self.run.execute()
+
+    @property
+    def races(self) -> list[Race]:
+        """Races found so far (on_race='collect')."""
+        return self.run.races
+
+
+def _opcode(kind: str) -> int:
+    from mpk_dist.taskgraph.tasks import BY_NAME
+
+    return BY_NAME[kind].opcode

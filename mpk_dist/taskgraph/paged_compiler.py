@@ -4,14 +4,16 @@ Same pipeline as ``compiler.compile_rank_programs`` (lower, events on rank 0, se
 over ``models.llama.build_paged_graph``. By default the head runs over the MB sequences: a
 ``gather_rows`` task picks each emitting sequence's last token row (``logit_rows``) before the final
 norm, so ``logits`` is [MB, V/tp]; ``gather_last=False`` keeps the head over all N token rows
-(``logits`` [N, V/tp], the rows picked on the host). One step per launch (``max_steps`` 1): the host lays out each
-pass (tokens, positions, slots, page table) between launches; see docs/SERVING.md for the in-kernel
-loop that replaces this.
+(``logits`` [N, V/tp], the rows picked on the host). One step per launch by default (``max_steps`` 1): the host
+lays out each pass (tokens, positions, slots, page table) between launches. ``max_steps`` P > 1 is the
+persistent form: one launch runs up to P passes, pass s as step s (forced_tokens row s, start_pos = positions - s),
+the host posting each pass while the kernel runs (docs/SERVING.md "Persistent passes").
 """
 
 from __future__ import annotations
 
 from mpk_dist.config import ModelConfig
+from mpk_dist.errors import InputError
 from mpk_dist.models.llama import PagedSpec, build_paged_graph
 from mpk_dist.taskgraph.compiler import _same_structure
 from mpk_dist.taskgraph.deps import build_events, reduce_events
@@ -21,9 +23,13 @@ from mpk_dist.taskgraph.validate import validate
 
 
 def compile_paged_programs(cfg: ModelConfig, spec: PagedSpec, tp: int, sms: int = 16,
-                           check: bool = True, gather_last: bool = True) -> list[CompiledGraph]:
-    """The validated paged program of every rank (rank order); ``gather_last``: head over MB rows."""
-    progs = [lower_graph(build_paged_graph(cfg, spec, tp=tp, rank=r, gather_last=gather_last), sms, max_steps=1)
+                           check: bool = True, gather_last: bool = True, max_steps: int = 1) -> list[CompiledGraph]:
+    """The validated paged program of every rank (rank order); ``gather_last``: head over MB rows;
+    ``max_steps``: passes one launch can run (1: a launch per pass)."""
+    if max_steps < 1:
+        raise InputError(f"paged program: expected max_steps >= 1 (passes per launch), got {max_steps}")
+    progs = [lower_graph(build_paged_graph(cfg, spec, tp=tp, rank=r, gather_last=gather_last), sms,
+                         max_steps=max_steps)
              for r in range(tp)]
     eg = reduce_events(build_events(progs[0]))
     info = {"model": cfg.architecture or cfg.family, "family": cfg.family,
