@@ -15,7 +15,8 @@
 #                   qwen3-0.6b bench with --attn-splits auto vs 1); --no-attn-split skips it. Limit: ATTN_LIMIT
 #   --extras-only   only the newer sections: sampling, superoptimized bodies, MMA linear tiles +
 #                   bench-linear (scalar, mma, tma), paged serving, the shared-memory weight stream
-#                   (MPK_LINEAR_TMA), the attn_prep fusion, batch 32/64 row blocks, and (2+ GPUs) bench-comm;
+#                   (MPK_LINEAR_TMA), the attn_prep fusion, batch 32/64 row blocks, serving TTFT at 128/1024/4096-token
+#                   prompts (+ persistent passes), and (2+ GPUs) bench-comm;
 #                   --no-extras skips them.
 #                   Limit per section: EXTRA_LIMIT
 #   --perf          ONLY the issue-6 speed table: `mpk-dist bench --backend megakernel,torch-compile` at
@@ -220,6 +221,14 @@ if [ $EXTRAS -eq 1 ] && { [ $FUSION_ONLY -eq 0 ] || [ $FUSION -eq 0 ]; }; then
   done
   step bench_linear "${EXTRA_LIMIT:-240}" python3 -m mpk_dist bench-linear --model qwen3-8b --batches 1,8 \
     --output-json "$OUT/bench_linear.json"
+  # Issue 10: TTFT of 128/1024/4096-token prompts (megakernel vs torch, one run each; 256 tokens a pass),
+  # then the same 1024-token workload with every pass posted into one resident launch (--persistent-passes).
+  step ttft "${EXTRA_LIMIT:-240}" bash -c 'for L in 128 1024 4096; do python3 -m mpk_dist serve-bench --model qwen3-0.6b \
+    --backend megakernel,torch --synthetic 4 --prompt-len $L --output-len 16 --max-batch 4 --max-tokens-per-step 256 \
+    --ignore-eos --check --device cuda --output-json "'"$OUT"'/ttft_$L.json" | tail -4 || exit 1; done; \
+    python3 -m mpk_dist serve-bench --model qwen3-0.6b --backend megakernel --persistent-passes 4096 --synthetic 4 \
+    --prompt-len 1024 --output-len 16 --max-batch 4 --max-tokens-per-step 256 --ignore-eos --check --device cuda \
+    --output-json "'"$OUT"'/ttft_1024_persistent.json" | tail -3'
   if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
     step bench_comm "${EXTRA_LIMIT:-240}" launch/mpirun.sh -n 2 bench-comm --output-json "$OUT/bench_comm.json"
   fi

@@ -63,8 +63,14 @@ struct RuntimeParams {
   uint32_t* trace_len;            // [W]
   const int32_t* prefetch_bytes;  // [T] L2 prefetch of task t's weights before its waits; -1 (or a null
                                   //     table): the MPK_PREFETCH_KB cap (mpk_dist/runtime/prefetch_plan.py)
+  // ---- persistent passes (pass_begin.cuh; all null unless the host serves passes into one launch) ----
+  const uint32_t* pass_doorbell;  // [2] mapped pinned: [0] passes posted by the host, [1] stop (non-zero)
+  const int32_t* pass_stage;      // mapped pinned int32 words: the posted pass's inputs
+  const int32_t* pass_copies;     // [num_pass_copies, PASS_COPY_COLS]: stage word offset, buffer, words,
+                                  //     destination words added per step (forced_tokens row s)
   // ---- scalars ------------------------------------------------------------------------------
   uint64_t timeout_ns;
+  uint64_t pass_wait_ns;           // how long step_begin waits for the host to post its pass
   int32_t num_tasks, num_events, num_workers, num_buffers;
   int32_t world, rank;
   int32_t final_task;             // the argmax_select task; its block runs the step epilogue
@@ -79,6 +85,7 @@ struct RuntimeParams {
   int32_t inject_hang_task;       // test hook: this task never signals (-1 = off)
   int32_t abi_version;
   int32_t trace_from;             // trace records only for steps >= trace_from
+  int32_t num_pass_copies;
 };
 
 }  // namespace mpk

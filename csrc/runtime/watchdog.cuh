@@ -16,6 +16,7 @@ enum ErrorCode : uint32_t {
   kErrQueueFull = 2,    // a jit worker queue overflowed (a runtime bug, never a user error)
   kErrBadTask = 3,      // a task id or kind out of range (corrupt task table)
   kErrInjected = 4,     // raised on purpose by the fault-injection test hook
+  kErrPassWait = 5,     // persistent passes: the host posted no pass for step_begin within pass_wait_ns
 };
 
 // Layout mirrored by mpk_dist/runtime/params.py (ERROR_FIELDS); the generated source static_asserts it.

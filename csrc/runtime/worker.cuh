@@ -9,6 +9,7 @@
 #include "desc_prefetch.cuh"
 #include "dispatch.cuh"
 #include "params.cuh"
+#include "pass_begin.cuh"
 #include "step.cuh"
 #include "sync.cuh"
 #include "watchdog.cuh"
@@ -83,6 +84,7 @@ __device__ int wait_task_events(const RuntimeParams& p, int task, int s) {
                                 : spin_wait_geq_gpu(&p.events[e], target, p.timeout_ns, p.halt, &seen);
       // A worker that ran ahead into step s while step s-1 is still unfinished is not where the
       // stall is: give the workers of the earlier step a few rounds to report it.
+      if (r == 1 && pass_not_posted(p, s)) { round = -1; continue; }  // idle host: not a stall (pass_begin.cuh)
       if (r != 1 || round >= 3 || s == 0 || previous_step_done(p, s)) break;
     }
     if (r == 1)
@@ -138,6 +140,10 @@ __device__ __forceinline__ int ring_pop(const RuntimeParams& p, uint32_t* q, int
 // block runs the step epilogue first; when the run ends there, it raises the halt flag.
 template <bool kJit>
 __device__ bool run_and_signal(const RuntimeParams& p, int task, int s, float* smem, int tid, int nt) {
+  // Persistent passes: step_begin first waits for the host's pass s and copies it in (pass_begin.cuh).
+  if (p.pass_doorbell != nullptr && p.tasks[(size_t)task * TASK_NUM_COLS + TASK_COL_OPCODE] == OP_STEP_BEGIN &&
+      !pass_begin(p, task, s, tid, nt))
+    return false;
   if (!run_task(p, task, s, smem, tid, nt)) {
     if (tid == 0) raise_error(p.error, p.halt, kErrBadTask, task, -1, s, p.rank, 0, 0, 0);
     return false;

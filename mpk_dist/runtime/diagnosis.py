@@ -28,6 +28,10 @@ def error_message(sess) -> str | None:
         return None
     cg = sess.cg
     task = cg.task_label(r.task_id) if 0 <= r.task_id < cg.num_tasks else f"task {r.task_id}"
+    if r.code == 5:  # kErrPassWait (pass_begin.cuh): the host, not a task, is what it waited on
+        return (f"mega-kernel (persistent passes): {task} of pass {r.step} on rank {r.rank} waited "
+                f"{r.elapsed_ns / 1e9:.2f} s for the host to post it (posted {r.seen}); the host must post each pass "
+                "or stop the launch within pass_wait_s")
     if 0 <= r.event_id < len(cg.meta["events"]):
         event = f"event {r.event_id} '{cg.meta['events'][r.event_id]}' (signalled by {producers(cg, r.event_id)})"
     else:

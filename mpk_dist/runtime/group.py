@@ -63,8 +63,9 @@ def merge_vocab(slices: list[torch.Tensor], starts: list[int], vocab: int) -> to
 class RankGroup:
     """Sessions of the ranks this process drives for one batch size (index 0 = lowest rank)."""
 
-    def __init__(self, cgs: list, weights: list[dict], transport, device: torch.device, session_kw: dict):
-        self.transport, self.device = transport, device
+    def __init__(self, cgs: list, weights: list[dict], transport, device: torch.device, session_kw: dict,
+                 own_streams: bool = False):
+        self.transport, self.device, self.own_streams = transport, device, own_streams
         self.ranks = [int(cg.meta["rank"]) for cg in cgs]
         self.world = int(cgs[0].meta["world_size"])
         hashes = transport.allgather([structure_hash(cg) for cg in cgs], "program structure")
@@ -73,7 +74,8 @@ class RankGroup:
             raise InputError(f"TP group: expected every rank's task graph to share one structure, got rank {bad} "
                              "different from rank 0; start every rank with the same model, --batch and --sms")
         regions = transport.allocate(comm_layout(cgs[0]).nbytes)
-        multi = self.world > 1 and transport.name == "local" and device.type == "cuda"
+        # own_streams: a kernel that stays resident (persistent passes) must not sit on the default stream
+        multi = (own_streams or (self.world > 1 and transport.name == "local")) and device.type == "cuda"
         self.sessions = []
         for cg, w, region in zip(cgs, weights, regions):
             stream = torch.cuda.Stream(device) if multi else None

@@ -23,13 +23,13 @@ PARAM_FIELDS = [
     ("sched_queues", _P), ("sched_tail", _P),
     ("next_token", _P), ("token_out", _P), ("logits", _P), ("stop_ids", _P), ("done", _P), ("logits_dump", _P),
     ("step_end_ns", _P), ("progress", _P), ("halt", _P), ("error", _P), ("trace", _P), ("trace_len", _P),
-    ("prefetch_bytes", _P),
-    ("timeout_ns", ctypes.c_uint64),
+    ("prefetch_bytes", _P), ("pass_doorbell", _P), ("pass_stage", _P), ("pass_copies", _P),
+    ("timeout_ns", ctypes.c_uint64), ("pass_wait_ns", ctypes.c_uint64),
     ("num_tasks", _I), ("num_events", _I), ("num_workers", _I), ("num_buffers", _I),
     ("world", _I), ("rank", _I), ("final_task", _I), ("batch", _I), ("vocab", _I), ("prompt_len", _I),
     ("max_new_tokens", _I), ("num_stop", _I), ("stop_on_done", _I), ("step_begin", _I), ("step_end", _I),
     ("queue_cap", _I), ("sched_cap", _I), ("num_sched", _I), ("trace_cap", _I), ("inject_hang_task", _I),
-    ("abi_version", _I), ("trace_from", _I),
+    ("abi_version", _I), ("trace_from", _I), ("num_pass_copies", _I),
 ]
 
 
@@ -53,7 +53,14 @@ class ErrorRecord(ctypes.Structure):
     _fields_ = ERROR_FIELDS
 
 
-ERROR_CODES = {0: "none", 1: "timeout", 2: "queue overflow", 3: "bad task", 4: "injected"}
+ERROR_CODES = {0: "none", 1: "timeout", 2: "queue overflow", 3: "bad task", 4: "injected",
+               5: "no pass posted"}
+
+PASS_COPY_COLS = 4
+"""Columns of RuntimeParams.pass_copies (csrc/runtime/pass_begin.cuh): stage word offset, buffer index,
+words, destination words added per step."""
+DOORBELL_POSTED, DOORBELL_STOP = 0, 1
+"""Words of RuntimeParams.pass_doorbell."""
 
 TRACE_DTYPE = np.dtype([("task_id", "<u4"), ("step", "<u4"), ("start_ns", "<u8"), ("wait_ns", "<u4"), ("run_ns", "<u4")])
 """struct mpk::TraceRecord."""

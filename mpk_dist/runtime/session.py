@@ -103,7 +103,14 @@ class Session:
         self.region = region
         self.peer_regions = None  # every rank's region when they live in this process (local transport)
         self.use_prefetch_plan = prefetch_plan
+        self.passes = None  # a PassChannel once enable_passes (persistent passes, pass_io.py)
         self._alloc(weights, num_sched)
+
+    def enable_passes(self, inputs: list[tuple[str, int]], wait_s: float) -> None:
+        """Serve passes into one launch: step_begin waits for the host's pass (mpk_dist.runtime.pass_io)."""
+        from mpk_dist.runtime.pass_io import PassChannel
+
+        self.passes = PassChannel(self, inputs, wait_s)
 
     # -- memory ------------------------------------------------------------------------------------
     def _dev(self, a: np.ndarray) -> torch.Tensor:
@@ -240,6 +247,8 @@ class Session:
             raise InputError(f"steps: expected <= {self.max_steps} (max_seq_len), got {s1}")
         for k in ("progress", "error", "step_end_ns"):
             self.pinned[k].zero_()
+        if self.passes is not None:
+            self.passes.reset()
         with self._on_stream():
             for t in (self.queues, self.queue_tail, self.sched_queues, self.sched_tail, self.halt, self.trace_len):
                 t.zero_()
@@ -288,6 +297,8 @@ class Session:
         p.queue_cap, p.sched_cap, p.num_sched = self.queue_cap, self.sched_cap, self.num_sched
         p.trace_cap, p.inject_hang_task, p.abi_version = self.trace_cap, inject_hang_task, ABI_VERSION
         p.trace_from = trace_from
+        if self.passes is not None:
+            self.passes.fill(p)
         self.trace_from = trace_from
         self.params_dev.copy_(torch.frombuffer(bytearray(to_bytes(p)), dtype=torch.uint8))
         self._steps = (s0, s1)

@@ -16,6 +16,13 @@ generated kernel fixes the row count of every linear tile (MPK_BATCH = min(N, 16
 rows run in row blocks of 16, docs/TASKGRAPH.md "Row blocks"); the padding rows of ``logit_rows`` and
 of the page table are -1 (zero head rows, no pages), padding tokens have slot -1.
 
+``persistent_passes`` P > 0 (aot schedule, x86-64 host): one launch of a P-step program serves up to P
+passes (docs/SERVING.md "Persistent passes"): pass s is step s; the host stages its inputs in mapped
+memory and rings a doorbell (mpk_dist.runtime.pass_io), step_begin copies them in
+(csrc/runtime/pass_begin.cuh), and the host reads the logits once the step epilogue published
+progress s + 1, all while the kernel stays resident. ``pause()`` ends the launch (the server calls it
+before it idles); the next pass starts a new one, as does the pass after P.
+
 TP: every rank in this process on one GPU (``--transport local``), one kernel per rank on its own
 stream and SM share (mpk_dist.runtime.group). Limits: N (tokens per pass) and MB <= 256
 (tables.MAX_BATCH). Batched prefill runs on GEMV row blocks (each weight block read once per 16 tokens)
@@ -134,13 +141,24 @@ class MegakernelPagedBackend:
 
     def __init__(self, cfg: ModelConfig, source, spec: PagedSpec, tp: int = 1, device="cuda", weights=None,
                  schedule: str = "aot", sms: int | None = None, timeout_s: float = 5.0,
-                 worker_threads: int | None = None, compiler: str | None = None):
+                 worker_threads: int | None = None, compiler: str | None = None, persistent_passes: int = 0,
+                 pass_wait_s: float = 10.0):
         from mpk_dist.runtime.transport import LocalTransport, check_options
 
         check_options(tp, "local", schedule)
         check_spec(spec)
         if timeout_s <= 0:
             raise InputError(f"timeout_s: expected a positive number of seconds, got {timeout_s}")
+        if persistent_passes < 0 or (persistent_passes and schedule != "aot"):
+            raise InputError(f"persistent_passes: expected >= 0 with schedule aot (the jit queues time out while "
+                             f"the host is idle), got {persistent_passes} with {schedule}")
+        if persistent_passes:
+            from mpk_dist.runtime.pass_io import check_host_order
+
+            check_host_order()
+        self.persistent_passes, self.pass_wait_s, self.timeout_s = persistent_passes, pass_wait_s, timeout_s
+        self.running = False  # a persistent launch is resident
+        self.posted = 0  # passes posted into it
         self.device = self._check_device(device)
         self.cfg, self.spec, self.tp, self.schedule = cfg, spec, tp, schedule
         self.kernel_spec = kernel_spec(spec)  # what the program is compiled for (head rows = N)
@@ -172,14 +190,23 @@ class MegakernelPagedBackend:
         from mpk_dist.runtime.megakernel_backend import DEFAULT_WORKER_THREADS, tuning_from_env
         from mpk_dist.taskgraph.paged_compiler import compile_paged_programs
 
-        cgs = compile_paged_programs(self.cfg, self.kernel_spec, self.tp, sms=self.workers)
+        cgs = compile_paged_programs(self.cfg, self.kernel_spec, self.tp, sms=self.workers,
+                                     max_steps=max(1, self.persistent_passes))
         for cg in cgs:
             check_paged_tasks(cg)
         tuning = tuning_from_env(worker_threads or DEFAULT_WORKER_THREADS)
         # superopt off: the paged programs have no fused linears, so there is nothing to generate.
         kw = dict(schedule=schedule, timeout_s=timeout_s, trace=0, compiler=compiler,
                   model=self.cfg.architecture or self.cfg.family, superopt=False, **tuning)
-        return RankGroup(cgs, weights, self.transport, self.device, kw)
+        group = RankGroup(cgs, weights, self.transport, self.device, kw, own_streams=self.persistent_passes > 0)
+        if self.persistent_passes:
+            from mpk_dist.serving.interpreter_paged import PERSISTENT_INPUTS
+
+            n = self.kernel_spec.max_tokens
+            for s in group.sessions:  # forced_tokens takes row s of pass s; the rest are whole buffers
+                s.enable_passes([(name, n if name == "forced_tokens" else 0) for name in PERSISTENT_INPUTS],
+                                self.pass_wait_s)
+        return group
 
     def _fill_sampling(self) -> None:
         """Greedy sampling words (the head's argmax runs in the kernel; the logits are what we return)."""
@@ -219,6 +246,8 @@ class MegakernelPagedBackend:
         # NOTE: host tensors: each rank's copy then runs on that rank's stream (a device tensor made
         # on the current stream would race with a copy on another stream).
         x = batch.tensors("cpu", pad_tokens=self.kernel_spec.max_tokens, pad_rows=self.kernel_spec.max_seqs)
+        if self.persistent_passes:
+            return self._persistent_step(x, len(batch.logit_rows))
         self._write_inputs(x)
         g = self.group
         # One step, no stop ids; prompt_len / max_new out of reach: the epilogue only ends the launch.
@@ -228,7 +257,79 @@ class MegakernelPagedBackend:
         logits = g.logits(lambda s: s.bufs[s.cg.meta["special"]["logits"]], self.vocab_size)  # [MB', V] (kernel_spec)
         return logits[: len(batch.logit_rows)].float()  # row b = token row logit_rows[b] (gather_rows)
 
+    # -- persistent passes ------------------------------------------------------------------------
+    def _start_persistent(self) -> None:
+        """Zero the counters and launch the P-step program (it then waits for pass 0)."""
+        for s in self.group.sessions:
+            with s._on_stream():
+                for t in (s.events, s.launched, s.done):
+                    t.zero_()
+        # prompt_len / max_new out of reach: only the last step (or a stop) ends the launch
+        self.group.launch(0, self.persistent_passes, 1 << 30, 1 << 30, (), False, False)
+        self.launches += 1
+        self.running, self.posted = True, 0
+        if self._side is None and self.device.type == "cuda":
+            self._side = torch.cuda.Stream(self.device)
+
+    _side = None  # the stream host-side reads use while the kernel is resident
+
+    def _off_kernel_stream(self):
+        """A context on the side stream (never the kernel's: it is busy until the launch ends)."""
+        import contextlib
+
+        return torch.cuda.stream(self._side) if self._side is not None else contextlib.nullcontext()
+
+    def _persistent_step(self, x: dict, rows: int) -> torch.Tensor:
+        """Post the pass into the resident launch (a new launch when none is, or after P passes), wait
+        for its final task, read its logits on a side stream."""
+        if self.running and self.posted == self.persistent_passes:
+            self.group.wait()  # the launch ended by itself after its last step
+            self.running = False
+        if not self.running:
+            self._start_persistent()
+        s = self.posted
+        staged = {"forced_tokens": x["tokens"].numpy(), "start_pos": (x["positions"] - s).numpy(),
+                  "seq_slots": x["seq_slots"].numpy(), "page_table": x["page_table"].numpy(),
+                  "logit_rows": x["logit_rows"].numpy()}
+        for sess in self.group.sessions:
+            sess.passes.post(s, staged)
+        self.posted += 1
+        self._wait_progress(s + 1)
+        with self._off_kernel_stream():
+            logits = self.group.logits(lambda q: q.bufs[q.cg.meta["special"]["logits"]], self.vocab_size)
+            out = logits[:rows].float().cpu()
+        return out.to(self.device)
+
+    def _wait_progress(self, n: int) -> None:
+        """Until every rank's epilogue published n finished steps (bounded; a failed kernel raises)."""
+        import time
+
+        from mpk_dist.errors import DeviceTimeout
+
+        deadline = time.perf_counter() + self.pass_wait_s + 3 * self.timeout_s
+        while not all(s.progress() >= n for s in self.group.sessions):
+            if any(s.finished() for s in self.group.sessions):  # ended early: a watchdog record says why
+                self.running = False
+                self.group.wait()
+                raise DeviceTimeout(f"persistent passes: the launch ended before pass {n - 1} finished "
+                                    f"(progress {[s.progress() for s in self.group.sessions]})")
+            if time.perf_counter() > deadline:
+                raise DeviceTimeout(f"persistent passes: expected pass {n - 1} to finish within "
+                                    f"{self.pass_wait_s + 3 * self.timeout_s:.0f} s, got progress "
+                                    f"{[s.progress() for s in self.group.sessions]}; the watchdog did not fire")
+            time.sleep(0.00002)
+
+    def pause(self) -> None:
+        """End a resident launch (stop at its next step_begin); the next pass launches again."""
+        if not self.running:
+            return
+        for s in self.group.sessions:
+            s.passes.stop()
+        self.group.wait()
+        self.running = False
+
     def synchronize(self) -> None:
-        """Wait for queued device work (``step`` already waited for its kernels)."""
-        if self.device.type == "cuda":
+        """Wait for queued device work (``step`` already waited for its kernels); with a resident
+        persistent launch there is nothing to wait for (a device-wide sync would wait for the launch)."""
+        if self.device.type == "cuda" and not self.running:
             torch.cuda.synchronize(self.device)

@@ -149,6 +149,11 @@ class Server:
                                       want_logits))
         return rid
 
+    def _pause_backend(self) -> None:
+        pause = getattr(self.backend, "pause", None)  # persistent passes (megakernel): end the launch
+        if pause is not None:
+            pause()
+
     def run(self, timeout_s: float = 3600.0, check_pages: bool = False) -> list[RequestOutput]:
         """Serve every submitted request to completion; outputs by id. ``check_pages``: verify the
         page pool's invariants after every pass (tests)."""
@@ -164,6 +169,7 @@ class Server:
                 if sched.running:
                     raise AssertionError("scheduler: running requests but an empty pass")
                 nxt = sched.next_arrival()
+                self._pause_backend()  # a resident persistent launch ends before the server idles
                 if nxt is not None:
                     self.clock.wait_until(min(nxt, self.clock.now() + timeout_s))
                 continue
@@ -175,6 +181,7 @@ class Server:
                                 "seqs": len(batch.scheduled), "end_s": self.clock.now()})
             if check_pages:
                 self.pool.check()
+        self._pause_backend()
         out = sched.drain()
         sched.finished = []
         if check_pages:

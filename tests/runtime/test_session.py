@@ -70,6 +70,18 @@ def test_watchdog_record_becomes_a_named_error(sess):
     assert "root cause: op step_begin" in msg
 
 
+def test_pass_wait_record_names_the_host(sess):
+    """kErrPassWait (csrc/runtime/pass_begin.cuh): the message says the host posted no pass, not a task stall."""
+    from mpk_dist.errors import DeviceTimeout
+    from mpk_dist.runtime.params import ErrorRecord
+
+    rec = ErrorRecord(code=5, valid=1, task_id=0, event_id=-1, step=7, sm_id=3, worker=0, rank=0, seen=7, expected=8,
+                      elapsed_ns=10_500_000_000)
+    sess.pinned["error"].copy_(torch.frombuffer(bytearray(bytes(rec)), dtype=torch.uint8))
+    with pytest.raises(DeviceTimeout, match=r"of pass 7 on rank 0 waited 10.50 s for the host to post it \(posted 7\)"):
+        sess.raise_on_error()
+
+
 def test_backend_generate_host_path(fake_gpu, tmp_path):
     """The backend's whole host path (session, forced rows, launch, wait, result, trace file) with a
     fake kernel that 'finishes' at once: 1 token streamed per step as if the device wrote it."""

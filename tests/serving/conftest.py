@@ -51,3 +51,31 @@ def install_fake_device(monkeypatch):
         monkeypatch.setattr(MP.MegakernelPagedBackend, "_num_sms", lambda self: 8)
 
     return install
+
+
+def write_fake_logits(sess, tokens: torch.Tensor, positions: torch.Tensor) -> None:
+    """The fake device's head: row b of the gathered logits [MB, V/tp] (token row logit_rows[b]; -1 =
+    zeros) is a one-hot of (token + position) % V in this rank's vocabulary slice."""
+    from mpk_dist.runtime.group import vocab_start
+
+    sp = sess.cg.meta["special"]
+    rows = sess.buffer("logit_rows").long()
+    live = (rows >= 0).nonzero()[:, 0]
+    tok, pos = tokens.long()[rows[live]], positions.long()[rows[live]]
+    logits = sess.bufs[sp["logits"]]
+    assert logits.shape[0] == rows.shape[0], "the head runs over the MB gathered rows"
+    vocab = logits.shape[1] * int(sess.cg.meta["world_size"])  # equal slices (tiny: 512 ids)
+    want = (tok + pos) % vocab - vocab_start(sess.cg)  # column of the hot id in this rank's slice
+    logits.zero_()
+    hit = (want >= 0) & (want < logits.shape[1])
+    logits[live[hit], want[hit]] = 1.0
+
+
+def fake_greedy(prompt: list[int], n: int, vocab: int) -> list[int]:
+    """The fake device's greedy tokens: next = (last input + its position) % V."""
+    out, last, at = [], prompt[-1], len(prompt) - 1
+    for _ in range(n):
+        last = (last + at) % vocab
+        out.append(last)
+        at += 1
+    return out

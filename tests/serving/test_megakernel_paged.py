@@ -16,12 +16,12 @@ from mpk_dist.cli import main
 from mpk_dist.errors import BackendUnavailable, InputError
 from mpk_dist.model_source import open_model
 from mpk_dist.models.llama import PagedSpec
-from mpk_dist.runtime.group import vocab_start
 from mpk_dist.runtime.params import RuntimeParams
 from mpk_dist.serving import megakernel_paged as MP
 from mpk_dist.serving.server import Server, VirtualClock
 from mpk_dist.taskgraph.abi import TASK_COLS
 from mpk_dist.taskgraph.tasks import BY_NAME, BY_OPCODE
+from tests.serving.conftest import fake_greedy, write_fake_logits
 
 SPEC = PagedSpec(max_tokens=8, max_seqs=3, num_pages=12, page_size=4, max_pages_per_seq=4)
 
@@ -48,17 +48,7 @@ def _device_pass(sess) -> None:
     sess.ran_launches = len(sess.kernel.launches)
     sess.counters_at_launch = int(sess.events.abs().sum())
     sp = sess.cg.meta["special"]
-    rows = sess.buffer("logit_rows").long()
-    live = (rows >= 0).nonzero()[:, 0]
-    tok = sess.bufs[sp["forced_tokens"]][0].long()[rows[live]]
-    pos = sess.bufs[sp["start_pos"]].long()[rows[live]]
-    logits = sess.bufs[sp["logits"]]
-    assert logits.shape[0] == rows.shape[0], "the head runs over the MB gathered rows"
-    vocab = logits.shape[1] * int(sess.cg.meta["world_size"])  # equal slices (tiny: 512 ids)
-    want = (tok + pos) % vocab - vocab_start(sess.cg)  # column of the hot id in this rank's slice
-    logits.zero_()
-    hit = (want >= 0) & (want < logits.shape[1])
-    logits[live[hit], want[hit]] = 1.0
+    write_fake_logits(sess, sess.bufs[sp["forced_tokens"]][0], sess.bufs[sp["start_pos"]])
     sess.events.fill_(7)  # the kernel counts: the next launch must start from zero again
     sess.buffer("L0.k_pages").view(-1)[0] += 1  # the pools persist across launches
 
@@ -75,16 +65,6 @@ def _server(tp: int) -> Server:
                   device="cpu", clock=VirtualClock(0.01))
 
 
-def _expected(prompt: list[int], n: int, vocab: int) -> list[int]:
-    """The fake device's greedy tokens: next = (last input + its position) % V."""
-    out, last, at = [], prompt[-1], len(prompt) - 1
-    for _ in range(n):
-        last = (last + at) % vocab
-        out.append(last)
-        at += 1
-    return out
-
-
 @pytest.mark.parametrize("tp", [1, 2])
 def test_passes_reach_every_rank_and_rows_come_back_in_order(fake_device, tp):
     srv = _server(tp)
@@ -96,7 +76,7 @@ def test_passes_reach_every_rank_and_rows_come_back_in_order(fake_device, tp):
     outs = srv.run(check_pages=True)
     vocab = srv.cfg.vocab_size
     for (p, n, _), o in zip(work, outs):
-        assert o.tokens == _expected(p, n, vocab), f"request {o.id}"
+        assert o.tokens == fake_greedy(p, n, vocab), f"request {o.id}"
     assert be.launches == len(srv.passes) and max(p["seqs"] for p in srv.passes) == 3
     assert any(0 < p["prefill_tokens"] < p["tokens"] for p in srv.passes), "prompt chunks next to decodes"
     for s in be.group.sessions:

@@ -34,12 +34,12 @@ WORKLOAD = [(5, 32, 0.0, False), (13, 32, 0.0, False), (9, 8, 0.02, False), (21,
             (2, 32, 0.1, True), (30, 16, 0.3, False)]
 
 
-def _serve(name: str, tp: int):
+def _serve(name: str, tp: int, opts: dict | None = None):
     """The workload through the megakernel server; (requests, outputs, server)."""
     m = model(name)
     vocab = m.config.vocab_size
     srv = Server(m, backend="megakernel", tp=tp, max_batch=4, page_size=8, max_seq_len=64, max_tokens_per_step=16,
-                 device="cuda", clock=VirtualClock(0.01))
+                 device="cuda", clock=VirtualClock(0.01), backend_opts=opts)
     reqs = []
     for i, (plen, n, t, forced) in enumerate(WORKLOAD):
         prompt = rand_ids(plen, vocab, 100 + i)
@@ -129,3 +129,21 @@ def test_serve_bench_megakernel_and_torch_in_one_run(tmp_path, capsys):
     for r in recs:
         assert r["completed"] == 8 and r["total_output_tokens"] == 8 * 16 and all(r["correct"])
         assert r["mean_ttft_ms"] > 0 and r["mean_tpot_ms"] > 0
+
+
+@pytest.mark.parametrize("name,tp,passes", [("tiny-llama", 1, 256), ("qwen3-0.6b", 1, 256), ("qwen3-0.6b", 2, 7)])
+def test_persistent_passes_equal_one_launch_per_pass(name, tp, passes):
+    """Persistent passes (docs/SERVING.md): the same workload with every pass posted into a resident
+    launch gives bitwise the logits and tokens of one launch per pass; with P = 256 the whole run
+    (until the workload's idle gap) is one launch, with P = 7 a new launch every 7 passes."""
+    _, base, base_srv = _serve(name, tp)
+    _, got, srv = _serve(name, tp, {"persistent_passes": passes})
+    n = len(srv.passes)
+    same = all(a.tokens == b.tokens and torch.equal(a.logits, b.logits) for a, b in zip(got, base))
+    print(f"\npersistent passes {name} tp{tp} P{passes}: {n} passes in {srv.backend.launches} launches "
+          f"(launch per pass: {base_srv.backend.launches}), tokens and logits equal: {same}")
+    assert n == len(base_srv.passes) and base_srv.backend.launches == n
+    assert srv.backend.launches < n and not srv.backend.running
+    if passes < n:
+        assert srv.backend.launches >= -(-n // passes)
+    assert same, "persistent passes changed a request's tokens or logits"

@@ -43,3 +43,16 @@ def test_synthetic_and_errors(capsys, tmp_path):
     assert "--percentiles" in capsys.readouterr().err
     assert main(["serve-bench", "--synthetic", "2", "--backend", "megakernel", "--device", "cpu"]) == 2
     assert "serving backend" in capsys.readouterr().err
+
+
+def test_persistent_passes_flag(capsys, tmp_path):
+    """--persistent-passes reaches the interpreter backend (one launch serves several passes) and the
+    run still equals each request alone; a negative P is refused."""
+    out = tmp_path / "r.json"
+    code = main(["serve-bench", "--model", "tiny", "--synthetic", "4", "--prompt-len", "6", "--output-len", "4",
+                 "--backend", "interpreter", "--persistent-passes", "4", "--max-batch", "2",
+                 "--max-tokens-per-step", "8", "--device", "cpu", "--check", "--virtual-pass-ms", "5",
+                 "--output-json", str(out)])
+    assert code == 0 and "OK" in capsys.readouterr().out
+    assert main(["serve-bench", "--synthetic", "2", "--persistent-passes", "-1", "--device", "cpu"]) == 2
+    assert "--persistent-passes: expected P >= 0" in capsys.readouterr().err

@@ -51,6 +51,9 @@ def register(subparsers) -> None:
     p.add_argument("--virtual-pass-ms", type=float, default=None, metavar="MS",
                    help="deterministic clock: every pass takes MS (for tests; default: wall clock)")
     p.add_argument("--output-json", default=None, metavar="PATH", help="write the vLLM-style result JSON")
+    p.add_argument("--persistent-passes", type=int, default=0, metavar="P",
+                   help="megakernel/interpreter: serve up to P passes in one resident launch, each posted while it "
+                        "runs (docs/SERVING.md 'Persistent passes'; default 0: one launch per pass)")
     p.set_defaults(func=main)
 
 
@@ -140,6 +143,15 @@ def _print_comparison(records: list[dict]) -> None:
               f"{r[p99.replace('ttft', 'tpot')]:10.3f} {r['output_throughput']:9.2f}  {mark}")
 
 
+def _backend_opts(args, backend: str) -> dict:
+    """Options of one backend from the command line (persistent passes: megakernel and interpreter)."""
+    if args.persistent_passes < 0:
+        raise InputError(f"--persistent-passes: expected P >= 0, got {args.persistent_passes}")
+    if args.persistent_passes and backend in ("megakernel", "interpreter"):
+        return {"persistent_passes": args.persistent_passes}
+    return {}
+
+
 def _serve(args, model, items, backend: str, max_seq_len: int, stop_ids: tuple):
     """Serve the workload on one backend: (server, outputs)."""
     from mpk_dist.serving.server import Server, VirtualClock
@@ -147,7 +159,7 @@ def _serve(args, model, items, backend: str, max_seq_len: int, stop_ids: tuple):
     clock = VirtualClock(args.virtual_pass_ms / 1e3) if args.virtual_pass_ms else None
     server = Server(model, backend=backend, tp=args.tp, max_batch=args.max_batch, page_size=args.page_size,
                     max_seq_len=max_seq_len, num_pages=args.num_pages, max_tokens_per_step=args.max_tokens_per_step,
-                    device=args.device, seed=args.seed, clock=clock)
+                    device=args.device, seed=args.seed, clock=clock, backend_opts=_backend_opts(args, backend))
     if args.warmup > 0:
         for it in items[: args.warmup]:
             server.submit(it.prompt_ids, it.output_len, 0.0, stop_ids=stop_ids)
