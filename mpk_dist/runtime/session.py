@@ -321,6 +321,11 @@ class Session:
         s0, s1 = self._steps
         return self._launched_at + self.timeout_s * 3 + 0.05 * (s1 - s0) + 10.0
 
+    def restart_deadline(self) -> None:
+        """Count the host-side bound of the running launch from now: a resident launch (persistent
+        passes) that was just told to end may have run far longer than any one step."""
+        self._launched_at = time.perf_counter()
+
     def progress(self) -> int:
         """Steps finished so far (read from mapped pinned memory while the kernel runs)."""
         return int(self.pinned["progress"][0])

@@ -283,8 +283,7 @@ class MegakernelPagedBackend:
         """Post the pass into the resident launch (a new launch when none is, or after P passes), wait
         for its final task, read its logits on a side stream."""
         if self.running and self.posted == self.persistent_passes:
-            self.group.wait()  # the launch ended by itself after its last step
-            self.running = False
+            self._end_launch()  # it ends by itself after its last step
         if not self.running:
             self._start_persistent()
         s = self.posted
@@ -309,8 +308,7 @@ class MegakernelPagedBackend:
         deadline = time.perf_counter() + self.pass_wait_s + 3 * self.timeout_s
         while not all(s.progress() >= n for s in self.group.sessions):
             if any(s.finished() for s in self.group.sessions):  # ended early: a watchdog record says why
-                self.running = False
-                self.group.wait()
+                self._end_launch()
                 raise DeviceTimeout(f"persistent passes: the launch ended before pass {n - 1} finished "
                                     f"(progress {[s.progress() for s in self.group.sessions]})")
             if time.perf_counter() > deadline:
@@ -325,8 +323,14 @@ class MegakernelPagedBackend:
             return
         for s in self.group.sessions:
             s.passes.stop()
-        self.group.wait()
+        self._end_launch()
+
+    def _end_launch(self) -> None:
+        """Wait (bounded from now, not from the launch) for the resident kernels to end."""
+        for s in self.group.sessions:
+            s.restart_deadline()
         self.running = False
+        self.group.wait()
 
     def synchronize(self) -> None:
         """Wait for queued device work (``step`` already waited for its kernels); with a resident
