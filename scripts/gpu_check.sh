@@ -88,6 +88,17 @@ if [ "${MPK_SKIP_INSTALL:-0}" != 1 ]; then
 fi
 python3 -c "import torch, cuda.bindings; print('torch', torch.__version__, 'cuda-bindings', cuda.bindings.__version__)"
 
+# Every kernel the runs below need, built in parallel first (nvcc is single-threaded: ~20 s per kernel
+# when each test builds its own in turn). PREBUILD=0 skips it.
+if [ "${PREBUILD:-1}" = 1 ]; then
+  if [ $PERF -eq 1 ]; then
+    step prebuild "${PREBUILD_LIMIT:-300}" python3 scripts/prebuild_kernels.py --models qwen3-8b,llama3-8b,qwen3-1.7b,qwen3-0.6b \
+      --batches 1,8 --schedules aot --tp 1
+  else
+    step prebuild "${PREBUILD_LIMIT:-300}" python3 scripts/prebuild_kernels.py
+  fi
+fi
+
 # ---- speed (--perf): this section only, then its table ----
 if [ $PERF -eq 1 ]; then
   CTX="--prompt-len 480 --output-len 64 --max-seq-len 576 --iters 2 --no-progress"

@@ -42,6 +42,13 @@ def _pow2(n: int) -> int:
 MMA_PARTIAL_BYTES_PER_WARP = 512
 """Shared memory per warp for the split-K partial sums of an MMA linear tile (a 16 x 8 fp32 fragment)."""
 
+def kernel_shape(cg, worker_threads: int, schedule: str, **knobs) -> KernelShape:
+    """The KernelShape a Session of program ``cg`` builds (``knobs``: the other KernelShape fields); the
+    kernel prebuild (mpk_dist.runtime.prebuild) asks the same function, so its cubins are the ones found."""
+    # MPK_BATCH: the rows of a linear tile (row blocks of 16 above 16 rows), not the program's batch
+    return KernelShape(tables.kernel_batch(cg), worker_threads, schedule, **knobs)
+
+
 class Session:
     """Buffers + kernel of one compiled rank program.
 
@@ -75,12 +82,10 @@ class Session:
         self.trace_from = 0
         self.final = tables.final_task(cg)
         t0 = time.perf_counter()
-        # MPK_BATCH: the rows of a linear tile (row blocks of 16 above 16 rows), not the program's batch
-        self.source, self.build = build_kernel(KernelShape(tables.kernel_batch(cg), worker_threads, schedule, linear_rows,
-                                                                   linear_unroll, prefetch_kb, desc_prefetch,
-                                                                   superopt=superopt, linear_mma=linear_mma,
-                                                                   linear_tma=linear_tma),
-                                               model=model,
+        shape = kernel_shape(cg, worker_threads, schedule, linear_rows=linear_rows, linear_unroll=linear_unroll,
+                             prefetch_kb=prefetch_kb, desc_prefetch=desc_prefetch, superopt=superopt,
+                             linear_mma=linear_mma, linear_tma=linear_tma)
+        self.source, self.build = build_kernel(shape, model=model,
                                                rank=self.rank, world=self.world, input_hash=tables_hash(cg.arrays),
                                                compiler=compiler, program=cg)
         self.build_s = time.perf_counter() - t0

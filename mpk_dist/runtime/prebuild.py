@@ -1,0 +1,83 @@
+"""Build the mega-kernels a set of runs will need, in parallel, before the runs (``scripts/prebuild_kernels.py``).
+
+A run builds its kernel when it first needs it: ~20 s of single-threaded nvcc per distinct kernel, one
+after the other (a GPU test file needs several: models x batches x schedules). The kernel a run needs
+is fixed by its program's KernelShape and the superoptimizer bodies its shapes pick, neither of which
+needs a GPU, so this compiles the programs here, asks ``session.kernel_shape`` (what a Session asks)
+and builds the distinct kernels in a process pool into the same cache ($MPK_CACHE_DIR/kernels).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass
+
+from mpk_dist.errors import InputError
+
+
+@dataclass(frozen=True)
+class BuildCase:
+    """One run's kernel: preset, TP degree, batch, schedule, generated bodies on/off."""
+
+    model: str
+    tp: int = 1
+    batch: int = 1
+    schedule: str = "aot"
+    superopt: bool = True
+
+    def label(self) -> str:
+        """e.g. qwen3-0.6b tp1 b16 aot."""
+        return f"{self.model} tp{self.tp} b{self.batch} {self.schedule}{'' if self.superopt else ' no-superopt'}"
+
+
+def cases(models: list[str], batches: list[int], schedules: list[str], tps: list[int]) -> list[BuildCase]:
+    """Every combination; jit only at tp 1 (the runtime refuses jit above)."""
+    return [BuildCase(m, tp, b, sch) for m in models for tp in tps for b in batches for sch in schedules
+            if sch == "aot" or tp == 1]
+
+
+def build_one(case: BuildCase) -> tuple[str, bool, float]:
+    """Compile rank 0's program and build its kernel (cache hit or nvcc); (kernel file, was cached, seconds)."""
+    from mpk_dist.models.presets import get_preset
+    from mpk_dist.runtime.kernel import build_kernel
+    from mpk_dist.runtime.megakernel_backend import DEFAULT_WORKER_THREADS, tuning_from_env
+    from mpk_dist.runtime.session import kernel_shape
+    from mpk_dist.runtime.tables import padded_batch
+    from mpk_dist.taskgraph.compiler import compile_rank_programs
+    from mpk_dist.taskgraph.fusion import fusion_set
+
+    t0 = time.perf_counter()
+    cfg = get_preset(case.model)
+    fuse = fusion_set(True) | ({"attn_prep"} if os.environ.get("MPK_FUSE_ATTN_PREP") == "1" else set())
+    cg = compile_rank_programs(cfg, tp=case.tp, batch=padded_batch(case.batch), ranks=[0], fuse=fuse)[0]
+    tuning = tuning_from_env(DEFAULT_WORKER_THREADS)  # the MPK_* knobs a run in this environment would use
+    tuning.pop("prefetch_plan", None)  # a table, not part of the binary
+    wt = tuning.pop("worker_threads")
+    shape = kernel_shape(cg, wt, case.schedule, linear_rows=int(os.environ.get("MPK_LINEAR_ROWS", "1")),
+                         superopt=case.superopt and os.environ.get("MPK_SUPEROPT", "1") != "0", **tuning)
+    _, res = build_kernel(shape, program=cg)
+    return res.path.name, res.cached, time.perf_counter() - t0
+
+
+def prebuild(todo: list[BuildCase], jobs: int, log=print) -> int:
+    """Build every case's kernel with ``jobs`` processes; one progress line per case; returns the number
+    of failed cases (each named with its error)."""
+    if jobs < 1:
+        raise InputError(f"--jobs: expected >= 1, got {jobs}")
+    failed = 0
+    t0 = time.perf_counter()
+    with ProcessPoolExecutor(max_workers=jobs) as pool:
+        futs = {pool.submit(build_one, c): c for c in todo}
+        for i, f in enumerate(as_completed(futs), 1):
+            c = futs[f]
+            try:
+                name, cached, secs = f.result()
+                log(f"[{i}/{len(todo)}] {c.label()}: {'cached' if cached else 'built'} {name} ({secs:.1f} s)")
+            except Exception as exc:  # noqa: BLE001 - reported per case, the others still build
+                failed += 1
+                log(f"[{i}/{len(todo)}] {c.label()}: FAILED: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}")
+    log(f"prebuild: {len(todo) - failed}/{len(todo)} kernels ready in {time.perf_counter() - t0:.1f} s "
+        f"({jobs} processes)")
+    return failed

@@ -1,0 +1,46 @@
+"""The kernel prebuild (mpk_dist.runtime.prebuild) asks for exactly the kernel a run's Session builds
+(same KernelShape, same program shapes for the generated bodies), so its cubins are cache hits."""
+
+from __future__ import annotations
+
+import types
+from pathlib import Path
+
+import pytest
+
+from mpk_dist.errors import InputError
+from mpk_dist.model_source import open_model
+from mpk_dist.runtime import prebuild as PB
+
+
+@pytest.mark.parametrize("batch, schedule, tp, env", [(1, "aot", 1, {}), (4, "jit", 1, {"MPK_LINEAR_UNROLL": "4"}),
+                                                      (20, "aot", 2, {"MPK_LINEAR_MMA": "1"})])
+def test_prebuild_shape_is_the_sessions(fake_gpu, monkeypatch, batch, schedule, tp, env):
+    from mpk_dist.runtime import kernel as K
+    from mpk_dist.runtime import session as S
+
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    seen = {}
+
+    def record(who):
+        def build(shape, **kw):
+            seen[who] = (shape, [op["kind"] for op in kw["program"].meta["ops"]])
+            return "src", types.SimpleNamespace(cubin=b"", cached=True, compiler="fake", path=Path("x"))
+        return build
+
+    monkeypatch.setattr(S, "build_kernel", record("session"))
+    monkeypatch.setattr(K, "build_kernel", record("prebuild"))
+    m = open_model("tiny")
+    b = fake_gpu.MegakernelBackend(m.config, m.weights, tp=tp, device="cpu", max_seq_len=32, sms=4, schedule=schedule)
+    b.session(batch)
+    PB.build_one(PB.BuildCase("tiny", tp=tp, batch=batch, schedule=schedule))
+    assert seen["prebuild"][0] == seen["session"][0]
+    assert seen["prebuild"][1] == seen["session"][1], "the same fused kinds (so the same generated bodies)"
+
+
+def test_cases_and_bad_jobs():
+    got = PB.cases(["tiny"], [1, 4], ["aot", "jit"], [1, 2])
+    assert len(got) == 2 * 2 + 2 and all(c.schedule == "aot" for c in got if c.tp > 1)
+    with pytest.raises(InputError, match="--jobs: expected >= 1"):
+        PB.prebuild(got, 0)
