@@ -24,11 +24,7 @@ from mpk_dist.errors import InputError
 from mpk_dist.models.llama import PagedSpec, build_paged_graph
 from mpk_dist.serving.scheduler import StepBatch
 from mpk_dist.taskgraph.interpreter import Interpreter
-from mpk_dist.taskgraph.paged_compiler import compile_paged_programs
-
-
-PERSISTENT_INPUTS = ("forced_tokens", "start_pos", "seq_slots", "page_table", "logit_rows")
-"""The buffers the host writes for each pass of a persistent launch (the GPU's pass staging copies)."""
+from mpk_dist.taskgraph.paged_compiler import PERSISTENT_INPUTS, compile_paged_programs
 
 
 class InterpreterPagedBackend:

@@ -200,7 +200,7 @@ class MegakernelPagedBackend:
                   model=self.cfg.architecture or self.cfg.family, superopt=False, **tuning)
         group = RankGroup(cgs, weights, self.transport, self.device, kw, own_streams=self.persistent_passes > 0)
         if self.persistent_passes:
-            from mpk_dist.serving.interpreter_paged import PERSISTENT_INPUTS
+            from mpk_dist.taskgraph.paged_compiler import PERSISTENT_INPUTS
 
             n = self.kernel_spec.max_tokens
             for s in group.sessions:  # forced_tokens takes row s of pass s; the rest are whole buffers

@@ -22,6 +22,46 @@ from mpk_dist.taskgraph.serialize import CompiledGraph, serialize
 from mpk_dist.taskgraph.validate import validate
 
 
+PERSISTENT_INPUTS = ("forced_tokens", "start_pos", "seq_slots", "page_table", "logit_rows")
+"""The buffers the host writes for each pass of a persistent launch (the GPU's pass_begin copies them)."""
+
+
+def check_persistent_inputs(cg: CompiledGraph, inputs: tuple[str, ...] = PERSISTENT_INPUTS) -> None:
+    """Every task reading a pass input is an ancestor (same step, through its waits) of the step's
+    argmax_select: the host posts pass s once step s-1's argmax_select has run, and step_begin then
+    overwrites these buffers, so a reader outside that set could still be reading them (AssertionError
+    naming it)."""
+    import numpy as np
+
+    from mpk_dist.taskgraph.abi import ARG_COLS, SIGNAL_COLS, TASK_COLS, WAIT_COLS
+    from mpk_dist.taskgraph.tasks import BY_NAME
+
+    tasks, waits, signals, args = (cg.arrays[k] for k in ("tasks", "waits", "signals", "args"))
+    producers: dict[int, list[int]] = {}
+    for t, row in enumerate(tasks):
+        for k in range(row[TASK_COLS["SIGNAL_BEGIN"]], row[TASK_COLS["SIGNAL_END"]]):
+            producers.setdefault(int(signals[k, SIGNAL_COLS["EVENT"]]), []).append(t)
+    final = int(np.nonzero(tasks[:, TASK_COLS["OPCODE"]] == BY_NAME["argmax_select"].opcode)[0][0])
+    seen, todo = {final}, [final]
+    while todo:
+        row = tasks[todo.pop()]
+        for k in range(row[TASK_COLS["WAIT_BEGIN"]], row[TASK_COLS["WAIT_END"]]):
+            if int(waits[k, WAIT_COLS["STEP_OFFSET"]]) != 0:
+                continue
+            for t in producers.get(int(waits[k, WAIT_COLS["EVENT"]]), []):
+                if t not in seen:
+                    seen.add(t)
+                    todo.append(t)
+    names = [b["name"] for b in cg.meta["buffers"]]
+    ids = {names.index(n) for n in inputs}
+    for t, row in enumerate(tasks):
+        bufs = {int(b) for b in args[row[TASK_COLS["ARG_BEGIN"]]:row[TASK_COLS["ARG_END"]], ARG_COLS["BUFFER"]]}
+        if bufs & ids and t not in seen:
+            raise AssertionError(f"persistent passes: {cg.task_label(t)} reads {sorted(names[b] for b in bufs & ids)} "
+                                 "but is not an ancestor of the step's argmax_select: the next pass's inputs could "
+                                 "overwrite them while it runs")
+
+
 def compile_paged_programs(cfg: ModelConfig, spec: PagedSpec, tp: int, sms: int = 16,
                            check: bool = True, gather_last: bool = True, max_steps: int = 1) -> list[CompiledGraph]:
     """The validated paged program of every rank (rank order); ``gather_last``: head over MB rows;
@@ -44,5 +84,7 @@ def compile_paged_programs(cfg: ModelConfig, spec: PagedSpec, tp: int, sms: int 
         cg = serialize(prog, eg, info, sms)
         if check:
             validate(cg, structure=(r == 0))
+            if max_steps > 1 and r == 0:
+                check_persistent_inputs(cg)
         out.append(cg)
     return out

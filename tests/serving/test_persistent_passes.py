@@ -14,6 +14,7 @@ import torch
 from mpk_dist.backends.base import GenerateRequest
 from mpk_dist.backends.torch_backend import TorchBackend
 from mpk_dist.errors import InputError
+from mpk_dist.models.llama import PagedSpec
 from mpk_dist.models.presets import get_preset
 from mpk_dist.serving.server import Server, VirtualClock
 from mpk_dist.weights import SyntheticSource
@@ -53,10 +54,9 @@ def test_persistent_passes_equal_launch_per_pass_and_each_request_alone(tp, sche
 def test_host_write_check_names_a_reader_left_behind():
     """PersistentLaunch.post refuses to overwrite pass inputs that a pending task of an earlier step
     still reads (on the GPU the host would race it): simulated by posting before the final task ran."""
-    from mpk_dist.models.llama import PagedSpec, build_paged_graph
-    from mpk_dist.serving.interpreter_paged import PERSISTENT_INPUTS
+    from mpk_dist.models.llama import build_paged_graph
     from mpk_dist.taskgraph.interpreter import Interpreter, PersistentLaunch
-    from mpk_dist.taskgraph.paged_compiler import compile_paged_programs
+    from mpk_dist.taskgraph.paged_compiler import PERSISTENT_INPUTS, compile_paged_programs
     from mpk_dist.weights import load_rank_weights
 
     cfg = dataclasses.replace(get_preset("tiny"), dtype="float32")
@@ -81,3 +81,24 @@ def test_host_write_check_names_a_reader_left_behind():
     launch.post(1, write)  # after the final task every reader of step 0 has run
     with pytest.raises(InputError, match="expected step 2 next"):
         launch.post(3, write)
+
+
+def test_static_check_names_a_reader_outside_the_final_tasks_ancestors():
+    """check_persistent_inputs (run by compile_paged_programs for max_steps > 1) passes on the real
+    program and names the task when a reader of a pass input loses its path to argmax_select."""
+    import numpy as np
+
+    from mpk_dist.taskgraph.abi import TASK_COLS
+    from mpk_dist.taskgraph.paged_compiler import check_persistent_inputs, compile_paged_programs
+    from mpk_dist.taskgraph.tasks import BY_NAME
+
+    cfg = dataclasses.replace(get_preset("tiny"), dtype="float32")
+    spec = PagedSpec(max_tokens=4, max_seqs=2, num_pages=8, page_size=4, max_pages_per_seq=4)
+    cg = compile_paged_programs(cfg, spec, 1, sms=4, max_steps=3)[0]
+    check_persistent_inputs(cg)
+    # cut the signals of a gather_rows task (a reader of logit_rows): no longer an ancestor of the head
+    t = int(np.nonzero(cg.arrays["tasks"][:, TASK_COLS["OPCODE"]] == BY_NAME["gather_rows"].opcode)[0][0])
+    row = cg.arrays["tasks"][t]
+    row[TASK_COLS["SIGNAL_END"]] = row[TASK_COLS["SIGNAL_BEGIN"]]
+    with pytest.raises(AssertionError, match="gather_rows.*reads \\['logit_rows'\\]"):
+        check_persistent_inputs(cg)
