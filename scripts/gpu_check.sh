@@ -23,7 +23,8 @@
 #                   context ~512 for qwen3-8b, llama3-8b, qwen3-1.7b, qwen3-0.6b (batch 1) and qwen3-8b batch 8
 #                   (MPK_LINEAR_MMA=1), the knob sweep of the newest levers on qwen3-8b (PERF_VARIANTS,
 #                   default "base;b1;a1;a1,b1": weight stream, attn_prep fusion, both), and a traced qwen3-8b run's trace-summary. Limit per step: PERF_LIMIT
-# Two GPUs: run two copies side by side, e.g. CUDA_VISIBLE_DEVICES=0 ... --runtime-only and
+# Two GPUs: GPU_SPLIT=K/N splits one check's steps over N copies of this script (see below; not for --tp,
+# whose ipc step wants both GPUs), or run two copies side by side, e.g. CUDA_VISIBLE_DEVICES=0 ... --runtime-only and
 # CUDA_VISIBLE_DEVICES=1 ... --fusion-only, each with its own OUT and MPK_CACHE_DIR and MPK_SKIP_INSTALL=1.
 # Logs and JSON go to $OUT (or ./gpu_check_out). Time limits (s): PYTEST_LIMIT, SAN_LIMIT, TRACE_LIMIT;
 # PYTEST_K selects tests (pytest -k), SKIP_TRACE=1 skips the traced qwen3-0.6b run.
@@ -53,8 +54,21 @@ for a in "$@"; do
   esac
 done
 declare -A STATUS
+# GPU_SPLIT=K/N: run only every N-th step starting at K (the prebuild always), so N copies of this script
+# on N GPUs (CUDA_VISIBLE_DEVICES, own OUT, same MPK_CACHE_DIR) share one check, e.g. on two GPUs:
+#   GPU_SPLIT=0/2 CUDA_VISIBLE_DEVICES=0 OUT=o0 scripts/gpu_check.sh & GPU_SPLIT=1/2 CUDA_VISIBLE_DEVICES=1 OUT=o1 ...
+SPLIT_K=${GPU_SPLIT%/*}; SPLIT_N=${GPU_SPLIT#*/}; [ -n "${GPU_SPLIT:-}" ] || { SPLIT_K=0; SPLIT_N=1; }
+case "$SPLIT_K/$SPLIT_N" in
+  [0-9]*/[1-9]*) [ "$SPLIT_K" -lt "$SPLIT_N" ] || { echo "GPU_SPLIT: expected K/N with K < N, got $GPU_SPLIT" >&2; exit 2; } ;;
+  *) echo "GPU_SPLIT: expected K/N (e.g. 0/2), got $GPU_SPLIT" >&2; exit 2 ;;
+esac
+STEP_NO=0
 step() {  # step NAME TIMEOUT_S CMD...: run with a time limit, log to $OUT/NAME.log, record pass/fail
   local name=$1 limit=$2; shift 2
+  if [ "$name" != prebuild ]; then
+    STEP_NO=$((STEP_NO + 1))
+    if [ $(( (STEP_NO - 1) % SPLIT_N )) -ne "$SPLIT_K" ]; then STATUS[$name]="other part (GPU_SPLIT)"; return 0; fi
+  fi
   local t0=$(date +%s)
   timeout -s INT -k 20 "$limit" "$@" > "$OUT/$name.log" 2>&1  # INT first: pytest still prints what failed
   local rc=$?
