@@ -16,8 +16,10 @@ struct TraceRecord {
   uint32_t task_id;
   uint32_t step;
   uint64_t start_ns;
-  uint32_t wait_ns;
-  uint32_t run_ns;
+  uint32_t wait_ns;  // turning to the task -> its inputs ready (includes prep_ns)
+  uint32_t run_ns;   // inputs ready -> signalled (includes post_ns)
+  uint32_t prep_ns;  // turning to the task -> its weight prefetch and descriptor prefetch issued (aot)
+  uint32_t post_ns;  // body done -> barrier, step epilogue, signals (and a ring drain) done
 };
 
 struct RuntimeParams {

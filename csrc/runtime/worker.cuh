@@ -108,10 +108,14 @@ __device__ bool task_ready(const RuntimeParams& p, int task, int s) {
   return true;
 }
 
+// t0: turned to the task; t_prep: prefetches issued (== t0 where there are none); t_ready: inputs
+// ready; t_body: body done (before the barrier, epilogue and signals); now: all of it done.
 __device__ __forceinline__ void trace_record(const RuntimeParams& p, int& n, int task, int s, uint64_t t0,
-                                             uint64_t t_ready) {
+                                             uint64_t t_prep, uint64_t t_ready, uint64_t t_body) {
   if (p.trace != nullptr && n < p.trace_cap) {
-    TraceRecord r{(uint32_t)task, (uint32_t)s, t0, (uint32_t)(t_ready - t0), (uint32_t)(globaltimer_ns() - t_ready)};
+    const uint64_t now = globaltimer_ns();
+    TraceRecord r{(uint32_t)task, (uint32_t)s, t0, (uint32_t)(t_ready - t0), (uint32_t)(now - t_ready),
+                  (uint32_t)(t_prep - t0), (uint32_t)(now - t_body)};
     p.trace[(size_t)blockIdx.x * p.trace_cap + n] = r;
   }
   ++n;
@@ -139,7 +143,8 @@ __device__ __forceinline__ int ring_pop(const RuntimeParams& p, uint32_t* q, int
 // Run a ready task on all worker threads, then publish its completion (signals). The final task's
 // block runs the step epilogue first; when the run ends there, it raises the halt flag.
 template <bool kJit>
-__device__ bool run_and_signal(const RuntimeParams& p, int task, int s, float* smem, int tid, int nt) {
+__device__ bool run_and_signal(const RuntimeParams& p, int task, int s, float* smem, int tid, int nt,
+                               uint64_t* t_body) {
   // Persistent passes: step_begin first waits for the host's pass s and copies it in (pass_begin.cuh).
   if (p.pass_doorbell != nullptr && p.tasks[(size_t)task * TASK_NUM_COLS + TASK_COL_OPCODE] == OP_STEP_BEGIN &&
       !pass_begin(p, task, s, tid, nt))
@@ -149,6 +154,7 @@ __device__ bool run_and_signal(const RuntimeParams& p, int task, int s, float* s
     return false;
   }
   worker_barrier(nt);  // every thread's output writes precede thread 0's release below
+  if (tid == 0) *t_body = globaltimer_ns();  // trace: the body is done on every thread
   bool end = false;
   if (task == p.final_task) end = step_epilogue(p, s, tid, nt);
   // An early stop (EOS, max tokens) does not signal, so no task of the next step can start; at the
@@ -207,13 +213,15 @@ __device__ void worker_loop_aot(const RuntimeParams& p, BlockState& st, float* s
       const uint64_t t0 = globaltimer_ns();
       prefetch_task(p, task, tid, nt);  // weights stream in while we wait for the inputs
       prefetch_descriptors(p, task, i + 1 < p.worker_offsets[w + 1] ? &p.worker_tasks[i + 1] : nullptr, tid);
+      const uint64_t t_prep = globaltimer_ns();
       if (tid == 0) st.failed = wait_task_events(p, task, s);
       worker_barrier(nt);  // hands thread 0's acquired view to every worker thread
       if (st.failed) { stop = true; break; }
       const uint64_t t_ready = globaltimer_ns();
-      if (!run_and_signal<false>(p, task, s, smem, tid, nt)) { stop = true; break; }
+      uint64_t t_body = 0;
+      if (!run_and_signal<false>(p, task, s, smem, tid, nt, &t_body)) { stop = true; break; }
       if (tid == 0) stream_drain();  // a ring primed for this task but not streamed from (weight_stream.cuh)
-      if (tid == 0 && s >= p.trace_from) trace_record(p, ntrace, task, s, t0, t_ready);
+      if (tid == 0 && s >= p.trace_from) trace_record(p, ntrace, task, s, t0, t_prep, t_ready, t_body);
       worker_barrier(nt);  // st is rewritten by thread 0 for the next task
     }
     if (stop) break;
@@ -312,8 +320,9 @@ __device__ void worker_loop_jit(const RuntimeParams& p, BlockState& st, float* s
     const int task = st.task, s = st.step;
     last_step = s;
     const uint64_t t_ready = globaltimer_ns();  // a queued task is ready: no prefetch-before-wait here
-    if (!run_and_signal<true>(p, task, s, smem, tid, nt)) break;
-    if (tid == 0 && s >= p.trace_from) trace_record(p, ntrace, task, s, t0, t_ready);
+    uint64_t t_body = 0;
+    if (!run_and_signal<true>(p, task, s, smem, tid, nt, &t_body)) break;
+    if (tid == 0 && s >= p.trace_from) trace_record(p, ntrace, task, s, t0, t0, t_ready, t_body);
     worker_barrier(nt);
   }
   if (tid == 0 && p.trace_len != nullptr) p.trace_len[w] = (uint32_t)ntrace;

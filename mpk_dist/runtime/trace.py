@@ -22,7 +22,9 @@ def chrome_trace(cg, per_worker: list[np.ndarray], rank: int = 0, t0: int | None
     """Build the trace dict from per-worker TraceRecord arrays of one launch.
 
     Each task gives a 'wait' event (category "wait": from the worker turning to the task until its
-    inputs were ready) and the task's own event (name = op, category = task kind) for the run.
+    inputs were ready) and the task's own event (name = op, category = task kind) for the run; its
+    args carry ``prep_us`` (issuing the weight and descriptor prefetches, inside the wait) and
+    ``post_us`` (barrier, step epilogue and signals after the body, inside the run).
     Times are relative to ``t0`` (device ns; default the earliest start here): ranks traced on one
     clock share one t0 so their events line up.
     """
@@ -38,6 +40,8 @@ def chrome_trace(cg, per_worker: list[np.ndarray], rank: int = 0, t0: int | None
             op = ops[int(tasks[t, TASK_COLS["OP_INDEX"]])]
             start, wait, run = (int(r["start_ns"]) - t0) / 1e3, int(r["wait_ns"]) / 1e3, int(r["run_ns"]) / 1e3
             args = {"task": t, "step": int(r["step"]), "layer": op["layer"], "tile": int(tasks[t, TASK_COLS["TILE"]])}
+            if "prep_ns" in recs.dtype.names:  # the per-task overheads inside wait and run (TraceRecord)
+                args = {**args, "prep_us": int(r["prep_ns"]) / 1e3, "post_us": int(r["post_ns"]) / 1e3}
             if wait > 0:
                 events.append({"name": "wait", "cat": "wait", "ph": "X", "pid": rank, "tid": w, "ts": start,
                                "dur": wait, "args": args})
@@ -79,7 +83,7 @@ def summarize(events: list[dict]) -> dict:
         raise InputError("trace: expected at least one task event, got none (was the run traced?)")
     t_min = min(e["ts"] for e in events)
     span = max(e["ts"] + e.get("dur", 0) for e in events) - t_min
-    kinds: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    kinds: dict[str, list[float]] = defaultdict(lambda: [0.0, 0, 0.0, 0.0])  # run, tasks, prep, post
     busy: dict[tuple, float] = defaultdict(float)
     waiting: dict[tuple, float] = defaultdict(float)
     for e in events:
@@ -90,20 +94,59 @@ def summarize(events: list[dict]) -> dict:
         k = kinds[e.get("cat") or e.get("name", "?")]
         k[0] += e.get("dur", 0)
         k[1] += 1
+        k[2] += e.get("args", {}).get("prep_us", 0.0)
+        k[3] += e.get("args", {}).get("post_us", 0.0)
         busy[key] += e.get("dur", 0)
     total = sum(v[0] for v in kinds.values()) or 1.0
     per_kind = sorted(((n, v[0], v[1], v[0] / total) for n, v in kinds.items()), key=lambda x: -x[1])
+    overheads = {n: (v[2] / max(v[1], 1), v[3] / max(v[1], 1)) for n, v in kinds.items()}
     keys = sorted(set(busy) | set(waiting))
     per_worker = [(k, busy[k], max(0.0, span - busy[k]), waiting[k]) for k in keys]
-    return {"span_us": span, "kinds": per_kind, "workers": per_worker}
+    return {"span_us": span, "kinds": per_kind, "workers": per_worker, "overheads": overheads}
+
+
+def levels(events: list[dict], step: int, rank: int = 0) -> list[dict]:
+    """Per op of one step on one rank, in start order: tasks, first start, last end, median run, how
+    spread its tiles' starts and ends are, and the gap from the previous op's last end to its first
+    start. What shows where a decode step loses time between levels (a late tile holds the next level)."""
+    by_op: dict[str, list[dict]] = defaultdict(list)
+    for e in events:
+        a = e.get("args", {})
+        if e.get("cat") != "wait" and a.get("step") == step and e.get("pid", 0) == rank:
+            by_op[e["name"]].append(e)
+    if not by_op:
+        raise InputError(f"trace: expected task events of step {step} on rank {rank}, got none")
+    rows, prev_end = [], None
+    for name, es in sorted(by_op.items(), key=lambda kv: min(e["ts"] for e in kv[1])):
+        starts = np.array([e["ts"] for e in es])
+        ends = starts + np.array([e["dur"] for e in es])
+        rows.append({"op": name, "kind": es[0].get("cat", "?"), "tasks": len(es), "start_us": float(starts.min()),
+                     "end_us": float(ends.max()), "run_median_us": float(np.median(ends - starts)),
+                     "start_spread_us": float(starts.max() - starts.min()),
+                     "end_spread_us": float(ends.max() - ends.min()),
+                     "gap_us": None if prev_end is None else float(starts.min() - prev_end)})
+        prev_end = float(ends.max())
+    return rows
+
+
+def format_levels(rows: list[dict]) -> str:
+    """``levels`` as a table."""
+    out = [f"{'op':<22}{'kind':<16}{'tasks':>6}{'start':>11}{'span':>8}{'run med':>9}{'start spr':>10}"
+           f"{'end spr':>9}{'gap':>7}"]
+    for r in rows:
+        gap = "" if r["gap_us"] is None else f"{r['gap_us']:.2f}"
+        out.append(f"{r['op']:<22}{r['kind']:<16}{r['tasks']:>6}{r['start_us']:>11.1f}{r['end_us'] - r['start_us']:>8.2f}"
+                   f"{r['run_median_us']:>9.2f}{r['start_spread_us']:>10.2f}{r['end_spread_us']:>9.2f}{gap:>7}")
+    return "\n".join(out)
 
 
 def format_summary(s: dict) -> str:
     """The summary as text tables (op kinds by run time; per-worker busy/idle/wait)."""
     lines = [f"trace span: {s['span_us']:.1f} us", "",
-             f"{'op kind':<20}{'run (us)':>12}{'tasks':>8}{'share':>8}"]
+             f"{'op kind':<20}{'run (us)':>12}{'tasks':>8}{'share':>8}{'prep/task':>11}{'post/task':>11}"]
     for name, t, n, share in s["kinds"]:
-        lines.append(f"{name:<20}{t:>12.1f}{n:>8d}{share:>8.1%}")
+        prep, post = s.get("overheads", {}).get(name, (0.0, 0.0))
+        lines.append(f"{name:<20}{t:>12.1f}{n:>8d}{share:>8.1%}{prep:>11.2f}{post:>11.2f}")
     idle = [w[2] for w in s["workers"]]
     lines += ["", f"{'rank/worker':<14}{'busy (us)':>12}{'idle (us)':>12}{'of which wait':>15}{'idle %':>8}"]
     for (pid, tid), b, i, wt in s["workers"]:

@@ -13,8 +13,8 @@ from mpk_dist.taskgraph.tasks import BY_OPCODE
 
 
 def recs(rows) -> np.ndarray:
-    """TraceRecord array from (task, step, start_ns, wait_ns, run_ns) rows."""
-    return np.array([tuple(r) for r in rows], dtype=TRACE_DTYPE)
+    """TraceRecord array from (task, step, start_ns, wait_ns, run_ns) rows (no prep/post times)."""
+    return np.array([tuple(r) + (0,) * (len(TRACE_DTYPE.names) - len(r)) for r in rows], dtype=TRACE_DTYPE)
 
 
 def test_comm_waits_are_the_reduce_and_select_tasks():

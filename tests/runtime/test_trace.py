@@ -14,16 +14,17 @@ from mpk_dist.runtime.trace import chrome_trace, load_trace, summarize, write_tr
 from mpk_dist.taskgraph.compiler import compile_rank_programs
 
 
-def _records(tasks: list[tuple[int, int, int, int]]) -> np.ndarray:
-    """(task, start, ready, end) in ns -> TraceRecords."""
-    return np.array([(t, 0, s, r - s, e - r) for t, s, r, e in tasks], dtype=TRACE_DTYPE)
+def _records(tasks: list[tuple]) -> np.ndarray:
+    """(task, start, ready, end[, prep, post]) in ns -> TraceRecords."""
+    return np.array([(t, 0, s, r - s, e - r, *rest, *(0,) * (2 - len(rest))) for t, s, r, e, *rest in tasks],
+                    dtype=TRACE_DTYPE)
 
 
 def test_chrome_trace_and_summary(tmp_path, capsys):
     cg = compile_rank_programs(get_preset("tiny"), tp=1, batch=1, sms=2, max_seq_len=16)[0]
     # worker 0 runs 0..3000 ns (two tasks), worker 1 waits 1000..1500 then runs 1500..2000 ns:
     # span 3 us; idle 0 and 2.5 us (0.5 us of it waiting)
-    per_worker = [_records([(0, 1000, 1000, 2000), (1, 2000, 2000, 4000)]), _records([(2, 2000, 2500, 3000)])]
+    per_worker = [_records([(0, 1000, 1000, 2000), (1, 2000, 2000, 4000)]), _records([(2, 2000, 2500, 3000, 200, 100)])]
     tr = chrome_trace(cg, per_worker, rank=0)
     path = write_trace(tmp_path / "t.json", tr)
     evs = load_trace(path)
@@ -34,12 +35,16 @@ def test_chrome_trace_and_summary(tmp_path, capsys):
     busy = {pw[1]: (b, i, w) for pw, b, i, w in s["workers"]}
     assert busy[0] == pytest.approx((3.0, 0.0, 0.0)) and busy[1] == pytest.approx((0.5, 2.5, 0.5))
     assert sum(k[2] for k in s["kinds"]) == 3
+    kind2 = next(e["cat"] for e in evs if e["args"]["task"] == 2 and e["cat"] != "wait")
+    n2 = sum(e["cat"] == kind2 for e in evs)  # task 2's kind may cover another task (prep/post 0)
+    assert s["overheads"][kind2] == pytest.approx((0.2 / n2, 0.1 / n2))  # mean prep / post per task
     assert main(["trace-summary", str(path)]) == 0
     out = capsys.readouterr().out
     assert "op kind" in out and "embedding" in out and "idle" in out
     assert main(["trace-summary", "--json", str(path)]) == 0
     js = json.loads(capsys.readouterr().out)
     assert js["span_us"] == pytest.approx(3.0)
+    assert next(k for k in js["kinds"] if k["kind"] == kind2)["prep_us_per_task"] == pytest.approx(0.2 / n2)
 
 
 def test_trace_summary_bad_file(tmp_path, capsys):
@@ -50,3 +55,22 @@ def test_trace_summary_bad_file(tmp_path, capsys):
     empty = tmp_path / "empty.json"
     empty.write_text(json.dumps({"traceEvents": []}))
     assert main(["trace-summary", str(empty)]) == 2
+
+
+def test_levels_view_of_one_step(tmp_path, capsys):
+    """trace-summary --levels: per op of one step, span, start/end spread of its tiles and the gap after
+    the previous op, from the events (two ops, the second's tiles start 0.5 and 1.5 us after the first ends)."""
+    ev = lambda name, ts, dur, step=3: {"name": name, "cat": "linear", "ph": "X", "pid": 0, "tid": 0, "ts": ts,  # noqa: E731
+                                         "dur": dur, "args": {"step": step}}
+    evs = [ev("a", 0.0, 2.0), ev("a", 1.0, 2.0), ev("b", 3.5, 1.0), ev("b", 4.5, 1.0), ev("b", 0.0, 9.0, step=4)]
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"traceEvents": evs}))
+    from mpk_dist.runtime.trace import levels
+
+    rows = levels(load_trace(path), 3)
+    assert [r["op"] for r in rows] == ["a", "b"] and rows[0]["gap_us"] is None
+    assert rows[1]["gap_us"] == pytest.approx(0.5) and rows[1]["start_spread_us"] == pytest.approx(1.0)
+    assert rows[0]["end_us"] == pytest.approx(3.0) and rows[1]["run_median_us"] == pytest.approx(1.0)
+    assert main(["trace-summary", "--levels", "3", str(path)]) == 0 and "start spr" in capsys.readouterr().out
+    assert main(["trace-summary", "--levels", "9", str(path)]) == 2
+    assert "expected task events of step 9" in capsys.readouterr().err

@@ -10,6 +10,9 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("trace-summary", help="summarise a --trace file: time per op kind, idle time per SM")
     p.add_argument("file", metavar="FILE.json", help="Chrome/Perfetto trace written by --trace")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.add_argument("--levels", type=int, default=None, metavar="STEP",
+                   help="instead: per op of decode step STEP (rank 0), its span, tiles' start/end spread and the "
+                        "gap after the previous op (where a step loses time between levels)")
     p.set_defaults(func=run)
 
 
@@ -17,10 +20,17 @@ def run(args) -> int:
     """Print the summary; InputError (exit 2) for a missing or malformed file."""
     from mpk_dist.runtime.trace import format_summary, load_trace, summarize
 
+    if args.levels is not None:
+        from mpk_dist.runtime.trace import format_levels, levels
+
+        rows = levels(load_trace(args.file), args.levels)
+        print(json.dumps(rows) if args.json else format_levels(rows))
+        return 0
     s = summarize(load_trace(args.file))
     if args.json:
         print(json.dumps({"span_us": s["span_us"],
-                          "kinds": [{"kind": k, "us": t, "tasks": n, "share": sh} for k, t, n, sh in s["kinds"]],
+                          "kinds": [{"kind": k, "us": t, "tasks": n, "share": sh, "prep_us_per_task": s["overheads"][k][0],
+                                     "post_us_per_task": s["overheads"][k][1]} for k, t, n, sh in s["kinds"]],
                           "workers": [{"rank": pw[0], "worker": pw[1], "busy_us": b, "idle_us": i, "wait_us": w}
                                       for pw, b, i, w in s["workers"]]}))
     else:
