@@ -126,7 +126,8 @@ if [ $PERF -eq 1 ]; then
     --variants "${PERF_VARIANTS:-base;b1;a1;a1,b1}" --output-json "$OUT/perf_sweep.json"
   step perf_trace "${PERF_LIMIT:-150}" bash -c "python3 -m mpk_dist run --model qwen3-8b --backend megakernel \
     --prompt-ids 1,2,3,4 --max-new-tokens 8 --no-stop --trace $OUT/trace_qwen3_8b.json > /dev/null \
-    && python3 -m mpk_dist trace-summary $OUT/trace_qwen3_8b.json | head -16 && gzip -f $OUT/trace_qwen3_8b.json"
+    && python3 -m mpk_dist trace-summary $OUT/trace_qwen3_8b.json | head -16 \
+    && python3 -m mpk_dist trace-summary --levels 5 $OUT/trace_qwen3_8b.json | sed -n '1p;90,97p' && gzip -f $OUT/trace_qwen3_8b.json"
   echo
   echo "==================== gpu_check --perf summary ===================="
   python3 - "$OUT" <<'PY'
