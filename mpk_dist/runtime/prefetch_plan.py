@@ -8,7 +8,12 @@ NARROW op (few tasks: the o-projection after attention, whose qkv_prep -> attent
 handful of SMs for tens of microseconds) leaves every other SM idle for that long; its whole weight
 block fits in L2 and can be in L2 by the time the inputs arrive. This module marks those tasks.
 
-The plan is a per-task int32 array (bytes, or -1 for "the kernel's default cap") that the session
+A tile whose own worker runs one of those narrow producers earlier in its list gets 0 (no prefetch):
+that worker reaches the tile when its input is (nearly) ready, so there is nothing to hide and issuing
+the prefetch only delays the level's last tile (the v0.4 trace: the 8 attention workers started their
+o_proj tile 3.9 us after their attention, and the o_proj level ended 5.5 us after its first tile).
+
+The plan is a per-task int32 array (bytes, 0 for none, or -1 for "the kernel's default cap") that the session
 copies to the device (``RuntimeParams.prefetch_bytes``); it depends on the device (L2 size, workers),
 so it is made at load time, not by the task-graph compiler.
 """
@@ -17,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from mpk_dist.taskgraph.abi import EVENT_COLS, TASK_COLS, WAIT_COLS
+from mpk_dist.taskgraph.abi import EVENT_COLS, SIGNAL_COLS, TASK_COLS, WAIT_COLS
 from mpk_dist.taskgraph.tasks import BY_NAME
 
 LINEAR_KINDS = ("linear", "norm_linear", "linear_residual", "silu_linear")
@@ -32,15 +37,34 @@ L2_SHARE = 0.7
 WEIGHT_BYTES = 2  # the linear bodies read bf16 weights
 
 
-def _narrow_wait(cg, task: int, workers: int) -> bool:
-    """True when some wait of ``task`` in its own step is on an event with few signallers."""
+def _narrow_events(cg, task: int, workers: int) -> set[int]:
+    """The events with few signallers that ``task`` waits on in its own step."""
     tasks, waits, events = cg.arrays["tasks"], cg.arrays["waits"], cg.arrays["events"]
     row = tasks[task]
+    out = set()
     for k in range(int(row[TASK_COLS["WAIT_BEGIN"]]), int(row[TASK_COLS["WAIT_END"]])):
         if int(waits[k, WAIT_COLS["STEP_OFFSET"]]) != 0:
             continue
-        trig = int(events[int(waits[k, WAIT_COLS["EVENT"]]), EVENT_COLS["TRIGGERS"]])
-        if 0 < trig < NARROW_FRACTION * workers:
+        e = int(waits[k, WAIT_COLS["EVENT"]])
+        if 0 < int(events[e, EVENT_COLS["TRIGGERS"]]) < NARROW_FRACTION * workers:
+            out.add(e)
+    return out
+
+
+def _signals(cg, task: int) -> set[int]:
+    row = cg.arrays["tasks"][task]
+    sig = cg.arrays["signals"][int(row[TASK_COLS["SIGNAL_BEGIN"]]):int(row[TASK_COLS["SIGNAL_END"]])]
+    return {int(e) for e in sig[:, SIGNAL_COLS["EVENT"]]}
+
+
+def _runs_a_producer_first(cg, task: int, events: set[int]) -> bool:
+    """True when the aot list of ``task``'s worker has, before it, a task that signals one of ``events``."""
+    w = int(cg.arrays["tasks"][task, TASK_COLS["WORKER"]])
+    offs, lst = cg.arrays["worker_offsets"], cg.arrays["worker_tasks"]
+    for t in lst[int(offs[w]):int(offs[w + 1])].tolist():
+        if t == task:
+            return False
+        if _signals(cg, t) & events:
             return True
     return False
 
@@ -64,16 +88,19 @@ def prefetch_plan(cg, workers: int, l2_bytes: int) -> np.ndarray:
         by_op.setdefault(int(tasks[t, TASK_COLS["OP_INDEX"]]), []).append((t, named["N_TILE"] * named["K"] * WEIGHT_BYTES))
     budget = int(L2_SHARE * l2_bytes)
     for tiles in by_op.values():
-        if not _narrow_wait(cg, tiles[0][0], workers):
+        narrow = _narrow_events(cg, tiles[0][0], workers)
+        if not narrow:
             continue
         share = budget // len(tiles)
         for t, nbytes in tiles:
-            plan[t] = min(nbytes, share)
+            plan[t] = 0 if _runs_a_producer_first(cg, t, narrow) else min(nbytes, share)
     return plan
 
 
 def describe(cg, plan: np.ndarray) -> str:
-    """One line: how many tasks of how many ops get a planned prefetch, and its total size."""
-    marked = np.nonzero(plan >= 0)[0]
+    """One line: how many tasks of how many ops get a planned prefetch, its total size, and how many
+    tiles skip it (their worker ran the producer)."""
+    marked = np.nonzero(plan > 0)[0]
     ops = {int(cg.arrays["tasks"][t, TASK_COLS["OP_INDEX"]]) for t in marked}
-    return f"whole-tile L2 prefetch: {len(marked)} tasks of {len(ops)} ops, {int(plan[marked].sum()) / 1e6:.1f} MB per step"
+    return (f"whole-tile L2 prefetch: {len(marked)} tasks of {len(ops)} ops, {int(plan[marked].sum()) / 1e6:.1f} MB per "
+            f"step; {int((plan == 0).sum())} tiles none (their worker runs the producer first)")
