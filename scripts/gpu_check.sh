@@ -122,6 +122,9 @@ if [ $PERF -eq 1 ]; then
   done
   step perf_qwen3-8b_b8 "${PERF_LIMIT:-150}" env MPK_LINEAR_MMA=1 python3 -m mpk_dist bench --model qwen3-8b --batch 8 \
     --backend megakernel,torch-compile $CTX --output-json "$OUT/perf_qwen3-8b_b8.json"
+  # Issue 6's start-up figures: cold (empty cache: superoptimizer searches + nvcc) then warm (cached), qwen3-8b.
+  step perf_startup "${PERF_LIMIT:-150}" bash -c 'D=$(mktemp -d); for i in 1 2; do MPK_CACHE_DIR=$D python3 -m mpk_dist run \
+    --model qwen3-8b --backend megakernel --prompt-ids 1,2,3 --max-new-tokens 4 --no-stop | grep start-up || exit 1; done'
   step perf_sweep "${PERF_LIMIT:-150}" python3 scripts/tune_sweep.py --model qwen3-8b --prompt-len 480 --output-len 64 \
     --variants "${PERF_VARIANTS:-base;b1;a1;a1,b1}" --output-json "$OUT/perf_sweep.json"
   step perf_trace "${PERF_LIMIT:-150}" bash -c "python3 -m mpk_dist run --model qwen3-8b --backend megakernel \

@@ -121,4 +121,10 @@ def main(args) -> int:
     print(f"text:   {text!r}", file=out)
     print(f"prefill {res.prefill_ms:.2f} ms | per token p50 {lat['p50']:.3f} ms  p90 {lat['p90']:.3f}  "
           f"p99 {lat['p99']:.3f} | {lat['tokens_per_s']:.1f} tokens/s", file=out)
+    if "kernel_build_s" in res.extra:  # the mega-kernel's start-up: cold (compiled here) or warm (cached cubin)
+        x = res.extra
+        total = x["taskgraph_s"] + x["kernel_build_s"] + x["load_s"]
+        how = "cached cubin" if x["kernel_cached"] else f"built here: {x['compiler']}, generated bodies incl."
+        print(f"start-up {'warm' if x['kernel_cached'] else 'cold'} {total:.2f} s | task graph {x['taskgraph_s']:.2f} s | "
+              f"kernel {x['kernel_build_s']:.2f} s ({how}) | load {x['load_s']:.2f} s", file=out)
     return 0
