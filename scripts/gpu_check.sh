@@ -19,6 +19,8 @@
 #                   prompts (+ persistent passes), and (2+ GPUs) bench-comm;
 #                   --no-extras skips them.
 #                   Limit per section: EXTRA_LIMIT
+#   --all-gpus      one copy of this check per visible GPU side by side, the steps split between them
+#                   (GPU_SPLIT below), after one install and one kernel prebuild; not with --tp
 #   --perf          ONLY the issue-6 speed table: `mpk-dist bench --backend megakernel,torch-compile` at
 #                   context ~512 for qwen3-8b, llama3-8b, qwen3-1.7b, qwen3-0.6b (batch 1) and qwen3-8b batch 8
 #                   (MPK_LINEAR_MMA=1), the knob sweep of the newest levers on qwen3-8b (PERF_VARIANTS,
@@ -36,9 +38,12 @@ export PYTHONUNBUFFERED=1 MPK_CACHE_DIR=${MPK_CACHE_DIR:-/tmp/mpk_cache}
 # (~20 s of nvcc each) and redo the superoptimizer searches (qk_norm_rope: 30 s per shape).
 export MPK_TEST_CACHE_DIR=${MPK_TEST_CACHE_DIR:-$MPK_CACHE_DIR}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-RUNTIME_ONLY=0; SANITIZE=1; BENCH=0; FUSION=1; FUSION_ONLY=0; TP=0; ATTN=1; EXTRAS=1; PERF=0
+RUNTIME_ONLY=0; SANITIZE=1; BENCH=0; FUSION=1; FUSION_ONLY=0; TP=0; ATTN=1; EXTRAS=1; PERF=0; ALL_GPUS=0
+PASS_ON=()  # the options a copy started by --all-gpus gets
 for a in "$@"; do
+  [ "$a" = --all-gpus ] || PASS_ON+=("$a")
   case "$a" in
+    --all-gpus) ALL_GPUS=1 ;;
     --runtime-only) RUNTIME_ONLY=1 ;;
     --no-sanitizer) SANITIZE=0 ;;
     --bench) BENCH=1 ;;
@@ -50,9 +55,27 @@ for a in "$@"; do
     --extras-only) FUSION_ONLY=1; FUSION=0; ATTN=0; EXTRAS=1 ;;
     --no-extras) EXTRAS=0 ;;
     --perf) PERF=1 ;;
-    *) echo "gpu_check.sh: unknown option $a (expected --runtime-only, --no-sanitizer, --bench, --fusion-only, --no-fusion, --tp, --attn-split-only, --no-attn-split, --extras-only, --no-extras, --perf)" >&2; exit 2 ;;
+    *) echo "gpu_check.sh: unknown option $a (expected --all-gpus, --runtime-only, --no-sanitizer, --bench, --fusion-only, --no-fusion, --tp, --attn-split-only, --no-attn-split, --extras-only, --no-extras, --perf)" >&2; exit 2 ;;
   esac
 done
+# --all-gpus: install and prebuild once, then one copy per visible GPU, each running every N-th step
+# (GPU_SPLIT), side by side; their summaries follow. Not with --tp (its ipc step wants every GPU).
+if [ $ALL_GPUS -eq 1 ]; then
+  [ $TP -eq 0 ] || { echo "gpu_check.sh: --all-gpus does not split --tp (its ipc step uses every GPU)" >&2; exit 2; }
+  N=$(nvidia-smi -L | wc -l)
+  [ "${MPK_SKIP_INSTALL:-0}" = 1 ] || python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1 \
+    || { cat "$OUT/install.log"; exit 1; }
+  if [ $PERF -eq 1 ]; then PB=(--models qwen3-8b,llama3-8b,qwen3-1.7b,qwen3-0.6b --batches 1,8 --schedules aot --tp 1); else PB=(); fi
+  [ "${PREBUILD:-1}" = 1 ] && python3 scripts/prebuild_kernels.py "${PB[@]}" > "$OUT/prebuild.log" 2>&1
+  tail -n 1 "$OUT/prebuild.log" 2>/dev/null
+  for k in $(seq 0 $((N - 1))); do
+    CUDA_VISIBLE_DEVICES=$k GPU_SPLIT=$k/$N OUT="$OUT/gpu$k" PREBUILD=0 MPK_SKIP_INSTALL=1 \
+      bash "$0" "${PASS_ON[@]}" > "$OUT/gpu$k.log" 2>&1 &
+  done
+  wait
+  for k in $(seq 0 $((N - 1))); do echo "==================== GPU $k ===================="; sed -n '/====================/,$p' "$OUT/gpu$k.log"; done
+  exit 0
+fi
 declare -A STATUS
 # GPU_SPLIT=K/N: run only every N-th step starting at K (the prebuild always), so N copies of this script
 # on N GPUs (CUDA_VISIBLE_DEVICES, own OUT, same MPK_CACHE_DIR) share one check, e.g. on two GPUs:
