@@ -4,7 +4,8 @@ Each rank has its own buffer set (flat torch tensors sized from the buffer table
 buffers are real per-rank buffers, and a remote write lands in every rank's copy, as through the
 GPU's peer pointers. Event counters follow the kernel's rule exactly: never reset within a launch,
 a wait (event, offset) in step s passes at counter >= (s + 1 + offset) * triggers. Every step's task
-instances exist from the start; at each point one ready instance is picked at random (seeded), so
+instances exist from the start (a ``PersistentLaunch`` adds a step's when the host posts it); at each
+point one ready instance is picked at random (seeded), so
 steps overlap wherever the events allow. ``mode='aot'`` instead runs each worker's static list in
 order (random interleaving of workers), which also proves those lists deadlock-free. With
 ``check_races`` each access is checked against shadow state (``mpk_dist.taskgraph.race``).
