@@ -274,13 +274,17 @@ if [ $EXTRAS -eq 1 ] && { [ $FUSION_ONLY -eq 0 ] || [ $FUSION -eq 0 ]; }; then
   step bench_linear "${EXTRA_LIMIT:-240}" python3 -m mpk_dist bench-linear --model qwen3-8b --batches 1,8 \
     --output-json "$OUT/bench_linear.json"
   # Issue 10: TTFT of 128/1024/4096-token prompts (megakernel vs torch, one run each; 256 tokens a pass),
-  # then the same 1024-token workload with every pass posted into one resident launch (--persistent-passes).
+  # then the 1024-token workload with every pass posted into one resident launch (--persistent-passes), and
+  # the 4096-token one with tensor-core tiles for the 16-row blocks of prefill (MPK_LINEAR_MMA=1).
   step ttft "${EXTRA_LIMIT:-240}" bash -c 'for L in 128 1024 4096; do python3 -m mpk_dist serve-bench --model qwen3-0.6b \
     --backend megakernel,torch --synthetic 4 --prompt-len $L --output-len 16 --max-batch 4 --max-tokens-per-step 256 \
     --ignore-eos --check --device cuda --output-json "'"$OUT"'/ttft_$L.json" | tail -4 || exit 1; done; \
     python3 -m mpk_dist serve-bench --model qwen3-0.6b --backend megakernel --persistent-passes 4096 --synthetic 4 \
     --prompt-len 1024 --output-len 16 --max-batch 4 --max-tokens-per-step 256 --ignore-eos --check --device cuda \
-    --output-json "'"$OUT"'/ttft_1024_persistent.json" | tail -3'
+    --output-json "'"$OUT"'/ttft_1024_persistent.json" | tail -3; \
+    MPK_LINEAR_MMA=1 python3 -m mpk_dist serve-bench --model qwen3-0.6b --backend megakernel --synthetic 4 \
+    --prompt-len 4096 --output-len 16 --max-batch 4 --max-tokens-per-step 256 --ignore-eos --check --device cuda \
+    --output-json "'"$OUT"'/ttft_4096_mma.json" | tail -3'
   if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
     step bench_comm "${EXTRA_LIMIT:-240}" launch/mpirun.sh -n 2 bench-comm --output-json "$OUT/bench_comm.json"
   fi
