@@ -54,5 +54,7 @@ def test_persistent_passes_flag(capsys, tmp_path):
                  "--max-tokens-per-step", "8", "--device", "cpu", "--check", "--virtual-pass-ms", "5",
                  "--output-json", str(out)])
     assert code == 0 and "OK" in capsys.readouterr().out
+    rec = json.loads(out.read_text())  # one backend: one record
+    assert rec["persistent_passes"] == 4 and rec["launches"] == -(-rec["passes"] // 4) < rec["passes"]
     assert main(["serve-bench", "--synthetic", "2", "--persistent-passes", "-1", "--device", "cpu"]) == 2
     assert "--persistent-passes: expected P >= 0" in capsys.readouterr().err

@@ -127,6 +127,8 @@ def _record(args, backend, items, server, summary: dict, checks: list) -> dict:
             "tp": args.tp, "num_prompts": len(items), "request_rate": args.rate if args.synthetic else None,
             "max_concurrency": args.max_batch, "page_size": args.page_size, "num_pages": server.pool.num_pages,
             "max_tokens_per_step": server.spec.max_tokens, "passes": len(server.passes),
+            # kernel launches for those passes (compiled backends; fewer than passes with --persistent-passes)
+            "launches": getattr(server.backend, "launches", None), "persistent_passes": args.persistent_passes,
             "clock": "virtual" if args.virtual_pass_ms else "wall", "correct": checks, **summary}
 
 
@@ -134,13 +136,14 @@ def _print_comparison(records: list[dict]) -> None:
     """One row per backend: the same workload's headline numbers side by side."""
     print("============ Backends on the same workload ============")
     print(f"#{'backend':>11s} {'mean ttft':>10s} {'p99 ttft':>10s} {'mean tpot':>10s} {'p99 tpot':>10s} "
-          f"{'output':>9s}  check")
+          f"{'output':>9s}  check  passes/launches")
     print(f"#{'':>11s} {'(ms)':>10s} {'(ms)':>10s} {'(ms)':>10s} {'(ms)':>10s} {'(tok/s)':>9s}")
     for r in records:
         p99 = [k for k in r if k.startswith("p") and k.endswith("_ttft_ms")][-1]
         mark = "-" if all(c is None for c in r["correct"]) else ("OK" if all(r["correct"]) else "FAILED")
+        launches = "-" if r.get("launches") is None else r["launches"]
         print(f" {r['backend']:>11s} {r['mean_ttft_ms']:10.3f} {r[p99]:10.3f} {r['mean_tpot_ms']:10.3f} "
-              f"{r[p99.replace('ttft', 'tpot')]:10.3f} {r['output_throughput']:9.2f}  {mark}")
+              f"{r[p99.replace('ttft', 'tpot')]:10.3f} {r['output_throughput']:9.2f}  {mark:<5s}  {r['passes']}/{launches}")
 
 
 def _backend_opts(args, backend: str) -> dict:
