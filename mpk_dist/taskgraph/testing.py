@@ -112,3 +112,21 @@ def mutation_caught(mutated: list[CompiledGraph], ws, baseline: torch.Tensor, fe
         if not torch.equal(res.captured["logits"], baseline):
             return True
     return False
+
+
+def uncaught_edge_deletions(cgs: list[CompiledGraph], ws, layer: int, feed: torch.Tensor,
+                            start: torch.Tensor | None = None) -> tuple[list[str], int]:
+    """Delete each wait row and each signal row of ``layer``'s tasks in turn (on every rank) and run
+    ``mutation_caught`` against the unmutated programs' logits; (the deletions nobody noticed, rows tried)."""
+    from mpk_dist.taskgraph.interpreter import Interpreter
+
+    start = torch.zeros(feed.shape[1], dtype=torch.int32) if start is None else start
+    baseline = Interpreter(cgs, ws, seed=0).run(2, feed, start).captured["logits"]
+    missed, tried = [], 0
+    for what, begin, end, mutate in (("wait", "WAIT_BEGIN", "WAIT_END", drop_wait),
+                                     ("signal", "SIGNAL_BEGIN", "SIGNAL_END", drop_signal)):
+        for k in rows_of_layer(cgs[0], layer, begin, end):
+            tried += 1
+            if not mutation_caught([mutate(cg, k) for cg in cgs], ws, baseline, feed, start):
+                missed.append(f"{what} row {k}")
+    return missed, tried

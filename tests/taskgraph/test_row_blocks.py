@@ -144,7 +144,7 @@ def test_bf16_sequences_equal_their_batch_16_run_bit_for_bit(config, tp, fuse):
 
 
 @pytest.mark.parametrize("tp,fuse", [(1, True), (2, False)])
-def test_deleting_a_wait_of_a_row_blocked_layer_ismutation_caught(tp, fuse):
+def test_deleting_a_wait_of_a_row_blocked_layer_is_caught(tp, fuse):
     """Every wait of the row-blocked tasks of layer 0 (linear kinds and all-reduce tiles, batch 32)
     is necessary: without it the interpreter reports a race or a deadlock (or the logits change)."""
     cfg = fp32("tiny")
