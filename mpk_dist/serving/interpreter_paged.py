@@ -24,7 +24,7 @@ from mpk_dist.errors import InputError
 from mpk_dist.models.llama import PagedSpec, build_paged_graph
 from mpk_dist.serving.scheduler import StepBatch
 from mpk_dist.taskgraph.interpreter import Interpreter
-from mpk_dist.taskgraph.paged_compiler import PERSISTENT_INPUTS, compile_paged_programs
+from mpk_dist.taskgraph.paged_compiler import PERSISTENT_INPUTS, compile_paged_programs, persistent_pass_inputs
 
 
 class InterpreterPagedBackend:
@@ -88,13 +88,12 @@ class InterpreterPagedBackend:
             self.launches += 1
             self.launch = PersistentLaunch(self.interp, self.persistent_passes, PERSISTENT_INPUTS)
         s = self.launch.posted
+        values = persistent_pass_inputs(x, s)
 
         def write(r: int) -> None:
-            it = self.interp
-            it.buffer(r, "forced_tokens")[s].copy_(x["tokens"])
-            it.buffer(r, "start_pos").copy_(x["positions"] - s)  # step_begin: positions = start_pos + step
-            for name in ("seq_slots", "page_table", "logit_rows"):
-                it.buffer(r, name).copy_(x[name])
+            for name, v in values.items():
+                buf = self.interp.buffer(r, name)
+                (buf[s] if name == "forced_tokens" else buf).copy_(v)  # forced_tokens: this step's row
 
         self.launch.post(s, write)
         self.launch.wait_final(s)

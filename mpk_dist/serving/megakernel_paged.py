@@ -287,9 +287,9 @@ class MegakernelPagedBackend:
         if not self.running:
             self._start_persistent()
         s = self.posted
-        staged = {"forced_tokens": x["tokens"].numpy(), "start_pos": (x["positions"] - s).numpy(),
-                  "seq_slots": x["seq_slots"].numpy(), "page_table": x["page_table"].numpy(),
-                  "logit_rows": x["logit_rows"].numpy()}
+        from mpk_dist.taskgraph.paged_compiler import persistent_pass_inputs
+
+        staged = {k: v.numpy() for k, v in persistent_pass_inputs(x, s).items()}
         for sess in self.group.sessions:
             sess.passes.post(s, staged)
         self.posted += 1

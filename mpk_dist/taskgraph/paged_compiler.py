@@ -26,6 +26,13 @@ PERSISTENT_INPUTS = ("forced_tokens", "start_pos", "seq_slots", "page_table", "l
 """The buffers the host writes for each pass of a persistent launch (the GPU's pass_begin copies them)."""
 
 
+def persistent_pass_inputs(x: dict, s: int) -> dict:
+    """Pass ``s``'s values of PERSISTENT_INPUTS from a pass's tensors (``StepBatch.tensors``): the tokens go
+    to forced_tokens row s, and start_pos = positions - s, since step_begin computes start_pos + step."""
+    return {"forced_tokens": x["tokens"], "start_pos": x["positions"] - s, "seq_slots": x["seq_slots"],
+            "page_table": x["page_table"], "logit_rows": x["logit_rows"]}
+
+
 def check_persistent_inputs(cg: CompiledGraph, inputs: tuple[str, ...] = PERSISTENT_INPUTS) -> None:
     """Every task reading a pass input is an ancestor (same step, through its waits) of the step's
     argmax_select: the host posts pass s once step s-1's argmax_select has run, and step_begin then
