@@ -80,19 +80,10 @@ class MegakernelBackend(StepBackend):
                  inject_hang_task: int = -1, on_token=None, linear_rows: int | None = None,
                  inject_hang_rank: int | None = None, comm_profile: bool | None = None, fuse=True,
                  attn_splits=1, superopt=None):
-        from mpk_dist.taskgraph.fusion import fusion_set
         from mpk_dist.taskgraph.lowering_attention import check_attn_splits
 
-        self.fuse = fusion_set(fuse)  # fused linears (mpk_dist.taskgraph.fusion); default on since verified on an H200
-        # MPK_FUSE_ATTN_PREP=1 adds the opt-in qkv_prep -> attention fusion (not GPU-verified yet); or name it in fuse
-        knob = os.environ.get("MPK_FUSE_ATTN_PREP", "")
-        if knob not in ("", "0", "1"):
-            raise InputError(f"MPK_FUSE_ATTN_PREP: expected one of 0, 1, got {knob!r}")
-        if knob == "1":
-            self.fuse = self.fuse | {"attn_prep"}
-        # Generated bodies for the fused linears (runtime.superopt_tasks); MPK_SUPEROPT=0 turns the default
-        # off for a whole job (e.g. every rank under mpirun) without a flag on each command.
-        self.superopt = os.environ.get("MPK_SUPEROPT", "1") != "0" if superopt is None else bool(superopt)
+        self.fuse = fusions_from_env(fuse)
+        self.superopt = superopt_from_env(superopt)
         self.attn_splits = check_attn_splits(attn_splits)  # split-KV attention (taskgraph.lowering_attention)
         if schedule not in SCHEDULES:
             raise InputError(f"--schedule: expected one of {SCHEDULES}, got {schedule!r}")
@@ -106,11 +97,7 @@ class MegakernelBackend(StepBackend):
         self.trace_path, self.timeout_s, self.worker_threads = trace, timeout_s, worker_threads
         self.compiler, self.inject_hang_task, self.on_token = compiler, inject_hang_task, on_token
         self.inject_hang_rank = inject_hang_rank
-        # Rows per warp in flight in linear tiles: 1 is the GPU-verified default; MPK_LINEAR_ROWS=2|4
-        # tries the variant that keeps more loads in flight for short K (not yet measured).
-        self.linear_rows = int(linear_rows or os.environ.get("MPK_LINEAR_ROWS", "1"))
-        if self.linear_rows not in (1, 2, 4, 8):
-            raise InputError(f"MPK_LINEAR_ROWS: expected 1, 2, 4 or 8, got {self.linear_rows}")
+        self.linear_rows = linear_rows_from_env(linear_rows)
         self.kernel_tuning = tuning_from_env(worker_threads)  # KernelShape knobs (MPK_* overrides)
         self.worker_threads = self.kernel_tuning.pop("worker_threads")
         self.transport = self._make_transport()
@@ -339,6 +326,32 @@ def _pad_rows(rows: list, n: int) -> list:
     """``rows`` (one per sequence) padded to ``n`` by repeating the last: a batch above 16 runs as a
     multiple of 16 rows (``tables.padded_batch``); the copies' results are dropped."""
     return list(rows) + [rows[-1]] * (n - len(rows))
+
+
+def fusions_from_env(fuse=True) -> frozenset[str]:
+    """The fusion set of ``fuse`` (mpk_dist.taskgraph.fusion; fused linears default on since verified on an
+    H200), plus the opt-in qkv_prep -> attention fusion when MPK_FUSE_ATTN_PREP=1."""
+    from mpk_dist.taskgraph.fusion import fusion_set
+
+    knob = os.environ.get("MPK_FUSE_ATTN_PREP", "")
+    if knob not in ("", "0", "1"):
+        raise InputError(f"MPK_FUSE_ATTN_PREP: expected one of 0, 1, got {knob!r}")
+    return fusion_set(fuse) | ({"attn_prep"} if knob == "1" else set())
+
+
+def superopt_from_env(superopt=None) -> bool:
+    """Generated bodies for the fused linears (runtime.superopt_tasks): ``superopt`` when given, else on
+    unless MPK_SUPEROPT=0 (off for a whole job, e.g. every rank under mpirun, without a flag on each)."""
+    return os.environ.get("MPK_SUPEROPT", "1") != "0" if superopt is None else bool(superopt)
+
+
+def linear_rows_from_env(linear_rows: int | None = None) -> int:
+    """Rows per warp in flight in linear tiles: 1 is the GPU-verified default; MPK_LINEAR_ROWS=2|4 tries
+    the variant that keeps more loads in flight for short K (not yet measured)."""
+    rows = int(linear_rows or os.environ.get("MPK_LINEAR_ROWS", "1"))
+    if rows not in (1, 2, 4, 8):
+        raise InputError(f"MPK_LINEAR_ROWS: expected 1, 2, 4 or 8, got {rows}")
+    return rows
 
 
 def tuning_from_env(worker_threads: int, environ=None) -> dict:

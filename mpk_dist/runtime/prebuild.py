@@ -9,7 +9,6 @@ and builds the distinct kernels in a process pool into the same cache ($MPK_CACH
 
 from __future__ import annotations
 
-import os
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
@@ -42,21 +41,20 @@ def build_one(case: BuildCase) -> tuple[str, bool, float]:
     """Compile rank 0's program and build its kernel (cache hit or nvcc); (kernel file, was cached, seconds)."""
     from mpk_dist.models.presets import get_preset
     from mpk_dist.runtime.kernel import build_kernel
-    from mpk_dist.runtime.megakernel_backend import DEFAULT_WORKER_THREADS, tuning_from_env
+    from mpk_dist.runtime.megakernel_backend import (DEFAULT_WORKER_THREADS, fusions_from_env, linear_rows_from_env,
+                                                     superopt_from_env, tuning_from_env)
     from mpk_dist.runtime.session import kernel_shape
     from mpk_dist.runtime.tables import padded_batch
     from mpk_dist.taskgraph.compiler import compile_rank_programs
-    from mpk_dist.taskgraph.fusion import fusion_set
 
     t0 = time.perf_counter()
     cfg = get_preset(case.model)
-    fuse = fusion_set(True) | ({"attn_prep"} if os.environ.get("MPK_FUSE_ATTN_PREP") == "1" else set())
-    cg = compile_rank_programs(cfg, tp=case.tp, batch=padded_batch(case.batch), ranks=[0], fuse=fuse)[0]
+    cg = compile_rank_programs(cfg, tp=case.tp, batch=padded_batch(case.batch), ranks=[0], fuse=fusions_from_env())[0]
     tuning = tuning_from_env(DEFAULT_WORKER_THREADS)  # the MPK_* knobs a run in this environment would use
     tuning.pop("prefetch_plan", None)  # a table, not part of the binary
     wt = tuning.pop("worker_threads")
-    shape = kernel_shape(cg, wt, case.schedule, linear_rows=int(os.environ.get("MPK_LINEAR_ROWS", "1")),
-                         superopt=case.superopt and os.environ.get("MPK_SUPEROPT", "1") != "0", **tuning)
+    shape = kernel_shape(cg, wt, case.schedule, linear_rows=linear_rows_from_env(),
+                         superopt=case.superopt and superopt_from_env(), **tuning)
     _, res = build_kernel(shape, program=cg)
     return res.path.name, res.cached, time.perf_counter() - t0
 
