@@ -58,6 +58,8 @@ for a in "$@"; do
     *) echo "gpu_check.sh: unknown option $a (expected --all-gpus, --runtime-only, --no-sanitizer, --bench, --fusion-only, --no-fusion, --tp, --attn-split-only, --no-attn-split, --extras-only, --no-extras, --perf)" >&2; exit 2 ;;
   esac
 done
+# Kernels to prebuild (scripts/prebuild_kernels.py): the --perf benches' models, else its defaults (the GPU tests').
+PREBUILD_ARGS=(); [ $PERF -eq 1 ] && PREBUILD_ARGS=(--models qwen3-8b,llama3-8b,qwen3-1.7b,qwen3-0.6b --batches 1,8 --schedules aot --tp 1)
 # --all-gpus: install and prebuild once, then one copy per visible GPU, each running every N-th step
 # (GPU_SPLIT), side by side; their summaries follow. Not with --tp (its ipc step wants every GPU).
 if [ $ALL_GPUS -eq 1 ]; then
@@ -65,8 +67,7 @@ if [ $ALL_GPUS -eq 1 ]; then
   N=$(nvidia-smi -L | wc -l)
   [ "${MPK_SKIP_INSTALL:-0}" = 1 ] || python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1 \
     || { cat "$OUT/install.log"; exit 1; }
-  if [ $PERF -eq 1 ]; then PB=(--models qwen3-8b,llama3-8b,qwen3-1.7b,qwen3-0.6b --batches 1,8 --schedules aot --tp 1); else PB=(); fi
-  [ "${PREBUILD:-1}" = 1 ] && python3 scripts/prebuild_kernels.py "${PB[@]}" > "$OUT/prebuild.log" 2>&1
+  [ "${PREBUILD:-1}" = 1 ] && python3 scripts/prebuild_kernels.py "${PREBUILD_ARGS[@]}" > "$OUT/prebuild.log" 2>&1
   tail -n 1 "$OUT/prebuild.log" 2>/dev/null
   for k in $(seq 0 $((N - 1))); do
     CUDA_VISIBLE_DEVICES=$k GPU_SPLIT=$k/$N OUT="$OUT/gpu$k" PREBUILD=0 MPK_SKIP_INSTALL=1 \
@@ -80,7 +81,7 @@ declare -A STATUS
 # GPU_SPLIT=K/N: run only every N-th step starting at K (the prebuild always), so N copies of this script
 # on N GPUs (CUDA_VISIBLE_DEVICES, own OUT, same MPK_CACHE_DIR) share one check, e.g. on two GPUs:
 #   GPU_SPLIT=0/2 CUDA_VISIBLE_DEVICES=0 OUT=o0 scripts/gpu_check.sh & GPU_SPLIT=1/2 CUDA_VISIBLE_DEVICES=1 OUT=o1 ...
-SPLIT_K=${GPU_SPLIT%/*}; SPLIT_N=${GPU_SPLIT#*/}; [ -n "${GPU_SPLIT:-}" ] || { SPLIT_K=0; SPLIT_N=1; }
+GPU_SPLIT=${GPU_SPLIT:-0/1}; SPLIT_K=${GPU_SPLIT%/*}; SPLIT_N=${GPU_SPLIT#*/}
 case "$SPLIT_K/$SPLIT_N" in
   [0-9]*/[1-9]*) [ "$SPLIT_K" -lt "$SPLIT_N" ] || { echo "GPU_SPLIT: expected K/N with K < N, got $GPU_SPLIT" >&2; exit 2; } ;;
   *) echo "GPU_SPLIT: expected K/N (e.g. 0/2), got $GPU_SPLIT" >&2; exit 2 ;;
@@ -127,14 +128,7 @@ python3 -c "import torch, cuda.bindings; print('torch', torch.__version__, 'cuda
 
 # Every kernel the runs below need, built in parallel first (nvcc is single-threaded: ~20 s per kernel
 # when each test builds its own in turn). PREBUILD=0 skips it.
-if [ "${PREBUILD:-1}" = 1 ]; then
-  if [ $PERF -eq 1 ]; then
-    step prebuild "${PREBUILD_LIMIT:-300}" python3 scripts/prebuild_kernels.py --models qwen3-8b,llama3-8b,qwen3-1.7b,qwen3-0.6b \
-      --batches 1,8 --schedules aot --tp 1
-  else
-    step prebuild "${PREBUILD_LIMIT:-300}" python3 scripts/prebuild_kernels.py
-  fi
-fi
+[ "${PREBUILD:-1}" = 1 ] && step prebuild "${PREBUILD_LIMIT:-300}" python3 scripts/prebuild_kernels.py "${PREBUILD_ARGS[@]}"
 
 # ---- speed (--perf): this section only, then its table ----
 if [ $PERF -eq 1 ]; then
