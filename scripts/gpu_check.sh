@@ -14,8 +14,8 @@
 #   --attn-split-only  only the split-KV attention section (tests/runtime/test_attn_split_gpu.py and a
 #                   qwen3-0.6b bench with --attn-splits auto vs 1); --no-attn-split skips it. Limit: ATTN_LIMIT
 #   --extras-only   only the newer sections: sampling, superoptimized bodies, MMA linear tiles +
-#                   bench-linear (scalar, mma, tma), paged serving, the shared-memory weight stream
-#                   (MPK_LINEAR_TMA), the attn_prep fusion, batch 32/64 row blocks, serving TTFT at 128/1024/4096-token
+#                   bench-linear (scalar, mma, tma, pipe), paged serving, the linear load variants designed
+#                   bit-identical (MPK_LINEAR_TMA weight stream, MPK_LINEAR_PIPE pipelined loads), the attn_prep fusion, batch 32/64 row blocks, serving TTFT at 128/1024/4096-token
 #                   prompts (+ persistent passes), and (2+ GPUs) bench-comm;
 #                   --no-extras skips them.
 #                   Limit per section: EXTRA_LIMIT
@@ -24,7 +24,7 @@
 #   --perf          ONLY the issue-6 speed table: `mpk-dist bench --backend megakernel,torch-compile` at
 #                   context ~512 for qwen3-8b, llama3-8b, qwen3-1.7b, qwen3-0.6b (batch 1) and qwen3-8b batch 8
 #                   (MPK_LINEAR_MMA=1), the knob sweep of the newest levers on qwen3-8b (PERF_VARIANTS,
-#                   default "base;b1;a1;a1,b1": weight stream, attn_prep fusion, both), and a traced qwen3-8b run's trace-summary. Limit per step: PERF_LIMIT
+#                   default "base;l1;a1;a1,l1": pipelined linear loads, attn_prep fusion, both), and a traced qwen3-8b run's trace-summary. Limit per step: PERF_LIMIT
 # Two GPUs: GPU_SPLIT=K/N splits one check's steps over N copies of this script (see below; not for --tp,
 # whose ipc step wants both GPUs), or run two copies side by side, e.g. CUDA_VISIBLE_DEVICES=0 ... --runtime-only and
 # CUDA_VISIBLE_DEVICES=1 ... --fusion-only, each with its own OUT and MPK_CACHE_DIR and MPK_SKIP_INSTALL=1.
@@ -143,7 +143,7 @@ if [ $PERF -eq 1 ]; then
   step perf_startup "${PERF_LIMIT:-150}" bash -c 'D=$(mktemp -d); for i in 1 2; do MPK_CACHE_DIR=$D python3 -m mpk_dist run \
     --model qwen3-8b --backend megakernel --prompt-ids 1,2,3 --max-new-tokens 4 --no-stop | grep start-up || exit 1; done'
   step perf_sweep "${PERF_LIMIT:-150}" python3 scripts/tune_sweep.py --model qwen3-8b --prompt-len 480 --output-len 64 \
-    --variants "${PERF_VARIANTS:-base;b1;a1;a1,b1}" --output-json "$OUT/perf_sweep.json"
+    --variants "${PERF_VARIANTS:-base;l1;a1;a1,l1}" --output-json "$OUT/perf_sweep.json"
   step perf_trace "${PERF_LIMIT:-150}" bash -c "python3 -m mpk_dist run --model qwen3-8b --backend megakernel \
     --prompt-ids 1,2,3,4 --max-new-tokens 8 --no-stop --trace $OUT/trace_qwen3_8b.json > /dev/null \
     && python3 -m mpk_dist trace-summary $OUT/trace_qwen3_8b.json | head -16 \
@@ -198,7 +198,7 @@ TESTS=tests; [ $RUNTIME_ONLY -eq 1 ] && TESTS=tests/runtime
 # The newer sections' files run in their own steps below (own limits and result files).
 EXTRA_IGNORE=(--ignore=tests/runtime/test_sampling_gpu.py --ignore=tests/runtime/test_superopt_gpu.py
               --ignore=tests/runtime/test_linear_mma_gpu.py --ignore=tests/serving/test_megakernel_paged_gpu.py
-              --ignore=tests/runtime/test_weight_stream_gpu.py --ignore=tests/runtime/test_attn_prep_gpu.py
+              --ignore=tests/runtime/test_linear_variants_gpu.py --ignore=tests/runtime/test_attn_prep_gpu.py
               --ignore=tests/runtime/test_megakernel_b64_gpu.py)
 KSEL=(); [ -n "${PYTEST_K:-}" ] && KSEL=(-k "$PYTEST_K")  # e.g. PYTEST_K="not 0.6b-16" to save time
 if [ $FUSION_ONLY -eq 0 ]; then  # (closed after the bench step; the fusion section follows it)
@@ -259,7 +259,7 @@ EXTRA_JSON=()
 if [ $EXTRAS -eq 1 ] && { [ $FUSION_ONLY -eq 0 ] || [ $FUSION -eq 0 ]; }; then
   for sec in sampling:tests/runtime/test_sampling_gpu.py superopt:tests/runtime/test_superopt_gpu.py \
              linear_mma:tests/runtime/test_linear_mma_gpu.py serving:tests/serving/test_megakernel_paged_gpu.py \
-             weight_stream:tests/runtime/test_weight_stream_gpu.py attn_prep:tests/runtime/test_attn_prep_gpu.py \
+             linear_variants:tests/runtime/test_linear_variants_gpu.py attn_prep:tests/runtime/test_attn_prep_gpu.py \
              batch64:tests/runtime/test_megakernel_b64_gpu.py; do
     name=${sec%%:*}; file=${sec#*:}; rm -f "$OUT/gpu_results_$name.json"; EXTRA_JSON+=("$OUT/gpu_results_$name.json")
     step "$name" "${EXTRA_LIMIT:-240}" env MPK_GPU_REPORT="$OUT/gpu_results_$name.json" python3 -m pytest -m gpu "$file" \

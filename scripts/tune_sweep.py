@@ -7,7 +7,7 @@ MPK_LINEAR_UNROLL, MPK_WORKER_THREADS, MPK_PREFETCH_KB (see mpk_dist.runtime.cod
 A variant is a comma list of u<unroll>, t<threads>, p<prefetch KB>, r<rows>, d<0|1> (descriptor
 prefetch), m<0|1> (tensor-core linear tiles at batch >= 2), w<0|1> (whole-tile L2 prefetch of linears
 after a narrow op: mpk_dist/runtime/prefetch_plan.py), b<0|1> (weights through a shared-memory ring by bulk
-copies: csrc/tasks/weight_stream.cuh), a<0|1> (qkv_prep folded into the attention tiles: the attn_prep fusion) ('base' = defaults).
+copies: csrc/tasks/weight_stream.cuh), l<0|1> (software-pipelined linear loads: csrc/tasks/gemv_pipe.cuh), a<0|1> (qkv_prep folded into the attention tiles: the attn_prep fusion) ('base' = defaults).
 NOTE: m1 changes the summation order of linear tiles, so its tokens may differ from the base's
 (DIFFERS then means "check with compare_logits", not a bug by itself).
 f0/f1 turns --fuse off/on (fused and unfused programs are bit-identical on the GPU); s0/s1 turns the
@@ -26,7 +26,7 @@ import sys
 
 KNOBS = {"u": "MPK_LINEAR_UNROLL", "t": "MPK_WORKER_THREADS", "p": "MPK_PREFETCH_KB", "r": "MPK_LINEAR_ROWS",
          "d": "MPK_DESC_PREFETCH", "m": "MPK_LINEAR_MMA", "b": "MPK_LINEAR_TMA", "a": "MPK_FUSE_ATTN_PREP",
-         "w": "MPK_PREFETCH_PLAN"}
+         "w": "MPK_PREFETCH_PLAN", "l": "MPK_LINEAR_PIPE"}
 
 
 def parse_variant(text: str) -> tuple[dict[str, str], dict]:

@@ -118,6 +118,10 @@ __device__ __noinline__ void gemv_tile(const XS xs, const bf16* __restrict__ w, 
     gemv_streamed<B>(xs, w, K, n_tile, epi, tid, nt);
     return;
   }
+  if (R == 1 && MPK_LINEAR_PIPE) {  // same sums, the next chunk's loads in flight (gemv_pipe.cuh)
+    gemv_pipelined<B, U>(xs, w, K, n_tile, epi, tid, nt);
+    return;
+  }
   const int warp = tid >> 5, lane = tid & 31, nwarps = nt >> 5;
   for (int n0 = warp * R; n0 < n_tile; n0 += nwarps * R) {
     float acc[R][B];

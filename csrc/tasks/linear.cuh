@@ -10,6 +10,7 @@
 // same loads and output rounding, another summation order); batch 1 always takes the scalar tile.
 #pragma once
 #include "common.cuh"
+#include "gemv_pipe.cuh"
 #include "linear_mma.cuh"
 #include "weight_stream.cuh"
 
@@ -29,6 +30,10 @@ __device__ void linear_tile(const bf16* __restrict__ x, int ldx, const bf16* __r
                             int ldy, int K, int n_tile, bool round_out_bf16, int tid, int nt) {
   if (stream_fits(K, nt)) {  // MPK_LINEAR_TMA: same sums, weights through shared memory
     gemv_streamed<B>(MmaRows{x, ldx}, w, K, n_tile, MmaStore<OutT>{y, ldy, round_out_bf16}, tid, nt);
+    return;
+  }
+  if (MPK_LINEAR_PIPE) {  // same sums, the next chunk's loads in flight while this one is summed
+    gemv_pipelined<B, kLinUnroll>(MmaRows{x, ldx}, w, K, n_tile, MmaStore<OutT>{y, ldy, round_out_bf16}, tid, nt);
     return;
   }
   const int warp = tid >> 5, lane = tid & 31, nwarps = nt >> 5;

@@ -23,9 +23,10 @@ from mpk_dist.errors import InputError
 from mpk_dist.superopt.profile import StandaloneTask
 
 MATRICES = ("qkv", "o", "gate_up", "down", "lm_head")
-VARIANTS = ("scalar", "mma", "tma")
+VARIANTS = ("scalar", "mma", "tma", "pipe")
 """scalar: 16-byte register loads; mma: tensor cores (batch >= 2); tma: weights through a shared-memory ring
-filled by bulk copies (MPK_LINEAR_TMA, csrc/tasks/weight_stream.cuh; same sums as scalar)."""
+filled by bulk copies (MPK_LINEAR_TMA, csrc/tasks/weight_stream.cuh; same sums as scalar); pipe: the scalar
+loads software-pipelined, the next chunk in flight while one is summed (MPK_LINEAR_PIPE, gemv_pipe.cuh; same sums)."""
 TOLERANCE = 1e-2
 """max |y - ref| / max |ref| allowed (bf16 output rounding is 2^-8 relative; accumulation order differs)."""
 PARTIAL_SMEM_PER_WARP = 128 * 4
@@ -88,7 +89,7 @@ class LinearTileKernel(StandaloneTask):
     timing; ``launch`` keeps its signature so ``time_us`` drives it: rows = x, nw = the tile table)."""
 
     def __init__(self, batch: int, mma: bool, threads: int, unroll: int = 8, compiler: str | None = None,
-                 tma: bool = False):
+                 tma: bool = False, pipe: bool = False):
         from mpk_dist.runtime.build import compile_source
         from mpk_dist.runtime.loader import _check, ensure_context
         from mpk_dist.superopt.profile import require_gpu
@@ -98,10 +99,11 @@ class LinearTileKernel(StandaloneTask):
         import torch
         from cuda.bindings import driver as cu
 
-        self.kind = "linear_mma" if mma else "linear_tma" if tma else "linear"
+        self.kind = "linear_mma" if mma else "linear_tma" if tma else "linear_pipe" if pipe else "linear"
         self.batch, self.threads = batch, threads
         defines = {"MPK_BATCH": batch, "MPK_WORKER_THREADS": threads, "MPK_LINEAR_MMA": int(mma),
-                   "MPK_LINEAR_UNROLL": unroll, "MPK_LINEAR_TMA": int(tma)}
+                   "MPK_LINEAR_UNROLL": unroll, "MPK_LINEAR_TMA": int(tma),
+                   "MPK_LINEAR_PIPE": int(pipe)}
         res = compile_source(HARNESS, f"bench_{self.kind}", defines, compiler=compiler)
         ensure_context(torch.cuda.current_device())
         self._image = np.frombuffer(res.cubin, dtype=np.uint8).copy()  # kept alive with the module
@@ -216,7 +218,8 @@ def run(opts: BenchOptions) -> int:
     read_gb_s = measure_read_bandwidth(torch.device("cuda")) / 1e9
     rows = []
     for batch, variant in cases(opts):
-        kernel = LinearTileKernel(batch, variant == "mma", opts.threads, opts.unroll, tma=variant == "tma")
+        kernel = LinearTileKernel(batch, variant == "mma", opts.threads, opts.unroll, tma=variant == "tma",
+                                  pipe=variant == "pipe")
         for m in opts.matrices:
             N, K = shapes[m]
             rows.append(measure_case(kernel, m, N, K, sms, opts.iters))

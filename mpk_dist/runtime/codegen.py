@@ -40,10 +40,11 @@ class KernelShape:
     superopt: bool = True  # fused linears run the superoptimizer's generated bodies (mpk_dist.runtime.superopt_tasks)
     linear_mma: bool = False  # batch >= 2 linear tiles on tensor cores (csrc/tasks/linear_mma.cuh; tolerance, not bits)
     linear_tma: bool = False  # weights streamed through a shared-memory ring by bulk copies (weight_stream.cuh; same bits)
+    linear_pipe: bool = False  # next chunk's weight loads issued before this one is summed (gemv_pipe.cuh; same bits)
 
 
     def name(self) -> str:
-        """File-name label: mk_b<batch>_t<threads>_<schedule>[_r<rows>][_u<unroll>][_p<prefetch KB>][_d][_nso][_m][_tma]."""
+        """File-name label: mk_b<batch>_t<threads>_<schedule>[_r<rows>][_u<unroll>][_p<prefetch KB>][_d][_nso][_m][_tma][_pipe]."""
         rows = f"_r{self.linear_rows}" if self.linear_rows != 1 else ""
         unroll = f"_u{self.linear_unroll}" if self.linear_unroll != 8 else ""
         pf = f"_p{self.prefetch_kb}" if self.prefetch_kb != -1 else ""
@@ -51,6 +52,7 @@ class KernelShape:
         nso = "" if self.superopt else "_nso"
         mma = "_m" if self.linear_mma else ""
         mma += "_tma" if self.linear_tma else ""
+        mma += "_pipe" if self.linear_pipe else ""
         return f"mk_b{self.batch}_t{self.worker_threads}_{self.schedule}{rows}{unroll}{pf}{nso}{mma}"
 
 
@@ -103,6 +105,7 @@ def render_source(shape: KernelShape, model: str = "-", rank: int = 0, world: in
         f"#define MPK_DESC_PREFETCH {int(shape.desc_prefetch)}",
         f"#define MPK_LINEAR_MMA {int(shape.linear_mma)}",
         f"#define MPK_LINEAR_TMA {int(shape.linear_tma)}",
+        f"#define MPK_LINEAR_PIPE {int(shape.linear_pipe)}",
         "#include <cstddef>",
         '#include "abi_generated.h"  // mpk_dist.taskgraph.abi.render_cuda_abi_header()',
         '#include "megakernel.cuh"',

@@ -44,6 +44,8 @@ SWITCHES = (
     ("linear_mma", "MPK_LINEAR_MMA", False),
     # weights through a shared-memory ring by bulk copies (csrc/tasks/weight_stream.cuh; same sums)
     ("linear_tma", "MPK_LINEAR_TMA", False),
+    # software-pipelined linear tiles: the next chunk's loads in flight while one is summed (gemv_pipe.cuh; same bits)
+    ("linear_pipe", "MPK_LINEAR_PIPE", False),
     # whole-tile L2 prefetch of linears that wait on a narrow op (mpk_dist/runtime/prefetch_plan.py)
     ("prefetch_plan", "MPK_PREFETCH_PLAN", True),
 )
@@ -356,7 +358,7 @@ def linear_rows_from_env(linear_rows: int | None = None) -> int:
 
 def tuning_from_env(worker_threads: int, environ=None) -> dict:
     """Kernel knobs {linear_unroll, worker_threads, prefetch_kb, desc_prefetch[, linear_mma, linear_tma,
-    prefetch_plan]}: MPK_LINEAR_UNROLL, MPK_WORKER_THREADS, MPK_PREFETCH_KB, MPK_DESC_PREFETCH and the
+    linear_pipe, prefetch_plan]}: MPK_LINEAR_UNROLL, MPK_WORKER_THREADS, MPK_PREFETCH_KB, MPK_DESC_PREFETCH and the
     SWITCHES override the defaults (8 loads in flight per lane; ``worker_threads``; DEFAULT_PREFETCH_KB of a
     linear tile's weights into L2; 0; each switch's default) so a GPU session can sweep them
     (scripts/tune_sweep.py); a bad value is refused with the allowed ones."""

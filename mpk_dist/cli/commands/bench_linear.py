@@ -19,7 +19,7 @@ def register(subparsers) -> None:
     p.add_argument("--matrices", default=",".join(MATRICES), help=f"comma list of {', '.join(MATRICES)}")
     p.add_argument("--batches", default="1,4,8,16", help="comma list of batches 1..16 (default 1,4,8,16)")
     p.add_argument("--variants", default=",".join(VARIANTS),
-                   help="comma list of scalar, mma, tma (mma runs for batch >= 2 only; default all)")
+                   help="comma list of scalar, mma, tma, pipe (mma runs for batch >= 2 only; default all)")
     p.add_argument("--threads", type=int, default=512, help="worker threads per block, as MPK_WORKER_THREADS "
                                                             "(default 512)")
     p.add_argument("--unroll", type=int, default=8, help="16-byte weight loads in flight per lane, as "

@@ -1,9 +1,10 @@
-"""GPU tests of the shared-memory weight stream (MPK_LINEAR_TMA=1, csrc/tasks/weight_stream.cuh): the
-linear tiles' sums are designed to be the register-load path's, so the mega-kernel with the stream is
+"""GPU tests of the linear tiles' load variants that are designed to sum exactly as the register-load
+path does: the shared-memory weight stream (MPK_LINEAR_TMA=1, csrc/tasks/weight_stream.cuh) and the
+software-pipelined loads (MPK_LINEAR_PIPE=1, csrc/tasks/gemv_pipe.cuh). The mega-kernel with each is
 checked for BITWISE equal logits against the same kernel without it (and against torch with
 compare_logits), at batch 1 and 4, fused (norm_linear / silu_linear / linear_residual, generated bodies
 included) and unfused (plain linear); then ms/token of both in one process (reported).
-Run: ``python -m pytest -q -m gpu tests/runtime/test_weight_stream_gpu.py`` (about 2 minutes on an H200).
+Run: ``python -m pytest -q -m gpu tests/runtime/test_linear_variants_gpu.py`` (about 3 minutes on an H200).
 """
 
 from __future__ import annotations
@@ -19,18 +20,21 @@ from mpk_dist.runtime.testing import MAX_SEQ, compare_logits, median, model, ran
 torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
 NAME = "qwen3-0.6b"
 STEPS = 64
+KNOBS = {"tma": "MPK_LINEAR_TMA", "pipe": "MPK_LINEAR_PIPE"}
+"""variant -> the switch that turns it on (megakernel_backend.SWITCHES)."""
 _BACKENDS: dict = {}
 
 
-def mk(tma: bool, fuse: bool):
-    """The qwen3-0.6b mega-kernel with or without the weight stream (cached per (tma, fuse))."""
+def mk(variant: str | None, fuse: bool):
+    """The qwen3-0.6b mega-kernel with one load variant on (None: the register path), cached per key."""
     from mpk_dist.runtime.megakernel_backend import MegakernelBackend
 
-    key = (tma, fuse)
+    key = (variant, fuse)
     if key not in _BACKENDS:
         m = model(NAME)
         mp = pytest.MonkeyPatch()
-        mp.setenv("MPK_LINEAR_TMA", "1" if tma else "0")
+        for v, var in KNOBS.items():
+            mp.setenv(var, "1" if v == variant else "0")
         try:
             _BACKENDS[key] = MegakernelBackend(m.config, m.weights, device="cuda", max_seq_len=MAX_SEQ, fuse=fuse)
         finally:
@@ -38,32 +42,34 @@ def mk(tma: bool, fuse: bool):
     return _BACKENDS[key]
 
 
+@pytest.mark.parametrize("variant", sorted(KNOBS))
 @pytest.mark.parametrize("batch,fuse", [(1, True), (4, True), (1, False)])
-def test_streamed_logits_are_bitwise_the_register_path(batch, fuse, gpu_results):
+def test_variant_logits_are_bitwise_the_register_path(variant, batch, fuse, gpu_results):
     vocab = model(NAME).config.vocab_size
     req = GenerateRequest([rand_ids(6, vocab, 20 + b) for b in range(batch)], STEPS + 1,
                           force_tokens=rand_ids(STEPS, vocab, 30), want_logits=True)
-    got, base = mk(True, fuse).generate(req), mk(False, fuse).generate(req)
-    assert "#define MPK_LINEAR_TMA 1" in mk(True, fuse).session(batch).source, "the stream kernel did not run"
+    got, base = mk(variant, fuse).generate(req), mk(None, fuse).generate(req)
+    assert f"#define {KNOBS[variant]} 1" in mk(variant, fuse).session(batch).source, f"the {variant} kernel did not run"
     same = bool(torch.equal(got.logits, base.logits))
     err, agree = compare_logits(got.logits, ref(NAME).generate(req).logits)
-    gpu_results.append({"case": f"tma forced {NAME} b{batch} fuse={fuse}", "steps": got.logits.shape[0],
+    gpu_results.append({"case": f"{variant} forced {NAME} b{batch} fuse={fuse}", "steps": got.logits.shape[0],
                         "max_err/std": f"{err:.4f}", "argmax_agree": f"{agree:.4f}", "tokens_equal": same,
                         "ms/token": f"{median(got.per_token_ms):.3f}/{median(base.per_token_ms):.3f}",
                         "ok": same and err <= 0.03 and agree >= 0.99})
-    assert same, "streamed and register-load logits differ (designed bit-identical)"
+    assert same, f"{variant} and register-load logits differ (designed bit-identical)"
     assert err <= 0.03 and agree >= 0.99, f"vs torch: {err:.4f} / {agree:.4f}"
 
 
-def test_streamed_vs_register_ms_per_token(gpu_results):
+@pytest.mark.parametrize("variant", sorted(KNOBS))
+def test_variant_vs_register_ms_per_token(variant, gpu_results):
     """Interleaved runs, median of 3 each, batch 1, fused; reported only (docs/PERF.md records it)."""
     vocab = model(NAME).config.vocab_size
     req = GenerateRequest([rand_ids(8, vocab, 40)], 128)
-    ms = {True: [], False: []}
+    ms = {variant: [], None: []}
     for _ in range(3):
-        for tma in (True, False):
-            ms[tma].append(median(mk(tma, True).generate(req).per_token_ms))
-    a, b = median(ms[True]), median(ms[False])
-    gpu_results.append({"case": f"tma/register ms/token {NAME} b1", "steps": 128,
+        for v in (variant, None):
+            ms[v].append(median(mk(v, True).generate(req).per_token_ms))
+    a, b = median(ms[variant]), median(ms[None])
+    gpu_results.append({"case": f"{variant}/register ms/token {NAME} b1", "steps": 128,
                         "ms/token": f"{a:.4f}/{b:.4f}={a / b:.3f}", "ok": True})
-    print(f"\nstreamed {a:.4f} ms/token, register loads {b:.4f} ms/token, ratio {a / b:.3f}")
+    print(f"\n{variant} {a:.4f} ms/token, register loads {b:.4f} ms/token, ratio {a / b:.3f}")
