@@ -163,12 +163,17 @@ class RankGroup:
             raise DeviceTimeout(failed[0][1])
         raise DeviceTimeout(" || ".join(f"rank {r}: {m}" for r, m, _ in failed))
 
-    def logits(self, per_session, vocab: int, everywhere: bool = False) -> torch.Tensor | None:
+    def logits(self, per_session, vocab: int, everywhere: bool = False, host: bool = False) -> torch.Tensor | None:
         """Full-vocabulary logits from every rank's slice (``per_session(s)`` -> [..., V/tp] on the
-        device). local: merged on the device. ipc: merged on rank 0 (None elsewhere), or on every
-        rank with ``everywhere`` (the one-step API samples on every rank)."""
+        device). local: merged on the device, or with ``host`` copied slice by slice and merged on the
+        host (copies only, no device kernel: what a host may do while a persistent launch is resident,
+        since a kernel launch can wait on CUDA's lazy module loading, which waits for the resident
+        kernel). ipc: merged on rank 0 (None elsewhere), or on every rank with ``everywhere`` (the
+        one-step API samples on every rank)."""
         starts = [vocab_start(s.cg) for s in self.sessions]
         if self.transport.name == "local":
+            if host:
+                return merge_vocab([per_session(s).cpu().float() for s in self.sessions], starts, vocab)
             return merge_vocab([per_session(s).float() for s in self.sessions], starts, vocab)
         mine = (starts[0], per_session(self.lead).float().cpu())
         got = (self.transport.allgather([mine], "logits slices") if everywhere

@@ -281,7 +281,7 @@ class MegakernelPagedBackend:
 
     def _persistent_step(self, x: dict, rows: int) -> torch.Tensor:
         """Post the pass into the resident launch (a new launch when none is, or after P passes), wait
-        for its final task, read its logits on a side stream."""
+        for its final task, copy its logits to the host on a side stream (host logits back)."""
         if self.running and self.posted == self.persistent_passes:
             self._end_launch()  # it ends by itself after its last step
         if not self.running:
@@ -294,10 +294,14 @@ class MegakernelPagedBackend:
             sess.passes.post(s, staged)
         self.posted += 1
         self._wait_progress(s + 1)
+        # Copies only while the launch is resident, and host logits back: any device kernel launched
+        # now (torch.cat, argmax) may first need CUDA's lazy module loading, which waits for the
+        # resident kernel, which waits for the next pass (GPU run 2026-11-30: every persistent test
+        # stalled at pass 1 until pass_wait_s). The scheduler takes the argmax on the host.
         with self._off_kernel_stream():
-            logits = self.group.logits(lambda q: q.bufs[q.cg.meta["special"]["logits"]], self.vocab_size)
-            out = logits[:rows].float().cpu()
-        return out.to(self.device)
+            logits = self.group.logits(lambda q: q.bufs[q.cg.meta["special"]["logits"]][:rows], self.vocab_size,
+                                       host=True)
+        return logits.float()
 
     def _wait_progress(self, n: int) -> None:
         """Until every rank's epilogue published n finished steps (bounded; a failed kernel raises)."""
