@@ -327,8 +327,8 @@ __device__ __noinline__ bool run_attention_prep(const TaskView& t, float* smem, 
 
 // Run task `task` of step `step` on the worker threads (tid < nt). Returns false for an unknown
 // opcode (the caller raises kErrBadTask).
-__device__ bool run_task(const RuntimeParams& p, int task, int step, float* smem, int tid, int nt) {
-  const TaskView t(p, task);
+__device__ bool run_task(const RuntimeParams& p, const int32_t* rec, int step, float* smem, int tid, int nt) {
+  const TaskView t(p, rec);
   const int op = t.opcode();
   switch (op) {
     case OP_STEP_BEGIN:
@@ -400,9 +400,9 @@ __device__ bool run_task(const RuntimeParams& p, int task, int step, float* smem
 
 // Issued before a task waits on its events: start streaming the bytes that do not depend on them
 // (a linear tile's weights). Only an L2 prefetch for now; the hook is where TMA staging goes.
-__device__ void prefetch_task(const RuntimeParams& p, int task, int tid, int nt) {
-  const TaskView t(p, task);
-  const int planned = p.prefetch_bytes != nullptr ? p.prefetch_bytes[task] : -1;
+__device__ void prefetch_task(const RuntimeParams& p, const int32_t* rec, int tid, int nt) {
+  const TaskView t(p, rec);
+  const int planned = rec[REC_PREFETCH];  // the host's plan (prefetch_bytes[task]), -1: the MPK_PREFETCH_KB cap
   if (t.opcode() == OP_LINEAR)
     linear_prefetch(t.arg<const bf16>(LINEAR_ARG_W), t.param(LINEAR_PARAM_K), t.param(LINEAR_PARAM_N_TILE), planned,
                     tid, nt);

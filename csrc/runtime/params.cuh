@@ -5,6 +5,7 @@
 // static_asserts every offset against it, so a mismatch fails the build, never a run.
 #pragma once
 #include <stdint.h>
+#include "task_record.cuh"
 #include "watchdog.cuh"
 
 namespace mpk {
@@ -70,6 +71,9 @@ struct RuntimeParams {
   const int32_t* pass_stage;      // mapped pinned int32 words: the posted pass's inputs
   const int32_t* pass_copies;     // [num_pass_copies, PASS_COPY_COLS]: stage word offset, buffer, words,
                                   //     destination words added per step (forced_tokens row s)
+  // ---- task records (task_record.cuh, built by mpk_dist/runtime/task_records.py) ---------------
+  const int32_t* records;         // [T, REC_WORDS] in aot worker order: records[i] describes worker_tasks[i]
+  const int32_t* task_rec;        // [T] the record row of task t (jit)
   // ---- scalars ------------------------------------------------------------------------------
   uint64_t timeout_ns;
   uint64_t pass_wait_ns;           // how long step_begin waits for the host to post its pass

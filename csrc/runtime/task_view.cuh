@@ -1,4 +1,5 @@
-// TaskView: typed access to one task's row of the ABI tables (arguments, parameters, dtypes).
+// TaskView: typed access to one task's record (task_record.cuh: arguments, parameters, dtypes), and
+// through it to the task's rows of the ABI tables.
 // Column and argument indices come from the generated ABI header (abi_generated.h), never copied.
 #pragma once
 #include <stdint.h>
@@ -9,27 +10,25 @@ namespace mpk {
 
 struct TaskView {
   const RuntimeParams& p;
-  const int32_t* row;  // tasks[task]
+  const int32_t* rec;  // the task's record (task_record.cuh): shared memory (aot) or global (jit)
 
-  __device__ TaskView(const RuntimeParams& params, int task)
-      : p(params), row(params.tasks + (size_t)task * TASK_NUM_COLS) {}
+  __device__ TaskView(const RuntimeParams& params, const int32_t* record) : p(params), rec(record) {}
 
-  __device__ int opcode() const { return row[TASK_COL_OPCODE]; }
-  __device__ const int32_t* arg_row(int i) const { return p.args + (size_t)(row[TASK_COL_ARG_BEGIN] + i) * ARG_NUM_COLS; }
+  __device__ int task() const { return rec[REC_TASK]; }
+  __device__ int opcode() const { return rec[REC_OPCODE]; }
+  // The ABI rows, for the rare readers of an argument's buffer id or count (remote arguments, page table).
+  __device__ const int32_t* row() const { return p.tasks + (size_t)task() * TASK_NUM_COLS; }
+  __device__ const int32_t* arg_row(int i) const { return p.args + (size_t)(row()[TASK_COL_ARG_BEGIN] + i) * ARG_NUM_COLS; }
   __device__ int buffer(int i) const { return arg_row(i)[ARG_COL_BUFFER]; }
 
   // Element type code (DTYPE_*) of argument i's buffer, or -1 for an absent optional argument.
-  __device__ int dtype(int i) const {
-    const int b = buffer(i);
-    return b < 0 ? -1 : (int)p.buffers[(size_t)b * BUFFER_NUM_COLS + BUFFER_COL_DTYPE];
-  }
+  __device__ int dtype(int i) const { return rec[REC_DTYPES + i]; }
 
-  // Pointer to argument i on this rank (buffer base + OFFSET elements, resolved on the host so a
-  // task's pointers are one load each, off the critical path of buffer/dtype lookups); nullptr
-  // when absent.
+  // Pointer to argument i on this rank (buffer base + OFFSET elements, resolved on the host);
+  // nullptr when absent.
   template <typename T>
   __device__ T* arg(int i) const {
-    return reinterpret_cast<T*>(p.arg_addr[row[TASK_COL_ARG_BEGIN] + i]);
+    return reinterpret_cast<T*>(*reinterpret_cast<const uint64_t*>(rec + REC_ARGS + 2 * i));
   }
 
   // Pointer to argument i in rank r's copy of a symmetric buffer (remote arguments).
@@ -39,7 +38,7 @@ struct TaskView {
     return reinterpret_cast<T*>(p.peer_base[(size_t)r * p.num_buffers + a[ARG_COL_BUFFER]]) + a[ARG_COL_OFFSET];
   }
 
-  __device__ int param(int i) const { return p.params[row[TASK_COL_PARAM_BEGIN] + i]; }
+  __device__ int param(int i) const { return rec[REC_PARAMS + i]; }
   __device__ float fparam(int i) const { return __int_as_float(param(i)); }
 };
 

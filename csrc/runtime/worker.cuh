@@ -12,6 +12,7 @@
 #include "pass_begin.cuh"
 #include "step.cuh"
 #include "sync.cuh"
+#include "task_record.cuh"
 #include "watchdog.cuh"
 
 namespace mpk {
@@ -68,29 +69,46 @@ __device__ bool previous_step_done(const RuntimeParams& p, int s) {
   return (int32_t)(ld_relaxed_gpu(&p.events[e]) - (uint32_t)s * trig) >= 0;
 }
 
-// Thread 0: wait for every event of `task` at step s. 0 = ready, 1 = timed out (recorded), 2 = halt.
-__device__ int wait_task_events(const RuntimeParams& p, int task, int s) {
+// Thread 0: wait until event e reaches `target` (`mult` steps' worth of signals) for `task` at step s.
+// 0 = ready, 1 = timed out (recorded), 2 = halt.
+__device__ int wait_event(const RuntimeParams& p, int task, int e, int mult, uint32_t target, bool sys, int s) {
+  if (target == 0) return 0;  // threshold <= 0: met at once (host-initialised state)
+  uint32_t seen = 0;
+  const uint64_t t0 = globaltimer_ns();
+  int r;
+  for (int round = 0;; ++round) {
+    // acquire (gpu or sys scope): pairs with the signallers' release adds on this counter
+    r = sys ? spin_wait_geq_sys(&p.events[e], target, p.timeout_ns, p.halt, &seen)
+            : spin_wait_geq_gpu(&p.events[e], target, p.timeout_ns, p.halt, &seen);
+    // A worker that ran ahead into step s while step s-1 is still unfinished is not where the
+    // stall is: give the workers of the earlier step a few rounds to report it.
+    if (r == 1 && pass_not_posted(p, s)) { round = -1; continue; }  // idle host: not a stall (pass_begin.cuh)
+    if (r != 1 || round >= 3 || s == 0 || previous_step_done(p, s)) break;
+  }
+  if (r == 1)
+    raise_error(p.error, p.halt, kErrTimeout, task, e, s, p.rank, seen, target, globaltimer_ns() - t0,
+                find_short_peer(p, e, mult));
+  return r;
+}
+
+// Thread 0: wait for every event of the task of record `rec` at step s (its waits from the record,
+// or from the tables when it has more than a record holds). 0 = ready, 1 = timed out, 2 = halt.
+__device__ int wait_task_events(const RuntimeParams& p, const int32_t* rec, int s) {
+  const int task = rec[REC_TASK];
+  if (rec[REC_FLAGS] & REC_FLAG_WAITS_INLINE) {
+    for (int k = 0; k < rec[REC_NWAITS]; ++k) {
+      const int32_t* w = rec + REC_WAITS + k * REC_WAIT_COLS;  // event, step offset, triggers, scope
+      const int mult = s + 1 + w[1];
+      const uint32_t target = mult <= 0 ? 0u : (uint32_t)mult * (uint32_t)w[2];
+      if (const int r = wait_event(p, task, w[0], mult, target, w[3] == EV_SCOPE_SYSTEM, s)) return r;
+    }
+    return 0;
+  }
   const int32_t* row = p.tasks + (size_t)task * TASK_NUM_COLS;
   for (int k = row[TASK_COL_WAIT_BEGIN]; k < row[TASK_COL_WAIT_END]; ++k) {
     int e, mult;
     const uint32_t target = wait_target(p, k, s, &e, &mult);
-    if (target == 0) continue;  // threshold <= 0: met at once (host-initialised state)
-    uint32_t seen = 0;
-    const uint64_t t0 = globaltimer_ns();
-    int r;
-    for (int round = 0;; ++round) {
-      // acquire (gpu or sys scope): pairs with the signallers' release adds on this counter
-      r = event_is_system(p, e) ? spin_wait_geq_sys(&p.events[e], target, p.timeout_ns, p.halt, &seen)
-                                : spin_wait_geq_gpu(&p.events[e], target, p.timeout_ns, p.halt, &seen);
-      // A worker that ran ahead into step s while step s-1 is still unfinished is not where the
-      // stall is: give the workers of the earlier step a few rounds to report it.
-      if (r == 1 && pass_not_posted(p, s)) { round = -1; continue; }  // idle host: not a stall (pass_begin.cuh)
-      if (r != 1 || round >= 3 || s == 0 || previous_step_done(p, s)) break;
-    }
-    if (r == 1)
-      raise_error(p.error, p.halt, kErrTimeout, task, e, s, p.rank, seen, target, globaltimer_ns() - t0,
-                  find_short_peer(p, e, mult));
-    if (r != 0) return r;
+    if (const int r = wait_event(p, task, e, mult, target, event_is_system(p, e), s)) return r;
   }
   return 0;
 }
@@ -140,16 +158,34 @@ __device__ __forceinline__ int ring_pop(const RuntimeParams& p, uint32_t* q, int
   return r;
 }
 
+// One signal of a finished task: +1 on event e (this rank's counter, at gpu or system scope, or every
+// rank's); returns this rank's counter before the add. The caller fenced the block's writes first.
+__device__ __forceinline__ uint32_t signal_event(const RuntimeParams& p, int e, int kind) {
+  if (kind == SIG_KIND_ALL_RANKS) {
+    uint32_t old = 0;
+    for (int r = 0; r < p.world; ++r) {  // release at system scope on every rank's counter
+      const uint32_t o = atom_add_release_sys(reinterpret_cast<uint32_t*>(p.peer_events[r]) + e, 1u);
+      if (r == p.rank) old = o;
+    }
+    // Diagnostic tally in this rank's region (peers read it when their wait on e times out, to
+    // name the rank whose signals are missing); after the releases, so it never over-reports.
+    red_add_relaxed_sys(&p.events[p.num_events + e], 1u);
+    return old;
+  }
+  if (kind == SIG_KIND_SYSTEM) return atom_add_release_sys(&p.events[e], 1u);
+  return atom_add_release_gpu(&p.events[e], 1u);  // release: waiters acquire this counter
+}
+
 // Run a ready task on all worker threads, then publish its completion (signals). The final task's
 // block runs the step epilogue first; when the run ends there, it raises the halt flag.
 template <bool kJit>
-__device__ bool run_and_signal(const RuntimeParams& p, int task, int s, float* smem, int tid, int nt,
+__device__ bool run_and_signal(const RuntimeParams& p, const int32_t* rec, int s, float* smem, int tid, int nt,
                                uint64_t* t_body) {
+  const int task = rec[REC_TASK];
   // Persistent passes: step_begin first waits for the host's pass s and copies it in (pass_begin.cuh).
-  if (p.pass_doorbell != nullptr && p.tasks[(size_t)task * TASK_NUM_COLS + TASK_COL_OPCODE] == OP_STEP_BEGIN &&
-      !pass_begin(p, task, s, tid, nt))
+  if (p.pass_doorbell != nullptr && rec[REC_OPCODE] == OP_STEP_BEGIN && !pass_begin(p, task, s, tid, nt))
     return false;
-  if (!run_task(p, task, s, smem, tid, nt)) {
+  if (!run_task(p, rec, s, smem, tid, nt)) {
     if (tid == 0) raise_error(p.error, p.halt, kErrBadTask, task, -1, s, p.rank, 0, 0, 0);
     return false;
   }
@@ -162,33 +198,27 @@ __device__ bool run_and_signal(const RuntimeParams& p, int task, int s, float* s
   const bool early = end && s + 1 < p.step_end;
   if (tid == 0 && end) atom_add_relaxed_gpu(p.halt, 1u);  // a stop, not an error: no error record
   if (tid == 0 && !early && task != p.inject_hang_task) {
+    // The record's signals (event, kind, triggers), or the tables' rows for a task with more.
+    const bool inl = (rec[REC_FLAGS] & REC_FLAG_SIGNALS_INLINE) != 0;
     const int32_t* row = p.tasks + (size_t)task * TASK_NUM_COLS;
+    const int k0 = inl ? 0 : row[TASK_COL_SIGNAL_BEGIN], k1 = inl ? rec[REC_NSIGNALS] : row[TASK_COL_SIGNAL_END];
     // Cumulativity: the block's writes (seen by thread 0 through the barrier) before every add;
     // system scope when any store went to a peer or a peer (or the host) will acquire.
-    bool sys = false;
-    for (int k = row[TASK_COL_SIGNAL_BEGIN]; k < row[TASK_COL_SIGNAL_END]; ++k) {
-      const int e = p.signals[(size_t)k * SIGNAL_NUM_COLS + SIGNAL_COL_EVENT];
-      sys = sys || p.signals[(size_t)k * SIGNAL_NUM_COLS + SIGNAL_COL_TARGET] == SIG_ALL_RANKS || event_is_system(p, e);
-    }
+    bool sys = (rec[REC_FLAGS] & REC_FLAG_SIG_SYS) != 0;
     if (sys) fence_acq_rel_sys();
     else fence_acq_rel_gpu();
-    for (int k = row[TASK_COL_SIGNAL_BEGIN]; k < row[TASK_COL_SIGNAL_END]; ++k) {
-      const int e = p.signals[(size_t)k * SIGNAL_NUM_COLS + SIGNAL_COL_EVENT];
-      const int target = p.signals[(size_t)k * SIGNAL_NUM_COLS + SIGNAL_COL_TARGET];
-      uint32_t old = 0;
-      if (target == SIG_ALL_RANKS) {
-        for (int r = 0; r < p.world; ++r) {  // release at system scope on every rank's counter
-          const uint32_t o = atom_add_release_sys(reinterpret_cast<uint32_t*>(p.peer_events[r]) + e, 1u);
-          if (r == p.rank) old = o;
-        }
-        // Diagnostic tally in this rank's region (peers read it when their wait on e times out, to
-        // name the rank whose signals are missing); after the releases, so it never over-reports.
-        red_add_relaxed_sys(&p.events[p.num_events + e], 1u);
-      } else if (event_is_system(p, e)) {
-        old = atom_add_release_sys(&p.events[e], 1u);
+    for (int k = k0; k < k1; ++k) {
+      int e, kind;
+      if (inl) {
+        e = rec[REC_SIGNALS + k * REC_SIGNAL_COLS];
+        kind = rec[REC_SIGNALS + k * REC_SIGNAL_COLS + 1];
       } else {
-        old = atom_add_release_gpu(&p.events[e], 1u);  // release: waiters acquire this counter
+        e = p.signals[(size_t)k * SIGNAL_NUM_COLS + SIGNAL_COL_EVENT];
+        kind = p.signals[(size_t)k * SIGNAL_NUM_COLS + SIGNAL_COL_TARGET] == SIG_ALL_RANKS ? SIG_KIND_ALL_RANKS
+               : event_is_system(p, e)                                                    ? SIG_KIND_SYSTEM
+                                                                                           : SIG_KIND_LOCAL;
       }
+      const uint32_t old = signal_event(p, e, kind);
       if (kJit) {
         const uint32_t trig = (uint32_t)p.event_tab[(size_t)e * EVENT_NUM_COLS + EVENT_COL_TRIGGERS];
         if (old + 1u == (uint32_t)(s + 1) * trig) {  // this add completed the event for step s (own rank)
@@ -203,29 +233,51 @@ __device__ bool run_and_signal(const RuntimeParams& p, int task, int s, float* s
 }
 
 // ---- ahead-of-time schedule ----------------------------------------------------------------
+// Warp 1 copies record i of the worker order into `dst` (cp.async, 16 bytes a lane); the copy lands
+// while the block works on the current task; record_fetch_wait + a block barrier publish it.
+__device__ __forceinline__ void record_fetch(const RuntimeParams& p, int i, int32_t* dst, int tid) {
+  const int lane = tid - kRecordFirstThread;
+  if (lane >= 0 && lane < kRecordLanes) cp_async16(dst + 4 * lane, p.records + (size_t)i * REC_WORDS + 4 * lane);
+}
+__device__ __forceinline__ void record_fetch_wait(int tid) {
+  const int lane = tid - kRecordFirstThread;
+  if (lane >= 0 && lane < kRecordLanes) cp_async_wait_all();
+}
+
 __device__ void worker_loop_aot(const RuntimeParams& p, BlockState& st, float* smem, int tid, int nt) {
+  // Two record slots: the current task's, and the next one's arriving during the current wait.
+  __shared__ __align__(16) int32_t recs[2][REC_WORDS];
   const int w = blockIdx.x;
-  int ntrace = 0;
-  for (int s = p.step_begin; s < p.step_end; ++s) {
+  const int begin = p.worker_offsets[w], end = p.worker_offsets[w + 1];
+  int ntrace = 0, slot = 0;
+  if (begin < end) record_fetch(p, begin, recs[0], tid);
+  record_fetch_wait(tid);
+  worker_barrier(nt);
+  for (int s = p.step_begin; s < p.step_end && begin < end; ++s) {
     bool stop = false;
-    for (int i = p.worker_offsets[w]; i < p.worker_offsets[w + 1]; ++i) {
-      const int task = p.worker_tasks[i];
+    for (int i = begin; i < end; ++i) {
+      const int32_t* rec = recs[slot];
+      const int task = rec[REC_TASK];
       const uint64_t t0 = globaltimer_ns();
-      prefetch_task(p, task, tid, nt);  // weights stream in while we wait for the inputs
-      prefetch_descriptors(p, task, i + 1 < p.worker_offsets[w + 1] ? &p.worker_tasks[i + 1] : nullptr, tid);
+      prefetch_task(p, rec, tid, nt);  // weights stream in while we wait for the inputs
+      record_fetch(p, i + 1 < end ? i + 1 : begin, recs[slot ^ 1], tid);  // the next task (next step: the first)
+      prefetch_descriptors(p, task, i + 1 < end ? &p.worker_tasks[i + 1] : nullptr, tid);
       const uint64_t t_prep = globaltimer_ns();
-      if (tid == 0) st.failed = wait_task_events(p, task, s);
+      if (tid == 0) st.failed = wait_task_events(p, rec, s);
       worker_barrier(nt);  // hands thread 0's acquired view to every worker thread
       if (st.failed) { stop = true; break; }
       const uint64_t t_ready = globaltimer_ns();
       uint64_t t_body = 0;
-      if (!run_and_signal<false>(p, task, s, smem, tid, nt, &t_body)) { stop = true; break; }
+      if (!run_and_signal<false>(p, rec, s, smem, tid, nt, &t_body)) { stop = true; break; }
       if (tid == 0) stream_drain();  // a ring primed for this task but not streamed from (weight_stream.cuh)
       if (tid == 0 && s >= p.trace_from) trace_record(p, ntrace, task, s, t0, t_prep, t_ready, t_body);
-      worker_barrier(nt);  // st is rewritten by thread 0 for the next task
+      record_fetch_wait(tid);  // the next record is in shared memory before the barrier publishes it
+      worker_barrier(nt);  // st and this slot are rewritten for the next task
+      slot ^= 1;
     }
     if (stop) break;
   }
+  record_fetch_wait(tid);  // no copy into shared memory outlives the block
   if (tid == 0 && p.trace_len != nullptr) p.trace_len[w] = (uint32_t)ntrace;
 }
 
@@ -321,7 +373,10 @@ __device__ void worker_loop_jit(const RuntimeParams& p, BlockState& st, float* s
     last_step = s;
     const uint64_t t_ready = globaltimer_ns();  // a queued task is ready: no prefetch-before-wait here
     uint64_t t_body = 0;
-    if (!run_and_signal<true>(p, task, s, smem, tid, nt, &t_body)) break;
+    // The record in global memory: its loads are independent of each other (no shared-memory copy
+    // here: a popped task runs at once).
+    const int32_t* rec = p.records + (size_t)p.task_rec[task] * REC_WORDS;
+    if (!run_and_signal<true>(p, rec, s, smem, tid, nt, &t_body)) break;
     if (tid == 0 && s >= p.trace_from) trace_record(p, ntrace, task, s, t0, t0, t_ready, t_body);
     worker_barrier(nt);
   }

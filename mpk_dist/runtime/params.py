@@ -24,6 +24,7 @@ PARAM_FIELDS = [
     ("next_token", _P), ("token_out", _P), ("logits", _P), ("stop_ids", _P), ("done", _P), ("logits_dump", _P),
     ("step_end_ns", _P), ("progress", _P), ("halt", _P), ("error", _P), ("trace", _P), ("trace_len", _P),
     ("prefetch_bytes", _P), ("pass_doorbell", _P), ("pass_stage", _P), ("pass_copies", _P),
+    ("records", _P), ("task_rec", _P),
     ("timeout_ns", ctypes.c_uint64), ("pass_wait_ns", ctypes.c_uint64),
     ("num_tasks", _I), ("num_events", _I), ("num_workers", _I), ("num_buffers", _I),
     ("world", _I), ("rank", _I), ("final_task", _I), ("batch", _I), ("vocab", _I), ("prompt_len", _I),
@@ -76,6 +77,9 @@ def layout_asserts() -> str:
             lines.append(f'static_assert(offsetof({cname}, {name}) == {off}, "{cname}::{name}: host layout differs");')
         lines.append(f'static_assert(sizeof({cname}) == {ctypes.sizeof(cls)}, "{cname}: host size differs");')
     lines.append(f'static_assert(sizeof(mpk::TraceRecord) == {TRACE_DTYPE.itemsize}, "TraceRecord size");')
+    from mpk_dist.runtime.task_records import layout_asserts as record_asserts
+
+    lines += record_asserts()
     return "\n".join(lines)
 
 

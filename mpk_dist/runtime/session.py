@@ -25,6 +25,7 @@ from mpk_dist.runtime.comm_layout import comm_layout, peer_quota, peer_tables
 from mpk_dist.runtime.kernel import build_kernel
 from mpk_dist.runtime.loader import LoadedKernel, host_device_pointer
 from mpk_dist.runtime.params import TRACE_DTYPE, ErrorRecord, RuntimeParams, to_bytes
+from mpk_dist.runtime.task_records import build_records
 from mpk_dist.taskgraph.abi import ABI_VERSION
 
 _TORCH = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32, "i32": torch.int32}
@@ -147,7 +148,8 @@ class Session:
             self.bufs.append(t)
         addrs = [self._addr(t) for t in self.bufs]
         self.buf_base = torch.tensor(addrs, dtype=torch.int64, device=dev)
-        self.arg_addr = torch.from_numpy(resolve_args(cg.arrays["args"], addrs, [t.element_size() for t in self.bufs])).to(dev)
+        arg_addr = resolve_args(cg.arrays["args"], addrs, [t.element_size() for t in self.bufs])
+        self.arg_addr = torch.from_numpy(arg_addr).to(dev)
         E, T, W = cg.arrays["events"].shape[0], cg.arrays["tasks"].shape[0], self.workers
         # Counters [E] then tallies [E], contiguous at the start of the region (the kernel reads
         # events[E + e] for the tallies; one zero_() clears both).
@@ -156,7 +158,10 @@ class Session:
         self.peer_base = torch.from_numpy(base.copy()).to(dev)
         self.peer_events = torch.from_numpy(evs.copy()).to(dev)
         self.peer_quota = self._dev(peer_quota(cg))
-        self.prefetch = self._dev(self._prefetch_plan()) if self.use_prefetch_plan else None
+        plan = self._prefetch_plan() if self.use_prefetch_plan else None
+        self.prefetch = self._dev(plan) if plan is not None else None
+        records, task_rec = build_records(cg, arg_addr, plan)
+        self.records, self.task_rec = self._dev(records), self._dev(task_rec)
         dep_ptr, dep_task, dep_off = tables.dependents(cg)
         self.deps = [self._dev(dep_ptr), self._dev(dep_task), self._dev(dep_off)]
         self.num_sched = max(1, min(num_sched, W))
@@ -291,6 +296,7 @@ class Session:
         p.trace = self.trace.data_ptr() if self.trace_cap else 0
         p.trace_len = self.trace_len.data_ptr()
         p.prefetch_bytes = self.prefetch.data_ptr() if self.prefetch is not None else 0
+        p.records, p.task_rec = self.records.data_ptr(), self.task_rec.data_ptr()
         p.timeout_ns = int(self.timeout_s * 1e9)
         p.num_tasks, p.num_events = cg.arrays["tasks"].shape[0], cg.arrays["events"].shape[0]
         p.num_workers, p.num_buffers = self.workers, len(self.bufs)

@@ -98,8 +98,8 @@ def test_the_rule_is_the_signaller_count_not_the_op():
 
 
 def test_switch_from_env_and_what_the_kernel_reads():
-    """MPK_PREFETCH_PLAN=0 asks the session for no plan (the kernel then reads a null table and keeps its
-    MPK_PREFETCH_KB cap); the kernel's prefetch hook consults the per-task table."""
+    """MPK_PREFETCH_PLAN=0 asks the session for no plan (the task records then hold -1 and the kernel keeps
+    its MPK_PREFETCH_KB cap); the kernel's prefetch hook reads the plan from the task's record."""
     from mpk_dist.errors import InputError
     from mpk_dist.runtime.build import CSRC
     from mpk_dist.runtime.megakernel_backend import tuning_from_env
@@ -111,4 +111,4 @@ def test_switch_from_env_and_what_the_kernel_reads():
         tuning_from_env(512, {"MPK_PREFETCH_PLAN": "off"})
     text = (CSRC / "runtime" / "dispatch.cuh").read_text()
     hook = text[text.index("__device__ void prefetch_task("):]
-    assert "p.prefetch_bytes != nullptr ? p.prefetch_bytes[task] : -1" in hook
+    assert "const int planned = rec[REC_PREFETCH];" in hook
