@@ -45,10 +45,13 @@ def error_message(sess) -> str | None:
 def cause(sess, r) -> str:
     """Why the wait of record ``r`` stayed short (see the module docstring for the order)."""
     cg = sess.cg
-    if sess.world > 1 and 0 <= r.peer < sess.world:
-        who = "this rank itself" if r.peer == sess.rank else f"peer rank {r.peer}"
-        return (f"waiting on {who}: rank {r.peer} sent {r.peer_sent} of the {r.peer_expected} signals of event "
+    if sess.world > 1 and 0 <= r.peer < sess.world and r.peer != sess.rank:
+        return (f"waiting on peer rank {r.peer}: it sent {r.peer_sent} of the {r.peer_expected} signals of event "
                 f"{r.event_id} due by step {r.step} (that rank stalled, died or timed out first; see its error)")
+    if sess.world > 1 and r.peer == sess.rank:
+        # The short tally is this rank's own: the cause is upstream of its own push, in its counters.
+        return (f"waiting on this rank itself: it sent {r.peer_sent} of the {r.peer_expected} signals of event "
+                f"{r.event_id} due by step {r.step}; {root_cause(cg, sess.counters(), r.step)}")
     if sess.world > 1:
         tallies = [sess.tallies_of(q) for q in range(sess.world)]
         lag = lagging_peer(cg, tallies, sess.rank, r.step)

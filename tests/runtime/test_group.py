@@ -117,8 +117,26 @@ def test_errors_name_the_peer_rank_first(tp2):
         g.raise_on_error()
     msg = str(info.value)
     assert msg.startswith("rank 0: "), "the rank that names a peer comes first"
-    assert "waiting on peer rank 1: rank 1 sent 3 of the 4 signals of event" in msg
+    assert "waiting on peer rank 1: it sent 3 of the 4 signals of event" in msg
     assert f"'{s0.cg.meta['events'][sys_ev]}'" in msg and "rank 1: mega-kernel watchdog" in msg
+
+
+def test_a_rank_short_of_its_own_push_gets_its_root_cause(tp2):
+    """The kernel names this rank as the short one (its own push never went out): the message then walks
+    this rank's counters to the producer that never signalled, instead of pointing at itself."""
+    from mpk_dist.runtime.diagnosis import error_message
+
+    g = tp2.group(1)
+    g.launch(0, 4, 3, 2, (), True, False)
+    s1 = g.sessions[1]
+    sys_ev = int(np.nonzero(s1.cg.arrays["events"][:, 1] == 1)[0][0])
+    red = next(t for t in range(s1.cg.num_tasks) if "allreduce_reduce" in s1.cg.task_label(t))
+    rec = ErrorRecord(code=1, valid=1, task_id=red, event_id=sys_ev, step=0, sm_id=3, worker=0, rank=1, seen=1,
+                      expected=2, elapsed_ns=10**9, peer=1, peer_sent=0, peer_expected=1)
+    s1.pinned["error"].copy_(torch.frombuffer(bytearray(bytes(rec)), dtype=torch.uint8))
+    msg = error_message(s1)
+    assert "waiting on this rank itself: it sent 0 of the 1 signals of event" in msg, msg
+    assert "root cause: " in msg, msg
 
 
 def test_merge_vocab_orders_and_checks_slices():
