@@ -117,7 +117,15 @@ __device__ __forceinline__ uint32_t atom_add_relaxed_gpu(uint32_t* p, uint32_t v
   return old;
 }
 
-// Relaxed reduction (no return value) at system scope: a diagnostic tally that peers read after a
+// Relaxed reductions (no return value): after a fence.acq_rel of the same scope they are a release
+// pattern (PTX memory model), so a signal needs no second fence inside the add and the signalling
+// thread does not wait for the add's round trip (the aot worker's event signals).
+__device__ __forceinline__ void red_add_relaxed_gpu(uint32_t* p, uint32_t v) {
+  asm volatile("red.relaxed.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+// Relaxed reduction (no return value) at system scope: the aot worker's system-scope signals (after a
+// fence.acq_rel.sys, as above), and a diagnostic tally that peers read after a
 // timeout (watchdog), so only "eventually visible" matters; it orders nothing.
 __device__ __forceinline__ void red_add_relaxed_sys(uint32_t* p, uint32_t v) {
   asm volatile("red.relaxed.sys.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");

@@ -159,7 +159,9 @@ __device__ __forceinline__ int ring_pop(const RuntimeParams& p, uint32_t* q, int
 }
 
 // One signal of a finished task: +1 on event e (this rank's counter, at gpu or system scope, or every
-// rank's); returns this rank's counter before the add. The caller fenced the block's writes first.
+// rank's); returns this rank's counter before the add (kNeedOld: the jit schedule), else 0. The caller
+// fenced the block's writes first (fence.acq_rel of the signal's scope).
+template <bool kNeedOld>
 __device__ __forceinline__ uint32_t signal_event(const RuntimeParams& p, int e, int kind) {
   if (kind == SIG_KIND_ALL_RANKS) {
     uint32_t old = 0;
@@ -171,6 +173,11 @@ __device__ __forceinline__ uint32_t signal_event(const RuntimeParams& p, int e, 
     // name the rank whose signals are missing); after the releases, so it never over-reports.
     red_add_relaxed_sys(&p.events[p.num_events + e], 1u);
     return old;
+  }
+  if (!kNeedOld) {  // fence + relaxed add = release (sync.cuh); no wait for the add's round trip
+    if (kind == SIG_KIND_SYSTEM) red_add_relaxed_sys(&p.events[e], 1u);
+    else red_add_relaxed_gpu(&p.events[e], 1u);
+    return 0;
   }
   if (kind == SIG_KIND_SYSTEM) return atom_add_release_sys(&p.events[e], 1u);
   return atom_add_release_gpu(&p.events[e], 1u);  // release: waiters acquire this counter
@@ -218,7 +225,7 @@ __device__ bool run_and_signal(const RuntimeParams& p, const int32_t* rec, int s
                : event_is_system(p, e)                                                    ? SIG_KIND_SYSTEM
                                                                                            : SIG_KIND_LOCAL;
       }
-      const uint32_t old = signal_event(p, e, kind);
+      const uint32_t old = signal_event<kJit>(p, e, kind);
       if (kJit) {
         const uint32_t trig = (uint32_t)p.event_tab[(size_t)e * EVENT_NUM_COLS + EVENT_COL_TRIGGERS];
         if (old + 1u == (uint32_t)(s + 1) * trig) {  // this add completed the event for step s (own rank)
