@@ -44,10 +44,11 @@ HAND_WRITTEN = {"qk_norm_rope": "qkv_prep.cuh"}
 CACHE_FORMAT = 2  # 2: grid counts costed at their first loop count that fits (K=12288 silu_linear lowers now)
 DEFAULT_TIMEOUT_S = 120.0
 """Per-problem search limit (``MPK_SUPEROPT_TIMEOUT`` overrides); the best verified graph so far is used."""
-PATTERN_TIMEOUT_S = {"qk_norm_rope": 30.0}
+PATTERN_TIMEOUT_S = {"qk_norm_rope": 12.0}
 """Patterns whose search always ends at its limit (qk_norm_rope: the depth-2 space with five inputs is not
-exhausted within minutes; verified two-op graphs are found in ~6-15 s on 2 cores) get a shorter default, so a
-cold compile stays reasonable; ``MPK_SUPEROPT_TIMEOUT`` still overrides."""
+exhausted within minutes) get a shorter default, so a cold compile stays reasonable: for qwen3-8b's shape
+(H=32, D=128) a 10, 15 and 30 s search on 2 cores chose the same µGraph (0.9 M vs 3.6 M graphs explored,
+2026-11-30); ``MPK_SUPEROPT_TIMEOUT`` still overrides."""
 MAX_SEARCH_WEIGHTS = 1 << 26
 """Largest K*N searched (``MPK_SUPEROPT_MAX_WEIGHTS`` overrides). The verifier evaluates the whole
 µGraph at the real shape in float64 and over finite fields, so memory and time grow with the weight:
@@ -307,10 +308,39 @@ def _hand_written(out: SuperoptBuild, kind: str, why: str) -> None:
                      f"{why}")
 
 
+def _searchable(mine: dict) -> tuple[dict, int]:
+    """(the problems of ``mine`` small enough to search, the weight cap MPK_SUPEROPT_MAX_WEIGHTS)."""
+    cap = int(os.environ.get("MPK_SUPEROPT_MAX_WEIGHTS", MAX_SEARCH_WEIGHTS))
+    return {p: w for p, w in mine.items() if p.k * p.n <= cap}, cap
+
+
+def search_side_by_side(problems: list, searcher=search) -> None:
+    """Search, all at once, the problems that neither this process nor the disk cache answers, each in
+    its own forked process (each search runs its own enumeration pool); the choices land in this
+    process's memo and the disk cache, where ``choose`` finds them. A cold qwen3-8b build used to wait
+    for its three searches in turn (9 + 5 + 30 s on the H200 machine, 2026-11-30). A custom ``searcher``
+    (tests) keeps the one-by-one path."""
+    todo = []
+    for p in problems:
+        path = cache_path(p)
+        c = _MEMO.get(path) or _read(path)
+        if not (c is not None and c.problem == p) and p not in todo:
+            todo.append(p)
+    if searcher is not search or len(todo) < 2:
+        return
+    import functools
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(len(todo), mp_context=multiprocessing.get_context("fork")) as ex:
+        # each child logs its search line and writes the cache
+        for p, c in zip(todo, ex.map(functools.partial(choose, searcher=searcher), todo)):
+            _MEMO[cache_path(p)] = c
+
+
 def _kind_body(out: SuperoptBuild, kind: str, mine: dict, searcher, log) -> None:
     """Choose (and write) the body of ``kind`` from its problems ``mine`` (problem -> weights)."""
-    cap = int(os.environ.get("MPK_SUPEROPT_MAX_WEIGHTS", MAX_SEARCH_WEIGHTS))
-    small = {p: w for p, w in mine.items() if p.k * p.n <= cap}
+    small, cap = _searchable(mine)
     big = sorted(p.label() for p in mine if p not in small)
     if big:
         out.notes.append(f"superopt: not searched (K*N > {cap}, MPK_SUPEROPT_MAX_WEIGHTS): {', '.join(big)}")
@@ -342,6 +372,8 @@ def prepare(cg, searcher=search, log=None) -> SuperoptBuild:
     log = log or _log
     out = SuperoptBuild()
     probs = problems_of(cg)
+    search_side_by_side([p for kind in KIND_PATTERN for p in _searchable({q: w for q, w in probs.items()
+                                                                           if q.kind == kind})[0]], searcher)
     for kind in KIND_PATTERN:
         mine = {p: w for p, w in probs.items() if p.kind == kind}
         if mine:  # else the kind does not run: whatever body is compiled, no tile calls it

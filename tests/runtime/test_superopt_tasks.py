@@ -29,7 +29,7 @@ def env(tmp_path_factory):
     mp = pytest.MonkeyPatch()
     mp.setenv("MPK_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
     mp.delenv("MPK_SUPEROPT_MAX_WEIGHTS", raising=False)
-    # qk_norm_rope's search always runs to its limit (30 s by default); it verifies graphs at the tiny
+    # qk_norm_rope's search always runs to its limit (12 s by default); it verifies graphs at the tiny
     # shapes within ~8 s on one process, and the GEMV patterns finish far below this
     mp.setenv("MPK_SUPEROPT_TIMEOUT", "15")
     ST._MEMO.clear()
@@ -93,6 +93,38 @@ def test_cold_compile_searches_once_per_problem_and_warm_does_not(env, program, 
     assert len(searcher.calls) == len(ST.problems_of(program)), "a warm compile searched again"
     assert sum(": cached (" in m for m in warm_log) == len(ST.problems_of(program)), warm_log
     assert warm.include_dirs == so.include_dirs and warm.defines == so.defines
+
+
+def _sleepy_search(problem):
+    """Stands in for the real search in the side-by-side test (top level: it crosses a process pool)."""
+    import os
+    import time
+
+    t0 = time.time()
+    time.sleep(0.5)
+    return ST.Choice(problem, None, {"pid": os.getpid(), "t0": t0, "t1": time.time()}, "no µGraph (test)")
+
+
+def test_uncached_searches_run_side_by_side(monkeypatch, tmp_path):
+    import os
+
+    monkeypatch.setenv("MPK_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(ST, "_MEMO", {})
+    monkeypatch.setattr(ST, "search", _sleepy_search)
+    probs = [ST.Problem("norm_linear", 1, 64, n, 1e-6) for n in (128, 256, 512)]
+    ST.search_side_by_side(probs + probs[:1], ST.search)  # a repeated problem is searched once
+    got = [ST._MEMO[ST.cache_path(p)] for p in probs]
+    assert [c.problem for c in got] == probs
+    pids = {c.stats["pid"] for c in got}
+    assert len(pids) == 3 and os.getpid() not in pids, "each search in its own process"
+    assert max(c.stats["t0"] for c in got) < min(c.stats["t1"] for c in got), "the three searches overlapped"
+    ST._MEMO.clear()  # what a later process sees: the disk cache
+    assert all(ST._read(ST.cache_path(p)).problem == p for p in probs)
+    # answered problems are not searched again (choose() then reads them); fewer than two: no pool
+    calls = []
+    monkeypatch.setattr(ST, "choose", lambda p, searcher=None: calls.append(p))
+    ST.search_side_by_side(probs + [ST.Problem("norm_linear", 1, 64, 1024, 1e-6)], ST.search)
+    assert calls == []
 
 
 def test_every_kind_gets_a_generated_header_or_the_hand_written_body(env, cold):
