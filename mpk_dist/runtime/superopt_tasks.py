@@ -46,9 +46,11 @@ DEFAULT_TIMEOUT_S = 120.0
 """Per-problem search limit (``MPK_SUPEROPT_TIMEOUT`` overrides); the best verified graph so far is used."""
 PATTERN_TIMEOUT_S = {"qk_norm_rope": 30.0}
 """Patterns whose search always ends at its limit (qk_norm_rope: the depth-2 space with five inputs is not
-exhausted within minutes) get a shorter default, so a cold compile stays reasonable: for qwen3-8b's shape
-(H=32, D=128) a 10, 15 and 30 s search on 2 cores chose the same µGraph (0.9 M vs 3.6 M graphs explored,
-2026-11-30); ``MPK_SUPEROPT_TIMEOUT`` still overrides."""
+exhausted within minutes) get a shorter default, so a cold compile stays reasonable; the searches of one
+build run side by side (``search_side_by_side``), so this limit is the cold build's search time: qwen3-8b
+cold start 58.3 s on the H200 machine (2026-11-30). 12 s was tried: beside the other two searches it
+explored 0.34 M graphs and verified none (the hand-written body ran); 30 s explored 1.57 M and chose the
+µGraph a 30 s search alone had. ``MPK_SUPEROPT_TIMEOUT`` still overrides."""
 MAX_SEARCH_WEIGHTS = 1 << 26
 """Largest K*N searched (``MPK_SUPEROPT_MAX_WEIGHTS`` overrides). The verifier evaluates the whole
 µGraph at the real shape in float64 and over finite fields, so memory and time grow with the weight:
