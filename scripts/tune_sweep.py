@@ -10,7 +10,8 @@ after a narrow op: mpk_dist/runtime/prefetch_plan.py), b<0|1> (weights through a
 copies: csrc/tasks/weight_stream.cuh), l<0|1> (software-pipelined linear loads: csrc/tasks/gemv_pipe.cuh), a<0|1> (qkv_prep folded into the attention tiles: the attn_prep fusion) ('base' = defaults).
 NOTE: m1 changes the summation order of linear tiles, so its tokens may differ from the base's
 (DIFFERS then means "check with compare_logits", not a bug by itself).
-f0/f1 turns --fuse off/on (fused and unfused programs are bit-identical on the GPU); s0/s1 turns the
+k<N> / kauto splits each attention tile into N (or 'auto') KV ranges with a merge (--attn-splits; another
+summation order, so DIFFERS is possible). f0/f1 turns --fuse off/on (fused and unfused programs are bit-identical on the GPU); s0/s1 turns the
 superoptimizer-generated task bodies off/on (--no-superopt; designed bit-identical). Every variant
 runs the same greedy request; its tokens must equal the first variant's (the knobs change how bytes
 move, never the arithmetic order of a row), else the row says DIFFERS and the exit code is 1.
@@ -42,9 +43,12 @@ def parse_variant(text: str) -> tuple[dict[str, str], dict]:
         if part in ("s0", "s1"):
             opts["superopt"] = part == "s1"
             continue
+        if part == "kauto" or (part[0] == "k" and part[1:].isdigit() and int(part[1:]) >= 1):
+            opts["attn_splits"] = "auto" if part == "kauto" else int(part[1:])  # split-KV ranges per kv head
+            continue
         if part[0] not in KNOBS or not part[1:].lstrip("-").isdigit():
-            raise SystemExit(f"tune_sweep: variant part {part!r}: expected u<N>, t<N>, p<N>, r<N>, d<0|1>, m<0|1>, w<0|1>, b<0|1>, a<0|1>, "
-                             "f<0|1> (--fuse), s<0|1> (--superopt), or 'base'")
+            raise SystemExit(f"tune_sweep: variant part {part!r}: expected u<N>, t<N>, p<N>, r<N>, d<0|1>, m<0|1>, w<0|1>, b<0|1>, l<0|1>, "
+                             "a<0|1>, f<0|1> (--fuse), s<0|1> (--superopt), k<N>|kauto (--attn-splits), or 'base'")
         env[KNOBS[part[0]]] = part[1:]
     return env, opts
 

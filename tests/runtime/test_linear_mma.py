@@ -102,6 +102,19 @@ def test_tune_sweep_has_the_m_token():
     assert mod.parse_variant("t512,m1") == ({"MPK_WORKER_THREADS": "512", "MPK_LINEAR_MMA": "1"}, {})
 
 
+def test_tune_sweep_has_the_attention_split_token():
+    """scripts/tune_sweep.py: 'k<N>' / 'kauto' pass attn_splits to the backend; k0 and kx are refused."""
+    path = Path(__file__).resolve().parents[2] / "scripts" / "tune_sweep.py"
+    spec = importlib.util.spec_from_file_location("tune_sweep", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.parse_variant("k4,a1") == ({"MPK_FUSE_ATTN_PREP": "1"}, {"attn_splits": 4})
+    assert mod.parse_variant("kauto") == ({}, {"attn_splits": "auto"})
+    for bad in ("k0", "kx"):
+        with pytest.raises(SystemExit, match="k<N>"):
+            mod.parse_variant(bad)
+
+
 def test_env_knob_reaches_the_kernel_shape(fake_gpu, monkeypatch):
     """MPK_LINEAR_MMA=1 in the environment builds a kernel shape with linear_mma=True."""
     from mpk_dist.model_source import open_model
