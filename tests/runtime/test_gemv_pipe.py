@@ -45,16 +45,20 @@ def test_pipelined_loop_issues_the_next_chunk_before_summing():
     assert body.index("pipe_load<U>(a, w + (size_t)n3") < body.index("pipe_sum<B, U>(acc, c,")
 
 
-def test_kernel_shape_and_env_knob():
+@pytest.mark.parametrize("field,var,suffix", [("linear_pipe", "MPK_LINEAR_PIPE", "_pipe"),
+                                               ("linear_tma", "MPK_LINEAR_TMA", "_tma")])
+def test_linear_load_switches_reach_the_kernel_shape(field, var, suffix):
+    """The bit-identical load variants (pipelined loads, weight stream): environment -> tuning -> KernelShape
+    -> a define in the generated source and a file-name suffix; bad values are refused."""
     from mpk_dist.runtime.megakernel_backend import tuning_from_env
 
-    on = KernelShape(batch=1, linear_pipe=True)
-    assert "#define MPK_LINEAR_PIPE 1" in render_source(on) and on.name().endswith("_pipe")
-    assert "#define MPK_LINEAR_PIPE 0" in render_source(KernelShape(batch=1))
+    on = KernelShape(batch=1, **{field: True})
+    assert f"#define {var} 1" in render_source(on) and on.name().endswith(suffix)
+    assert f"#define {var} 0" in render_source(KernelShape(batch=1))
     base = tuning_from_env(512, {})
-    assert "linear_pipe" not in base and tuning_from_env(512, {"MPK_LINEAR_PIPE": "1"}) == {**base, "linear_pipe": True}
-    with pytest.raises(InputError, match="MPK_LINEAR_PIPE: expected one of 0, 1"):
-        tuning_from_env(512, {"MPK_LINEAR_PIPE": "2"})
+    assert field not in base and tuning_from_env(512, {var: "1"}) == {**base, field: True}
+    with pytest.raises(InputError, match=f"{var}: expected one of 0, 1"):
+        tuning_from_env(512, {var: "2"})
 
 
 def test_bench_linear_and_sweep_offer_the_pipelined_loads():

@@ -1,7 +1,7 @@
 """CPU tests of the shared-memory weight stream (csrc/tasks/weight_stream.cuh, MPK_LINEAR_TMA): the
 switch puts bulk copies and mbarrier waits into the plain and the fused linear bodies only when on,
 the host's ring size equals the CUDA constants, the shared-memory budget grows by exactly the ring,
-and the knob travels from the environment to the kernel shape and to bench-linear."""
+and bench-linear offers the variant (the switch's path to the kernel shape: test_gemv_pipe.py)."""
 
 from __future__ import annotations
 
@@ -11,10 +11,8 @@ import shutil
 import pytest
 
 from mpk_dist.bench import linear_alone as LA
-from mpk_dist.errors import InputError
 from mpk_dist.runtime import tables
 from mpk_dist.runtime.build import CSRC
-from mpk_dist.runtime.codegen import KernelShape, render_source
 from tests.runtime.test_linear_mma import ptx_of
 
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH (CI installs CUDA 13.0)")
@@ -69,18 +67,6 @@ def test_smem_budget_grows_by_the_ring_and_stays_in_hopper_limits():
         assert on - off <= tables.WEIGHT_RING_BYTES and on <= tables.HOPPER_MAX_DYNAMIC_SMEM
         # the ring sits above everything else: at least its own bytes beyond the reductions' scratch
         assert on >= tables.WEIGHT_RING_BYTES + 2 * 16 * 4
-
-
-def test_kernel_shape_and_env_knob():
-    from mpk_dist.runtime.megakernel_backend import tuning_from_env
-
-    on = KernelShape(batch=1, linear_tma=True)
-    assert "#define MPK_LINEAR_TMA 1" in render_source(on) and on.name().endswith("_tma")
-    assert "#define MPK_LINEAR_TMA 0" in render_source(KernelShape(batch=1))
-    base = tuning_from_env(512, {})
-    assert "linear_tma" not in base and tuning_from_env(512, {"MPK_LINEAR_TMA": "1"}) == {**base, "linear_tma": True}
-    with pytest.raises(InputError, match="MPK_LINEAR_TMA: expected one of 0, 1"):
-        tuning_from_env(512, {"MPK_LINEAR_TMA": "yes"})
 
 
 def test_bench_linear_offers_the_streamed_variant_at_every_batch():
