@@ -6,7 +6,6 @@
 //    of the block that owns the task (tasks[t, WORKER]); workers pop and run.
 // Both share run_and_signal(): run -> barrier -> [epilogue] -> signal.
 #pragma once
-#include "desc_prefetch.cuh"
 #include "dispatch.cuh"
 #include "params.cuh"
 #include "pass_begin.cuh"
@@ -268,7 +267,6 @@ __device__ void worker_loop_aot(const RuntimeParams& p, BlockState& st, float* s
       const uint64_t t0 = globaltimer_ns();
       prefetch_task(p, rec, tid, nt);  // weights stream in while we wait for the inputs
       record_fetch(p, i + 1 < end ? i + 1 : begin, recs[slot ^ 1], tid);  // the next task (next step: the first)
-      prefetch_descriptors(p, task, i + 1 < end ? &p.worker_tasks[i + 1] : nullptr, tid);
       const uint64_t t_prep = globaltimer_ns();
       if (tid == 0) st.failed = wait_task_events(p, rec, s);
       worker_barrier(nt);  // hands thread 0's acquired view to every worker thread

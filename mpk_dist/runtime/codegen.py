@@ -36,7 +36,6 @@ class KernelShape:
     linear_rows: int = 1  # rows per warp in flight in linear tiles (1: the GPU-verified path)
     linear_unroll: int = 8  # 16-byte weight loads in flight per lane in linear tiles
     prefetch_kb: int = -1  # L2 prefetch of a linear tile's weights before its wait: -1 whole tile, else KB cap
-    desc_prefetch: bool = False  # warp 1 pulls the task's descriptors into L1 during the wait (desc_prefetch.cuh)
     superopt: bool = True  # fused linears run the superoptimizer's generated bodies (mpk_dist.runtime.superopt_tasks)
     linear_mma: bool = False  # batch >= 2 linear tiles on tensor cores (csrc/tasks/linear_mma.cuh; tolerance, not bits)
     linear_tma: bool = False  # weights streamed through a shared-memory ring by bulk copies (weight_stream.cuh; same bits)
@@ -48,7 +47,6 @@ class KernelShape:
         rows = f"_r{self.linear_rows}" if self.linear_rows != 1 else ""
         unroll = f"_u{self.linear_unroll}" if self.linear_unroll != 8 else ""
         pf = f"_p{self.prefetch_kb}" if self.prefetch_kb != -1 else ""
-        pf += "_d" if self.desc_prefetch else ""
         nso = "" if self.superopt else "_nso"
         mma = "_m" if self.linear_mma else ""
         mma += "_tma" if self.linear_tma else ""
@@ -102,7 +100,6 @@ def render_source(shape: KernelShape, model: str = "-", rank: int = 0, world: in
         f"#define MPK_LINEAR_UNROLL {shape.linear_unroll}",
         f"#define MPK_PREFETCH_KB {shape.prefetch_kb}",
         f"#define MPK_SUPEROPT {1 if shape.superopt else 0}",
-        f"#define MPK_DESC_PREFETCH {int(shape.desc_prefetch)}",
         f"#define MPK_LINEAR_MMA {int(shape.linear_mma)}",
         f"#define MPK_LINEAR_TMA {int(shape.linear_tma)}",
         f"#define MPK_LINEAR_PIPE {int(shape.linear_pipe)}",

@@ -357,10 +357,10 @@ def linear_rows_from_env(linear_rows: int | None = None) -> int:
 
 
 def tuning_from_env(worker_threads: int, environ=None) -> dict:
-    """Kernel knobs {linear_unroll, worker_threads, prefetch_kb, desc_prefetch[, linear_mma, linear_tma,
-    linear_pipe, prefetch_plan]}: MPK_LINEAR_UNROLL, MPK_WORKER_THREADS, MPK_PREFETCH_KB, MPK_DESC_PREFETCH and the
+    """Kernel knobs {linear_unroll, worker_threads, prefetch_kb[, linear_mma, linear_tma, linear_pipe,
+    prefetch_plan]}: MPK_LINEAR_UNROLL, MPK_WORKER_THREADS, MPK_PREFETCH_KB and the
     SWITCHES override the defaults (8 loads in flight per lane; ``worker_threads``; DEFAULT_PREFETCH_KB of a
-    linear tile's weights into L2; 0; each switch's default) so a GPU session can sweep them
+    linear tile's weights into L2; each switch's default) so a GPU session can sweep them
     (scripts/tune_sweep.py); a bad value is refused with the allowed ones."""
     from mpk_dist.runtime.codegen import LINEAR_UNROLLS, WORKER_THREADS
 
@@ -372,8 +372,7 @@ def tuning_from_env(worker_threads: int, environ=None) -> dict:
             ("worker_threads", "MPK_WORKER_THREADS", worker_threads, lambda v: v in WORKER_THREADS,
              ", ".join(map(str, WORKER_THREADS))),
             ("prefetch_kb", "MPK_PREFETCH_KB", DEFAULT_PREFETCH_KB, lambda v: v >= -1,
-             "-1 (whole tile) or a cap in KB >= 0"),
-            ("desc_prefetch", "MPK_DESC_PREFETCH", 0, lambda v: v in (0, 1), "0, 1")):
+             "-1 (whole tile) or a cap in KB >= 0")):
         raw = env.get(var, "")
         try:
             val = int(raw) if raw else default
@@ -382,7 +381,6 @@ def tuning_from_env(worker_threads: int, environ=None) -> dict:
         if val is None or not ok(val):
             raise InputError(f"{var}: expected one of {allowed}, got {raw!r}")
         out[key] = val
-    out["desc_prefetch"] = bool(out["desc_prefetch"])
     # Switches whose key appears only when set away from the default, so the default dict (and every
     # Session built from it) is what it was before the switch existed.
     for key, var, default in SWITCHES:

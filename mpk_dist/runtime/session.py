@@ -63,7 +63,7 @@ class Session:
     def __init__(self, cg, weights: dict[str, torch.Tensor], device: torch.device, schedule: str = "aot",
                  worker_threads: int = 256, timeout_s: float = 5.0, trace: bool | int = False, num_sched: int = 4,
                  compiler: str | None = None, model: str = "-", linear_rows: int = 1, linear_unroll: int = 8,
-                 prefetch_kb: int = -1, desc_prefetch: bool = False, region=None, stream=None,
+                 prefetch_kb: int = -1, region=None, stream=None,
                  cooperative: bool = True, superopt: bool = True, linear_mma: bool = False,
                  prefetch_plan: bool = True, linear_tma: bool = False, linear_pipe: bool = False):
         if cg.meta["abi_version"] != ABI_VERSION:
@@ -84,7 +84,7 @@ class Session:
         self.final = tables.final_task(cg)
         t0 = time.perf_counter()
         shape = kernel_shape(cg, worker_threads, schedule, linear_rows=linear_rows, linear_unroll=linear_unroll,
-                             prefetch_kb=prefetch_kb, desc_prefetch=desc_prefetch, superopt=superopt,
+                             prefetch_kb=prefetch_kb, superopt=superopt,
                              linear_mma=linear_mma, linear_tma=linear_tma, linear_pipe=linear_pipe)
         self.source, self.build = build_kernel(shape, model=model,
                                                rank=self.rank, world=self.world, input_hash=tables_hash(cg.arrays),

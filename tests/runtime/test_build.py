@@ -104,8 +104,7 @@ def test_compile_error_is_reported(cache):
 
 @needs_nvcc
 @pytest.mark.parametrize("shape", [KernelShape(batch=1, worker_threads=512, linear_unroll=16),
-                                   KernelShape(batch=8, worker_threads=1024, linear_unroll=4, prefetch_kb=64,
-                                               desc_prefetch=True)])
+                                   KernelShape(batch=8, worker_threads=1024, linear_unroll=4, prefetch_kb=64)])
 def test_tuned_kernel_variants_compile(cache, shape):
     """The MPK_LINEAR_UNROLL / MPK_WORKER_THREADS variants a GPU sweep may pick build, under their own name."""
     src, res = build_kernel(shape, compiler="nvcc")
@@ -118,11 +117,9 @@ def test_tuning_knobs_from_env_are_checked():
     from mpk_dist.errors import InputError
     from mpk_dist.runtime.megakernel_backend import tuning_from_env
 
-    assert tuning_from_env(256, {}) == {"linear_unroll": 8, "worker_threads": 256, "prefetch_kb": 64,
-                                        "desc_prefetch": False}
-    assert tuning_from_env(256, {"MPK_LINEAR_UNROLL": "16", "MPK_WORKER_THREADS": "512", "MPK_PREFETCH_KB": "64",
-                                 "MPK_DESC_PREFETCH": "1"}) == {"linear_unroll": 16, "worker_threads": 512,
-                                                                "prefetch_kb": 64, "desc_prefetch": True}
+    assert tuning_from_env(256, {}) == {"linear_unroll": 8, "worker_threads": 256, "prefetch_kb": 64}
+    assert tuning_from_env(256, {"MPK_LINEAR_UNROLL": "16", "MPK_WORKER_THREADS": "512", "MPK_PREFETCH_KB": "64"}) == \
+        {"linear_unroll": 16, "worker_threads": 512, "prefetch_kb": 64}
     with pytest.raises(InputError, match="MPK_PREFETCH_KB"):
         tuning_from_env(256, {"MPK_PREFETCH_KB": "-5"})
     with pytest.raises(InputError, match="MPK_LINEAR_UNROLL: expected one of 4, 8, 16, got '3'"):
