@@ -188,7 +188,10 @@ class MegakernelBackend(StepBackend):
         g.reset()
         g.fill_forced(_pad_rows(req.prompts, g.lead.batch), req.force_tokens, steps)
         self._fill_sampling(g, req.sampling)
-        trace_from = 0 if self.trace_path else T
+        # --trace: the last steps whose records fit (decode steps first); else the comm profile's decode steps
+        from mpk_dist.runtime.session import trace_window
+
+        trace_from = trace_window(g.sessions, steps) if self.trace_path else T
         g.launch(0, steps, T, req.max_new_tokens, tuple(req.stop_ids), req.force_tokens is None, req.want_logits,
                  self._inject(), trace_from)
         tok_rows = g.lead.pinned["token_out"]

@@ -50,6 +50,9 @@ def kernel_shape(cg, worker_threads: int, schedule: str, **knobs) -> KernelShape
     return KernelShape(tables.kernel_batch(cg), worker_threads, schedule, **knobs)
 
 
+TRACE_BYTES_CAP = 256 << 20
+"""Most bytes of trace records one session keeps (all workers together)."""
+
 class Session:
     """Buffers + kernel of one compiled rank program.
 
@@ -76,10 +79,10 @@ class Session:
         self.batch, self.world, self.rank = int(cg.meta["batch"]), int(cg.meta["world_size"]), int(cg.meta["rank"])
         self.max_steps, self.workers = int(cg.meta["max_steps"]), int(cg.meta["workers"])
         self.timeout_s, self.stream, self.cooperative = timeout_s, stream, cooperative
-        # Room for every task of `trace_steps` steps (True: all steps), capped at ~256 MB of records.
+        # Room for every task of `trace_steps` steps (True: all steps), capped at TRACE_BYTES_CAP of records.
         trace_steps = self.max_steps if trace is True else int(trace)
         per_worker = tables.max_tasks_per_worker(cg) * min(trace_steps, self.max_steps)
-        self.trace_cap = min(per_worker, (256 << 20) // (24 * self.workers)) if trace_steps > 0 else 0
+        self.trace_cap = min(per_worker, TRACE_BYTES_CAP // (TRACE_DTYPE.itemsize * self.workers)) if trace_steps > 0 else 0
         self.trace_from = 0
         self.final = tables.final_task(cg)
         t0 = time.perf_counter()
@@ -410,6 +413,14 @@ class Session:
         raw = self.trace.cpu().numpy().view(TRACE_DTYPE).reshape(self.workers, self.trace_cap)
         lens = np.minimum(self.trace_len.cpu().numpy(), self.trace_cap)
         return [raw[w, :lens[w]] for w in range(self.workers)]
+
+
+def trace_window(sessions, steps: int) -> int:
+    """First step to trace so that the LAST steps of a ``steps``-step launch fit every session's trace
+    buffer: a long prompt's steps would otherwise fill it before the decode steps (each worker keeps its
+    records in order and drops what does not fit)."""
+    fit = min(s.trace_cap // max(1, tables.max_tasks_per_worker(s.cg)) for s in sessions)
+    return max(0, steps - fit)
 
 
 def resolve_args(args: np.ndarray, addrs: list[int], elem_bytes: list[int]) -> np.ndarray:

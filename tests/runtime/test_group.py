@@ -139,6 +139,28 @@ def test_a_rank_short_of_its_own_push_gets_its_root_cause(tp2):
     assert "root cause: " in msg, msg
 
 
+def test_trace_keeps_the_last_steps_that_fit(fake_gpu, monkeypatch, tmp_path):
+    """--trace with a prompt whose steps would fill the trace buffer: the launch traces the last steps
+    that fit (the decode steps), not the first ones; when everything fits, it traces from step 0."""
+    from mpk_dist.runtime import session as S
+    from mpk_dist.runtime.tables import max_tasks_per_worker
+
+    m = open_model("tiny")
+    b = fake_gpu.MegakernelBackend(m.config, m.weights, device="cpu", max_seq_len=32, trace=str(tmp_path / "t.json"))
+    b.generate(GenerateRequest([[1, 2, 3]], 4))
+    assert params_of(b.session(1)).trace_from == 0, "everything fits: every step traced"
+    b2 = fake_gpu.MegakernelBackend(m.config, m.weights, device="cpu", max_seq_len=32,
+                                    trace=str(tmp_path / "t2.json"))
+    per_step = max_tasks_per_worker(b2.session(1).cg)
+    b2.groups.clear()
+    monkeypatch.setattr(S, "TRACE_BYTES_CAP", 5 * per_step * S.TRACE_DTYPE.itemsize * b2.workers)
+    prompt = list(range(1, 20))
+    b2.generate(GenerateRequest([prompt], 4))
+    s = b2.session(1)
+    assert s.trace_cap == 5 * per_step
+    assert params_of(s).trace_from == len(prompt) - 1 + 4 - 5, "the last 5 of the launch's steps"
+
+
 def test_merge_vocab_orders_and_checks_slices():
     a, b = torch.zeros(2, 3), torch.ones(2, 5)
     assert torch.equal(merge_vocab([b, a], [3, 0], 8), torch.cat([a, b], -1))
