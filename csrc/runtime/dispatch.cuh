@@ -402,7 +402,7 @@ __device__ bool run_task(const RuntimeParams& p, const int32_t* rec, int step, f
 // (a linear tile's weights). Only an L2 prefetch for now; the hook is where TMA staging goes.
 __device__ void prefetch_task(const RuntimeParams& p, const int32_t* rec, int tid, int nt) {
   const TaskView t(p, rec);
-  const int planned = rec[REC_PREFETCH];  // the host's plan (prefetch_bytes[task]), -1: the MPK_PREFETCH_KB cap
+  const int planned = rec[REC_PREFETCH];  // the host's plan (prefetch_plan.py), -1: the MPK_PREFETCH_KB cap
   if (t.opcode() == OP_LINEAR)
     linear_prefetch(t.arg<const bf16>(LINEAR_ARG_W), t.param(LINEAR_PARAM_K), t.param(LINEAR_PARAM_N_TILE), planned,
                     tid, nt);

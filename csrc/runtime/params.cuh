@@ -36,7 +36,6 @@ struct RuntimeParams {
   const int32_t* worker_tasks;    // [T]
   // ---- memory ---------------------------------------------------------------------------
   const uint64_t* buf_base;       // [NB] device address of buffer b on this rank (0 = none)
-  const uint64_t* arg_addr;       // [NA] args[k] resolved on the host: base + OFFSET * elem size (0 = NULL)
   const uint64_t* peer_base;      // [WORLD, NB] buffer b on rank r (symmetric buffers; remote args)
   const uint64_t* peer_events;    // [WORLD] address of rank r's event counters (start of its symmetric region)
   const int32_t* peer_quota;      // [E] SIG_ALL_RANKS signallers of event e per step on ONE rank (watchdog)
@@ -64,8 +63,6 @@ struct RuntimeParams {
   ErrorRecord* error;             // mapped pinned
   TraceRecord* trace;             // [W, trace_cap] or nullptr
   uint32_t* trace_len;            // [W]
-  const int32_t* prefetch_bytes;  // [T] L2 prefetch of task t's weights before its waits; -1 (or a null
-                                  //     table): the MPK_PREFETCH_KB cap (mpk_dist/runtime/prefetch_plan.py)
   // ---- persistent passes (pass_begin.cuh; all null unless the host serves passes into one launch) ----
   const uint32_t* pass_doorbell;  // [2] mapped pinned: [0] passes posted by the host, [1] stop (non-zero)
   const int32_t* pass_stage;      // mapped pinned int32 words: the posted pass's inputs

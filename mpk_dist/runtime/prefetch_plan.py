@@ -14,7 +14,7 @@ the prefetch only delays the level's last tile (the v0.4 trace: the 8 attention 
 o_proj tile 3.9 us after their attention, and the o_proj level ended 5.5 us after its first tile).
 
 The plan is a per-task int32 array (bytes, 0 for none, or -1 for "the kernel's default cap") that the session
-copies to the device (``RuntimeParams.prefetch_bytes``); it depends on the device (L2 size, workers),
+puts into the task records (``task_records.build_records``: REC_PREFETCH); it depends on the device (L2 size, workers),
 so it is made at load time, not by the task-graph compiler.
 """
 

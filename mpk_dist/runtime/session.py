@@ -43,6 +43,7 @@ def _pow2(n: int) -> int:
 MMA_PARTIAL_BYTES_PER_WARP = 512
 """Shared memory per warp for the split-K partial sums of an MMA linear tile (a 16 x 8 fp32 fragment)."""
 
+
 def kernel_shape(cg, worker_threads: int, schedule: str, **knobs) -> KernelShape:
     """The KernelShape a Session of program ``cg`` builds (``knobs``: the other KernelShape fields); the
     kernel prebuild (mpk_dist.runtime.prebuild) asks the same function, so its cubins are the ones found."""
@@ -52,6 +53,7 @@ def kernel_shape(cg, worker_threads: int, schedule: str, **knobs) -> KernelShape
 
 TRACE_BYTES_CAP = 256 << 20
 """Most bytes of trace records one session keeps (all workers together)."""
+
 
 class Session:
     """Buffers + kernel of one compiled rank program.
@@ -151,8 +153,7 @@ class Session:
             self.bufs.append(t)
         addrs = [self._addr(t) for t in self.bufs]
         self.buf_base = torch.tensor(addrs, dtype=torch.int64, device=dev)
-        arg_addr = resolve_args(cg.arrays["args"], addrs, [t.element_size() for t in self.bufs])
-        self.arg_addr = torch.from_numpy(arg_addr).to(dev)
+        arg_addr = resolve_args(cg.arrays["args"], addrs, [t.element_size() for t in self.bufs])  # into the records
         E, T, W = cg.arrays["events"].shape[0], cg.arrays["tasks"].shape[0], self.workers
         # Counters [E] then tallies [E], contiguous at the start of the region (the kernel reads
         # events[E + e] for the tallies; one zero_() clears both).
@@ -162,8 +163,7 @@ class Session:
         self.peer_events = torch.from_numpy(evs.copy()).to(dev)
         self.peer_quota = self._dev(peer_quota(cg))
         plan = self._prefetch_plan() if self.use_prefetch_plan else None
-        self.prefetch = self._dev(plan) if plan is not None else None
-        records, task_rec = build_records(cg, arg_addr, plan)
+        records, task_rec = build_records(cg, arg_addr, plan)  # argument addresses and the plan live here
         self.records, self.task_rec = self._dev(records), self._dev(task_rec)
         dep_ptr, dep_task, dep_off = tables.dependents(cg)
         self.deps = [self._dev(dep_ptr), self._dev(dep_task), self._dev(dep_off)]
@@ -283,7 +283,6 @@ class Session:
         p.event_tab = self.tabs["events"].data_ptr()
         p.buf_base, p.peer_base, p.peer_events = self.buf_base.data_ptr(), self.peer_base.data_ptr(), self.peer_events.data_ptr()
         p.peer_quota = self.peer_quota.data_ptr()
-        p.arg_addr = self.arg_addr.data_ptr()
         p.events = self.events.data_ptr()
         p.dep_ptr, p.dep_task, p.dep_offset = (d.data_ptr() for d in self.deps)
         p.launched, p.queues, p.queue_tail = self.launched.data_ptr(), self.queues.data_ptr(), self.queue_tail.data_ptr()
@@ -298,7 +297,6 @@ class Session:
         p.halt = self.halt.data_ptr()
         p.trace = self.trace.data_ptr() if self.trace_cap else 0
         p.trace_len = self.trace_len.data_ptr()
-        p.prefetch_bytes = self.prefetch.data_ptr() if self.prefetch is not None else 0
         p.records, p.task_rec = self.records.data_ptr(), self.task_rec.data_ptr()
         p.timeout_ns = int(self.timeout_s * 1e9)
         p.num_tasks, p.num_events = cg.arrays["tasks"].shape[0], cg.arrays["events"].shape[0]

@@ -44,12 +44,19 @@ def test_buffers_forced_rows_and_params(sess):
     assert sess.logits_dump.shape == (4, 2, 512)
     base = np.frombuffer(sess.buf_base.numpy().tobytes(), np.uint64)
     assert [int(x) for x in base] == [t.data_ptr() for t in sess.bufs]
-    assert p.arg_addr == sess.arg_addr.data_ptr()
-    args, addr = cg.arrays["args"], sess.arg_addr.numpy().view(np.uint64)
-    for k in range(args.shape[0]):  # every argument row resolves to its buffer base + offset * elem size
-        b, off = int(args[k, 0]), int(args[k, 1])
-        want = 0 if b < 0 else sess.bufs[b].data_ptr() + off * sess.bufs[b].element_size()
-        assert int(addr[k]) == want, k
+    assert p.records == sess.records.data_ptr() and p.task_rec == sess.task_rec.data_ptr()
+    from mpk_dist.runtime import task_records as R
+    from mpk_dist.taskgraph.abi import TASK_COLS
+
+    args, tasks = cg.arrays["args"], cg.arrays["tasks"]
+    recs, task_rec = sess.records.numpy(), sess.task_rec.numpy()
+    for t in range(tasks.shape[0]):  # every argument row of every task: its buffer base + offset * elem size
+        a0, a1 = int(tasks[t, TASK_COLS["ARG_BEGIN"]]), int(tasks[t, TASK_COLS["ARG_END"]])
+        addr = recs[task_rec[t], R.REC_ARGS: R.REC_ARGS + 2 * (a1 - a0)].copy().view(np.uint64)
+        for i, k in enumerate(range(a0, a1)):
+            b, off = int(args[k, 0]), int(args[k, 1])
+            want = 0 if b < 0 else sess.bufs[b].data_ptr() + off * sess.bufs[b].element_size()
+            assert int(addr[i]) == want, (t, k)
     assert (args[:, 0] < 0).any(), "the tiny graph has optional NULL arguments (q tiles' DST_V)"
     sess.wait()  # fake device: every step done at once; no error record
     assert sess.progress() == 6 and sess.error_message() is None
