@@ -400,6 +400,33 @@ __device__ bool run_task(const RuntimeParams& p, const int32_t* rec, int step, f
 
 // Issued before a task waits on its events: start streaming the bytes that do not depend on them
 // (a linear tile's weights). Only an L2 prefetch for now; the hook is where TMA staging goes.
+// The cache rows an attention tile will read, into L2 before its wait (attn_prefetch_rows,
+// csrc/tasks/attention.cuh). Positions are read now: this step's may not be written yet, and a
+// position one short only leaves the newest row to the tile's own load.
+__device__ __noinline__ void attention_prefetch(const TaskView& t, int tid, int nt) {
+  const int op = t.opcode();
+  if (op == OP_ATTENTION_PREP) {  // one tile = (kv head, one sequence)
+    attn_prefetch_rows(t.arg<const bf16>(ATTENTION_PREP_ARG_K_CACHE), t.arg<const bf16>(ATTENTION_PREP_ARG_V_CACHE),
+                       t.param(ATTENTION_PREP_PARAM_HEAD_DIM), (size_t)t.param(ATTENTION_PREP_PARAM_KV_POS_STRIDE), 0,
+                       *t.arg<const int32_t>(ATTENTION_PREP_ARG_POSITIONS) + 1, t.param(ATTENTION_PREP_PARAM_MAX_SEQ),
+                       tid, nt);
+    return;
+  }
+  const bool split = op == OP_ATTENTION_SPLIT;
+  const bf16* kc = t.arg<const bf16>(split ? ATTENTION_SPLIT_ARG_K_CACHE : ATTENTION_ARG_K_CACHE);
+  const bf16* vc = t.arg<const bf16>(split ? ATTENTION_SPLIT_ARG_V_CACHE : ATTENTION_ARG_V_CACHE);
+  const int32_t* pos = t.arg<const int32_t>(split ? ATTENTION_SPLIT_ARG_POSITIONS : ATTENTION_ARG_POSITIONS);
+  const int B = t.param(split ? ATTENTION_SPLIT_PARAM_BATCH : ATTENTION_PARAM_BATCH);
+  const int D = t.param(split ? ATTENTION_SPLIT_PARAM_HEAD_DIM : ATTENTION_PARAM_HEAD_DIM);
+  const int ps = t.param(split ? ATTENTION_SPLIT_PARAM_KV_POS_STRIDE : ATTENTION_PARAM_KV_POS_STRIDE);
+  const int bs = t.param(split ? ATTENTION_SPLIT_PARAM_KV_BATCH_STRIDE : ATTENTION_PARAM_KV_BATCH_STRIDE);
+  const int s0 = split ? t.param(ATTENTION_SPLIT_PARAM_POS_BEGIN) : 0;
+  const int s1 = split ? t.param(ATTENTION_SPLIT_PARAM_POS_END) : bs / max(ps, 1);
+  for (int b = 0; b < B; ++b)
+    attn_prefetch_rows(kc + (size_t)b * bs, vc + (size_t)b * bs, D, (size_t)ps, s0, min(s1, pos[b] + 1),
+                       bs / max(ps, 1), tid, nt);
+}
+
 __device__ void prefetch_task(const RuntimeParams& p, const int32_t* rec, int tid, int nt) {
   const TaskView t(p, rec);
   const int planned = rec[REC_PREFETCH];  // the host's plan (prefetch_plan.py), -1: the MPK_PREFETCH_KB cap
@@ -415,6 +442,10 @@ __device__ void prefetch_task(const RuntimeParams& p, const int32_t* rec, int ti
   else if (t.opcode() == OP_SILU_LINEAR)
     linear_prefetch(t.arg<const bf16>(SILU_LINEAR_ARG_W), t.param(SILU_LINEAR_PARAM_K),
                     t.param(SILU_LINEAR_PARAM_N_TILE), planned, tid, nt);
+#if MPK_ATTN_PREFETCH
+  else if (t.opcode() == OP_ATTENTION || t.opcode() == OP_ATTENTION_SPLIT || t.opcode() == OP_ATTENTION_PREP)
+    attention_prefetch(t, tid, nt);
+#endif
 }
 
 }  // namespace mpk

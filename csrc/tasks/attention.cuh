@@ -52,79 +52,19 @@ __device__ __forceinline__ void attn_warp_init(const bf16* q, int D, int G, int 
   }
 }
 
-// Cache positions whose k and v rows a warp loads before it scores the first of them
-// (MPK_ATTN_UNROLL, mpk_dist.runtime.codegen.ATTN_UNROLLS). A warp walks its positions one after
-// another, so with one row in flight every position cost a full memory round trip (qwen3-8b at
-// context 512: ~35 us a layer in the 8 attention tiles). The rows are scored in the same order as
-// before, so the arithmetic, and every bit of the result, does not depend on this.
-#ifndef MPK_ATTN_UNROLL
-#define MPK_ATTN_UNROLL 4
-#endif
-constexpr int kAttnRowsInFlight = MPK_ATTN_UNROLL;
-static_assert(kAttnRowsInFlight >= 1 && kAttnRowsInFlight <= 16, "MPK_ATTN_UNROLL: 1..16 rows in flight");
-
-// One lane's elements lane*epl .. lane*epl+epl-1 of a k row and a v row, as raw bf16 pairs (element i
-// in the low half of word i/2 when i is even), so rows in flight cost ME registers, not 2 * ME.
-template <int ME>
-struct AttnKvRow {
-  static constexpr int kWords = (ME + 1) / 2;
-  uint32_t k[kWords], v[kWords];
-};
-
-// Element i of a row held as bf16 pairs, widened exactly as bf2f does (bf16 is fp32's high half).
-template <int ME>
-__device__ __forceinline__ float attn_row_elem(const uint32_t (&w)[AttnKvRow<ME>::kWords], int i) {
-  const uint32_t x = w[i >> 1];
-  return __uint_as_float((i & 1) ? (x & 0xffff0000u) : (x << 16));
-}
-
-// One row's elements of this lane: one vector load when they fill the lane's ME slots and are aligned
-// (D == 32 * ME, the usual head dims 64, 128, 256), else element by element; elements past D are 0.
-template <int ME>
-__device__ __forceinline__ void attn_load_half(const bf16* r, int D, int lane, uint32_t (&w)[AttnKvRow<ME>::kWords]) {
-  const int epl = (D + 31) / 32;
-  const bf16* p = r + lane * epl;
-  constexpr int kBytes = ME * (int)sizeof(bf16);
-  if (epl == ME && D == 32 * ME && (kBytes == 4 || kBytes == 8 || kBytes == 16) &&
-      (reinterpret_cast<uintptr_t>(p) & (kBytes - 1)) == 0) {
-    if constexpr (kBytes == 4) {
-      w[0] = *reinterpret_cast<const uint32_t*>(p);
-    } else if constexpr (kBytes == 8) {
-      const uint2 v = *reinterpret_cast<const uint2*>(p);
-      w[0] = v.x; w[1] = v.y;
-    } else if constexpr (kBytes == 16) {
-      const uint4 v = *reinterpret_cast<const uint4*>(p);
-      w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;
-    }
-    return;
-  }
-#pragma unroll
-  for (int i = 0; i < AttnKvRow<ME>::kWords; ++i) w[i] = 0u;
-#pragma unroll
-  for (int i = 0; i < ME; ++i) {
-    const int d = lane * epl + i;
-    if (i < epl && d < D) {
-      const uint32_t bits = __bfloat16_as_ushort(p[i]);
-      w[i >> 1] |= (i & 1) ? (bits << 16) : bits;
-    }
-  }
-}
-
-template <int ME>
-__device__ __forceinline__ void attn_load_row(const bf16* kr, const bf16* vr, int D, int lane, AttnKvRow<ME>& row) {
-  attn_load_half<ME>(kr, D, lane, row.k);
-  attn_load_half<ME>(vr, D, lane, row.v);
-}
-
-// One cache position whose rows are loaded: fp32 score per head, then the online-softmax update.
+// One cache position (k and v rows at kr, vr): fp32 score per head, then the online-softmax update.
 template <int MG, int ME>
-__device__ __forceinline__ void attn_warp_update(const float (&qv)[MG][ME], const AttnKvRow<ME>& row, int G,
-                                                 float scale, float (&acc)[MG][ME], float (&m)[MG], float (&l)[MG]) {
+__device__ __forceinline__ void attn_warp_step(const float (&qv)[MG][ME], const bf16* kr, const bf16* vr, int D, int G,
+                                               float scale, int lane, float (&acc)[MG][ME], float (&m)[MG],
+                                               float (&l)[MG]) {
+  const int epl = (D + 31) / 32;
   float kv[ME], vv[ME];
 #pragma unroll
   for (int i = 0; i < ME; ++i) {
-    kv[i] = attn_row_elem<ME>(row.k, i);
-    vv[i] = attn_row_elem<ME>(row.v, i);
+    const int d = lane * epl + i;
+    const bool in = i < epl && d < D;
+    kv[i] = in ? bf2f(kr[d]) : 0.f;
+    vv[i] = in ? bf2f(vr[d]) : 0.f;
   }
 #pragma unroll
   for (int j = 0; j < MG; ++j) {
@@ -139,26 +79,6 @@ __device__ __forceinline__ void attn_warp_update(const float (&qv)[MG][ME], cons
       for (int i = 0; i < ME; ++i) acc[j][i] = acc[j][i] * corr + e * vv[i];
       m[j] = mn;
     }
-  }
-}
-
-// Positions begin, begin + step, ... < end (k and v rows `pos_stride` elements apart from kc, vc), in
-// that order, kAttnRowsInFlight rows loaded ahead of their scoring.
-template <int MG, int ME>
-__device__ __forceinline__ void attn_warp_range(const float (&qv)[MG][ME], const bf16* kc, const bf16* vc,
-                                                size_t pos_stride, int begin, int end, int step, int D, int G,
-                                                float scale, int lane, float (&acc)[MG][ME], float (&m)[MG],
-                                                float (&l)[MG]) {
-  for (int t0 = begin; t0 < end; t0 += kAttnRowsInFlight * step) {
-    AttnKvRow<ME> rows[kAttnRowsInFlight];
-#pragma unroll
-    for (int u = 0; u < kAttnRowsInFlight; ++u) {
-      const int t = t0 + u * step;
-      if (t < end) attn_load_row<ME>(kc + (size_t)t * pos_stride, vc + (size_t)t * pos_stride, D, lane, rows[u]);
-    }
-#pragma unroll
-    for (int u = 0; u < kAttnRowsInFlight; ++u)
-      if (t0 + u * step < end) attn_warp_update<MG, ME>(qv, rows[u], G, scale, acc, m, l);
   }
 }
 
@@ -181,6 +101,35 @@ __device__ __forceinline__ void attn_warp_store(const float (&acc)[MG][ME], cons
   }
 }
 
+// ---- cache rows into L2 before the tile's wait (MPK_ATTN_PREFETCH; prefetch_task in runtime/dispatch.cuh) ----
+// A warp walks its positions one after another, each row load a memory round trip behind the last:
+// from HBM, under the linears' weight stream, ~35 us a layer for qwen3-8b's 8 tiles at context 512.
+// Rows below this step's position were written by earlier steps, so the tile can pull them into L2
+// while it waits for q (L2 is where the GPU keeps global memory coherent, so a row written after its
+// prefetch is still read new). A hint only: the values read, and so the result, do not change.
+#ifndef MPK_ATTN_PREFETCH
+#define MPK_ATTN_PREFETCH 1
+#endif
+constexpr int kL2LineBytes = 128;
+
+// Prefetch k and v rows of positions [begin, end) (clamped to [0, max_seq)) of one kv head into L2.
+__device__ __forceinline__ void attn_prefetch_rows(const bf16* kc, const bf16* vc, int D, size_t kv_ps, int begin,
+                                                   int end, int max_seq, int tid, int nt) {
+  begin = max(begin, 0);
+  end = min(end, max_seq);
+  const int row_bytes = D * (int)sizeof(bf16);
+  // Lines touched by one row, whatever its alignment: one per 128 bytes, plus the line of its last byte.
+  const int per_row = row_bytes / kL2LineBytes + 1;
+  const int n = max(end - begin, 0) * per_row;
+  for (int i = tid; i < 2 * n; i += nt) {
+    const bool v = i >= n;
+    const int j = v ? i - n : i;
+    const int off = min((j % per_row) * kL2LineBytes, row_bytes - 1);
+    const char* row = reinterpret_cast<const char*>((v ? vc : kc) + (size_t)(begin + j / per_row) * kv_ps);
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(row + off));
+  }
+}
+
 __host__ __device__ inline int attention_smem_bytes(int nwarps, int G, int D) { return nwarps * G * (D + 2) * 4; }
 
 // MG, ME: compile-time bounds (>= G, >= epl) of the per-lane register arrays. One instance per (MG, ME)
@@ -193,7 +142,8 @@ __device__ __noinline__ void attention_seq(const bf16* q, const bf16* kc, const 
   const int warp = tid >> 5, lane = tid & 31, nwarps = nt >> 5;
   float qv[MG][ME], acc[MG][ME], m[MG], l[MG];
   attn_warp_init<MG, ME>(q, D, G, lane, qv, acc, m, l);
-  attn_warp_range<MG, ME>(qv, kc, vc, kv_ps, warp, n_pos, nwarps, D, G, scale, lane, acc, m, l);
+  for (int t = warp; t < n_pos; t += nwarps)
+    attn_warp_step<MG, ME>(qv, kc + (size_t)t * kv_ps, vc + (size_t)t * kv_ps, D, G, scale, lane, acc, m, l);
   attn_warp_store<MG, ME>(acc, m, l, smem + (size_t)warp * G * (D + 2), D, G, D + 2, lane);
   worker_barrier(nt);
   for (int idx = tid; idx < G * D; idx += nt) {

@@ -34,7 +34,8 @@ __device__ __forceinline__ void split_warp_partial(const bf16* q, const bf16* kc
                                                    SplitWarpState<MG, ME>& st, int lane) {
   float qv[MG][ME];
   attn_warp_init<MG, ME>(q, D, G, lane, qv, st.acc, st.m, st.l);
-  attn_warp_range<MG, ME>(qv, kc, vc, kv_ps, begin, end, step, D, G, scale, lane, st.acc, st.m, st.l);
+  for (int t = begin; t < end; t += step)
+    attn_warp_step<MG, ME>(qv, kc + (size_t)t * kv_ps, vc + (size_t)t * kv_ps, D, G, scale, lane, st.acc, st.m, st.l);
 }
 
 // Staged path for one sequence: warps split the range, merged through shared memory into `out`.

@@ -26,8 +26,10 @@ __device__ __noinline__ void paged_attention_token(const bf16* q, const bf16* kc
   for (int t0 = 0; t0 < n_pos; t0 += kv.page_size) {
     const size_t page_base = (size_t)kv.page(slot, t0 / kv.page_size) * kv.page_stride;  // validated by the caller
     const int rows = min(kv.page_size, n_pos - t0);
-    attn_warp_range<MG, ME>(qv, kc + page_base, vc + page_base, kv.pos_stride, 0, rows, 1, D, G, scale, lane, acc, m,
-                            l);
+    for (int r = 0; r < rows; ++r) {
+      const size_t row = page_base + (size_t)r * kv.pos_stride;
+      attn_warp_step<MG, ME>(qv, kc + row, vc + row, D, G, scale, lane, acc, m, l);
+    }
   }
 #pragma unroll
   for (int j = 0; j < MG; ++j) {

@@ -22,8 +22,6 @@ from mpk_dist.runtime.params import layout_asserts
 BANNER_END = "// ---- end of banner ----"
 LINEAR_UNROLLS = (4, 8, 16)
 """Allowed 16-byte weight loads in flight per lane (MPK_LINEAR_UNROLL; 8 is the GPU-verified default)."""
-ATTN_UNROLLS = (1, 2, 4, 8)
-"""Allowed cache rows a warp loads ahead of scoring them in attention tiles (MPK_ATTN_UNROLL; csrc/tasks/attention.cuh)."""
 WORKER_THREADS = (128, 256, 512, 1024)
 """Allowed worker threads per block (MPK_WORKER_THREADS; 256 is the GPU-verified default)."""
 
@@ -42,11 +40,11 @@ class KernelShape:
     linear_mma: bool = False  # batch >= 2 linear tiles on tensor cores (csrc/tasks/linear_mma.cuh; tolerance, not bits)
     linear_tma: bool = False  # weights streamed through a shared-memory ring by bulk copies (weight_stream.cuh; same bits)
     linear_pipe: bool = False  # next chunk's weight loads issued before this one is summed (gemv_pipe.cuh; same bits)
-    attn_unroll: int = 4  # cache rows a warp loads before scoring them in attention tiles (attention.cuh; same bits)
+    attn_prefetch: bool = True  # attention tiles pull their cache rows into L2 before their wait (attention.cuh; same bits)
 
 
     def name(self) -> str:
-        """File-name label: mk_b<batch>_t<threads>_<schedule>[_r<rows>][_u<unroll>][_p<prefetch KB>][_d][_nso][_m][_tma][_pipe][_v<attn rows>]."""
+        """File-name label: mk_b<batch>_t<threads>_<schedule>[_r<rows>][_u<unroll>][_p<prefetch KB>][_d][_nso][_m][_tma][_pipe][_nap]."""
         rows = f"_r{self.linear_rows}" if self.linear_rows != 1 else ""
         unroll = f"_u{self.linear_unroll}" if self.linear_unroll != 8 else ""
         pf = f"_p{self.prefetch_kb}" if self.prefetch_kb != -1 else ""
@@ -54,7 +52,7 @@ class KernelShape:
         mma = "_m" if self.linear_mma else ""
         mma += "_tma" if self.linear_tma else ""
         mma += "_pipe" if self.linear_pipe else ""
-        mma += f"_v{self.attn_unroll}" if self.attn_unroll != 4 else ""
+        mma += "" if self.attn_prefetch else "_nap"
         return f"mk_b{self.batch}_t{self.worker_threads}_{self.schedule}{rows}{unroll}{pf}{nso}{mma}"
 
 
@@ -87,8 +85,6 @@ def render_source(shape: KernelShape, model: str = "-", rank: int = 0, world: in
         raise ValueError(f"linear_rows: expected 1, 2, 4 or 8, got {shape.linear_rows}")
     if shape.linear_unroll not in LINEAR_UNROLLS:
         raise ValueError(f"linear_unroll: expected one of {LINEAR_UNROLLS}, got {shape.linear_unroll}")
-    if shape.attn_unroll not in ATTN_UNROLLS:
-        raise ValueError(f"attn_unroll: expected one of {ATTN_UNROLLS}, got {shape.attn_unroll}")
     if shape.prefetch_kb < -1:
         raise ValueError(f"prefetch_kb: expected -1 (whole tile) or a cap >= 0 in KB, got {shape.prefetch_kb}")
     if shape.worker_threads not in WORKER_THREADS:
@@ -109,7 +105,7 @@ def render_source(shape: KernelShape, model: str = "-", rank: int = 0, world: in
         f"#define MPK_LINEAR_MMA {int(shape.linear_mma)}",
         f"#define MPK_LINEAR_TMA {int(shape.linear_tma)}",
         f"#define MPK_LINEAR_PIPE {int(shape.linear_pipe)}",
-        f"#define MPK_ATTN_UNROLL {shape.attn_unroll}",
+        f"#define MPK_ATTN_PREFETCH {int(shape.attn_prefetch)}",
         "#include <cstddef>",
         '#include "abi_generated.h"  // mpk_dist.taskgraph.abi.render_cuda_abi_header()',
         '#include "megakernel.cuh"',

@@ -48,6 +48,8 @@ SWITCHES = (
     ("linear_pipe", "MPK_LINEAR_PIPE", False),
     # whole-tile L2 prefetch of linears that wait on a narrow op (mpk_dist/runtime/prefetch_plan.py)
     ("prefetch_plan", "MPK_PREFETCH_PLAN", True),
+    # attention tiles pull their cache rows into L2 before their wait (csrc/tasks/attention.cuh; same bits)
+    ("attn_prefetch", "MPK_ATTN_PREFETCH", True),
 )
 """On/off kernel switches read from the environment: (Session keyword, variable, default)."""
 
@@ -360,12 +362,12 @@ def linear_rows_from_env(linear_rows: int | None = None) -> int:
 
 
 def tuning_from_env(worker_threads: int, environ=None) -> dict:
-    """Kernel knobs {linear_unroll, worker_threads, prefetch_kb, attn_unroll[, linear_mma, linear_tma, linear_pipe,
-    prefetch_plan]}: MPK_LINEAR_UNROLL, MPK_WORKER_THREADS, MPK_PREFETCH_KB, MPK_ATTN_UNROLL and the
+    """Kernel knobs {linear_unroll, worker_threads, prefetch_kb[, linear_mma, linear_tma, linear_pipe,
+    prefetch_plan, attn_prefetch]}: MPK_LINEAR_UNROLL, MPK_WORKER_THREADS, MPK_PREFETCH_KB and the
     SWITCHES override the defaults (8 loads in flight per lane; ``worker_threads``; DEFAULT_PREFETCH_KB of a
     linear tile's weights into L2; each switch's default) so a GPU session can sweep them
     (scripts/tune_sweep.py); a bad value is refused with the allowed ones."""
-    from mpk_dist.runtime.codegen import ATTN_UNROLLS, LINEAR_UNROLLS, WORKER_THREADS
+    from mpk_dist.runtime.codegen import LINEAR_UNROLLS, WORKER_THREADS
 
     env = os.environ if environ is None else environ
     out = {}
@@ -375,9 +377,7 @@ def tuning_from_env(worker_threads: int, environ=None) -> dict:
             ("worker_threads", "MPK_WORKER_THREADS", worker_threads, lambda v: v in WORKER_THREADS,
              ", ".join(map(str, WORKER_THREADS))),
             ("prefetch_kb", "MPK_PREFETCH_KB", DEFAULT_PREFETCH_KB, lambda v: v >= -1,
-             "-1 (whole tile) or a cap in KB >= 0"),
-            ("attn_unroll", "MPK_ATTN_UNROLL", 4, lambda v: v in ATTN_UNROLLS,
-             ", ".join(map(str, ATTN_UNROLLS)))):
+             "-1 (whole tile) or a cap in KB >= 0")):
         raw = env.get(var, "")
         try:
             val = int(raw) if raw else default

@@ -70,7 +70,8 @@ class Session:
                  compiler: str | None = None, model: str = "-", linear_rows: int = 1, linear_unroll: int = 8,
                  prefetch_kb: int = -1, region=None, stream=None,
                  cooperative: bool = True, superopt: bool = True, linear_mma: bool = False,
-                 prefetch_plan: bool = True, linear_tma: bool = False, linear_pipe: bool = False):
+                 prefetch_plan: bool = True, linear_tma: bool = False, linear_pipe: bool = False,
+                 attn_prefetch: bool = True):
         if cg.meta["abi_version"] != ABI_VERSION:
             raise InputError(f"task graph ABI: expected version {ABI_VERSION}, got {cg.meta['abi_version']}")
         tables.check_supported(cg)
@@ -90,7 +91,8 @@ class Session:
         t0 = time.perf_counter()
         shape = kernel_shape(cg, worker_threads, schedule, linear_rows=linear_rows, linear_unroll=linear_unroll,
                              prefetch_kb=prefetch_kb, superopt=superopt,
-                             linear_mma=linear_mma, linear_tma=linear_tma, linear_pipe=linear_pipe)
+                             linear_mma=linear_mma, linear_tma=linear_tma, linear_pipe=linear_pipe,
+                             attn_prefetch=attn_prefetch)
         self.source, self.build = build_kernel(shape, model=model,
                                                rank=self.rank, world=self.world, input_hash=tables_hash(cg.arrays),
                                                compiler=compiler, program=cg)

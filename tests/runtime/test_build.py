@@ -117,12 +117,12 @@ def test_tuning_knobs_from_env_are_checked():
     from mpk_dist.errors import InputError
     from mpk_dist.runtime.megakernel_backend import tuning_from_env
 
-    assert tuning_from_env(256, {}) == {"linear_unroll": 8, "worker_threads": 256, "prefetch_kb": 64, "attn_unroll": 4}
+    assert tuning_from_env(256, {}) == {"linear_unroll": 8, "worker_threads": 256, "prefetch_kb": 64}
     assert tuning_from_env(256, {"MPK_LINEAR_UNROLL": "16", "MPK_WORKER_THREADS": "512", "MPK_PREFETCH_KB": "64",
-                                 "MPK_ATTN_UNROLL": "1"}) == \
-        {"linear_unroll": 16, "worker_threads": 512, "prefetch_kb": 64, "attn_unroll": 1}
-    with pytest.raises(InputError, match="MPK_ATTN_UNROLL: expected one of 1, 2, 4, 8, got '3'"):
-        tuning_from_env(256, {"MPK_ATTN_UNROLL": "3"})
+                                 "MPK_ATTN_PREFETCH": "0"}) == \
+        {"linear_unroll": 16, "worker_threads": 512, "prefetch_kb": 64, "attn_prefetch": False}
+    with pytest.raises(InputError, match="MPK_ATTN_PREFETCH: expected one of 0, 1, got '2'"):
+        tuning_from_env(256, {"MPK_ATTN_PREFETCH": "2"})
     with pytest.raises(InputError, match="MPK_PREFETCH_KB"):
         tuning_from_env(256, {"MPK_PREFETCH_KB": "-5"})
     with pytest.raises(InputError, match="MPK_LINEAR_UNROLL: expected one of 4, 8, 16, got '3'"):
@@ -131,7 +131,5 @@ def test_tuning_knobs_from_env_are_checked():
         tuning_from_env(256, {"MPK_WORKER_THREADS": "many"})
     with pytest.raises(ValueError, match="linear_unroll"):
         render_source(KernelShape(batch=1, linear_unroll=5))
-    with pytest.raises(ValueError, match="attn_unroll"):
-        render_source(KernelShape(batch=1, attn_unroll=3))
-    assert "#define MPK_ATTN_UNROLL 1" in render_source(KernelShape(batch=1, attn_unroll=1))
-    assert KernelShape(1, attn_unroll=1).name().endswith("_v1") and "_v" not in KernelShape(1).name()
+    assert "#define MPK_ATTN_PREFETCH 0" in render_source(KernelShape(batch=1, attn_prefetch=False))
+    assert KernelShape(1, attn_prefetch=False).name().endswith("_nap") and "_nap" not in KernelShape(1).name()

@@ -108,3 +108,20 @@ def test_backend_generate_host_path(fake_gpu, tmp_path):
     assert logits.shape == (1, 512) and b._step == 2
     with pytest.raises(Exception, match="expected 2"):
         b.decode(torch.tensor([5]), torch.tensor([7]))
+
+
+def test_every_env_knob_reaches_the_kernel_shape(fake_gpu, monkeypatch):
+    """Each knob tuning_from_env reads (set away from its default) arrives in the KernelShape the
+    backend's Session builds: a knob the Session does not take fails here, not on the GPU."""
+    shapes = []
+    monkeypatch.setattr(S, "build_kernel", lambda shape, **k: shapes.append(shape) or (
+        "src", __import__("types").SimpleNamespace(cubin=b"", cached=True, compiler="fake", path="x")))
+    env = {"MPK_LINEAR_UNROLL": "16", "MPK_WORKER_THREADS": "256", "MPK_PREFETCH_KB": "32", "MPK_ATTN_PREFETCH": "0",
+           "MPK_LINEAR_MMA": "1", "MPK_LINEAR_TMA": "1", "MPK_LINEAR_PIPE": "1", "MPK_PREFETCH_PLAN": "0"}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    m = open_model("tiny")
+    fake_gpu.MegakernelBackend(m.config, m.weights, device="cpu", max_seq_len=16).session(1)
+    shape = shapes[-1]
+    assert (shape.linear_unroll, shape.worker_threads, shape.prefetch_kb) == (16, 256, 32)
+    assert shape.linear_mma and shape.linear_tma and shape.linear_pipe and not shape.attn_prefetch
