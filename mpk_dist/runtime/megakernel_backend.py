@@ -55,6 +55,9 @@ SWITCHES = (
 
 PROFILE_STEPS = 128
 """Decode steps whose trace records are kept for the exposed-communication figure (tp > 1)."""
+TRACE_STEPS = 32
+"""--trace keeps the records of the last TRACE_STEPS steps of a launch: a whole 480-token prompt's steps
+made a trace of ~8 M records on qwen3-8b that took minutes to write, and trace-summary needs a few steps."""
 
 
 def _nucleus(sp) -> bool:
@@ -70,7 +73,8 @@ class MegakernelBackend(StepBackend):
     (watchdog), ``comm_profile`` (default on at tp > 1; MPK_COMM_PROFILE=0 turns it off), test hooks
     ``inject_hang_task`` / ``inject_hang_rank`` (that task never signals, on that rank or all),
     ``fuse`` (fused linears: True, False or names incl. the opt-in 'attn_prep'; MPK_FUSE_ATTN_PREP=1 adds
-    'attn_prep'), ``attn_splits`` (split-KV attention: N or 'auto'; default 1),
+    'attn_prep'), ``attn_splits`` (split-KV attention: N or 'auto', the default: ~132 SMs / kv heads ranges
+    of >= 64 positions; 1 = one attention tile per kv head),
     ``superopt`` (fused linears run superoptimizer-generated bodies; default on, --no-superopt or
     MPK_SUPEROPT=0 for off).
     """
@@ -83,7 +87,7 @@ class MegakernelBackend(StepBackend):
                  sms: int | None = None, transport: str | None = None, compiler: str | None = None,
                  inject_hang_task: int = -1, on_token=None, linear_rows: int | None = None,
                  inject_hang_rank: int | None = None, comm_profile: bool | None = None, fuse=True,
-                 attn_splits=1, superopt=None):
+                 attn_splits="auto", superopt=None):
         from mpk_dist.taskgraph.lowering_attention import check_attn_splits
 
         self.fuse = fusions_from_env(fuse)
@@ -153,7 +157,7 @@ class MegakernelBackend(StepBackend):
                                         max_seq_len=self.max_seq_len, ranks=self.transport.ranks, fuse=self.fuse,
                                         attn_splits=self.attn_splits, nucleus=nucleus)
             compile_s = time.perf_counter() - t0
-            trace = True if self.trace_path else (PROFILE_STEPS if self.comm_profile else 0)
+            trace = TRACE_STEPS if self.trace_path else (PROFILE_STEPS if self.comm_profile else 0)
             kw = dict(schedule=self.schedule, worker_threads=self.worker_threads, timeout_s=self.timeout_s, trace=trace,
                       compiler=self.compiler, model=self.cfg.architecture or self.cfg.family,
                       linear_rows=self.linear_rows, superopt=self.superopt, **self.kernel_tuning)

@@ -159,6 +159,15 @@ def test_trace_keeps_the_last_steps_that_fit(fake_gpu, monkeypatch, tmp_path):
     s = b2.session(1)
     assert s.trace_cap == 5 * per_step
     assert params_of(s).trace_from == len(prompt) - 1 + 4 - 5, "the last 5 of the launch's steps"
+    # Without the byte cap: the last TRACE_STEPS steps of a launch longer than that.
+    b3 = fake_gpu.MegakernelBackend(m.config, m.weights, device="cpu", max_seq_len=64,
+                                    trace=str(tmp_path / "t3.json"))
+    monkeypatch.setattr(S, "TRACE_BYTES_CAP", 1 << 40)
+    prompt = list(range(1, fake_gpu.TRACE_STEPS + 10))
+    b3.generate(GenerateRequest([prompt], 4))
+    s = b3.session(1)
+    assert s.trace_cap == fake_gpu.TRACE_STEPS * max_tasks_per_worker(s.cg)
+    assert params_of(s).trace_from == len(prompt) - 1 + 4 - fake_gpu.TRACE_STEPS
 
 
 def test_merge_vocab_orders_and_checks_slices():

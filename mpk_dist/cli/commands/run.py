@@ -33,7 +33,8 @@ def add_model_args(p) -> None:
                         "the superoptimizer's µGraphs (default: generated, searched once per shape and cached)")
     p.add_argument("--attn-splits", default=None, metavar="N|auto",
                    help="megakernel/interpreter: split each kv head's attention into N KV ranges + a merge task "
-                        "(auto: from the SM count and --max-seq-len; default 1 = unsplit)")
+                        "(auto: from the SM count and --max-seq-len; default: auto for megakernel, 1 = unsplit for "
+                        "interpreter)")
 
 
 def backend_opts(args) -> dict:
