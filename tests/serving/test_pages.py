@@ -77,6 +77,7 @@ def test_random_churn_never_leaks_or_double_allocates():
             if pool.pages_for(want) - pool.pages_used[s] <= pool.num_free:
                 pool.grow(s, want)
                 lengths[s] = want
+        pool.take_releases()  # each step is a pass: it carries the releases to the device
         pool.check()
         held = np.concatenate([pool.page_table[s, : pool.pages_used[s]] for s in lengths] or [np.zeros(0, np.int32)])
         assert len(set(held.tolist())) == len(held)
