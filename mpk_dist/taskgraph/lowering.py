@@ -234,12 +234,9 @@ class Lowerer:
                         "MAX_SEQ": S, "IS_KV": 1})
         head = lambda c0: (0, B, c0, c0 + D)  # noqa: E731 - one head's columns of a [B, *] tensor
         kvrow = lambda j: (0, B * S, j * D, j * D + D)  # noqa: E731 - head j of every cache row
-        whole = p.buffers[table].view
         t.reads = [Footprint(qkv, np.array([head(h * D) for h in range(hq)] + [head((hq + j) * D) for j in range(hkv)])),
                    Footprint(qkv, np.array([EMPTY] * hq + [head((hq + hkv + j) * D) for j in range(hkv)])),
-                   _all_fp(pos, p, hq + hkv),
-                   # kv tiles read the page table that page_alloc wrote this step (q tiles do not)
-                   Footprint(table, np.array([EMPTY] * hq + [(0, whole[0], 0, whole[1])] * hkv, np.int64))]
+                   _all_fp(pos, p, hq + hkv)]
         t.writes = [Footprint(q, np.array([head(h * D) for h in range(hq)] + [EMPTY] * hkv)),
                     Footprint(kc, np.array([EMPTY] * hq + [kvrow(j) for j in range(hkv)])),
                     Footprint(vc, np.array([EMPTY] * hq + [kvrow(j) for j in range(hkv)]))]

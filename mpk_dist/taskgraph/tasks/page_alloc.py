@@ -41,8 +41,9 @@ FAULT_NAMES = {FAULT_EMPTY: "page pool empty", FAULT_RELEASE: "page released twi
                FAULT_TOO_LONG: "page table full"}
 """Short names (mpk_dist.runtime.params.ERROR_CODES takes them)."""
 
-HEADER_WORDS = 4
-"""Shared-memory words the CUDA body keeps before its per-slot arrays (the fault record)."""
+HEADER_WORDS = 8
+"""Shared-memory words the CUDA body keeps before its per-slot arrays (the fault record;
+kPageHeaderWords in page_alloc.cuh)."""
 
 STATE_BUFFERS = ("free_pages", "num_free", "page_table", "pages_used", "page_owner")
 """The allocator's device buffers (kind ``state``), in argument order FREE_PAGES .. OWNER."""
