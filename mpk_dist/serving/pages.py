@@ -76,7 +76,8 @@ class PageCounts:
 
     def release_slot(self, slot: int) -> None:
         """Return all of the slot's pages to the free list, then the slot itself; the release is
-        queued for the next pass."""
+        queued for the next pass (when the slot held pages: the device refuses to release an empty slot,
+        which is what a page released twice looks like)."""
         self._check_live(slot)
         if self.released[slot]:
             # a second request in this slot finished before any pass carried the first release: the
@@ -89,7 +90,7 @@ class PageCounts:
         self.slot_live[slot] = False
         self.free_slots[self.num_free_slots] = slot
         self.num_free_slots += 1
-        self.released[slot] = 1
+        self.released[slot] = n > 0  # a slot that never got a page has nothing for the device to free
 
     def take_releases(self) -> np.ndarray:
         """The slots released since the last call, as int32 flags [max_seqs] (a pass's ``release_slots``)."""
