@@ -6,15 +6,15 @@ writes ``seq_slots`` and ``release_slots`` into every rank's input buffers, feed
 forced tokens of step 0 and the positions as ``start_pos``; the page pools are state buffers and
 persist across launches. Pages are allocated on the "device": the program's page_alloc task keeps
 the free stack and the page table in state buffers (initialised once here, ``page_state``), so the
-server's pool holds counts only (``device_pages``) and ``check_pages`` compares the two. ``logit_rows`` (padded to MB with -1) is written too: a ``gather_rows``
-task picks those token rows, so the head runs over the MB sequences and row b of the [MB, V]
+server's pool holds counts only (``pages_on_device``) and ``check_pages`` compares the two.
+``logit_rows`` (padded to MB with -1) is written too: a ``gather_rows`` task picks those token rows, so the head runs over the MB sequences and row b of the [MB, V]
 logits belongs to ``logit_rows[b]``. ``gather_last=False`` compiles the head over all N token rows
 instead and picks the rows on the host (the behaviour before gather_rows; kept for comparisons).
 
 ``persistent_passes`` P > 0: the persistent form (docs/SERVING.md "Persistent passes"): one launch of
 a P-step program runs P passes, pass s as step s, the host posting each pass into the running launch
-(forced_tokens row s, start_pos = positions - s, slots, release flags, logit rows) and reading the logits
-once the step's final task has run (``taskgraph.interpreter.PersistentLaunch``); a new launch after P.
+(forced_tokens row s, start_pos = positions - s, slots, release flags, logit rows) and reading the
+logits once the step's final task has run (``taskgraph.interpreter.PersistentLaunch``); a new launch after P.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ class InterpreterPagedBackend:
     """Paged-KV step backend over the interpreter: ``step(batch) -> logits [R, V]`` (float32)."""
 
     name = "interpreter"
-    device_pages = True  # page ids live in the program's buffers (page_alloc); the server counts pages
+    pages_on_device = True  # page ids live in the program's buffers (page_alloc); the server counts pages
 
     def __init__(self, cfg: ModelConfig, source, spec: PagedSpec, tp: int = 1, device: str = "cpu", sms: int = 8,
                  seed: int = 0, schedule: str = "jit", check_races: bool = True, weights=None,

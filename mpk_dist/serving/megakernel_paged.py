@@ -8,8 +8,9 @@ row 0 of ``forced_tokens`` and the positions as ``start_pos``; ``step_begin`` co
 launches. So does the page allocator (docs/SERVING.md "The device free list"): the free stack, page
 table and page counts live in state buffers initialised once here, the program's page_alloc task
 frees the released slots' pages and takes the pass's new pages on the GPU, and the server's pool
-keeps counts only (``device_pages``). Each launch runs step 0 of a one-step program (``max_steps`` 1), so the event counters
-(never reset inside a launch) are zeroed before every launch; the pools are not. ``logit_rows``
+keeps counts only (``pages_on_device``). Each launch runs step 0 of a one-step program (``max_steps``
+1), so the event counters (never reset inside a launch) are zeroed before every launch; the pools are
+not. ``logit_rows``
 (padded to MB with -1) is written too: a ``gather_rows`` task picks those token rows, so the head
 runs over the MB sequences and row b of the merged [MB, V] logits belongs to ``logit_rows[b]``.
 
@@ -142,7 +143,7 @@ class MegakernelPagedBackend:
     """
 
     name = "megakernel"
-    device_pages = True  # page ids live on the GPU (page_alloc); the server counts pages
+    pages_on_device = True  # page ids live on the GPU (page_alloc); the server counts pages
 
     def __init__(self, cfg: ModelConfig, source, spec: PagedSpec, tp: int = 1, device="cuda", weights=None,
                  schedule: str = "aot", sms: int | None = None, timeout_s: float = 5.0,

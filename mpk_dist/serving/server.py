@@ -130,7 +130,7 @@ class Server:
         self.backend = _make_backend(backend, cfg, source, self.spec, tp, device, weights, backend_opts or {})
         self.cfg, self.tp = cfg, tp
         # The device backends allocate pages on the GPU (task kind page_alloc): the host keeps the counts only.
-        pool_kind = PageCounts if getattr(self.backend, "device_pages", False) else PagePool
+        pool_kind = PageCounts if getattr(self.backend, "pages_on_device", False) else PagePool
         self.pool = pool_kind(num_pages, page_size, max_batch, pages_per_seq)
         self.scheduler = Scheduler(self.pool, self.spec.max_tokens)
         self.clock = clock or WallClock()

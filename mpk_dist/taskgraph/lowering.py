@@ -355,8 +355,8 @@ class Lowerer:
         rows = p.buffers[kp].view[0]
         qrect = np.array([(r0, r0 + nr, j * G * D, (j + 1) * G * D) for j, r0, nr in tiles], np.int64)
         kvrect = np.array([(0, rows, j * D, (j + 1) * D) for j, _, _ in tiles], np.int64)
-        t.reads = [Footprint(q, qrect), Footprint(kp, kvrect), Footprint(vp, kvrect.copy()), _all_fp(pos, p, len(tiles)),
-                   _all_fp(table, p, len(tiles))]  # the page table page_alloc wrote this step
+        t.reads = [Footprint(q, qrect), Footprint(kp, kvrect), Footprint(vp, kvrect.copy()),
+                   _all_fp(pos, p, len(tiles)), _all_fp(table, p, len(tiles))]  # + the table page_alloc wrote
         t.writes = [Footprint(o, qrect.copy())]
 
     def gather_rows(self, op: Op) -> None:

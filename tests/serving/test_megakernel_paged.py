@@ -124,8 +124,8 @@ def test_kernel_with_the_paged_bodies_compiles_for_sm90a(tmp_path, monkeypatch):
                             compiler="nvcc", program=cg)
     assert "#define MPK_BATCH 8" in src and res.cubin[:4] == b"\x7fELF" and not res.cached
     names = {p.name for p in res.headers}
-    assert {"qkv_prep_paged.cuh", "paged_attention.cuh", "gather_rows.cuh", "page_alloc.cuh", "dispatch.cuh"} <= names, \
-        "paged bodies in the cache key"
+    bodies = {"qkv_prep_paged.cuh", "paged_attention.cuh", "gather_rows.cuh", "page_alloc.cuh", "dispatch.cuh"}
+    assert bodies <= names, "paged bodies in the cache key"
     ops = set(cg.arrays["tasks"][:, TASK_COLS["OPCODE"]].tolist())
     assert {BY_NAME["gather_rows"].opcode, BY_NAME["page_alloc"].opcode} <= ops
 

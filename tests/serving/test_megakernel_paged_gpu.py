@@ -194,8 +194,9 @@ def test_device_page_tables_equal_the_host_pool(tp, passes):
     vocab = m.config.vocab_size
     work = [(rand_ids(plen, vocab, 400 + i), n, t, rand_ids(n, vocab, 500 + i))
             for i, (plen, n, t, _) in enumerate(WORKLOAD)]
+    opts = {"persistent_passes": passes} if passes else None
     srv = Server(m, backend="megakernel", tp=tp, max_batch=4, page_size=8, max_seq_len=64, max_tokens_per_step=16,
-                 device="cuda", clock=VirtualClock(0.01), backend_opts={"persistent_passes": passes} if passes else None)
+                 device="cuda", clock=VirtualClock(0.01), backend_opts=opts)
     step, seen = srv.backend.step, []
 
     def snap(batch):
@@ -224,8 +225,9 @@ def test_empty_free_stack_is_a_named_error(passes):
     from mpk_dist.errors import MpkError
 
     m = model("tiny")
+    opts = {"persistent_passes": passes} if passes else None
     srv = Server(m, backend="megakernel", tp=2, max_batch=2, page_size=8, max_seq_len=32, max_tokens_per_step=16,
-                 device="cuda", clock=VirtualClock(0.01), backend_opts={"persistent_passes": passes} if passes else None)
+                 device="cuda", clock=VirtualClock(0.01), backend_opts=opts)
     for s in srv.backend.group.sessions:
         s.buffer("num_free").zero_()
     torch.cuda.synchronize()
