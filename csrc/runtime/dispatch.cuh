@@ -50,6 +50,7 @@
 #include "qkv_prep_paged.cuh"
 #include "paged_attention.cuh"
 #include "gather_rows.cuh"
+#include "page_alloc.cuh"
 // qkv_prep folded into the attention tiles (opt-in fusion 'attn_prep'; docs/TASKGRAPH.md)
 #include "attention_prep.cuh"
 
@@ -290,6 +291,27 @@ __device__ __noinline__ bool run_gather_rows(const TaskView& t, int tid, int nt)
   return o32 ? run_gather_rows_as<bf16, float>(t, tid, nt) : run_gather_rows_as<bf16, bf16>(t, tid, nt);
 }
 
+// page_alloc (the device page allocator of the paged programs): a fault is recorded here with its own
+// code (kErrPagesExhausted, kErrPageRelease, kErrPageTableFull: the host names it); returning false
+// then makes the worker raise kErrBadTask too, which loses the record's CAS to this first code. Too
+// little shared memory for the slot arrays (tables.smem_bytes sizes it) is a plain bad task.
+__device__ __noinline__ bool run_page_alloc(const RuntimeParams& p, const TaskView& t, int step, float* smem, int tid,
+                                            int nt) {
+  const int B = t.param(PAGE_ALLOC_PARAM_BATCH), MB = t.param(PAGE_ALLOC_PARAM_MAX_SEQS);
+  if ((uint32_t)page_alloc_smem_words(B, MB) * sizeof(int) > launch_smem_bytes()) return false;
+  const PageFault f = page_alloc(
+      t.arg<const int32_t>(PAGE_ALLOC_ARG_RELEASE), t.arg<const int32_t>(PAGE_ALLOC_ARG_POSITIONS),
+      t.arg<const int32_t>(PAGE_ALLOC_ARG_SLOTS), t.arg<int32_t>(PAGE_ALLOC_ARG_FREE_PAGES),
+      t.arg<int32_t>(PAGE_ALLOC_ARG_NUM_FREE), t.arg<int32_t>(PAGE_ALLOC_ARG_PAGE_TABLE),
+      t.arg<int32_t>(PAGE_ALLOC_ARG_PAGES_USED), t.arg<int32_t>(PAGE_ALLOC_ARG_OWNER), B, MB,
+      t.param(PAGE_ALLOC_PARAM_MAX_PAGES), t.param(PAGE_ALLOC_PARAM_NUM_PAGES), t.param(PAGE_ALLOC_PARAM_PAGE_SIZE),
+      reinterpret_cast<int*>(smem), tid, nt);
+  if (f.code == kErrNone) return true;
+  if (tid == 0)
+    raise_error(p.error, p.halt, f.code, t.task(), f.slot, step, p.rank, (uint32_t)f.seen, (uint32_t)f.expected, 0);
+  return false;
+}
+
 // ---- qkv_prep + attention in one tile (opt-in fusion 'attn_prep'; docs/TASKGRAPH.md) ----
 // bf16 activations and caches only; anything else, a bad position or too little shared memory is a
 // bad task (kErrBadTask) instead of something wrong.
@@ -393,6 +415,7 @@ __device__ bool run_task(const RuntimeParams& p, const int32_t* rec, int step, f
     case OP_QKV_PREP_PAGED: return run_qkv_prep_paged(t, tid, nt);
     case OP_PAGED_ATTENTION: return run_paged_attention(t, tid, nt);
     case OP_GATHER_ROWS: return run_gather_rows(t, tid, nt);
+    case OP_PAGE_ALLOC: return run_page_alloc(p, t, step, smem, tid, nt);
     case OP_ATTENTION_PREP: return run_attention_prep(t, smem, tid, nt);
     default: return false;
   }

@@ -139,6 +139,11 @@ __device__ __forceinline__ uint32_t atom_cas_acq_rel_sys(uint32_t* p, uint32_t c
   return old;
 }
 
+// Minimum into a shared-memory word (block scope): the threads of one block agree on one value (the
+// first bad entry page_alloc found) without a barrier per write; the block barrier after the phase
+// orders it before anyone reads the word. No ordering of other memory.
+__device__ __forceinline__ void atom_min_shared(int* p, int v) { atomicMin(p, v); }
+
 // ---- fences --------------------------------------------------------------------------------
 // Full acq_rel fence at gpu scope: after a block barrier, makes the block's writes (seen by this
 // thread through the barrier) cumulative into the following release; after an acquire, orders the

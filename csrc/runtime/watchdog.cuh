@@ -17,6 +17,10 @@ enum ErrorCode : uint32_t {
   kErrBadTask = 3,      // a task id or kind out of range (corrupt task table)
   kErrInjected = 4,     // raised on purpose by the fault-injection test hook
   kErrPassWait = 5,     // persistent passes: the host posted no pass for step_begin within pass_wait_ns
+  // page_alloc (tasks/page_alloc.cuh): event_id holds the slot, seen / expected the numbers below
+  kErrPagesExhausted = 6,  // the free-page stack ran dry (seen: free pages, expected: pages needed)
+  kErrPageRelease = 7,     // a page released twice (seen: page id, -1 = none held; expected: its owner)
+  kErrPageTableFull = 8,   // a slot's position is past its page-table row (seen: pages needed, expected: MP)
 };
 
 // Layout mirrored by mpk_dist/runtime/params.py (ERROR_FIELDS); the generated source static_asserts it.

@@ -19,6 +19,7 @@ import numpy as np
 from mpk_dist.runtime.comm_layout import peer_quota
 from mpk_dist.runtime.params import ERROR_CODES
 from mpk_dist.taskgraph.abi import EVENT_COLS, TASK_COLS, WAIT_COLS
+from mpk_dist.taskgraph.tasks.page_alloc import FAULT_NAMES, fault_message
 
 
 def error_message(sess) -> str | None:
@@ -32,6 +33,10 @@ def error_message(sess) -> str | None:
         return (f"mega-kernel (persistent passes): {task} of pass {r.step} on rank {r.rank} waited "
                 f"{r.elapsed_ns / 1e9:.2f} s for the host to post it (posted {r.seen}); the host must post each pass "
                 "or stop the launch within pass_wait_s")
+    if r.code in FAULT_NAMES:  # page_alloc (tasks/page_alloc.cuh): event_id is the slot
+        as_int = lambda v: int(np.array(v, np.uint32).view(np.int32))  # noqa: E731 - the record's words are unsigned
+        return (f"mega-kernel ({ERROR_CODES[r.code]}): {task} at step {r.step} on rank {r.rank}: "
+                + fault_message(r.code, r.event_id, as_int(r.seen), as_int(r.expected)))
     if 0 <= r.event_id < len(cg.meta["events"]):
         event = f"event {r.event_id} '{cg.meta['events'][r.event_id]}' (signalled by {producers(cg, r.event_id)})"
     else:

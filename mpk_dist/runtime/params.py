@@ -11,6 +11,8 @@ import ctypes
 
 import numpy as np
 
+from mpk_dist.taskgraph.tasks.page_alloc import FAULT_NAMES
+
 _P = ctypes.c_uint64  # every device pointer travels as a 64-bit address
 _I = ctypes.c_int32
 
@@ -55,7 +57,8 @@ class ErrorRecord(ctypes.Structure):
 
 
 ERROR_CODES = {0: "none", 1: "timeout", 2: "queue overflow", 3: "bad task", 4: "injected",
-               5: "no pass posted"}
+               5: "no pass posted", **FAULT_NAMES}
+"""Watchdog error codes (csrc/runtime/watchdog.cuh ErrorCode) by name; 6..8 are page_alloc's faults."""
 
 PASS_COPY_COLS = 4
 """Columns of RuntimeParams.pass_copies (csrc/runtime/pass_begin.cuh): stage word offset, buffer index,

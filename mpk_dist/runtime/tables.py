@@ -137,6 +137,21 @@ WEIGHT_RING_BYTES = RING_STAGES * RING_STAGE_BYTES + 2 * RING_STAGES * 8 + 32
 (MPK_LINEAR_TMA)."""
 
 
+INT32_BYTES = 4
+
+
+def page_alloc_bytes(cg) -> int:
+    """Shared memory of the page_alloc task (its per-slot and per-token arrays), 0 without one."""
+    from mpk_dist.taskgraph.tasks.page_alloc import smem_words
+
+    tasks = cg.arrays["tasks"]
+    need = 0
+    for t in np.nonzero(tasks[:, TASK_COLS["OPCODE"]] == BY_NAME["page_alloc"].opcode)[0]:
+        p = task_params(cg, int(t))
+        need = max(need, INT32_BYTES * smem_words(p["BATCH"], p["MAX_SEQS"]))
+    return need
+
+
 def smem_bytes(cg, worker_threads: int, weight_ring: bool = False) -> int:
     """Dynamic shared memory per worker block: the largest need over the task bodies, plus the weight
     ring at the end when ``weight_ring`` (MPK_LINEAR_TMA; the staging budget shrinks by as much)."""
@@ -152,6 +167,7 @@ def smem_bytes(cg, worker_threads: int, weight_ring: bool = False) -> int:
     # Fused linears stage their normalised / silu'd input rows in shared memory when it fits; a
     # tile that does not get the space recomputes per weight row (same bits, slower).
     need = max(need, staging_bytes(cg, HOPPER_MAX_DYNAMIC_SMEM - SMEM_RESERVE - ring))
+    need = max(need, page_alloc_bytes(cg))
     return (need + 127) // 128 * 128 + ring
 
 

@@ -2,11 +2,15 @@
 per pass (the first GPU milestone of docs/SERVING.md, "Inside the persistent kernel" item 5).
 
 Same contract as ``InterpreterPagedBackend``: the host pads the pass to the compiled N tokens
-(slot -1), writes ``seq_slots`` and ``page_table`` into every rank's input buffers, the tokens as
+(slot -1), writes ``seq_slots`` and ``release_slots`` into every rank's input buffers, the tokens as
 row 0 of ``forced_tokens`` and the positions as ``start_pos``; ``step_begin`` copies them to
 ``tokens`` / ``positions``. The page pools are state buffers: zeroed once, they persist across
-launches. Each launch runs step 0 of a one-step program (``max_steps`` 1), so the event counters
-(never reset inside a launch) are zeroed before every launch; the pools are not. ``logit_rows``
+launches. So does the page allocator (docs/SERVING.md "The device free list"): the free stack, page
+table and page counts live in state buffers initialised once here, the program's page_alloc task
+frees the released slots' pages and takes the pass's new pages on the GPU, and the server's pool
+keeps counts only (``pages_on_device``). Each launch runs step 0 of a one-step program (``max_steps``
+1), so the event counters (never reset inside a launch) are zeroed before every launch; the pools are
+not. ``logit_rows``
 (padded to MB with -1) is written too: a ``gather_rows`` task picks those token rows, so the head
 runs over the MB sequences and row b of the merged [MB, V] logits belongs to ``logit_rows[b]``.
 
@@ -114,19 +118,20 @@ def check_paged_tasks(cg) -> None:
             raise InputError(f"{cg.task_label(int(t))}: expected an even head_dim <= 512, got {p['HEAD_DIM']}")
 
 
-def check_pages(batch: StepBatch, spec: PagedSpec) -> None:
-    """Every token's slot and the pages of positions 0..pos (what attention reads) are valid.
-
-    The kernel also refuses a bad entry (kErrBadTask); checking here names the slot and position."""
+def check_slots(batch: StepBatch, spec: PagedSpec) -> None:
+    """Every token's slot is a sequence slot and its position fits the slot's page-table row; release
+    flags are 0 or 1. The kernel's page_alloc refuses a position past the row too (kErrPageTableFull);
+    checking here names the slot before a launch."""
+    if batch.release is not None and (len(batch.release) > spec.max_seqs or not np.isin(batch.release, (0, 1)).all()):
+        raise InputError(f"pass release_slots: expected at most {spec.max_seqs} flags of 0 or 1, got "
+                         f"{batch.release.tolist()}")
     for s in np.unique(batch.slots[batch.slots >= 0]):
         if s >= spec.max_seqs:
             raise InputError(f"pass: expected sequence slots < {spec.max_seqs} (max_batch), got {int(s)}")
         last = int(batch.positions[batch.slots == s].max())
-        cols = last // spec.page_size
-        pages = batch.page_table[s, : cols + 1] if cols < spec.max_pages_per_seq else None
-        if pages is None or (pages < 0).any() or (pages >= spec.num_pages).any():
-            raise InputError(f"page table row {int(s)}: expected page ids in [0, {spec.num_pages}) for positions "
-                             f"0..{last}, got {None if pages is None else pages.tolist()}")
+        if last >= spec.page_size * spec.max_pages_per_seq or int(batch.positions[batch.slots == s].min()) < 0:
+            raise InputError(f"pass slot {int(s)}: expected positions 0..{spec.page_size * spec.max_pages_per_seq - 1} "
+                             f"(max_seq_len), got up to {last}")
 
 
 class MegakernelPagedBackend:
@@ -138,6 +143,7 @@ class MegakernelPagedBackend:
     """
 
     name = "megakernel"
+    pages_on_device = True  # page ids live on the GPU (page_alloc); the server counts pages
 
     def __init__(self, cfg: ModelConfig, source, spec: PagedSpec, tp: int = 1, device="cuda", weights=None,
                  schedule: str = "aot", sms: int | None = None, timeout_s: float = 5.0,
@@ -174,6 +180,7 @@ class MegakernelPagedBackend:
                        for r in range(tp)]
         self.group = self._build_group(weights, schedule, timeout_s, worker_threads, compiler)
         self.group.reset()  # pools and counters zeroed once; the pools then persist across launches
+        self._init_pages()
         self._fill_sampling()
         self.launches = 0
 
@@ -208,6 +215,29 @@ class MegakernelPagedBackend:
                                 self.pass_wait_s)
         return group
 
+    def _init_pages(self) -> None:
+        """The page allocator's state at server start on every rank (all pages free; persists after)."""
+        from mpk_dist.taskgraph.paged_compiler import page_state
+
+        for s in self.group.sessions:
+            with s._on_stream():
+                for name, a in page_state(s.cg).items():
+                    s.buffer(name).copy_(torch.from_numpy(a))
+
+    def device_pages(self) -> list[dict]:
+        """Every rank's page-allocator state (``tasks.page_alloc.STATE_BUFFERS``) as numpy arrays: device
+        copies only (on the side stream while a persistent launch is resident, as the logits)."""
+        from mpk_dist.taskgraph.tasks.page_alloc import STATE_BUFFERS
+
+        with self._off_kernel_stream():
+            return [{n: s.buffer(n).cpu().numpy() for n in STATE_BUFFERS} for s in self.group.sessions]
+
+    def check_pages(self, pool) -> None:
+        """The device allocator's state after the last pass agrees on every rank and with ``pool``'s counts."""
+        from mpk_dist.serving.pages import check_device_pages
+
+        check_device_pages(self.device_pages(), pool)
+
     def _fill_sampling(self) -> None:
         """Greedy sampling words (the head's argmax runs in the kernel; the logits are what we return)."""
         from mpk_dist.taskgraph.sampling_rng import sampling_words
@@ -220,6 +250,8 @@ class MegakernelPagedBackend:
     def _write_inputs(self, x: dict) -> None:
         """The pass's inputs into every rank's buffers, and the counters zeroed for step 0 (on each
         rank's stream; RankGroup.launch orders the device before any kernel starts)."""
+        from mpk_dist.taskgraph.paged_compiler import PASS_INPUTS
+
         forced = x["tokens"].reshape(1, -1)
         for s in self.group.sessions:
             sp = s.cg.meta["special"]
@@ -227,9 +259,8 @@ class MegakernelPagedBackend:
                 # counters and tallies (one view), launched flags, done flags: a fresh step 0
                 for t in (s.events, s.launched, s.done):
                     t.zero_()
-                s.buffer("seq_slots").copy_(x["seq_slots"])
-                s.buffer("page_table").copy_(x["page_table"])
-                s.buffer("logit_rows").copy_(x["logit_rows"])
+                for name in PASS_INPUTS:  # seq_slots, release_slots, logit_rows
+                    s.buffer(name).copy_(x[name])
                 s.bufs[sp["forced_tokens"]].copy_(forced)
                 s.bufs[sp["start_pos"]].copy_(x["positions"])
 
@@ -242,7 +273,7 @@ class MegakernelPagedBackend:
         if batch.num_tokens and (int(batch.tokens.min()) < 0 or int(batch.tokens.max()) >= self.vocab_size):
             raise InputError(f"token id: expected 0 <= id < {self.vocab_size}, got "
                              f"{int(batch.tokens.min())}..{int(batch.tokens.max())}")
-        check_pages(batch, self.spec)
+        check_slots(batch, self.spec)
         # NOTE: host tensors: each rank's copy then runs on that rank's stream (a device tensor made
         # on the current stream would race with a copy on another stream).
         x = batch.tensors("cpu", pad_tokens=self.kernel_spec.max_tokens, pad_rows=self.kernel_spec.max_seqs)

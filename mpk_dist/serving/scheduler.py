@@ -10,6 +10,11 @@ Admission is FCFS and never over-commits: a request is admitted only if a slot i
 pages it can ever need (prompt + max_new_tokens - 1 positions) fit in the free pages minus what
 already-running requests have reserved but not yet taken. So nothing is preempted and ``grow``
 never runs out. Pages are taken lazily, as positions reach them, and all return at retirement.
+
+Page order: a pass's releases, then its allocations, each in slot order, as the device allocator
+(task kind page_alloc) applies them; so a host ``PagePool`` holds the ids the device computes, and a
+``PageCounts`` pool (the device backends: ids on the GPU) the same counts. ``release_slots`` of a
+pass flags the slots released since the previous pass.
 """
 
 from __future__ import annotations
@@ -21,25 +26,28 @@ import numpy as np
 import torch
 
 from mpk_dist.errors import InputError
-from mpk_dist.serving.pages import PagePool
+from mpk_dist.serving.pages import PageCounts
 from mpk_dist.serving.request import Request, RequestOutput, RequestState
 
 
 @dataclass
 class StepBatch:
-    """One pass: per-token inputs [N], page table [MB, MP], rows that get logits [R].
+    """One pass: per-token inputs [N], page table [MB, MP], rows that get logits [R], release flags [MB].
 
-    ``emitters[r]`` is the request state whose next token comes from logits row r.
+    ``emitters[r]`` is the request state whose next token comes from logits row r. ``page_table`` is
+    None when the pool holds no page ids (``PageCounts``: the device allocates). ``release`` [MB]:
+    nonzero for the slots released since the previous pass (the device frees their pages first).
     """
 
     tokens: np.ndarray
     positions: np.ndarray
     slots: np.ndarray
-    page_table: np.ndarray
+    page_table: np.ndarray | None
     logit_rows: np.ndarray
     emitters: list[RequestState] = field(default_factory=list)
     scheduled: list[tuple[RequestState, int]] = field(default_factory=list)  # (state, tokens this pass)
     num_prefill_tokens: int = 0  # prompt tokens in the pass
+    release: np.ndarray | None = None  # i32 [MB] release flags (None: no slot released)
 
     @property
     def num_tokens(self) -> int:
@@ -49,21 +57,26 @@ class StepBatch:
     def tensors(self, device: torch.device | str = "cpu", pad_tokens: int = 0, pad_rows: int = 0) -> dict:
         """The graph inputs as int32 tensors; padding tokens get slot -1, padding rows -1.
 
-        ``pad_rows``: rows of ``logit_rows`` and of ``page_table`` (a program compiled for more
-        sequence rows than the pool has slots: the extra page-table rows hold no page, -1)."""
+        ``pad_rows``: rows of ``logit_rows``, ``release_slots`` (0) and of ``page_table`` (a program
+        compiled for more sequence rows than the pool has slots: the extra rows hold no page, -1).
+        ``page_table`` only when the pool has page ids."""
         def pad(a: np.ndarray, n: int, fill: int) -> torch.Tensor:
             out = np.full((max(n, len(a)), *a.shape[1:]), fill, dtype=np.int32)
             out[: len(a)] = a
             return torch.from_numpy(out).to(device)
-        return {"tokens": pad(self.tokens, pad_tokens, 0), "positions": pad(self.positions, pad_tokens, 0),
-                "seq_slots": pad(self.slots, pad_tokens, -1), "logit_rows": pad(self.logit_rows, pad_rows, -1),
-                "page_table": pad(self.page_table, pad_rows, -1)}
+        release = self.release if self.release is not None else np.zeros(0, np.int32)
+        out = {"tokens": pad(self.tokens, pad_tokens, 0), "positions": pad(self.positions, pad_tokens, 0),
+               "seq_slots": pad(self.slots, pad_tokens, -1), "logit_rows": pad(self.logit_rows, pad_rows, -1),
+               "release_slots": pad(release, max(pad_rows, len(release)), 0)}
+        if self.page_table is not None:
+            out["page_table"] = pad(self.page_table, pad_rows, -1)
+        return out
 
 
 class Scheduler:
     """Request queue, running set and page pool; ``plan`` builds a pass, ``commit`` applies its tokens."""
 
-    def __init__(self, pool: PagePool, max_tokens: int):
+    def __init__(self, pool: PageCounts, max_tokens: int):
         if max_tokens < pool.max_seqs:
             raise InputError(f"max_tokens_per_step: expected >= max_batch ({pool.max_seqs}) so every running "
                              f"request gets its decode token, got {max_tokens}")
@@ -99,14 +112,11 @@ class Scheduler:
         return sum(st.reserved_pages - int(self.pool.pages_used[st.slot]) for st in self.running)
 
     def _retire(self) -> None:
-        keep = []
-        for st in self.running:
-            if st.finish_reason is None:
-                keep.append(st)
-                continue
+        done = [st for st in self.running if st.finish_reason is not None]
+        self.running = [st for st in self.running if st.finish_reason is None]
+        for st in sorted(done, key=lambda st: st.slot):  # slot order: the device frees pages in this order
             self.pool.release_slot(st.slot)
             self.finished.append(RequestOutput.from_state(st))
-        self.running = keep
 
     def _admit(self, now: float) -> None:
         while self.queue and self.queue[0][0] <= now and self.pool.num_free_slots:
@@ -121,7 +131,7 @@ class Scheduler:
         """Retire finished requests, admit arrived ones, and lay out the next pass (maybe empty)."""
         self._retire()
         self._admit(now)
-        toks, pos, slots, rows, emitters, sched = [], [], [], [], [], []
+        toks, pos, slots, rows, emitters, sched, lens = [], [], [], [], [], [], {}
         budget, n_prefill = self.max_tokens, 0
         decoding = [st for st in self.running if not st.prefilling]
         for st in decoding + [st for st in self.running if st.prefilling]:
@@ -134,7 +144,7 @@ class Scheduler:
                 n_prefill += n
             else:
                 n, ids = 1, [st.next_input()]
-            self.pool.grow(st.slot, st.computed + n)
+            lens[st.slot] = st.computed + n
             toks += ids
             pos += range(st.computed, st.computed + n)
             slots += [st.slot] * n
@@ -143,10 +153,14 @@ class Scheduler:
             if st.computed + n >= len(st.req.prompt):  # last prompt token or a decode token
                 rows.append(len(toks) - 1)
                 emitters.append(st)
+        for s in sorted(lens):  # slot order: the device pops pages in this order
+            self.pool.grow(s, lens[s])
         i32 = lambda x: np.asarray(x, dtype=np.int32)  # noqa: E731
         # NOTE: a snapshot: later plans grow the live table, and a pass must see its own layout.
-        return StepBatch(i32(toks), i32(pos), i32(slots), self.pool.page_table.copy(), i32(rows), emitters, sched,
-                         n_prefill)
+        table = self.pool.page_table.copy() if hasattr(self.pool, "page_table") else None
+        # An empty pass is not run: its releases wait for the next pass that is.
+        release = self.pool.take_releases() if toks else None
+        return StepBatch(i32(toks), i32(pos), i32(slots), table, i32(rows), emitters, sched, n_prefill, release)
 
     def commit(self, batch: StepBatch, logits: torch.Tensor, now: float) -> None:
         """Apply a pass: advance each request past its tokens, append greedy tokens from ``logits`` [R, V]."""

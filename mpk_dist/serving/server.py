@@ -18,7 +18,7 @@ import torch
 
 from mpk_dist.errors import BackendUnavailable, DeviceTimeout, InputError
 from mpk_dist.models.llama import PagedSpec
-from mpk_dist.serving.pages import PagePool
+from mpk_dist.serving.pages import PageCounts, PagePool
 from mpk_dist.serving.request import Request, RequestOutput
 from mpk_dist.serving.scheduler import Scheduler
 
@@ -129,7 +129,9 @@ class Server:
                               num_pages=num_pages, page_size=page_size, max_pages_per_seq=pages_per_seq)
         self.backend = _make_backend(backend, cfg, source, self.spec, tp, device, weights, backend_opts or {})
         self.cfg, self.tp = cfg, tp
-        self.pool = PagePool(num_pages, page_size, max_batch, pages_per_seq)
+        # The device backends allocate pages on the GPU (task kind page_alloc): the host keeps the counts only.
+        pool_kind = PageCounts if getattr(self.backend, "pages_on_device", False) else PagePool
+        self.pool = pool_kind(num_pages, page_size, max_batch, pages_per_seq)
         self.scheduler = Scheduler(self.pool, self.spec.max_tokens)
         self.clock = clock or WallClock()
         self._next_id = 0
@@ -153,6 +155,13 @@ class Server:
         pause = getattr(self.backend, "pause", None)  # persistent passes (megakernel): end the launch
         if pause is not None:
             pause()
+
+    def _check_pages(self) -> None:
+        """The pool's invariants, and (device allocator) the device's page state against the host counts."""
+        self.pool.check()
+        check = getattr(self.backend, "check_pages", None)
+        if check is not None:
+            check(self.pool)
 
     def run(self, timeout_s: float = 3600.0, check_pages: bool = False) -> list[RequestOutput]:
         """Serve every submitted request to completion; outputs by id. ``check_pages``: verify the
@@ -180,7 +189,7 @@ class Server:
             self.passes.append({"tokens": batch.num_tokens, "prefill_tokens": batch.num_prefill_tokens,
                                 "seqs": len(batch.scheduled), "end_s": self.clock.now()})
             if check_pages:
-                self.pool.check()
+                self._check_pages()
         self._pause_backend()
         out = sched.drain()
         sched.finished = []

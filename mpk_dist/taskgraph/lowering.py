@@ -33,8 +33,12 @@ fused_gemv.cuh), so a linear over B > ROW_BLOCK rows is lowered to tiles of ROW_
 (the last block shorter when B is not a multiple; the mega-kernel refuses that, the interpreter runs
 it) and the kernel is generated for min(B, ROW_BLOCK) rows (``mpk_dist.runtime.tables.kernel_batch``)."""
 
-PAGED_HOST_INPUTS = ("seq_slots", "page_table", "logit_rows")
+PAGED_HOST_INPUTS = ("seq_slots", "logit_rows")
 """Inputs of paged graphs that stay host-written ``input`` buffers (not written by step_begin)."""
+
+PAGED_DEVICE_STATE = ("page_table",)
+"""Inputs of paged graphs that the programs keep in ``state`` buffers: the page table is written by the
+page_alloc task (``lowering_pages``), not by the host."""
 
 
 def col_tiles(n: int, sms: int, align: int = ALIGN) -> list[tuple[int, int]]:
@@ -92,7 +96,9 @@ class Lowerer:
                 continue
             kind = {"input": "activation"}.get(t.kind, t.kind)  # tokens/positions: written by step_begin
             if t.name in PAGED_HOST_INPUTS:
-                kind = "input"  # paged graphs: the host writes the slot map and page table before a launch
+                kind = "input"  # paged graphs: the host writes the slot map and logit rows before a launch
+            if t.name in PAGED_DEVICE_STATE:
+                kind = "state"  # paged graphs: page_alloc keeps the page table on the device
             if t.name in gathered:
                 kind = "comm"
             view = None
@@ -318,9 +324,12 @@ class Lowerer:
         rows = p.buffers[kp].view[0]
         head = lambda c0: (0, B, c0, c0 + D)  # noqa: E731 - one head's columns of a [N, *] tensor
         kvcol = lambda j: (0, rows, j * D, j * D + D)  # noqa: E731 - head j of every page row
+        whole = p.buffers[table].view
         t.reads = [Footprint(qkv, np.array([head(h * D) for h in range(hq)] + [head((hq + j) * D) for j in range(hkv)])),
                    Footprint(qkv, np.array([EMPTY] * hq + [head((hq + hkv + j) * D) for j in range(hkv)])),
-                   _all_fp(pos, p, hq + hkv)]
+                   _all_fp(pos, p, hq + hkv),
+                   # kv tiles read the page table that page_alloc wrote this step (q tiles do not)
+                   Footprint(table, np.array([EMPTY] * hq + [(0, whole[0], 0, whole[1])] * hkv, np.int64))]
         t.writes = [Footprint(q, np.array([head(h * D) for h in range(hq)] + [EMPTY] * hkv)),
                     Footprint(kp, np.array([EMPTY] * hq + [kvcol(j) for j in range(hkv)])),
                     Footprint(vp, np.array([EMPTY] * hq + [kvcol(j) for j in range(hkv)]))]
@@ -346,7 +355,8 @@ class Lowerer:
         rows = p.buffers[kp].view[0]
         qrect = np.array([(r0, r0 + nr, j * G * D, (j + 1) * G * D) for j, r0, nr in tiles], np.int64)
         kvrect = np.array([(0, rows, j * D, (j + 1) * D) for j, _, _ in tiles], np.int64)
-        t.reads = [Footprint(q, qrect), Footprint(kp, kvrect), Footprint(vp, kvrect.copy()), _all_fp(pos, p, len(tiles))]
+        t.reads = [Footprint(q, qrect), Footprint(kp, kvrect), Footprint(vp, kvrect.copy()),
+                   _all_fp(pos, p, len(tiles)), _all_fp(table, p, len(tiles))]  # + the table page_alloc wrote
         t.writes = [Footprint(o, qrect.copy())]
 
     def gather_rows(self, op: Op) -> None:

@@ -132,6 +132,7 @@ def lower_graph(graph, sms: int, max_steps: int, fuse=False, attn_splits=1, nucl
     from mpk_dist.taskgraph.lowering_attn_prep import lower_attn_prep
     from mpk_dist.taskgraph.lowering_attention import check_attn_splits, lower_split_attention, resolve_splits
     from mpk_dist.taskgraph.lowering_fused import lower_fused
+    from mpk_dist.taskgraph.lowering_pages import declare_page_state, is_paged, page_alloc
     from mpk_dist.taskgraph.lowering_nucleus import lower_nucleus_head
 
     check_attn_splits(attn_splits)
@@ -139,6 +140,9 @@ def lower_graph(graph, sms: int, max_steps: int, fuse=False, attn_splits=1, nucl
     lw = Lowerer(graph, sms, max_steps)
     lw.declare_buffers(skip=dropped_tensors(items))
     lw.step_begin()
+    if is_paged(lw):  # the page allocator runs on the device, before any reader of the page table
+        declare_page_state(lw)
+        page_alloc(lw)
     handlers = {"all_reduce": all_reduce, "argmax_partial": argmax_partial, "all_gather": all_gather,
                 "argmax_select": argmax_select}
     if nucleus:

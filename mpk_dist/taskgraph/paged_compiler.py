@@ -22,15 +22,29 @@ from mpk_dist.taskgraph.serialize import CompiledGraph, serialize
 from mpk_dist.taskgraph.validate import validate
 
 
-PERSISTENT_INPUTS = ("forced_tokens", "start_pos", "seq_slots", "page_table", "logit_rows")
-"""The buffers the host writes for each pass of a persistent launch (the GPU's pass_begin copies them)."""
+PERSISTENT_INPUTS = ("forced_tokens", "start_pos", "seq_slots", "release_slots", "logit_rows")
+"""The buffers the host writes for each pass of a persistent launch (the GPU's pass_begin copies them).
+The page table is not among them: page_alloc keeps it on the device."""
+
+PASS_INPUTS = ("seq_slots", "release_slots", "logit_rows")
+"""The paged inputs the host writes for a launch-per-pass (besides forced_tokens row 0 and start_pos)."""
 
 
 def persistent_pass_inputs(x: dict, s: int) -> dict:
     """Pass ``s``'s values of PERSISTENT_INPUTS from a pass's tensors (``StepBatch.tensors``): the tokens go
     to forced_tokens row s, and start_pos = positions - s, since step_begin computes start_pos + step."""
     return {"forced_tokens": x["tokens"], "start_pos": x["positions"] - s, "seq_slots": x["seq_slots"],
-            "page_table": x["page_table"], "logit_rows": x["logit_rows"]}
+            "release_slots": x["release_slots"], "logit_rows": x["logit_rows"]}
+
+
+def page_state(cg: CompiledGraph) -> dict:
+    """The device page allocator's state at server start (``tasks.page_alloc.initial_state``), by buffer
+    name, sized from the program's buffers: the backends write it into every rank once, after zeroing."""
+    from mpk_dist.taskgraph.tasks.page_alloc import initial_state
+
+    shapes = {b["name"]: b["shape"] for b in cg.meta["buffers"]}
+    rows, cols = shapes["page_table"]
+    return initial_state(shapes["free_pages"][0], rows, cols)
 
 
 def check_persistent_inputs(cg: CompiledGraph, inputs: tuple[str, ...] = PERSISTENT_INPUTS) -> None:

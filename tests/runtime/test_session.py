@@ -89,6 +89,24 @@ def test_pass_wait_record_names_the_host(sess):
         sess.raise_on_error()
 
 
+@pytest.mark.parametrize("code, seen, expected, want", [
+    (6, 1, 3, r"\(page pool empty\): .* at step 4 on rank 0: page_alloc: expected 3 free pages for slot 2, got 1"),
+    (7, 0xFFFFFFFF, 0xFFFFFFFF, r"\(page released twice\): .*released slot 2 to own its pages, got it holds no pages"),
+    (8, 9, 8, r"\(page table full\): .*at most 8 pages \(the page-table row\) for slot 2, got a position needing 9"),
+])
+def test_page_alloc_record_names_the_fault(sess, code, seen, expected, want):
+    """page_alloc's faults (csrc/tasks/page_alloc.cuh: the slot in event_id) read as the CPU reference's
+    errors (tasks/page_alloc.py fault_message), not as a stalled wait."""
+    from mpk_dist.errors import DeviceTimeout
+    from mpk_dist.runtime.params import ErrorRecord
+
+    rec = ErrorRecord(code=code, valid=1, task_id=1, event_id=2, step=4, sm_id=3, worker=0, rank=0, seen=seen,
+                      expected=expected, elapsed_ns=0)
+    sess.pinned["error"].copy_(torch.frombuffer(bytearray(bytes(rec)), dtype=torch.uint8))
+    with pytest.raises(DeviceTimeout, match=want):
+        sess.raise_on_error()
+
+
 def test_backend_generate_host_path(fake_gpu, tmp_path):
     """The backend's whole host path (session, forced rows, launch, wait, result, trace file) with a
     fake kernel that 'finishes' at once: 1 token streamed per step as if the device wrote it."""

@@ -79,3 +79,23 @@ def fake_greedy(prompt: list[int], n: int, vocab: int) -> list[int]:
         out.append(last)
         at += 1
     return out
+
+
+def run_fake_page_alloc(sess, positions: torch.Tensor) -> None:
+    """What the kernel's page_alloc task does at the start of a pass (its CPU reference, run on the
+    session's buffers): free the released slots' pages, take pages for the pass's positions. The
+    fake device has no step_begin, so ``positions`` stands in for the ``positions`` buffer."""
+    from mpk_dist.taskgraph.abi import TASK_COLS
+    from mpk_dist.taskgraph.tasks import BY_NAME
+    from mpk_dist.taskgraph.tasks.base import TileContext
+
+    cg, kind = sess.cg, BY_NAME["page_alloc"]
+    tasks = cg.arrays["tasks"]
+    (t,) = [int(i) for i in (tasks[:, TASK_COLS["OPCODE"]] == kind.opcode).nonzero()[0]]
+    args = cg.arrays["args"][tasks[t, TASK_COLS["ARG_BEGIN"]]:tasks[t, TASK_COLS["ARG_END"]]]
+    params = cg.arrays["params"][tasks[t, TASK_COLS["PARAM_BEGIN"]]:tasks[t, TASK_COLS["PARAM_END"]]].tolist()
+    bufs = [sess.bufs[b].view(-1) for b, _, _ in args]
+    bufs[kind.arg_index("POSITIONS")] = positions.to(torch.int32).reshape(-1)
+    ctx = TileContext(kind, bufs, [int(a[1]) for a in args], [int(a[2]) for a in args], params, 0, sess.rank,
+                      int(cg.meta["world_size"]), lambda i: [bufs[i]])
+    kind.run_tile(ctx)

@@ -57,3 +57,43 @@ def test_gathered_head_gives_the_same_logits_as_the_n_row_head_and_torch():
         for other in (b, c):
             err = float(((a.logits - other.logits).abs().amax(-1) / other.logits.abs().amax(-1)).max())
             assert err <= 1e-5, f"request {a.id}: gathered-head logits differ by {err:.2e}"
+
+
+def test_device_page_ids_equal_the_host_pool_of_the_torch_backend():
+    """The same workload on the torch backend (host PagePool: page ids on the host) and on the
+    interpreter (page_alloc in the program, PageCounts on the host): after every pass the program's
+    page table is the host pool's, on both ranks, and the pages really turn over (releases, reuse)."""
+    import numpy as np
+
+    cfg = dataclasses.replace(get_preset("tiny"), dtype="float32")
+    src = SyntheticSource(cfg, seed=5)
+    tables = {}
+    for backend in ("torch", "interpreter"):
+        srv = Server((cfg, src), backend=backend, tp=2, max_batch=3, page_size=4, max_seq_len=24,
+                     max_tokens_per_step=12, num_pages=12, clock=VirtualClock(0.01),
+                     backend_opts={"schedule": "aot"} if backend == "interpreter" else {})
+        step, seen = srv.backend.step, []
+
+        def snap(batch, step=step, srv=srv, seen=seen):
+            out = step(batch)
+            if srv.backend.name == "torch":
+                seen.append(srv.pool.page_table.copy())
+            else:
+                ranks = srv.backend.device_pages()
+                assert np.array_equal(ranks[0]["page_table"], ranks[1]["page_table"]), "ranks agree"
+                seen.append(ranks[0]["page_table"].copy())
+            return out
+
+        srv.backend.step = snap
+        for p, n, t in WORKLOAD + [([11, 12, 13, 14, 15], 4, 0.06)]:
+            srv.submit(p, n, t)
+        srv.run(check_pages=True)
+        tables[backend] = seen
+    assert len(tables["torch"]) == len(tables["interpreter"]) > 5
+    for i, (a, b) in enumerate(zip(tables["torch"], tables["interpreter"])):
+        assert np.array_equal(a, b), f"pass {i}: device page table {b.tolist()} != host pool's {a.tolist()}"
+    owners: dict[int, set[int]] = {}  # page -> slots it served during the run
+    for t in tables["torch"]:
+        for slot, page in zip(*np.nonzero(t >= 0)):
+            owners.setdefault(int(t[slot, page]), set()).add(int(slot))
+    assert any(len(v) > 1 for v in owners.values()), "a page freed by one request was taken by another slot's"

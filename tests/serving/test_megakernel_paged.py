@@ -21,7 +21,7 @@ from mpk_dist.serving import megakernel_paged as MP
 from mpk_dist.serving.server import Server, VirtualClock
 from mpk_dist.taskgraph.abi import TASK_COLS
 from mpk_dist.taskgraph.tasks import BY_NAME, BY_OPCODE
-from tests.serving.conftest import fake_greedy, write_fake_logits
+from tests.serving.conftest import fake_greedy, run_fake_page_alloc, write_fake_logits
 
 SPEC = PagedSpec(max_tokens=8, max_seqs=3, num_pages=12, page_size=4, max_pages_per_seq=4)
 
@@ -48,6 +48,7 @@ def _device_pass(sess) -> None:
     sess.ran_launches = len(sess.kernel.launches)
     sess.counters_at_launch = int(sess.events.abs().sum())
     sp = sess.cg.meta["special"]
+    run_fake_page_alloc(sess, sess.bufs[sp["start_pos"]])  # the pass's pages, as the kernel's page_alloc
     write_fake_logits(sess, sess.bufs[sp["forced_tokens"]][0], sess.bufs[sp["start_pos"]])
     sess.events.fill_(7)  # the kernel counts: the next launch must start from zero again
     sess.buffer("L0.k_pages").view(-1)[0] += 1  # the pools persist across launches
@@ -87,12 +88,23 @@ def test_passes_reach_every_rank_and_rows_come_back_in_order(fake_device, tp):
         assert len(s.kernel.launches) == be.launches
 
 
-def test_bad_page_table_is_refused_before_launch(fake_device):
+def test_bad_slot_inputs_are_refused_before_launch(fake_device):
+    """The host checks what page_alloc will read: positions within the slot's page-table row (16
+    positions here), slots below max_batch, release flags 0 or 1."""
     srv = _server(1)
     srv.submit([1, 2, 3, 4, 5], 2)
     batch = srv.scheduler.plan(0.0)
-    batch.page_table[batch.slots[0], 1] = SPEC.num_pages  # position 4's page out of range
-    with pytest.raises(InputError, match=r"page table row \d+: expected page ids in \[0, 12\)"):
+    assert type(srv.pool).__name__ == "PageCounts" and batch.page_table is None, "page ids live on the device"
+    batch.positions[-1] = SPEC.page_size * SPEC.max_pages_per_seq  # past the row
+    with pytest.raises(InputError, match=r"pass slot 0: expected positions 0..15 \(max_seq_len\), got up to 16"):
+        srv.backend.step(batch)
+    batch.positions[-1] = 4
+    batch.slots[0] = SPEC.max_seqs
+    with pytest.raises(InputError, match=r"expected sequence slots < 3"):
+        srv.backend.step(batch)
+    batch.slots[0] = 0
+    batch.release = np.array([2, 0, 0], np.int32)
+    with pytest.raises(InputError, match=r"release_slots: expected at most 3 flags of 0 or 1"):
         srv.backend.step(batch)
     assert srv.backend.launches == 0
 
@@ -112,9 +124,10 @@ def test_kernel_with_the_paged_bodies_compiles_for_sm90a(tmp_path, monkeypatch):
                             compiler="nvcc", program=cg)
     assert "#define MPK_BATCH 8" in src and res.cubin[:4] == b"\x7fELF" and not res.cached
     names = {p.name for p in res.headers}
-    assert {"qkv_prep_paged.cuh", "paged_attention.cuh", "gather_rows.cuh", "dispatch.cuh"} <= names, \
-        "paged bodies in the cache key"
-    assert BY_NAME["gather_rows"].opcode in set(cg.arrays["tasks"][:, TASK_COLS["OPCODE"]].tolist())
+    bodies = {"qkv_prep_paged.cuh", "paged_attention.cuh", "gather_rows.cuh", "page_alloc.cuh", "dispatch.cuh"}
+    assert bodies <= names, "paged bodies in the cache key"
+    ops = set(cg.arrays["tasks"][:, TASK_COLS["OPCODE"]].tolist())
+    assert {BY_NAME["gather_rows"].opcode, BY_NAME["page_alloc"].opcode} <= ops
 
 
 # ---- the CUDA bodies' addresses on the compiled tables (CPU emulation) -------------------------------

@@ -87,9 +87,14 @@ def test_one_pass_buffers_match_the_interpreter(tp):
     assert not bad, "first differing ops: " + "; ".join(bad[:4])
 
 
-@pytest.mark.parametrize("name,tp", [("tiny-llama", 1), ("tiny-llama", 2), ("qwen3-0.6b", 1), ("qwen3-0.6b", 2)])
-def test_each_request_equals_it_alone_on_torch(name, tp):
-    reqs, outs, srv = _serve(name, tp)
+@pytest.mark.parametrize("name,tp,passes", [("tiny-llama", 1, 0), ("tiny-llama", 2, 0), ("qwen3-0.6b", 1, 0),
+                                             ("qwen3-0.6b", 2, 0), ("tiny-llama", 1, 256), ("tiny-llama", 2, 7),
+                                             ("qwen3-0.6b", 2, 256)])
+def test_each_request_equals_it_alone_on_torch(name, tp, passes):
+    """With the device page allocator (page_alloc; the server's check_pages compares every rank's
+    device free stack, page table and counts with the host's counts after each pass), a launch per
+    pass (passes 0) or persistent passes (P passes per launch)."""
+    reqs, outs, srv = _serve(name, tp, {"persistent_passes": passes} if passes else None)
     assert max(p["seqs"] for p in srv.passes) == 4, "expected passes with 4 sequences at once"
     assert any(0 < p["prefill_tokens"] < p["tokens"] for p in srv.passes), "expected prompt chunks next to decodes"
     assert srv.pool.num_free == srv.pool.num_pages, "every page back on the free list"
@@ -104,7 +109,8 @@ def test_each_request_equals_it_alone_on_torch(name, tp):
         err, agree = compare_logits(o.logits.unsqueeze(1), alone.logits)
         worst_err, worst_agree = max(worst_err, err), min(worst_agree, agree)
     ok = not bad and worst_err <= ERR_TOL and worst_agree >= AGREE_MIN
-    print(f"\n[paged megakernel] {name} tp{tp}: {len(outs)} requests, {len(srv.passes)} passes, "
+    assert type(srv.pool).__name__ == "PageCounts", "page ids on the GPU, counts on the host"
+    print(f"\n[paged megakernel] {name} tp{tp} P{passes}: {len(outs)} requests, {len(srv.passes)} passes, "
           f"greedy tokens equal: {not bad}, max_err/std {worst_err:.4f}, argmax agree {worst_agree:.4f}: "
           f"{'OK' if ok else 'FAILED'}")
     assert not bad, "; ".join(bad)
@@ -147,3 +153,84 @@ def test_persistent_passes_equal_one_launch_per_pass(name, tp, passes):
     if passes < n:
         assert srv.backend.launches >= -(-n // passes)
     assert same, "persistent passes changed a request's tokens or logits"
+
+
+# ---- the device page allocator (task kind page_alloc, csrc/tasks/page_alloc.cuh) ---------------------------
+def _host_page_tables(max_batch: int, page_size: int, max_seq_len: int, max_tokens: int, work) -> list:
+    """The page table after each pass of the workload ``work`` [(prompt, n, arrival, force)] with every
+    request teacher-forced (so the passes do not depend on the logits), replayed on the host: the
+    scheduler with a PagePool (page ids on the host), the server's loop with a 10 ms virtual clock."""
+    import numpy as np
+
+    from mpk_dist.serving.pages import PagePool
+    from mpk_dist.serving.request import Request
+    from mpk_dist.serving.scheduler import Scheduler
+
+    pages = -(-max_seq_len // page_size)
+    sched = Scheduler(PagePool(max_batch * pages, page_size, max_batch, pages), max(max_tokens, max_batch))
+    for i, (p, n, t, force) in enumerate(work):
+        sched.submit(Request(i, tuple(p), n, t, force_tokens=tuple(force)))
+    clock, out = VirtualClock(0.01), []
+    while not sched.idle:
+        batch = sched.plan(clock.now())
+        if batch.num_tokens == 0:  # nothing runs: wait for the next arrival (none: all done)
+            if sched.next_arrival() is not None:
+                clock.wait_until(sched.next_arrival())
+            continue
+        clock.after_pass()
+        sched.commit(batch, torch.zeros(len(batch.logit_rows), 8), clock.now())
+        out.append(np.array(sched.pool.page_table))
+    return out
+
+
+@pytest.mark.parametrize("tp,passes", [(1, 0), (2, 0), (1, 256), (2, 5)])
+def test_device_page_tables_equal_the_host_pool(tp, passes):
+    """After every pass, every rank's device page table (page_alloc on the GPU) is the one a host
+    PagePool computes for the same passes (the CPU rule, tasks/page_alloc.py), a launch per pass and
+    persistent passes; pages are freed and reused during the run."""
+    import numpy as np
+
+    m = model("tiny")
+    vocab = m.config.vocab_size
+    work = [(rand_ids(plen, vocab, 400 + i), n, t, rand_ids(n, vocab, 500 + i))
+            for i, (plen, n, t, _) in enumerate(WORKLOAD)]
+    opts = {"persistent_passes": passes} if passes else None
+    srv = Server(m, backend="megakernel", tp=tp, max_batch=4, page_size=8, max_seq_len=64, max_tokens_per_step=16,
+                 device="cuda", clock=VirtualClock(0.01), backend_opts=opts)
+    step, seen = srv.backend.step, []
+
+    def snap(batch):
+        out = step(batch)
+        ranks = srv.backend.device_pages()
+        assert all(np.array_equal(r["page_table"], ranks[0]["page_table"]) for r in ranks), "ranks agree"
+        seen.append(ranks[0]["page_table"][: srv.pool.max_seqs].copy())
+        return out
+
+    srv.backend.step = snap
+    for p, n, t, force in work:
+        srv.submit(p, n, t, force_tokens=force)
+    srv.run(check_pages=True)
+    want = _host_page_tables(4, 8, 64, 16, work)
+    bad = [i for i, (a, b) in enumerate(zip(want, seen)) if not np.array_equal(a, b)]
+    print(f"\n[device pages] tiny tp{tp} P{passes}: {len(seen)} passes, page tables equal to the host pool's: "
+          f"{'OK' if not bad and len(want) == len(seen) else 'FAILED'}")
+    assert len(want) == len(seen) and not bad, f"first differing pass {bad[:1]}: {seen[bad[0]].tolist()} vs " \
+                                              f"{want[bad[0]].tolist()}" if bad else "pass counts differ"
+
+
+@pytest.mark.parametrize("passes", [0, 4])
+def test_empty_free_stack_is_a_named_error(passes):
+    """A device stack emptied behind the host's back (num_free 0 on every rank): the first pass that
+    needs a page stops the kernel with page_alloc's record, named on the host ("page pool empty")."""
+    from mpk_dist.errors import MpkError
+
+    m = model("tiny")
+    opts = {"persistent_passes": passes} if passes else None
+    srv = Server(m, backend="megakernel", tp=2, max_batch=2, page_size=8, max_seq_len=32, max_tokens_per_step=16,
+                 device="cuda", clock=VirtualClock(0.01), backend_opts=opts)
+    for s in srv.backend.group.sessions:
+        s.buffer("num_free").zero_()
+    torch.cuda.synchronize()
+    srv.submit(rand_ids(5, m.config.vocab_size, 7), 2, 0.0)
+    with pytest.raises(MpkError, match=r"page pool empty.*expected 1 free pages for slot 0, got 0"):
+        srv.run()

@@ -16,7 +16,7 @@ from mpk_dist.models.llama import PagedSpec
 from mpk_dist.runtime.params import DOORBELL_POSTED, DOORBELL_STOP, RuntimeParams
 from mpk_dist.serving import megakernel_paged as MP
 from mpk_dist.serving.server import Server, VirtualClock
-from tests.serving.conftest import fake_greedy, write_fake_logits
+from tests.serving.conftest import fake_greedy, run_fake_page_alloc, write_fake_logits
 
 SPEC = PagedSpec(max_tokens=8, max_seqs=3, num_pages=12, page_size=4, max_pages_per_seq=4)
 WORK = [([5, 17, 99, 3, 200, 8, 42], 5, 0.0), ([1, 2, 3], 6, 0.0), ([9] * 11, 3, 0.015), ([300, 301], 4, 0.03),
@@ -25,7 +25,7 @@ WORK = [([5, 17, 99, 3, 200, 8, 42], 5, 0.0), ([1, 2, 3], 6, 0.0), ([9] * 11, 3,
 
 def _run_posted_passes(sess) -> None:
     """The fake kernel: every pass posted and not yet run goes through pass_begin's copy table, then
-    step_begin (tokens = forced row s, positions = start_pos + s), then the head; progress s + 1."""
+    step_begin (tokens = forced row s, positions = start_pos + s), page_alloc, then the head; progress s + 1."""
     ch, prog = sess.passes, sess.pinned["progress"]
     sp = sess.cg.meta["special"]
     while int(prog[0]) < int(ch.doorbell[DOORBELL_POSTED]) and not int(ch.doorbell[DOORBELL_STOP]):
@@ -33,6 +33,7 @@ def _run_posted_passes(sess) -> None:
         for off, b, words, per_step in ch.copies.cpu().tolist():
             sess.bufs[b].view(-1)[per_step * s: per_step * s + words] = ch.stage[off: off + words]
         tokens = sess.bufs[sp["forced_tokens"]][s]
+        run_fake_page_alloc(sess, sess.bufs[sp["start_pos"]] + s)
         write_fake_logits(sess, tokens, sess.bufs[sp["start_pos"]] + s)
         prog[0] = s + 1
 

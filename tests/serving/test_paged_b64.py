@@ -26,6 +26,7 @@ from mpk_dist.taskgraph.abi import TASK_COLS
 from mpk_dist.taskgraph.paged_compiler import compile_paged_programs
 from mpk_dist.taskgraph.tasks import BY_NAME, BY_OPCODE
 from mpk_dist.weights import SyntheticSource
+from tests.serving.conftest import run_fake_page_alloc
 
 
 def _workload(n: int, seed: int, long_prompt: int = 60) -> list[tuple[list[int], int, float]]:
@@ -122,11 +123,13 @@ def test_kernel_programs_keep_linear_tiles_at_16_rows_inside_their_buffers(tp):
 # ---- the megakernel backend's host side with a 40-token budget (GPU parts faked) ---------------------
 def _device_pass(sess) -> None:
     """The fake device: gathered logits row b = one-hot of (token + position) % V of token row
-    logit_rows[b] (what test_megakernel_paged.py's fake does), after checking the padded inputs."""
+    logit_rows[b] (what test_megakernel_paged.py's fake does), after checking the padded inputs; the
+    pass's pages from page_alloc's CPU reference, as the kernel takes them."""
     if getattr(sess, "ran", 0) == len(sess.kernel.launches):
         return
     sess.ran = len(sess.kernel.launches)
     sp = sess.cg.meta["special"]
+    run_fake_page_alloc(sess, sess.bufs[sp["start_pos"]])  # the kernel's page_alloc at step 0
     slots = sess.buffer("seq_slots")
     assert slots.shape[0] == 48 and bool((slots[sess.live_tokens:] == -1).all()), "padded to 48 tokens, slot -1"
     rows = sess.buffer("logit_rows").long()

@@ -77,6 +77,7 @@ def test_random_churn_never_leaks_or_double_allocates():
             if pool.pages_for(want) - pool.pages_used[s] <= pool.num_free:
                 pool.grow(s, want)
                 lengths[s] = want
+        pool.take_releases()  # each step is a pass: it carries the releases to the device
         pool.check()
         held = np.concatenate([pool.page_table[s, : pool.pages_used[s]] for s in lengths] or [np.zeros(0, np.int32)])
         assert len(set(held.tolist())) == len(held)
@@ -86,3 +87,50 @@ def test_random_churn_never_leaks_or_double_allocates():
         pool.release_slot(s)
     assert pool.num_free == pool.num_pages and pool.num_free_slots == pool.max_seqs
     pool.check()
+
+
+def test_counts_mirror_the_pool_and_queue_releases_for_the_next_pass():
+    """PageCounts (the device backends' host side: no page ids) keeps PagePool's numbers under the same
+    churn, and flags each slot released since the last pass once (a never-grown slot frees nothing)."""
+    from mpk_dist.serving.pages import PageCounts
+
+    rng = random.Random(1)
+    pool, counts = PagePool(30, 4, 6, 6), PageCounts(30, 4, 6, 6)
+    lengths: dict[int, int] = {}
+    for _ in range(500):
+        op = rng.random()
+        if op < 0.3 and pool.num_free_slots:
+            s = pool.acquire_slot()
+            assert counts.acquire_slot() == s
+            lengths[s] = 0
+        elif op < 0.5 and lengths:
+            s = rng.choice(sorted(lengths))
+            pool.release_slot(s)
+            counts.release_slot(s)
+            del lengths[s]
+        elif lengths:
+            s = rng.choice(sorted(lengths))
+            want = min(lengths[s] + rng.randint(1, 6), pool.max_len)
+            if pool.pages_for(want) - pool.pages_used[s] <= pool.num_free:
+                pool.grow(s, want)
+                counts.grow(s, want)
+                lengths[s] = want
+        assert np.array_equal(pool.take_releases(), counts.take_releases())
+        assert counts.num_free == pool.num_free and np.array_equal(counts.pages_used, pool.pages_used)
+        counts.check()
+    assert not hasattr(counts, "page_table"), "no page ids on the host"
+    c = PageCounts(8, 4, 2, 2)
+    a, b = c.acquire_slot(), c.acquire_slot()
+    c.grow(a, 5)
+    c.release_slot(a)
+    c.release_slot(b)  # never grown: nothing for the device to free
+    assert c.take_releases().tolist() == [1, 0] and c.take_releases().tolist() == [0, 0]
+    with pytest.raises(InputError, match="expected a slot in use"):
+        c.release_slot(a)  # released twice
+    a = c.acquire_slot()
+    c.grow(a, 1)
+    c.release_slot(a)
+    a = c.acquire_slot()
+    c.grow(a, 1)
+    with pytest.raises(AssertionError, match="released twice before a pass took the first release"):
+        c.release_slot(a)

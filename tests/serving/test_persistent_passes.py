@@ -56,7 +56,7 @@ def test_host_write_check_names_a_reader_left_behind():
     still reads (on the GPU the host would race it): simulated by posting before the final task ran."""
     from mpk_dist.models.llama import build_paged_graph
     from mpk_dist.taskgraph.interpreter import Interpreter, PersistentLaunch
-    from mpk_dist.taskgraph.paged_compiler import PERSISTENT_INPUTS, compile_paged_programs
+    from mpk_dist.taskgraph.paged_compiler import PERSISTENT_INPUTS, compile_paged_programs, page_state
     from mpk_dist.weights import load_rank_weights
 
     cfg = dataclasses.replace(get_preset("tiny"), dtype="float32")
@@ -65,12 +65,14 @@ def test_host_write_check_names_a_reader_left_behind():
     w = [load_rank_weights(build_paged_graph(cfg, spec, tp=1, rank=0), SyntheticSource(cfg, seed=1))]
     it = Interpreter(cgs, w, seed=0)
     it.reset_state()
+    for name, a in page_state(cgs[0]).items():
+        it.buffer(0, name).copy_(torch.from_numpy(a))
     launch = PersistentLaunch(it, 3, PERSISTENT_INPUTS)
 
     def write(r: int) -> None:
         it.buffer(r, "forced_tokens")[launch.posted].fill_(1)
         it.buffer(r, "seq_slots").copy_(torch.tensor([0, 0, 1, -1], dtype=torch.int32))
-        it.buffer(r, "page_table").copy_(torch.tensor([[0, -1, -1, -1], [1, -1, -1, -1]], dtype=torch.int32))
+        it.buffer(r, "release_slots").zero_()
         it.buffer(r, "logit_rows").copy_(torch.tensor([1, 2], dtype=torch.int32))
         it.buffer(r, "start_pos").copy_(torch.tensor([0, 1, 0, 0], dtype=torch.int32) - launch.posted)
 

@@ -1,8 +1,9 @@
 """Paged task kinds (qkv_prep_paged, paged_attention) and the paged compiler, on the interpreter.
 
 One ragged pass (a prompt chunk, a decode token, padding) runs as one launch and must match the
-torch reference of the same paged graph; every wait of a paged task is necessary (dropping it is
-caught as a race); bad page tables raise clear errors.
+torch reference of the same paged graph (its host pool and the program's page_alloc hand out the same
+page ids); every wait of a paged task is necessary (dropping it is caught as a race); bad page tables
+raise clear errors.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from mpk_dist.serving.scheduler import Scheduler
 from mpk_dist.serving.torch_paged import TorchPagedBackend
 from mpk_dist.taskgraph.abi import TASK_COLS
 from mpk_dist.taskgraph.interpreter import Interpreter
-from mpk_dist.taskgraph.paged_compiler import compile_paged_programs
+from mpk_dist.taskgraph.paged_compiler import compile_paged_programs, page_state
 from mpk_dist.taskgraph.race import RaceError
 from mpk_dist.taskgraph.tasks import BY_NAME
 from mpk_dist.taskgraph.testing import drop_wait
@@ -62,8 +63,12 @@ def _passes():
 
 
 def _interp(cgs, w, **kw):
+    """An interpreter with zeroed state and the page allocator's initial state on every rank."""
     it = Interpreter(cgs, w, **kw)
     it.reset_state()
+    for r, cg in enumerate(cgs):
+        for name, a in page_state(cg).items():
+            it.buffer(r, name).copy_(torch.from_numpy(a))
     return it
 
 
@@ -72,7 +77,7 @@ def _launch(it, batch, tp, gathered=True):
     x = batch.tensors(pad_tokens=SPEC.max_tokens, pad_rows=SPEC.max_seqs)
     for r in range(tp):
         it.buffer(r, "seq_slots").copy_(x["seq_slots"])
-        it.buffer(r, "page_table").copy_(x["page_table"])
+        it.buffer(r, "release_slots").copy_(x["release_slots"])
         if gathered:
             it.buffer(r, "logit_rows").copy_(x["logit_rows"])
     logits = it.run(1, x["tokens"].reshape(1, -1), x["positions"]).captured["logits"][0]
@@ -100,8 +105,10 @@ def test_ragged_passes_match_the_torch_paged_reference(name, tp):
             want = ref.step(batch)
             err = float(((ours - want).abs().amax(-1) / want.abs().amax(-1)).max())
             assert err <= 1e-5, f"{schedule}: logits differ by {err:.2e}"
-        # padding tokens wrote nothing: only pages in the page table hold keys
+        # the program's page_alloc handed out the host pool's page ids (slot order on both sides)
         pool, _ = _passes()
+        assert torch.equal(it.buffer(0, "page_table"), torch.from_numpy(pool.page_table))
+        # padding tokens wrote nothing: only pages in the page table hold keys
         used = set(pool.page_table[pool.page_table >= 0].tolist())
         kp = it.buffer(0, "L0.k_pages")
         nonzero = {p for p in range(SPEC.num_pages) if bool((kp[p] != 0).any())}
@@ -120,16 +127,21 @@ def test_every_wait_of_the_paged_tasks_is_necessary():
     batch = _passes()[1][0]
     for k in rows:
         it = _interp([drop_wait(cg, k)], w, seed=k)
-        with pytest.raises((RaceError, DeviceTimeout)):
+        # a tile that runs before page_alloc finds no page for its position (-1) and says so
+        with pytest.raises((RaceError, DeviceTimeout, InputError)) as exc:
             _launch(it, batch, tp)
+        assert exc.type is not InputError or "page table row" in str(exc.value)
 
 
 def test_bad_page_table_is_a_clear_error():
+    """A corrupt device page table (ids past the pool, rows marked full so page_alloc takes nothing)
+    is refused by the paged tasks that read it."""
     cfg, tp = _cfg(), 1
     w = _weights(cfg, tp)
     it = _interp(compile_paged_programs(cfg, SPEC, tp, sms=8), w, check_races=False)
     batch = _passes()[1][0]
-    batch.page_table = np.full_like(batch.page_table, SPEC.num_pages)  # ids past the pool
+    it.buffer(0, "page_table").fill_(SPEC.num_pages)  # ids past the pool
+    it.buffer(0, "pages_used").fill_(SPEC.max_pages_per_seq)
     with pytest.raises(InputError, match="page table row"):
         _launch(it, batch, tp)
 

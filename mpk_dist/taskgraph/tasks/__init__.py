@@ -9,7 +9,7 @@ from mpk_dist.taskgraph.tasks import (add, allgather_push, allreduce_push, allre
                                       argmax_nucleus_hist, argmax_partial, argmax_reduce, argmax_select, attention, attention_merge,
                                       attention_prep,
                                       attention_split, embedding, gather_rows, linear, linear_residual,
-                                      norm_linear, paged_attention, qkv_prep, qkv_prep_paged, rms_norm, silu_linear,
+                                      norm_linear, page_alloc, paged_attention, qkv_prep, qkv_prep_paged, rms_norm, silu_linear,
                                       silu_mul, step_begin)
 from mpk_dist.taskgraph.tasks.base import TaskKind
 
@@ -27,7 +27,9 @@ KINDS: tuple[TaskKind, ...] = tuple(sorted(
                       # the paged head over sequences, not tokens (compile_paged_programs; docs/SERVING.md)
                       gather_rows,
                       # qkv_prep folded into the attention tiles (opt-in: fuse=[..., 'attn_prep']; docs/TASKGRAPH.md)
-                      attention_prep)),
+                      attention_prep,
+                      # the paged KV cache's page allocator on the device (compile_paged_programs; docs/SERVING.md)
+                      page_alloc)),
     key=lambda k: k.opcode))
 
 BY_NAME: dict[str, TaskKind] = {k.name: k for k in KINDS}

@@ -43,3 +43,12 @@ def page_rows(t: TileContext, slot: int, positions: np.ndarray) -> np.ndarray:
         raise InputError(f"page table row {slot}: expected page ids in [0, {t.p('NUM_PAGES')}) for positions "
                          f"up to {int(positions.max())}, got {pages.tolist()}")
     return pages * t.p("PAGE_STRIDE") + (positions % P) * t.p("POS_STRIDE")
+
+
+def table_reads(t: TileContext, pos: list[int], slots: list[int], prefix: bool) -> np.ndarray:
+    """Flat PAGE_TABLE indices a tile reads: the column of each live token's position, or (``prefix``:
+    attention) every column up to it (what paged_tokens_ok in qkv_prep_paged.cuh reads)."""
+    P, mp, base = t.p("PAGE_SIZE"), t.p("MAX_PAGES"), t.off("PAGE_TABLE")
+    idx = [base + s * mp + np.arange(0 if prefix else p // P, min(p // P, mp - 1) + 1)
+           for s, p in zip(slots, pos) if s >= 0 and p >= 0]
+    return np.unique(np.concatenate(idx)) if idx else np.zeros(0, np.int64)

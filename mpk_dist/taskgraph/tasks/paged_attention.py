@@ -10,8 +10,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from mpk_dist.errors import InputError
 from mpk_dist.taskgraph.tasks.base import Access, ArgSpec, ParamSpec, TaskKind, TileContext, rect, view2d
-from mpk_dist.taskgraph.tasks.paged import PAGE_PARAMS, page_rows, token_inputs
+from mpk_dist.taskgraph.tasks.paged import PAGE_PARAMS, page_rows, table_reads, token_inputs
 
 
 class PagedAttention(TaskKind):
@@ -60,12 +61,18 @@ class PagedAttention(TaskKind):
     def accesses(self, t: TileContext) -> list[Access]:
         B, D, G, qs = t.p("BATCH"), t.p("HEAD_DIM"), t.p("GROUP"), t.p("Q_STRIDE")
         pos, slots = token_inputs(t)
-        kv = [self._kv_index(t, s, p).reshape(-1) for s, p in zip(slots, pos) if s >= 0]
+        try:
+            kv = [self._kv_index(t, s, p).reshape(-1) for s, p in zip(slots, pos) if s >= 0]
+        except InputError:
+            # NOTE: a bad page (run_tile raises) or one page_alloc has not written yet: declare no pool
+            # reads, so the race checker first sees the unordered page-table read below.
+            kv = []
         kv = np.concatenate(kv) if kv else np.zeros(0, np.int64)
         ar = np.arange(B)
         return [Access(0, "r", rect(t.off("Q"), B, G * D, qs)), Access(1, "r", t.off("K_PAGES") + kv),
                 Access(2, "r", t.off("V_PAGES") + kv), Access(3, "r", t.off("POSITIONS") + ar),
-                Access(4, "r", t.off("SLOTS") + ar), Access(6, "w", rect(t.off("OUT"), B, G * D, qs))]
+                Access(4, "r", t.off("SLOTS") + ar), Access(5, "r", table_reads(t, pos, slots, prefix=True)),
+                Access(6, "w", rect(t.off("OUT"), B, G * D, qs))]
 
     def traffic(self, counts, elem_bytes, params, world):
         B, D, G = params[0], params[1], params[2]

@@ -11,8 +11,9 @@ import numpy as np
 import torch
 
 from mpk_dist.backends import torch_ops as T
+from mpk_dist.errors import InputError
 from mpk_dist.taskgraph.tasks.base import Access, ArgSpec, ParamSpec, TaskKind, TileContext, rect, view2d
-from mpk_dist.taskgraph.tasks.paged import PAGE_PARAMS, page_rows, token_inputs
+from mpk_dist.taskgraph.tasks.paged import PAGE_PARAMS, page_rows, table_reads, token_inputs
 
 
 class QkvPrepPaged(TaskKind):
@@ -52,6 +53,14 @@ class QkvPrepPaged(TaskKind):
         idx = [t.off(name) + page_rows(t, slots[b], np.array([pos[b]]))[0] + np.arange(D) for b in rows]
         return rows, (np.concatenate(idx) if idx else np.zeros(0, np.int64))
 
+    def _dst_declared(self, t: TileContext, name: str, pos: list[int], slots: list[int]) -> np.ndarray:
+        """``_dst``'s indices for ``accesses``; none when a page is bad (run_tile raises) or not yet
+        written by page_alloc, so the race checker first sees the unordered page-table read."""
+        try:
+            return self._dst(t, name, pos, slots)[1]
+        except InputError:
+            return np.zeros(0, np.int64)
+
     def run_tile(self, t: TileContext) -> None:
         B, D, st = t.p("BATCH"), t.p("HEAD_DIM"), t.p("QKV_STRIDE")
         pos, slots = token_inputs(t)
@@ -76,12 +85,13 @@ class QkvPrepPaged(TaskKind):
         ar = np.arange(B)
         out = [Access(0, "r", rect(t.off("QKV"), B, D, st)), Access(1, "r", t.off("POSITIONS") + ar),
                Access(2, "r", t.off("SLOTS") + ar), Access(5, "r", t.off("INV_FREQ") + np.arange(D // 2)),
-               Access(6, "w", self._dst(t, "DST", pos, slots)[1])]
+               Access(6, "w", self._dst_declared(t, "DST", pos, slots))]
         if t.buf("NORM_W") is not None:
             out.append(Access(4, "r", t.off("NORM_W") + np.arange(D)))
         if t.p("IS_KV"):
             out.append(Access(0, "r", rect(t.off("QKV") + t.p("V_OFFSET"), B, D, st)))
-            out.append(Access(7, "w", self._dst(t, "DST_V", pos, slots)[1]))
+            out.append(Access(7, "w", self._dst_declared(t, "DST_V", pos, slots)))
+            out.append(Access(3, "r", table_reads(t, pos, slots, prefix=False)))
         return out
 
     def traffic(self, counts, elem_bytes, params, world):
