@@ -59,11 +59,15 @@ def test_auto_program_is_split():
     assert cg.meta["attn_splits"] == "auto"
 
 
-@pytest.mark.parametrize("staged", [False, True])
-@pytest.mark.parametrize("name,batch,schedule", [
-    ("tiny", 1, "aot"), ("tiny", 4, "jit"), ("tiny-llama", 16, "aot"), ("qwen3-0.6b", 1, "aot"),
-    ("qwen3-0.6b", 4, "jit"),
-])
+# The per-warp path runs only where the launch's shared memory can be withheld below the staged need:
+# at tiny-llama b16 and qwen3-0.6b b4 the fused linears' staged input rows already need more (5376 >= 2304,
+# 24832 >= 16640 bytes on the H200), so those run the staged path only.
+CASES = [("tiny", 1, "aot", False), ("tiny", 1, "aot", True), ("tiny", 4, "jit", False), ("tiny", 4, "jit", True),
+         ("tiny-llama", 16, "aot", True), ("qwen3-0.6b", 1, "aot", False), ("qwen3-0.6b", 1, "aot", True),
+         ("qwen3-0.6b", 4, "jit", True)]
+
+
+@pytest.mark.parametrize("name,batch,schedule,staged", CASES)
 def test_split_teacher_forced_logits(name, batch, schedule, staged, gpu_results, monkeypatch):
     """>= 256 teacher-forced steps: logits within 3% of their std at every step, argmax >= 99%."""
     if not staged:
