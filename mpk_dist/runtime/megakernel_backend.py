@@ -74,7 +74,8 @@ class MegakernelBackend(StepBackend):
     ``inject_hang_task`` / ``inject_hang_rank`` (that task never signals, on that rank or all),
     ``fuse`` (fused linears: True, False or names incl. the opt-in 'attn_prep'; MPK_FUSE_ATTN_PREP=1 adds
     'attn_prep'), ``attn_splits`` (split-KV attention: N or 'auto', the default: ~132 SMs / kv heads ranges
-    of >= 64 positions; 1 = one attention tile per kv head),
+    of >= 64 positions, unsplit above 4 sequences (lowering_attention.AUTO_SPLIT_MAX_BATCH); 1 = one
+    attention tile per kv head),
     ``superopt`` (fused linears run superoptimizer-generated bodies; default on, --no-superopt or
     MPK_SUPEROPT=0 for off).
     """

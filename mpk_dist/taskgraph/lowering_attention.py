@@ -23,6 +23,11 @@ from mpk_dist.taskgraph.tasks import BY_NAME
 MIN_SPLIT_POSITIONS = 64
 """'auto' never cuts the cache into ranges shorter than this (a split's fixed cost must stay small
 next to its KV reads)."""
+AUTO_SPLIT_MAX_BATCH = 4
+"""'auto' splits only programs of at most this many sequences. Measured on an H200 at context ~512
+(2026-11-30, tune_sweep): qwen3-8b batch 1 5.22 ms split vs 6.12 unsplit, batch 8 (MMA linears) 11.04
+split vs 9.71 unsplit (a split tile walks its range once per sequence, with two block barriers and a
+shared-memory merge each time). Batches 2-4 are not measured."""
 
 
 def check_attn_splits(attn_splits) -> int | str:
@@ -40,11 +45,14 @@ def check_attn_splits(attn_splits) -> int | str:
     return n
 
 
-def resolve_splits(attn_splits, sms: int, kv_heads: int, max_seq_len: int) -> int:
-    """Number of KV ranges per kv head. 'auto': enough for kv_heads x splits to about fill ``sms``
-    workers, but no range shorter than MIN_SPLIT_POSITIONS positions (1 = no split)."""
+def resolve_splits(attn_splits, sms: int, kv_heads: int, max_seq_len: int, batch: int = 1) -> int:
+    """Number of KV ranges per kv head. 'auto': 1 (no split) above AUTO_SPLIT_MAX_BATCH sequences, else
+    enough for kv_heads x splits to about fill ``sms`` workers, but no range shorter than
+    MIN_SPLIT_POSITIONS positions."""
     n = check_attn_splits(attn_splits)
     if n == "auto":
+        if batch > AUTO_SPLIT_MAX_BATCH:
+            return 1
         return max(1, min(sms // max(1, kv_heads), max_seq_len // MIN_SPLIT_POSITIONS))
     if n > max_seq_len:
         raise InputError(f"attn_splits: expected at most max_seq_len = {max_seq_len} ranges, got {n}; "

@@ -34,7 +34,7 @@ def split_reason(lw: Lowerer, f: FusedAttention, attn_splits) -> str | None:
 
     if attn_splits == 1:
         return None
-    splits = resolve_splits(attn_splits, lw.sms, f.attention.attrs["kv_heads"], lw.g.max_seq_len)
+    splits = resolve_splits(attn_splits, lw.sms, f.attention.attrs["kv_heads"], lw.g.max_seq_len, lw.B)
     if splits == 1:
         return None
     return (f"fuse attn_prep: not applied with split-KV attention (attn_splits={attn_splits} -> {splits} ranges): "
@@ -52,7 +52,7 @@ def lower_attn_prep(lw: Lowerer, f: FusedAttention, attn_splits=1) -> None:
             print(why, file=sys.stderr, flush=True)
         lw.qkv_prep(f.prep)
         lower_split_attention(lw, f.attention, resolve_splits(attn_splits, lw.sms, f.attention.attrs["kv_heads"],
-                                                              lw.g.max_seq_len))
+                                                              lw.g.max_seq_len, lw.B))
         return
     _lower_fused(lw, f)
 

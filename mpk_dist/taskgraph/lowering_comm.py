@@ -155,7 +155,7 @@ def lower_graph(graph, sms: int, max_steps: int, fuse=False, attn_splits=1, nucl
             lower_attn_prep(lw, op, attn_splits)
             continue
         if op.kind == "attention" and attn_splits != 1:
-            splits = resolve_splits(attn_splits, sms, op.attrs["kv_heads"], graph.max_seq_len)
+            splits = resolve_splits(attn_splits, sms, op.attrs["kv_heads"], graph.max_seq_len, graph.batch)
             if splits > 1:
                 lower_split_attention(lw, op, splits)
                 continue

@@ -14,6 +14,7 @@ from mpk_dist.errors import InputError
 from mpk_dist.models.presets import get_preset
 from mpk_dist.taskgraph.abi import SIGNAL_COLS, TASK_COLS, WAIT_COLS
 from mpk_dist.taskgraph.interpreter import Interpreter
+from mpk_dist.taskgraph.compiler import compile_rank_programs
 from mpk_dist.taskgraph.lowering_attention import check_attn_splits, resolve_splits, split_ranges
 from mpk_dist.taskgraph.tasks import BY_NAME
 from mpk_dist.taskgraph.testing import (MAX_SEQ, fp32, max_rel_err, programs, reference,
@@ -50,6 +51,12 @@ def test_auto_fills_the_sms_with_at_least_64_positions_per_range():
     assert resolve_splits("auto", 132, 8, 4096) == 16  # 132 // 8
     assert resolve_splits("auto", 132, 1, 40960) == 132
     assert resolve_splits("auto", 8, 2, 64) == 1  # too short to split: the unsplit program
+    assert resolve_splits("auto", 132, 8, 512, batch=4) == 8
+    assert resolve_splits("auto", 132, 8, 512, batch=8) == 1  # above AUTO_SPLIT_MAX_BATCH: unsplit
+    assert resolve_splits(4, 132, 8, 512, batch=8) == 4  # an explicit count is kept at any batch
+    kinds = {b: [o["kind"] for o in compile_rank_programs(fp32("tiny"), 1, batch=b, sms=132, max_seq_len=256,
+                                                          attn_splits="auto")[0].meta["ops"]] for b in (4, 8)}
+    assert "attention_split" in kinds[4] and "attention_split" not in kinds[8]
     assert split_ranges(64, 5) == [(0, 13), (13, 26), (26, 39), (39, 52), (52, 64)]
     assert split_ranges(9, 4) == [(0, 3), (3, 6), (6, 9)]  # never an empty trailing range
     cfg = fp32("tiny")
