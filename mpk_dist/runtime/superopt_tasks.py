@@ -44,13 +44,14 @@ HAND_WRITTEN = {"qk_norm_rope": "qkv_prep.cuh"}
 CACHE_FORMAT = 2  # 2: grid counts costed at their first loop count that fits (K=12288 silu_linear lowers now)
 DEFAULT_TIMEOUT_S = 120.0
 """Per-problem search limit (``MPK_SUPEROPT_TIMEOUT`` overrides); the best verified graph so far is used."""
-PATTERN_TIMEOUT_S = {"qk_norm_rope": 30.0}
+PATTERN_TIMEOUT_S = {"qk_norm_rope": 25.0}
 """Patterns whose search always ends at its limit (qk_norm_rope: the depth-2 space with five inputs is not
 exhausted within minutes) get a shorter default, so a cold compile stays reasonable; the searches of one
-build run side by side (``search_side_by_side``), so this limit is the cold build's search time: qwen3-8b
-cold start 58.3 s on the H200 machine (2026-11-30). 12 s was tried: beside the other two searches it
-explored 0.34 M graphs and verified none (the hand-written body ran); 30 s explored 1.57 M and chose the
-µGraph a 30 s search alone had. ``MPK_SUPEROPT_TIMEOUT`` still overrides."""
+build run side by side (``search_side_by_side``), so this limit is the cold build's search time. On the H200
+machine (qwen3-8b, empty cache, 2026-11-30): 30 s gave a 58.3 s cold start, then 62.6 s once the kernel grew
+(nvcc ~30 s); 25 s explored 0.83 M graphs, chose the same µGraph af488251fdd1898c as 30 s and started cold in
+59.1 s; 20 s (0.61 M) chose another one (f7ac2faf93e6f94d, 54.0 s); 12 s verified none. ``MPK_SUPEROPT_TIMEOUT``
+still overrides."""
 MAX_SEARCH_WEIGHTS = 1 << 26
 """Largest K*N searched (``MPK_SUPEROPT_MAX_WEIGHTS`` overrides). The verifier evaluates the whole
 µGraph at the real shape in float64 and over finite fields, so memory and time grow with the weight:

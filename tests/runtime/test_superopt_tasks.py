@@ -29,7 +29,7 @@ def env(tmp_path_factory):
     mp = pytest.MonkeyPatch()
     mp.setenv("MPK_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
     mp.delenv("MPK_SUPEROPT_MAX_WEIGHTS", raising=False)
-    # qk_norm_rope's search always runs to its limit (30 s by default); it verifies graphs at the tiny
+    # qk_norm_rope's search always runs to its limit (25 s by default); it verifies graphs at the tiny
     # shapes within ~8 s on one process, and the GEMV patterns finish far below this
     mp.setenv("MPK_SUPEROPT_TIMEOUT", "15")
     ST._MEMO.clear()
