@@ -1,4 +1,5 @@
-"""Lowering of split-KV decode attention (opt-in: ``compile_rank_programs(..., attn_splits=N|'auto')``).
+"""Lowering of split-KV decode attention (``compile_rank_programs(..., attn_splits=N|'auto')``; the megakernel
+backend's default is 'auto').
 
 One ``attention`` op becomes two task-ops: ``<op>/split`` with one tile per (kv head h, KV range i)
 (kind attention_split) and ``<op>/merge`` with one tile per (kv head h, sequence b) (kind
