@@ -421,8 +421,6 @@ __device__ bool run_task(const RuntimeParams& p, const int32_t* rec, int step, f
   }
 }
 
-// Issued before a task waits on its events: start streaming the bytes that do not depend on them
-// (a linear tile's weights). Only an L2 prefetch for now; the hook is where TMA staging goes.
 // The cache rows an attention tile will read, into L2 before its wait (attn_prefetch_rows,
 // csrc/tasks/attention.cuh). Positions are read now: this step's may not be written yet, and a
 // position one short only leaves the newest row to the tile's own load.
@@ -450,6 +448,9 @@ __device__ __noinline__ void attention_prefetch(const TaskView& t, int tid, int 
                        bs / max(ps, 1), tid, nt);
 }
 
+// Issued before a task waits on its events: start streaming the bytes that do not depend on them
+// (a linear tile's weights, an attention tile's older cache rows) into L2, and prime the weight ring
+// (MPK_LINEAR_TMA).
 __device__ void prefetch_task(const RuntimeParams& p, const int32_t* rec, int tid, int nt) {
   const TaskView t(p, rec);
   const int planned = rec[REC_PREFETCH];  // the host's plan (prefetch_plan.py), -1: the MPK_PREFETCH_KB cap
