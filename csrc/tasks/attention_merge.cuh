@@ -11,43 +11,22 @@
 
 namespace mpk {
 
-// Partials a thread loads before it uses the first: the loop over splits was one L2 round trip per
-// split (9 at qwen3-8b's context ~512), twice (max, then sums): ~6 us a merge tile on the H200 trace.
-// Chunks are folded in index order, so the sums, and every bit of the result, are as one at a time.
-constexpr int kMergeChunk = 8;
-
 __device__ void attention_merge(const float* part, bf16* out, int D, int G, int splits, int tid, int nt) {
   const int entry = D + 2, per_split = G * entry;
   for (int idx = tid; idx < G * D; idx += nt) {
     const int j = idx / D, d = idx % D;
     const float* p = part + (size_t)j * entry;
     float M = -INFINITY;
-    for (int i0 = 0; i0 < splits; i0 += kMergeChunk) {
-      float m[kMergeChunk];
-#pragma unroll
-      for (int u = 0; u < kMergeChunk; ++u) m[u] = i0 + u < splits ? p[(size_t)(i0 + u) * per_split + D] : -INFINITY;
-#pragma unroll
-      for (int u = 0; u < kMergeChunk; ++u) M = fmaxf(M, m[u]);
-    }
+    for (int i = 0; i < splits; ++i) M = fmaxf(M, p[(size_t)i * per_split + D]);
     float num = 0.f, den = 0.f;
     if (M != -INFINITY) {
-      for (int i0 = 0; i0 < splits; i0 += kMergeChunk) {
-        float m[kMergeChunk], a[kMergeChunk], l[kMergeChunk];
-#pragma unroll
-        for (int u = 0; u < kMergeChunk; ++u) {
-          const bool in = i0 + u < splits;
-          const float* pi = p + (size_t)(i0 + u) * per_split;
-          m[u] = in ? pi[D] : -INFINITY;
-          a[u] = in ? pi[d] : 0.f;
-          l[u] = in ? pi[D + 1] : 0.f;
-        }
-#pragma unroll
-        for (int u = 0; u < kMergeChunk; ++u) {
-          if (m[u] == -INFINITY) continue;  // empty range (or past the last split): weight 0, acc not summed
-          const float w = expf(m[u] - M);
-          num = fmaf(w, a[u], num);
-          den = fmaf(w, l[u], den);
-        }
+      for (int i = 0; i < splits; ++i) {
+        const float* pi = p + (size_t)i * per_split;
+        const float m = pi[D];
+        if (m == -INFINITY) continue;  // empty range: weight 0, acc never read into the sum
+        const float w = expf(m - M);
+        num = fmaf(w, pi[d], num);
+        den = fmaf(w, pi[D + 1], den);
       }
     }
     out[idx] = f2bf(den > 0.f ? num / den : 0.f);
