@@ -54,7 +54,8 @@ def test_dispatch_case_and_opcode():
     text = (CSRC / "runtime" / "dispatch.cuh").read_text()
     run_task = text[text.index("__device__ bool run_task("):text.index("__device__ void prefetch_task(")]
     assert re.search(r"case OP_ATTENTION_PREP: return run_attention_prep\(", run_task)
-    assert BY_NAME["attention_prep"].opcode == max(k.opcode for k in BY_NAME.values())  # appended
+    # appended as 24 (page_alloc came after it as 25): kinds are never renumbered
+    assert BY_NAME["attention_prep"].opcode == 24 and BY_NAME["page_alloc"].opcode == 25
     body = (CSRC / "tasks" / "attention_prep.cuh").read_text()
     assert "MPK_SUPEROPT_QK_NORM_ROPE" in body and "gen::qk_norm_rope" in body  # the generated body's hook
 
