@@ -53,6 +53,7 @@
 #include "page_alloc.cuh"
 // qkv_prep folded into the attention tiles (opt-in fusion 'attn_prep'; docs/TASKGRAPH.md)
 #include "attention_prep.cuh"
+#include "attention_split_prep.cuh"
 
 namespace mpk {
 
@@ -337,13 +338,63 @@ __device__ __noinline__ bool run_attention_prep(const TaskView& t, float* smem, 
                        t.arg<bf16>(ATTENTION_PREP_ARG_Q), t.arg<bf16>(ATTENTION_PREP_ARG_K_CACHE),
                        t.arg<bf16>(ATTENTION_PREP_ARG_V_CACHE), p, D, G, t.param(ATTENTION_PREP_PARAM_K_OFFSET),
                        t.param(ATTENTION_PREP_PARAM_V_OFFSET), t.param(ATTENTION_PREP_PARAM_KV_POS_STRIDE),
-                       t.fparam(ATTENTION_PREP_PARAM_EPS), tid, nt);
+                       t.fparam(ATTENTION_PREP_PARAM_EPS), true, tid, nt);
   worker_barrier(nt);  // the q rows and this position's k, v are written before any warp reads them
   // The attention half, as run_attention's body for one sequence. One call per (MG, ME) instance, each
   // with 5 operands (the wrapper reads the rest from the task): 12 attention_seq call sites here, each
   // with all 12 operands live, made ptxas store 44 bytes to local memory in this function.
   const int epl = (D + 31) / 32;
   MPK_ATTN_BOUNDS(G, epl, (run_attention_prep_attend<kMG, kME>(t, p, smem, tid, nt)));
+  return true;
+}
+
+// ---- qkv_prep folded into split-KV attention tiles (the 'attn_prep' fusion in a split program) ----
+// Same contract as run_attention_prep: bf16 qkv and caches, fp32 partials; a bad shape, position or too
+// little shared memory is a bad task. Per sequence: the prep into shared memory (and the append where
+// this range holds the position), a block barrier, then attention_split's staged body on that q.
+template <int MG, int ME>
+__device__ __noinline__ void run_split_prep_attend(const TaskView& t, int b, int e, const bf16* qs, float* smem, int tid,
+                                                   int nt) {
+  const size_t bs = (size_t)b * t.param(ATTENTION_SPLIT_PREP_PARAM_KV_BATCH_STRIDE);
+  attention_split_seq<MG, ME>(qs, t.arg<const bf16>(ATTENTION_SPLIT_PREP_ARG_K_CACHE) + bs,
+                              t.arg<const bf16>(ATTENTION_SPLIT_PREP_ARG_V_CACHE) + bs,
+                              t.arg<float>(ATTENTION_SPLIT_PREP_ARG_OUT) +
+                                  (size_t)b * t.param(ATTENTION_SPLIT_PREP_PARAM_OUT_STRIDE),
+                              t.param(ATTENTION_SPLIT_PREP_PARAM_HEAD_DIM), t.param(ATTENTION_SPLIT_PREP_PARAM_GROUP),
+                              t.param(ATTENTION_SPLIT_PREP_PARAM_KV_POS_STRIDE),
+                              t.param(ATTENTION_SPLIT_PREP_PARAM_POS_BEGIN), e,
+                              t.fparam(ATTENTION_SPLIT_PREP_PARAM_SCALE), smem, tid, nt);
+}
+
+__device__ __noinline__ bool run_attention_split_prep(const TaskView& t, float* smem, int tid, int nt) {
+  if (t.dtype(ATTENTION_SPLIT_PREP_ARG_QKV) != DTYPE_BF16 || t.dtype(ATTENTION_SPLIT_PREP_ARG_K_CACHE) != DTYPE_BF16 ||
+      t.dtype(ATTENTION_SPLIT_PREP_ARG_V_CACHE) != DTYPE_BF16 || t.dtype(ATTENTION_SPLIT_PREP_ARG_OUT) != DTYPE_F32)
+    return false;
+  const int B = t.param(ATTENTION_SPLIT_PREP_PARAM_BATCH), D = t.param(ATTENTION_SPLIT_PREP_PARAM_HEAD_DIM);
+  const int G = t.param(ATTENTION_SPLIT_PREP_PARAM_GROUP), S = t.param(ATTENTION_SPLIT_PREP_PARAM_MAX_SEQ);
+  const int s0 = t.param(ATTENTION_SPLIT_PREP_PARAM_POS_BEGIN), s1 = t.param(ATTENTION_SPLIT_PREP_PARAM_POS_END);
+  const int qs_stride = t.param(ATTENTION_SPLIT_PREP_PARAM_QKV_STRIDE);
+  const size_t kbs = (size_t)t.param(ATTENTION_SPLIT_PREP_PARAM_KV_BATCH_STRIDE);
+  if (!split_prep_ok(D, G, nt)) return false;
+  const int32_t* pos = t.arg<const int32_t>(ATTENTION_SPLIT_PREP_ARG_POSITIONS);
+  bf16* qs = split_prep_q(smem, G, D, nt);
+  const int epl = (D + 31) / 32;
+  for (int b = 0; b < B; ++b) {
+    const int p = pos[b];
+    if (p < 0 || p >= S) return false;  // the same on every thread: nothing of sequence b written yet
+    attention_prep_heads(t.arg<const bf16>(ATTENTION_SPLIT_PREP_ARG_QKV) + (size_t)b * qs_stride,
+                         t.arg<const bf16>(ATTENTION_SPLIT_PREP_ARG_Q_NORM_W),
+                         t.arg<const bf16>(ATTENTION_SPLIT_PREP_ARG_K_NORM_W),
+                         t.arg<const float>(ATTENTION_SPLIT_PREP_ARG_INV_FREQ), qs,
+                         t.arg<bf16>(ATTENTION_SPLIT_PREP_ARG_K_CACHE) + (size_t)b * kbs,
+                         t.arg<bf16>(ATTENTION_SPLIT_PREP_ARG_V_CACHE) + (size_t)b * kbs, p, D, G,
+                         t.param(ATTENTION_SPLIT_PREP_PARAM_K_OFFSET), t.param(ATTENTION_SPLIT_PREP_PARAM_V_OFFSET),
+                         t.param(ATTENTION_SPLIT_PREP_PARAM_KV_POS_STRIDE), t.fparam(ATTENTION_SPLIT_PREP_PARAM_EPS),
+                         s0 <= p && p < s1, tid, nt);
+    worker_barrier(nt);  // q in shared memory, this position's k and v, before any warp reads them
+    const int e = min(s1, p + 1);
+    MPK_ATTN_BOUNDS(G, epl, (run_split_prep_attend<kMG, kME>(t, b, e, qs, smem, tid, nt)));  // ends in a barrier
+  }
   return true;
 }
 
@@ -417,6 +468,7 @@ __device__ bool run_task(const RuntimeParams& p, const int32_t* rec, int step, f
     case OP_GATHER_ROWS: return run_gather_rows(t, tid, nt);
     case OP_PAGE_ALLOC: return run_page_alloc(p, t, step, smem, tid, nt);
     case OP_ATTENTION_PREP: return run_attention_prep(t, smem, tid, nt);
+    case OP_ATTENTION_SPLIT_PREP: return run_attention_split_prep(t, smem, tid, nt);
     default: return false;
   }
 }
@@ -431,6 +483,19 @@ __device__ __noinline__ void attention_prefetch(const TaskView& t, int tid, int 
                        t.param(ATTENTION_PREP_PARAM_HEAD_DIM), (size_t)t.param(ATTENTION_PREP_PARAM_KV_POS_STRIDE), 0,
                        *t.arg<const int32_t>(ATTENTION_PREP_ARG_POSITIONS) + 1, t.param(ATTENTION_PREP_PARAM_MAX_SEQ),
                        tid, nt);
+    return;
+  }
+  if (op == OP_ATTENTION_SPLIT_PREP) {  // all sequences, one KV range
+    const int B = t.param(ATTENTION_SPLIT_PREP_PARAM_BATCH), ps = t.param(ATTENTION_SPLIT_PREP_PARAM_KV_POS_STRIDE);
+    const int bs = t.param(ATTENTION_SPLIT_PREP_PARAM_KV_BATCH_STRIDE);
+    const int32_t* pos = t.arg<const int32_t>(ATTENTION_SPLIT_PREP_ARG_POSITIONS);
+    for (int b = 0; b < B; ++b)
+      attn_prefetch_rows(t.arg<const bf16>(ATTENTION_SPLIT_PREP_ARG_K_CACHE) + (size_t)b * bs,
+                         t.arg<const bf16>(ATTENTION_SPLIT_PREP_ARG_V_CACHE) + (size_t)b * bs,
+                         t.param(ATTENTION_SPLIT_PREP_PARAM_HEAD_DIM), (size_t)ps,
+                         t.param(ATTENTION_SPLIT_PREP_PARAM_POS_BEGIN),
+                         min(t.param(ATTENTION_SPLIT_PREP_PARAM_POS_END), pos[b] + 1),
+                         t.param(ATTENTION_SPLIT_PREP_PARAM_MAX_SEQ), tid, nt);
     return;
   }
   const bool split = op == OP_ATTENTION_SPLIT;
@@ -467,7 +532,8 @@ __device__ void prefetch_task(const RuntimeParams& p, const int32_t* rec, int ti
     linear_prefetch(t.arg<const bf16>(SILU_LINEAR_ARG_W), t.param(SILU_LINEAR_PARAM_K),
                     t.param(SILU_LINEAR_PARAM_N_TILE), planned, tid, nt);
 #if MPK_ATTN_PREFETCH
-  else if (t.opcode() == OP_ATTENTION || t.opcode() == OP_ATTENTION_SPLIT || t.opcode() == OP_ATTENTION_PREP)
+  else if (t.opcode() == OP_ATTENTION || t.opcode() == OP_ATTENTION_SPLIT || t.opcode() == OP_ATTENTION_PREP ||
+           t.opcode() == OP_ATTENTION_SPLIT_PREP)
     attention_prefetch(t, tid, nt);
 #endif
 }

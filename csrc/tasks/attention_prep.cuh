@@ -29,13 +29,15 @@ __device__ __forceinline__ void attn_prep_head(const bf16* src, const bf16* norm
 }
 
 // The prep half: warps 0..G-1 take the q heads of the group, warp G the kv head (k roped into the cache
-// at position p, v copied), looping when there are fewer warps. Not inlined: its per-lane arrays get
-// their own register allocation, apart from the attention's (as qkv_prep and attention are apart).
+// at position p, v copied) when `append` (attention_split_prep: only the range holding p appends),
+// looping when there are fewer warps. Not inlined: its per-lane arrays get their own register
+// allocation, apart from the attention's (as qkv_prep and attention are apart).
 __device__ __noinline__ void attention_prep_heads(const bf16* qkv, const bf16* q_norm, const bf16* k_norm,
                                                   const float* inv_freq, bf16* q, bf16* kc, bf16* vc, int p, int D,
-                                                  int G, int k_off, int v_off, int kv_ps, float eps, int tid, int nt) {
+                                                  int G, int k_off, int v_off, int kv_ps, float eps, bool append,
+                                                  int tid, int nt) {
   const int warp = tid >> 5, lane = tid & 31, nwarps = nt >> 5;
-  for (int h = warp; h <= G; h += nwarps) {
+  for (int h = warp; h < G + (append ? 1 : 0); h += nwarps) {
     if (h < G) {
       attn_prep_head(qkv + (size_t)h * D, q_norm, inv_freq, p, q + (size_t)h * D, D, eps, lane);
     } else {

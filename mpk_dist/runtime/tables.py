@@ -158,6 +158,7 @@ def smem_bytes(cg, worker_threads: int, weight_ring: bool = False) -> int:
     ring = WEIGHT_RING_BYTES if weight_ring else 0
     from mpk_dist.taskgraph.fusion import staging_bytes
     from mpk_dist.taskgraph.lowering_attention import attention_staging_bytes
+    from mpk_dist.taskgraph.lowering_attn_prep import split_prep_smem_bytes
 
     need = 2 * (worker_threads // 32) * 4  # block reductions (rms_norm, argmax)
     # Attention merges its warps' partials through shared memory (nwarps x GROUP x (D + 2) floats): the
@@ -168,6 +169,7 @@ def smem_bytes(cg, worker_threads: int, weight_ring: bool = False) -> int:
     # tile that does not get the space recomputes per weight row (same bits, slower).
     need = max(need, staging_bytes(cg, HOPPER_MAX_DYNAMIC_SMEM - SMEM_RESERVE - ring))
     need = max(need, page_alloc_bytes(cg))
+    need = max(need, split_prep_smem_bytes(cg, worker_threads))  # the attn_prep fusion in split programs
     return (need + 127) // 128 * 128 + ring
 
 

@@ -12,7 +12,9 @@ Opt-in (named explicitly, not part of ``fuse=True`` until verified on a GPU):
 
 * ``attn_prep``: qkv_prep -> attention becomes one ``attention_prep`` task-op (tile = (kv head j,
   sequence b): the q/k norm, rope and KV append of that pair, then its attention), so the qkv_prep
-  level disappears. Split-KV attention keeps the unfused pair (``lowering_attn_prep``).
+  level disappears. In a split-KV program it lowers to ``attention_split_prep`` tiles (kv head j, range i:
+  the q heads computed in the tile, k/v appended by the range holding the position) and the merge
+  (``lowering_attn_prep``).
 
 The pass only plans; ``mpk_dist.taskgraph.lowering_fused`` and ``lowering_attn_prep`` lower the plan.
 Numerics are unchanged: every fused kind rounds at exactly the points the unfused ops round. OFF by

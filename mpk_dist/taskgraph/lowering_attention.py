@@ -73,7 +73,6 @@ def lower_split_attention(lw: Lowerer, op: Op, splits: int) -> None:
     p, B, a = lw.p, lw.B, op.attrs
     hq, hkv, D = a["q_heads"], a["kv_heads"], a["head_dim"]
     q, kc, vc, pos = (p.id(n) for n in op.inputs)
-    o = p.id(op.outputs[0])
     S, G = lw.g.max_seq_len, hq // hkv
     ranges = split_ranges(S, splits)
     P, E = len(ranges), G * (D + 2)  # E: floats of one (h, b, split) entry
@@ -94,8 +93,21 @@ def lower_split_attention(lw: Lowerer, op: Op, splits: int) -> None:
     # the finer rectangle would give the same edges.
     kvrect = np.array([(0, B * S, j * D, (j + 1) * D) for j, _ in tiles], np.int64).reshape(-1, 4)
     sp.reads = [Footprint(q, qrect), Footprint(kc, kvrect), Footprint(vc, kvrect.copy()), _all_fp(pos, p, len(tiles))]
-    sp.writes = [Footprint(part, np.array([(j * B, (j + 1) * B, i * E, (i + 1) * E) for j, i in tiles],
-                                          np.int64).reshape(-1, 4))]
+    sp.writes = [partial_footprint(part, B, E, tiles)]
+    lower_merge(lw, op, part, P, E)
+
+
+def partial_footprint(part: int, B: int, E: int, tiles: list[tuple[int, int]]) -> Footprint:
+    """What split tile (j, i) writes of the scratch: rows of kv head j, the column block of range i."""
+    return Footprint(part, np.array([(j * B, (j + 1) * B, i * E, (i + 1) * E) for j, i in tiles],
+                                    np.int64).reshape(-1, 4))
+
+
+def lower_merge(lw: Lowerer, op: Op, part: int, P: int, E: int) -> None:
+    """Append ``<op>/merge``: one tile per (kv head, sequence) combining its P partials into op's output."""
+    p, B, a = lw.p, lw.B, op.attrs
+    hq, hkv, D = a["q_heads"], a["kv_heads"], a["head_dim"]
+    G, o = hq // hkv, p.id(op.outputs[0])
     mg = p.op(op.name + "/merge", BY_NAME["attention_merge"], op.layer, op.name)
     for j in range(hkv):
         for b in range(B):

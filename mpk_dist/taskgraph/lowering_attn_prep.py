@@ -9,14 +9,12 @@ them back after a block barrier: both stay inside the tile, so they add no event
 declare the whole cache rows of (b, j), as qkv_prep's and attention's do (the position is a run-time
 value).
 
-Split-KV programs keep the unfused qkv_prep + attention_split/merge (the split tiles cover KV ranges,
-not sequences; one prep per sequence would have to run before all of them): ``lower_attn_prep`` falls
-back to them and says so once per process on stderr.
+In split-KV programs the fusion lowers to ``attention_split_prep`` tiles (kv head j, range i) and the
+usual merge: each range computes the q heads of group j itself (kept in the tile, not written), and the
+range holding a sequence's position appends its k and v (tasks/attention_split_prep.py).
 """
 
 from __future__ import annotations
-
-import sys
 
 import numpy as np
 
@@ -25,36 +23,58 @@ from mpk_dist.taskgraph.lowering import Lowerer, _all_fp
 from mpk_dist.taskgraph.program import Footprint
 from mpk_dist.taskgraph.tasks import BY_NAME
 
-_NOTED: set[str] = set()
-
-
-def split_reason(lw: Lowerer, f: FusedAttention, attn_splits) -> str | None:
-    """Why ``f`` stays unfused in this program (split-KV attention), or None when it is fused."""
-    from mpk_dist.taskgraph.lowering_attention import resolve_splits
-
-    if attn_splits == 1:
-        return None
-    splits = resolve_splits(attn_splits, lw.sms, f.attention.attrs["kv_heads"], lw.g.max_seq_len, lw.B)
-    if splits == 1:
-        return None
-    return (f"fuse attn_prep: not applied with split-KV attention (attn_splits={attn_splits} -> {splits} ranges): "
-            "qkv_prep and attention_split/merge stay separate tasks")
-
 
 def lower_attn_prep(lw: Lowerer, f: FusedAttention, attn_splits=1) -> None:
-    """Append the ``attention_prep`` task-op of ``f`` (or, in a split-KV program, the unfused ops)."""
-    why = split_reason(lw, f, attn_splits)
-    if why is not None:
-        from mpk_dist.taskgraph.lowering_attention import lower_split_attention, resolve_splits
+    """Append the ``attention_prep`` task-op of ``f``, or in a split-KV program ``attention_split_prep`` +
+    ``attention_merge`` (``_lower_fused_split``)."""
+    from mpk_dist.taskgraph.lowering_attention import resolve_splits
 
-        if why not in _NOTED:
-            _NOTED.add(why)
-            print(why, file=sys.stderr, flush=True)
-        lw.qkv_prep(f.prep)
-        lower_split_attention(lw, f.attention, resolve_splits(attn_splits, lw.sms, f.attention.attrs["kv_heads"],
-                                                              lw.g.max_seq_len, lw.B))
-        return
-    _lower_fused(lw, f)
+    splits = 1 if attn_splits == 1 else resolve_splits(attn_splits, lw.sms, f.attention.attrs["kv_heads"],
+                                                       lw.g.max_seq_len, lw.B)
+    if splits > 1:
+        _lower_fused_split(lw, f, splits)
+    else:
+        _lower_fused(lw, f)
+
+
+def _lower_fused_split(lw: Lowerer, f: FusedAttention, splits: int) -> None:
+    """qkv_prep folded into the split tiles: tile (j, i) norms and ropes the q heads of group j itself
+    (every range of head j, for all B sequences), appends k/v of head j where range i holds the position,
+    and writes attention_split's partial; then the unchanged merge op."""
+    from mpk_dist.taskgraph.lowering_attention import lower_merge, partial_footprint, split_ranges
+
+    p, B, a, att = lw.p, lw.B, f.prep.attrs, f.attention
+    hq, hkv, D = a["q_heads"], a["kv_heads"], a["head_dim"]
+    qkv, pos = p.id(f.prep.inputs[0]), p.id(f.prep.inputs[1])
+    qn, kn = (p.id(f.prep.inputs[2]), p.id(f.prep.inputs[3])) if a.get("qk_norm") else (None, None)
+    _, kc, vc = (p.id(n) for n in f.prep.outputs)
+    S, G, QS, inv = lw.g.max_seq_len, hq // hkv, (hq + 2 * hkv) * D, lw._inv_freq(a)
+    ranges = split_ranges(S, splits)
+    P, E = len(ranges), G * (D + 2)
+    part = p.buffer(f"{att.name}.partial", (hkv, B, P, G, D + 2), "f32", "activation", view=(hkv * B, P * E))
+    cache_count = (B - 1) * S * hkv * D + (S - 1) * hkv * D + D
+    sp = p.op(att.name + "/split", BY_NAME["attention_split_prep"], att.layer, att.name)
+    tiles = [(j, i) for j in range(hkv) for i in range(P)]
+    for j, i in tiles:
+        s0, s1 = ranges[i]
+        k_off = (hq + j) * D - j * G * D
+        sp.add_tile({"QKV": (qkv, j * G * D, (B - 1) * QS + k_off + hkv * D + D), "POSITIONS": (pos, 0, B),
+                     "Q_NORM_W": None if qn is None else (qn, 0, D), "K_NORM_W": None if kn is None else (kn, 0, D),
+                     "INV_FREQ": (inv, 0, D // 2), "K_CACHE": (kc, j * D, cache_count),
+                     "V_CACHE": (vc, j * D, cache_count), "OUT": (part, (j * B * P + i) * E, (B - 1) * P * E + E)},
+                    {"BATCH": B, "HEAD_DIM": D, "GROUP": G, "QKV_STRIDE": QS, "K_OFFSET": k_off, "V_OFFSET": hkv * D,
+                     "KV_POS_STRIDE": hkv * D, "KV_BATCH_STRIDE": S * hkv * D, "MAX_SEQ": S, "POS_BEGIN": s0,
+                     "POS_END": s1, "OUT_STRIDE": P * E, "EPS": a["eps"], "SCALE": att.attrs["scale"]})
+    cols = lambda c0, n: np.array([(0, B, c0(j), c0(j) + n) for j, _ in tiles], np.int64)  # noqa: E731
+    # The whole head's cache rows (the appended position is a run-time value); no other op touches the
+    # caches, so the rectangles add no events: rows below the position come from earlier steps, ordered
+    # through the step's token chain.
+    kvrect = np.array([(0, B * S, j * D, (j + 1) * D) for j, _ in tiles], np.int64)
+    sp.reads = [Footprint(qkv, cols(lambda j: j * G * D, G * D)), Footprint(qkv, cols(lambda j: (hq + j) * D, D)),
+                Footprint(qkv, cols(lambda j: (hq + hkv + j) * D, D)), _all_fp(pos, p, len(tiles)),
+                Footprint(kc, kvrect.copy()), Footprint(vc, kvrect.copy())]
+    sp.writes = [Footprint(kc, kvrect.copy()), Footprint(vc, kvrect.copy()), partial_footprint(part, B, E, tiles)]
+    lower_merge(lw, att, part, P, E)
 
 
 def _lower_fused(lw: Lowerer, f: FusedAttention) -> None:
@@ -96,3 +116,21 @@ def attn_prep_smem_bytes(cg, worker_threads: int) -> int:
     from mpk_dist.taskgraph.lowering_attention import attention_staging_bytes
 
     return attention_staging_bytes(cg, "attention_prep", worker_threads)
+
+
+def split_prep_smem_bytes(cg, worker_threads: int) -> int:
+    """Dynamic shared memory the program's attention_split_prep tiles need: the staged merge's nwarps x
+    GROUP x (D + 2) floats plus the tile's q (GROUP x D bf16; csrc/tasks/attention_split_prep.cuh
+    ``split_prep_smem_bytes``); 0 without such tiles. ``mpk_dist.runtime.tables.smem_bytes`` counts it (the
+    kernel refuses the task as bad when the launch has less)."""
+    from mpk_dist.taskgraph.abi import TASK_COLS
+
+    kind = BY_NAME["attention_split_prep"]
+    tasks, params = cg.arrays["tasks"], cg.arrays["params"]
+    rows = tasks[tasks[:, TASK_COLS["OPCODE"]] == kind.opcode]
+    if not len(rows):
+        return 0
+    p0 = rows[:, TASK_COLS["PARAM_BEGIN"]].astype(np.int64)
+    G = params[p0 + kind.param_index("GROUP")].astype(np.int64)
+    D = params[p0 + kind.param_index("HEAD_DIM")].astype(np.int64)
+    return int(((worker_threads // 32) * G * (D + 2) * 4 + G * D * 2).max())

@@ -97,3 +97,35 @@ def test_env_knob_reaches_the_program(fake_gpu, monkeypatch):
     monkeypatch.setenv("MPK_FUSE_ATTN_PREP", "yes")
     with pytest.raises(InputError, match=r"MPK_FUSE_ATTN_PREP: expected one of 0, 1, got 'yes'"):
         fake_gpu.MegakernelBackend(m.config, m.weights, device="cpu", max_seq_len=16, sms=4)
+
+
+# ---- the fusion in split-KV programs: attention_split_prep ----
+def _split_program(batch: int = 1):
+    from mpk_dist.models.presets import get_preset
+    from mpk_dist.taskgraph.compiler import compile_rank_programs
+
+    return compile_rank_programs(get_preset("tiny"), 1, batch=batch, sms=8, max_seq_len=64, fuse=WITH,
+                                 attn_splits=4)[0]
+
+
+def test_split_prep_dispatch_case_prefetch_and_opcode():
+    text = (CSRC / "runtime" / "dispatch.cuh").read_text()
+    run_task = text[text.index("__device__ bool run_task("):text.index("__device__ __noinline__ void attention_prefetch(")]
+    assert re.search(r"case OP_ATTENTION_SPLIT_PREP: return run_attention_split_prep\(", run_task)
+    prefetch = text[text.index("__device__ void prefetch_task("):]
+    assert "OP_ATTENTION_SPLIT_PREP" in prefetch, "the fused split tiles prefetch their cache rows too"
+    assert BY_NAME["attention_split_prep"].opcode == 26
+
+
+def test_split_prep_shared_memory_formula_and_launch_size():
+    from mpk_dist.runtime import tables
+    from mpk_dist.taskgraph.lowering_attn_prep import split_prep_smem_bytes
+
+    cg = _split_program(2)
+    assert "attention_split_prep" in {o["kind"] for o in cg.meta["ops"]}
+    G, D = 2, 32  # tiny: 4 q heads over 2 kv heads of 32
+    assert split_prep_smem_bytes(cg, 512) == 16 * G * (D + 2) * 4 + G * D * 2
+    assert tables.smem_bytes(cg, 512) >= split_prep_smem_bytes(cg, 512)
+    tables.check_supported(cg)
+    body = (CSRC / "tasks" / "attention_split_prep.cuh").read_text()
+    assert "attention_smem_bytes(nwarps, G, D) + G * D * (int)sizeof(bf16)" in body  # the formula above

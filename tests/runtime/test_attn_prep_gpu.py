@@ -52,13 +52,14 @@ def _launch_smem(monkeypatch):
     monkeypatch.delenv("MPK_FUSE_ATTN_PREP", raising=False)  # the 'off' backend must stay off
 
 
-def mk(fuse: list[str], superopt: bool = False) -> MegakernelBackend:
-    """qwen3-0.6b on one GPU with the given fusions (cached)."""
-    key = (tuple(fuse), superopt)
+def mk(fuse: list[str], superopt: bool = False, splits=1) -> MegakernelBackend:
+    """qwen3-0.6b on one GPU with the given fusions and attn_splits (cached). splits=1 by default: the
+    backend's own default ('auto') splits at MAX_SEQ, where the fusion lowers to attention_split_prep."""
+    key = (tuple(fuse), superopt, splits)
     if key not in _CACHE:
         m = model(NAME)
         _CACHE[key] = MegakernelBackend(m.config, m.weights, device="cuda", max_seq_len=MAX_SEQ, fuse=fuse,
-                                        superopt=superopt)
+                                        superopt=superopt, attn_splits=splits)
     return _CACHE[key]
 
 
@@ -115,3 +116,28 @@ def test_attn_prep_equals_unfused_with_generated_bodies(gpu_results):
     gpu_results.append({"case": f"attn_prep vs off {NAME} b1 superopt", "steps": on.logits.shape[0],
                         "bit_identical": same, "ok": same})
     assert same
+
+
+# ---- the fusion in split-KV programs (attention_split_prep; not yet run on a GPU when written) ----
+def test_fused_split_program_is_what_runs():
+    kinds = {o["kind"] for o in mk(ON, splits="auto").session(1).cg.meta["ops"]}
+    assert "attention_split_prep" in kinds and not kinds & {"qkv_prep", "attention_split", "attention_prep"}
+    assert "attention_split" in {o["kind"] for o in mk(OFF, splits="auto").session(1).cg.meta["ops"]}
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_fused_split_equals_unfused_split_kernel(batch, gpu_results):
+    """Teacher-forced logits bit for bit over 64 steps against the unfused split program, greedy tokens
+    equal, and within tolerance of torch; ms/token of both."""
+    on, off = mk(ON, splits="auto").generate(forced(batch)), mk(OFF, splits="auto").generate(forced(batch))
+    same = bool(torch.equal(on.logits, off.logits))
+    err, agree = compare_logits(on.logits, ref(NAME).generate(forced(batch)).logits)
+    g_on, g_off = mk(ON, splits="auto").generate(greedy(batch)), mk(OFF, splits="auto").generate(greedy(batch))
+    toks = g_on.tokens == g_off.tokens
+    gpu_results.append({"case": f"attn_prep split vs off split {NAME} b{batch}", "steps": on.logits.shape[0],
+                        "bit_identical": same, "max_err/std": f"{err:.4f}", "tokens_equal": toks,
+                        "ms/token": f"{median(g_on.per_token_ms):.3f}/{median(g_off.per_token_ms):.3f}",
+                        "ok": same and toks and err <= 0.03 and agree >= 0.99})
+    assert same, "attention_split_prep vs qkv_prep + attention_split: logits differ"
+    assert toks, "attention_split_prep vs unfused split: greedy tokens differ"
+    assert err <= 0.03 and agree >= 0.99, f"vs torch: {err:.4f} / {agree:.4f}"

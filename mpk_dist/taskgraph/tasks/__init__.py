@@ -8,7 +8,7 @@ from __future__ import annotations
 from mpk_dist.taskgraph.tasks import (add, allgather_push, allreduce_push, allreduce_reduce, argmax_nucleus_cut,
                                       argmax_nucleus_hist, argmax_partial, argmax_reduce, argmax_select, attention, attention_merge,
                                       attention_prep,
-                                      attention_split, embedding, gather_rows, linear, linear_residual,
+                                      attention_split, attention_split_prep, embedding, gather_rows, linear, linear_residual,
                                       norm_linear, page_alloc, paged_attention, qkv_prep, qkv_prep_paged, rms_norm, silu_linear,
                                       silu_mul, step_begin)
 from mpk_dist.taskgraph.tasks.base import TaskKind
@@ -29,7 +29,9 @@ KINDS: tuple[TaskKind, ...] = tuple(sorted(
                       # qkv_prep folded into the attention tiles (opt-in: fuse=[..., 'attn_prep']; docs/TASKGRAPH.md)
                       attention_prep,
                       # the paged KV cache's page allocator on the device (compile_paged_programs; docs/SERVING.md)
-                      page_alloc)),
+                      page_alloc,
+                      # the attn_prep fusion in split-KV programs (opt-in: fuse=[..., 'attn_prep']; docs/TASKGRAPH.md)
+                      attention_split_prep)),
     key=lambda k: k.opcode))
 
 BY_NAME: dict[str, TaskKind] = {k.name: k for k in KINDS}
