@@ -74,9 +74,7 @@ def lower_split_attention(lw: Lowerer, op: Op, splits: int) -> None:
     hq, hkv, D = a["q_heads"], a["kv_heads"], a["head_dim"]
     q, kc, vc, pos = (p.id(n) for n in op.inputs)
     S, G = lw.g.max_seq_len, hq // hkv
-    ranges = split_ranges(S, splits)
-    P, E = len(ranges), G * (D + 2)  # E: floats of one (h, b, split) entry
-    part = p.buffer(f"{op.name}.partial", (hkv, B, P, G, D + 2), "f32", "activation", view=(hkv * B, P * E))
+    ranges, P, E, part = split_scratch(lw, op, splits)
     cache_count = (B - 1) * S * hkv * D + (S - 1) * hkv * D + D
     sp = p.op(op.name + "/split", BY_NAME["attention_split"], op.layer, op.name)
     for j in range(hkv):
@@ -95,6 +93,17 @@ def lower_split_attention(lw: Lowerer, op: Op, splits: int) -> None:
     sp.reads = [Footprint(q, qrect), Footprint(kc, kvrect), Footprint(vc, kvrect.copy()), _all_fp(pos, p, len(tiles))]
     sp.writes = [partial_footprint(part, B, E, tiles)]
     lower_merge(lw, op, part, P, E)
+
+
+def split_scratch(lw: Lowerer, op: Op, splits: int) -> tuple[list[tuple[int, int]], int, int, int]:
+    """The KV ranges of ``op`` (an attention op), their count P, the floats E of one (h, b, range) entry
+    and the fp32 scratch buffer ``<op>.partial`` [Hkv, B, P, GROUP, D + 2] (2-D view: a row per (h, b))."""
+    a = op.attrs
+    hkv, D, G = a["kv_heads"], a["head_dim"], a["q_heads"] // a["kv_heads"]
+    ranges = split_ranges(lw.g.max_seq_len, splits)
+    P, E = len(ranges), G * (D + 2)
+    part = lw.p.buffer(f"{op.name}.partial", (hkv, lw.B, P, G, D + 2), "f32", "activation", view=(hkv * lw.B, P * E))
+    return ranges, P, E, part
 
 
 def partial_footprint(part: int, B: int, E: int, tiles: list[tuple[int, int]]) -> Footprint:

@@ -41,7 +41,7 @@ def _lower_fused_split(lw: Lowerer, f: FusedAttention, splits: int) -> None:
     """qkv_prep folded into the split tiles: tile (j, i) norms and ropes the q heads of group j itself
     (every range of head j, for all B sequences), appends k/v of head j where range i holds the position,
     and writes attention_split's partial; then the unchanged merge op."""
-    from mpk_dist.taskgraph.lowering_attention import lower_merge, partial_footprint, split_ranges
+    from mpk_dist.taskgraph.lowering_attention import lower_merge, partial_footprint, split_scratch
 
     p, B, a, att = lw.p, lw.B, f.prep.attrs, f.attention
     hq, hkv, D = a["q_heads"], a["kv_heads"], a["head_dim"]
@@ -49,9 +49,7 @@ def _lower_fused_split(lw: Lowerer, f: FusedAttention, splits: int) -> None:
     qn, kn = (p.id(f.prep.inputs[2]), p.id(f.prep.inputs[3])) if a.get("qk_norm") else (None, None)
     _, kc, vc = (p.id(n) for n in f.prep.outputs)
     S, G, QS, inv = lw.g.max_seq_len, hq // hkv, (hq + 2 * hkv) * D, lw._inv_freq(a)
-    ranges = split_ranges(S, splits)
-    P, E = len(ranges), G * (D + 2)
-    part = p.buffer(f"{att.name}.partial", (hkv, B, P, G, D + 2), "f32", "activation", view=(hkv * B, P * E))
+    ranges, P, E, part = split_scratch(lw, att, splits)
     cache_count = (B - 1) * S * hkv * D + (S - 1) * hkv * D + D
     sp = p.op(att.name + "/split", BY_NAME["attention_split_prep"], att.layer, att.name)
     tiles = [(j, i) for j in range(hkv) for i in range(P)]
