@@ -24,7 +24,7 @@ import numpy as np
 from mpk_dist.errors import InputError
 from mpk_dist.taskgraph.tasks import attention as _attention
 from mpk_dist.taskgraph.tasks import qkv_prep as _qkv_prep
-from mpk_dist.taskgraph.tasks.base import Access, ArgSpec, ParamSpec, TaskKind, TileContext, rect
+from mpk_dist.taskgraph.tasks.base import Access, ArgSpec, ParamSpec, TaskKind, TileContext, rect, sub_tile
 
 
 class AttentionPrep(TaskKind):
@@ -64,14 +64,8 @@ class AttentionPrep(TaskKind):
 
     def _sub(self, t: TileContext, kind: TaskKind, args: dict, params: dict) -> TileContext:
         """A one-sequence tile of another kind over this tile's buffers (name -> (my arg, extra offset))."""
-        bufs, offs = [], []
-        for a in kind.args:
-            mine = args.get(a.name)
-            bufs.append(None if mine is None else t.buf(mine[0]))
-            offs.append(0 if mine is None else t.off(mine[0]) + mine[1])
-        counts = [0] * len(kind.args)  # the references index by parameters, not by counts
-        return TileContext(kind, bufs, offs, counts, kind.pack_params(params), t.step, t.rank, t.world,
-                           lambda k: [bufs[k]])
+        mine = {k: None if v is None else (t.buf(v[0]), t.off(v[0]) + v[1]) for k, v in args.items()}
+        return sub_tile(t, kind, mine, params)
 
     def run_tile(self, t: TileContext) -> None:
         D, G, S, kps = t.p("HEAD_DIM"), t.p("GROUP"), t.p("MAX_SEQ"), t.p("KV_POS_STRIDE")

@@ -28,7 +28,7 @@ import torch
 from mpk_dist.errors import InputError
 from mpk_dist.taskgraph.tasks import attention_split as _split
 from mpk_dist.taskgraph.tasks import qkv_prep as _qkv_prep
-from mpk_dist.taskgraph.tasks.base import Access, ArgSpec, ParamSpec, TaskKind, TileContext, rect
+from mpk_dist.taskgraph.tasks.base import Access, ArgSpec, ParamSpec, TaskKind, TileContext, rect, sub_tile
 
 
 class AttentionSplitPrep(TaskKind):
@@ -77,16 +77,8 @@ class AttentionSplitPrep(TaskKind):
         """Whether this range holds position p (its tile appends that position's k and v)."""
         return t.p("POS_BEGIN") <= p < t.p("POS_END")
 
-    @staticmethod
-    def _sub(t: TileContext, kind: TaskKind, args: dict, params: dict) -> TileContext:
-        """A one-sequence tile of another kind: args name -> (flat tensor, element offset) or None."""
-        bufs = [None if args.get(a.name) is None else args[a.name][0] for a in kind.args]
-        offs = [0 if args.get(a.name) is None else args[a.name][1] for a in kind.args]
-        return TileContext(kind, bufs, offs, [0] * len(kind.args), kind.pack_params(params), t.step, t.rank, t.world,
-                           lambda k: [bufs[k]])
-
     def run_tile(self, t: TileContext) -> None:
-        B, D, G, S = t.p("BATCH"), t.p("HEAD_DIM"), t.p("GROUP"), t.p("MAX_SEQ")
+        D, G, S = t.p("HEAD_DIM"), t.p("GROUP"), t.p("MAX_SEQ")
         qs, kps, kbs = t.p("QKV_STRIDE"), t.p("KV_POS_STRIDE"), t.p("KV_BATCH_STRIDE")
         qkv, pos_buf = t.buf("QKV"), t.buf("POSITIONS")
         arg = lambda name, extra=0: None if t.buf(name) is None else (t.buf(name), t.off(name) + extra)  # noqa: E731
@@ -97,19 +89,19 @@ class AttentionSplitPrep(TaskKind):
             pos_b = (pos_buf, t.off("POSITIONS") + b)
             q = torch.empty(G * D, dtype=qkv.dtype)  # the tile's q (shared memory on the GPU)
             for g in range(G):
-                prep.run_tile(self._sub(t, prep, {"QKV": (qkv, row + g * D), "POSITIONS": pos_b,
+                prep.run_tile(sub_tile(t, prep, {"QKV": (qkv, row + g * D), "POSITIONS": pos_b,
                                                   "NORM_W": arg("Q_NORM_W"), "INV_FREQ": arg("INV_FREQ"),
                                                   "DST": (q, g * D), "DST_V": None},
                                         {**common, "V_OFFSET": 0, "DST_BATCH_STRIDE": G * D, "DST_POS_STRIDE": 0,
                                          "MAX_SEQ": 1, "IS_KV": 0}))
             if self._owns(t, p):
-                prep.run_tile(self._sub(t, prep, {"QKV": (qkv, row + t.p("K_OFFSET")), "POSITIONS": pos_b,
+                prep.run_tile(sub_tile(t, prep, {"QKV": (qkv, row + t.p("K_OFFSET")), "POSITIONS": pos_b,
                                                   "NORM_W": arg("K_NORM_W"), "INV_FREQ": arg("INV_FREQ"),
                                                   "DST": arg("K_CACHE", b * kbs), "DST_V": arg("V_CACHE", b * kbs)},
                                         {**common, "V_OFFSET": t.p("V_OFFSET"), "DST_BATCH_STRIDE": S * kps,
                                          "DST_POS_STRIDE": kps, "MAX_SEQ": S, "IS_KV": 1}))
             sp = _split.KIND
-            sp.run_tile(self._sub(t, sp, {"Q": (q, 0), "K_CACHE": arg("K_CACHE", b * kbs),
+            sp.run_tile(sub_tile(t, sp, {"Q": (q, 0), "K_CACHE": arg("K_CACHE", b * kbs),
                                           "V_CACHE": arg("V_CACHE", b * kbs), "POSITIONS": pos_b,
                                           "OUT": arg("OUT", b * t.p("OUT_STRIDE"))},
                                   {"BATCH": 1, "HEAD_DIM": D, "GROUP": G, "Q_STRIDE": G * D, "KV_POS_STRIDE": kps,
