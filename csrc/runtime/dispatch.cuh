@@ -476,13 +476,13 @@ __device__ bool run_task(const RuntimeParams& p, const int32_t* rec, int step, f
 // The cache rows an attention tile will read, into L2 before its wait (attn_prefetch_rows,
 // csrc/tasks/attention.cuh). Positions are read now: this step's may not be written yet, and a
 // position one short only leaves the newest row to the tile's own load.
-__device__ __noinline__ void attention_prefetch(const TaskView& t, int tid, int nt) {
+__device__ __noinline__ void attention_prefetch(const TaskView& t, bool bulk, int tid, int nt) {
   const int op = t.opcode();
   if (op == OP_ATTENTION_PREP) {  // one tile = (kv head, one sequence)
     attn_prefetch_rows(t.arg<const bf16>(ATTENTION_PREP_ARG_K_CACHE), t.arg<const bf16>(ATTENTION_PREP_ARG_V_CACHE),
                        t.param(ATTENTION_PREP_PARAM_HEAD_DIM), (size_t)t.param(ATTENTION_PREP_PARAM_KV_POS_STRIDE), 0,
                        *t.arg<const int32_t>(ATTENTION_PREP_ARG_POSITIONS) + 1, t.param(ATTENTION_PREP_PARAM_MAX_SEQ),
-                       tid, nt);
+                       bulk, tid, nt);
     return;
   }
   if (op == OP_ATTENTION_SPLIT_PREP) {  // all sequences, one KV range
@@ -495,7 +495,7 @@ __device__ __noinline__ void attention_prefetch(const TaskView& t, int tid, int 
                          t.param(ATTENTION_SPLIT_PREP_PARAM_HEAD_DIM), (size_t)ps,
                          t.param(ATTENTION_SPLIT_PREP_PARAM_POS_BEGIN),
                          min(t.param(ATTENTION_SPLIT_PREP_PARAM_POS_END), pos[b] + 1),
-                         t.param(ATTENTION_SPLIT_PREP_PARAM_MAX_SEQ), tid, nt);
+                         t.param(ATTENTION_SPLIT_PREP_PARAM_MAX_SEQ), bulk, tid, nt);
     return;
   }
   const bool split = op == OP_ATTENTION_SPLIT;
@@ -510,31 +510,32 @@ __device__ __noinline__ void attention_prefetch(const TaskView& t, int tid, int 
   const int s1 = split ? t.param(ATTENTION_SPLIT_PARAM_POS_END) : bs / max(ps, 1);
   for (int b = 0; b < B; ++b)
     attn_prefetch_rows(kc + (size_t)b * bs, vc + (size_t)b * bs, D, (size_t)ps, s0, min(s1, pos[b] + 1),
-                       bs / max(ps, 1), tid, nt);
+                       bs / max(ps, 1), bulk, tid, nt);
 }
 
 // Issued before a task waits on its events: start streaming the bytes that do not depend on them
 // (a linear tile's weights, an attention tile's older cache rows) into L2, and prime the weight ring
-// (MPK_LINEAR_TMA).
-__device__ void prefetch_task(const RuntimeParams& p, const int32_t* rec, int tid, int nt) {
+// (MPK_LINEAR_TMA). planned: the linear tiles' byte count (the host's plan, prefetch_plan.py, or -1: the
+// MPK_PREFETCH_KB cap); the aot worker also calls it for its NEXT task with REC_PREFETCH_NEXT.
+__device__ void prefetch_task(const RuntimeParams& p, const int32_t* rec, int planned, int tid, int nt) {
   const TaskView t(p, rec);
-  const int planned = rec[REC_PREFETCH];  // the host's plan (prefetch_plan.py), -1: the MPK_PREFETCH_KB cap
+  const bool bulk = (rec[REC_FLAGS] & REC_FLAG_BULK_PREFETCH) != 0;
   if (t.opcode() == OP_LINEAR)
     linear_prefetch(t.arg<const bf16>(LINEAR_ARG_W), t.param(LINEAR_PARAM_K), t.param(LINEAR_PARAM_N_TILE), planned,
-                    tid, nt);
+                    bulk, tid, nt);
   else if (t.opcode() == OP_NORM_LINEAR)  // fused linears: the weight block is independent of the waits too
     linear_prefetch(t.arg<const bf16>(NORM_LINEAR_ARG_W), t.param(NORM_LINEAR_PARAM_K),
-                    t.param(NORM_LINEAR_PARAM_N_TILE), planned, tid, nt);
+                    t.param(NORM_LINEAR_PARAM_N_TILE), planned, bulk, tid, nt);
   else if (t.opcode() == OP_LINEAR_RESIDUAL)
     linear_prefetch(t.arg<const bf16>(LINEAR_RESIDUAL_ARG_W), t.param(LINEAR_RESIDUAL_PARAM_K),
-                    t.param(LINEAR_RESIDUAL_PARAM_N_TILE), planned, tid, nt);
+                    t.param(LINEAR_RESIDUAL_PARAM_N_TILE), planned, bulk, tid, nt);
   else if (t.opcode() == OP_SILU_LINEAR)
     linear_prefetch(t.arg<const bf16>(SILU_LINEAR_ARG_W), t.param(SILU_LINEAR_PARAM_K),
-                    t.param(SILU_LINEAR_PARAM_N_TILE), planned, tid, nt);
+                    t.param(SILU_LINEAR_PARAM_N_TILE), planned, bulk, tid, nt);
 #if MPK_ATTN_PREFETCH
   else if (t.opcode() == OP_ATTENTION || t.opcode() == OP_ATTENTION_SPLIT || t.opcode() == OP_ATTENTION_PREP ||
            t.opcode() == OP_ATTENTION_SPLIT_PREP)
-    attention_prefetch(t, tid, nt);
+    attention_prefetch(t, bulk, tid, nt);
 #endif
 }
 

@@ -27,6 +27,7 @@ constexpr int REC_FLAGS = 2;
 constexpr int REC_PREFETCH = 3;  // planned L2 prefetch bytes (prefetch_plan.py), -1: the MPK_PREFETCH_KB cap
 constexpr int REC_NWAITS = 4;
 constexpr int REC_NSIGNALS = 5;
+constexpr int REC_PREFETCH_NEXT = 6;  // aot: bytes of the NEXT record's weight block to prefetch during this wait (0: none)
 constexpr int REC_WAITS = 8;  // REC_MAX_WAITS x (event, step offset, triggers, scope)
 constexpr int REC_WAIT_COLS = 4;
 constexpr int REC_MAX_WAITS = 4;
@@ -43,6 +44,7 @@ constexpr int REC_MAX_PARAMS = 16;
 constexpr int REC_FLAG_SIG_SYS = 1;          // some signal goes to a peer or a system-scope event
 constexpr int REC_FLAG_WAITS_INLINE = 2;     // the waits are in the record
 constexpr int REC_FLAG_SIGNALS_INLINE = 4;   // the signals are in the record
+constexpr int REC_FLAG_BULK_PREFETCH = 8;    // L2 prefetches by bulk copies (common.cuh prefetch_l2_bulk)
 
 // Signal kinds (column 1 of a signal entry).
 constexpr int SIG_KIND_LOCAL = 0;      // this rank's counter, gpu scope

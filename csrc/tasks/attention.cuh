@@ -110,14 +110,24 @@ __device__ __forceinline__ void attn_warp_store(const float (&acc)[MG][ME], cons
 #ifndef MPK_ATTN_PREFETCH
 #define MPK_ATTN_PREFETCH 1
 #endif
-constexpr int kL2LineBytes = 128;
 
 // Prefetch k and v rows of positions [begin, end) (clamped to [0, max_seq)) of one kv head into L2.
+// bulk: one bulk prefetch per row (common.cuh prefetch_l2_bulk's engine) when rows are 16-byte aligned.
 __device__ __forceinline__ void attn_prefetch_rows(const bf16* kc, const bf16* vc, int D, size_t kv_ps, int begin,
-                                                   int end, int max_seq, int tid, int nt) {
+                                                   int end, int max_seq, bool bulk, int tid, int nt) {
   begin = max(begin, 0);
   end = min(end, max_seq);
   const int row_bytes = D * (int)sizeof(bf16);
+  const bool aligned = ((reinterpret_cast<uintptr_t>(kc) | reinterpret_cast<uintptr_t>(vc) | (kv_ps * sizeof(bf16)) |
+                         (uintptr_t)row_bytes) & (kBulkAlign - 1)) == 0;
+  if (bulk && aligned) {
+    const int rows = max(end - begin, 0);
+    for (int i = tid; i < 2 * rows; i += nt) {
+      const bf16* row = (i >= rows ? vc : kc) + (size_t)(begin + (i >= rows ? i - rows : i)) * kv_ps;
+      asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(row), "r"((uint32_t)row_bytes) : "memory");
+    }
+    return;
+  }
   // Lines touched by one row, whatever its alignment: one per 128 bytes, plus the line of its last byte.
   const int per_row = row_bytes / kL2LineBytes + 1;
   const int n = max(end - begin, 0) * per_row;

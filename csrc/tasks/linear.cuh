@@ -155,12 +155,14 @@ __device__ void linear(int B, const bf16* x, int ldx, const bf16* w, OutT* y, in
 #define MPK_PREFETCH_KB -1
 #endif
 // planned: bytes the host planned for this task (prefetch_plan.py), or -1 for the MPK_PREFETCH_KB cap.
-__device__ __forceinline__ void linear_prefetch(const bf16* w, int K, int n_tile, int planned, int tid, int nt) {
+__device__ __forceinline__ void linear_prefetch(const bf16* w, int K, int n_tile, int planned, bool bulk, int tid,
+                                                int nt) {
   uint64_t bytes = (uint64_t)n_tile * K * sizeof(bf16);
   if (planned >= 0) bytes = bytes < (uint64_t)planned ? bytes : (uint64_t)planned;
   else if (MPK_PREFETCH_KB >= 0 && bytes > (uint64_t)MPK_PREFETCH_KB * 1024) bytes = (uint64_t)MPK_PREFETCH_KB * 1024;
   if (tid == 0) stream_prime(w, K, n_tile, nt);  // MPK_LINEAR_TMA: the first stages into shared memory
-  prefetch_l2(w, bytes, tid, nt);
+  if (bulk) prefetch_l2_bulk(w, bytes, tid, nt);
+  else prefetch_l2(w, bytes, tid, nt);
 }
 
 }  // namespace mpk

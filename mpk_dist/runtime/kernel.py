@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 
 from mpk_dist.runtime.build import BuildResult, cache_root, compile_source
@@ -18,7 +19,8 @@ def abi_include_dir() -> Path:
     f = d / "abi_generated.h"
     if not f.is_file() or f.read_text() != text:
         d.mkdir(parents=True, exist_ok=True)
-        tmp = f.with_suffix(".tmp")
+        # Per-process temporary name: ranks and prebuild workers write this header at the same time.
+        tmp = f.with_suffix(f".tmp{os.getpid()}")
         tmp.write_text(text)
         tmp.replace(f)
     return d

@@ -50,6 +50,11 @@ SWITCHES = (
     ("prefetch_plan", "MPK_PREFETCH_PLAN", True),
     # attention tiles pull their cache rows into L2 before their wait (csrc/tasks/attention.cuh; same bits)
     ("attn_prefetch", "MPK_ATTN_PREFETCH", True),
+    # L2 prefetches through the bulk-copy engine instead of one instruction per line (common.cuh; same bits)
+    ("bulk_prefetch", "MPK_BULK_PREFETCH", False),
+    # aot: a narrow-waiting linear tile's prefetch issued during its worker's previous (attention) task's
+    # wait (prefetch_plan.hoist_ahead; same bits)
+    ("prefetch_ahead", "MPK_PREFETCH_AHEAD", False),
 )
 """On/off kernel switches read from the environment: (Session keyword, variable, default)."""
 

@@ -51,7 +51,8 @@ def build_one(case: BuildCase) -> tuple[str, bool, float]:
     cfg = get_preset(case.model)
     cg = compile_rank_programs(cfg, tp=case.tp, batch=padded_batch(case.batch), ranks=[0], fuse=fusions_from_env())[0]
     tuning = tuning_from_env(DEFAULT_WORKER_THREADS)  # the MPK_* knobs a run in this environment would use
-    tuning.pop("prefetch_plan", None)  # a table, not part of the binary
+    for table_only in ("prefetch_plan", "bulk_prefetch", "prefetch_ahead"):  # task-record tables, not the binary
+        tuning.pop(table_only, None)
     wt = tuning.pop("worker_threads")
     shape = kernel_shape(cg, wt, case.schedule, linear_rows=linear_rows_from_env(),
                          superopt=case.superopt and superopt_from_env(), **tuning)

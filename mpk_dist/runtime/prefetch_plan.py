@@ -69,14 +69,10 @@ def _runs_a_producer_first(cg, task: int, events: set[int]) -> bool:
     return False
 
 
-def prefetch_plan(cg, workers: int, l2_bytes: int) -> np.ndarray:
-    """Per task: L2 prefetch bytes before its waits (>= 0), or -1 for the kernel's default cap.
-
-    Tiles of a linear op that waits on a narrow op get their whole weight block, or an equal share of
-    ``L2_SHARE * l2_bytes`` when the op's blocks together exceed it; every other task gets -1.
-    """
+def _narrow_tiles(cg, workers: int, l2_bytes: int) -> dict[int, tuple[int, set[int]]]:
+    """{task: (bytes, narrow events)} for every tile of a linear op that waits on a narrow op: its whole
+    weight block, or an equal share of ``L2_SHARE * l2_bytes`` when the op's blocks together exceed it."""
     tasks, params = cg.arrays["tasks"], cg.arrays["params"]
-    plan = np.full(tasks.shape[0], -1, np.int32)
     opcodes = {BY_NAME[k].opcode: BY_NAME[k] for k in LINEAR_KINDS}
     by_op: dict[int, list[tuple[int, int]]] = {}
     for t in range(tasks.shape[0]):
@@ -87,20 +83,59 @@ def prefetch_plan(cg, workers: int, l2_bytes: int) -> np.ndarray:
         named = {spec.name: int(v) for spec, v in zip(kind.params, p)}
         by_op.setdefault(int(tasks[t, TASK_COLS["OP_INDEX"]]), []).append((t, named["N_TILE"] * named["K"] * WEIGHT_BYTES))
     budget = int(L2_SHARE * l2_bytes)
+    out = {}
     for tiles in by_op.values():
         narrow = _narrow_events(cg, tiles[0][0], workers)
-        if not narrow:
-            continue
-        share = budget // len(tiles)
-        for t, nbytes in tiles:
-            plan[t] = 0 if _runs_a_producer_first(cg, t, narrow) else min(nbytes, share)
+        if narrow:
+            share = budget // len(tiles)
+            out.update({t: (min(nbytes, share), narrow) for t, nbytes in tiles})
+    return out
+
+
+def prefetch_plan(cg, workers: int, l2_bytes: int) -> np.ndarray:
+    """Per task: L2 prefetch bytes before its waits (>= 0), or -1 for the kernel's default cap.
+
+    Tiles of a linear op that waits on a narrow op get their whole weight block, or an equal share of
+    ``L2_SHARE * l2_bytes`` when the op's blocks together exceed it (0 when their own worker runs one
+    of the narrow producers first); every other task gets -1.
+    """
+    plan = np.full(cg.arrays["tasks"].shape[0], -1, np.int32)
+    for t, (nbytes, narrow) in _narrow_tiles(cg, workers, l2_bytes).items():
+        plan[t] = 0 if _runs_a_producer_first(cg, t, narrow) else nbytes
     return plan
 
 
-def describe(cg, plan: np.ndarray) -> str:
-    """One line: how many tasks of how many ops get a planned prefetch, its total size, and how many
-    tiles skip it (their worker ran the producer)."""
+def hoist_ahead(cg, workers: int, l2_bytes: int) -> tuple[np.ndarray, np.ndarray]:
+    """(plan, ahead): ``prefetch_plan`` with the narrow-waiting tiles' prefetch moved one task earlier
+    on their aot worker where that earlier task is not a linear (an attention or other narrow task:
+    its wait is idle HBM time, where a linear predecessor's is its own weight stream). ``ahead[t]``:
+    bytes of the next task in t's worker list that t's worker prefetches during t's wait
+    (REC_PREFETCH_NEXT); the hoisted tile's own plan becomes 0. A tile whose worker runs a narrow
+    producer right before it (0 in ``prefetch_plan``) gets its bytes this way too. aot only: the jit
+    schedule has no fixed predecessor."""
+    tasks = cg.arrays["tasks"]
+    plan = prefetch_plan(cg, workers, l2_bytes)
+    ahead = np.zeros(tasks.shape[0], np.int32)
+    tiles = _narrow_tiles(cg, workers, l2_bytes)
+    linear_ops = {BY_NAME[k].opcode for k in LINEAR_KINDS}
+    offs, lst = cg.arrays["worker_offsets"], cg.arrays["worker_tasks"]
+    for w in range(len(offs) - 1):
+        order = lst[int(offs[w]):int(offs[w + 1])].tolist()
+        for prev, t in zip(order, order[1:]):
+            if t in tiles and int(tasks[prev, TASK_COLS["OPCODE"]]) not in linear_ops:
+                ahead[prev], plan[t] = tiles[t][0], 0
+    return plan, ahead
+
+
+def describe(cg, plan: np.ndarray, ahead: np.ndarray | None = None) -> str:
+    """One line: how many tasks of how many ops get a planned prefetch, its total size, how many tiles
+    skip it (their worker ran the producer) and, with ``ahead`` (hoist_ahead), how many have it issued
+    during their predecessor's wait."""
     marked = np.nonzero(plan > 0)[0]
     ops = {int(cg.arrays["tasks"][t, TASK_COLS["OP_INDEX"]]) for t in marked}
-    return (f"whole-tile L2 prefetch: {len(marked)} tasks of {len(ops)} ops, {int(plan[marked].sum()) / 1e6:.1f} MB per "
-            f"step; {int((plan == 0).sum())} tiles none (their worker runs the producer first)")
+    hoisted = 0 if ahead is None else int((ahead > 0).sum())
+    line = (f"whole-tile L2 prefetch: {len(marked)} tasks of {len(ops)} ops, {int(plan[marked].sum()) / 1e6:.1f} MB per "
+            f"step; {int((plan == 0).sum()) - hoisted} tiles none (their worker runs the producer first)")
+    if ahead is not None:
+        line += f"; {hoisted} tiles ({int(ahead.sum()) / 1e6:.1f} MB) issued during the previous task's wait"
+    return line

@@ -71,7 +71,7 @@ class Session:
                  prefetch_kb: int = -1, region=None, stream=None,
                  cooperative: bool = True, superopt: bool = True, linear_mma: bool = False,
                  prefetch_plan: bool = True, linear_tma: bool = False, linear_pipe: bool = False,
-                 attn_prefetch: bool = True):
+                 attn_prefetch: bool = True, bulk_prefetch: bool = False, prefetch_ahead: bool = False):
         if cg.meta["abi_version"] != ABI_VERSION:
             raise InputError(f"task graph ABI: expected version {ABI_VERSION}, got {cg.meta['abi_version']}")
         tables.check_supported(cg)
@@ -116,6 +116,8 @@ class Session:
         self.region = region
         self.peer_regions = None  # every rank's region when they live in this process (local transport)
         self.use_prefetch_plan = prefetch_plan
+        # Record-level switches (no rebuild): bulk-copy prefetches; hoisting needs the aot worker order.
+        self.bulk_prefetch, self.prefetch_ahead = bulk_prefetch, prefetch_ahead and schedule == "aot"
         self.passes = None  # a PassChannel once enable_passes (persistent passes, pass_io.py)
         self._alloc(weights, num_sched)
 
@@ -164,8 +166,9 @@ class Session:
         self.peer_base = torch.from_numpy(base.copy()).to(dev)
         self.peer_events = torch.from_numpy(evs.copy()).to(dev)
         self.peer_quota = self._dev(peer_quota(cg))
-        plan = self._prefetch_plan() if self.use_prefetch_plan else None
-        records, task_rec = build_records(cg, arg_addr, plan)  # argument addresses and the plan live here
+        plan, ahead = self._prefetch_plan() if self.use_prefetch_plan else (None, None)
+        # argument addresses and the plan live here
+        records, task_rec = build_records(cg, arg_addr, plan, ahead, bulk_prefetch=self.bulk_prefetch)
         self.records, self.task_rec = self._dev(records), self._dev(task_rec)
         dep_ptr, dep_task, dep_off = tables.dependents(cg)
         self.deps = [self._dev(dep_ptr), self._dev(dep_task), self._dev(dep_off)]
@@ -185,14 +188,18 @@ class Session:
         self.logits_dump: torch.Tensor | None = None
         self.params_dev = torch.zeros(ctypes_size(RuntimeParams), dtype=torch.uint8, device=dev)
 
-    def _prefetch_plan(self) -> np.ndarray:
-        """Per-task L2 prefetch bytes (prefetch_plan.py) for this GPU's L2; ranks sharing one GPU
-        (local transport: a stream per rank) split it."""
-        from mpk_dist.runtime.prefetch_plan import prefetch_plan
+    def _prefetch_plan(self) -> tuple[np.ndarray, np.ndarray | None]:
+        """(per-task L2 prefetch bytes, per-task bytes of the next task hoisted into its wait or None)
+        (prefetch_plan.py) for this GPU's L2; ranks sharing one GPU (local transport: a stream per rank)
+        split it."""
+        from mpk_dist.runtime.prefetch_plan import hoist_ahead, prefetch_plan
 
         l2 = int(getattr(torch.cuda.get_device_properties(self.device), "L2_cache_size", 0)) if self.device.type == "cuda" else 0
         share = self.world if self.stream is not None else 1
-        return prefetch_plan(self.cg, self.workers, (l2 or DEFAULT_L2_BYTES) // share)
+        l2 = (l2 or DEFAULT_L2_BYTES) // share
+        if self.prefetch_ahead:
+            return hoist_ahead(self.cg, self.workers, l2)
+        return prefetch_plan(self.cg, self.workers, l2), None
 
     def _region_view(self, offset: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
         """A typed view of bytes [offset, offset + nbytes) of this rank's symmetric region."""

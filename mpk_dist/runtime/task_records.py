@@ -18,19 +18,20 @@ from mpk_dist.taskgraph.abi import (ARG_COLS, BUFFER_COLS, EV_SCOPE_SYSTEM, EVEN
 
 REC_WORDS = 96
 REC_TASK, REC_OPCODE, REC_FLAGS, REC_PREFETCH, REC_NWAITS, REC_NSIGNALS = 0, 1, 2, 3, 4, 5
+REC_PREFETCH_NEXT = 6
 REC_WAITS, REC_WAIT_COLS, REC_MAX_WAITS = 8, 4, 4
 REC_SIGNALS, REC_SIGNAL_COLS, REC_MAX_SIGNALS = 24, 3, 4
 REC_ARGS, REC_MAX_ARGS = 36, 12
 REC_DTYPES = 60
 REC_PARAMS, REC_MAX_PARAMS = 72, 16
-FLAG_SIG_SYS, FLAG_WAITS_INLINE, FLAG_SIGNALS_INLINE = 1, 2, 4
+FLAG_SIG_SYS, FLAG_WAITS_INLINE, FLAG_SIGNALS_INLINE, FLAG_BULK_PREFETCH = 1, 2, 4, 8
 SIG_KIND_LOCAL, SIG_KIND_SYSTEM, SIG_KIND_ALL_RANKS = 0, 1, 2
 
 CONSTANTS = {name: value for name, value in globals().items()
              if name.startswith(("REC_", "FLAG_", "SIG_KIND_")) and isinstance(value, int)}
 """Every layout constant, checked against task_record.cuh in the generated source (``layout_asserts``)."""
 _CUDA_NAME = {"FLAG_SIG_SYS": "REC_FLAG_SIG_SYS", "FLAG_WAITS_INLINE": "REC_FLAG_WAITS_INLINE",
-              "FLAG_SIGNALS_INLINE": "REC_FLAG_SIGNALS_INLINE"}
+              "FLAG_SIGNALS_INLINE": "REC_FLAG_SIGNALS_INLINE", "FLAG_BULK_PREFETCH": "REC_FLAG_BULK_PREFETCH"}
 
 
 def layout_asserts() -> list[str]:
@@ -45,11 +46,14 @@ def _span(begin: np.ndarray, end: np.ndarray, k: int) -> tuple[np.ndarray, np.nd
     return np.where(idx < end, idx, 0), idx < end
 
 
-def build_records(cg, arg_addr: np.ndarray, prefetch: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+def build_records(cg, arg_addr: np.ndarray, prefetch: np.ndarray | None = None, prefetch_next: np.ndarray | None = None,
+                  bulk_prefetch: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """(records int32 [T, REC_WORDS] in worker order, task_rec int32 [T]) of program ``cg``.
 
     ``arg_addr``: uint64 [NA], each argument row resolved to its device address (0: absent);
-    ``prefetch``: int32 [T] planned prefetch bytes per task (None: -1, the MPK_PREFETCH_KB cap)."""
+    ``prefetch``: int32 [T] planned prefetch bytes per task (None: -1, the MPK_PREFETCH_KB cap);
+    ``prefetch_next``: int32 [T] bytes of the task's aot successor to prefetch during its wait (None: 0,
+    prefetch_plan.hoist_ahead); ``bulk_prefetch``: every record's prefetches by bulk copies."""
     tasks, A = cg.arrays["tasks"], cg.arrays
     T = tasks.shape[0]
     order = A["worker_tasks"].astype(np.int64)
@@ -64,9 +68,10 @@ def build_records(cg, arg_addr: np.ndarray, prefetch: np.ndarray | None = None) 
     rec[:, REC_TASK] = np.arange(T)
     rec[:, REC_OPCODE] = col("OPCODE")
     rec[:, REC_PREFETCH] = -1 if prefetch is None else prefetch
+    rec[:, REC_PREFETCH_NEXT] = 0 if prefetch_next is None else prefetch_next
     ev = A["events"]
     trig, scope = ev[:, EVENT_COLS["TRIGGERS"]], ev[:, EVENT_COLS["SCOPE"]]
-    flags = np.zeros(T, dtype=np.int32)
+    flags = np.full(T, FLAG_BULK_PREFETCH if bulk_prefetch else 0, dtype=np.int32)
 
     wb, we = col("WAIT_BEGIN"), col("WAIT_END")
     nw = we - wb

@@ -1,8 +1,10 @@
-"""GPU tests of the attention tiles' L2 prefetch of their cache rows before their wait (MPK_ATTN_PREFETCH,
-csrc/tasks/attention.cuh, prefetch_task in csrc/runtime/dispatch.cuh): a hint that must leave every bit of
-the logits as they are without it. Checked on qwen3-0.6b with a 200-token prompt, at batch 1 and 4, with
-one attention tile per kv head and with split-KV attention ('auto': each split prefetches its own range),
-each also against torch (compare_logits).
+"""GPU tests of the L2 prefetch hints: the attention tiles' prefetch of their cache rows before their wait
+(MPK_ATTN_PREFETCH, csrc/tasks/attention.cuh, prefetch_task in csrc/runtime/dispatch.cuh), and the record
+switches MPK_BULK_PREFETCH (bulk-copy prefetches, common.cuh prefetch_l2_bulk) and MPK_PREFETCH_AHEAD (an
+o_proj tile's weights prefetched during its worker's attention task, prefetch_plan.hoist_ahead). Hints must
+leave every bit of the logits as they are without them. Checked on qwen3-0.6b with a 200-token prompt, at
+batch 1 and 4, with one attention tile per kv head and with split-KV attention ('auto': each split prefetches
+its own range), each also against torch (compare_logits).
 Run: ``python -m pytest -q -m gpu tests/runtime/test_attn_prefetch_gpu.py`` (about 2 minutes on an H200).
 """
 
@@ -23,15 +25,18 @@ STEPS = 48
 _BACKENDS: dict = {}
 
 
-def mk(prefetch: int, splits):
-    """The qwen3-0.6b mega-kernel with MPK_ATTN_PREFETCH=prefetch and attn_splits=splits, cached per key."""
+def mk(prefetch: int, splits, bulk: int = 0, ahead: int = 0):
+    """The qwen3-0.6b mega-kernel with MPK_ATTN_PREFETCH=prefetch, MPK_BULK_PREFETCH=bulk,
+    MPK_PREFETCH_AHEAD=ahead and attn_splits=splits, cached per key."""
     from mpk_dist.runtime.megakernel_backend import MegakernelBackend
 
-    key = (prefetch, splits)
+    key = (prefetch, splits, bulk, ahead)
     if key not in _BACKENDS:
         m = model(NAME)
         mp = pytest.MonkeyPatch()
         mp.setenv("MPK_ATTN_PREFETCH", str(prefetch))
+        mp.setenv("MPK_BULK_PREFETCH", str(bulk))
+        mp.setenv("MPK_PREFETCH_AHEAD", str(ahead))
         try:
             _BACKENDS[key] = MegakernelBackend(m.config, m.weights, device="cuda", max_seq_len=MAX_SEQ,
                                                attn_splits=splits)
@@ -57,4 +62,31 @@ def test_prefetch_leaves_the_logits_bitwise(batch, splits, gpu_results):
                         "ms/token": f"{median(got.per_token_ms):.3f}/{median(base.per_token_ms):.3f}",
                         "ok": same and err <= 0.03 and agree >= 0.99})
     assert same, "attention prefetch on and off give different logits (a hint: designed bit-identical)"
+    assert err <= 0.03 and agree >= 0.99, f"vs torch: {err:.4f} / {agree:.4f}"
+
+
+@pytest.mark.parametrize("splits", [1, "auto"])
+@pytest.mark.parametrize("batch", [1, 4])
+def test_bulk_and_ahead_prefetch_leave_the_logits_bitwise(batch, splits, gpu_results):
+    """Bulk-copy prefetches and the hoisted o_proj prefetch (same kernel binary, other task records) against
+    the line prefetches issued at each task's own turn: the same logits, bit for bit."""
+    from mpk_dist.runtime.task_records import FLAG_BULK_PREFETCH, REC_FLAGS, REC_PREFETCH_NEXT
+
+    vocab = model(NAME).config.vocab_size
+    req = GenerateRequest([rand_ids(PROMPT, vocab, 80 + b) for b in range(batch)], STEPS + 1,
+                          force_tokens=rand_ids(STEPS, vocab, 90), want_logits=True)
+    on, off = mk(1, splits, bulk=1, ahead=1), mk(1, splits)
+    got, base = on.generate(req), off.generate(req)
+    rec = on.session(batch).records.cpu().numpy()
+    assert (rec[:, REC_FLAGS] & FLAG_BULK_PREFETCH).all() and (rec[:, REC_PREFETCH_NEXT] > 0).any(), \
+        "the variant's records do not carry the switches"
+    assert on.session(batch).build.path == off.session(batch).build.path, "record switches must not change the binary"
+    same = bool(torch.equal(got.logits, base.logits))
+    err, agree = compare_logits(got.logits, ref(NAME).generate(req).logits)
+    gpu_results.append({"case": f"bulk+ahead prefetch on/off, splits {splits}, {NAME} b{batch} prompt {PROMPT}",
+                        "steps": got.logits.shape[0], "max_err/std": f"{err:.4f}", "argmax_agree": f"{agree:.4f}",
+                        "tokens_equal": same,
+                        "ms/token": f"{median(got.per_token_ms):.3f}/{median(base.per_token_ms):.3f}",
+                        "ok": same and err <= 0.03 and agree >= 0.99})
+    assert same, "bulk/ahead prefetch on and off give different logits (hints: designed bit-identical)"
     assert err <= 0.03 and agree >= 0.99, f"vs torch: {err:.4f} / {agree:.4f}"

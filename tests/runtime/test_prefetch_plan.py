@@ -109,6 +109,58 @@ def test_switch_from_env_and_what_the_kernel_reads():
     assert tuning_from_env(512, {"MPK_PREFETCH_PLAN": "0"})["prefetch_plan"] is False
     with pytest.raises(InputError, match="MPK_PREFETCH_PLAN: expected one of 0, 1"):
         tuning_from_env(512, {"MPK_PREFETCH_PLAN": "off"})
-    text = (CSRC / "runtime" / "dispatch.cuh").read_text()
-    hook = text[text.index("__device__ void prefetch_task("):]
-    assert "const int planned = rec[REC_PREFETCH];" in hook
+    loop = (CSRC / "runtime" / "worker.cuh").read_text()
+    loop = loop[loop.index("__device__ void worker_loop_aot("):]
+    assert "prefetch_task(p, rec, rec[REC_PREFETCH], tid, nt)" in loop
+    assert "prefetch_task(p, recs[slot ^ 1], rec[REC_PREFETCH_NEXT], tid, nt)" in loop
+
+
+@pytest.mark.parametrize("attn_splits", [1, "auto"])
+def test_hoist_ahead_moves_narrow_tiles_to_a_non_linear_predecessor(attn_splits):
+    """Every o_proj tile whose aot predecessor is an attention-side task has its bytes issued during that
+    task's wait (ahead = the bytes prefetch_plan gives it, or would give without the producer-first rule;
+    its own plan 0); a tile after a linear keeps its plan; nothing else changes."""
+    from mpk_dist.runtime.prefetch_plan import hoist_ahead
+    from mpk_dist.runtime.task_records import REC_PREFETCH, REC_PREFETCH_NEXT, build_records
+
+    cg = compile_rank_programs(get_preset(MODEL), tp=1, batch=1, sms=SMS, max_seq_len=256, fuse=True,
+                               attn_splits=attn_splits)[0]
+    base = prefetch_plan(cg, SMS, 50 << 20)
+    plan, ahead = hoist_ahead(cg, SMS, 50 << 20)
+    tasks = cg.arrays["tasks"]
+    kinds = [BY_OPCODE[int(o)].name for o in tasks[:, TASK_COLS["OPCODE"]]]
+    offs, lst = cg.arrays["worker_offsets"], cg.arrays["worker_tasks"]
+    hoisted = 0
+    for w in range(len(offs) - 1):
+        order = lst[int(offs[w]):int(offs[w + 1])].tolist()
+        for prev, t in zip(order, order[1:]):
+            if base[t] >= 0 and kinds[prev] not in ("linear", "norm_linear", "linear_residual", "silu_linear"):
+                whole = int(max(base[base > 0]))  # every o_proj tile of this model has the same block
+                assert (plan[t], ahead[prev]) == (0, whole), (cg.task_label(prev), cg.task_label(t))
+                hoisted += 1
+            else:
+                assert plan[t] == base[t] and ahead[prev] == 0, cg.task_label(t)
+    assert hoisted >= cg.meta["ops"].__len__() // 10 and (ahead > 0).sum() == hoisted
+    assert "issued during the previous task's wait" in describe(cg, plan, ahead)
+    # the records carry both, in worker order
+    rec, task_rec = build_records(cg, np.zeros(cg.arrays["args"].shape[0], np.uint64), plan, ahead, bulk_prefetch=True)
+    assert (rec[task_rec, REC_PREFETCH] == plan).all() and (rec[task_rec, REC_PREFETCH_NEXT] == ahead).all()
+
+
+def test_bulk_and_ahead_switches_reach_the_records():
+    """MPK_BULK_PREFETCH / MPK_PREFETCH_AHEAD are session switches (same kernel binary): the records' flag bit
+    and REC_PREFETCH_NEXT follow them; bad values are refused."""
+    from mpk_dist.errors import InputError
+    from mpk_dist.runtime.megakernel_backend import tuning_from_env
+    from mpk_dist.runtime.task_records import FLAG_BULK_PREFETCH, REC_FLAGS
+
+    assert tuning_from_env(512, {"MPK_BULK_PREFETCH": "0", "MPK_PREFETCH_AHEAD": "0"}).get("bulk_prefetch", False) is False
+    on = tuning_from_env(512, {"MPK_BULK_PREFETCH": "1", "MPK_PREFETCH_AHEAD": "1"})
+    assert on["bulk_prefetch"] is True and on["prefetch_ahead"] is True
+    with pytest.raises(InputError, match="MPK_PREFETCH_AHEAD: expected one of 0, 1"):
+        tuning_from_env(512, {"MPK_PREFETCH_AHEAD": "yes"})
+    from mpk_dist.runtime.task_records import build_records
+    cg = compile_rank_programs(get_preset("tiny"), tp=1, batch=1, sms=8, max_seq_len=64, fuse=True)[0]
+    addr = np.zeros(cg.arrays["args"].shape[0], np.uint64)
+    assert ((build_records(cg, addr, bulk_prefetch=True)[0][:, REC_FLAGS] & FLAG_BULK_PREFETCH) != 0).all()
+    assert ((build_records(cg, addr)[0][:, REC_FLAGS] & FLAG_BULK_PREFETCH) == 0).all()

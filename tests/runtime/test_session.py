@@ -135,11 +135,13 @@ def test_every_env_knob_reaches_the_kernel_shape(fake_gpu, monkeypatch):
     monkeypatch.setattr(S, "build_kernel", lambda shape, **k: shapes.append(shape) or (
         "src", __import__("types").SimpleNamespace(cubin=b"", cached=True, compiler="fake", path="x")))
     env = {"MPK_LINEAR_UNROLL": "16", "MPK_WORKER_THREADS": "256", "MPK_PREFETCH_KB": "32", "MPK_ATTN_PREFETCH": "0",
-           "MPK_LINEAR_MMA": "1", "MPK_LINEAR_TMA": "1", "MPK_LINEAR_PIPE": "1", "MPK_PREFETCH_PLAN": "0"}
+           "MPK_LINEAR_MMA": "1", "MPK_LINEAR_TMA": "1", "MPK_LINEAR_PIPE": "1", "MPK_PREFETCH_PLAN": "0",
+           "MPK_BULK_PREFETCH": "1", "MPK_PREFETCH_AHEAD": "1"}
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     m = open_model("tiny")
-    fake_gpu.MegakernelBackend(m.config, m.weights, device="cpu", max_seq_len=16).session(1)
+    sess = fake_gpu.MegakernelBackend(m.config, m.weights, device="cpu", max_seq_len=16).session(1)
+    assert sess.bulk_prefetch and sess.prefetch_ahead and not sess.use_prefetch_plan  # record-level switches
     shape = shapes[-1]
     assert (shape.linear_unroll, shape.worker_threads, shape.prefetch_kb) == (16, 256, 32)
     assert shape.linear_mma and shape.linear_tma and shape.linear_pipe and not shape.attn_prefetch
