@@ -232,6 +232,16 @@ __device__ __noinline__ bool run_attention_split(const TaskView& t, float* smem,
                   t.param(ATTENTION_SPLIT_PARAM_KV_BATCH_STRIDE), t.param(ATTENTION_SPLIT_PARAM_POS_BEGIN),
                   t.param(ATTENTION_SPLIT_PARAM_POS_END), t.param(ATTENTION_SPLIT_PARAM_OUT_STRIDE),
                   t.fparam(ATTENTION_SPLIT_PARAM_SCALE), smem, tid, nt);
+  if (t.dtype(ATTENTION_SPLIT_ARG_TICKET) >= 0)  // fusion 'attn_merge': the head's last range merges it
+    attention_merge_last(t.arg<uint32_t>(ATTENTION_SPLIT_ARG_TICKET),
+                         split_head_partials(t.arg<const float>(ATTENTION_SPLIT_ARG_OUT),
+                                             t.param(ATTENTION_SPLIT_PARAM_SPLIT_INDEX),
+                                             t.param(ATTENTION_SPLIT_PARAM_GROUP), t.param(ATTENTION_SPLIT_PARAM_HEAD_DIM)),
+                         t.arg<bf16>(ATTENTION_SPLIT_ARG_MERGED), t.param(ATTENTION_SPLIT_PARAM_BATCH),
+                         t.param(ATTENTION_SPLIT_PARAM_HEAD_DIM), t.param(ATTENTION_SPLIT_PARAM_GROUP),
+                         split_count(t.param(ATTENTION_SPLIT_PARAM_OUT_STRIDE), t.param(ATTENTION_SPLIT_PARAM_GROUP),
+                                     t.param(ATTENTION_SPLIT_PARAM_HEAD_DIM)),
+                         t.param(ATTENTION_SPLIT_PARAM_OUT_STRIDE), t.param(ATTENTION_SPLIT_PARAM_Q_STRIDE), tid, nt);
   return true;
 }
 
@@ -394,6 +404,14 @@ __device__ __noinline__ bool run_attention_split_prep(const TaskView& t, float* 
     worker_barrier(nt);  // q in shared memory, this position's k and v, before any warp reads them
     const int e = min(s1, p + 1);
     MPK_ATTN_BOUNDS(G, epl, (run_split_prep_attend<kMG, kME>(t, b, e, qs, smem, tid, nt)));  // ends in a barrier
+  }
+  if (t.dtype(ATTENTION_SPLIT_PREP_ARG_TICKET) >= 0) {  // fusion 'attn_merge': the head's last range merges it
+    const int out_stride = t.param(ATTENTION_SPLIT_PREP_PARAM_OUT_STRIDE);
+    attention_merge_last(t.arg<uint32_t>(ATTENTION_SPLIT_PREP_ARG_TICKET),
+                         split_head_partials(t.arg<const float>(ATTENTION_SPLIT_PREP_ARG_OUT),
+                                             t.param(ATTENTION_SPLIT_PREP_PARAM_SPLIT_INDEX), G, D),
+                         t.arg<bf16>(ATTENTION_SPLIT_PREP_ARG_MERGED), B, D, G, split_count(out_stride, G, D), out_stride,
+                         qs_stride - 2 * t.param(ATTENTION_SPLIT_PREP_PARAM_V_OFFSET), tid, nt);
   }
   return true;
 }

@@ -76,6 +76,12 @@ __device__ __forceinline__ void st_release_sys(uint32_t* p, uint32_t v) {
   asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
+// Relaxed store at gpu scope: resetting a ticket word (ticket_last) whose next users are ordered after
+// this block through the event chain, so no release is needed.
+__device__ __forceinline__ void st_relaxed_gpu(uint32_t* p, uint32_t v) {
+  asm volatile("st.relaxed.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
 // Relaxed store at system scope: a single word that the host polls; ordered by a later release.
 __device__ __forceinline__ void st_relaxed_sys(uint32_t* p, uint32_t v) {
   asm volatile("st.relaxed.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
@@ -152,6 +158,18 @@ __device__ __forceinline__ void fence_acq_rel_gpu() { asm volatile("fence.acq_re
 
 // The same at system scope (host-visible data, peer GPUs).
 __device__ __forceinline__ void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
+
+// ---- tickets -------------------------------------------------------------------------------
+// Ticket of a group of `group` blocks (called by thread 0 after a block barrier): fence (the block's
+// writes, seen through the barrier, become cumulative) + acquire-release add. True for the block whose
+// add completes the group: it has acquired every earlier member's writes, and it resets the word for
+// the next use (that next use is ordered after this block's signals by the event chain: relaxed store).
+__device__ __forceinline__ bool ticket_last(uint32_t* word, uint32_t group) {
+  fence_acq_rel_gpu();
+  if (atom_add_acq_rel_gpu(word, 1u) + 1u != group) return false;
+  st_relaxed_gpu(word, 0u);
+  return true;
+}
 
 // Block barrier among the worker threads only (named barrier 1): the scheduler warp of a block in
 // jit mode never joins it. Orders shared- and global-memory accesses of the participating threads.

@@ -33,4 +33,28 @@ __device__ void attention_merge(const float* part, bf16* out, int D, int G, int 
   }
 }
 
+// Entry (h, b = 0, range 0, g = 0) of the scratch, from a split tile's own entry (range `split`).
+__device__ __forceinline__ const float* split_head_partials(const float* own, int split, int G, int D) {
+  return own - (size_t)split * G * (D + 2);
+}
+
+// Ranges of a head, from the scratch's per-sequence stride (SPLITS x GROUP x (D + 2) floats).
+__device__ __forceinline__ int split_count(int out_stride, int G, int D) { return out_stride / (G * (D + 2)); }
+
+// The merge done by the last split tile of kv head h (fusion 'attn_merge'; tasks/attention_split.py): every
+// tile of the head ends here; the one whose ticket add completes the head's `splits` merges all B
+// sequences of the head from the scratch (part_head: entry (h, b = 0, range 0, g = 0), sequences
+// part_stride floats apart) into `merged` (row 0, first column of query head h*GROUP; rows
+// merged_stride apart). Same sums as the merge tiles.
+__device__ void attention_merge_last(uint32_t* ticket, const float* part_head, bf16* merged, int B, int D, int G,
+                                     int splits, int part_stride, int merged_stride, int tid, int nt) {
+  __shared__ int last;
+  worker_barrier(nt);  // every thread's partial stores precede thread 0's release in the ticket
+  if (tid == 0) last = ticket_last(ticket, (uint32_t)splits);
+  worker_barrier(nt);  // hands thread 0's acquired view (the other ranges' partials) to every thread
+  if (!last) return;
+  for (int b = 0; b < B; ++b)
+    attention_merge(part_head + (size_t)b * part_stride, merged + (size_t)b * merged_stride, D, G, splits, tid, nt);
+}
+
 }  // namespace mpk

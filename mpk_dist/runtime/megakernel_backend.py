@@ -347,13 +347,18 @@ def _pad_rows(rows: list, n: int) -> list:
 
 def fusions_from_env(fuse=True) -> frozenset[str]:
     """The fusion set of ``fuse`` (mpk_dist.taskgraph.fusion; fused linears default on since verified on an
-    H200), plus the opt-in qkv_prep -> attention fusion when MPK_FUSE_ATTN_PREP=1."""
+    H200), plus the opt-in qkv_prep -> attention fusion when MPK_FUSE_ATTN_PREP=1 and the split-KV merge in the
+    last split tile when MPK_FUSE_ATTN_MERGE=1."""
     from mpk_dist.taskgraph.fusion import fusion_set
 
-    knob = os.environ.get("MPK_FUSE_ATTN_PREP", "")
-    if knob not in ("", "0", "1"):
-        raise InputError(f"MPK_FUSE_ATTN_PREP: expected one of 0, 1, got {knob!r}")
-    return fusion_set(fuse) | ({"attn_prep"} if knob == "1" else set())
+    out = set(fusion_set(fuse))
+    for var, name in (("MPK_FUSE_ATTN_PREP", "attn_prep"), ("MPK_FUSE_ATTN_MERGE", "attn_merge")):
+        knob = os.environ.get(var, "")
+        if knob not in ("", "0", "1"):
+            raise InputError(f"{var}: expected one of 0, 1, got {knob!r}")
+        if knob == "1":
+            out.add(name)
+    return frozenset(out)
 
 
 def superopt_from_env(superopt=None) -> bool:

@@ -274,6 +274,9 @@ class Session:
         with self._on_stream():
             for t in (self.queues, self.queue_tail, self.sched_queues, self.sched_tail, self.halt, self.trace_len):
                 t.zero_()
+            for b, t in zip(self.cg.meta["buffers"], self.bufs):
+                if b["kind"] == "ticket":  # a launch stopped mid-step (timeout, error) may have left counts
+                    t.zero_()
             self.stop_ids = torch.tensor(list(stop_ids) or [-1], dtype=torch.int32, device=self.device)
             self._fill_params(s0, s1, prompt_len, max_new, stop_ids, stop_on_done, want_logits, inject_hang_task,
                               s0 if trace_from is None else trace_from)

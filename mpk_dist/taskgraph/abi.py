@@ -97,6 +97,8 @@ BUFFER_KINDS = {
     "output": 4,      # read by the host (logits, next token, token output)
     "comm": 5,        # symmetric: allocated on every rank at the same size, peers write it
     "const": 6,       # compile-time constant data shipped with the program (rope inverse frequencies)
+    "ticket": 7,      # per-launch group counters (zeroed before every launch): tiles add to them atomically,
+                      # the last of a group takes the follow-up work and resets its word (TaskKind.ticket)
 }
 """Buffer kind codes."""
 

@@ -15,6 +15,9 @@ Opt-in (named explicitly, not part of ``fuse=True`` until verified on a GPU):
   level disappears. In a split-KV program it lowers to ``attention_split_prep`` tiles (kv head j, range i:
   the q heads computed in the tile, k/v appended by the range holding the position) and the merge
   (``lowering_attn_prep``).
+* ``attn_merge``: in a split-KV program the last split tile of each kv head to finish (a ticket word
+  counts them) merges the head's partials into the attention output, so the merge level disappears
+  (``lowering_attention``; tasks/attention_split.py). A lowering choice: nothing else in the plan changes.
 
 The pass only plans; ``mpk_dist.taskgraph.lowering_fused`` and ``lowering_attn_prep`` lower the plan.
 Numerics are unchanged: every fused kind rounds at exactly the points the unfused ops round. OFF by
@@ -34,7 +37,7 @@ from mpk_dist.graph import Graph, Op
 FUSIONS = ("norm", "silu", "residual")
 """Names of the fusions ``fuse=True`` turns on, in the order they are documented."""
 
-OPT_IN_FUSIONS = ("attn_prep",)
+OPT_IN_FUSIONS = ("attn_prep", "attn_merge")
 """Fusions that must be named (``fuse='norm,silu,residual,attn_prep'`` or a list): not GPU-verified yet."""
 
 VEC = 8

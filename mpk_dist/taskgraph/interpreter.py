@@ -28,7 +28,7 @@ from mpk_dist.taskgraph.tasks import BY_OPCODE
 from mpk_dist.taskgraph.tasks.base import TileContext
 
 TORCH = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32, "i32": torch.int32}
-UNTRACKED = ("weight", "const", "input")
+UNTRACKED = ("weight", "const", "input", "ticket")  # tickets: atomic words, modelled in _Launch._take_ticket
 
 
 @dataclass
@@ -103,7 +103,7 @@ class Interpreter:
         """Zero the persistent state (KV caches) and next_token of every rank."""
         for r in range(self.world):
             for b, info in enumerate(self.meta["buffers"]):
-                if info["kind"] in ("state", "output", "activation", "comm"):
+                if info["kind"] in ("state", "output", "activation", "comm", "ticket"):
                     self.bufs[r][b].zero_()
 
     # -- one launch ------------------------------------------------------------------------------
@@ -151,6 +151,11 @@ class _Launch:
         self.capture = {names.index(n): n for n in capture}
         self.snap = {(n, r): torch.full((steps, *it.meta["buffers"][b]["shape"]), float("nan"))
                      for b, n in self.capture.items() for r in range(R)}
+        self.tickets: dict[tuple[int, int, int], tuple[int, int]] = {}  # (rank, buffer, element) -> (count, hb)
+        for r in range(R):  # the host zeroes ticket words before every launch
+            for b, info in enumerate(it.meta["buffers"]):
+                if info["kind"] == "ticket":
+                    it.bufs[r][b].zero_()
         self.insts: list[list] = []  # [rank, task, step, pending, hb]
         self.ran: list[bool] = []  # per instance: executed
         self.ready: list[int] = []
@@ -266,9 +271,37 @@ class _Launch:
         kind.run_tile(ctx)
         self._capture(r, s, args, acc)
         mine = hb | (1 << xid)
+        tk = kind.ticket(ctx)
+        if tk is not None:
+            mine = self._take_ticket(r, s, xid, kind, ctx, args, tk, mine)
         for e, tgt in d.signals[t]:
             for q in (range(it.world) if tgt == SIG_ALL_RANKS else (r,)):
                 self._signal(q, e, mine)
+
+    def _take_ticket(self, r: int, s: int, xid: int, kind, ctx, args, tk: tuple[str, int], mine: int) -> int:
+        """The tile's acquire-release add on its ticket word: it acquires what every earlier adder of the
+        group released (their happens-before sets) and releases its own. The add that completes the group
+        runs the kind's ``run_last`` (its accesses checked with that acquired set) and resets the word with
+        a plain store, which releases nothing. Returns the tile's happens-before set after the add."""
+        name, group = tk
+        word, off = ctx.buf(name), ctx.off(name)
+        key = (r, args[kind.arg_index(name)][0], off)
+        count, seen = self.tickets.get(key, (0, 0))
+        count, seen = count + 1, seen | mine
+        if count > group:
+            raise AssertionError(f"ticket {self.it.meta['buffers'][key[1]]['name']}[{off}]: {count} adds for a group of {group}")
+        if count < group:
+            self.tickets[key] = (count, seen)
+            word[off] = count
+            return seen
+        acc = kind.last_accesses(ctx)
+        if self.it.check_races:
+            self._check(r, xid, seen, args, acc)
+        kind.run_last(ctx)
+        self._capture(r, s, args, acc)
+        self.tickets[key] = (0, 0)
+        word[off] = 0
+        return seen
 
     def _check(self, r: int, xid: int, hb: int, args, acc) -> None:
         for a in acc:

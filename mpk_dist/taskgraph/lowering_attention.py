@@ -68,23 +68,26 @@ def split_ranges(max_seq_len: int, splits: int) -> list[tuple[int, int]]:
     return [(s0, min(s0 + per, max_seq_len)) for s0 in range(0, max_seq_len, per)]
 
 
-def lower_split_attention(lw: Lowerer, op: Op, splits: int) -> None:
-    """Append ``<op>/split`` and ``<op>/merge`` (and the scratch buffer) for one attention op."""
+def lower_split_attention(lw: Lowerer, op: Op, splits: int, merge_last: bool = False) -> None:
+    """Append ``<op>/split`` and ``<op>/merge`` (and the scratch buffer) for one attention op; with
+    ``merge_last`` (fusion 'attn_merge') no merge op: the last split tile of each kv head merges it."""
     p, B, a = lw.p, lw.B, op.attrs
     hq, hkv, D = a["q_heads"], a["kv_heads"], a["head_dim"]
     q, kc, vc, pos = (p.id(n) for n in op.inputs)
     S, G = lw.g.max_seq_len, hq // hkv
     ranges, P, E, part = split_scratch(lw, op, splits)
+    ticket = merge_ticket(lw, op) if merge_last else None
     cache_count = (B - 1) * S * hkv * D + (S - 1) * hkv * D + D
     sp = p.op(op.name + "/split", BY_NAME["attention_split"], op.layer, op.name)
     for j in range(hkv):
         qa = (j * G * D, (B - 1) * hq * D + G * D)
         for i, (s0, s1) in enumerate(ranges):
             sp.add_tile({"Q": (q, *qa), "K_CACHE": (kc, j * D, cache_count), "V_CACHE": (vc, j * D, cache_count),
-                         "POSITIONS": (pos, 0, B), "OUT": (part, (j * B * P + i) * E, (B - 1) * P * E + E)},
+                         "POSITIONS": (pos, 0, B), "OUT": (part, (j * B * P + i) * E, (B - 1) * P * E + E),
+                         **merge_last_args(lw, op, ticket, j)},
                         {"BATCH": B, "HEAD_DIM": D, "GROUP": G, "Q_STRIDE": hq * D, "KV_POS_STRIDE": hkv * D,
                          "KV_BATCH_STRIDE": S * hkv * D, "POS_BEGIN": s0, "POS_END": s1, "OUT_STRIDE": P * E,
-                         "SCALE": a["scale"]})
+                         "SCALE": a["scale"], "SPLIT_INDEX": i})
     tiles = [(j, i) for j in range(hkv) for i in range(P)]
     qrect = np.array([(0, B, j * G * D, (j + 1) * G * D) for j, _ in tiles], np.int64).reshape(-1, 4)
     # NOTE: the whole head's cache rows, not just the range: qkv_prep's kv tile writes them all, so
@@ -92,7 +95,36 @@ def lower_split_attention(lw: Lowerer, op: Op, splits: int) -> None:
     kvrect = np.array([(0, B * S, j * D, (j + 1) * D) for j, _ in tiles], np.int64).reshape(-1, 4)
     sp.reads = [Footprint(q, qrect), Footprint(kc, kvrect), Footprint(vc, kvrect.copy()), _all_fp(pos, p, len(tiles))]
     sp.writes = [partial_footprint(part, B, E, tiles)]
-    lower_merge(lw, op, part, P, E)
+    finish_split(lw, op, sp, part, P, E, tiles, ticket)
+
+
+def merge_ticket(lw: Lowerer, op: Op) -> int:
+    """The 'ticket' buffer ``<op>.ticket``: one word per kv head, counting its finished split tiles."""
+    return lw.p.buffer(f"{op.name}.ticket", (op.attrs["kv_heads"],), "i32", "ticket")
+
+
+def merge_last_args(lw: Lowerer, op: Op, ticket: int | None, j: int) -> dict:
+    """TICKET and MERGED of a split tile of kv head j (both None without the merge in the last tile)."""
+    if ticket is None:
+        return {"TICKET": None, "MERGED": None}
+    a, B = op.attrs, lw.B
+    hq, D, G = a["q_heads"], a["head_dim"], a["q_heads"] // a["kv_heads"]
+    return {"TICKET": (ticket, j, 1), "MERGED": (lw.p.id(op.outputs[0]), j * G * D, (B - 1) * hq * D + G * D)}
+
+
+def finish_split(lw: Lowerer, op: Op, sp, part: int, P: int, E: int, tiles: list[tuple[int, int]],
+                 ticket: int | None) -> None:
+    """After a split op's tiles: without a ticket, the merge op; with one, the split tiles also declare
+    the head's output columns (the last tile of each head writes them, so every tile of the head is a
+    producer of those columns for the op's readers)."""
+    if ticket is None:
+        lower_merge(lw, op, part, P, E)
+        return
+    a, B = op.attrs, lw.B
+    D, G = a["head_dim"], a["q_heads"] // a["kv_heads"]
+    o = lw.p.id(op.outputs[0])
+    sp.writes.append(Footprint(o, np.array([(0, B, j * G * D, (j + 1) * G * D) for j, _ in tiles],
+                                           np.int64).reshape(-1, 4)))
 
 
 def split_scratch(lw: Lowerer, op: Op, splits: int) -> tuple[list[tuple[int, int]], int, int, int]:

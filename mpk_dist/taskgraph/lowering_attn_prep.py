@@ -24,24 +24,25 @@ from mpk_dist.taskgraph.program import Footprint
 from mpk_dist.taskgraph.tasks import BY_NAME
 
 
-def lower_attn_prep(lw: Lowerer, f: FusedAttention, attn_splits=1) -> None:
+def lower_attn_prep(lw: Lowerer, f: FusedAttention, attn_splits=1, merge_last: bool = False) -> None:
     """Append the ``attention_prep`` task-op of ``f``, or in a split-KV program ``attention_split_prep`` +
-    ``attention_merge`` (``_lower_fused_split``)."""
+    ``attention_merge`` (``_lower_fused_split``; ``merge_last``: the last split tile of a head merges it)."""
     from mpk_dist.taskgraph.lowering_attention import resolve_splits
 
     splits = 1 if attn_splits == 1 else resolve_splits(attn_splits, lw.sms, f.attention.attrs["kv_heads"],
                                                        lw.g.max_seq_len, lw.B)
     if splits > 1:
-        _lower_fused_split(lw, f, splits)
+        _lower_fused_split(lw, f, splits, merge_last)
     else:
         _lower_fused(lw, f)
 
 
-def _lower_fused_split(lw: Lowerer, f: FusedAttention, splits: int) -> None:
+def _lower_fused_split(lw: Lowerer, f: FusedAttention, splits: int, merge_last: bool) -> None:
     """qkv_prep folded into the split tiles: tile (j, i) norms and ropes the q heads of group j itself
     (every range of head j, for all B sequences), appends k/v of head j where range i holds the position,
-    and writes attention_split's partial; then the unchanged merge op."""
-    from mpk_dist.taskgraph.lowering_attention import lower_merge, partial_footprint, split_scratch
+    and writes attention_split's partial; then the unchanged merge op (or the merge in the last tile)."""
+    from mpk_dist.taskgraph.lowering_attention import (finish_split, merge_last_args, merge_ticket, partial_footprint,
+                                                       split_scratch)
 
     p, B, a, att = lw.p, lw.B, f.prep.attrs, f.attention
     hq, hkv, D = a["q_heads"], a["kv_heads"], a["head_dim"]
@@ -50,6 +51,7 @@ def _lower_fused_split(lw: Lowerer, f: FusedAttention, splits: int) -> None:
     _, kc, vc = (p.id(n) for n in f.prep.outputs)
     S, G, QS, inv = lw.g.max_seq_len, hq // hkv, (hq + 2 * hkv) * D, lw._inv_freq(a)
     ranges, P, E, part = split_scratch(lw, att, splits)
+    ticket = merge_ticket(lw, att) if merge_last else None
     cache_count = (B - 1) * S * hkv * D + (S - 1) * hkv * D + D
     sp = p.op(att.name + "/split", BY_NAME["attention_split_prep"], att.layer, att.name)
     tiles = [(j, i) for j in range(hkv) for i in range(P)]
@@ -59,10 +61,12 @@ def _lower_fused_split(lw: Lowerer, f: FusedAttention, splits: int) -> None:
         sp.add_tile({"QKV": (qkv, j * G * D, (B - 1) * QS + k_off + hkv * D + D), "POSITIONS": (pos, 0, B),
                      "Q_NORM_W": None if qn is None else (qn, 0, D), "K_NORM_W": None if kn is None else (kn, 0, D),
                      "INV_FREQ": (inv, 0, D // 2), "K_CACHE": (kc, j * D, cache_count),
-                     "V_CACHE": (vc, j * D, cache_count), "OUT": (part, (j * B * P + i) * E, (B - 1) * P * E + E)},
+                     "V_CACHE": (vc, j * D, cache_count), "OUT": (part, (j * B * P + i) * E, (B - 1) * P * E + E),
+                     **merge_last_args(lw, att, ticket, j)},
                     {"BATCH": B, "HEAD_DIM": D, "GROUP": G, "QKV_STRIDE": QS, "K_OFFSET": k_off, "V_OFFSET": hkv * D,
                      "KV_POS_STRIDE": hkv * D, "KV_BATCH_STRIDE": S * hkv * D, "MAX_SEQ": S, "POS_BEGIN": s0,
-                     "POS_END": s1, "OUT_STRIDE": P * E, "EPS": a["eps"], "SCALE": att.attrs["scale"]})
+                     "POS_END": s1, "OUT_STRIDE": P * E, "EPS": a["eps"], "SCALE": att.attrs["scale"],
+                     "SPLIT_INDEX": i})
     cols = lambda c0, n: np.array([(0, B, c0(j), c0(j) + n) for j, _ in tiles], np.int64)  # noqa: E731
     # The whole head's cache rows (the appended position is a run-time value); no other op touches the
     # caches, so the rectangles add no events: rows below the position come from earlier steps, ordered
@@ -72,7 +76,7 @@ def _lower_fused_split(lw: Lowerer, f: FusedAttention, splits: int) -> None:
                 Footprint(qkv, cols(lambda j: (hq + hkv + j) * D, D)), _all_fp(pos, p, len(tiles)),
                 Footprint(kc, kvrect.copy()), Footprint(vc, kvrect.copy())]
     sp.writes = [Footprint(kc, kvrect.copy()), Footprint(vc, kvrect.copy()), partial_footprint(part, B, E, tiles)]
-    lower_merge(lw, att, part, P, E)
+    finish_split(lw, att, sp, part, P, E, tiles, ticket)
 
 
 def _lower_fused(lw: Lowerer, f: FusedAttention) -> None:

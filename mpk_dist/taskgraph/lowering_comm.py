@@ -135,8 +135,11 @@ def lower_graph(graph, sms: int, max_steps: int, fuse=False, attn_splits=1, nucl
     from mpk_dist.taskgraph.lowering_pages import declare_page_state, is_paged, page_alloc
     from mpk_dist.taskgraph.lowering_nucleus import lower_nucleus_head
 
+    from mpk_dist.taskgraph.fusion import fusion_set
+
     check_attn_splits(attn_splits)
     items = plan(graph, fuse)
+    merge_last = "attn_merge" in fusion_set(fuse)
     lw = Lowerer(graph, sms, max_steps)
     lw.declare_buffers(skip=dropped_tensors(items))
     lw.step_begin()
@@ -152,12 +155,12 @@ def lower_graph(graph, sms: int, max_steps: int, fuse=False, attn_splits=1, nucl
             lower_fused(lw, op)
             continue
         if isinstance(op, FusedAttention):  # split-KV programs: lowered unfused (lowering_attn_prep)
-            lower_attn_prep(lw, op, attn_splits)
+            lower_attn_prep(lw, op, attn_splits, merge_last)
             continue
         if op.kind == "attention" and attn_splits != 1:
             splits = resolve_splits(attn_splits, sms, op.attrs["kv_heads"], graph.max_seq_len, graph.batch)
             if splits > 1:
-                lower_split_attention(lw, op, splits)
+                lower_split_attention(lw, op, splits, merge_last)
                 continue
         h = handlers.get(op.kind)
         if h is not None:

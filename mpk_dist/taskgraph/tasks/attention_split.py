@@ -11,6 +11,12 @@ writes m = -inf, l = 0, acc = 0, so it contributes nothing to ``attention_merge`
 
 Scratch layout (fp32, one row per (kv head, sequence)): [Hkv, B, SPLITS, GROUP, D + 2], each
 (g) entry = acc[0..D), m, l. The tile's OUT offset is the (h, b=0, split i, g=0) entry.
+
+Merge in the last tile (fusion 'attn_merge', ``lowering_attention``): with a TICKET word (one per kv head,
+a 'ticket' buffer) the tile ends with an acquire-release add on it, and the tile that completes the
+head's SPLITS adds runs ``attention_merge`` for every sequence of the head into MERGED (the attention
+output), then resets the word: the merge level of the program disappears. SPLITS = OUT_STRIDE / (GROUP
+(D + 2)); the merged rows are Q_STRIDE apart (the output has q's layout). Same sums as the merge tiles.
 """
 
 from __future__ import annotations
@@ -18,7 +24,43 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from mpk_dist.taskgraph.tasks.base import Access, ArgSpec, ParamSpec, TaskKind, TileContext, rect, view2d
+from mpk_dist.taskgraph.tasks import attention_merge as _merge
+from mpk_dist.taskgraph.tasks.base import Access, ArgSpec, ParamSpec, TaskKind, TileContext, rect, sub_tile, view2d
+
+TICKET_DOC = "i32 [Hkv] per-launch ticket words; offset = kv head j; NULL: a separate merge op merges"
+MERGED_DOC = "[B, Hq D] attention output (with TICKET); offset = row 0, first column of query head j*GROUP"
+SPLIT_INDEX_DOC = "i: this tile's range (its partial is entry i of the head's SPLITS)"
+
+
+def merge_last_ticket(t: TileContext) -> tuple[str, int] | None:
+    """The ticket of a split tile that may merge its head (TICKET present): ('TICKET', SPLITS)."""
+    if t.buf("TICKET") is None:
+        return None
+    return "TICKET", t.p("OUT_STRIDE") // (t.p("GROUP") * (t.p("HEAD_DIM") + 2))
+
+
+def _merge_rows(t: TileContext, merged_stride: int) -> list[tuple[int, int]]:
+    """(partial offset of (head, b, range 0), merged offset of row b) for every sequence b."""
+    D, G = t.p("HEAD_DIM"), t.p("GROUP")
+    head = t.off("OUT") - t.p("SPLIT_INDEX") * G * (D + 2)
+    return [(head + b * t.p("OUT_STRIDE"), t.off("MERGED") + b * merged_stride) for b in range(t.p("BATCH"))]
+
+
+def run_merge_last(t: TileContext, merged_stride: int) -> None:
+    """attention_merge of the tile's kv head for every sequence, from the head's partials into MERGED."""
+    D, G, P = t.p("HEAD_DIM"), t.p("GROUP"), merge_last_ticket(t)[1]
+    for part, out in _merge_rows(t, merged_stride):
+        _merge.KIND.run_tile(sub_tile(t, _merge.KIND, {"PARTIAL": (t.buf("OUT"), part), "OUT": (t.buf("MERGED"), out)},
+                                      {"HEAD_DIM": D, "GROUP": G, "SPLITS": P}))
+
+
+def merge_last_accesses(t: TileContext, merged_stride: int, out_arg: int, merged_arg: int) -> list[Access]:
+    """What run_merge_last reads (every range's partial of the head) and writes (the head's output columns)."""
+    D, G, P = t.p("HEAD_DIM"), t.p("GROUP"), merge_last_ticket(t)[1]
+    out = []
+    for part, row in _merge_rows(t, merged_stride):
+        out += [Access(out_arg, "r", part + np.arange(P * G * (D + 2))), Access(merged_arg, "w", row + np.arange(G * D))]
+    return out
 
 
 class AttentionSplit(TaskKind):
@@ -33,6 +75,8 @@ class AttentionSplit(TaskKind):
         ArgSpec("V_CACHE", "r", "[B, S, Hkv, D]; offset as K_CACHE"),
         ArgSpec("POSITIONS", "r", "i32 [B]"),
         ArgSpec("OUT", "w", "f32 [Hkv, B, SPLITS, GROUP, D+2]; offset = entry (h, 0, split, 0)"),
+        ArgSpec("TICKET", "rw", TICKET_DOC, optional=True),
+        ArgSpec("MERGED", "w", MERGED_DOC, optional=True),
     )
     params = (
         ParamSpec("BATCH", "B"),
@@ -45,7 +89,17 @@ class AttentionSplit(TaskKind):
         ParamSpec("POS_END", "s1: one past the last cache position of the range"),
         ParamSpec("OUT_STRIDE", "elements between sequences in OUT (SPLITS GROUP (D+2))"),
         ParamSpec("SCALE", "softmax scale (D^-0.5)", is_float=True),
+        ParamSpec("SPLIT_INDEX", SPLIT_INDEX_DOC),
     )
+
+    def ticket(self, t: TileContext) -> tuple[str, int] | None:
+        return merge_last_ticket(t)
+
+    def run_last(self, t: TileContext) -> None:
+        run_merge_last(t, t.p("Q_STRIDE"))
+
+    def last_accesses(self, t: TileContext) -> list[Access]:
+        return merge_last_accesses(t, t.p("Q_STRIDE"), self.arg_index("OUT"), self.arg_index("MERGED"))
 
     def _pos(self, t: TileContext) -> list[int]:
         B = t.p("BATCH")

@@ -18,6 +18,9 @@ wait on the qkv_proj tiles of their head's columns instead of on the qkv_prep le
 Addressing: QKV's offset is row 0's first column of query head j*GROUP (rows QKV_STRIDE apart); the k head
 is K_OFFSET further and the v head V_OFFSET after that. K_CACHE / V_CACHE at sequence 0, position 0, kv
 head j; OUT at the (j, b=0, range i, g=0) entry of attention_split's scratch.
+
+With TICKET and MERGED (fusion 'attn_merge') the last range of head j to finish merges the head, as
+attention_split's tiles do (its module docstring); the merged rows are (QKV_STRIDE - 2 V_OFFSET) = Hq D apart.
 """
 
 from __future__ import annotations
@@ -47,6 +50,8 @@ class AttentionSplitPrep(TaskKind):
         ArgSpec("K_CACHE", "rw", "[B, S, Hkv, D]; offset = sequence 0, position 0, head j"),
         ArgSpec("V_CACHE", "rw", "[B, S, Hkv, D]; offset as K_CACHE"),
         ArgSpec("OUT", "w", "f32 [Hkv, B, SPLITS, GROUP, D+2]; offset = entry (j, 0, range i, 0)"),
+        ArgSpec("TICKET", "rw", _split.TICKET_DOC, optional=True),
+        ArgSpec("MERGED", "w", _split.MERGED_DOC, optional=True),
     )
     params = (
         ParamSpec("BATCH", "B"),
@@ -63,7 +68,20 @@ class AttentionSplitPrep(TaskKind):
         ParamSpec("OUT_STRIDE", "elements between sequences in OUT (SPLITS GROUP (D+2))"),
         ParamSpec("EPS", "q/k norm epsilon", is_float=True),
         ParamSpec("SCALE", "softmax scale (D^-0.5)", is_float=True),
+        ParamSpec("SPLIT_INDEX", _split.SPLIT_INDEX_DOC),
     )
+
+    def _merged_stride(self, t: TileContext) -> int:
+        return t.p("QKV_STRIDE") - 2 * t.p("V_OFFSET")
+
+    def ticket(self, t: TileContext) -> tuple[str, int] | None:
+        return _split.merge_last_ticket(t)
+
+    def run_last(self, t: TileContext) -> None:
+        _split.run_merge_last(t, self._merged_stride(t))
+
+    def last_accesses(self, t: TileContext) -> list[Access]:
+        return _split.merge_last_accesses(t, self._merged_stride(t), self.arg_index("OUT"), self.arg_index("MERGED"))
 
     def _positions(self, t: TileContext) -> list[int]:
         B, S = t.p("BATCH"), t.p("MAX_SEQ")
@@ -106,7 +124,8 @@ class AttentionSplitPrep(TaskKind):
                                           "OUT": arg("OUT", b * t.p("OUT_STRIDE"))},
                                   {"BATCH": 1, "HEAD_DIM": D, "GROUP": G, "Q_STRIDE": G * D, "KV_POS_STRIDE": kps,
                                    "KV_BATCH_STRIDE": kbs, "POS_BEGIN": t.p("POS_BEGIN"), "POS_END": t.p("POS_END"),
-                                   "OUT_STRIDE": t.p("OUT_STRIDE"), "SCALE": t.f("SCALE")}))
+                                   "OUT_STRIDE": t.p("OUT_STRIDE"), "SCALE": t.f("SCALE"),
+                                   "SPLIT_INDEX": t.p("SPLIT_INDEX")}))
 
     def accesses(self, t: TileContext) -> list[Access]:
         B, D, G, qs = t.p("BATCH"), t.p("HEAD_DIM"), t.p("GROUP"), t.p("QKV_STRIDE")

@@ -158,6 +158,20 @@ class TaskKind:
         """The exact elements this tile reads and writes (given the step's inputs)."""
         raise NotImplementedError
 
+    def ticket(self, t: TileContext) -> tuple[str, int] | None:
+        """(argument, group size) when this tile ends by adding 1 to a ticket word (the argument's element,
+        a buffer of kind 'ticket') with an acquire-release RMW: the tile that brings the count to the group
+        size runs ``run_last`` and resets the word. None (the default): no ticket."""
+        return None
+
+    def run_last(self, t: TileContext) -> None:  # pragma: no cover - interface
+        """The follow-up work of the last tile of a ticket group (after its own ``run_tile``)."""
+        raise NotImplementedError
+
+    def last_accesses(self, t: TileContext) -> list[Access]:
+        """The elements ``run_last`` reads and writes."""
+        return []
+
     def traffic(self, counts: list[int], elem_bytes: list[int], params: list[int], world: int) -> tuple[int, int]:
         """(bytes read, bytes written) of one tile in device memory; remote writes count per rank.
 
