@@ -345,10 +345,17 @@ def _pad_rows(rows: list, n: int) -> list:
     return list(rows) + [rows[-1]] * (n - len(rows))
 
 
+DEFAULT_ATTN_FUSIONS = ("attn_prep", "attn_merge")
+"""Attention fusions the megakernel backend adds to ``fuse=True``: GPU-checked bit-identical to the unfused
+split program (qwen3-0.6b b1/b4, tp 1/2/4) and together 5.259 -> 5.129 ms on qwen3-8b, 1.430 -> 1.351 ms on
+qwen3-0.6b at context ~512 (docs/PERF.md v0.8). Not in ``fusion.FUSIONS``: compile_rank_programs' and the
+interpreter's ``fuse=True`` keep the unfused attention."""
+
+
 def fusions_from_env(fuse=True) -> frozenset[str]:
     """The fusion set of ``fuse`` (mpk_dist.taskgraph.fusion; fused linears default on since verified on an
-    H200), plus the opt-in qkv_prep -> attention fusion when MPK_FUSE_ATTN_PREP=1 and the split-KV merge in the
-    last split tile when MPK_FUSE_ATTN_MERGE=1."""
+    H200). ``fuse=True`` also gets ``DEFAULT_ATTN_FUSIONS`` unless MPK_FUSE_ATTN_PREP=0 / MPK_FUSE_ATTN_MERGE=0
+    turn one off; an explicit fusion list gets them only when the variable is 1."""
     from mpk_dist.taskgraph.fusion import fusion_set
 
     out = set(fusion_set(fuse))
@@ -356,7 +363,7 @@ def fusions_from_env(fuse=True) -> frozenset[str]:
         knob = os.environ.get(var, "")
         if knob not in ("", "0", "1"):
             raise InputError(f"{var}: expected one of 0, 1, got {knob!r}")
-        if knob == "1":
+        if knob == "1" or (knob == "" and fuse is True):
             out.add(name)
     return frozenset(out)
 

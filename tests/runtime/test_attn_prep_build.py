@@ -84,16 +84,25 @@ def test_env_knob_reaches_the_program(fake_gpu, monkeypatch):
     from mpk_dist.model_source import open_model
 
     m = open_model("tiny")
-    monkeypatch.setenv("MPK_FUSE_ATTN_PREP", "1")
+    monkeypatch.delenv("MPK_FUSE_ATTN_PREP", raising=False)
+    monkeypatch.delenv("MPK_FUSE_ATTN_MERGE", raising=False)
     b = fake_gpu.MegakernelBackend(m.config, m.weights, device="cpu", max_seq_len=16, sms=4)
-    assert b.fuse == frozenset(WITH)
+    assert b.fuse == frozenset(WITH + ["attn_merge"])  # the backend's default (fuse=True) has both
     kinds = {o["kind"] for o in b.session(1).cg.meta["ops"]}
     assert "attention_prep" in kinds and not kinds & {"qkv_prep", "attention"}
     monkeypatch.setenv("MPK_FUSE_ATTN_PREP", "0")
     b = fake_gpu.MegakernelBackend(m.config, m.weights, device="cpu", max_seq_len=16, sms=4)
-    assert "attn_prep" not in b.fuse
+    assert "attn_prep" not in b.fuse and "attn_merge" in b.fuse
+    monkeypatch.setenv("MPK_FUSE_ATTN_MERGE", "0")
     named = fake_gpu.MegakernelBackend(m.config, m.weights, device="cpu", max_seq_len=16, sms=4, fuse=["attn_prep"])
     assert named.fuse == frozenset({"attn_prep"})
+    monkeypatch.delenv("MPK_FUSE_ATTN_PREP")
+    monkeypatch.delenv("MPK_FUSE_ATTN_MERGE")
+    plain = fake_gpu.MegakernelBackend(m.config, m.weights, device="cpu", max_seq_len=16, sms=4, fuse=["norm"])
+    assert plain.fuse == frozenset({"norm"})  # an explicit list gets the attention fusions only when set to 1
+    monkeypatch.setenv("MPK_FUSE_ATTN_MERGE", "1")
+    assert fake_gpu.MegakernelBackend(m.config, m.weights, device="cpu", max_seq_len=16, sms=4,
+                                      fuse=["norm"]).fuse == frozenset({"norm", "attn_merge"})
     monkeypatch.setenv("MPK_FUSE_ATTN_PREP", "yes")
     with pytest.raises(InputError, match=r"MPK_FUSE_ATTN_PREP: expected one of 0, 1, got 'yes'"):
         fake_gpu.MegakernelBackend(m.config, m.weights, device="cpu", max_seq_len=16, sms=4)
