@@ -38,11 +38,14 @@ def main(argv=None) -> int:
     p.add_argument("--batches", default="1,4,16", help="batches (default 1,4,16; above 16 builds the 16-row kernel)")
     p.add_argument("--schedules", default="aot,jit", help="aot, jit (jit at tp 1 only)")
     p.add_argument("--tp", default="1,2,4", help="tensor-parallel degrees (default 1,2,4)")
+    p.add_argument("--attn-splits", default="auto,1",
+                   help="attn_splits of the programs: auto (the backend's default) and/or 1 (unsplit); default both")
     p.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1), help="build processes (default: cores, <= 16)")
     a = p.parse_args(argv)
     try:
+        splits = tuple(k if k == "auto" else int(k) for k in parse_list(a.attn_splits, ("auto", "1"), "--attn-splits"))
         todo = cases(parse_list(a.models, tuple(PRESETS), "--models"), _ints(a.batches, "--batches"),
-                     parse_list(a.schedules, ("aot", "jit"), "--schedules"), _ints(a.tp, "--tp"))
+                     parse_list(a.schedules, ("aot", "jit"), "--schedules"), _ints(a.tp, "--tp"), splits)
         return 1 if prebuild(todo, a.jobs) else 0
     except InputError as exc:
         print(f"prebuild_kernels.py: {exc}", file=sys.stderr)

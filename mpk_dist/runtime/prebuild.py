@@ -25,16 +25,21 @@ class BuildCase:
     batch: int = 1
     schedule: str = "aot"
     superopt: bool = True
+    attn_splits: int | str = "auto"  # the backend's default; 1 = the unsplit program (other fused attention kinds)
 
     def label(self) -> str:
-        """e.g. qwen3-0.6b tp1 b16 aot."""
-        return f"{self.model} tp{self.tp} b{self.batch} {self.schedule}{'' if self.superopt else ' no-superopt'}"
+        """e.g. qwen3-0.6b tp1 b16 aot (attn_splits 1: ... aot k1)."""
+        return (f"{self.model} tp{self.tp} b{self.batch} {self.schedule}{'' if self.superopt else ' no-superopt'}"
+                f"{'' if self.attn_splits == 'auto' else f' k{self.attn_splits}'}")
 
 
-def cases(models: list[str], batches: list[int], schedules: list[str], tps: list[int]) -> list[BuildCase]:
-    """Every combination; jit only at tp 1 (the runtime refuses jit above)."""
-    return [BuildCase(m, tp, b, sch) for m in models for tp in tps for b in batches for sch in schedules
-            if sch == "aot" or tp == 1]
+def cases(models: list[str], batches: list[int], schedules: list[str], tps: list[int],
+          splits: tuple = ("auto",)) -> list[BuildCase]:
+    """Every combination; jit only at tp 1 (the runtime refuses jit above). ``splits``: attn_splits values
+    (split and unsplit programs can differ in their generated bodies: the superoptimizer's qk_norm_rope
+    applies to the unsplit attention_prep tiles, not to attention_split_prep's)."""
+    return [BuildCase(m, tp, b, sch, attn_splits=k) for k in splits for m in models for tp in tps for b in batches
+            for sch in schedules if sch == "aot" or tp == 1]
 
 
 def build_one(case: BuildCase) -> tuple[str, bool, float]:
@@ -49,7 +54,10 @@ def build_one(case: BuildCase) -> tuple[str, bool, float]:
 
     t0 = time.perf_counter()
     cfg = get_preset(case.model)
-    cg = compile_rank_programs(cfg, tp=case.tp, batch=padded_batch(case.batch), ranks=[0], fuse=fusions_from_env())[0]
+    # A run's program at the compiler's default 132 SMs and max_seq_len 512 (an H200 and the CLI's default);
+    # 'auto' splits there at batch <= 4, as the backend does.
+    cg = compile_rank_programs(cfg, tp=case.tp, batch=padded_batch(case.batch), ranks=[0], fuse=fusions_from_env(),
+                               attn_splits=case.attn_splits)[0]
     tuning = tuning_from_env(DEFAULT_WORKER_THREADS)  # the MPK_* knobs a run in this environment would use
     for table_only in ("prefetch_plan", "bulk_prefetch", "prefetch_ahead"):  # task-record tables, not the binary
         tuning.pop(table_only, None)

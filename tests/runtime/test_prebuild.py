@@ -13,9 +13,10 @@ from mpk_dist.model_source import open_model
 from mpk_dist.runtime import prebuild as PB
 
 
-@pytest.mark.parametrize("batch, schedule, tp, env", [(1, "aot", 1, {}), (4, "jit", 1, {"MPK_LINEAR_UNROLL": "4"}),
-                                                      (20, "aot", 2, {"MPK_LINEAR_MMA": "1"})])
-def test_prebuild_shape_is_the_sessions(fake_gpu, monkeypatch, batch, schedule, tp, env):
+@pytest.mark.parametrize("batch, schedule, tp, env, splits", [(1, "aot", 1, {}, "auto"), (1, "aot", 1, {}, 1),
+                                                              (4, "jit", 1, {"MPK_LINEAR_UNROLL": "4"}, "auto"),
+                                                              (20, "aot", 2, {"MPK_LINEAR_MMA": "1"}, "auto")])
+def test_prebuild_shape_is_the_sessions(fake_gpu, monkeypatch, batch, schedule, tp, env, splits):
     from mpk_dist.runtime import kernel as K
     from mpk_dist.runtime import session as S
 
@@ -32,11 +33,14 @@ def test_prebuild_shape_is_the_sessions(fake_gpu, monkeypatch, batch, schedule, 
     monkeypatch.setattr(S, "build_kernel", record("session"))
     monkeypatch.setattr(K, "build_kernel", record("prebuild"))
     m = open_model("tiny")
-    b = fake_gpu.MegakernelBackend(m.config, m.weights, tp=tp, device="cpu", max_seq_len=32, sms=4, schedule=schedule)
+    # 'auto' splits at this max_seq_len on the fake GPU's SMs as on an H200's (the prebuild's assumption)
+    b = fake_gpu.MegakernelBackend(m.config, m.weights, tp=tp, device="cpu", max_seq_len=512, schedule=schedule,
+                                   attn_splits=splits)
     b.session(batch)
-    PB.build_one(PB.BuildCase("tiny", tp=tp, batch=batch, schedule=schedule))
+    PB.build_one(PB.BuildCase("tiny", tp=tp, batch=batch, schedule=schedule, attn_splits=splits))
     assert seen["prebuild"][0] == seen["session"][0]
     assert seen["prebuild"][1] == seen["session"][1], "the same fused kinds (so the same generated bodies)"
+    assert ("attention_split_prep" if splits == "auto" and batch <= 4 else "attention_prep") in seen["session"][1]
 
 
 def test_cases_and_bad_jobs():
