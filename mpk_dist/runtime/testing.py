@@ -66,3 +66,20 @@ def ref(name: str, tp: int = 1):
         m = model(name)
         _REFS[name, tp] = TorchBackend(m.config, m.weights, tp=tp, device="cuda", max_seq_len=MAX_SEQ, mode="eager")
     return _REFS[name, tp]
+
+
+def written_buffers(cg) -> set[str]:
+    """Names of the buffers some task of compiled program ``cg`` writes: a buffer only declared (q under
+    attn_prep in a split program, kept in the tiles' shared memory) holds nothing to compare."""
+    from mpk_dist.taskgraph.abi import ARG_COLS, TASK_COLS
+    from mpk_dist.taskgraph.tasks import BY_OPCODE
+
+    tasks, args, names = cg.arrays["tasks"], cg.arrays["args"], [x["name"] for x in cg.meta["buffers"]]
+    out = set()
+    for row in tasks:
+        spec = BY_OPCODE[int(row[TASK_COLS["OPCODE"]])].args
+        for i, k in enumerate(range(int(row[TASK_COLS["ARG_BEGIN"]]), int(row[TASK_COLS["ARG_END"]]))):
+            b = int(args[k, ARG_COLS["BUFFER"]])
+            if b >= 0 and "w" in spec[i].mode:
+                out.add(names[b])
+    return out

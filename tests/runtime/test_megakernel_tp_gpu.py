@@ -21,7 +21,7 @@ from mpk_dist.backends.base import GenerateRequest, StepBackend  # noqa: E402
 from mpk_dist.backends.torch_backend import TorchBackend, run_graphs  # noqa: E402
 from mpk_dist.errors import DeviceTimeout  # noqa: E402
 from mpk_dist.runtime.megakernel_backend import MegakernelBackend  # noqa: E402
-from mpk_dist.runtime.testing import MAX_SEQ, compare_logits, median, model, rand_ids, ref  # noqa: E402
+from mpk_dist.runtime.testing import MAX_SEQ, compare_logits, median, model, rand_ids, ref, written_buffers  # noqa: E402
 
 # The reference's "fp32 accumulation" (as in test_megakernel_gpu.py): no reduced-precision split-K.
 torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
@@ -42,22 +42,6 @@ def mk(name: str, tp: int, **kw) -> MegakernelBackend:
     return _CACHE[key]
 
 
-def _written_buffers(cg) -> set[str]:
-    """Names of the buffers some task of the program writes (declared-only buffers hold nothing to compare)."""
-    from mpk_dist.taskgraph.abi import ARG_COLS, TASK_COLS
-    from mpk_dist.taskgraph.tasks import BY_OPCODE
-
-    tasks, args, names = cg.arrays["tasks"], cg.arrays["args"], [x["name"] for x in cg.meta["buffers"]]
-    out = set()
-    for row in tasks:
-        spec = BY_OPCODE[int(row[TASK_COLS["OPCODE"]])].args
-        for i, k in enumerate(range(int(row[TASK_COLS["ARG_BEGIN"]]), int(row[TASK_COLS["ARG_END"]]))):
-            b = int(args[k, ARG_COLS["BUFFER"]])
-            if b >= 0 and "w" in spec[i].mode:
-                out.add(names[b])
-    return out
-
-
 @pytest.mark.parametrize("name,tp", [("tiny", 2), ("tiny", 4)])
 def test_first_step_buffers_match_torch_tp(name, tp, gpu_results):
     """After one step every rank's activation buffers equal the torch tp-N graph's (names the first op off)."""
@@ -72,7 +56,7 @@ def test_first_step_buffers_match_torch_tp(name, tp, gpu_results):
     run_graphs(r.graphs, envs)
     bad = []
     for s, env in zip(b.group(1).sessions, envs):
-        written = _written_buffers(s.cg)
+        written = written_buffers(s.cg)
         for op in r.graphs[s.rank].ops:
             for out in op.outputs:
                 if out not in env or out not in written:  # e.g. q under attn_prep in a split program: kept in the tile
