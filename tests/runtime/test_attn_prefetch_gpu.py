@@ -17,6 +17,7 @@ pytestmark = pytest.mark.gpu
 
 from mpk_dist.backends.base import GenerateRequest  # noqa: E402
 from mpk_dist.runtime.testing import MAX_SEQ, compare_logits, median, model, rand_ids, ref  # noqa: E402
+from mpk_dist.taskgraph.fusion import FUSIONS  # noqa: E402
 
 torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
 NAME = "qwen3-0.6b"
@@ -27,7 +28,10 @@ _BACKENDS: dict = {}
 
 def mk(prefetch: int, splits, bulk: int = 0, ahead: int = 0):
     """The qwen3-0.6b mega-kernel with MPK_ATTN_PREFETCH=prefetch, MPK_BULK_PREFETCH=bulk,
-    MPK_PREFETCH_AHEAD=ahead and attn_splits=splits, cached per key."""
+    MPK_PREFETCH_AHEAD=ahead and attn_splits=splits, cached per key. The fused linears only (an explicit
+    list: no attention fusions): o_proj then waits on the 8 attention or merge tiles, a narrow wait the
+    prefetch plan marks and hoist_ahead moves (after the backend's default split tiles, which merge in
+    their last tile, 72 signallers are not narrow and nothing is hoisted)."""
     from mpk_dist.runtime.megakernel_backend import MegakernelBackend
 
     key = (prefetch, splits, bulk, ahead)
@@ -38,7 +42,7 @@ def mk(prefetch: int, splits, bulk: int = 0, ahead: int = 0):
         mp.setenv("MPK_BULK_PREFETCH", str(bulk))
         mp.setenv("MPK_PREFETCH_AHEAD", str(ahead))
         try:
-            _BACKENDS[key] = MegakernelBackend(m.config, m.weights, device="cuda", max_seq_len=MAX_SEQ,
+            _BACKENDS[key] = MegakernelBackend(m.config, m.weights, device="cuda", max_seq_len=MAX_SEQ, fuse=sorted(FUSIONS),
                                                attn_splits=splits)
         finally:
             mp.undo()

@@ -4,7 +4,10 @@
 step and >= 99% argmax agreement. MAX_SEQ 320 and 132 SMs give 5 ranges of 64 positions, so the
 first 60 steps have every position inside the first range (the others empty) and the last ones use
 all five. Each case runs twice: with the runtime's shared memory as it sizes it (the staged path
-of attention_split.cuh) and with the staged path's share withheld (the per-warp path).
+of attention_split.cuh) and with the staged path's share withheld (the per-warp path). The cases run the
+plain attention_split kind (fused linears only: an explicit fusion list keeps the backend's default
+attention fusions off, whose attention_split_prep tiles always stage; tests/runtime/test_attn_prep_gpu.py
+and test_attn_merge_gpu.py check those against this kind bit for bit).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from mpk_dist.backends.base import GenerateRequest  # noqa: E402
 from mpk_dist.runtime.megakernel_backend import MegakernelBackend  # noqa: E402
 from mpk_dist.taskgraph import lowering_attention  # noqa: E402
 from mpk_dist.runtime.testing import MAX_SEQ, compare_logits, median, model, rand_ids, ref  # noqa: E402
+from mpk_dist.taskgraph.fusion import FUSIONS  # noqa: E402
 
 # The reference's "fp32 accumulation" (as in test_megakernel_gpu.py): no reduced-precision split-K.
 torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
@@ -25,11 +29,12 @@ torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
 FORCED_STEPS = 256
 
 
-def mk(name: str, schedule: str = "aot", attn_splits="auto") -> MegakernelBackend:
-    """A mega-kernel backend (a new one per call: the shared-memory sizing is read when it builds)."""
+def mk(name: str, schedule: str = "aot", attn_splits="auto", fuse=None) -> MegakernelBackend:
+    """A mega-kernel backend with the fused linears only (``fuse``: another fusion list, True = the backend's
+    default); a new one per call: the shared-memory sizing is read when it builds."""
     m = model(name)
     return MegakernelBackend(m.config, m.weights, tp=1, device="cuda", max_seq_len=MAX_SEQ, schedule=schedule,
-                             attn_splits=attn_splits)
+                             attn_splits=attn_splits, fuse=sorted(FUSIONS) if fuse is None else fuse)
 
 
 def forced_request(name: str, batch: int) -> GenerateRequest:
@@ -50,13 +55,17 @@ def _per_warp(monkeypatch) -> None:
                         lambda cg, kind, wt: 0 if kind == "attention_split" else orig(cg, kind, wt))
 
 
-def test_auto_program_is_split():
-    """The backend compiled split attention (a silently unsplit run would prove nothing below)."""
-    b = mk("qwen3-0.6b")
-    cg = b.session(1).cg
+def test_auto_program_is_split(monkeypatch):
+    """The backend compiled split attention (a silently unsplit run would prove nothing below); with its
+    default fusions, as attention_split_prep tiles that merge in the last tile of each head."""
+    cg = mk("qwen3-0.6b").session(1).cg
     kinds = [o["kind"] for o in cg.meta["ops"]]
-    assert kinds.count("attention_split") == 28 and "attention" not in kinds
+    assert kinds.count("attention_split") == 28 and kinds.count("attention_merge") == 28 and "attention" not in kinds
     assert cg.meta["attn_splits"] == "auto"
+    monkeypatch.delenv("MPK_FUSE_ATTN_PREP", raising=False)
+    monkeypatch.delenv("MPK_FUSE_ATTN_MERGE", raising=False)
+    kinds = [o["kind"] for o in mk("qwen3-0.6b", fuse=True).session(1).cg.meta["ops"]]
+    assert kinds.count("attention_split_prep") == 28 and not {"attention_split", "attention_merge", "qkv_prep"} & set(kinds)
 
 
 # The per-warp path runs only where the launch's shared memory can be withheld below the staged need:
