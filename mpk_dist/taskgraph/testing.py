@@ -130,3 +130,11 @@ def uncaught_edge_deletions(cgs: list[CompiledGraph], ws, layer: int, feed: torc
             if not mutation_caught([mutate(cg, k) for cg in cgs], ws, baseline, feed, start):
                 missed.append(f"{what} row {k}")
     return missed, tried
+
+
+def preset_or_short(name: str) -> ModelConfig:
+    """A preset, or 'qwen3-0.6b-2l': qwen3-0.6b's layer shapes (16 q / 8 kv heads of 128) with 2 layers and a
+    512-token vocabulary, small enough for the interpreter."""
+    if name == "qwen3-0.6b-2l":
+        return dataclasses.replace(get_preset("qwen3-0.6b"), num_layers=2, vocab_size=512)
+    return get_preset(name)

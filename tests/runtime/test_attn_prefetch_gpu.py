@@ -49,24 +49,33 @@ def mk(prefetch: int, splits, bulk: int = 0, ahead: int = 0):
     return _BACKENDS[key]
 
 
-@pytest.mark.parametrize("splits", [1, "auto"])
-@pytest.mark.parametrize("batch", [1, 4])
-def test_prefetch_leaves_the_logits_bitwise(batch, splits, gpu_results):
+def request(batch: int, seed: int) -> GenerateRequest:
+    """Teacher-forced: PROMPT-token prompts (one per sequence), then STEPS forced tokens, with logits."""
     assert PROMPT + STEPS < MAX_SEQ
     vocab = model(NAME).config.vocab_size
-    req = GenerateRequest([rand_ids(PROMPT, vocab, 60 + b) for b in range(batch)], STEPS + 1,
-                          force_tokens=rand_ids(STEPS, vocab, 70), want_logits=True)
-    got, base = mk(1, splits).generate(req), mk(0, splits).generate(req)
-    assert "#define MPK_ATTN_PREFETCH 0" in mk(0, splits).session(batch).source, "the variant did not run"
+    return GenerateRequest([rand_ids(PROMPT, vocab, seed + b) for b in range(batch)], STEPS + 1,
+                           force_tokens=rand_ids(STEPS, vocab, seed + 10), want_logits=True)
+
+
+def check_bitwise(what: str, on, off, req: GenerateRequest, gpu_results) -> None:
+    """``on`` and ``off`` give the same logits bit for bit, and ``on``'s are within tolerance of torch."""
+    got, base = on.generate(req), off.generate(req)
     same = bool(torch.equal(got.logits, base.logits))
     err, agree = compare_logits(got.logits, ref(NAME).generate(req).logits)
-    gpu_results.append({"case": f"attn prefetch on/off, splits {splits}, {NAME} b{batch} prompt {PROMPT}",
+    gpu_results.append({"case": f"{what} on/off, {NAME} b{len(req.prompts)} prompt {PROMPT}",
                         "steps": got.logits.shape[0], "max_err/std": f"{err:.4f}", "argmax_agree": f"{agree:.4f}",
                         "tokens_equal": same,
                         "ms/token": f"{median(got.per_token_ms):.3f}/{median(base.per_token_ms):.3f}",
                         "ok": same and err <= 0.03 and agree >= 0.99})
-    assert same, "attention prefetch on and off give different logits (a hint: designed bit-identical)"
+    assert same, f"{what} on and off give different logits (a hint: designed bit-identical)"
     assert err <= 0.03 and agree >= 0.99, f"vs torch: {err:.4f} / {agree:.4f}"
+
+
+@pytest.mark.parametrize("splits", [1, "auto"])
+@pytest.mark.parametrize("batch", [1, 4])
+def test_prefetch_leaves_the_logits_bitwise(batch, splits, gpu_results):
+    assert "#define MPK_ATTN_PREFETCH 0" in mk(0, splits).session(batch).source, "the variant did not run"
+    check_bitwise(f"attn prefetch, splits {splits}", mk(1, splits), mk(0, splits), request(batch, 60), gpu_results)
 
 
 @pytest.mark.parametrize("splits", [1, "auto"])
@@ -76,21 +85,9 @@ def test_bulk_and_ahead_prefetch_leave_the_logits_bitwise(batch, splits, gpu_res
     the line prefetches issued at each task's own turn: the same logits, bit for bit."""
     from mpk_dist.runtime.task_records import FLAG_BULK_PREFETCH, REC_FLAGS, REC_PREFETCH_NEXT
 
-    vocab = model(NAME).config.vocab_size
-    req = GenerateRequest([rand_ids(PROMPT, vocab, 80 + b) for b in range(batch)], STEPS + 1,
-                          force_tokens=rand_ids(STEPS, vocab, 90), want_logits=True)
     on, off = mk(1, splits, bulk=1, ahead=1), mk(1, splits)
-    got, base = on.generate(req), off.generate(req)
     rec = on.session(batch).records.cpu().numpy()
     assert (rec[:, REC_FLAGS] & FLAG_BULK_PREFETCH).all() and (rec[:, REC_PREFETCH_NEXT] > 0).any(), \
         "the variant's records do not carry the switches"
     assert on.session(batch).build.path == off.session(batch).build.path, "record switches must not change the binary"
-    same = bool(torch.equal(got.logits, base.logits))
-    err, agree = compare_logits(got.logits, ref(NAME).generate(req).logits)
-    gpu_results.append({"case": f"bulk+ahead prefetch on/off, splits {splits}, {NAME} b{batch} prompt {PROMPT}",
-                        "steps": got.logits.shape[0], "max_err/std": f"{err:.4f}", "argmax_agree": f"{agree:.4f}",
-                        "tokens_equal": same,
-                        "ms/token": f"{median(got.per_token_ms):.3f}/{median(base.per_token_ms):.3f}",
-                        "ok": same and err <= 0.03 and agree >= 0.99})
-    assert same, "bulk/ahead prefetch on and off give different logits (hints: designed bit-identical)"
-    assert err <= 0.03 and agree >= 0.99, f"vs torch: {err:.4f} / {agree:.4f}"
+    check_bitwise(f"bulk+ahead prefetch, splits {splits}", on, off, request(batch, 80), gpu_results)

@@ -6,8 +6,6 @@ merged layer is necessary."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -15,26 +13,14 @@ from mpk_dist.models.presets import get_preset
 from mpk_dist.taskgraph import fusion
 from mpk_dist.taskgraph.interpreter import Interpreter, _Launch
 from mpk_dist.taskgraph.levels import level_summary
-from mpk_dist.taskgraph.testing import fp32, max_rel_err, programs, reference, uncaught_edge_deletions, weights
+from mpk_dist.taskgraph.testing import (fp32, max_rel_err, preset_or_short, programs, reference,
+                                        uncaught_edge_deletions, weights)
 
 DEFAULT = sorted(fusion.FUSIONS)
 MERGE = DEFAULT + ["attn_merge"]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiles are tiny matmuls: with 2 intra-op threads on a loaded 2-core machine they spin ~1000x longer."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-def cfg_of(name: str):
-    """A preset, or 'qwen3-0.6b-2l': qwen3-0.6b's layer shapes (16 q / 8 kv heads of 128) with 2 layers."""
-    if name == "qwen3-0.6b-2l":
-        return dataclasses.replace(get_preset("qwen3-0.6b"), num_layers=2, vocab_size=512)
-    return get_preset(name)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_no_merge_op_and_one_level_less():
@@ -60,7 +46,7 @@ CASES = [("tiny", 1, 1, 4, []), ("tiny", 2, 4, 3, []), ("tiny-llama", 2, 1, 2, [
 def test_logits_bit_identical_to_merge_tiles(name, tp, batch, splits, extra):
     """bf16, teacher-forced then greedy, sequences at different positions, race checks on (the ticket's
     acquire is what orders the last tile's reads of the other ranges' partials)."""
-    cfg = cfg_of(name)
+    cfg = preset_or_short(name)
     ws = weights(cfg, tp, batch=batch)
     feed = torch.tensor([[7, 11, 300, 5][:batch]] + [[13, -1, 2, -1][:batch]] + [[-1] * batch] * 2)
     start = torch.tensor([0, 9, 3, 30][:batch], dtype=torch.int32)

@@ -4,40 +4,24 @@ less per layer, tiles that wait only on their own qkv columns, every edge of a f
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import pytest
 import torch
 
-from mpk_dist.models.presets import get_preset
 from mpk_dist.taskgraph import fusion
 from mpk_dist.taskgraph.abi import TASK_COLS
 from mpk_dist.taskgraph.interpreter import Interpreter
 from mpk_dist.taskgraph.levels import _producers, level_summary
 from mpk_dist.taskgraph.lowering_attn_prep import attn_prep_smem_bytes
 from mpk_dist.taskgraph.tasks import BY_NAME
-from mpk_dist.taskgraph.testing import (fp32, max_rel_err, programs, reference,
+from mpk_dist.taskgraph.testing import (fp32, max_rel_err, preset_or_short, programs, reference,
                                         uncaught_edge_deletions, weights)
 
 DEFAULT = sorted(fusion.FUSIONS)
 WITH = DEFAULT + ["attn_prep"]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiles are tiny matmuls: with 2 intra-op threads on a loaded 2-core machine they spin ~1000x longer."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-def cfg_of(name: str):
-    """A preset, or 'qwen3-0.6b-2l': qwen3-0.6b's layer shapes (16 q / 8 kv heads of 128) with 2 layers, 512 tokens."""
-    if name == "qwen3-0.6b-2l":
-        return dataclasses.replace(get_preset("qwen3-0.6b"), num_layers=2, vocab_size=512)
-    return get_preset(name)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _kinds(cg, layer: int) -> list[str]:
@@ -100,7 +84,7 @@ def test_tile_waits_only_on_its_qkv_columns():
 @pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize("name", ["tiny", "tiny-llama", "qwen3-0.6b-2l"])
 def test_one_level_less_per_layer(name, tp):
-    cfg = cfg_of(name)
+    cfg = preset_or_short(name)
     base, fused = (programs(cfg, tp, fuse=f)[0] for f in (DEFAULT, WITH))
     a, b = level_summary(base), level_summary(fused)
     assert b["per_layer"] == [n - 1 for n in a["per_layer"]]
@@ -117,7 +101,7 @@ def test_bf16_logits_bit_identical_to_unfused(name, tp, batch):
     """bf16 (the GPU's dtype), teacher-forced then greedy, sequences at different positions, race checks
     on: the fused program's logits equal the unfused program's bit for bit (with the default fusions
     on both sides; for one case also both without them)."""
-    cfg = cfg_of(name)
+    cfg = preset_or_short(name)
     ws = weights(cfg, tp, batch=batch)
     feed = torch.tensor([[7, 11, 300, 5][:batch]] + [[13, -1, 2, -1][:batch]] + [[-1] * batch] * 2)
     start = torch.tensor([0, 9, 3, 30][:batch], dtype=torch.int32)
@@ -167,7 +151,7 @@ SPLIT_CASES = [("tiny", 1, 1, 4), ("tiny", 2, 4, 3), ("tiny-llama", 2, 1, 2), ("
 def test_fused_split_logits_bit_identical_to_unfused_split(name, tp, batch, splits):
     """bf16, teacher-forced then greedy, sequences at different positions (so different ranges append),
     race checks on: the fused split program's logits equal the unfused split program's bit for bit."""
-    cfg = cfg_of(name)
+    cfg = preset_or_short(name)
     ws = weights(cfg, tp, batch=batch)
     feed = torch.tensor([[7, 11, 300, 5][:batch]] + [[13, -1, 2, -1][:batch]] + [[-1] * batch] * 2)
     start = torch.tensor([0, 9, 3, 30][:batch], dtype=torch.int32)
