@@ -13,7 +13,7 @@ from mpk_dist.models.presets import get_preset
 from mpk_dist.taskgraph import fusion
 from mpk_dist.taskgraph.interpreter import Interpreter, _Launch
 from mpk_dist.taskgraph.levels import level_summary
-from mpk_dist.taskgraph.testing import (fp32, max_rel_err, preset_or_short, programs, reference,
+from mpk_dist.taskgraph.testing import (assert_schedules_match_reference, fp32, preset_or_short, programs,
                                         uncaught_edge_deletions, weights)
 
 DEFAULT = sorted(fusion.FUSIONS)
@@ -65,14 +65,7 @@ def test_logits_bit_identical_to_merge_tiles(name, tp, batch, splits, extra):
 
 def test_fp32_random_schedules_match_torch_backend():
     cfg = fp32("tiny")
-    cgs, ws = programs(cfg, 2, fuse=MERGE + ["attn_prep"], attn_splits=3), weights(cfg, 2)
-    feed = [[7]] + [[-1]] * 7
-    ref_logits, ref_tokens = reference(cfg, 2, feed)
-    for seed in range(3):
-        res = Interpreter(cgs, ws, seed=seed, mode="aot" if seed % 2 else "jit").run(
-            8, torch.tensor(feed), torch.tensor([0]))
-        assert max_rel_err(res.captured["logits"], ref_logits) <= 1e-5
-        assert torch.equal(res.tokens, ref_tokens)
+    assert_schedules_match_reference(cfg, 2, programs(cfg, 2, fuse=MERGE + ["attn_prep"], attn_splits=3), weights(cfg, 2))
 
 
 def test_a_merge_without_the_ticket_acquire_is_a_race(monkeypatch):
