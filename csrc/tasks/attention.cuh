@@ -112,7 +112,7 @@ __device__ __forceinline__ void attn_warp_store(const float (&acc)[MG][ME], cons
 #endif
 
 // Prefetch k and v rows of positions [begin, end) (clamped to [0, max_seq)) of one kv head into L2.
-// bulk: one bulk prefetch per row (common.cuh prefetch_l2_bulk's engine) when rows are 16-byte aligned.
+// bulk: one bulk prefetch per row (common.cuh bulk_prefetch_l2) when rows are 16-byte aligned.
 __device__ __forceinline__ void attn_prefetch_rows(const bf16* kc, const bf16* vc, int D, size_t kv_ps, int begin,
                                                    int end, int max_seq, bool bulk, int tid, int nt) {
   begin = max(begin, 0);
@@ -124,7 +124,7 @@ __device__ __forceinline__ void attn_prefetch_rows(const bf16* kc, const bf16* v
     const int rows = max(end - begin, 0);
     for (int i = tid; i < 2 * rows; i += nt) {
       const bf16* row = (i >= rows ? vc : kc) + (size_t)(begin + (i >= rows ? i - rows : i)) * kv_ps;
-      asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(row), "r"((uint32_t)row_bytes) : "memory");
+      bulk_prefetch_l2(row, (uint32_t)row_bytes);
     }
     return;
   }

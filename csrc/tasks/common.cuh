@@ -101,7 +101,12 @@ __device__ __forceinline__ void prefetch_l2(const void* p, uint64_t bytes, int t
     asm volatile("prefetch.global.L2 [%0];" ::"l"(c + off));
 }
 
-// The same through the bulk-copy (TMA) engine: each instruction asks for up to kBulkPrefetchChunk bytes
+// One bulk prefetch of [p, p + bytes) into L2 (p 16-byte aligned, bytes a multiple of 16).
+__device__ __forceinline__ void bulk_prefetch_l2(const void* p, uint32_t bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+}
+
+// prefetch_l2 through the bulk-copy (TMA) engine: each instruction asks for up to kBulkPrefetchChunk bytes
 // and returns at once, so the issuing SM's load pipeline stays free (a line prefetch occupies it like a
 // load: the v0.4 trace's 3.9 us to issue 256 KB). The unaligned head and the tail below 16 bytes go by
 // line prefetches. Best effort, no completion to wait for.
@@ -119,7 +124,7 @@ __device__ __forceinline__ void prefetch_l2_bulk(const void* p, uint64_t bytes, 
   }
   for (uint64_t off = (uint64_t)tid * kBulkPrefetchChunk; first + off < last; off += (uint64_t)nt * kBulkPrefetchChunk) {
     const uint64_t n = min((uint64_t)kBulkPrefetchChunk, (uint64_t)(last - first - off));
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(first + off), "r"((uint32_t)n) : "memory");
+    bulk_prefetch_l2(reinterpret_cast<const void*>(first + off), (uint32_t)n);
   }
 }
 

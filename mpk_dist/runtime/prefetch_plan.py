@@ -99,8 +99,13 @@ def prefetch_plan(cg, workers: int, l2_bytes: int) -> np.ndarray:
     ``L2_SHARE * l2_bytes`` when the op's blocks together exceed it (0 when their own worker runs one
     of the narrow producers first); every other task gets -1.
     """
+    return _plan_of(cg, _narrow_tiles(cg, workers, l2_bytes))
+
+
+def _plan_of(cg, tiles: dict[int, tuple[int, set[int]]]) -> np.ndarray:
+    """prefetch_plan's array from ``_narrow_tiles``' result."""
     plan = np.full(cg.arrays["tasks"].shape[0], -1, np.int32)
-    for t, (nbytes, narrow) in _narrow_tiles(cg, workers, l2_bytes).items():
+    for t, (nbytes, narrow) in tiles.items():
         plan[t] = 0 if _runs_a_producer_first(cg, t, narrow) else nbytes
     return plan
 
@@ -114,9 +119,9 @@ def hoist_ahead(cg, workers: int, l2_bytes: int) -> tuple[np.ndarray, np.ndarray
     producer right before it (0 in ``prefetch_plan``) gets its bytes this way too. aot only: the jit
     schedule has no fixed predecessor."""
     tasks = cg.arrays["tasks"]
-    plan = prefetch_plan(cg, workers, l2_bytes)
-    ahead = np.zeros(tasks.shape[0], np.int32)
     tiles = _narrow_tiles(cg, workers, l2_bytes)
+    plan = _plan_of(cg, tiles)
+    ahead = np.zeros(tasks.shape[0], np.int32)
     linear_ops = {BY_NAME[k].opcode for k in LINEAR_KINDS}
     offs, lst = cg.arrays["worker_offsets"], cg.arrays["worker_tasks"]
     for w in range(len(offs) - 1):
