@@ -5,10 +5,12 @@ fixes every input's imap and fmap (a tensor is split where it carries the symbol
 loop-invariant where it does not). For each layout the body ops (run per iteration, each must
 depend on the loop) and post ops (after the loop) are enumerated depth-first up to
 ``max_block_ops``, in canonical order: a new op either uses the previous op's result or has a
-larger key than the previous op, so each block graph is generated once. Every new tensor's
-abstract expression goes through the pruning oracle. Tile sizes do not change which graphs are
-valid, so structures are enumerated once per layout and then instantiated for every grid and loop
-count (``instantiate``); the cost model picks the counts.
+larger key than the previous op (a neighbour rule: a graph can still come out in several op
+orders). Every new tensor's abstract expression goes through the pruning oracle. The last custom
+op of a kernel graph is enumerated by ``blockmemo`` instead (each graph once, equivalent
+prefixes merged); ``enumerate_layout`` picks the enumerator. Tile sizes do not change which
+graphs are valid, so structures are enumerated once per layout and then instantiated for every
+grid and loop count (``instantiate``); the cost model picks the counts.
 """
 
 from __future__ import annotations
@@ -261,10 +263,14 @@ def representative_sizes(layout: Layout, infos: dict, sym_size: dict, config) ->
 
 
 def enumerate_layout(ctx: Context, layout: Layout, infos: dict, final: bool = False,
-                     early_bound: bool = True) -> list:
+                     early_bound: bool = True, dedup: bool | None = None) -> list:
     """All complete structures of one layout (see module docstring).
 
-    ``final``: the op will be the last kernel op, so it has exactly one output (the target).
+    ``final``: the op will be the last kernel op, so it has exactly one output (the target);
+    with ``dedup`` (default: ``ctx.config.dedup``, True) its block graphs come from
+    ``blockmemo.MemoEnumerator``: each graph once, in canonical order, only those whose output
+    can be the target's (``FinalFilter``). ``dedup=False`` (and every non-final op) grows prefixes
+    one by one (``_Builder``), which may produce a graph in several op orders.
     ``early_bound=False`` checks the dangling-tensor bound only on entering a prefix instead of
     before inferring each op (the same structures, more work; tests compare the two).
     """
@@ -277,6 +283,16 @@ def enumerate_layout(ctx: Context, layout: Layout, infos: dict, final: bool = Fa
     if sizes is None:
         return []
     outs = 1 if final else ctx.config.max_block_outputs
+    if final and (ctx.config.dedup if dedup is None else dedup):
+        from mpk_dist.superopt.blockmemo import FinalFilter, MemoEnumerator
+
+        enum = MemoEnumerator(ctx, layout, infos, sizes, outs,
+                              FinalFilter(ctx.target, layout, sym_size))
+        graphs = enum.run()
+        for key, n in (("deduplicated", enum.deduplicated), ("states", enum.states),
+                       ("mismatched", enum.mismatched)):
+            ctx.counts[key] = ctx.counts.get(key, 0) + n
+        return enum.structures(graphs)
     return _Builder(ctx, layout, infos, sizes, outs, early_bound).run()
 
 

@@ -18,8 +18,11 @@ from mpk_dist.superopt.graph import Graph
 from mpk_dist.superopt.search import SearchResult, superoptimize
 
 # Columns of the comparison table: (stat key, header).
+# deduplicated / mismatched: prefixes merged into an explored state and last-op block graphs
+# whose output cannot be the target's (blockmemo), counted apart from what pruning removes.
 COLUMNS = (("explored", "explored"), ("pruned", "pruned"), ("z3_queries", "z3 queries"),
-           ("cache_hits", "cache hits"), ("complete_graphs", "complete"),
+           ("cache_hits", "cache hits"), ("deduplicated", "deduplicated"),
+           ("mismatched", "mismatched"), ("complete_graphs", "complete"),
            ("verified", "verified"), ("rejected", "rejected"), ("seconds", "seconds"))
 
 

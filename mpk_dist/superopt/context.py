@@ -23,6 +23,7 @@ class SearchConfig:
     prune: bool = True
     keep: int = 6           # verified candidates to return
     trials: int = 3         # finite-field trials per candidate
+    dedup: bool = True      # last custom ops: one state per distinct future (blockmemo)
 
 
 @dataclass
@@ -45,13 +46,17 @@ class Context:
         if self.oracle is None:
             self.oracle = SubexprOracle(self.target.out_expr, self.target.closure)
 
-    def keep(self, e: tuple) -> bool:
-        """Pruning decision for a new tensor's abstract expression (always True unpruned)."""
+    def keep(self, e) -> bool:
+        """Pruning decision for a new tensor's abstract expression (always True unpruned).
+
+        ``e``: the expression, or a callable returning it (built only when pruning needs it)."""
         self.counts["explored"] += 1
         if self.progress is not None and not self.counts["explored"] & 1023:
             self.tick()
         if not self.config.prune:
             return True
+        if callable(e):
+            e = e()
         if self.oracle.is_sub(e):
             return True
         self.counts["pruned"] += 1

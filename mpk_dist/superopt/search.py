@@ -27,7 +27,9 @@ from mpk_dist.superopt.cost import H200
 from mpk_dist.superopt.ugraph import DTYPE_BYTES, UGraph, _numel
 from mpk_dist.superopt.verify import verify
 
-CACHE_FORMAT = 2  # 2: grid counts costed at their first loop count that fits in shared memory
+# 2: grid counts costed at their first loop count that fits in shared memory
+# 3: last custom ops from blockmemo (each block graph once, in canonical order)
+CACHE_FORMAT = 3
 STAT_KEYS = ("explored", "pruned", "z3_queries", "cache_hits", "verified", "rejected", "seconds")
 
 
@@ -96,7 +98,8 @@ def superoptimize(g: Graph, max_kernel_ops: int = 2, max_block_ops: int = 6,
     """Find the cheapest verified µGraph computing ``g``'s output.
 
     bounds: further SearchConfig fields (grid_counts, loop_counts, max_grid_dims,
-    max_custom_inputs, max_block_outputs, keep, trials).
+    max_custom_inputs, max_block_outputs, keep, trials, dedup: False enumerates last custom ops
+    prefix by prefix as before blockmemo, for comparisons).
     processes: worker processes for the block-graph enumeration (default: CPU count, at most 8;
     1 runs in this process).
     rank: optional callable taking the verified candidates and returning them reordered (the

@@ -159,16 +159,22 @@ class BlockGraph:
         return "\n".join(rows)
 
 
-def _op_text(op: BlockOp) -> str:
-    args = ", ".join(op.inputs)
-    if op.kind == "chain":
-        name = f"chain[{chain_text(op.attr('prog'))}]"
-    elif op.kind == "sum":
-        name = f"sum[dim={op.attr('dim')}{'' if op.attr('keepdim', True) else ',drop'}]"
+def op_call_text(kind: str, attrs: tuple, args: tuple) -> str:
+    """``kind[attrs](args)`` as a block op prints in ``BlockGraph.text`` (and so in
+    ``UGraph.key``); the canonical op order of the block enumeration compares these strings."""
+    a = dict(attrs)
+    if kind == "chain":
+        name = f"chain[{chain_text(a['prog'])}]"
+    elif kind == "sum":
+        name = f"sum[dim={a['dim']}{'' if a.get('keepdim', True) else ',drop'}]"
     else:
-        name = op.kind
+        name = kind
+    return f"{name}({', '.join(args)})"
+
+
+def _op_text(op: BlockOp) -> str:
     src = f"  # {op.origin}" if op.origin else ""
-    return f"{op.out} = {name}({args}) {op.info.shape}{src}"
+    return f"{op.out} = {op_call_text(op.kind, op.attrs, op.inputs)} {op.info.shape}{src}"
 
 
 def _numel(shape: tuple) -> int:

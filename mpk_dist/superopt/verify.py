@@ -10,6 +10,8 @@ are equal as formulas but numerically unstable (none of our rewrites are, but a 
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 
 from mpk_dist.superopt.field import FieldAlgebra
@@ -18,13 +20,41 @@ from mpk_dist.superopt.interp import run_float, run_graph, run_ugraph
 from mpk_dist.superopt.ugraph import UGraph
 
 
+# The target's side of a trial is the same for every candidate (same seed, same inputs), and at
+# decode shapes it is a third of the verification time: it is kept for the last few
+# (graph signature, seed) pairs. Candidates get a copy of the trial's algebra as it was right
+# after the target ran, so every candidate sees exactly what it would see without the cache.
+_REFS: dict = {}
+_MAX_REFS = 8
+
+
+def _cached(key, make):
+    hit = _REFS.get(key)
+    if hit is None:
+        if len(_REFS) >= _MAX_REFS:
+            _REFS.clear()
+        hit = _REFS[key] = make()
+    return hit
+
+
+def _field_trial(g: Graph, seed: int) -> tuple:
+    """(algebra after the target ran, inputs, target output) of one finite-field trial."""
+    def make():
+        alg = FieldAlgebra(seed)
+        feeds = {n: alg.random_input(s) for n, s in g.input_shapes().items()}
+        return alg, feeds, run_graph(alg, g, feeds)
+
+    alg, feeds, ref = _cached(("field", g.signature(), seed), make)
+    fresh = copy.copy(alg)  # the random functions drawn so far, and the generator's state
+    fresh.consts = dict(alg.consts)
+    fresh.rng = copy.deepcopy(alg.rng)
+    return fresh, feeds, ref
+
+
 def verify_field(ug: UGraph, g: Graph, trials: int = 3, seed: int = 0) -> bool:
     """True when ``ug`` equals the target on ``trials`` independent finite-field tests."""
-    shapes = g.input_shapes()
     for t in range(trials):
-        alg = FieldAlgebra(seed * 1000 + t)
-        feeds = {n: alg.random_input(s) for n, s in shapes.items()}
-        ref = run_graph(alg, g, feeds)
+        alg, feeds, ref = _field_trial(g, seed * 1000 + t)
         try:
             out = run_ugraph(alg, ug, feeds)
         except (ValueError, IndexError, KeyError):
@@ -85,8 +115,8 @@ def torch_reference(g: Graph, feeds: dict) -> np.ndarray:
 
 def verify_float(ug: UGraph, g: Graph, seed: int = 0, rtol: float = 2e-3) -> bool:
     """True when ``ug`` in float32 matches torch's float32 result of the target."""
-    feeds = float_inputs(g, seed)
-    ref = torch_reference(g, feeds)
+    feeds, ref = _cached(("float", g.signature(), seed),
+                         lambda: (lambda f: (f, torch_reference(g, f)))(float_inputs(g, seed)))
     try:
         out = run_float(ug, feeds, dtype=np.float32)[0]
     except (ValueError, IndexError, KeyError):

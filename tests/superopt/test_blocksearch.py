@@ -18,7 +18,7 @@ def _enumerate(target, names, prune: bool, final: bool, early: bool, block_ops: 
     out = []
     for lay in B.layouts(names, infos, 1):
         out += [(lay, s.body, s.post, s.outputs)
-                for s in B.enumerate_layout(ctx, lay, infos, final, early_bound=early)]
+                for s in B.enumerate_layout(ctx, lay, infos, final, early_bound=early, dedup=False)]
     return out, ctx.counts["explored"]
 
 

@@ -1,0 +1,736 @@
+"""Block graphs enumerated once per distinct future (observational equivalence of prefixes).
+
+``blocksearch._Builder`` grows a block graph op by op and explores every prefix on its own. Two
+prefixes often have the same future: ``(a*b)*c`` and ``a*(b*c)`` leave the same dangling tensor,
+and which intermediates made it no longer matters once nobody will read them again. This
+enumerator searches *states* instead of prefixes. A state holds only what the remaining ops can
+see and what a complete graph still owes:
+
+* the ops used so far and the phase (body of the for-loop, or after it);
+* the inputs nobody read yet (inputs themselves stay readable);
+* the **dangling** tensors (nobody read them: they must be read or become outputs);
+* the **kept** tensors: read already, and read again later. When an op reads a computed tensor
+  the search branches: keep it (a promise: it must be read again) or forget it (that was its last
+  read). Every block graph has exactly one such sequence of decisions per op order, so nothing
+  is lost or invented.
+
+A tensor is its ``TensorInfo`` (shape, index symbols, abstract expression): every enumeration rule
+(validity, the pruning oracle, no recomputation) looks at nothing else, so prefixes that reach the
+same state have the same completions. Each state's completions are computed once (``memo``); a
+prefix that reaches a known state is counted in ``deduplicated`` and reuses them. Tensors are small
+ints (nodes), found by recipe or by a fingerprint of the expression (``Fingerprint``) that is
+confirmed on the expressions, which are built only when needed. Completions are
+sets of ops, so a block graph comes out once however many op orders lead to it, written in its
+canonical order (``canonical_order``): of its topological orders, the one whose text
+(``UGraph.key``) is smallest, i.e. the one the search's ranking (cost, then text) would prefer.
+
+The no-recomputation rule (no tensor repeats the abstract expression of an input or of another
+op) reaches forgotten tensors too: the state checks the tensors it remembers, and a completion is
+joined to an op only if none of its results repeats that op's expression.
+
+``accept`` (``FinalFilter`` for the last custom op of a kernel graph) filters complete graphs by
+their single output. The kernel search keeps a last custom op only if its output has the target's
+abstract expression and shape at the counts the cost model picks; ``FinalFilter`` is a necessary
+condition of that test that holds at every count, so the kept graphs are exactly those the later
+test could accept; the others are counted (``mismatched``), not stored, costed and discarded one
+by one. Every state is still visited. A scalar fingerprint of the output (``Fingerprint``) is
+checked before its expression is built: building expressions is most of the cost, and most last
+ops fail.
+"""
+
+from __future__ import annotations
+
+import random
+import zlib
+
+from mpk_dist.superopt import expr as E
+from mpk_dist.superopt.inference import candidate_ops, infer, intern, is_stack_sym
+from mpk_dist.superopt.ugraph import TensorInfo, op_call_text
+
+_COMMUTATIVE = ("mul", "add")
+
+
+# -- the last op's test ------------------------------------------------------------------------
+def strip_sums(t: tuple, memo: dict) -> tuple:
+    """``t`` with every reduction removed (``sum_n(x)`` -> ``x``), re-normalized.
+
+    Tile and loop counts change reduction sizes, and a reduction over a tile dim of extent 1
+    vanishes (``sum_1(x) = x``), but every canonical constructor commutes with this map, so the
+    stripped expression of a block tensor is the same at every count: equal stripped expressions
+    are necessary for equal expressions at any counts."""
+    hit = memo.get(id(t))
+    if hit is not None and hit[0] is t:
+        return hit[1]
+    head = t[0]
+    if head in ("v", "c"):
+        out = t
+    elif head == "sum":
+        out = strip_sums(t[2], memo)
+    elif head == "add":
+        out = E.mk_add([strip_sums(a, memo) for a in t[1]])
+    elif head == "mul":
+        out = E.mk_mul([strip_sums(a, memo) for a in t[1]])
+    else:
+        out = {"inv": E.mk_inv, "exp": E.mk_exp, "sqrt": E.mk_sqrt}[head](strip_sums(t[1], memo))
+    memo[id(t)] = (t, out)  # keeps t alive, so its id stays unique
+    return out
+
+
+# -- fingerprints -------------------------------------------------------------------------------
+# p = 2*R*Q2 + 1 (prime, 61 bits; R and Q2 primes near 2^30), W of order R in Z_p*, and K with
+# K = 1 mod 2R, K = -1 mod Q2, so x -> x**K is a multiplicative involution of Z_p* other than the
+# inverse: inv(inv(x)) = x and inv(x*y) = inv(x)*inv(y) hold, x*inv(x) = 1 does not (the abstract
+# expressions do not simplify x/x either, and a field inverse would give every x/x one value).
+P61 = 2305842296249143607
+R30 = 1073741789
+K61 = 1452152591141073327
+W61 = 1647088814001249575
+
+
+class Fingerprint:
+    """A value in Z_p x Z_r per abstract expression, computed op by op without building it.
+
+    Inputs and constants are fixed pseudo-random pairs; add and mul act on both parts; inv is
+    x**K on the p part (see K61) and the identity on the r part; exp maps the r part to W**b mod p
+    (W of order r, so exp(a + b) = exp(a) * exp(b)) and sets the r part to 1; sqrt is a fixed random
+    cubic per part; a reduction over n elements multiplies by n (``sized``) or is the identity
+    (stripped, ``sized=False``). Every rewrite ``expr.normalize`` applies (associativity,
+    commutativity, distributivity, inverses of products and of inverses, exp of a sum, moving
+    factors into reductions, merging and distributing reductions, sum_1(x) = x) holds for these
+    values, so equal canonical expressions have equal fingerprints; unequal ones rarely collide.
+    ``of_expr`` computes the same value from an expression tuple (a test checks they agree).
+    """
+
+    def __init__(self, sized: bool = True) -> None:
+        self.sized, self.p, self.q, self.w, self.k = sized, P61, R30, W61, K61
+        rnd = random.Random(7)
+        self.sqrt_p = [rnd.randrange(self.p) for _ in range(4)]
+        self.sqrt_q = [rnd.randrange(self.q) for _ in range(4)]
+        self.inv_memo: dict = {}
+        self.atoms: dict = {}
+        self.memo: dict = {}
+
+    def atom(self, t: tuple) -> tuple:
+        """The pair of an input ``("v", name)`` or constant ``("c", value)`` (fixed per atom)."""
+        hit = self.atoms.get(t)
+        if hit is None:
+            rnd = random.Random(zlib.crc32(repr(t).encode()))
+            hit = self.atoms[t] = (rnd.randrange(1, self.p), rnd.randrange(1, self.q))
+        return hit
+
+    def add(self, a: tuple, b: tuple) -> tuple:
+        return (a[0] + b[0]) % self.p, (a[1] + b[1]) % self.q
+
+    def mul(self, a: tuple, b: tuple) -> tuple:
+        return a[0] * b[0] % self.p, a[1] * b[1] % self.q
+
+    def inv(self, a: tuple) -> tuple:
+        hit = self.inv_memo.get(a)
+        if hit is None:
+            hit = self.inv_memo[a] = (pow(a[0], self.k, self.p), a[1])
+        return hit
+
+    def exp(self, a: tuple) -> tuple:
+        return pow(self.w, a[1], self.p), 1
+
+    def sqrt(self, a: tuple) -> tuple:
+        cp, cq = self.sqrt_p, self.sqrt_q
+        x, y = a
+        return ((cp[0] + x * (cp[1] + x * (cp[2] + x * cp[3]))) % self.p,
+                (cq[0] + y * (cq[1] + y * (cq[2] + y * cq[3]))) % self.q)
+
+    def reduce(self, n: int, a: tuple) -> tuple:
+        """The fingerprint of a reduction over ``n`` elements of ``a``."""
+        return (a[0] * n % self.p, a[1] * n % self.q) if self.sized else a
+
+    def of_expr(self, t: tuple) -> tuple:
+        """The fingerprint of an abstract expression tuple."""
+        hit = self.memo.get(id(t))
+        if hit is not None and hit[0] is t:
+            return hit[1]
+        head = t[0]
+        if head in ("v", "c"):
+            out = self.atom(t)
+        elif head == "sum":
+            out = self.reduce(t[1], self.of_expr(t[2]))
+        elif head in ("add", "mul"):
+            f = self.add if head == "add" else self.mul
+            out = self.of_expr(t[1][0])
+            for a in t[1][1:]:
+                out = f(out, self.of_expr(a))
+        else:
+            out = getattr(self, head)(self.of_expr(t[1]))
+        self.memo[id(t)] = (t, out)  # keeps t alive, so its id stays unique
+        return out
+
+    def chain(self, prog, x: tuple) -> tuple:
+        """The fingerprint of a chain program applied to ``x`` (as ``target.chain_expr``)."""
+        if prog == "x":
+            return x
+        if isinstance(prog, float):
+            return self.atom(E.const(prog))
+        op, *args = prog
+        sub = [self.chain(a, x) for a in args]
+        if op == "add":
+            return self.add(*sub)
+        if op == "mul":
+            return self.mul(*sub)
+        if op == "div":
+            return self.mul(sub[0], self.inv(sub[1]))
+        return getattr(self, op)(sub[0])
+
+    def op(self, kind: str, attrs: dict, args: list, extent: int) -> tuple:
+        """The fingerprint of a block op's result from its operands' fingerprints; ``extent``:
+        the reduced extent of a sum or matmul."""
+        if kind == "matmul":
+            return self.reduce(extent, self.mul(args[0], args[1]))
+        if kind == "mul":
+            return self.mul(args[0], args[1])
+        if kind == "div":
+            return self.mul(args[0], self.inv(args[1]))
+        if kind == "add":
+            return self.add(args[0], args[1])
+        if kind == "sum":
+            return self.reduce(extent, args[0])
+        return self.chain(attrs["prog"], args[0])
+
+
+class FinalFilter:
+    """The test a last custom op's output must pass to be kept: False only when no grid or loop
+    count can give it the target's abstract expression and shape (``KernelSearch`` requires both
+    of the last op's output, at the counts the cost model picks).
+
+    Shape: without a STACK dim the output shape does not depend on the counts
+    (``kernelsearch._may_have_shape``). Expression: counts change reduction sizes (and a
+    reduction over a tile dim of extent 1 vanishes), so the sizes are dropped: the output's
+    stripped fingerprint (``Fingerprint(sized=False)``) must equal the target's. Equal expressions
+    have equal stripped fingerprints at any counts, so nothing that could pass is dropped; a false
+    match only costs the full check later."""
+
+    def __init__(self, target, layout, sym_size: dict) -> None:
+        self.fp = Fingerprint(sized=False)
+        self.want = self.fp.of_expr(target.out_expr)
+        self.strip_memo: dict = {}
+        self.want_expr = strip_sums(target.out_expr, self.strip_memo)
+        self.out_shape = target.graph.nodes[target.out_node].shape
+        self.grid = set(layout.grid_syms)
+        self.sym_size = sym_size
+
+    def shape_ok(self, shape: tuple, syms: tuple) -> bool:
+        """Can an output of this tile shape be the target's shape at some counts?"""
+        if any(g not in syms for g in self.grid) or any(is_stack_sym(s) for s in syms):
+            return True  # a STACK dim: its extent is a grid count, left to the full check
+        full = tuple(self.sym_size[s] if s in self.grid else d for d, s in zip(shape, syms))
+        return full == self.out_shape
+
+    def __call__(self, shape: tuple, syms: tuple, stripped_fp: tuple) -> bool:
+        """The cheap test: shape and stripped fingerprint (no expression needed)."""
+        return stripped_fp == self.want and self.shape_ok(shape, syms)
+
+    def exact(self, info: TensorInfo) -> bool:
+        """The exact test on stripped expressions, for outputs that passed the cheap one."""
+        return strip_sums(info.expr, self.strip_memo) == self.want_expr
+
+
+# -- the enumerator -----------------------------------------------------------------------------
+class MemoEnumerator:
+    """Complete block graphs of one layout at representative counts (module docstring).
+
+    ``run()`` returns {op set: result nodes} of every complete graph that passes
+    ``accept`` (every complete graph when ``accept`` is None); ``structures()`` turns op sets into
+    ``blocksearch.Structure`` s. Counters: ``states`` explored, ``deduplicated`` prefixes that
+    reached an explored state, ``mismatched`` complete graphs ``accept`` rejected.
+
+    Tensors are small ints (nodes), one per distinct TensorInfo; see the comment above ``_add``
+    for how they are found without building every expression.
+    """
+
+    def __init__(self, ctx, layout, infos: dict, sizes: dict, max_outputs: int,
+                 accept: FinalFilter | None = None):
+        from mpk_dist.superopt.blocksearch import _tile
+
+        self.ctx = ctx
+        self.layout = layout
+        self.max_ops = ctx.config.max_block_ops
+        self.max_outputs = max_outputs
+        self.accept = accept
+        self.loop = layout.loop_sym
+        self.loop_count = sizes[self.loop] if self.loop else 1
+        self.chains = [p for p, _ in ctx.target.chains]
+        self.fp = Fingerprint()                       # sized: tells expressions apart
+        self.sfp = accept.fp if accept is not None else None
+        # per node: shape, syms, sized fingerprint and its id, stripped fingerprint, recipe,
+        # TensorInfo (None until an expression is needed)
+        self.shape, self.syms, self.fps, self.fpid, self.strip = [], [], [], [], []
+        self.recipe, self.infos = [], []
+        self.by_recipe: dict = {}           # (kind, attr key, operand nodes) -> node
+        self.by_fp: dict = {}               # (shape, syms, fingerprint) -> [nodes]
+        self.by_info: dict = {}             # TensorInfo -> node (eager mode)
+        self.fp_ids: dict = {}              # fingerprint (eager: expression) -> id
+        # With pruning every new tensor's expression goes to the oracle anyway, so it is built
+        # first and identifies the node ("eager"); without pruning nodes are found by fingerprint
+        # and expressions are built only to confirm a match. Both give the same nodes.
+        self.eager = ctx.config.prune
+        grid_split = {s: sizes[s] for s in layout.grid_syms}
+        self.inputs = []                    # [(node, loop-dependent)]
+        for k, n in enumerate(layout.inputs):
+            info = infos[n]
+            dep = self.loop is not None and self.loop in info.syms
+            split = {**grid_split, **({self.loop: sizes[self.loop]} if dep else {})}
+            tile = intern(TensorInfo(_tile(info, split), info.syms, info.expr))
+            node = self._add(tile.shape, tile.syms,
+                             info.expr if self.eager else self.fp.of_expr(info.expr),
+                             self.sfp.of_expr(info.expr) if self.sfp else None, ("in", k), tile)
+            self.by_info[tile] = node
+            self.inputs.append((node, dep))
+        self.input_fpids = {self.fpid[i] for i, _ in self.inputs}
+        self.memo: dict = {}
+        self.acc_of: dict = {}              # body node -> accumulator node (None: cannot leave)
+        # operand shapes -> valid ops and result shapes: depends on the target's chains only,
+        # so it is shared by every layout and input subset of one search
+        self.shape_ops: dict = ctx.target.__dict__.setdefault("_block_shape_ops", {})
+        self.deduplicated = 0
+        self.states = 0
+        self.mismatched = 0
+
+    def run(self) -> dict:
+        """{frozenset of op descriptors: frozenset of the nodes the ops make}."""
+        allin = frozenset(range(len(self.inputs)))
+        if self.loop is None:
+            return self._post(0, allin, frozenset(), frozenset(), frozenset(), frozenset())
+        return self._body(0, allin, frozenset(), frozenset())
+
+    def structures(self, graphs) -> list:
+        """``Structure`` s of the op sets ``graphs``, each in its canonical order, sorted."""
+        from mpk_dist.superopt.blocksearch import Structure
+
+        out = [Structure(self.layout, *canonical_order(ops)) for ops in graphs]
+        out.sort(key=lambda s: (s.body, s.post, s.outputs))
+        return out
+
+    # -- tensors ----------------------------------------------------------------------------
+    # A node is a TensorInfo. Building abstract expressions is most of the cost of a new tensor,
+    # so a node is found by its recipe (the same op on the same nodes) or by its sized
+    # fingerprint, and expressions are built only to confirm a fingerprint match (equal
+    # expressions have equal fingerprints, not always the converse), for the pruning oracle, and
+    # for a last op's exact test.
+    def _add(self, shape, syms, fp, sfp, recipe, info=None) -> int:
+        node = len(self.shape)
+        self.shape.append(shape)
+        self.syms.append(syms)
+        self.fps.append(fp)
+        self.fpid.append(self.fp_ids.setdefault(fp, len(self.fp_ids)))
+        self.strip.append(sfp)
+        self.recipe.append(recipe)
+        self.infos.append(info)
+        if not self.eager:
+            self.by_fp.setdefault((shape, syms, fp), []).append(node)
+        return node
+
+    def _find(self, shape, syms, fp, sfp, recipe) -> int:
+        """The node with this shape, symbols and expression, made on first sight."""
+        same = self.by_fp.get((shape, syms, fp))
+        if same:
+            info = self._make_info(recipe)
+            for node in same:
+                if self._info(node) == info:
+                    return node
+            return self._add(shape, syms, fp, sfp, recipe, info)
+        return self._add(shape, syms, fp, sfp, recipe)
+
+    def _new(self, kind: str, attrs: dict, args: tuple, shape: tuple, syms: tuple) -> int:
+        """The node of ``kind(args)`` (a valid op with result ``shape`` / ``syms``)."""
+        rk = (kind, attrs.get("dim"), id(attrs.get("prog")), args)
+        node = self.by_recipe.get(rk)
+        if node is None:
+            a0 = args[0]
+            extent = self.shape[a0][-1] if kind == "matmul" else \
+                self.shape[a0][attrs["dim"]] if kind == "sum" else 1
+            sfp = None if self.sfp is None else \
+                self.sfp.op(kind, attrs, [self.strip[a] for a in args], extent)
+            if self.eager:
+                node = self._by_info(self._make_info((kind, attrs, args)), sfp,
+                                     (kind, attrs, args))
+            else:
+                fp = self.fp.op(kind, attrs, [self.fps[a] for a in args], extent)
+                node = self._find(shape, syms, fp, sfp, (kind, attrs, args))
+            self.by_recipe[rk] = node
+        return node
+
+    def _by_info(self, info: TensorInfo, sfp, recipe) -> int:
+        node = self.by_info.get(info)
+        if node is None:
+            node = self.by_info[info] = self._add(info.shape, info.syms, info.expr, sfp, recipe,
+                                                  info)
+        return node
+
+    def _make_info(self, recipe: tuple) -> TensorInfo:
+        if recipe[0] == "acc":
+            b = self._info(recipe[1])
+            return intern(TensorInfo(b.shape, b.syms, E.mk_sum(self.loop_count, b.expr)))
+        kind, attrs, args = recipe
+        return infer(kind, [self._info(a) for a in args], attrs)
+
+    def _info(self, node: int) -> TensorInfo:
+        """The TensorInfo (with its abstract expression) of a node, built on demand."""
+        info = self.infos[node]
+        if info is None:
+            info = self.infos[node] = self._make_info(self.recipe[node])
+        return info
+
+    def _repeats(self, x: int, nodes) -> bool:
+        """Does ``x`` repeat the abstract expression of one of ``nodes`` (no recomputation)?"""
+        f = self.fpid[x]
+        return any(self.fpid[y] == f and self._info(y).expr == self._info(x).expr for y in nodes)
+
+    def _strip_fp(self, kind: str, attrs: dict, args: tuple) -> tuple:
+        a0 = args[0]
+        extent = self.shape[a0][-1] if kind == "matmul" else \
+            self.shape[a0][attrs["dim"]] if kind == "sum" else 1
+        return self.sfp.op(kind, attrs, [self.strip[a] for a in args], extent)
+
+    def _exact(self, node: int) -> bool:
+        # the exact stripped-expression test (the fingerprint test passed): the accumulator of a
+        # body op has the same stripped expression as the op's result
+        ok = self.accept.exact(self._info(node))
+        if not ok:
+            self.mismatched += 1
+        return ok
+
+    def _keep(self, node: int) -> bool:
+        # the oracle, with the expression built only when it prunes (prune=True)
+        return self.ctx.keep(lambda: self._info(node).expr)
+
+    # -- helpers ----------------------------------------------------------------------------
+    def _fits(self, unread: int, sinks: int, promises: int, left: int) -> bool:
+        """Sound bound: every unread input and every kept tensor must still be read, and at most
+        ``max_outputs`` sinks may remain. An op reads at most two tensors and creates one, so it
+        settles at most two of these and lowers their total by at most one."""
+        return max((unread + promises + 1) // 2,
+                   unread + sinks + promises - self.max_outputs) <= left
+
+    def _join(self, out: dict, desc: tuple, x: int, child: dict) -> None:
+        """Add ``desc`` (making node ``x``) to every completion of the child state that does not
+        recompute its result (completions: {op set: result nodes})."""
+        for ops, nodes in child.items():
+            if self.fpid[x] in {self.fpid[y] for y in nodes} and self._repeats(x, nodes):
+                continue  # no recomputation: a later op repeats this op's expression
+            out.setdefault(ops | {desc}, nodes | {x})
+
+    @staticmethod
+    def _desc(phase: str, kind: str, attrs: dict, refs: list, node: int) -> tuple:
+        """An op as a hashable descriptor: (phase, kind, attrs, operand refs, result ref). mul /
+        add operands are sorted, so one op has one descriptor whichever state reached it (else a
+        graph could come out twice)."""
+        if kind in _COMMUTATIVE:
+            refs = sorted(refs)
+        return (phase, kind, tuple(sorted(attrs.items())), tuple(refs), (phase, node))
+
+    def _ops_on(self, avail: list, need: int, owed: set):
+        """Ops valid on the nodes ``avail`` that read at least ``need`` of the indices in
+        ``owed`` (the bound's requirement): (kind, arg indices, attrs, result shape, syms). The
+        ops of ``inference.candidate_ops`` whose ``infer`` is not None; validity depends on shapes
+        and symbols only, so it is tabulated per operand shapes."""
+        if need > 2:
+            return
+        n = len(avail)
+        sh = [(self.shape[x], self.syms[x]) for x in avail]
+        for i in range(n):
+            if need > 1 or (need == 1 and i not in owed):
+                continue
+            for kind, attrs, shape, syms in self._valid(sh[i]):
+                yield kind, (i,), attrs, shape, syms
+        for i in range(n):
+            oi = i in owed
+            for j in range(i, n):
+                if need > 0 and oi + (j in owed and j != i) < need:
+                    continue
+                for kind, swap, shape, syms in self._valid(sh[i], sh[j]):
+                    if swap and i == j:
+                        continue  # (a, a) both ways is one op
+                    yield kind, ((j, i) if swap else (i, j)), {}, shape, syms
+
+    def _valid(self, *shapes) -> list:
+        hit = self.shape_ops.get(shapes)
+        if hit is not None:
+            return hit
+        hit = []
+        t = [TensorInfo(s, y, None) for s, y in shapes]
+        if len(t) == 1:
+            for kind, args, attrs, _ in candidate_ops(t, self.chains):
+                if len(args) == 1:
+                    r = infer(kind, t, attrs, exprs=False)
+                    if r is not None:
+                        hit.append((kind, attrs, r.shape, r.syms))
+        else:
+            # matmul and div both ways, mul and add once (candidate_ops' order for i <= j)
+            for swap, x, y in ((False, t[0], t[1]), (True, t[1], t[0])):
+                for kind in ("matmul", "div") + (() if swap else _COMMUTATIVE):
+                    r = infer(kind, [x, y], {}, exprs=False)
+                    if r is not None:
+                        hit.append((kind, swap, r.shape, r.syms))
+        self.shape_ops[shapes] = hit
+        return hit
+
+    def _leaf_ok(self, kind: str, attrs: dict, args: tuple, shape: tuple, syms: tuple) -> bool:
+        """``accept`` for the result of a last op, from shapes and fingerprints only (building
+        the expression is most of the cost of a new tensor, and most last ops fail)."""
+        ok = self.accept(shape, syms, self._strip_fp(kind, attrs, args))
+        if not ok:
+            self.mismatched += 1
+        return ok
+
+    # -- body -------------------------------------------------------------------------------
+    def _body(self, nb: int, unread: frozenset, dangling: frozenset, kept: frozenset) -> dict:
+        key = (0, nb, unread, dangling, kept)
+        hit = self.memo.get(key)
+        if hit is not None:
+            self.deduplicated += 1
+            return hit
+        self.states += 1
+        out: dict = {}
+        if nb >= 1:
+            out.update(self._boundary(nb, unread, dangling, kept))
+        left = self.max_ops - nb - 1
+        if left == 0 and self.accept is not None:
+            self._body_last(nb, unread, dangling | kept, out)
+        elif left >= 0 and not self.ctx.timed_out():
+            n_in = len(self.inputs)
+            body_nodes = sorted(dangling | kept)
+            avail = [i for i, _ in self.inputs] + body_nodes
+            dep = [d for _, d in self.inputs] + [True] * len(body_nodes)
+            seen = [i for i, _ in self.inputs] + body_nodes
+            seen_f = {self.fpid[y] for y in seen}
+            owed = set(unread) | set(range(n_in, len(avail)))
+            need = len(unread) + len(body_nodes) + 1 - self.max_outputs - left
+            for kind, args, attrs, shape, syms in self._ops_on(avail, need, owed):
+                if not any(dep[i] for i in args):
+                    continue  # body ops must depend on the loop
+                read_in = {i for i in args if i < n_in}
+                read_b = {avail[i] for i in args if i >= n_in}
+                un2 = unread - read_in
+                operands = tuple(avail[i] for i in args)
+                refs = [("i", i) if i < n_in else ("b", avail[i]) for i in args]
+                x = self._new(kind, attrs, operands, shape, syms)
+                if self.fpid[x] in seen_f and self._repeats(x, seen) or not self._keep(x):
+                    continue  # no recomputation; the pruning oracle
+                desc = self._desc("b", kind, attrs, refs, x)
+                base_d = (dangling - read_b) | {x}
+                for keep in _subsets(read_b):
+                    k2 = (kept - read_b) | keep
+                    if not self._fits(len(un2), len(base_d), len(k2), left):
+                        continue
+                    child = self._body(nb + 1, un2, frozenset(base_d), frozenset(k2))
+                    self._join(out, desc, x, child)
+        self.memo[key] = out
+        return out
+
+    def _body_last(self, nb: int, unread: frozenset, body_nodes: frozenset, out: dict) -> None:
+        """The last body op of a last custom op (``accept`` set): it must read every unread input
+        and every dangling or kept body tensor (``_ops_on`` with ``need`` = all of them: at most
+        two), keep nothing, and its accumulator is the one output. Shapes and fingerprints are
+        checked first; the expression is built only for results that pass them."""
+        n_in = len(self.inputs)
+        if nb + 1 < 2 or len(unread) + len(body_nodes) > 2:
+            return
+        avail = [i for i, _ in self.inputs] + sorted(body_nodes)
+        dep = [d for _, d in self.inputs] + [True] * len(body_nodes)
+        owed = set(unread) | set(range(n_in, len(avail)))
+        for kind, args, attrs, shape, syms in self._ops_on(avail, len(owed), owed):
+            if self.loop in syms or not any(dep[i] for i in args):
+                continue  # cannot leave the loop; body ops must depend on the loop
+            operands = tuple(avail[i] for i in args)
+            if not self._leaf_ok(kind, attrs, operands, shape, syms):
+                continue
+            x = self._new(kind, attrs, operands, shape, syms)
+            if self._repeats(x, [i for i, _ in self.inputs] + list(body_nodes)) \
+                    or not self._exact(x) or not self._keep(x) \
+                    or self._acc(x) is None:
+                continue
+            refs = [("i", i) if i < n_in else ("b", avail[i]) for i in args]
+            desc = self._desc("b", kind, attrs, refs, x)
+            out.setdefault(frozenset((desc,)), frozenset((x,)))
+
+    def _acc(self, b: int):
+        """The accumulator node of body node ``b`` (sum over iterations), or None when ``b`` varies
+        with the loop (cannot leave it) or the oracle prunes the accumulator."""
+        if b in self.acc_of:
+            return self.acc_of[b]
+        acc = None
+        if self.loop not in self.syms[b]:
+            acc = self.by_recipe.get(("acc", b))
+            if acc is None:
+                if self.eager:
+                    acc = self._by_info(self._make_info(("acc", b)), self.strip[b], ("acc", b))
+                else:
+                    acc = self._find(self.shape[b], self.syms[b],
+                                     self.fp.reduce(self.loop_count, self.fps[b]),
+                                     self.strip[b], ("acc", b))
+                self.by_recipe[("acc", b)] = acc
+            if not self._keep(acc):
+                acc = None
+        self.acc_of[b] = acc
+        return acc
+
+    def _boundary(self, nb: int, unread: frozenset, dangling: frozenset, kept: frozenset) -> dict:
+        """Leave the loop: every loop-dependent input must have been read, and every dangling or
+        kept body tensor needs an accumulator (its only way out of the loop)."""
+        if any(self.inputs[k][1] for k in unread):
+            return {}
+        if any(self._acc(b) is None for b in dangling | kept):
+            return {}
+        return self._post(nb, unread, dangling, kept, frozenset(), frozenset())
+
+    # -- post -------------------------------------------------------------------------------
+    def _post(self, n: int, unread: frozenset, acc_d: frozenset, acc_k: frozenset,
+              post_d: frozenset, post_k: frozenset) -> dict:
+        """After the loop. ``acc_d`` / ``acc_k``: body nodes whose accumulators are unread / read
+        and to be read again; ``post_d`` / ``post_k``: the same for post ops' results."""
+        key = (1, n, unread, acc_d, acc_k, post_d, post_k)
+        hit = self.memo.get(key)
+        if hit is not None:
+            self.deduplicated += 1
+            return hit
+        self.states += 1
+        out: dict = {}
+        if n >= 2 and not unread and not acc_k and not post_k:
+            outs = len(acc_d) + len(post_d)
+            if 1 <= outs <= self.max_outputs:
+                if self.accept is None or self._accept_node(
+                        self.acc_of[next(iter(acc_d))] if acc_d else next(iter(post_d))):
+                    out[frozenset()] = frozenset()
+        left = self.max_ops - n - 1
+        if left == 0 and self.accept is not None:
+            self._post_last(n, unread, acc_d | acc_k, post_d | post_k, out)
+        elif left >= 0 and not self.ctx.timed_out():
+            accs = sorted(acc_d | acc_k)
+            posts = sorted(post_d | post_k)
+            ins = [(k, i) for k, (i, dep) in enumerate(self.inputs) if not dep]
+            avail = [i for _, i in ins] + [self.acc_of[b] for b in accs] + posts
+            refs_of = [("i", k) for k, _ in ins] + [("a", b) for b in accs] + \
+                [("p", x) for x in posts]
+            # post results may not repeat an input, a body tensor or an earlier post result
+            # (accumulators are not checked, as in blocksearch)
+            seen = [i for i, _ in self.inputs] + list(accs) + posts
+            seen_f = {self.fpid[y] for y in seen}
+            owed = {j for j, (k, _) in enumerate(ins) if k in unread}
+            owed |= set(range(len(ins), len(avail)))  # every acc and post here is owed
+            need = len(unread) + len(accs) + len(posts) + 1 - self.max_outputs - left
+            for kind, args, attrs, shape, syms in self._ops_on(avail, need, owed):
+                refs = [refs_of[i] for i in args]
+                read_in = {r[1] for r in refs if r[0] == "i"}
+                read_a = {r[1] for r in refs if r[0] == "a"}
+                read_p = {r[1] for r in refs if r[0] == "p"}
+                un2 = unread - read_in
+                ad = acc_d - read_a
+                operands = tuple(avail[i] for i in args)
+                x = self._new(kind, attrs, operands, shape, syms)
+                if self.fpid[x] in seen_f and self._repeats(x, seen) or not self._keep(x):
+                    continue
+                desc = self._desc("p", kind, attrs, refs, x)
+                pd = (post_d - read_p) | {x}
+                for keep in _subsets(read_a | read_p):
+                    ak = (acc_k - read_a) | (keep & read_a)
+                    pk = (post_k - read_p) | (keep & read_p)
+                    if not self._fits(len(un2), len(ad) + len(pd), len(ak) + len(pk), left):
+                        continue
+                    child = self._post(n + 1, un2, ad, frozenset(ak), frozenset(pd),
+                                       frozenset(pk))
+                    self._join(out, desc, x, child)
+        self.memo[key] = out
+        return out
+
+    def _post_last(self, n: int, unread: frozenset, accs: frozenset, posts: frozenset,
+                   out: dict) -> None:
+        """The last post op of a last custom op (``accept`` set): it reads every unread input and
+        every accumulator and post result still owed (at most two), keeps nothing, and its result
+        is the one output. As ``_body_last``."""
+        if n + 1 < 2 or len(unread) + len(accs) + len(posts) > 2:
+            return
+        ins = [(k, i) for k, (i, dep) in enumerate(self.inputs) if not dep]
+        accs, posts = sorted(accs), sorted(posts)
+        avail = [i for _, i in ins] + [self.acc_of[b] for b in accs] + posts
+        refs_of = [("i", k) for k, _ in ins] + [("a", b) for b in accs] + [("p", x) for x in posts]
+        owed = {j for j, (k, _) in enumerate(ins) if k in unread}
+        owed |= set(range(len(ins), len(avail)))
+        for kind, args, attrs, shape, syms in self._ops_on(avail, len(owed), owed):
+            operands = tuple(avail[i] for i in args)
+            if not self._leaf_ok(kind, attrs, operands, shape, syms):
+                continue
+            x = self._new(kind, attrs, operands, shape, syms)
+            if self._repeats(x, [i for i, _ in self.inputs] + accs + posts) \
+                    or not self._exact(x) or not self._keep(x):
+                continue
+            desc = self._desc("p", kind, attrs, [refs_of[i] for i in args], x)
+            out.setdefault(frozenset((desc,)), frozenset((x,)))
+
+    def _accept_node(self, node: int) -> bool:
+        ok = self.accept(self.shape[node], self.syms[node], self.strip[node]) and \
+            self.accept.exact(self._info(node))
+        if not ok:
+            self.mismatched += 1
+        return ok
+
+
+# -- output -------------------------------------------------------------------------------------
+def canonical_order(ops) -> tuple:
+    """(body, post, outputs) of the block graph ``ops`` (a set of op descriptors).
+
+    Ops are placed greedily: at each step the ready op (all operands placed) whose printed text
+    ``kind[attrs](args)`` is smallest. Lines of ``BlockGraph.text`` differ first in that text, so
+    this is the topological order with the smallest text; body ops all come before post ops.
+    Operands of mul / add are listed as ``blocksearch`` lists them (inputs, then accumulators, then
+    op results, each in order of definition); outputs as ``blocksearch`` orders them (body sinks'
+    accumulators, then post sinks)."""
+    names: dict = {}
+    body = _place([d for d in ops if d[0] == "b"], names, "b")
+    post = _place([d for d in ops if d[0] == "p"], names, "p")
+    read = {r for d in ops for r in d[3]}
+    outputs = [names[("a", d[4][1])] for d in _by_name(ops, names, "b")
+               if d[4] not in read and ("a", d[4][1]) not in read]
+    outputs += [names[d[4]] for d in _by_name(ops, names, "p") if d[4] not in read]
+    return tuple(body), tuple(post), tuple(outputs)
+
+
+def _by_name(ops, names: dict, phase: str) -> list:
+    return sorted((d for d in ops if d[0] == phase), key=lambda d: int(names[d[4]][1:]))
+
+
+def _name(ref: tuple, names: dict) -> str:
+    return f"i{ref[1]}" if ref[0] == "i" else names[ref]
+
+
+def _rank(ref: tuple, names: dict) -> tuple:
+    # blocksearch's operand index order: inputs, then accumulators / body results, then posts
+    return ({"i": 0, "a": 1, "b": 1, "p": 2}[ref[0]],
+            ref[1] if ref[0] == "i" else int(_name(ref, names)[1:]))
+
+
+def _place(todo: list, names: dict, prefix: str) -> list:
+    out = []
+    while todo:
+        best = None
+        for d in todo:
+            refs = d[3]
+            if any(r[0] != "i" and r not in names for r in refs):
+                continue  # an operand is not placed yet
+            if d[1] in _COMMUTATIVE:
+                refs = tuple(sorted(refs, key=lambda r: _rank(r, names)))
+            text = op_call_text(d[1], d[2], tuple(_name(r, names) for r in refs))
+            if best is None or text < best[0]:
+                best = (text, d, refs)
+        _, d, refs = best
+        k = len(out)
+        names[d[4]] = f"{prefix}{k}"
+        if prefix == "b":
+            names[("a", d[4][1])] = f"a{k}"
+        out.append((d[1], tuple(_name(r, names) for r in refs), d[2]))
+        todo.remove(d)
+    return out
+
+
+def _subsets(items: set):
+    """Every subset of ``items`` (the tensors an op keeps for a later read), as frozensets."""
+    items = list(items)
+    for mask in range(1 << len(items)):
+        yield frozenset(x for j, x in enumerate(items) if mask >> j & 1)

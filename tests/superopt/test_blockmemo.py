@@ -1,0 +1,180 @@
+"""blockmemo: the deduplicating enumerator of last custom ops finds exactly the block graphs the
+prefix-by-prefix enumerator finds (each once, in its smallest-text order), and the search gives
+the same best graph and the same verified graphs with and without it (issue 7, item 4)."""
+
+import itertools
+import time
+
+import pytest
+
+from mpk_dist.superopt import blocksearch as B
+from mpk_dist.superopt import superoptimize
+from mpk_dist.superopt.blockmemo import FinalFilter, MemoEnumerator, canonical_order, strip_sums
+from mpk_dist.superopt.context import Context, SearchConfig
+from mpk_dist.superopt.kernelsearch import _input_infos
+from mpk_dist.superopt.patterns import build
+from mpk_dist.superopt.target import analyze
+from mpk_dist.superopt.ugraph import op_call_text
+
+
+def _descs(body, post, n_inputs: int) -> frozenset:
+    """A structure's ops as blockmemo descriptors (refs by position)."""
+    ops, ref = set(), {f"i{k}": ("i", k) for k in range(n_inputs)}
+    for k, (kind, args, attrs) in enumerate(body):
+        ops.add(("b", kind, attrs, tuple(ref[a] for a in args), ("b", k)))
+        ref[f"b{k}"], ref[f"a{k}"] = ("b", k), ("a", k)
+    for k, (kind, args, attrs) in enumerate(post):
+        ops.add(("p", kind, attrs, tuple(ref[a] for a in args), ("p", k)))
+        ref[f"p{k}"] = ("p", k)
+    return frozenset(ops)
+
+
+def _canon(st) -> tuple:
+    return canonical_order(_descs(st.body, st.post, len(st.layout.inputs)))
+
+
+def _output_info(st, sizes, infos):
+    bg, _ = B.instantiate(st, sizes, infos, ("o",), lambda e: "")
+    if bg is None:
+        return None
+    src = bg.outputs[0].src
+    return next(x.info for x in (*bg.accs, *bg.ops()) if x.out == src)
+
+
+def _both(pattern, shape, ops, prune, final, accept):
+    """Per layout: (canonical forms of the prefix enumerator's structures, filtered like the
+    memo enumerator, and the memo enumerator's structures)."""
+    target = analyze(build(pattern, shape))
+    infos = _input_infos(target)
+    config = SearchConfig(max_kernel_ops=1, max_block_ops=ops, prune=prune)
+    out = []
+    for lay in B.layouts(tuple(infos), infos, 1):
+        old = B.enumerate_layout(Context(target, config, time.monotonic() + 60), lay, infos,
+                                 final, dedup=False)
+        sym_size = {s: x for n in lay.inputs for s, x in zip(infos[n].syms, infos[n].shape) if s}
+        sizes = B.representative_sizes(lay, infos, sym_size, config)
+        if sizes is None:
+            assert not old
+            continue
+        filt = FinalFilter(target, lay, sym_size) if accept else None
+        enum = MemoEnumerator(Context(target, config, time.monotonic() + 60), lay, infos, sizes,
+                              1 if final else config.max_block_outputs, filt)
+        new = enum.structures(enum.run())
+        if filt is not None:
+            keep = []
+            for st in old:
+                info = _output_info(st, sizes, infos)
+                if info is not None and filt(info.shape, info.syms, filt.fp.of_expr(info.expr)) \
+                        and filt.exact(info):
+                    keep.append(st)
+            old = keep
+        out.append((lay, {_canon(s) for s in old}, new, enum))
+    return out
+
+
+@pytest.mark.parametrize("pattern, shape, ops, prune, final, accept", [
+    ("rmsnorm_linear", {"M": 4, "K": 512, "N": 256}, 3, False, True, False),
+    ("silu_mul_linear", {"M": 2, "I": 64, "N": 32}, 3, False, False, False),
+    ("attention_decode", {"H": 4, "D": 64, "S": 256}, 3, True, False, False),
+    ("silu_mul_linear", {"M": 2, "I": 64, "N": 32}, 3, False, True, True),
+    ("attention_decode", {"H": 4, "D": 64, "S": 256}, 4, False, True, True),
+    ("rmsnorm_linear", {"M": 4, "K": 512, "N": 256}, 6, True, True, True),
+])
+def test_same_block_graphs_as_the_prefix_enumerator(pattern, shape, ops, prune, final, accept):
+    found = merged = 0
+    for lay, old, new, enum in _both(pattern, shape, ops, prune, final, accept):
+        forms = [(s.body, s.post, s.outputs) for s in new]
+        assert len(set(forms)) == len(forms), lay  # each block graph once
+        assert all(_canon(s) == f for s, f in zip(new, forms)), lay  # in canonical order
+        assert set(forms) == old, (lay, sorted(old - set(forms))[:2], sorted(set(forms) - old)[:2])
+        found += len(forms)
+        merged += enum.deduplicated
+    assert found > 0 and merged > 0
+
+
+def test_fingerprints_follow_the_expressions():
+    """The op-by-op fingerprints of every tensor the enumerator made (sized, and stripped of
+    reductions) equal those of its abstract expression: the normalization rules hold for them."""
+    target = analyze(build("attention_decode", {"H": 4, "D": 64, "S": 256}))
+    infos = _input_infos(target)
+    config = SearchConfig(max_kernel_ops=1, max_block_ops=4, prune=False)
+    checked = 0
+    for lay in list(B.layouts(tuple(infos), infos, 1))[:4]:
+        sym_size = {s: x for n in lay.inputs for s, x in zip(infos[n].syms, infos[n].shape) if s}
+        sizes = B.representative_sizes(lay, infos, sym_size, config)
+        filt = FinalFilter(target, lay, sym_size)
+        enum = MemoEnumerator(Context(target, config, time.monotonic() + 60), lay, infos, sizes,
+                              1, filt)
+        enum.run()
+        memo: dict = {}
+        for node in range(len(enum.shape)):
+            info = enum._info(node)
+            assert enum.fps[node] == enum.fp.of_expr(info.expr), info
+            assert enum.strip[node] == filt.fp.of_expr(strip_sums(info.expr, memo)), info
+            checked += 1
+        # x / x is not 1 in the abstract expressions, so not in the fingerprints either
+        fp = enum.fp
+        a, b = fp.atom(("v", "a")), fp.atom(("v", "b"))
+        assert fp.mul(a, fp.inv(a)) != fp.mul(b, fp.inv(b)) and fp.inv(fp.inv(a)) == a
+    assert checked > 1000
+
+
+def test_canonical_order_is_the_smallest_text():
+    target = analyze(build("rmsnorm_linear", {"M": 4, "K": 512, "N": 256}))
+    infos = _input_infos(target)
+    config = SearchConfig(max_kernel_ops=1, max_block_ops=4, prune=False)
+    lay = B.Layout(("X", "G", "W"), ("n",), None)
+    structs = B.enumerate_layout(Context(target, config, time.monotonic() + 60), lay, infos,
+                                 final=False, dedup=False)
+    for st in structs[::50]:
+        best = None
+        for order in itertools.permutations(range(len(st.post))):
+            text = _text_in_order(st.post, order)
+            if text is not None and (best is None or text < best):
+                best = text
+        body, post, _ = _canon(st)
+        assert _text_in_order(post, range(len(post))) == best
+
+
+def _text_in_order(post, order):
+    """The post lines' text with ops placed in ``order`` (None if not topological)."""
+    names, lines = {}, []
+    for k, j in enumerate(order):
+        kind, args, attrs = post[j]
+        if any(a.startswith("p") and a not in names for a in args):
+            return None
+        new = tuple(names.get(a, a) for a in args)
+        if kind in ("mul", "add"):
+            new = tuple(sorted(new, key=lambda a: (a[0] == "p", int(a[1:]))))
+        lines.append(f"p{k} = {op_call_text(kind, attrs, new)}")
+        names[f"p{j}"] = f"p{k}"
+    return "\n".join(lines)
+
+
+@pytest.mark.parametrize("pattern, shape, bounds", [
+    ("silu_mul_linear", {"M": 2, "I": 64, "N": 32}, dict(max_block_ops=3, prune=False)),
+    ("rmsnorm_linear", {"M": 4, "K": 512, "N": 256}, dict(max_block_ops=6, prune=True)),
+])
+def test_search_finds_the_same_graphs_with_and_without_dedup(pattern, shape, bounds):
+    """Every complete graph verified (keep=1000): the same best graph, and the same verified
+    graphs once each (without dedup some come in several op orders)."""
+    g = build(pattern, shape)
+    kw = dict(max_kernel_ops=1, keep=1000, cache=False, processes=1, timeout_s=120, **bounds)
+    old = superoptimize(g, dedup=False, **kw)
+    new = superoptimize(g, dedup=True, **kw)
+    assert new.best.key() == old.best.key()
+    forms = [_ugraph_form(u) for u in new.candidates]
+    assert len(set(forms)) == len(forms)
+    assert set(forms) == {_ugraph_form(u) for u in old.candidates}
+    assert new.stats["deduplicated"] > 0 and "deduplicated" not in old.stats
+    assert new.stats["verified"] == len(forms) <= old.stats["verified"]
+    assert new.stats["complete_graphs"] <= old.stats["complete_graphs"]
+
+
+def _ugraph_form(ug) -> tuple:
+    (op,) = ug.kernel_ops
+    bg = op.block
+    names = {b.local: b.local for b in bg.inputs}
+    body = tuple((o.kind, o.inputs, o.attrs) for o in bg.body)
+    post = tuple((o.kind, o.inputs, o.attrs) for o in bg.post)
+    return bg.grid, bg.loop, canonical_order(_descs(body, post, len(names)))
