@@ -480,14 +480,22 @@ class MemoEnumerator:
             self.mismatched += 1
         return ok
 
+    def _seen(self, key: tuple) -> dict | None:
+        """The completions of an explored state (counted as a deduplicated prefix), or None for a new
+        state (counted in ``states``; the caller stores its completions under ``key``)."""
+        hit = self.memo.get(key)
+        if hit is None:
+            self.states += 1
+        else:
+            self.deduplicated += 1
+        return hit
+
     # -- body -------------------------------------------------------------------------------
     def _body(self, nb: int, unread: frozenset, dangling: frozenset, kept: frozenset) -> dict:
         key = (0, nb, unread, dangling, kept)
-        hit = self.memo.get(key)
+        hit = self._seen(key)
         if hit is not None:
-            self.deduplicated += 1
             return hit
-        self.states += 1
         out: dict = {}
         if nb >= 1:
             out.update(self._boundary(nb, unread, dangling, kept))
@@ -587,11 +595,9 @@ class MemoEnumerator:
         """After the loop. ``acc_d`` / ``acc_k``: body nodes whose accumulators are unread / read
         and to be read again; ``post_d`` / ``post_k``: the same for post ops' results."""
         key = (1, n, unread, acc_d, acc_k, post_d, post_k)
-        hit = self.memo.get(key)
+        hit = self._seen(key)
         if hit is not None:
-            self.deduplicated += 1
             return hit
-        self.states += 1
         out: dict = {}
         if n >= 2 and not unread and not acc_k and not post_k:
             outs = len(acc_d) + len(post_d)
