@@ -735,8 +735,15 @@ def _place(todo: list, names: dict, prefix: str) -> list:
     return out
 
 
+_NO_SUBSETS = (frozenset(),)
+
+
 def _subsets(items: set):
     """Every subset of ``items`` (the tensors an op keeps for a later read), as frozensets."""
+    if not items:
+        return _NO_SUBSETS  # most ops read no computed tensor: one (empty) choice
+    if len(items) == 1:
+        return _NO_SUBSETS + (frozenset(items),)
     items = list(items)
-    for mask in range(1 << len(items)):
-        yield frozenset(x for j, x in enumerate(items) if mask >> j & 1)
+    return [frozenset(x for j, x in enumerate(items) if mask >> j & 1)
+            for mask in range(1 << len(items))]

@@ -283,11 +283,11 @@ def enumerate_layout(ctx: Context, layout: Layout, infos: dict, final: bool = Fa
     if sizes is None:
         return []
     outs = 1 if final else ctx.config.max_block_outputs
-    if final and (ctx.config.dedup if dedup is None else dedup):
+    if ctx.config.dedup if dedup is None else dedup:
         from mpk_dist.superopt.blockmemo import FinalFilter, MemoEnumerator
 
         enum = MemoEnumerator(ctx, layout, infos, sizes, outs,
-                              FinalFilter(ctx.target, layout, sym_size))
+                              FinalFilter(ctx.target, layout, sym_size) if final else None)
         graphs = enum.run()
         for key, n in (("deduplicated", enum.deduplicated), ("states", enum.states),
                        ("mismatched", enum.mismatched)):

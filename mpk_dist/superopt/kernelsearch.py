@@ -11,11 +11,14 @@ expression and shape and every op contributes to it; complete graphs go to verif
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import math
 import multiprocessing
 from itertools import combinations
 
 from mpk_dist.superopt import blocksearch as B
+from mpk_dist.superopt.bounds import RestBound
 from mpk_dist.superopt.context import Context
 from mpk_dist.superopt.cost import H200, custom_op_cost, graph_cost, prim_op_cost
 from mpk_dist.superopt.inference import candidate_ops, infer, is_stack_sym
@@ -137,13 +140,19 @@ class BlockCatalog:
 class KernelSearch:
     """Depth-first growth of kernel graphs (see module docstring)."""
 
-    def __init__(self, ctx: Context, catalog: BlockCatalog, bound: float = math.inf) -> None:
+    def __init__(self, ctx: Context, catalog: BlockCatalog, bound: float = math.inf,
+                 verify=None) -> None:
+        """``bound``: cost of the best verified graph so far; ``verify``: optional callable
+        (UGraph -> bool); a complete graph cheaper than ``bound`` is verified as soon as it is
+        found, and if it passes, its cost becomes the bound for the rest of the depth."""
         self.ctx = ctx
         self.catalog = catalog
         self.bound = bound  # branch and bound: cost of the best verified graph so far
+        self.verify = verify
         t = ctx.target
         self.inputs = {name: info for name, info in _input_infos(t).items()}
         self.out_shape = t.graph.nodes[t.out_node].shape
+        self.lower = RestBound(ctx.config, self.out_shape)
         self.candidates: dict = {}
 
     def run(self, max_ops: int) -> dict:
@@ -157,9 +166,21 @@ class KernelSearch:
         dangling = _dangling(tensors, ops)
         if len(dangling) > budget * self.ctx.config.max_custom_inputs:
             return  # sound bound: every dangling tensor must still be read by some op
-        must_read = dangling if budget == 1 else set()
         last = budget == 1
-        for op, new, key, cost in self._moves(tensors, ops, prev, last, must_read):
+        if last:
+            moves = self._moves(tensors, ops, prev, True, dangling, spent)
+        else:
+            # NOTE: without a verified graph the bounds cut nothing and their order is no better
+            # than the canonical one (qk_norm_rope's first graphs came later in it): canonical
+            # order then, as before; best-first once a cost bound exists.
+            listed = self._moves(tensors, ops, prev, False, set(), spent) \
+                if self.bound == math.inf else \
+                self._best_first(tensors, ops, prev, dangling, budget, spent)
+            moves = (self._build(tensors, len(ops), False, m) for m in listed)
+        for move in moves:
+            if move is None:
+                continue
+            op, new, key, cost = move
             tensors.update(new)
             ops.append(op)
             done = [n for n, i in new.items() if self._is_output(i)]
@@ -171,10 +192,61 @@ class KernelSearch:
             for n in new:
                 del tensors[n]
 
+    def _best_first(self, tensors: dict, ops: list, prev, dangling: set, budget: int,
+                    spent: float):
+        """The moves of a non-last op, in order of a lower bound of any complete graph through
+        them (its cost plus ``RestBound.rest`` of what it leaves unread; shapes only, see
+        bounds.py), stopping at the first whose bound exceeds the verified cost ``self.bound``.
+        Cheap graphs are found and verified early, and then the bound cuts. An input subset's
+        custom ops are listed (their catalog built) only when the subset's own bound (its
+        cheapest layout plus the rest bound of the tensors it leaves unread, before its outputs)
+        comes up. NOTE: moves are listed without building their block graphs' expressions
+        (``_build`` does that for the moves taken): unpruned searches list ~10^6."""
+        heap: list = []
+        order = itertools.count()
+        for move in self._moves(tensors, ops, prev, False, set(), spent, custom=False):
+            heapq.heappush(heap, (self._move_bound(tensors, move, dangling, budget, spent),
+                                  next(order), move))
+        for subset, least in self._subsets(tensors, list(tensors), prev, False, set(), spent):
+            # an op that completes the graph reads every unread tensor (else _record drops it)
+            rest = 0.0 if dangling <= set(subset) else \
+                self.lower.rest(tensors, dangling - set(subset), budget - 1)
+            heapq.heappush(heap, (spent + least + rest, next(order), ("s", subset)))
+        while heap:
+            bound, _, item = heapq.heappop(heap)
+            if bound > self.bound or self.ctx.timed_out():
+                return  # every later item's bound is at least this one
+            if item[0] != "s":
+                yield item
+                continue
+            for move in self._options(tensors, item[1], prev, False, len(ops)):
+                heapq.heappush(heap, (self._move_bound(tensors, move, dangling, budget, spent),
+                                      next(order), move))
+
+    def _move_bound(self, tensors: dict, move, dangling: set, budget: int,
+                    spent: float) -> float:
+        args, cost, new = move[1], move[3], self._shapes(tensors, move)
+        if any(i.shape == self.out_shape for i in new.values()):
+            return spent + cost  # the move may complete the graph
+        left = (dangling - set(args)) | set(new)
+        return spent + cost + self.lower.rest({**tensors, **new}, left, budget - 1)
+
+    def _shapes(self, tensors: dict, move) -> dict:
+        """{new tensor: TensorInfo without expression} of a listed move."""
+        if move[0] == "p":
+            return move[4][1]
+        _, subset, n_ops, _, st, sizes, _ = move
+        outs = _out_names(n_ops, len(st.outputs))
+        return B.instantiate(st, sizes, tensors, outs, None)[1] or {}
+
     def _is_output(self, info) -> bool:
         return info.expr == self.ctx.target.out_expr and info.shape == self.out_shape
 
-    def _moves(self, tensors: dict, ops: list, prev, last: bool, must_read: set):
+    def _moves(self, tensors: dict, ops: list, prev, last: bool, must_read: set, spent: float,
+               custom: bool = True):
+        """Next ops. Last op: (op, new tensors, key, cost), built. Other ops: listed moves
+        ``("p", args, key, cost, built)`` (library ops; ``custom=False``: only those) and
+        ``("c", subset, n_ops, cost, st, sizes, key)``, for ``_build``."""
         names = list(tensors)
         infos = [tensors[n] for n in names]
         seen = {i.expr for i in infos}
@@ -193,34 +265,61 @@ class KernelSearch:
             op = KernelOp(kind, arg_names, (fresh,), tuple(sorted(attrs.items())),
                           origin=self.ctx.target.origin_of(info.expr))
             cost = prim_op_cost([i.shape for i in (infos[j] for j in args)], info.shape)
-            yield op, {fresh: info}, key, cost["time_us"]
-        yield from self._custom_moves(tensors, names, seen, prev, last, len(ops), must_read)
+            built = (op, {fresh: info}, key, cost["time_us"])
+            yield built if last else ("p", arg_names, key, cost["time_us"], built)
+        if not custom:
+            return
+        for subset, _ in self._subsets(tensors, names, prev, last, must_read, spent):
+            for move in self._options(tensors, subset, prev, last, len(ops)):
+                if last:
+                    move = self._build(tensors, len(ops), last, move)
+                    if move is None:
+                        continue
+                yield move
 
-    def _custom_moves(self, tensors, names, seen, prev, last, n_ops, must_read):
+    def _subsets(self, tensors: dict, names: list, prev, last: bool, must_read: set,
+                 spent: float):
+        """(subset, least cost of a custom op over it) for every input subset a custom op may
+        read here, in canonical order. A subset none of whose layouts can cost less than what the
+        bound leaves is skipped before its catalog is built (``RestBound.layout``: a lower bound
+        of every option of a layout)."""
         for r in range(1, self.ctx.config.max_custom_inputs + 1):
             for subset in combinations(names, r):
                 if not must_read <= set(subset):
                     continue  # the last op must read every tensor nobody read yet
                 if not _canonical(("c", subset, math.inf), subset, prev):
                     continue  # no option of this subset can be canonical here: do not build
-                options = self.catalog.options(subset, tensors, final=last)
-                for idx, (st, sizes, cost) in enumerate(options):
-                    if self.ctx.timed_out():
-                        return
-                    key = ("c", subset, idx)
-                    if not _canonical(key, subset, prev):
-                        continue
-                    outs = tuple(f"t{n_ops}" + ("" if k == 0 else f"_{k}")
-                                 for k in range(len(st.outputs)))
-                    bg, kinfos = B.instantiate(st, sizes, tensors, outs,
-                                               self.ctx.target.origin_of)
-                    if any(i.expr in seen for i in kinfos.values()):
-                        continue
-                    if last and not any(self._is_output(i) for i in kinfos.values()):
-                        continue
-                    origin = ", ".join(dict.fromkeys(o.origin for o in bg.ops() if o.origin))
-                    op = KernelOp("custom", subset, outs, block=bg, origin=origin)
-                    yield op, kinfos, key, cost
+                lays = B.layouts(subset, tensors, self.ctx.config.max_grid_dims)
+                least = min((self.lower.layout(lay, tensors, last) for lay in lays),
+                            default=math.inf)
+                if spent + least <= self.bound:
+                    yield subset, least
+
+    def _options(self, tensors: dict, subset: tuple, prev, last: bool, n_ops: int):
+        """Custom-op moves ("c", subset, n_ops, cost, Structure, sizes, key) of one subset."""
+        options = self.catalog.options(subset, tensors, final=last)
+        for idx, (st, sizes, cost) in enumerate(options):
+            if self.ctx.timed_out():
+                return
+            key = ("c", subset, idx)
+            if _canonical(key, subset, prev):
+                yield ("c", subset, n_ops, cost, st, sizes, key)
+
+    def _build(self, tensors: dict, n_ops: int, last: bool, move):
+        """(op, new tensors, key, cost) of a listed move; None when its result repeats an
+        expression the graph has (or, as the last op, is not the target)."""
+        if move[0] == "p":
+            return move[4]
+        _, subset, _, cost, st, sizes, key = move
+        outs = _out_names(n_ops, len(st.outputs))
+        bg, kinfos = B.instantiate(st, sizes, tensors, outs, self.ctx.target.origin_of)
+        seen = {i.expr for i in tensors.values()}
+        if any(i.expr in seen for i in kinfos.values()):
+            return None
+        if last and not any(self._is_output(i) for i in kinfos.values()):
+            return None
+        origin = ", ".join(dict.fromkeys(o.origin for o in bg.ops() if o.origin))
+        return KernelOp("custom", subset, outs, block=bg, origin=origin), kinfos, key, cost
 
     def _record(self, tensors: dict, ops: list, out: str) -> None:
         live, need = [], {out}
@@ -240,6 +339,14 @@ class KernelSearch:
         if key in self.candidates:
             self.ctx.counts["duplicates"] = self.ctx.counts.get("duplicates", 0) + 1
         self.candidates.setdefault(key, ug)
+        cost = ug.cost["time_us"]
+        if self.verify is not None and cost < self.bound and self.verify(ug):
+            self.bound = cost  # branch and bound inside the depth
+
+
+def _out_names(n_ops: int, n: int) -> tuple:
+    """Kernel names of the ``n`` outputs of the op at position ``n_ops``: t3, t3_1, ..."""
+    return tuple(f"t{n_ops}" + ("" if k == 0 else f"_{k}") for k in range(n))
 
 
 def _may_have_shape(st, infos: dict, shape: tuple, config) -> bool:

@@ -156,12 +156,20 @@ def _search(g: Graph, config: SearchConfig, timeout_s: float, processes: int, pr
     status: dict = {}     # graph key -> True (verified) / False (rejected)
     bound = math.inf      # cost of the best verified graph so far
     skipped = 0
+
+    def check(ug: UGraph) -> bool:
+        # verification of a graph found inside a depth (KernelSearch's branch and bound)
+        k = ug.key()
+        if k not in status:
+            status[k] = verify(ug, g, config.trials)
+        return status[k]
+
     with BlockCatalog(ctx, processes) as catalog:
         for depth in range(1, config.max_kernel_ops + 1):
             if depth_lower_bound(target, depth) >= bound:
                 skipped = config.max_kernel_ops - depth + 1
                 break  # every graph with this many kernel ops costs more than a verified one
-            found.update(KernelSearch(ctx, catalog, bound).run(depth))
+            found.update(KernelSearch(ctx, catalog, bound, verify=check).run(depth))
             ctx.tick(force=True)
             _verify_ranked(g, found, status, config)
             costs = [found[k].cost["time_us"] for k, ok in status.items() if ok]

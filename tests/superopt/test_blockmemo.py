@@ -41,14 +41,24 @@ def _output_info(st, sizes, infos):
     return next(x.info for x in (*bg.accs, *bg.ops()) if x.out == src)
 
 
-def _both(pattern, shape, ops, prune, final, accept):
+def _layouts(infos: dict, subsets: bool):
+    """Layouts of every input (``subsets``: of every non-empty subset of the inputs, as the
+    kernel search asks for custom ops that read some of the tensors)."""
+    names = tuple(infos)
+    sets = [names] if not subsets else [
+        c for r in range(1, len(names) + 1) for c in itertools.combinations(names, r)]
+    return [lay for c in sets for lay in B.layouts(c, infos, 1)]
+
+
+def _both(pattern, shape, ops, prune, final, accept, subsets=False):
     """Per layout: (canonical forms of the prefix enumerator's structures, filtered like the
-    memo enumerator, and the memo enumerator's structures)."""
+    memo enumerator, and the memo enumerator's structures). Non-last ops go through
+    ``enumerate_layout`` (the search's path: ``dedup`` on, up to ``max_block_outputs`` outputs)."""
     target = analyze(build(pattern, shape))
     infos = _input_infos(target)
     config = SearchConfig(max_kernel_ops=1, max_block_ops=ops, prune=prune)
     out = []
-    for lay in B.layouts(tuple(infos), infos, 1):
+    for lay in _layouts(infos, subsets):
         old = B.enumerate_layout(Context(target, config, time.monotonic() + 60), lay, infos,
                                  final, dedup=False)
         sym_size = {s: x for n in lay.inputs for s, x in zip(infos[n].syms, infos[n].shape) if s}
@@ -57,9 +67,14 @@ def _both(pattern, shape, ops, prune, final, accept):
             assert not old
             continue
         filt = FinalFilter(target, lay, sym_size) if accept else None
-        enum = MemoEnumerator(Context(target, config, time.monotonic() + 60), lay, infos, sizes,
+        ctx = Context(target, config, time.monotonic() + 60)
+        enum = MemoEnumerator(ctx, lay, infos, sizes,
                               1 if final else config.max_block_outputs, filt)
-        new = enum.structures(enum.run())
+        if final:
+            new = enum.structures(enum.run())
+        else:
+            new = B.enumerate_layout(ctx, lay, infos, final=False, dedup=True)
+            enum.deduplicated = ctx.counts["deduplicated"]
         if filt is not None:
             keep = []
             for st in old:
@@ -81,8 +96,30 @@ def _both(pattern, shape, ops, prune, final, accept):
     ("rmsnorm_linear", {"M": 4, "K": 512, "N": 256}, 6, True, True, True),
 ])
 def test_same_block_graphs_as_the_prefix_enumerator(pattern, shape, ops, prune, final, accept):
+    _check_same(_both(pattern, shape, ops, prune, final, accept))
+
+
+# Non-last custom ops (first ops of multi-op graphs): up to max_block_outputs (2) outputs, every
+# subset of the inputs (the kernel search asks for each), pruned and unpruned.
+# (subsets=False: the layouts of all inputs only, to stay fast)
+@pytest.mark.parametrize("pattern, shape, ops, prune, subsets", [
+    ("attention_decode", {"H": 4, "D": 64, "S": 256}, 3, False, True),
+    ("attention_decode", {"H": 4, "D": 64, "S": 256}, 4, True, True),
+    ("rmsnorm_linear", {"M": 4, "K": 512, "N": 256}, 3, False, True),
+    ("rmsnorm_linear", {"M": 4, "K": 512, "N": 256}, 5, True, True),
+    ("qk_norm_rope", {"H": 4, "D": 32}, 4, True, False),
+])
+def test_same_non_last_block_graphs_as_the_prefix_enumerator(pattern, shape, ops, prune, subsets):
+    results = _both(pattern, shape, ops, prune, final=False, accept=False, subsets=subsets)
+    _check_same(results)
+    # some graph writes two tensors (a split reduction's partials, say): the case only non-last
+    # ops have
+    assert any(len(s.outputs) == 2 for _, _, new, _ in results for s in new)
+
+
+def _check_same(results) -> None:
     found = merged = 0
-    for lay, old, new, enum in _both(pattern, shape, ops, prune, final, accept):
+    for lay, old, new, enum in results:
         forms = [(s.body, s.post, s.outputs) for s in new]
         assert len(set(forms)) == len(forms), lay  # each block graph once
         assert all(_canon(s) == f for s, f in zip(new, forms)), lay  # in canonical order

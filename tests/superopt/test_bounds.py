@@ -1,0 +1,99 @@
+"""bounds: the cost lower bounds the kernel search cuts with are below every cost they bound, and
+branch and bound inside a depth keeps the cheapest verified graph."""
+
+import itertools
+import math
+import time
+
+from mpk_dist.superopt import blocksearch as B
+from mpk_dist.superopt.bounds import RestBound
+from mpk_dist.superopt.context import Context, SearchConfig
+from mpk_dist.superopt.kernelsearch import BlockCatalog, KernelSearch, _input_infos
+from mpk_dist.superopt.patterns import build
+from mpk_dist.superopt.search import _rank
+from mpk_dist.superopt.target import analyze
+from mpk_dist.superopt.verify import verify
+
+SHAPE = {"H": 4, "D": 64, "S": 256}
+EPS = 1e-9
+
+
+def _setup(block_ops: int, prune: bool):
+    g = build("attention_decode", SHAPE)
+    target = analyze(g)
+    config = SearchConfig(max_kernel_ops=2, max_block_ops=block_ops, prune=prune)
+    ctx = Context(target, config, time.monotonic() + 120)
+    out_shape = target.graph.nodes[target.out_node].shape
+    return g, ctx, out_shape
+
+
+def test_layout_bound_is_below_every_option():
+    """Every custom-op option (every input subset, last op or not) costs at least its layout's
+    bound; for the last op, options whose output has the target's shape (the only ones the
+    kernel search keeps)."""
+    _, ctx, out_shape = _setup(3, prune=False)
+    infos = _input_infos(ctx.target)
+    lower = RestBound(ctx.config, out_shape)
+    checked = 0
+    with BlockCatalog(ctx, 1) as cat:
+        for r in (1, 2, 3):
+            for subset in itertools.combinations(infos, r):
+                for final in (False, True):
+                    for st, sizes, cost in cat.options(subset, infos, final):
+                        _, kinfos = B.instantiate(st, sizes, infos, ("o",), None)
+                        if final and kinfos["o"].shape != out_shape:
+                            continue
+                        assert lower.layout(st.layout, infos, final) <= cost + EPS, (st, sizes)
+                        checked += 1
+    assert checked > 1000
+
+
+def test_rest_bound_is_below_every_complete_graph():
+    """For every two-op graph of the space (no cost bound), the first op's cost plus the bound of
+    what it leaves is at most the graph's cost. (Pruned, to stay fast: the bounds look at shapes
+    only, so pruning changes which graphs are checked, not the check.)"""
+    _, ctx, out_shape = _setup(4, prune=True)
+    lower = RestBound(ctx.config, out_shape)
+    with BlockCatalog(ctx, 1) as cat:
+        found = KernelSearch(ctx, cat).run(2)
+    two = [u for u in found.values() if len(u.kernel_ops) == 2]
+    assert len(two) > 20
+    for ug in two:
+        first = ug.kernel_ops[0]
+        tensors = {n: ug.tensors[n] for n in (*ug.inputs, *first.outputs)}
+        left = {n for n in tensors if n not in first.inputs}
+        c1 = _op_cost(ug, 0)
+        assert c1 + lower.rest(tensors, left, 1) <= ug.cost["time_us"] + EPS, ug
+        assert c1 + lower.rest(tensors, left, 2) <= ug.cost["time_us"] + EPS, ug
+
+
+def _op_cost(ug, k: int) -> float:
+    from mpk_dist.superopt.cost import custom_op_cost, prim_op_cost
+
+    op = ug.kernel_ops[k]
+    if op.is_custom:
+        return custom_op_cost(op.block, ug.tensors)["time_us"]
+    return prim_op_cost([ug.tensors[i].shape for i in op.inputs],
+                        ug.tensors[op.outputs[0]].shape)["time_us"]
+
+
+def test_branch_and_bound_in_a_depth_keeps_the_best():
+    """Depth 2 with in-depth verification and cuts returns, as its cheapest verified graph, the
+    cheapest graph of the whole depth-2 space that verifies (listed without any cost bound)."""
+    g, ctx, _ = _setup(4, prune=True)
+    status: dict = {}
+
+    def check(ug):
+        if ug.key() not in status:
+            status[ug.key()] = verify(ug, g, 3)
+        return status[ug.key()]
+
+    with BlockCatalog(ctx, 2) as cat:
+        everything = KernelSearch(ctx, cat).run(2)
+        bnb = KernelSearch(ctx, cat, verify=check)
+        cut = bnb.run(2)
+    assert not ctx.timed_out()
+    best = next(u for u in _rank(everything) if check(u))
+    assert bnb.bound == best.cost["time_us"] < math.inf
+    assert best.key() in cut
+    assert len(cut) < len(everything)  # the bound cut something
