@@ -28,7 +28,8 @@ import sys
 KNOBS = {"u": "MPK_LINEAR_UNROLL", "t": "MPK_WORKER_THREADS", "p": "MPK_PREFETCH_KB", "r": "MPK_LINEAR_ROWS",
          "m": "MPK_LINEAR_MMA", "b": "MPK_LINEAR_TMA", "a": "MPK_FUSE_ATTN_PREP",
          "w": "MPK_PREFETCH_PLAN", "l": "MPK_LINEAR_PIPE", "v": "MPK_ATTN_PREFETCH", "g": "MPK_BULK_PREFETCH",
-         "h": "MPK_PREFETCH_AHEAD", "c": "MPK_FUSE_ATTN_MERGE"}
+         "h": "MPK_PREFETCH_AHEAD", "c": "MPK_FUSE_ATTN_MERGE", "x": "MPK_ATTN_STAGE_KV",
+         "y": "MPK_LOAD_AHEAD"}
 
 
 def parse_variant(text: str) -> tuple[dict[str, str], dict]:
@@ -48,7 +49,7 @@ def parse_variant(text: str) -> tuple[dict[str, str], dict]:
             opts["attn_splits"] = "auto" if part == "kauto" else int(part[1:])  # split-KV ranges per kv head
             continue
         if part[0] not in KNOBS or not part[1:].lstrip("-").isdigit():
-            raise SystemExit(f"tune_sweep: variant part {part!r}: expected u<N>, t<N>, p<N>, r<N>, m<0|1>, w<0|1>, b<0|1>, l<0|1>, v<0|1>, g<0|1>, h<0|1>, c<0|1>, "
+            raise SystemExit(f"tune_sweep: variant part {part!r}: expected u<N>, t<N>, p<N>, r<N>, m<0|1>, w<0|1>, b<0|1>, l<0|1>, v<0|1>, g<0|1>, h<0|1>, c<0|1>, x<0|1>, y<0|1>, "
                              "a<0|1>, f<0|1> (--fuse), s<0|1> (--superopt), k<N>|kauto (--attn-splits), or 'base'")
         env[KNOBS[part[0]]] = part[1:]
     return env, opts

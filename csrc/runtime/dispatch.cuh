@@ -6,6 +6,7 @@
 // itself (128 registers at 512 threads). As separate functions each body spills (or not) on its own.
 #pragma once
 #include "task_view.cuh"
+#include "trace_marks.cuh"
 #include "step_begin.cuh"
 #include "embedding.cuh"
 #include "rms_norm.cuh"
@@ -231,7 +232,7 @@ __device__ __noinline__ bool run_attention_split(const TaskView& t, float* smem,
                   t.param(ATTENTION_SPLIT_PARAM_Q_STRIDE), t.param(ATTENTION_SPLIT_PARAM_KV_POS_STRIDE),
                   t.param(ATTENTION_SPLIT_PARAM_KV_BATCH_STRIDE), t.param(ATTENTION_SPLIT_PARAM_POS_BEGIN),
                   t.param(ATTENTION_SPLIT_PARAM_POS_END), t.param(ATTENTION_SPLIT_PARAM_OUT_STRIDE),
-                  t.fparam(ATTENTION_SPLIT_PARAM_SCALE), smem, tid, nt);
+                  t.fparam(ATTENTION_SPLIT_PARAM_SCALE), smem, tid, nt, t.flag(REC_FLAG_STAGE_KV));
   if (t.dtype(ATTENTION_SPLIT_ARG_TICKET) >= 0)  // fusion 'attn_merge': the head's last range merges it
     attention_merge_last(t.arg<uint32_t>(ATTENTION_SPLIT_ARG_TICKET),
                          split_head_partials(t.arg<const float>(ATTENTION_SPLIT_ARG_OUT),
@@ -364,7 +365,7 @@ __device__ __noinline__ bool run_attention_prep(const TaskView& t, float* smem, 
 // this range holds the position), a block barrier, then attention_split's staged body on that q.
 template <int MG, int ME>
 __device__ __noinline__ void run_split_prep_attend(const TaskView& t, int b, int e, const bf16* qs, float* smem, int tid,
-                                                   int nt) {
+                                                   int nt, KvStage stage) {
   const size_t bs = (size_t)b * t.param(ATTENTION_SPLIT_PREP_PARAM_KV_BATCH_STRIDE);
   attention_split_seq<MG, ME>(qs, t.arg<const bf16>(ATTENTION_SPLIT_PREP_ARG_K_CACHE) + bs,
                               t.arg<const bf16>(ATTENTION_SPLIT_PREP_ARG_V_CACHE) + bs,
@@ -373,7 +374,7 @@ __device__ __noinline__ void run_split_prep_attend(const TaskView& t, int b, int
                               t.param(ATTENTION_SPLIT_PREP_PARAM_HEAD_DIM), t.param(ATTENTION_SPLIT_PREP_PARAM_GROUP),
                               t.param(ATTENTION_SPLIT_PREP_PARAM_KV_POS_STRIDE),
                               t.param(ATTENTION_SPLIT_PREP_PARAM_POS_BEGIN), e,
-                              t.fparam(ATTENTION_SPLIT_PREP_PARAM_SCALE), smem, tid, nt);
+                              t.fparam(ATTENTION_SPLIT_PREP_PARAM_SCALE), smem, tid, nt, stage);
 }
 
 __device__ __noinline__ bool run_attention_split_prep(const TaskView& t, float* smem, int tid, int nt) {
@@ -389,9 +390,17 @@ __device__ __noinline__ bool run_attention_split_prep(const TaskView& t, float* 
   const int32_t* pos = t.arg<const int32_t>(ATTENTION_SPLIT_PREP_ARG_POSITIONS);
   bf16* qs = split_prep_q(smem, G, D, nt);
   const int epl = (D + 31) / 32;
+  for (int b = 0; b < B; ++b)  // before any copy is issued: a bad position writes nothing
+    if (pos[b] < 0 || pos[b] >= S) return false;
+  // The range's rows below each position (written by earlier steps) fly into shared memory during the prep.
+  const int stage_at = split_prep_stage_at(nt >> 5, G, D), kps = t.param(ATTENTION_SPLIT_PREP_PARAM_KV_POS_STRIDE);
+  bf16* stage = reinterpret_cast<bf16*>(reinterpret_cast<char*>(smem) + stage_at);
+  const bf16 *kc = t.arg<const bf16>(ATTENTION_SPLIT_PREP_ARG_K_CACHE), *vc = t.arg<const bf16>(ATTENTION_SPLIT_PREP_ARG_V_CACHE);
+  const bool use = t.flag(REC_FLAG_STAGE_KV) &&
+                   kv_stage_ok(kc, vc, D, kps, (int)kbs, stage_at + kv_stage_bytes(B, s1 - s0, D));
+  if (use) kv_stage_issue(kc, vc, pos, B, D, kps, (int)kbs, s0, s1, 0, stage, tid, nt);
   for (int b = 0; b < B; ++b) {
     const int p = pos[b];
-    if (p < 0 || p >= S) return false;  // the same on every thread: nothing of sequence b written yet
     attention_prep_heads(t.arg<const bf16>(ATTENTION_SPLIT_PREP_ARG_QKV) + (size_t)b * qs_stride,
                          t.arg<const bf16>(ATTENTION_SPLIT_PREP_ARG_Q_NORM_W),
                          t.arg<const bf16>(ATTENTION_SPLIT_PREP_ARG_K_NORM_W),
@@ -401,10 +410,14 @@ __device__ __noinline__ bool run_attention_split_prep(const TaskView& t, float* 
                          t.param(ATTENTION_SPLIT_PREP_PARAM_K_OFFSET), t.param(ATTENTION_SPLIT_PREP_PARAM_V_OFFSET),
                          t.param(ATTENTION_SPLIT_PREP_PARAM_KV_POS_STRIDE), t.fparam(ATTENTION_SPLIT_PREP_PARAM_EPS),
                          s0 <= p && p < s1, tid, nt);
+    if (use) cp_async_wait_all();  // this thread's staged rows (all sequences' copies: issued above)
     worker_barrier(nt);  // q in shared memory, this position's k and v, before any warp reads them
+    if (b == 0) trace_mark(0, tid);  // trace: the prep is done (sequence 0)
     const int e = min(s1, p + 1);
-    MPK_ATTN_BOUNDS(G, epl, (run_split_prep_attend<kMG, kME>(t, b, e, qs, smem, tid, nt)));  // ends in a barrier
+    const KvStage st = use ? kv_stage_of(stage, b, s1 - s0, D, s0, min(s1, p)) : KvStage();
+    MPK_ATTN_BOUNDS(G, epl, (run_split_prep_attend<kMG, kME>(t, b, e, qs, smem, tid, nt, st)));  // ends in a barrier
   }
+  trace_mark(2, tid);  // trace: the walk and the block merge are done (the ticket and the head merge follow)
   if (t.dtype(ATTENTION_SPLIT_PREP_ARG_TICKET) >= 0) {  // fusion 'attn_merge': the head's last range merges it
     const int out_stride = t.param(ATTENTION_SPLIT_PREP_PARAM_OUT_STRIDE);
     attention_merge_last(t.arg<uint32_t>(ATTENTION_SPLIT_PREP_ARG_TICKET),
@@ -494,9 +507,20 @@ __device__ bool run_task(const RuntimeParams& p, const int32_t* rec, int step, f
 // The cache rows an attention tile will read, into L2 before its wait (attn_prefetch_rows,
 // csrc/tasks/attention.cuh). Positions are read now: this step's may not be written yet, and a
 // position one short only leaves the newest row to the tile's own load.
+// The q/k norm weights and rope frequencies a prep tile reads first (constants: safe before the wait).
+__device__ __forceinline__ void prep_constants_prefetch(const bf16* q_norm, const bf16* k_norm, const float* inv_freq,
+                                                        int D, int tid, int nt) {
+  if (q_norm != nullptr) prefetch_l2(q_norm, (uint64_t)D * sizeof(bf16), tid, nt);
+  if (k_norm != nullptr) prefetch_l2(k_norm, (uint64_t)D * sizeof(bf16), tid, nt);
+  prefetch_l2(inv_freq, (uint64_t)(D / 2) * sizeof(float), tid, nt);
+}
+
 __device__ __noinline__ void attention_prefetch(const TaskView& t, bool bulk, int tid, int nt) {
   const int op = t.opcode();
   if (op == OP_ATTENTION_PREP) {  // one tile = (kv head, one sequence)
+    prep_constants_prefetch(t.arg<const bf16>(ATTENTION_PREP_ARG_Q_NORM_W), t.arg<const bf16>(ATTENTION_PREP_ARG_K_NORM_W),
+                            t.arg<const float>(ATTENTION_PREP_ARG_INV_FREQ), t.param(ATTENTION_PREP_PARAM_HEAD_DIM), tid,
+                            nt);
     attn_prefetch_rows(t.arg<const bf16>(ATTENTION_PREP_ARG_K_CACHE), t.arg<const bf16>(ATTENTION_PREP_ARG_V_CACHE),
                        t.param(ATTENTION_PREP_PARAM_HEAD_DIM), (size_t)t.param(ATTENTION_PREP_PARAM_KV_POS_STRIDE), 0,
                        *t.arg<const int32_t>(ATTENTION_PREP_ARG_POSITIONS) + 1, t.param(ATTENTION_PREP_PARAM_MAX_SEQ),
@@ -504,6 +528,10 @@ __device__ __noinline__ void attention_prefetch(const TaskView& t, bool bulk, in
     return;
   }
   if (op == OP_ATTENTION_SPLIT_PREP) {  // all sequences, one KV range
+    prep_constants_prefetch(t.arg<const bf16>(ATTENTION_SPLIT_PREP_ARG_Q_NORM_W),
+                            t.arg<const bf16>(ATTENTION_SPLIT_PREP_ARG_K_NORM_W),
+                            t.arg<const float>(ATTENTION_SPLIT_PREP_ARG_INV_FREQ),
+                            t.param(ATTENTION_SPLIT_PREP_PARAM_HEAD_DIM), tid, nt);
     const int B = t.param(ATTENTION_SPLIT_PREP_PARAM_BATCH), ps = t.param(ATTENTION_SPLIT_PREP_PARAM_KV_POS_STRIDE);
     const int bs = t.param(ATTENTION_SPLIT_PREP_PARAM_KV_BATCH_STRIDE);
     const int32_t* pos = t.arg<const int32_t>(ATTENTION_SPLIT_PREP_ARG_POSITIONS);

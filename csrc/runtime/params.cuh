@@ -10,7 +10,9 @@
 
 namespace mpk {
 
-// One trace record per executed task (24 bytes); written by thread 0 of the worker block.
+constexpr int kTraceMarks = 4;  // phase marks a task body may set (trace_mark, worker.cuh)
+
+// One trace record per executed task (48 bytes); written by thread 0 of the worker block.
 // start_ns: the worker turned to the task (aot: before its waits; jit: before the queue pop);
 // wait_ns: until its inputs were ready; run_ns: from then to the end of its signals.
 struct TraceRecord {
@@ -21,6 +23,7 @@ struct TraceRecord {
   uint32_t run_ns;   // inputs ready -> signalled (includes post_ns)
   uint32_t prep_ns;  // turning to the task -> its weight prefetch and descriptor prefetch issued (aot)
   uint32_t post_ns;  // body done -> barrier, step epilogue, signals (and a ring drain) done
+  uint32_t mark_ns[kTraceMarks];  // inputs ready -> the body's phase mark k (0: the body set none)
 };
 
 struct RuntimeParams {

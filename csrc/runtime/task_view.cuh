@@ -16,6 +16,7 @@ struct TaskView {
 
   __device__ int task() const { return rec[REC_TASK]; }
   __device__ int opcode() const { return rec[REC_OPCODE]; }
+  __device__ bool flag(int f) const { return (rec[REC_FLAGS] & f) != 0; }  // a REC_FLAG_* bit
   // The ABI rows, for the rare readers of an argument's buffer id or count (remote arguments, page table).
   __device__ const int32_t* row() const { return p.tasks + (size_t)task() * TASK_NUM_COLS; }
   __device__ const int32_t* arg_row(int i) const { return p.args + (size_t)(row()[TASK_COL_ARG_BEGIN] + i) * ARG_NUM_COLS; }

@@ -132,7 +132,11 @@ __device__ __forceinline__ void trace_record(const RuntimeParams& p, int& n, int
   if (p.trace != nullptr && n < p.trace_cap) {
     const uint64_t now = globaltimer_ns();
     TraceRecord r{(uint32_t)task, (uint32_t)s, t0, (uint32_t)(t_ready - t0), (uint32_t)(now - t_ready),
-                  (uint32_t)(t_prep - t0), (uint32_t)(now - t_body)};
+                  (uint32_t)(t_prep - t0), (uint32_t)(now - t_body), {}};
+    for (int k = 0; k < kTraceMarks; ++k) {
+      const uint64_t m = trace_marks()[k];
+      r.mark_ns[k] = m > t_ready ? (uint32_t)(m - t_ready) : 0u;
+    }
     p.trace[(size_t)blockIdx.x * p.trace_cap + n] = r;
   }
   ++n;
@@ -191,6 +195,7 @@ __device__ bool run_and_signal(const RuntimeParams& p, const int32_t* rec, int s
   // Persistent passes: step_begin first waits for the host's pass s and copies it in (pass_begin.cuh).
   if (p.pass_doorbell != nullptr && rec[REC_OPCODE] == OP_STEP_BEGIN && !pass_begin(p, task, s, tid, nt))
     return false;
+  trace_marks_clear(tid);  // a body that sets no mark leaves 0 in the record
   if (!run_task(p, rec, s, smem, tid, nt)) {
     if (tid == 0) raise_error(p.error, p.halt, kErrBadTask, task, -1, s, p.rank, 0, 0, 0);
     return false;

@@ -8,6 +8,7 @@
 // row b, first column of query head h*GROUP. One thread per output element; no shared memory.
 #pragma once
 #include "common.cuh"
+#include "trace_marks.cuh"
 
 namespace mpk {
 
@@ -52,6 +53,7 @@ __device__ void attention_merge_last(uint32_t* ticket, const float* part_head, b
   worker_barrier(nt);  // every thread's partial stores precede thread 0's release in the ticket
   if (tid == 0) last = ticket_last(ticket, (uint32_t)splits);
   worker_barrier(nt);  // hands thread 0's acquired view (the other ranges' partials) to every thread
+  trace_mark(3, tid);  // trace: the ticket is taken (the last tile's head merge follows)
   if (!last) return;
   for (int b = 0; b < B; ++b)
     attention_merge(part_head + (size_t)b * part_stride, merged + (size_t)b * merged_stride, D, G, splits, tid, nt);

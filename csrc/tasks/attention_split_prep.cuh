@@ -6,7 +6,9 @@
 // attention_split_seq on that q: the partial the unfused qkv_prep + attention_split give, bit for bit.
 // The body itself (run_attention_split_prep) is in csrc/runtime/dispatch.cuh next to run_attention_prep.
 // Shared memory: the staged merge's nwarps * G * (D + 2) floats, then G * D bf16 of q
-// (mpk_dist.taskgraph.lowering_attn_prep.split_prep_smem_bytes sizes the launch for it).
+// (mpk_dist.taskgraph.lowering_attn_prep.split_prep_smem_bytes sizes the launch for it), then, with
+// REC_FLAG_STAGE_KV, the range's cache rows below each sequence's position (attention_split.cuh
+// KvStage; their copies fly during the prep; the row at the position, appended here, is read from the cache).
 #pragma once
 #include "attention_split.cuh"
 #include "attention_prep.cuh"
@@ -27,6 +29,11 @@ __device__ __forceinline__ bool split_prep_ok(int D, int G, int nt) {
 // The tile's q rows: right after the staged merge's floats.
 __device__ __forceinline__ bf16* split_prep_q(float* smem, int G, int D, int nt) {
   return reinterpret_cast<bf16*>(smem + attention_smem_bytes(nt >> 5, G, D) / (int)sizeof(float));
+}
+
+// Byte offset of the cache-row stage: after q, 16-byte aligned for cp.async.
+__host__ __device__ inline int split_prep_stage_at(int nwarps, int G, int D) {
+  return align16(split_prep_smem_bytes(nwarps, G, D));
 }
 
 }  // namespace mpk

@@ -123,6 +123,7 @@ __device__ __noinline__ void gemv_tile(const XS xs, const bf16* __restrict__ w, 
     return;
   }
   const int warp = tid >> 5, lane = tid & 31, nwarps = nt >> 5;
+  constexpr bool kAhead = B == 1 && MPK_LOAD_AHEAD;  // x before its use (same bits)
   for (int n0 = warp * R; n0 < n_tile; n0 += nwarps * R) {
     float acc[R][B];
 #pragma unroll
@@ -138,15 +139,24 @@ __device__ __noinline__ void gemv_tile(const XS xs, const bf16* __restrict__ w, 
           const int k = kb + u * 256 + lane * 8;
           wv[r][u] = (k < K && n0 + r < n_tile) ? ld_stream_v4(w + (size_t)(n0 + r) * K + k) : make_uint4(0, 0, 0, 0);
         }
+      if constexpr (kAhead) {  // x before any use, as the weights (linear.cuh load_x_round)
+        uint4 xv[U];
+        load_x_round<U>(xv, [&](int k) { return xs.load8(0, k); }, kb, K, lane);
 #pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const int k = kb + u * 256 + lane * 8;
-        if (k < K) {
+        for (int u = 0; u < U; ++u)
 #pragma unroll
-          for (int b = 0; b < B; ++b) {
-            const uint4 xv = xs.load8(b, k);
+          for (int r = 0; r < R; ++r) acc[r][0] += dot8(wv[r][u], xv[u]);  // past K: + (+0), see load_x_round
+      } else {
 #pragma unroll
-            for (int r = 0; r < R; ++r) acc[r][b] += dot8(wv[r][u], xv);
+        for (int u = 0; u < U; ++u) {
+          const int k = kb + u * 256 + lane * 8;
+          if (k < K) {
+#pragma unroll
+            for (int b = 0; b < B; ++b) {
+              const uint4 xv = xs.load8(b, k);
+#pragma unroll
+              for (int r = 0; r < R; ++r) acc[r][b] += dot8(wv[r][u], xv);
+            }
           }
         }
       }

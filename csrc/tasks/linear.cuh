@@ -24,6 +24,30 @@ namespace mpk {
 #define MPK_LINEAR_UNROLL 8
 #endif
 constexpr int kLinUnroll = MPK_LINEAR_UNROLL;
+#ifndef MPK_LOAD_AHEAD
+#define MPK_LOAD_AHEAD 1  // batch 1: a round's x vectors before any use (load_x_round); 0: inside the sum loop
+#endif
+constexpr int kLaneStride = 256;  // k values one 16-byte load of each of a warp's 32 lanes covers
+
+// Batch row 0's x[k..k+7] for a lane's U chunks of one round (k = kb + u * kLaneStride + lane * 8), all issued
+// before any is used; zero past K. Why: loaded inside the summing loop behind its `k < K` test, each x load
+// was issued alone after the previous chunk's sum (the SASS shows one LD per branch, each followed by its
+// FFMAs), a chain of U round trips per round -- L2 ones when x is a global activation (the o_proj tiles).
+// The address is clamped into the row so the loads need no branch. Past K both the weight and the x vector
+// are zero, and the caller adds their +0 product without a test (a test let the compiler sink each load
+// back into its branch): an fp32 sum that starts at +0 never becomes -0 in round-to-nearest, and adding +0
+// to anything else leaves it unchanged, so the sums keep their bits.
+template <int U, class LoadX>
+__device__ __forceinline__ void load_x_round(uint4 (&xv)[U], const LoadX& load, int kb, int K, int lane) {
+  uint4 raw[U];
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const int k = kb + u * kLaneStride + lane * 8;
+    raw[u] = load(k < K ? k : 0);
+  }
+#pragma unroll
+  for (int u = 0; u < U; ++u) xv[u] = kb + u * kLaneStride + lane * 8 < K ? raw[u] : make_uint4(0, 0, 0, 0);
+}
 
 template <int B, typename OutT>
 __device__ void linear_tile(const bf16* __restrict__ x, int ldx, const bf16* __restrict__ w, OutT* __restrict__ y,
@@ -49,12 +73,19 @@ __device__ void linear_tile(const bf16* __restrict__ x, int ldx, const bf16* __r
         int k = kb + u * 256 + lane * 8;
         wv[u] = k < K ? ld_stream_v4(wr + k) : make_uint4(0, 0, 0, 0);
       }
+      if constexpr (B == 1 && MPK_LOAD_AHEAD) {  // x before any use, as the weights (load_x_round)
+        uint4 xv[kLinUnroll];
+        load_x_round<kLinUnroll>(xv, [&](int k) { return ld_act_v4(x + k); }, kb, K, lane);
 #pragma unroll
-      for (int u = 0; u < kLinUnroll; ++u) {
-        int k = kb + u * 256 + lane * 8;
-        if (k < K) {
+        for (int u = 0; u < kLinUnroll; ++u) acc[0] += dot8(wv[u], xv[u]);  // past K: + (+0), see load_x_round
+      } else {
 #pragma unroll
-          for (int b = 0; b < B; ++b) acc[b] += dot8(wv[u], ld_act_v4(x + (size_t)b * ldx + k));
+        for (int u = 0; u < kLinUnroll; ++u) {
+          int k = kb + u * 256 + lane * 8;
+          if (k < K) {
+#pragma unroll
+            for (int b = 0; b < B; ++b) acc[b] += dot8(wv[u], ld_act_v4(x + (size_t)b * ldx + k));
+          }
         }
       }
     }

@@ -41,10 +41,11 @@ class KernelShape:
     linear_tma: bool = False  # weights streamed through a shared-memory ring by bulk copies (weight_stream.cuh; same bits)
     linear_pipe: bool = False  # next chunk's weight loads issued before this one is summed (gemv_pipe.cuh; same bits)
     attn_prefetch: bool = True  # attention tiles pull their cache rows into L2 before their wait (attention.cuh; same bits)
+    load_ahead: bool = True  # batch-1 GEMV: a round's x vectors loaded before any use (linear.cuh load_x_round; same bits)
 
 
     def name(self) -> str:
-        """File-name label: mk_b<batch>_t<threads>_<schedule>[_r<rows>][_u<unroll>][_p<prefetch KB>][_d][_nso][_m][_tma][_pipe][_nap]."""
+        """File-name label: mk_b<batch>_t<threads>_<schedule>[_r<rows>][_u<unroll>][_p<prefetch KB>][_d][_nso][_m][_tma][_pipe][_nap][_nxa]."""
         rows = f"_r{self.linear_rows}" if self.linear_rows != 1 else ""
         unroll = f"_u{self.linear_unroll}" if self.linear_unroll != 8 else ""
         pf = f"_p{self.prefetch_kb}" if self.prefetch_kb != -1 else ""
@@ -53,6 +54,7 @@ class KernelShape:
         mma += "_tma" if self.linear_tma else ""
         mma += "_pipe" if self.linear_pipe else ""
         mma += "" if self.attn_prefetch else "_nap"
+        mma += "" if self.load_ahead else "_nxa"
         return f"mk_b{self.batch}_t{self.worker_threads}_{self.schedule}{rows}{unroll}{pf}{nso}{mma}"
 
 
@@ -106,6 +108,7 @@ def render_source(shape: KernelShape, model: str = "-", rank: int = 0, world: in
         f"#define MPK_LINEAR_TMA {int(shape.linear_tma)}",
         f"#define MPK_LINEAR_PIPE {int(shape.linear_pipe)}",
         f"#define MPK_ATTN_PREFETCH {int(shape.attn_prefetch)}",
+        f"#define MPK_LOAD_AHEAD {int(shape.load_ahead)}",
         "#include <cstddef>",
         '#include "abi_generated.h"  // mpk_dist.taskgraph.abi.render_cuda_abi_header()',
         '#include "megakernel.cuh"',

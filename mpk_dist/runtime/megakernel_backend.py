@@ -50,11 +50,18 @@ SWITCHES = (
     ("prefetch_plan", "MPK_PREFETCH_PLAN", True),
     # attention tiles pull their cache rows into L2 before their wait (csrc/tasks/attention.cuh; same bits)
     ("attn_prefetch", "MPK_ATTN_PREFETCH", True),
+    # batch-1 GEMV tiles load a round's x vectors before any use, as the weights (linear.cuh load_x_round; same
+    # bits). Loading the epilogue's residual at the row's start as well measured slower (docs/PERF.md v0.9)
+    ("load_ahead", "MPK_LOAD_AHEAD", True),
     # L2 prefetches through the bulk-copy engine instead of one instruction per line (common.cuh; same bits)
     ("bulk_prefetch", "MPK_BULK_PREFETCH", False),
     # aot: a narrow-waiting linear tile's prefetch issued during its worker's previous (attention) task's
     # wait (prefetch_plan.hoist_ahead; same bits)
     ("prefetch_ahead", "MPK_PREFETCH_AHEAD", False),
+    # split-KV tiles copy their range's cache rows into shared memory at once, then walk them there
+    # (csrc/tasks/attention_split.cuh KvStage; a record flag, same bits). Off: measured no faster at context
+    # ~512 (docs/PERF.md v0.9: the walk's rows are in L2 already, the tile's time is elsewhere)
+    ("attn_stage_kv", "MPK_ATTN_STAGE_KV", False),
 )
 """On/off kernel switches read from the environment: (Session keyword, variable, default)."""
 

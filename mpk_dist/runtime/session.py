@@ -71,7 +71,8 @@ class Session:
                  prefetch_kb: int = -1, region=None, stream=None,
                  cooperative: bool = True, superopt: bool = True, linear_mma: bool = False,
                  prefetch_plan: bool = True, linear_tma: bool = False, linear_pipe: bool = False,
-                 attn_prefetch: bool = True, bulk_prefetch: bool = False, prefetch_ahead: bool = False):
+                 attn_prefetch: bool = True, bulk_prefetch: bool = False, prefetch_ahead: bool = False,
+                 attn_stage_kv: bool = False, load_ahead: bool = True):
         if cg.meta["abi_version"] != ABI_VERSION:
             raise InputError(f"task graph ABI: expected version {ABI_VERSION}, got {cg.meta['abi_version']}")
         tables.check_supported(cg)
@@ -92,13 +93,15 @@ class Session:
         shape = kernel_shape(cg, worker_threads, schedule, linear_rows=linear_rows, linear_unroll=linear_unroll,
                              prefetch_kb=prefetch_kb, superopt=superopt,
                              linear_mma=linear_mma, linear_tma=linear_tma, linear_pipe=linear_pipe,
-                             attn_prefetch=attn_prefetch)
+                             attn_prefetch=attn_prefetch, load_ahead=load_ahead)
         self.source, self.build = build_kernel(shape, model=model,
                                                rank=self.rank, world=self.world, input_hash=tables_hash(cg.arrays),
                                                compiler=compiler, program=cg)
         self.build_s = time.perf_counter() - t0
         self.block_threads = worker_threads + (32 if schedule == "jit" else 0)
-        self.smem = tables.smem_bytes(cg, worker_threads, weight_ring=linear_tma)
+        # Record-level: split-KV tiles stage their cache rows in shared memory when the stage fits.
+        self.stage_kv = attn_stage_kv and tables.kv_stage_fits(cg, worker_threads, weight_ring=linear_tma)
+        self.smem = tables.smem_bytes(cg, worker_threads, weight_ring=linear_tma, stage_kv=self.stage_kv)
         if linear_mma:  # room for the MMA linear tiles' split-K partials (csrc/tasks/linear_mma.cuh), below the ring
             ring = tables.WEIGHT_RING_BYTES if linear_tma else 0
             self.smem = max(self.smem, MMA_PARTIAL_BYTES_PER_WARP * (worker_threads // 32) + 128 + ring)
@@ -168,7 +171,8 @@ class Session:
         self.peer_quota = self._dev(peer_quota(cg))
         plan, ahead = self._prefetch_plan() if self.use_prefetch_plan else (None, None)
         # argument addresses and the plan live here
-        records, task_rec = build_records(cg, arg_addr, plan, ahead, bulk_prefetch=self.bulk_prefetch)
+        records, task_rec = build_records(cg, arg_addr, plan, ahead, bulk_prefetch=self.bulk_prefetch,
+                                          stage_kv=self.stage_kv)
         self.records, self.task_rec = self._dev(records), self._dev(task_rec)
         dep_ptr, dep_task, dep_off = tables.dependents(cg)
         self.deps = [self._dev(dep_ptr), self._dev(dep_task), self._dev(dep_off)]

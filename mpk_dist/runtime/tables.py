@@ -152,9 +152,20 @@ def page_alloc_bytes(cg) -> int:
     return need
 
 
-def smem_bytes(cg, worker_threads: int, weight_ring: bool = False) -> int:
+def kv_stage_fits(cg, worker_threads: int, weight_ring: bool = False) -> bool:
+    """Whether the split-KV tiles' cache-row stage (lowering_attention.kv_stage_smem_bytes) fits the
+    block's shared memory beside the weight ring; False without split-KV tiles."""
+    from mpk_dist.taskgraph.lowering_attention import kv_stage_smem_bytes
+
+    need = kv_stage_smem_bytes(cg, worker_threads)
+    ring = WEIGHT_RING_BYTES if weight_ring else 0
+    return 0 < need <= HOPPER_MAX_DYNAMIC_SMEM - SMEM_RESERVE - ring
+
+
+def smem_bytes(cg, worker_threads: int, weight_ring: bool = False, stage_kv: bool = False) -> int:
     """Dynamic shared memory per worker block: the largest need over the task bodies, plus the weight
-    ring at the end when ``weight_ring`` (MPK_LINEAR_TMA; the staging budget shrinks by as much)."""
+    ring at the end when ``weight_ring`` (MPK_LINEAR_TMA; the staging budget shrinks by as much);
+    ``stage_kv``: room for the split-KV tiles' cache-row stage when it fits (``kv_stage_fits``)."""
     ring = WEIGHT_RING_BYTES if weight_ring else 0
     from mpk_dist.taskgraph.fusion import staging_bytes
     from mpk_dist.taskgraph.lowering_attention import attention_staging_bytes
@@ -170,6 +181,10 @@ def smem_bytes(cg, worker_threads: int, weight_ring: bool = False) -> int:
     need = max(need, staging_bytes(cg, HOPPER_MAX_DYNAMIC_SMEM - SMEM_RESERVE - ring))
     need = max(need, page_alloc_bytes(cg))
     need = max(need, split_prep_smem_bytes(cg, worker_threads))  # the attn_prep fusion in split programs
+    if stage_kv and kv_stage_fits(cg, worker_threads, weight_ring):
+        from mpk_dist.taskgraph.lowering_attention import kv_stage_smem_bytes
+
+        need = max(need, kv_stage_smem_bytes(cg, worker_threads))
     return (need + 127) // 128 * 128 + ring
 
 

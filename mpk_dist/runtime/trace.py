@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from mpk_dist.errors import InputError
+from mpk_dist.runtime.params import TRACE_MARKS
 from mpk_dist.taskgraph.abi import TASK_COLS
 
 
@@ -23,8 +24,9 @@ def chrome_trace(cg, per_worker: list[np.ndarray], rank: int = 0, t0: int | None
 
     Each task gives a 'wait' event (category "wait": from the worker turning to the task until its
     inputs were ready) and the task's own event (name = op, category = task kind) for the run; its
-    args carry ``prep_us`` (issuing the weight and descriptor prefetches, inside the wait) and
-    ``post_us`` (barrier, step epilogue and signals after the body, inside the run).
+    args carry ``prep_us`` (issuing the weight and descriptor prefetches, inside the wait),
+    ``post_us`` (barrier, step epilogue and signals after the body, inside the run) and ``mark<k>_us``
+    for each phase mark the body set (time from the start of the run).
     Times are relative to ``t0`` (device ns; default the earliest start here): ranks traced on one
     clock share one t0 so their events line up.
     """
@@ -42,6 +44,8 @@ def chrome_trace(cg, per_worker: list[np.ndarray], rank: int = 0, t0: int | None
             args = {"task": t, "step": int(r["step"]), "layer": op["layer"], "tile": int(tasks[t, TASK_COLS["TILE"]])}
             if "prep_ns" in recs.dtype.names:  # the per-task overheads inside wait and run (TraceRecord)
                 args = {**args, "prep_us": int(r["prep_ns"]) / 1e3, "post_us": int(r["post_ns"]) / 1e3}
+            if "mark_ns" in recs.dtype.names:  # phase marks the body set (csrc/runtime/trace_marks.cuh), from ready
+                args.update({f"mark{k}_us": int(m) / 1e3 for k, m in enumerate(r["mark_ns"]) if m})
             if wait > 0:
                 events.append({"name": "wait", "cat": "wait", "ph": "X", "pid": rank, "tid": w, "ts": start,
                                "dur": wait, "args": args})
@@ -108,7 +112,8 @@ def summarize(events: list[dict]) -> dict:
 def levels(events: list[dict], step: int, rank: int = 0) -> list[dict]:
     """Per op of one step on one rank, in start order: tasks, first start, last end, median run, how
     spread its tiles' starts and ends are, and the gap from the previous op's last end to its first
-    start. What shows where a decode step loses time between levels (a late tile holds the next level)."""
+    start. What shows where a decode step loses time between levels (a late tile holds the next level).
+    ``mark_median_us``: per phase mark, the median over the tiles that set it (None: no tile did)."""
     by_op: dict[str, list[dict]] = defaultdict(list)
     for e in events:
         a = e.get("args", {})
@@ -124,19 +129,30 @@ def levels(events: list[dict], step: int, rank: int = 0) -> list[dict]:
                      "end_us": float(ends.max()), "run_median_us": float(np.median(ends - starts)),
                      "start_spread_us": float(starts.max() - starts.min()),
                      "end_spread_us": float(ends.max() - ends.min()),
-                     "gap_us": None if prev_end is None else float(starts.min() - prev_end)})
+                     "gap_us": None if prev_end is None else float(starts.min() - prev_end),
+                     "mark_median_us": [_median_arg(es, f"mark{k}_us") for k in range(TRACE_MARKS)]})
         prev_end = float(ends.max())
     return rows
 
 
+def _median_arg(events: list[dict], key: str) -> float | None:
+    vals = [e["args"][key] for e in events if key in e.get("args", {})]
+    return float(np.median(vals)) if vals else None
+
+
 def format_levels(rows: list[dict]) -> str:
-    """``levels`` as a table."""
+    """``levels`` as a table; the phase-mark columns (median time from the run's start to mark k) appear
+    when some op's tiles set marks."""
+    marks = [k for k in range(TRACE_MARKS) if any((r.get("mark_median_us") or [None] * TRACE_MARKS)[k] is not None
+                                                for r in rows)]
     out = [f"{'op':<22}{'kind':<16}{'tasks':>6}{'start':>11}{'span':>8}{'run med':>9}{'start spr':>10}"
-           f"{'end spr':>9}{'gap':>7}"]
+           f"{'end spr':>9}{'gap':>7}" + "".join(f"{f'mark{k}':>8}" for k in marks)]
     for r in rows:
         gap = "" if r["gap_us"] is None else f"{r['gap_us']:.2f}"
+        mk = [(r.get("mark_median_us") or [None] * TRACE_MARKS)[k] for k in marks]
         out.append(f"{r['op']:<22}{r['kind']:<16}{r['tasks']:>6}{r['start_us']:>11.1f}{r['end_us'] - r['start_us']:>8.2f}"
-                   f"{r['run_median_us']:>9.2f}{r['start_spread_us']:>10.2f}{r['end_spread_us']:>9.2f}{gap:>7}")
+                   f"{r['run_median_us']:>9.2f}{r['start_spread_us']:>10.2f}{r['end_spread_us']:>9.2f}{gap:>7}"
+                   + "".join("" .rjust(8) if m is None else f"{m:>8.2f}" for m in mk))
     return "\n".join(out)
 
 

@@ -183,3 +183,37 @@ def split_smem_bytes(cg, worker_threads: int) -> int:
     (same math, one warp per sequence), so the runtime should size its dynamic shared memory to at
     least this (``mpk_dist.runtime.tables.smem_bytes`` counts it)."""
     return attention_staging_bytes(cg, "attention_split", worker_threads)
+
+
+KV_STAGE_KINDS = ("attention_split", "attention_split_prep")
+"""Split-KV tile kinds that can stage their range's cache rows in shared memory (REC_FLAG_STAGE_KV)."""
+
+
+def _align16(n: np.ndarray) -> np.ndarray:
+    return (n + 15) // 16 * 16
+
+
+def kv_stage_smem_bytes(cg, worker_threads: int) -> int:
+    """Dynamic shared memory the split-KV tiles need to stage their range's k and v rows (csrc/tasks/
+    attention_split.cuh ``KvStage``): their scratch (the staged merge's nwarps x GROUP x (D + 2) floats, and
+    for attention_split_prep the GROUP x D bf16 of q), 16-byte aligned, then BATCH x range x 2 x D bf16; the
+    largest over the program's tiles of KV_STAGE_KINDS, 0 without them. The kernel checks the same sum
+    against the launch's shared memory and reads the cache directly when it is short (same bits)."""
+    from mpk_dist.taskgraph.abi import TASK_COLS
+
+    tasks, params = cg.arrays["tasks"], cg.arrays["params"]
+    need = 0
+    for name in KV_STAGE_KINDS:
+        kind = BY_NAME[name]
+        rows = tasks[tasks[:, TASK_COLS["OPCODE"]] == kind.opcode]
+        if not len(rows):
+            continue
+        p0 = rows[:, TASK_COLS["PARAM_BEGIN"]].astype(np.int64)
+        par = lambda n: params[p0 + kind.param_index(n)].astype(np.int64)  # noqa: E731
+        G, D, B = par("GROUP"), par("HEAD_DIM"), par("BATCH")
+        scratch = (worker_threads // 32) * G * (D + 2) * 4
+        if name == "attention_split_prep":
+            scratch = scratch + G * D * 2
+        stage = B * (par("POS_END") - par("POS_BEGIN")) * 2 * D * 2
+        need = max(need, int((_align16(scratch) + stage).max()))
+    return need

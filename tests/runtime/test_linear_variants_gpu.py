@@ -1,6 +1,7 @@
 """GPU tests of the linear tiles' load variants that are designed to sum exactly as the register-load
-path does: the shared-memory weight stream (MPK_LINEAR_TMA=1, csrc/tasks/weight_stream.cuh) and the
-software-pipelined loads (MPK_LINEAR_PIPE=1, csrc/tasks/gemv_pipe.cuh). The mega-kernel with each is
+path does: the shared-memory weight stream (MPK_LINEAR_TMA=1, csrc/tasks/weight_stream.cuh), the
+software-pipelined loads (MPK_LINEAR_PIPE=1, csrc/tasks/gemv_pipe.cuh), and the batch-1 x vectors loaded
+inside the sum loop (MPK_LOAD_AHEAD=0, the path before linear.cuh load_x_round). The mega-kernel with each is
 checked for BITWISE equal logits against the same kernel without it (and against torch with
 compare_logits), at batch 1 and 4, fused (norm_linear / silu_linear / linear_residual, generated bodies
 included) and unfused (plain linear); then ms/token of both in one process (reported).
@@ -25,14 +26,16 @@ KNOBS = {"tma": "MPK_LINEAR_TMA", "pipe": "MPK_LINEAR_PIPE"}
 _BACKENDS: dict = {}
 
 
-def mk(variant: str | None, fuse: bool):
-    """The qwen3-0.6b mega-kernel with one load variant on (None: the register path), cached per key."""
+def mk(variant: str | None, fuse: bool, x_ahead: bool = True):
+    """The qwen3-0.6b mega-kernel with one load variant on (None: the register path) and MPK_LOAD_AHEAD
+    = x_ahead, cached per key."""
     from mpk_dist.runtime.megakernel_backend import MegakernelBackend
 
-    key = (variant, fuse)
+    key = (variant, fuse, x_ahead)
     if key not in _BACKENDS:
         m = model(NAME)
         mp = pytest.MonkeyPatch()
+        mp.setenv("MPK_LOAD_AHEAD", "1" if x_ahead else "0")
         for v, var in KNOBS.items():
             mp.setenv(var, "1" if v == variant else "0")
         try:
@@ -73,3 +76,26 @@ def test_variant_vs_register_ms_per_token(variant, gpu_results):
     gpu_results.append({"case": f"{variant}/register ms/token {NAME} b1", "steps": 128,
                         "ms/token": f"{a:.4f}/{b:.4f}={a / b:.3f}", "ok": True})
     print(f"\n{variant} {a:.4f} ms/token, register loads {b:.4f} ms/token, ratio {a / b:.3f}")
+
+
+@pytest.mark.parametrize("fuse", [True, False])
+def test_x_ahead_logits_are_bitwise_the_in_loop_loads(fuse, gpu_results):
+    """Batch 1: x loaded before any use with the +0 products past K (load_x_round) against x loaded inside
+    the sum loop behind its k < K test: the same logits, bit for bit (qwen3-0.6b's K = 1024 leaves half of
+    each round's vectors past K, so the +0 terms are exercised)."""
+    vocab = model(NAME).config.vocab_size
+    req = GenerateRequest([rand_ids(6, vocab, 40)], STEPS + 1, force_tokens=rand_ids(STEPS, vocab, 41),
+                          want_logits=True)
+    new, old = mk(None, fuse), mk(None, fuse, x_ahead=False)
+    assert "#define MPK_LOAD_AHEAD 0" in old.session(1).source, "the in-loop kernel did not run"
+    got, base = new.generate(req), old.generate(req)
+    # bits, not values: a +0 term turning a -0 into +0 would pass torch.equal
+    a, b = got.logits.contiguous(), base.logits.contiguous()
+    same = a.dtype == b.dtype and a.shape == b.shape and bool(torch.equal(a.view(torch.uint8), b.view(torch.uint8)))
+    err, agree = compare_logits(got.logits, ref(NAME).generate(req).logits)
+    gpu_results.append({"case": f"x ahead vs in-loop forced {NAME} b1 fuse={fuse}", "steps": got.logits.shape[0],
+                        "max_err/std": f"{err:.4f}", "argmax_agree": f"{agree:.4f}", "tokens_equal": same,
+                        "ms/token": f"{median(got.per_token_ms):.3f}/{median(base.per_token_ms):.3f}",
+                        "ok": same and err <= 0.03 and agree >= 0.99})
+    assert same, "x-ahead and in-loop logits differ (designed bit-identical)"
+    assert err <= 0.03 and agree >= 0.99, f"vs torch: {err:.4f} / {agree:.4f}"

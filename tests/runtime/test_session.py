@@ -136,12 +136,16 @@ def test_every_env_knob_reaches_the_kernel_shape(fake_gpu, monkeypatch):
         "src", __import__("types").SimpleNamespace(cubin=b"", cached=True, compiler="fake", path="x")))
     env = {"MPK_LINEAR_UNROLL": "16", "MPK_WORKER_THREADS": "256", "MPK_PREFETCH_KB": "32", "MPK_ATTN_PREFETCH": "0",
            "MPK_LINEAR_MMA": "1", "MPK_LINEAR_TMA": "1", "MPK_LINEAR_PIPE": "1", "MPK_PREFETCH_PLAN": "0",
-           "MPK_BULK_PREFETCH": "1", "MPK_PREFETCH_AHEAD": "1"}
+           "MPK_BULK_PREFETCH": "1", "MPK_PREFETCH_AHEAD": "1", "MPK_ATTN_STAGE_KV": "1",
+           "MPK_LOAD_AHEAD": "0"}
     for k, v in env.items():
         monkeypatch.setenv(k, v)
+    monkeypatch.setattr(S.tables, "kv_stage_fits", lambda *a, **k: True)  # tiny at 16 positions has no split tiles
     m = open_model("tiny")
     sess = fake_gpu.MegakernelBackend(m.config, m.weights, device="cpu", max_seq_len=16).session(1)
     assert sess.bulk_prefetch and sess.prefetch_ahead and not sess.use_prefetch_plan  # record-level switches
+    assert sess.stage_kv
     shape = shapes[-1]
     assert (shape.linear_unroll, shape.worker_threads, shape.prefetch_kb) == (16, 256, 32)
     assert shape.linear_mma and shape.linear_tma and shape.linear_pipe and not shape.attn_prefetch
+    assert not shape.load_ahead

@@ -9,15 +9,16 @@ import pytest
 
 from mpk_dist.cli import main
 from mpk_dist.models.presets import get_preset
-from mpk_dist.runtime.params import TRACE_DTYPE
+from mpk_dist.runtime.params import TRACE_DTYPE, TRACE_MARKS
 from mpk_dist.runtime.trace import chrome_trace, load_trace, summarize, write_trace
 from mpk_dist.taskgraph.compiler import compile_rank_programs
 
 
-def _records(tasks: list[tuple]) -> np.ndarray:
-    """(task, start, ready, end[, prep, post]) in ns -> TraceRecords."""
-    return np.array([(t, 0, s, r - s, e - r, *rest, *(0,) * (2 - len(rest))) for t, s, r, e, *rest in tasks],
-                    dtype=TRACE_DTYPE)
+def _records(tasks: list[tuple], marks: dict | None = None) -> np.ndarray:
+    """(task, start, ready, end[, prep, post]) in ns -> TraceRecords; ``marks``: {row: phase marks in ns}."""
+    marks = marks or {}
+    return np.array([(t, 0, s, r - s, e - r, *rest, *(0,) * (2 - len(rest)), marks.get(i, (0,) * TRACE_MARKS))
+                     for i, (t, s, r, e, *rest) in enumerate(tasks)], dtype=TRACE_DTYPE)
 
 
 def test_chrome_trace_and_summary(tmp_path, capsys):
@@ -74,3 +75,22 @@ def test_levels_view_of_one_step(tmp_path, capsys):
     assert main(["trace-summary", "--levels", "3", str(path)]) == 0 and "start spr" in capsys.readouterr().out
     assert main(["trace-summary", "--levels", "9", str(path)]) == 2
     assert "expected task events of step 9" in capsys.readouterr().err
+
+
+def test_phase_marks_reach_the_events_and_the_levels(tmp_path, capsys):
+    """A body's phase marks (csrc/runtime/trace_marks.cuh; ns after the run's start, 0 = not set) become
+    ``mark<k>_us`` args of the task's event and per-op medians in the levels view, which prints their columns."""
+    cg = compile_rank_programs(get_preset("tiny"), tp=1, batch=1, sms=2, max_seq_len=16)[0]
+    per_worker = [_records([(0, 1000, 1000, 2000), (1, 2000, 2000, 4000)], marks={1: (300, 0, 0, 0)}),
+                  _records([(2, 2000, 2500, 3000)])]
+    evs = load_trace(write_trace(tmp_path / "t.json", chrome_trace(cg, per_worker)))
+    runs = {e["args"]["task"]: e for e in evs if e["cat"] != "wait"}
+    assert runs[1]["args"]["mark0_us"] == pytest.approx(0.3) and "mark1_us" not in runs[1]["args"]
+    assert not any(k.startswith("mark") for k in runs[0]["args"])
+    from mpk_dist.runtime.trace import format_levels, levels
+
+    rows = {r["op"]: r for r in levels(evs, 0)}
+    op1 = next(e["name"] for e in evs if e["args"]["task"] == 1 and e["cat"] != "wait")
+    assert rows[op1]["mark_median_us"][0] == pytest.approx(0.3) and rows[op1]["mark_median_us"][1] is None
+    table = format_levels(list(rows.values()))
+    assert "mark0" in table and "mark1" not in table and "0.30" in table
