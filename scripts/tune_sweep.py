@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 KNOBS = {"u": "MPK_LINEAR_UNROLL", "t": "MPK_WORKER_THREADS", "p": "MPK_PREFETCH_KB", "r": "MPK_LINEAR_ROWS",
@@ -73,6 +72,7 @@ def main(argv=None) -> int:
     from mpk_dist.bench.runner import measure_read_bandwidth, random_prompt, run_case, step_bytes
     from mpk_dist.engine import RunSpec
     from mpk_dist.model_source import open_model
+    from mpk_dist.runtime.megakernel_backend import scoped_env
 
     model = open_model(args.model, seed=0, device="cuda")
     prompt = random_prompt(model.config.vocab_size, args.prompt_len, 0)
@@ -82,19 +82,11 @@ def main(argv=None) -> int:
           f"{torch.cuda.get_device_name()}")
     print(f"{'variant':<14}{'p50 ms':>9}{'floor ms':>10}{'/floor':>8}  tokens")
     for text, (env, opts) in variants:
-        saved = {k: os.environ.get(k) for k in KNOBS.values()}
-        os.environ.update(env)
-        try:
+        with scoped_env(env, keys=KNOBS.values()):
             spec = RunSpec(model=args.model, backend="megakernel", tp=1, batch=args.batch,
                            max_new_tokens=args.output_len, max_seq_len=args.prompt_len + args.output_len,
                            device="cuda", seed=0, backend_opts=opts)
             case = run_case(spec, model, prompt, args.output_len, args.iters, 1, False)
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
         floor_ms = nbytes / measure_read_bandwidth(torch.device("cuda")) * 1e3
         p50 = percentile(case.decode_step_ms, 50)  # the p50 of mpk-dist bench
         base_tokens = case.tokens if base_tokens is None else base_tokens

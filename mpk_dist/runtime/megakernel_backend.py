@@ -18,6 +18,7 @@ one-step-per-launch mode (StepBackend API); KV cache and counters carry over bet
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from pathlib import Path
@@ -388,6 +389,22 @@ def linear_rows_from_env(linear_rows: int | None = None) -> int:
     if rows not in (1, 2, 4, 8):
         raise InputError(f"MPK_LINEAR_ROWS: expected 1, 2, 4 or 8, got {rows}")
     return rows
+
+
+@contextlib.contextmanager
+def scoped_env(env: dict[str, str], keys=()):
+    """Set the variables ``env`` (e.g. MPK_* switches, read when a backend is made) for the ``with`` block,
+    then restore every variable of ``env`` and of ``keys`` as it was (absent ones removed again)."""
+    saved = {k: os.environ.get(k) for k in {*env, *keys}}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def tuning_from_env(worker_threads: int, environ=None) -> dict:

@@ -68,6 +68,50 @@ def ref(name: str, tp: int = 1):
     return _REFS[name, tp]
 
 
+_ENV_BACKENDS: dict = {}
+
+
+def megakernel_with_env(name: str, env: dict[str, str], **kwargs):
+    """The mega-kernel backend of preset ``name`` (MAX_SEQ cache, ``kwargs`` passed on) made while the
+    variables ``env`` are set (the MPK_* switches are read when the backend is made), then the environment
+    as it was; cached per (name, env, kwargs), so a test module's variants are built once."""
+    from mpk_dist.runtime.megakernel_backend import MegakernelBackend, scoped_env
+
+    key = (name, tuple(sorted(env.items())), repr(sorted(kwargs.items())))
+    if key not in _ENV_BACKENDS:
+        m = model(name)
+        with scoped_env(env):
+            _ENV_BACKENDS[key] = MegakernelBackend(m.config, m.weights, device="cuda", max_seq_len=MAX_SEQ, **kwargs)
+    return _ENV_BACKENDS[key]
+
+
+def forced_request(name: str, prompt_len: int, steps: int, batch: int, seed: int):
+    """A teacher-forced request on preset ``name``: ``prompt_len``-token prompts (sequence b from seed + b),
+    then ``steps`` forced tokens (from seed + 10), logits wanted; within the MAX_SEQ cache."""
+    from mpk_dist.backends.base import GenerateRequest
+
+    assert prompt_len + steps < MAX_SEQ, f"{prompt_len} + {steps} positions do not fit the {MAX_SEQ}-token cache"
+    vocab = model(name).config.vocab_size
+    return GenerateRequest([rand_ids(prompt_len, vocab, seed + b) for b in range(batch)], steps + 1,
+                           force_tokens=rand_ids(steps, vocab, seed + 10), want_logits=True)
+
+
+def check_bitwise(case: str, name: str, on, off, req, gpu_results: list) -> None:
+    """Backends ``on`` and ``off`` (two builds or records of one design, meant to sum identically) give logits
+    with the same bytes for ``req`` (raw bits: a -0 where the other has +0 counts as a difference), and
+    ``on``'s are within the acceptance of the torch reference of preset ``name``; one report row ``case``."""
+    got, base = on.generate(req), off.generate(req)
+    a, b = got.logits.contiguous(), base.logits.contiguous()
+    same = a.dtype == b.dtype and a.shape == b.shape and bool(torch.equal(a.view(torch.uint8), b.view(torch.uint8)))
+    err, agree = compare_logits(got.logits, ref(name).generate(req).logits)
+    gpu_results.append({"case": case, "steps": got.logits.shape[0], "max_err/std": f"{err:.4f}",
+                        "argmax_agree": f"{agree:.4f}", "tokens_equal": same,
+                        "ms/token": f"{median(got.per_token_ms):.3f}/{median(base.per_token_ms):.3f}",
+                        "ok": same and err <= ERR_TOL and agree >= AGREE_MIN})
+    assert same, f"{case}: the two give different logits (designed bit-identical)"
+    assert err <= ERR_TOL and agree >= AGREE_MIN, f"{case}: vs torch {err:.4f} / {agree:.4f}"
+
+
 def written_buffers(cg) -> set[str]:
     """Names of the buffers some task of compiled program ``cg`` writes: a buffer only declared (q under
     attn_prep in a split program, kept in the tiles' shared memory) holds nothing to compare."""

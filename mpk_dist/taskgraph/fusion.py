@@ -29,8 +29,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable
 
-import numpy as np
-
 from mpk_dist.errors import InputError
 from mpk_dist.graph import Graph, Op
 
@@ -204,19 +202,14 @@ def staging_bytes(cg, limit: int) -> int:
     per-block maximum minus what else the kernel keeps there); 0 without staging tiles. A tile that
     needs more than the launch provides computes its prologue per element instead (same result,
     slower), so the runtime should size its dynamic shared memory to at least this."""
-    from mpk_dist.taskgraph.abi import TASK_COLS
-    from mpk_dist.taskgraph.tasks import BY_NAME
+    from mpk_dist.taskgraph.tasks import kind_params
 
-    tasks, params = cg.arrays["tasks"], cg.arrays["params"]
     best = 0
     for name in STAGING_KINDS:
-        kind = BY_NAME[name]
-        rows = tasks[tasks[:, TASK_COLS["OPCODE"]] == kind.opcode]
-        if not len(rows):
+        p = kind_params(cg, name, "BATCH", "K")
+        if p is None:
             continue
-        p0 = rows[:, TASK_COLS["PARAM_BEGIN"]]
-        need = STAGE_OFFSET_BYTES + 2 * params[p0 + kind.param_index("BATCH")].astype(np.int64) * \
-            params[p0 + kind.param_index("K")].astype(np.int64)
+        need = STAGE_OFFSET_BYTES + 2 * p[0] * p[1]
         fits = need[need <= limit]
         best = max(best, int(fits.max(initial=0)))
     return best

@@ -19,7 +19,7 @@ from mpk_dist.errors import InputError
 from mpk_dist.graph import Op
 from mpk_dist.taskgraph.lowering import Lowerer, _all_fp
 from mpk_dist.taskgraph.program import Footprint
-from mpk_dist.taskgraph.tasks import BY_NAME
+from mpk_dist.taskgraph.tasks import BY_NAME, kind_params
 
 MIN_SPLIT_POSITIONS = 64
 """'auto' never cuts the cache into ranges shorter than this (a split's fixed cost must stay small
@@ -164,16 +164,11 @@ def attention_staging_bytes(cg, kind_name: str, worker_threads: int) -> int:
     """nwarps x GROUP x (D + 2) floats (csrc/tasks/attention.cuh ``attention_smem_bytes``: the warps'
     partials merged through shared memory), the largest over the program's tasks of ``kind_name``
     (attention, attention_split or attention_prep); 0 without them."""
-    from mpk_dist.taskgraph.abi import TASK_COLS
-
-    kind = BY_NAME[kind_name]
-    tasks, params = cg.arrays["tasks"], cg.arrays["params"]
-    rows = tasks[tasks[:, TASK_COLS["OPCODE"]] == kind.opcode]
-    if not len(rows):
+    p = kind_params(cg, kind_name, "GROUP", "HEAD_DIM")
+    if p is None:
         return 0
-    p0 = rows[:, TASK_COLS["PARAM_BEGIN"]].astype(np.int64)
-    G, D = params[p0 + kind.param_index("GROUP")], params[p0 + kind.param_index("HEAD_DIM")]
-    return int(((worker_threads // 32) * G.astype(np.int64) * (D.astype(np.int64) + 2) * 4).max())
+    G, D = p
+    return int(((worker_threads // 32) * G * (D + 2) * 4).max())
 
 
 def split_smem_bytes(cg, worker_threads: int) -> int:
@@ -199,21 +194,14 @@ def kv_stage_smem_bytes(cg, worker_threads: int) -> int:
     for attention_split_prep the GROUP x D bf16 of q), 16-byte aligned, then BATCH x range x 2 x D bf16; the
     largest over the program's tiles of KV_STAGE_KINDS, 0 without them. The kernel checks the same sum
     against the launch's shared memory and reads the cache directly when it is short (same bits)."""
-    from mpk_dist.taskgraph.abi import TASK_COLS
-
-    tasks, params = cg.arrays["tasks"], cg.arrays["params"]
     need = 0
     for name in KV_STAGE_KINDS:
-        kind = BY_NAME[name]
-        rows = tasks[tasks[:, TASK_COLS["OPCODE"]] == kind.opcode]
-        if not len(rows):
+        p = kind_params(cg, name, "GROUP", "HEAD_DIM", "BATCH", "POS_BEGIN", "POS_END")
+        if p is None:
             continue
-        p0 = rows[:, TASK_COLS["PARAM_BEGIN"]].astype(np.int64)
-        par = lambda n: params[p0 + kind.param_index(n)].astype(np.int64)  # noqa: E731
-        G, D, B = par("GROUP"), par("HEAD_DIM"), par("BATCH")
+        G, D, B, s0, s1 = p
         scratch = (worker_threads // 32) * G * (D + 2) * 4
         if name == "attention_split_prep":
             scratch = scratch + G * D * 2
-        stage = B * (par("POS_END") - par("POS_BEGIN")) * 2 * D * 2
-        need = max(need, int((_align16(scratch) + stage).max()))
+        need = max(need, int((_align16(scratch) + B * (s1 - s0) * 2 * D * 2).max()))
     return need

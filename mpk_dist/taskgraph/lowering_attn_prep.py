@@ -21,7 +21,7 @@ import numpy as np
 from mpk_dist.taskgraph.fusion import FusedAttention
 from mpk_dist.taskgraph.lowering import Lowerer, _all_fp
 from mpk_dist.taskgraph.program import Footprint
-from mpk_dist.taskgraph.tasks import BY_NAME
+from mpk_dist.taskgraph.tasks import BY_NAME, kind_params
 
 
 def lower_attn_prep(lw: Lowerer, f: FusedAttention, attn_splits=1, merge_last: bool = False) -> None:
@@ -125,14 +125,8 @@ def split_prep_smem_bytes(cg, worker_threads: int) -> int:
     GROUP x (D + 2) floats plus the tile's q (GROUP x D bf16; csrc/tasks/attention_split_prep.cuh
     ``split_prep_smem_bytes``); 0 without such tiles. ``mpk_dist.runtime.tables.smem_bytes`` counts it (the
     kernel refuses the task as bad when the launch has less)."""
-    from mpk_dist.taskgraph.abi import TASK_COLS
-
-    kind = BY_NAME["attention_split_prep"]
-    tasks, params = cg.arrays["tasks"], cg.arrays["params"]
-    rows = tasks[tasks[:, TASK_COLS["OPCODE"]] == kind.opcode]
-    if not len(rows):
+    p = kind_params(cg, "attention_split_prep", "GROUP", "HEAD_DIM")
+    if p is None:
         return 0
-    p0 = rows[:, TASK_COLS["PARAM_BEGIN"]].astype(np.int64)
-    G = params[p0 + kind.param_index("GROUP")].astype(np.int64)
-    D = params[p0 + kind.param_index("HEAD_DIM")].astype(np.int64)
+    G, D = p
     return int(((worker_threads // 32) * G * (D + 2) * 4 + G * D * 2).max())

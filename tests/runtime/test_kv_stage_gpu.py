@@ -15,40 +15,18 @@ import torch
 
 pytestmark = pytest.mark.gpu
 
-from mpk_dist.backends.base import GenerateRequest  # noqa: E402
-from mpk_dist.runtime.testing import MAX_SEQ, compare_logits, median, model, rand_ids, ref  # noqa: E402
+from mpk_dist.runtime.testing import check_bitwise, forced_request, megakernel_with_env  # noqa: E402
 
 torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
 NAME = "qwen3-0.6b"
 PROMPT = 200
 STEPS = 48
-_BACKENDS: dict = {}
 
 
 def mk(stage: int, attn_prep: int):
     """The qwen3-0.6b mega-kernel (default fusions and split-KV attention) with MPK_ATTN_STAGE_KV=stage and
-    MPK_FUSE_ATTN_PREP=attn_prep, cached per key."""
-    from mpk_dist.runtime.megakernel_backend import MegakernelBackend
-
-    key = (stage, attn_prep)
-    if key not in _BACKENDS:
-        m = model(NAME)
-        mp = pytest.MonkeyPatch()
-        mp.setenv("MPK_ATTN_STAGE_KV", str(stage))
-        mp.setenv("MPK_FUSE_ATTN_PREP", str(attn_prep))
-        try:
-            _BACKENDS[key] = MegakernelBackend(m.config, m.weights, device="cuda", max_seq_len=MAX_SEQ)
-        finally:
-            mp.undo()
-    return _BACKENDS[key]
-
-
-def request(batch: int, seed: int) -> GenerateRequest:
-    """Teacher-forced: PROMPT-token prompts (one per sequence), then STEPS forced tokens, with logits."""
-    assert PROMPT + STEPS < MAX_SEQ
-    vocab = model(NAME).config.vocab_size
-    return GenerateRequest([rand_ids(PROMPT, vocab, seed + b) for b in range(batch)], STEPS + 1,
-                           force_tokens=rand_ids(STEPS, vocab, seed + 10), want_logits=True)
+    MPK_FUSE_ATTN_PREP=attn_prep."""
+    return megakernel_with_env(NAME, {"MPK_ATTN_STAGE_KV": str(stage), "MPK_FUSE_ATTN_PREP": str(attn_prep)})
 
 
 @pytest.mark.parametrize("attn_prep", [1, 0])
@@ -68,14 +46,5 @@ def test_stage_leaves_the_logits_bitwise(batch, attn_prep, gpu_results):
         "the staged variant's records do not carry the flag"
     assert s_on.smem > s_off.smem, "the launch has no room for the stage"
     assert s_on.build.path == s_off.build.path, "a record switch must not change the binary"
-    req = request(batch, 90 + attn_prep)
-    got, base = on.generate(req), off.generate(req)
-    same = bool(torch.equal(got.logits, base.logits))
-    err, agree = compare_logits(got.logits, ref(NAME).generate(req).logits)
-    gpu_results.append({"case": f"kv stage on/off, {kind.name}, {NAME} b{batch} prompt {PROMPT}",
-                        "steps": got.logits.shape[0], "max_err/std": f"{err:.4f}", "argmax_agree": f"{agree:.4f}",
-                        "tokens_equal": same,
-                        "ms/token": f"{median(got.per_token_ms):.3f}/{median(base.per_token_ms):.3f}",
-                        "ok": same and err <= 0.03 and agree >= 0.99})
-    assert same, "the stage on and off give different logits (designed bit-identical)"
-    assert err <= 0.03 and agree >= 0.99, f"vs torch: {err:.4f} / {agree:.4f}"
+    check_bitwise(f"kv stage on/off, {kind.name}, {NAME} b{batch} prompt {PROMPT}", NAME, on, off,
+                  forced_request(NAME, PROMPT, STEPS, batch, 90 + attn_prep), gpu_results)

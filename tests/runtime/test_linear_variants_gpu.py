@@ -16,33 +16,21 @@ import torch
 pytestmark = pytest.mark.gpu
 
 from mpk_dist.backends.base import GenerateRequest  # noqa: E402
-from mpk_dist.runtime.testing import MAX_SEQ, compare_logits, median, model, rand_ids, ref  # noqa: E402
+from mpk_dist.runtime.testing import (check_bitwise, compare_logits, forced_request, median,  # noqa: E402
+                                      megakernel_with_env, model, rand_ids, ref)
 
 torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
 NAME = "qwen3-0.6b"
 STEPS = 64
 KNOBS = {"tma": "MPK_LINEAR_TMA", "pipe": "MPK_LINEAR_PIPE"}
 """variant -> the switch that turns it on (megakernel_backend.SWITCHES)."""
-_BACKENDS: dict = {}
 
 
 def mk(variant: str | None, fuse: bool, x_ahead: bool = True):
     """The qwen3-0.6b mega-kernel with one load variant on (None: the register path) and MPK_LOAD_AHEAD
-    = x_ahead, cached per key."""
-    from mpk_dist.runtime.megakernel_backend import MegakernelBackend
-
-    key = (variant, fuse, x_ahead)
-    if key not in _BACKENDS:
-        m = model(NAME)
-        mp = pytest.MonkeyPatch()
-        mp.setenv("MPK_LOAD_AHEAD", "1" if x_ahead else "0")
-        for v, var in KNOBS.items():
-            mp.setenv(var, "1" if v == variant else "0")
-        try:
-            _BACKENDS[key] = MegakernelBackend(m.config, m.weights, device="cuda", max_seq_len=MAX_SEQ, fuse=fuse)
-        finally:
-            mp.undo()
-    return _BACKENDS[key]
+    = x_ahead."""
+    env = {var: "1" if v == variant else "0" for v, var in KNOBS.items()}
+    return megakernel_with_env(NAME, {**env, "MPK_LOAD_AHEAD": "1" if x_ahead else "0"}, fuse=fuse)
 
 
 @pytest.mark.parametrize("variant", sorted(KNOBS))
@@ -83,19 +71,7 @@ def test_x_ahead_logits_are_bitwise_the_in_loop_loads(fuse, gpu_results):
     """Batch 1: x loaded before any use with the +0 products past K (load_x_round) against x loaded inside
     the sum loop behind its k < K test: the same logits, bit for bit (qwen3-0.6b's K = 1024 leaves half of
     each round's vectors past K, so the +0 terms are exercised)."""
-    vocab = model(NAME).config.vocab_size
-    req = GenerateRequest([rand_ids(6, vocab, 40)], STEPS + 1, force_tokens=rand_ids(STEPS, vocab, 41),
-                          want_logits=True)
-    new, old = mk(None, fuse), mk(None, fuse, x_ahead=False)
+    old = mk(None, fuse, x_ahead=False)
     assert "#define MPK_LOAD_AHEAD 0" in old.session(1).source, "the in-loop kernel did not run"
-    got, base = new.generate(req), old.generate(req)
-    # bits, not values: a +0 term turning a -0 into +0 would pass torch.equal
-    a, b = got.logits.contiguous(), base.logits.contiguous()
-    same = a.dtype == b.dtype and a.shape == b.shape and bool(torch.equal(a.view(torch.uint8), b.view(torch.uint8)))
-    err, agree = compare_logits(got.logits, ref(NAME).generate(req).logits)
-    gpu_results.append({"case": f"x ahead vs in-loop forced {NAME} b1 fuse={fuse}", "steps": got.logits.shape[0],
-                        "max_err/std": f"{err:.4f}", "argmax_agree": f"{agree:.4f}", "tokens_equal": same,
-                        "ms/token": f"{median(got.per_token_ms):.3f}/{median(base.per_token_ms):.3f}",
-                        "ok": same and err <= 0.03 and agree >= 0.99})
-    assert same, "x-ahead and in-loop logits differ (designed bit-identical)"
-    assert err <= 0.03 and agree >= 0.99, f"vs torch: {err:.4f} / {agree:.4f}"
+    check_bitwise(f"x ahead vs in-loop forced {NAME} b1 fuse={fuse}", NAME, mk(None, fuse), old,
+                  forced_request(NAME, 6, STEPS, 1, 40), gpu_results)

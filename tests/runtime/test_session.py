@@ -149,3 +149,22 @@ def test_every_env_knob_reaches_the_kernel_shape(fake_gpu, monkeypatch):
     assert (shape.linear_unroll, shape.worker_threads, shape.prefetch_kb) == (16, 256, 32)
     assert shape.linear_mma and shape.linear_tma and shape.linear_pipe and not shape.attn_prefetch
     assert not shape.load_ahead
+
+
+def test_scoped_env_restores_every_variable(monkeypatch):
+    """megakernel_backend.scoped_env: the variables hold inside the block; afterwards a variable that was set
+    has its old value and one that was absent is absent again (also when the block raises)."""
+    import os
+
+    from mpk_dist.runtime.megakernel_backend import scoped_env
+
+    monkeypatch.setenv("MPK_TEST_SET", "old")
+    monkeypatch.delenv("MPK_TEST_ABSENT", raising=False)
+    monkeypatch.delenv("MPK_TEST_KEY", raising=False)
+    with pytest.raises(RuntimeError):
+        with scoped_env({"MPK_TEST_SET": "new", "MPK_TEST_ABSENT": "1"}, keys=["MPK_TEST_KEY"]):
+            assert os.environ["MPK_TEST_SET"] == "new" and os.environ["MPK_TEST_ABSENT"] == "1"
+            os.environ["MPK_TEST_KEY"] = "changed inside"
+            raise RuntimeError("leave the block")
+    assert os.environ["MPK_TEST_SET"] == "old"
+    assert "MPK_TEST_ABSENT" not in os.environ and "MPK_TEST_KEY" not in os.environ

@@ -39,4 +39,21 @@ BY_OPCODE: dict[int, TaskKind] = {k.opcode: k for k in KINDS}
 
 assert [k.opcode for k in KINDS] == list(range(len(KINDS))), "opcodes must be 0..n-1 without gaps"
 
-__all__ = ["KINDS", "BY_NAME", "BY_OPCODE", "TaskKind"]
+
+def kind_params(cg, kind_name: str, *names: str) -> list | None:
+    """The named parameters (int64 arrays, one entry per task) of compiled program ``cg``'s tasks of kind
+    ``kind_name``, in the order asked; None when the program has no such task."""
+    import numpy as np
+
+    from mpk_dist.taskgraph.abi import TASK_COLS  # here: abi imports this package
+
+    kind = BY_NAME[kind_name]
+    tasks, params = cg.arrays["tasks"], cg.arrays["params"]
+    rows = tasks[tasks[:, TASK_COLS["OPCODE"]] == kind.opcode]
+    if not len(rows):
+        return None
+    p0 = rows[:, TASK_COLS["PARAM_BEGIN"]].astype(np.int64)
+    return [params[p0 + kind.param_index(n)].astype(np.int64) for n in names]
+
+
+__all__ = ["KINDS", "BY_NAME", "BY_OPCODE", "TaskKind", "kind_params"]
