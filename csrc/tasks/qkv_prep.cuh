@@ -19,9 +19,9 @@ __device__ __forceinline__ void qk_norm_rope(const bf16* src, const bf16* norm_w
                                              bf16* dst, int D, float eps, int lane) {
   const int half = D / 2;
   constexpr int kMaxPairs = 8;
-  // Every load first (the head, the norm weights, the frequencies): issued together they cost one memory
-  // round trip; placed at their use they were three in a row behind the warp sum (~4.6 us of a split tile's
-  // prep, docs/PERF.md v0.9). Same values, same arithmetic below.
+  // Every load first (the head, the norm weights, the frequencies): issued together, one memory round trip
+  // instead of three in a row behind the warp sum (the prep time did not move: docs/PERF.md v0.9). Same
+  // values, same arithmetic below.
   float lo[kMaxPairs], hi[kMaxPairs], wlo[kMaxPairs], whi[kMaxPairs], freq[kMaxPairs], ss = 0.f;
 #pragma unroll
   for (int i = 0; i < kMaxPairs; ++i) {
