@@ -504,9 +504,6 @@ __device__ bool run_task(const RuntimeParams& p, const int32_t* rec, int step, f
   }
 }
 
-// The cache rows an attention tile will read, into L2 before its wait (attn_prefetch_rows,
-// csrc/tasks/attention.cuh). Positions are read now: this step's may not be written yet, and a
-// position one short only leaves the newest row to the tile's own load.
 // The q/k norm weights and rope frequencies a prep tile reads first (constants: safe before the wait).
 __device__ __forceinline__ void prep_constants_prefetch(const bf16* q_norm, const bf16* k_norm, const float* inv_freq,
                                                         int D, int tid, int nt) {
@@ -515,6 +512,9 @@ __device__ __forceinline__ void prep_constants_prefetch(const bf16* q_norm, cons
   prefetch_l2(inv_freq, (uint64_t)(D / 2) * sizeof(float), tid, nt);
 }
 
+// The cache rows an attention tile will read, into L2 before its wait (attn_prefetch_rows,
+// csrc/tasks/attention.cuh), and for the prep tiles their constants. Positions are read now: this step's
+// may not be written yet, and a position one short only leaves the newest row to the tile's own load.
 __device__ __noinline__ void attention_prefetch(const TaskView& t, bool bulk, int tid, int nt) {
   const int op = t.opcode();
   if (op == OP_ATTENTION_PREP) {  // one tile = (kv head, one sequence)
