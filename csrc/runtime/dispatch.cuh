@@ -390,6 +390,7 @@ __device__ __noinline__ bool run_attention_split_prep(const TaskView& t, float* 
   const int32_t* pos = t.arg<const int32_t>(ATTENTION_SPLIT_PREP_ARG_POSITIONS);
   bf16* qs = split_prep_q(smem, G, D, nt);
   const int epl = (D + 31) / 32;
+  trace_mark(4, tid);  // trace: the body started (thread 0)
   for (int b = 0; b < B; ++b)  // before any copy is issued: a bad position writes nothing
     if (pos[b] < 0 || pos[b] >= S) return false;
   // The range's rows below each position (written by earlier steps) fly into shared memory during the prep.
@@ -410,6 +411,7 @@ __device__ __noinline__ bool run_attention_split_prep(const TaskView& t, float* 
                          t.param(ATTENTION_SPLIT_PREP_PARAM_K_OFFSET), t.param(ATTENTION_SPLIT_PREP_PARAM_V_OFFSET),
                          t.param(ATTENTION_SPLIT_PREP_PARAM_KV_POS_STRIDE), t.fparam(ATTENTION_SPLIT_PREP_PARAM_EPS),
                          s0 <= p && p < s1, tid, nt);
+    if (b == 0) trace_mark(5, tid);  // trace: thread 0's warp prepared its q head (before the block barrier)
     if (use) cp_async_wait_all();  // this thread's staged rows (all sequences' copies: issued above)
     worker_barrier(nt);  // q in shared memory, this position's k and v, before any warp reads them
     if (b == 0) trace_mark(0, tid);  // trace: the prep is done (sequence 0)

@@ -10,9 +10,9 @@
 
 namespace mpk {
 
-constexpr int kTraceMarks = 4;  // phase marks a task body may set (trace_mark, worker.cuh)
+constexpr int kTraceMarks = 6;  // phase marks a task body may set (trace_mark, worker.cuh)
 
-// One trace record per executed task (48 bytes); written by thread 0 of the worker block.
+// One trace record per executed task (56 bytes); written by thread 0 of the worker block.
 // start_ns: the worker turned to the task (aot: before its waits; jit: before the queue pop);
 // wait_ns: until its inputs were ready; run_ns: from then to the end of its signals.
 struct TraceRecord {

@@ -1,5 +1,5 @@
-// Phase marks: a task body stamps up to kTraceMarks points of its run (thread 0, right after a block
-// barrier, so every thread has got there); the worker writes them into the task's trace record as ns after
+// Phase marks: a task body stamps up to kTraceMarks points of its run (thread 0; right after a block
+// barrier, the point every thread has got to, else thread 0's own progress); the worker writes them into the task's trace record as ns after
 // its inputs were ready (TraceRecord::mark_ns, 0 where the body set none). Why: the trace gives one run
 // time per task, and inside a fused tile (prep, walk, merge, ticket) that number does not say which
 // part to work on. Two shared-memory words and a timer read per mark: cheap enough to stay on.

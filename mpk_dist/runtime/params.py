@@ -66,7 +66,7 @@ words, destination words added per step."""
 DOORBELL_POSTED, DOORBELL_STOP = 0, 1
 """Words of RuntimeParams.pass_doorbell."""
 
-TRACE_MARKS = 4
+TRACE_MARKS = 6
 """csrc/runtime/params.cuh kTraceMarks: phase marks a task body may set (csrc/runtime/trace_marks.cuh)."""
 TRACE_DTYPE = np.dtype([("task_id", "<u4"), ("step", "<u4"), ("start_ns", "<u8"), ("wait_ns", "<u4"), ("run_ns", "<u4"),
                         ("prep_ns", "<u4"), ("post_ns", "<u4"), ("mark_ns", "<u4", (TRACE_MARKS,))])

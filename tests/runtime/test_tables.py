@@ -60,6 +60,6 @@ def test_param_struct_layout_matches_the_cuda_rules():
         assert off % ctypes.alignment(ct) == 0, name
     assert ctypes.sizeof(params.RuntimeParams) % 8 == 0
     assert ctypes.sizeof(params.ErrorRecord) == 64  # 48 + peer, peer_sent, peer_expected, pad
-    assert params.TRACE_DTYPE.itemsize == 48  # csrc/runtime/params.cuh TraceRecord, 4 phase marks
+    assert params.TRACE_DTYPE.itemsize == 56  # csrc/runtime/params.cuh TraceRecord, 6 phase marks
     raw = params.to_bytes(params.RuntimeParams(num_tasks=7))
     assert np.frombuffer(raw, np.int32)[params.RuntimeParams.num_tasks.offset // 4] == 7

@@ -81,7 +81,7 @@ def test_phase_marks_reach_the_events_and_the_levels(tmp_path, capsys):
     """A body's phase marks (csrc/runtime/trace_marks.cuh; ns after the run's start, 0 = not set) become
     ``mark<k>_us`` args of the task's event and per-op medians in the levels view, which prints their columns."""
     cg = compile_rank_programs(get_preset("tiny"), tp=1, batch=1, sms=2, max_seq_len=16)[0]
-    per_worker = [_records([(0, 1000, 1000, 2000), (1, 2000, 2000, 4000)], marks={1: (300, 0, 0, 0)}),
+    per_worker = [_records([(0, 1000, 1000, 2000), (1, 2000, 2000, 4000)], marks={1: (300,) + (0,) * (TRACE_MARKS - 1)}),
                   _records([(2, 2000, 2500, 3000)])]
     evs = load_trace(write_trace(tmp_path / "t.json", chrome_trace(cg, per_worker)))
     runs = {e["args"]["task"]: e for e in evs if e["cat"] != "wait"}
