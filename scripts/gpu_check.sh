@@ -24,8 +24,9 @@
 #   --perf          ONLY the issue-6 speed table: `mpk-dist bench --backend megakernel,torch-compile` at
 #                   context ~512 for qwen3-8b, llama3-8b, qwen3-1.7b, qwen3-0.6b (batch 1) and qwen3-8b batch 8
 #                   (MPK_LINEAR_MMA=1), the knob sweep of the newest levers on qwen3-8b (PERF_VARIANTS,
-#                   default "base;k1;v0;k12": split-KV attention off (it is the default), no attention L2 prefetch,
-#                   12 KV ranges), and a traced qwen3-8b run at context ~480's trace-summary. Limit per step: PERF_LIMIT
+#                   default "base;y0;x1;k1": the batch-1 x vectors loaded in the sum loop (MPK_LOAD_AHEAD=0), the
+#                   split tiles' cache rows staged in shared memory (MPK_ATTN_STAGE_KV=1), split-KV attention off),
+#                   and a traced qwen3-8b run at context ~480's trace-summary. Limit per step: PERF_LIMIT
 # Two GPUs: GPU_SPLIT=K/N splits one check's steps over N copies of this script (see below; not for --tp,
 # whose ipc step wants both GPUs), or run two copies side by side, e.g. CUDA_VISIBLE_DEVICES=0 ... --runtime-only and
 # CUDA_VISIBLE_DEVICES=1 ... --fusion-only, each with its own OUT and MPK_CACHE_DIR and MPK_SKIP_INSTALL=1.
@@ -144,7 +145,7 @@ if [ $PERF -eq 1 ]; then
   step perf_startup "${PERF_LIMIT:-150}" bash -c 'D=$(mktemp -d); for i in 1 2; do MPK_CACHE_DIR=$D python3 -m mpk_dist run \
     --model qwen3-8b --backend megakernel --prompt-ids 1,2,3 --max-new-tokens 4 --no-stop | grep start-up || exit 1; done'
   step perf_sweep "${PERF_LIMIT:-150}" python3 scripts/tune_sweep.py --model qwen3-8b --prompt-len 480 --output-len 64 \
-    --variants "${PERF_VARIANTS:-base;k1;v0;k12}" --output-json "$OUT/perf_sweep.json"
+    --variants "${PERF_VARIANTS:-base;y0;x1;k1}" --output-json "$OUT/perf_sweep.json"
   # The last 32 steps (megakernel_backend.TRACE_STEPS) of a 480-token prompt + 8 tokens: decode at context ~484.
   step perf_trace "${PERF_LIMIT:-150}" bash -c "python3 -m mpk_dist bench --model qwen3-8b --backend megakernel \
     --prompt-len 480 --output-len 8 --max-seq-len 576 --iters 1 --warmup 0 --no-progress \
