@@ -263,7 +263,8 @@ def representative_sizes(layout: Layout, infos: dict, sym_size: dict, config) ->
 
 
 def enumerate_layout(ctx: Context, layout: Layout, infos: dict, final: bool = False,
-                     early_bound: bool = True, dedup: bool | None = None) -> list:
+                     early_bound: bool = True, dedup: bool | None = None,
+                     share: bool | None = None) -> list:
     """All complete structures of one layout (see module docstring).
 
     ``final``: the op will be the last kernel op, so it has exactly one output (the target);
@@ -273,6 +274,9 @@ def enumerate_layout(ctx: Context, layout: Layout, infos: dict, final: bool = Fa
     one by one (``_Builder``), which may produce a graph in several op orders.
     ``early_bound=False`` checks the dangling-tensor bound only on entering a prefix instead of
     before inferring each op (the same structures, more work; tests compare the two).
+    ``share`` (default: a last op with ``dedup`` and without pruning): the layout is enumerated
+    once per input shapes with opaque inputs and tested per concrete inputs (``blockshare``; the
+    same structures, tests compare the two).
     """
     sym_size = {}
     for n in layout.inputs:
@@ -283,7 +287,14 @@ def enumerate_layout(ctx: Context, layout: Layout, infos: dict, final: bool = Fa
     if sizes is None:
         return []
     outs = 1 if final else ctx.config.max_block_outputs
-    if ctx.config.dedup if dedup is None else dedup:
+    dedup = ctx.config.dedup if dedup is None else dedup
+    if share is None:
+        share = final and dedup and not ctx.config.prune
+    if share:
+        from mpk_dist.superopt.blockshare import shared_final_structures
+
+        return shared_final_structures(ctx, layout, infos, sizes, sym_size)
+    if dedup:
         from mpk_dist.superopt.blockmemo import FinalFilter, MemoEnumerator
 
         enum = MemoEnumerator(ctx, layout, infos, sizes, outs,

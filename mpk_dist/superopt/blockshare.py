@@ -1,0 +1,175 @@
+"""Last custom ops of unpruned searches: block graphs enumerated once per input *shapes*.
+
+Without pruning, the kernel search asks for the last custom op's block graphs once per distinct
+set of inputs, and a kernel tensor made by a first op is new for almost every first op (its
+abstract expression differs), so ``BlockCatalog`` enumerated the same layout again and again
+(attention_decode: ~10^5 first ops, 2-9 s per catalog). Here a layout is enumerated once per
+*signature* (each input's shape and index symbols, the grid and loop symbols) with every input
+an opaque atom (``("v", "@k")``), and each concrete set of inputs then only tests the graphs
+found (``SharedFinal``).
+
+Why the result is the same as ``MemoEnumerator`` on the concrete inputs (unpruned only):
+
+* Without pruning the enumeration looks at expressions in two places: the no-recomputation rule
+  (no input, body result or post result repeats another's expression; nodes and states are
+  identified by expression) and the last op's test (``FinalFilter``). Validity of an op, the
+  dangling-tensor bound, phases and accumulators depend on shapes, symbols and names only, and
+  the representative counts on shapes only.
+* Let s substitute each atom ``@k`` by the concrete input's expression. Every expression is built
+  by the canonical constructors (``expr.mk_*``) from the inputs', and their canonical form is a
+  function of the equivalence class under the axioms (the assumption every rule of the search
+  already makes: ``normalize`` decides equality), and axioms are closed under substitution. So
+  abstract-equal tensors are concrete-equal: the abstract no-recomputation rule excludes a subset
+  of what the concrete one excludes, abstract state merging only merges states whose concrete
+  states also have the same futures, and the abstract enumeration (``accept`` testing shapes
+  only) yields a superset of the concrete block graphs.
+* Each abstract graph is then tested on the concrete inputs exactly as the concrete enumerator
+  would: its output's stripped fingerprint computed op by op from the concrete inputs (a
+  necessary condition, as in ``FinalFilter``), then, for the few that pass, the graph instantiated
+  with concrete expressions at the representative counts, every input / body / post expression
+  pairwise distinct (the no-recomputation rule on the whole graph) and ``FinalFilter.exact`` on
+  its output. What passes is exactly the concrete enumerator's set; the structures come out in its
+  canonical order and sorted as ``MemoEnumerator.structures`` sorts them
+  (tests/superopt/test_blockshare.py compares both on small shapes).
+
+With pruning the oracle judges every prefix's expression, so nothing is shared there.
+"""
+
+from __future__ import annotations
+
+from mpk_dist.superopt.blockmemo import FinalFilter, Fingerprint, MemoEnumerator, canonical_order
+from mpk_dist.superopt.ugraph import TensorInfo
+
+
+class _ShapeOnly(FinalFilter):
+    """``FinalFilter`` without the expression test: the abstract enumeration keeps every
+    complete graph whose one output can have the target's shape (expressions come later)."""
+
+    def __call__(self, shape: tuple, syms: tuple, stripped_fp: tuple) -> bool:
+        return self.shape_ok(shape, syms)
+
+    def exact(self, info: TensorInfo) -> bool:
+        return True
+
+
+class SharedFinal:
+    """One abstract enumeration of a last-op layout: graphs grouped by output node, and the node
+    recipes that give each node's stripped fingerprint for concrete inputs."""
+
+    def __init__(self, ctx, layout, infos: dict, sizes: dict, sym_size: dict) -> None:
+        from mpk_dist.superopt.blocksearch import Layout
+
+        names = tuple(f"@{k}" for k in range(len(layout.inputs)))
+        ainfos = {a: TensorInfo(infos[n].shape, infos[n].syms, ("v", a))
+                  for a, n in zip(names, layout.inputs)}
+        alay = Layout(names, layout.grid_syms, layout.loop_sym)
+        enum = MemoEnumerator(ctx, alay, ainfos, sizes, 1, _ShapeOnly(ctx.target, alay, sym_size))
+        graphs = enum.run()
+        self.complete = not ctx.timed_out()
+        self.states, self.deduplicated = enum.states, enum.deduplicated
+        self.recipe, self.shape, self.acc_of = enum.recipe, enum.shape, enum.acc_of
+        self.by_out: dict = {}
+        for ops in graphs:
+            self.by_out.setdefault(_output_node(ops, enum.acc_of), []).append(ops)
+        self.n_graphs = len(graphs)
+
+    def structures(self, ctx, layout, infos: dict, sizes: dict, sym_size: dict) -> tuple:
+        """(structures of ``layout`` over the concrete ``infos`` that the concrete enumerator
+        keeps, sorted as it sorts them; the number of graphs that failed the last op's test)."""
+        from mpk_dist.superopt.blocksearch import Structure
+
+        filt = FinalFilter(ctx.target, layout, sym_size)
+        sfp = _stripped_fp(ctx)
+        leaf = [sfp.of_expr(infos[n].expr) for n in layout.inputs]
+        memo: dict = {}
+        out, failed, repeats = [], 0, 0
+        for node, graphs in self.by_out.items():
+            if self._fp(node, leaf, sfp, memo) != filt.want:
+                failed += len(graphs)
+                continue
+            for ops in graphs:
+                st = Structure(layout, *canonical_order(ops))
+                verdict = _concrete_verdict(st, sizes, infos, filt)
+                if verdict == "ok":
+                    out.append(st)
+                else:
+                    failed += 1
+                    repeats += verdict == "repeats"
+        out.sort(key=lambda s: (s.body, s.post, s.outputs))
+        ctx.counts["shared_repeats"] = ctx.counts.get("shared_repeats", 0) + repeats
+        return out, failed
+
+    def _fp(self, node: int, leaf: list, sfp: Fingerprint, memo: dict) -> tuple:
+        """The stripped fingerprint of ``node`` for the concrete inputs (op by op, as
+        ``MemoEnumerator`` computes it)."""
+        hit = memo.get(node)
+        if hit is not None:
+            return hit
+        r = self.recipe[node]
+        if r[0] == "in":
+            v = leaf[r[1]]
+        elif r[0] == "acc":
+            v = self._fp(r[1], leaf, sfp, memo)  # stripped: a sum over iterations vanishes
+        else:
+            kind, attrs, args = r
+            v = sfp.op(kind, attrs, [self._fp(a, leaf, sfp, memo) for a in args], 1)
+        memo[node] = v
+        return v
+
+
+def _stripped_fp(ctx) -> Fingerprint:
+    fp = ctx.__dict__.get("_shared_sfp")
+    if fp is None:
+        fp = ctx.__dict__["_shared_sfp"] = Fingerprint(sized=False)
+    return fp
+
+
+def _output_node(ops, acc_of: dict) -> int:
+    """The node of the one output of the op set ``ops`` (as ``canonical_order`` finds outputs:
+    an unread post result, or the accumulator of a body result nobody reads)."""
+    read = {r for d in ops for r in d[3]}
+    for d in ops:
+        phase, node = d[4]
+        if phase == "b" and d[4] not in read and ("a", node) not in read:
+            return acc_of[node]
+        if phase == "p" and d[4] not in read:
+            return node
+    raise ValueError(f"block graph output: expected one unread tensor, got none in {ops}")
+
+
+def _concrete_verdict(st, sizes: dict, infos: dict, filt: FinalFilter) -> str:
+    """The concrete enumerator's rules that look at expressions, on one complete graph: every
+    input, body and post expression distinct ("repeats" if not), and the output passes
+    ``filt.exact`` ("mismatched" if not); "ok" when both hold."""
+    from mpk_dist.superopt.blocksearch import instantiate
+
+    bg, _ = instantiate(st, sizes, infos, ("@out",), lambda e: "")
+    if bg is None:
+        return "mismatched"  # not reached: validity depends on shapes only
+    exprs = [infos[n].expr for n in st.layout.inputs] + [o.info.expr for o in bg.ops()]
+    if len(set(exprs)) != len(exprs):
+        return "repeats"
+    src = bg.outputs[0].src
+    info = next(x.info for x in (*bg.accs, *bg.ops()) if x.out == src)
+    return "ok" if filt.exact(info) else "mismatched"
+
+
+def shared_final_structures(ctx, layout, infos: dict, sizes: dict, sym_size: dict) -> list:
+    """The last-op structures of ``layout`` over ``infos`` (unpruned), from the abstract
+    enumeration of the layout's signature (built once per process, kept on ``ctx``)."""
+    key = (tuple((infos[n].shape, infos[n].syms) for n in layout.inputs), layout.grid_syms,
+           layout.loop_sym, tuple(sorted(sizes.items())))
+    cache = ctx.__dict__.setdefault("_shared_final", {})
+    entry = cache.get(key)
+    if entry is None:
+        entry = SharedFinal(ctx, layout, infos, sizes, sym_size)
+        for k, n in (("deduplicated", entry.deduplicated), ("states", entry.states)):
+            ctx.counts[k] = ctx.counts.get(k, 0) + n
+        if entry.complete:
+            cache[key] = entry
+        ctx.counts["shared_built"] = ctx.counts.get("shared_built", 0) + 1
+    else:
+        ctx.counts["shared_reused"] = ctx.counts.get("shared_reused", 0) + 1
+    out, failed = entry.structures(ctx, layout, infos, sizes, sym_size)
+    ctx.counts["mismatched"] = ctx.counts.get("mismatched", 0) + failed
+    return out

@@ -1,0 +1,76 @@
+"""blockshare: a last custom op enumerated once per input shapes (opaque inputs) and tested per
+concrete inputs gives exactly the block graphs the concrete enumerator gives (unpruned), when
+the inputs include tensors a first kernel op made (issue 7, item 4)."""
+
+import time
+
+from mpk_dist.superopt import blocksearch as B
+from mpk_dist.superopt.blockmemo import FinalFilter
+from mpk_dist.superopt.blockshare import _concrete_verdict
+from mpk_dist.superopt.context import Context, SearchConfig
+from mpk_dist.superopt.inference import candidate_ops, infer
+from mpk_dist.superopt.kernelsearch import _input_infos
+from mpk_dist.superopt.patterns import build
+from mpk_dist.superopt.expr import to_text
+from mpk_dist.superopt.target import analyze
+from mpk_dist.superopt.ugraph import TensorInfo
+
+
+def _first_op_tensors(target, infos: dict) -> dict:
+    """{name: TensorInfo} of every library op over the inputs (as a first kernel op makes)."""
+    names = list(infos)
+    chains = [p for p, _ in target.chains]
+    out = {}
+    for kind, args, attrs, _ in candidate_ops([infos[n] for n in names], chains):
+        info = infer(kind, [infos[names[i]] for i in args], attrs)
+        if info is not None and info.expr not in {i.expr for i in (*infos.values(), *out.values())}:
+            out[f"t{len(out)}"] = info
+    return out
+
+
+def _setup(ops: int):
+    target = analyze(build("rmsnorm_linear", {"M": 2, "K": 64, "N": 32}))
+    infos = _input_infos(target)
+    made = _first_op_tensors(target, infos)
+    config = SearchConfig(max_kernel_ops=2, max_block_ops=ops, prune=False)
+    return target, {**infos, **made}, config
+
+
+def _named(infos: dict, text: str) -> str:
+    return next(n for n, i in infos.items() if to_text(i.expr) == text)
+
+
+def test_shared_last_op_equals_the_concrete_enumeration():
+    """Per layout (grid over n, loop over k or none), the same structures in the same order;
+    the three subsets share one enumeration per layout (same shapes, different expressions)."""
+    target, infos, config = _setup(4)
+    gx, ginv, xx = _named(infos, "G*X"), _named(infos, "inv(G)*X"), _named(infos, "X*X")
+    shared = Context(target, config, time.monotonic() + 120)
+    kept = 0
+    for subset in ((gx, xx, "W"), (ginv, xx, "W"), ("X", gx, "W")):
+        for lay in B.layouts(subset, infos, 1):
+            if lay.grid_syms != ("n",) or lay.loop_sym not in (None, "k"):
+                continue
+            old = B.enumerate_layout(Context(target, config, time.monotonic() + 60), lay, infos,
+                                     final=True, share=False)
+            new = B.enumerate_layout(shared, lay, infos, final=True, share=True)
+            assert new == old, (lay, new[:2], old[:2])
+            kept += len(new)
+    counts = shared.counts
+    assert kept > 0 and counts["mismatched"] > 0
+    assert counts["shared_built"] == 2 and counts["shared_reused"] == 4  # X, G*X: same shape
+
+
+def test_concrete_test_applies_no_recomputation():
+    """An abstract graph whose op repeats a concrete input's expression is dropped."""
+    target, infos, config = _setup(2)
+    gx = _named(infos, "G*X")
+    lay = B.Layout(("X", "G", gx), ("m",), None)
+    st = B.Structure(lay, (), (("mul", ("i0", "i1"), ()), ("add", ("p0", "i2"), ())), ("p1",))
+    sym_size = {s: x for n in lay.inputs for s, x in zip(infos[n].syms, infos[n].shape) if s}
+    sizes = B.representative_sizes(lay, infos, sym_size, config)
+    assert _concrete_verdict(st, sizes, infos, FinalFilter(target, lay, sym_size)) == "repeats"
+    # with an opaque third input the same graph repeats nothing
+    opaque = {**infos, gx: TensorInfo(infos[gx].shape, infos[gx].syms, ("v", "@2"))}
+    assert _concrete_verdict(st, sizes, opaque, FinalFilter(target, lay, sym_size)) == \
+        "mismatched"
