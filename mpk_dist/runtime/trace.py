@@ -143,13 +143,12 @@ def _median_arg(events: list[dict], key: str) -> float | None:
 def format_levels(rows: list[dict]) -> str:
     """``levels`` as a table; the phase-mark columns (median time from the run's start to mark k) appear
     when some op's tiles set marks."""
-    marks = [k for k in range(TRACE_MARKS) if any((r.get("mark_median_us") or [None] * TRACE_MARKS)[k] is not None
-                                                for r in rows)]
+    marks = [k for k in range(TRACE_MARKS) if any(r["mark_median_us"][k] is not None for r in rows)]
     out = [f"{'op':<22}{'kind':<16}{'tasks':>6}{'start':>11}{'span':>8}{'run med':>9}{'start spr':>10}"
            f"{'end spr':>9}{'gap':>7}" + "".join(f"{f'mark{k}':>8}" for k in marks)]
     for r in rows:
         gap = "" if r["gap_us"] is None else f"{r['gap_us']:.2f}"
-        mk = [(r.get("mark_median_us") or [None] * TRACE_MARKS)[k] for k in marks]
+        mk = [r["mark_median_us"][k] for k in marks]
         out.append(f"{r['op']:<22}{r['kind']:<16}{r['tasks']:>6}{r['start_us']:>11.1f}{r['end_us'] - r['start_us']:>8.2f}"
                    f"{r['run_median_us']:>9.2f}{r['start_spread_us']:>10.2f}{r['end_spread_us']:>9.2f}{gap:>7}"
                    + "".join("" .rjust(8) if m is None else f"{m:>8.2f}" for m in mk))
