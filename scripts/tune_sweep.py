@@ -28,7 +28,7 @@ KNOBS = {"u": "MPK_LINEAR_UNROLL", "t": "MPK_WORKER_THREADS", "p": "MPK_PREFETCH
          "m": "MPK_LINEAR_MMA", "b": "MPK_LINEAR_TMA", "a": "MPK_FUSE_ATTN_PREP",
          "w": "MPK_PREFETCH_PLAN", "l": "MPK_LINEAR_PIPE", "v": "MPK_ATTN_PREFETCH", "g": "MPK_BULK_PREFETCH",
          "h": "MPK_PREFETCH_AHEAD", "c": "MPK_FUSE_ATTN_MERGE", "x": "MPK_ATTN_STAGE_KV",
-         "y": "MPK_LOAD_AHEAD"}
+         "y": "MPK_LOAD_AHEAD", "z": "MPK_MIN_CARVEOUT"}
 
 
 def parse_variant(text: str) -> tuple[dict[str, str], dict]:

@@ -11,6 +11,9 @@
 #ifndef MPK_SCHEDULE_JIT
 #define MPK_SCHEDULE_JIT 0
 #endif
+#ifndef MPK_PARAMS_SMEM
+#define MPK_PARAMS_SMEM 1  // the block's parameters from a shared-memory copy (below); 0: from global memory
+#endif
 #define MPK_BLOCK_THREADS (MPK_WORKER_THREADS + (MPK_SCHEDULE_JIT ? 32 : 0))
 
 extern "C" __global__ void __launch_bounds__(MPK_BLOCK_THREADS, 1)
@@ -18,8 +21,22 @@ mpk_megakernel(const mpk::RuntimeParams* __restrict__ params) {
   extern __shared__ float4 mpk_smem4[];
   float* smem = reinterpret_cast<float*>(mpk_smem4);
   __shared__ mpk::BlockState st;
-  const mpk::RuntimeParams& p = *params;
   const int tid = threadIdx.x;
+  // The block reads its parameters from a shared-memory copy. Why: at the opt-in shared-memory carve-out the
+  // L1 data cache is ~28 KB, the activation loads evict the parameter lines, and every task's dispatch,
+  // signal and wait read several fields (p.events, p.final_task, ...) on thread 0's critical path: each one an
+  // L2 round trip (ncu: long-scoreboard stalls on those lines; docs/PERF.md v0.10). Written once before the
+  // launch by the host (session.py), so a copy taken at the start stays exact.
+#if MPK_PARAMS_SMEM
+  __shared__ __align__(16) mpk::RuntimeParams p_shared;
+  static_assert(sizeof(mpk::RuntimeParams) % 4 == 0, "RuntimeParams is copied as 32-bit words");
+  for (int i = tid; i < (int)(sizeof(mpk::RuntimeParams) / 4); i += MPK_BLOCK_THREADS)
+    reinterpret_cast<uint32_t*>(&p_shared)[i] = reinterpret_cast<const uint32_t*>(params)[i];
+  __syncthreads();  // every thread of the block (the jit scheduler warp too) sees the whole copy
+  const mpk::RuntimeParams& p = p_shared;
+#else
+  const mpk::RuntimeParams& p = *params;
+#endif
   if (blockIdx.x == 0 && tid == 0) mpk::st_relaxed_sys_u64(&p.step_end_ns[p.step_begin], mpk::globaltimer_ns());
   if (tid >= MPK_WORKER_THREADS) {  // the scheduler warp (jit only)
     if ((int)blockIdx.x < p.num_sched) mpk::scheduler_loop(p, blockIdx.x);

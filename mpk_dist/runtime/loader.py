@@ -42,10 +42,26 @@ def ensure_context(device_index: int) -> None:
         _check(cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
 
 
+SM_MAX_SHARED_BYTES = 228 * 1024
+"""Shared memory of an sm_90 SM's largest carveout (of its 256 KB unified L1 / shared memory)."""
+BLOCK_RESERVED_SHARED_BYTES = 1024
+"""Shared memory the driver reserves per resident block (sm_80+)."""
+
+
+def carveout_percent(block_shared_bytes: int) -> int:
+    """The smallest preferred-carveout percentage whose shared memory holds one block's ``block_shared_bytes``
+    (dynamic + static) plus the driver's reservation: the driver rounds it up to a supported configuration, and
+    what the SM does not give to shared memory is L1 data cache. Why: at the largest carveout the L1 is ~28 KB
+    and the activation loads evict what every task re-reads (task-record stack spills, runtime parameters)."""
+    need = block_shared_bytes + BLOCK_RESERVED_SHARED_BYTES
+    return min(100, max(0, -(-100 * need // SM_MAX_SHARED_BYTES)))
+
+
 class LoadedKernel:
     """A loaded mega-kernel function and how to launch it."""
 
-    def __init__(self, cubin: bytes, device_index: int, block_threads: int, smem_bytes: int):
+    def __init__(self, cubin: bytes, device_index: int, block_threads: int, smem_bytes: int,
+                 min_carveout: bool = False):
         from cuda.bindings import driver as cu
 
         ensure_context(device_index)
@@ -55,6 +71,12 @@ class LoadedKernel:
         self.block_threads, self.smem_bytes = block_threads, smem_bytes
         attr = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
         _check(cu.cuFuncSetAttribute(self.func, attr, smem_bytes), "cuFuncSetAttribute(max dynamic smem)")
+        if min_carveout:  # the rest of the SM's 256 KB is L1 data cache (see carveout_percent)
+            attr = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
+            static = int(_check(cu.cuFuncGetAttribute(cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES,
+                                                      self.func), "cuFuncGetAttribute(static smem)"))
+            _check(cu.cuFuncSetAttribute(self.func, attr, carveout_percent(smem_bytes + static)),
+                   "cuFuncSetAttribute(preferred carveout)")
         dev = _check(cu.cuDeviceGet(device_index), "cuDeviceGet")
         sm_attr = cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT
         self.num_sms = int(_check(cu.cuDeviceGetAttribute(sm_attr, dev), "cuDeviceGetAttribute(SM count)"))

@@ -63,6 +63,9 @@ SWITCHES = (
     # (csrc/tasks/attention_split.cuh KvStage; a record flag, same bits). Off: measured no faster at context
     # ~512 (docs/PERF.md v0.9: the walk's rows are in L2 already, the tile's time is elsewhere)
     ("attn_stage_kv", "MPK_ATTN_STAGE_KV", False),
+    # the kernel's preferred shared-memory carveout as small as its blocks need, the rest L1 data cache
+    # (mpk_dist/runtime/loader.py carveout_percent; launch setting, same binary and bits)
+    ("min_carveout", "MPK_MIN_CARVEOUT", False),
 )
 """On/off kernel switches read from the environment: (Session keyword, variable, default)."""
 

@@ -72,7 +72,7 @@ class Session:
                  cooperative: bool = True, superopt: bool = True, linear_mma: bool = False,
                  prefetch_plan: bool = True, linear_tma: bool = False, linear_pipe: bool = False,
                  attn_prefetch: bool = True, bulk_prefetch: bool = False, prefetch_ahead: bool = False,
-                 attn_stage_kv: bool = False, load_ahead: bool = True):
+                 attn_stage_kv: bool = False, load_ahead: bool = True, min_carveout: bool = False):
         if cg.meta["abi_version"] != ABI_VERSION:
             raise InputError(f"task graph ABI: expected version {ABI_VERSION}, got {cg.meta['abi_version']}")
         tables.check_supported(cg)
@@ -106,7 +106,8 @@ class Session:
             ring = tables.WEIGHT_RING_BYTES if linear_tma else 0
             self.smem = max(self.smem, MMA_PARTIAL_BYTES_PER_WARP * (worker_threads // 32) + 128 + ring)
         t0 = time.perf_counter()
-        self.kernel = LoadedKernel(self.build.cubin, device.index or 0, self.block_threads, self.smem)
+        self.kernel = LoadedKernel(self.build.cubin, device.index or 0, self.block_threads, self.smem,
+                                   min_carveout=min_carveout)
         self.load_s = time.perf_counter() - t0
         self.layout = comm_layout(cg)
         if region is None:

@@ -1,0 +1,45 @@
+"""GPU test of compile-time code variants designed to leave every sum as it is: each flag below (passed through
+MPK_NVCC_EXTRA_FLAGS, which is part of the kernel's cache key) changes how the code is laid out or issued, never
+the arithmetic, so the logits must equal the default build's bit for bit and stay within tolerance of torch.
+
+- ``-DMPK_PARAMS_SMEM=0``: every block reads RuntimeParams from global memory instead of its shared-memory
+  copy (csrc/runtime/megakernel.cuh).
+
+qwen3-0.6b (default fusions, split-KV attention), 200-token prompt, batch 1 and 4.
+Run: ``python -m pytest -q -m gpu tests/runtime/test_code_variants_gpu.py`` (about a minute on an H200 with the
+kernels prebuilt).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+from mpk_dist.runtime.testing import check_bitwise, forced_request, megakernel_with_env  # noqa: E402
+
+torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+NAME = "qwen3-0.6b"
+PROMPT = 200
+STEPS = 48
+VARIANTS = ["-DMPK_PARAMS_SMEM=0"]
+
+
+def session_with_flags(backend, batch: int, flags: str):
+    """``backend``'s session for ``batch``, its kernel built (or found in the cache) under MPK_NVCC_EXTRA_FLAGS =
+    ``flags`` ('' = none): the build reads the variable when the session is made, not the backend."""
+    from mpk_dist.runtime.megakernel_backend import scoped_env
+
+    with scoped_env({"MPK_NVCC_EXTRA_FLAGS": flags}):
+        return backend.session(batch)
+
+
+@pytest.mark.parametrize("flags", VARIANTS)
+@pytest.mark.parametrize("batch", [1, 4])
+def test_code_variant_leaves_the_logits_bitwise(flags, batch, gpu_results):
+    variant, default = megakernel_with_env(NAME, {"MPK_NVCC_EXTRA_FLAGS": flags}), megakernel_with_env(NAME, {})
+    assert session_with_flags(variant, batch, flags).build.path != session_with_flags(default, batch, "").build.path, \
+        f"{flags} did not make another binary"
+    check_bitwise(f"{flags} vs default, {NAME} b{batch} prompt {PROMPT}", NAME, variant, default,
+                  forced_request(NAME, PROMPT, STEPS, batch, 70), gpu_results)
