@@ -30,6 +30,12 @@ constexpr int kAttnMaxEpl = 8;  // elements per lane: D <= 256
     else MPK_ATTN_ME(G_, EPL_, CALL, kAttnMaxG);                          \
   } while (0)
 
+// MPK_ATTN_GUARD_HEADS 1: the walk's old per-head order (each head behind its j < G branch), kept so a GPU test
+// can check the interleaved default against it bit for bit (tests/runtime/test_code_variants_gpu.py).
+#ifndef MPK_ATTN_GUARD_HEADS
+#define MPK_ATTN_GUARD_HEADS 0
+#endif
+
 // ---- the per-warp online softmax shared by attention, attention_split, paged_attention and attention_prep --
 // Lane l holds elements l*epl .. l*epl+epl-1 of a head (epl = ceil(D / 32)); qv, acc, m, l live in registers.
 // The runtime guards (j < G, i < epl && d < D) make every (MG, ME) instance do the same arithmetic.
@@ -66,6 +72,7 @@ __device__ __forceinline__ void attn_warp_step(const float (&qv)[MG][ME], const 
     kv[i] = in ? bf2f(kr[d]) : 0.f;
     vv[i] = in ? bf2f(vr[d]) : 0.f;
   }
+#if MPK_ATTN_GUARD_HEADS
 #pragma unroll
   for (int j = 0; j < MG; ++j) {
     if (j < G) {
@@ -80,6 +87,29 @@ __device__ __forceinline__ void attn_warp_step(const float (&qv)[MG][ME], const 
       m[j] = mn;
     }
   }
+#else
+  // Every one of the MG heads, without a j < G guard: guarded (above), each head was a branch with its own
+  // convergence barrier and the heads' warp sums (5 dependent shuffles each) ran one after another; unguarded
+  // they interleave. A head j >= G (only when G is not a power of two) has q = 0, stays finite and is never
+  // stored (attn_warp_store keeps j < G), so heads j < G get the same operations and bits as guarded.
+  float s[MG];
+#pragma unroll
+  for (int j = 0; j < MG; ++j) {
+    s[j] = 0.f;
+#pragma unroll
+    for (int i = 0; i < ME; ++i) s[j] = fmaf(qv[j][i], kv[i], s[j]);
+  }
+#pragma unroll
+  for (int j = 0; j < MG; ++j) s[j] = warp_sum(s[j]) * scale;
+#pragma unroll
+  for (int j = 0; j < MG; ++j) {
+    const float mn = fmaxf(m[j], s[j]), corr = expf(m[j] - mn), e = expf(s[j] - mn);
+    l[j] = l[j] * corr + e;
+#pragma unroll
+    for (int i = 0; i < ME; ++i) acc[j][i] = acc[j][i] * corr + e * vv[i];
+    m[j] = mn;
+  }
+#endif
 }
 
 // A warp's state as G entries of (acc[0..D), m, l), `entry` floats apart (shared memory for the block merge,

@@ -2,6 +2,8 @@
 MPK_NVCC_EXTRA_FLAGS, which is part of the kernel's cache key) changes how the code is laid out or issued, never
 the arithmetic, so the logits must equal the default build's bit for bit and stay within tolerance of torch.
 
+- ``-DMPK_ATTN_GUARD_HEADS=1``: the attention walk's heads one after another, each behind its ``j < G`` branch
+  (the default interleaves their warp sums; csrc/tasks/attention.cuh attn_warp_step).
 - ``-DMPK_PARAMS_SMEM=0``: every block reads RuntimeParams from global memory instead of its shared-memory
   copy (csrc/runtime/megakernel.cuh).
 
@@ -23,7 +25,7 @@ torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
 NAME = "qwen3-0.6b"
 PROMPT = 200
 STEPS = 48
-VARIANTS = ["-DMPK_PARAMS_SMEM=0"]
+VARIANTS = ["-DMPK_ATTN_GUARD_HEADS=1", "-DMPK_PARAMS_SMEM=0"]
 
 
 def session_with_flags(backend, batch: int, flags: str):
