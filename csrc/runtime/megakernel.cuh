@@ -22,11 +22,11 @@ mpk_megakernel(const mpk::RuntimeParams* __restrict__ params) {
   float* smem = reinterpret_cast<float*>(mpk_smem4);
   __shared__ mpk::BlockState st;
   const int tid = threadIdx.x;
-  // The block reads its parameters from a shared-memory copy. Why: at the opt-in shared-memory carve-out the
-  // L1 data cache is ~28 KB, the activation loads evict the parameter lines, and every task's dispatch,
-  // signal and wait read several fields (p.events, p.final_task, ...) on thread 0's critical path: each one an
-  // L2 round trip (ncu: long-scoreboard stalls on those lines; docs/PERF.md v0.10). Written once before the
-  // launch by the host (session.py), so a copy taken at the start stays exact.
+  // The block reads its parameters from a shared-memory copy. Why: every task's dispatch, signal and wait read
+  // several fields (p.pass_doorbell, p.final_task, p.events, ...) on the critical path, and from global memory
+  // those loads were the top long-scoreboard stalls of their lines (ncu; the activation loads evict the lines
+  // from L1 between tasks). The copy: qwen3-8b -2.1%, qwen3-0.6b -6.9% a token (docs/PERF.md v0.10). The host
+  // writes the struct once before the launch (session.py), so a copy taken at the start stays exact.
 #if MPK_PARAMS_SMEM
   __shared__ __align__(16) mpk::RuntimeParams p_shared;
   static_assert(sizeof(mpk::RuntimeParams) % 4 == 0, "RuntimeParams is copied as 32-bit words");

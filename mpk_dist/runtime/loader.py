@@ -51,8 +51,8 @@ BLOCK_RESERVED_SHARED_BYTES = 1024
 def carveout_percent(block_shared_bytes: int) -> int:
     """The smallest preferred-carveout percentage whose shared memory holds one block's ``block_shared_bytes``
     (dynamic + static) plus the driver's reservation: the driver rounds it up to a supported configuration, and
-    what the SM does not give to shared memory is L1 data cache. Why: at the largest carveout the L1 is ~28 KB
-    and the activation loads evict what every task re-reads (task-record stack spills, runtime parameters)."""
+    what the SM does not give to shared memory is L1 data cache (MPK_MIN_CARVEOUT; measured within 0.3% of the
+    driver's choice at context ~512 once the runtime parameters moved to shared memory: docs/PERF.md v0.10)."""
     need = block_shared_bytes + BLOCK_RESERVED_SHARED_BYTES
     return min(100, max(0, -(-100 * need // SM_MAX_SHARED_BYTES)))
 
