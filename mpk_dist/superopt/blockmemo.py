@@ -201,7 +201,7 @@ class FinalFilter:
     of the last op's output, at the counts the cost model picks).
 
     Shape: without a STACK dim the output shape does not depend on the counts
-    (``kernelsearch._may_have_shape``). Expression: counts change reduction sizes (and a
+    (``catalog._may_have_shape``). Expression: counts change reduction sizes (and a
     reduction over a tile dim of extent 1 vanishes), so the sizes are dropped: the output's
     stripped fingerprint (``Fingerprint(sized=False)``) must equal the target's. Equal expressions
     have equal stripped fingerprints at any counts, so nothing that could pass is dropped; a false

@@ -2,11 +2,12 @@
 
 A kernel graph is grown one kernel op at a time up to ``max_kernel_ops``. Candidates for the next
 op: every pre-defined op (matmul, add, mul, div, sum, a target chain) valid on the tensors so far,
-and every custom op over a subset of them (block graphs from ``BlockCatalog``). Canonical order:
-the new op uses a result of the previous op or has a larger key, so a kernel graph is produced
-once. A new tensor must pass the pruning oracle and must not repeat an abstract expression the
-graph already has. A graph is complete when its newest tensor has the target's abstract
-expression and shape and every op contributes to it; complete graphs go to verification.
+and every custom op over a subset of them (block graphs from ``catalog.BlockCatalog``).
+Canonical order: the new op uses a result of the previous op or has a larger key, so a kernel
+graph is produced once. A new tensor must pass the pruning oracle and must not repeat an
+abstract expression the graph already has. A graph is complete when its newest tensor has the
+target's abstract expression and shape and every op contributes to it; complete graphs go to
+verification.
 """
 
 from __future__ import annotations
@@ -14,127 +15,16 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-import multiprocessing
+from collections import deque
 from itertools import combinations
 
 from mpk_dist.superopt import blocksearch as B
 from mpk_dist.superopt.bounds import RestBound
+from mpk_dist.superopt.catalog import BlockCatalog
 from mpk_dist.superopt.context import Context
-from mpk_dist.superopt.cost import H200, custom_op_cost, graph_cost, prim_op_cost
-from mpk_dist.superopt.inference import candidate_ops, infer, is_stack_sym
-from mpk_dist.superopt.ugraph import KernelOp, UGraph
-
-# -- worker side of the process pool ------------------------------------------------------------
-_WORKER_CTX: Context | None = None
-
-
-def _init_worker(target, config, deadline) -> None:
-    global _WORKER_CTX
-    _WORKER_CTX = Context(target, config, deadline)
-
-
-def _layout_task(args):
-    layout, infos, final = args
-    ctx = _WORKER_CTX
-    before = ctx.stats()
-    structs = B.enumerate_layout(ctx, layout, infos, final)
-    after = ctx.stats()
-    return structs, {k: after[k] - before.get(k, 0) for k in after}
-
-
-class BlockCatalog:
-    """Custom-op options per input subset, memoized; layouts run on a process pool."""
-
-    def __init__(self, ctx: Context, processes: int) -> None:
-        self.ctx = ctx
-        self.processes = processes
-        self.memo: dict = {}
-        self.pool = None
-
-    def __enter__(self):
-        if self.processes > 1:
-            mp = multiprocessing.get_context("fork")
-            self.pool = mp.Pool(self.processes, _init_worker,
-                                (self.ctx.target, self.ctx.config, self.ctx.deadline))
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.pool is not None:
-            self.pool.terminate()
-            self.pool.join()
-
-    def options(self, subset: tuple, infos: dict, final: bool = False) -> list:
-        """[(Structure, sizes, cost_us)] for custom ops reading exactly ``subset``, best first;
-        ``final``: for the last kernel op (one output)."""
-        key = (final, *((n, infos[n]) for n in subset))
-        if key not in self.memo:
-            self.memo[key] = self._build(subset, {n: infos[n] for n in subset}, final)
-        return self.memo[key]
-
-    def _structures(self, subset: tuple, infos: dict, final: bool) -> list:
-        lays = list(B.layouts(subset, infos, self.ctx.config.max_grid_dims))
-        if self.pool is None:
-            return [s for lay in lays for s in B.enumerate_layout(self.ctx, lay, infos, final)]
-        out = []
-        # imap (ordered): the same option order as the one-process path, so results and counters
-        # do not depend on the number of processes
-        for structs, delta in self.pool.imap(_layout_task, [(lay, infos, final) for lay in lays]):
-            out.extend(structs)
-            self.ctx.add_remote(delta)
-        return out
-
-    def _build(self, subset: tuple, infos: dict, final: bool) -> list:
-        options = []
-        out_shape = self.ctx.target.graph.nodes[self.ctx.target.out_node].shape
-        for st in self._structures(subset, infos, final):
-            if self.ctx.timed_out():
-                break
-            if final and not _may_have_shape(st, infos, out_shape, self.ctx.config):
-                self.ctx.counts["shape_skipped"] = self.ctx.counts.get("shape_skipped", 0) + 1
-                continue
-            best = self._best_counts(st, infos)
-            if best is not None and best[1] != math.inf:
-                options.append((st, best[0], best[1]))
-        options.sort(key=lambda o: o[2])
-        return options
-
-    def _best_counts(self, st, infos: dict):
-        """(sizes, cost) of the cheapest counts: grid counts first (each at the smallest loop count
-        whose tiles fit in shared memory), then the larger loop counts for the best grid.
-        NOTE: greedy; cost is close to separable in the two. Shared memory per block falls as the
-        loop count grows (fmap'd tiles shrink), so a grid is costed at its first feasible loop
-        count: costing every grid at the smallest loop count only dropped every option of a long
-        reduction (silu*mul->linear at K=12288: the W tile of 2 iterations alone exceeds 227 KB)."""
-        grids, loops = B.count_choices(st, infos, self.ctx.config)
-        loop_sym = st.layout.loop_sym
-        if loop_sym and not loops:
-            return None
-        names = tuple(f"@{k}" for k in range(len(st.outputs)))
-
-        def cost(sizes):
-            """Cost, or inf; None when the counts make an op invalid (smaller tiles stay invalid)."""
-            bg, kinfos = B.instantiate(st, sizes, infos, names, None)
-            return None if bg is None else custom_op_cost(bg, {**infos, **kinfos})["time_us"]
-
-        def first_fit(g: dict):
-            for n in loops or [None]:
-                sizes = {**g, loop_sym: n} if loop_sym else dict(g)
-                c = cost(sizes)
-                if c is None or c != math.inf:
-                    return (math.inf if c is None else c), sizes
-            return math.inf, sizes  # no loop count fits
-
-        scored = [(*first_fit(g), i) for i, g in enumerate(grids)]
-        if not scored:
-            return None
-        c, sizes, i = min(scored, key=lambda x: (x[0], x[2]))
-        best = (sizes, c)
-        rest = loops[loops.index(sizes[loop_sym]) + 1:] if loop_sym else []
-        for n in rest:
-            c = cost({**grids[i], loop_sym: n})
-            if c is not None and c < best[1]:
-                best = ({**grids[i], loop_sym: n}, c)
-        return best
+from mpk_dist.superopt.cost import H200, graph_cost, prim_op_cost
+from mpk_dist.superopt.inference import candidate_ops, infer
+from mpk_dist.superopt.ugraph import KernelOp, TensorInfo, UGraph
 
 
 class KernelSearch:
@@ -170,12 +60,7 @@ class KernelSearch:
         if last:
             moves = self._moves(tensors, ops, prev, True, dangling, spent)
         else:
-            # NOTE: without a verified graph the bounds cut nothing and their order is no better
-            # than the canonical one (qk_norm_rope's first graphs came later in it): canonical
-            # order then, as before; best-first once a cost bound exists.
-            listed = self._moves(tensors, ops, prev, False, set(), spent) \
-                if self.bound == math.inf else \
-                self._best_first(tensors, ops, prev, dangling, budget, spent)
+            listed = self._ordered(tensors, ops, prev, dangling, budget, spent)
             moves = (self._build(tensors, len(ops), False, m) for m in listed)
         for move in moves:
             if move is None:
@@ -192,52 +77,109 @@ class KernelSearch:
             for n in new:
                 del tensors[n]
 
+    def _ordered(self, tensors: dict, ops: list, prev, dangling: set, budget: int,
+                 spent: float):
+        """The moves of a non-last op: in canonical order while no graph is verified, then the
+        moves not taken yet best-first (``_best_first``).
+
+        NOTE: without a verified graph the bounds cut nothing and their order is no better than
+        the canonical one (qk_norm_rope's first graphs came later in it). Since the ninth session
+        the switch happens as soon as a graph is verified, also in the middle of a level
+        (attention_decode unpruned verified its first two-op graph after 21 s, and then went on
+        through ~10^6 first ops in canonical order). The moves are the same ones either way."""
+        pending = deque(self._moves(tensors, ops, prev, False, set(), spent, custom=False))
+        pending.extend(("s", subset, least) for subset, least in
+                       self._subsets(tensors, list(tensors), prev, False, set(), spent))
+        while pending and self.bound == math.inf and not self.ctx.timed_out():
+            item = pending.popleft()
+            if item[0] == "s":
+                pending.extendleft(reversed(list(
+                    self._options(tensors, item[1], prev, False, len(ops)))))
+            else:
+                yield item
+        if pending and self.bound < math.inf:
+            yield from self._best_first(tensors, ops, prev, dangling, budget, spent, pending)
+
     def _best_first(self, tensors: dict, ops: list, prev, dangling: set, budget: int,
-                    spent: float):
-        """The moves of a non-last op, in order of a lower bound of any complete graph through
-        them (its cost plus ``RestBound.rest`` of what it leaves unread; shapes only, see
-        bounds.py), stopping at the first whose bound exceeds the verified cost ``self.bound``.
-        Cheap graphs are found and verified early, and then the bound cuts. An input subset's
-        custom ops are listed (their catalog built) only when the subset's own bound (its
+                    spent: float, items):
+        """The moves ``items`` (listed moves and ``("s", subset, least)`` for an input subset
+        whose custom ops are not listed yet; a subset is listed layout by layout), in order of a
+        lower bound of any complete graph through them (its cost plus ``RestBound.rest`` of what
+        it leaves unread; shapes only, see bounds.py), stopping at the first whose bound exceeds
+        the verified cost ``self.bound``. Cheap graphs are found and verified early, and then the
+        bound cuts. An input subset's custom ops are listed only when the subset's own bound (its
         cheapest layout plus the rest bound of the tensors it leaves unread, before its outputs)
-        comes up. NOTE: moves are listed without building their block graphs' expressions
-        (``_build`` does that for the moves taken): unpruned searches list ~10^6."""
+        comes up, and then only the layouts whose own bound can still beat ``self.bound``.
+        NOTE: moves are listed without building their block graphs' expressions (``_build`` does
+        that for the moves taken): unpruned searches list ~10^6."""
         heap: list = []
         order = itertools.count()
-        for move in self._moves(tensors, ops, prev, False, set(), spent, custom=False):
-            heapq.heappush(heap, (self._move_bound(tensors, move, dangling, budget, spent),
-                                  next(order), move))
-        for subset, least in self._subsets(tensors, list(tensors), prev, False, set(), spent):
-            # an op that completes the graph reads every unread tensor (else _record drops it)
-            rest = 0.0 if dangling <= set(subset) else \
-                self.lower.rest(tensors, dangling - set(subset), budget - 1)
-            heapq.heappush(heap, (spent + least + rest, next(order), ("s", subset)))
+        memo: dict = {}
+        for item in items:
+            if item[0] == "s":
+                subset, least = item[1], item[2]
+                # an op that completes the graph reads every unread tensor (else _record drops it)
+                rest = 0.0 if dangling <= set(subset) else \
+                    self.lower.rest(tensors, dangling - set(subset), budget - 1)
+                key, item = spent + least + rest, ("s", subset, rest)
+            else:
+                key = self._move_bound(tensors, item, dangling, budget, spent, memo)
+            heapq.heappush(heap, (key, next(order), item))
         while heap:
             bound, _, item = heapq.heappop(heap)
             if bound > self.bound or self.ctx.timed_out():
                 return  # every later item's bound is at least this one
-            if item[0] != "s":
+            if item[0] == "s":
+                self._push_layouts(heap, order, tensors, item[1], item[2], spent)
+            elif item[0] == "l":
+                for move in self._options(tensors, item[1], prev, False, len(ops), item[2]):
+                    heapq.heappush(heap, (self._move_bound(tensors, move, dangling, budget,
+                                                           spent, memo), next(order), move))
+            else:
                 yield item
-                continue
-            for move in self._options(tensors, item[1], prev, False, len(ops)):
-                heapq.heappush(heap, (self._move_bound(tensors, move, dangling, budget, spent),
-                                      next(order), move))
 
-    def _move_bound(self, tensors: dict, move, dangling: set, budget: int,
-                    spent: float) -> float:
+    def _push_layouts(self, heap: list, order, tensors: dict, subset: tuple, rest: float,
+                      spent: float) -> None:
+        """Push ``("l", subset, k)`` for every layout k of ``subset`` whose bound (its
+        ``RestBound.layout`` plus ``rest``, the subset's rest bound) does not exceed the verified
+        cost; those are enumerated on the pool meanwhile, the others never (since the ninth
+        session: at most a few layouts of a subset can beat a two-op graph's cost)."""
+        todo = []
+        for k, lay in enumerate(self.catalog.layouts(subset, tensors)):
+            key = spent + self.lower.layout(lay, tensors, False) + rest
+            if key <= self.bound:
+                heapq.heappush(heap, (key, next(order), ("l", subset, k)))
+                todo.append(k)
+        self.catalog.prefetch(subset, todo, tensors, False)
+
+    def _move_bound(self, tensors: dict, move, dangling: set, budget: int, spent: float,
+                    memo: dict | None = None) -> float:
+        """A lower bound of every complete graph through ``move`` (see ``_best_first``);
+        ``memo``: rest bounds of one level's moves (the tensors and what is unread are fixed
+        there, so the rest bound depends only on what the move reads and the shapes it makes)."""
         args, cost, new = move[1], move[3], self._shapes(tensors, move)
-        if any(i.shape == self.out_shape for i in new.values()):
-            return spent + cost  # the move may complete the graph
-        left = (dangling - set(args)) | set(new)
-        return spent + cost + self.lower.rest({**tensors, **new}, left, budget - 1)
+        # The move may complete the graph (no op follows) only if it leaves no input unread:
+        # ``_record`` drops a graph that ignores an input, and a move whose result is the
+        # target's is never extended, so such a move adds nothing either way.
+        unread_inputs = any(n in self.inputs and n not in args for n in dangling)
+        if not unread_inputs and any(i.shape == self.out_shape for i in new.values()):
+            return spent + cost
+        key = (frozenset(args), tuple((i.shape, i.syms) for i in new.values()))
+        rest = memo.get(key) if memo is not None else None
+        if rest is None:
+            left = (dangling - set(args)) | set(new)
+            rest = self.lower.rest({**tensors, **new}, left, budget - 1)
+            if memo is not None:
+                memo[key] = rest
+        return spent + cost + rest
 
     def _shapes(self, tensors: dict, move) -> dict:
         """{new tensor: TensorInfo without expression} of a listed move."""
         if move[0] == "p":
             return move[4][1]
-        _, subset, n_ops, _, st, sizes, _ = move
-        outs = _out_names(n_ops, len(st.outputs))
-        return B.instantiate(st, sizes, tensors, outs, None)[1] or {}
+        _, subset, n_ops, _, st, sizes, _, shapes = move
+        return {n: TensorInfo(shape, syms, None)
+                for n, (shape, syms) in zip(_out_names(n_ops, len(st.outputs)), shapes)}
 
     def _is_output(self, info) -> bool:
         return info.expr == self.ctx.target.out_expr and info.shape == self.out_shape
@@ -246,7 +188,7 @@ class KernelSearch:
                custom: bool = True):
         """Next ops. Last op: (op, new tensors, key, cost), built. Other ops: listed moves
         ``("p", args, key, cost, built)`` (library ops; ``custom=False``: only those) and
-        ``("c", subset, n_ops, cost, st, sizes, key)``, for ``_build``."""
+        ``("c", subset, n_ops, cost, st, sizes, key, output shapes)``, for ``_build``."""
         names = list(tensors)
         infos = [tensors[n] for n in names]
         seen = {i.expr for i in infos}
@@ -257,6 +199,12 @@ class KernelSearch:
             key = ("p", kind, arg_names, akey)
             if not _canonical(key, arg_names, prev):
                 continue
+            if last:
+                # the last op's result must have the target's shape: checked before the
+                # expression is built (the new tensors of each move miss infer's memo)
+                shape = infer(kind, [infos[i] for i in args], attrs, exprs=False)
+                if shape is None or shape.shape != self.out_shape:
+                    continue
             info = infer(kind, [infos[i] for i in args], attrs)
             if info is None or info.expr in seen or (last and not self._is_output(info)):
                 continue
@@ -295,22 +243,28 @@ class KernelSearch:
                 if spent + least <= self.bound:
                     yield subset, least
 
-    def _options(self, tensors: dict, subset: tuple, prev, last: bool, n_ops: int):
-        """Custom-op moves ("c", subset, n_ops, cost, Structure, sizes, key) of one subset."""
-        options = self.catalog.options(subset, tensors, final=last)
-        for idx, (st, sizes, cost) in enumerate(options):
+    def _options(self, tensors: dict, subset: tuple, prev, last: bool, n_ops: int,
+                 layout: int | None = None):
+        """Custom-op moves ("c", subset, n_ops, cost, Structure, sizes, key, output shapes) of
+        one subset (of its layout ``layout`` only, in enumeration order, when given)."""
+        if layout is None:
+            options = self.catalog.options(subset, tensors, final=last)
+        else:
+            options = [(*o, (layout, j)) for j, o in enumerate(
+                self.catalog.layout_options(subset, layout, tensors, last))]
+        for st, sizes, cost, shapes, (k, j) in options:
             if self.ctx.timed_out():
                 return
-            key = ("c", subset, idx)
+            key = ("c", subset, k, j)
             if _canonical(key, subset, prev):
-                yield ("c", subset, n_ops, cost, st, sizes, key)
+                yield ("c", subset, n_ops, cost, st, sizes, key, shapes)
 
     def _build(self, tensors: dict, n_ops: int, last: bool, move):
         """(op, new tensors, key, cost) of a listed move; None when its result repeats an
         expression the graph has (or, as the last op, is not the target)."""
         if move[0] == "p":
             return move[4]
-        _, subset, _, cost, st, sizes, key = move
+        _, subset, _, cost, st, sizes, key, _ = move
         outs = _out_names(n_ops, len(st.outputs))
         bg, kinfos = B.instantiate(st, sizes, tensors, outs, self.ctx.target.origin_of)
         seen = {i.expr for i in tensors.values()}
@@ -349,30 +303,6 @@ def _out_names(n_ops: int, n: int) -> tuple:
     return tuple(f"t{n_ops}" + ("" if k == 0 else f"_{k}") for k in range(n))
 
 
-def _may_have_shape(st, infos: dict, shape: tuple, config) -> bool:
-    """False when the custom op of ``st`` writes a tensor of another shape than ``shape`` at
-    every grid and loop count, so as the last kernel op it can never produce the target.
-
-    NOTE: an output dim carrying a grid symbol is tile x count = the full extent, the others are
-    unsplit or 1 (the loop symbol never reaches an accumulator or post op), so without STACK dims
-    the output shape does not depend on the counts: checking it at the representative counts is
-    the same shape test ``KernelSearch`` applies to the last op, done before the costing. A
-    STACK dim's extent is a grid count, so such outputs are kept for the full check.
-    """
-    sym_size = {s: x for n in st.layout.inputs for s, x in zip(infos[n].syms, infos[n].shape) if s}
-    sizes = B.representative_sizes(st.layout, infos, sym_size, config)
-    if sizes is None:
-        return True
-    names = tuple(f"@{k}" for k in range(len(st.outputs)))
-    _, kinfos = B.instantiate(st, sizes, infos, names, None)
-    if kinfos is None:
-        return True
-    for info in kinfos.values():
-        if any(is_stack_sym(s) for s in info.syms) or info.shape == shape:
-            return True
-    return False
-
-
 def _dangling(tensors: dict, ops: list) -> set:
     """Tensors (inputs included) that no op reads yet."""
     read = {a for op in ops for a in op.inputs}
@@ -387,8 +317,6 @@ def _canonical(key: tuple, args: tuple, prev) -> bool:
 
 
 def _input_infos(target) -> dict:
-    from mpk_dist.superopt.ugraph import TensorInfo
-
     g = target.graph
     return {n.attrs["name"]: TensorInfo(n.shape, target.syms[i], target.exprs[i])
             for i, n in enumerate(g.nodes) if n.op == "input"}

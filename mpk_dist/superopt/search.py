@@ -21,7 +21,8 @@ from mpk_dist import __version__
 from mpk_dist.errors import MpkError
 from mpk_dist.superopt.context import Context, SearchConfig
 from mpk_dist.superopt.graph import Graph
-from mpk_dist.superopt.kernelsearch import BlockCatalog, KernelSearch
+from mpk_dist.superopt.catalog import BlockCatalog
+from mpk_dist.superopt.kernelsearch import KernelSearch
 from mpk_dist.superopt.target import analyze
 from mpk_dist.superopt.cost import H200
 from mpk_dist.superopt.ugraph import DTYPE_BYTES, UGraph, _numel

@@ -8,7 +8,8 @@ import time
 from mpk_dist.superopt import blocksearch as B
 from mpk_dist.superopt.bounds import RestBound
 from mpk_dist.superopt.context import Context, SearchConfig
-from mpk_dist.superopt.kernelsearch import BlockCatalog, KernelSearch, _input_infos
+from mpk_dist.superopt.catalog import BlockCatalog
+from mpk_dist.superopt.kernelsearch import KernelSearch, _input_infos
 from mpk_dist.superopt.patterns import build
 from mpk_dist.superopt.search import _rank
 from mpk_dist.superopt.target import analyze
@@ -39,7 +40,7 @@ def test_layout_bound_is_below_every_option():
         for r in (1, 2, 3):
             for subset in itertools.combinations(infos, r):
                 for final in (False, True):
-                    for st, sizes, cost in cat.options(subset, infos, final):
+                    for st, sizes, cost, *_ in cat.options(subset, infos, final):
                         _, kinfos = B.instantiate(st, sizes, infos, ("o",), None)
                         if final and kinfos["o"].shape != out_shape:
                             continue
@@ -97,3 +98,84 @@ def test_branch_and_bound_in_a_depth_keeps_the_best():
     assert bnb.bound == best.cost["time_us"] < math.inf
     assert best.key() in cut
     assert len(cut) < len(everything)  # the bound cut something
+
+
+class _Probe(KernelSearch):
+    """Records, for every complete two-op graph, the best-first keys of its first op: the
+    move's bound and the bound of the layout item it was listed under."""
+
+    def __init__(self, *a, **kw) -> None:
+        super().__init__(*a, **kw)
+        self.first = None
+        self.pairs: list = []
+
+    def _build(self, tensors, n_ops, last, move):
+        if not last:
+            dangling = set(tensors)
+            key = self._move_bound(tensors, move, dangling, 2, 0.0)
+            lay = -math.inf  # library ops are not listed under a layout
+            if move[0] == "c":
+                subset, st = move[1], move[4]
+                rest = 0.0 if dangling <= set(subset) else \
+                    self.lower.rest(tensors, dangling - set(subset), 1)
+                lay = self.lower.layout(st.layout, tensors, False) + rest
+            self.first = (key, lay)
+        return super()._build(tensors, n_ops, last, move)
+
+    def _record(self, tensors, ops, out):
+        n = len(self.candidates)
+        super()._record(tensors, ops, out)
+        if len(self.candidates) > n and len(ops) == 2:
+            self.pairs.append((*self.first, list(self.candidates.values())[-1]))
+
+
+def _small_unpruned():
+    # silu*mul->matmul at tiny shapes and 2 block ops: the unpruned depth-2 space in ~4 s; its
+    # best graph has two kernel ops (the one-op graph needs 3 block ops)
+    g = build("silu_mul_linear", {"M": 2, "I": 64, "N": 32})
+    target = analyze(g)
+    config = SearchConfig(max_kernel_ops=2, max_block_ops=2, prune=False)
+    return g, Context(target, config, time.monotonic() + 120)
+
+
+def test_best_first_keys_are_below_every_complete_graph():
+    """Unpruned depth 2 (every graph of up to two ops, canonical order): the key a first op gets
+    in the best-first order (its cost plus the rest bound, or its cost alone when it may
+    complete the graph, which needs every input read) and the key of its layout's item are at
+    most the cost of every complete graph through it."""
+    _, ctx = _small_unpruned()
+    with BlockCatalog(ctx, 1) as cat:
+        probe = _Probe(ctx, cat)
+        probe.run(2)
+    assert not ctx.timed_out()
+    assert len(probe.pairs) > 5
+    assert any(lay > -math.inf for _, lay, _ in probe.pairs)  # custom first ops checked
+    for key, lay, ug in probe.pairs:
+        assert key <= ug.cost["time_us"] + EPS, ug
+        assert lay <= ug.cost["time_us"] + EPS, ug
+
+
+def test_unpruned_switch_to_best_first_keeps_the_best():
+    """Unpruned depth 2: the search starts without a bound (canonical order), verifies its first
+    graph in the middle of the level, then lists the remaining moves best-first, layout by
+    layout, and cuts; it returns the cheapest verifying graph of the uncut space (the plain
+    enumeration, no verification, no cuts). With a process pool as well."""
+    g, ctx = _small_unpruned()
+    status: dict = {}
+
+    def check(ug):
+        if ug.key() not in status:
+            status[ug.key()] = verify(ug, g, 3)
+        return status[ug.key()]
+
+    with BlockCatalog(ctx, 1) as cat:
+        everything = KernelSearch(ctx, cat).run(2)
+    best = next(u for u in _rank(everything) if check(u))
+    for procs in (1, 2):
+        with BlockCatalog(ctx, procs) as cat:
+            bnb = KernelSearch(ctx, cat, verify=check)
+            cut = bnb.run(2)
+        assert not ctx.timed_out()
+        assert bnb.bound == best.cost["time_us"] < math.inf
+        assert best.key() in cut
+        assert len(cut) < len(everything)

@@ -4,7 +4,8 @@ import time
 
 from mpk_dist.superopt import blocksearch as B
 from mpk_dist.superopt.context import Context, SearchConfig
-from mpk_dist.superopt.kernelsearch import _input_infos, _may_have_shape
+from mpk_dist.superopt.catalog import _may_have_shape
+from mpk_dist.superopt.kernelsearch import _input_infos
 from mpk_dist.superopt.patterns import build
 from mpk_dist.superopt.target import analyze
 
@@ -32,7 +33,7 @@ def test_shape_check_drops_only_structures_that_never_have_the_target_shape():
 
 
 def _last_op_options(K: int, N: int):
-    from mpk_dist.superopt.kernelsearch import BlockCatalog
+    from mpk_dist.superopt.catalog import BlockCatalog
 
     target = analyze(build("silu_mul_linear", {"M": 1, "I": K, "N": N}))
     ctx = Context(target, SearchConfig(max_block_ops=4), time.monotonic() + 60)
@@ -50,7 +51,7 @@ def test_long_reduction_keeps_the_one_op_graph_at_a_loop_count_that_fits():
 
     options, infos = _last_op_options(12288, 4096)
     assert options, "no one-custom-op silu*mul->matmul at K=12288"
-    st, sizes, cost = options[0]
+    st, sizes, cost, *_ = options[0]
     assert cost < 2 * 2.0 + 12288 * 4096 * 2 / 4.3e6  # beats custom + library matmul (2 syncs + W)
     loop_sym = st.layout.loop_sym
     assert loop_sym and sizes[loop_sym] > 2  # the smallest loop count does not fit

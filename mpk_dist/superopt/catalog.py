@@ -1,0 +1,255 @@
+"""Custom-op options of the kernel search: block graphs per input subset and layout, costed.
+
+``BlockCatalog`` lists, for a set of kernel tensors a custom op may read, every block graph of
+every layout (``blocksearch.enumerate_layout``) at its cheapest grid and loop counts
+(``best_counts``), memoized per subset and per layout. Layouts are enumerated and costed on a
+``fork`` process pool when there is one (``processes`` > 1), either all of a subset's layouts at
+once (``options``) or only the ones the kernel search asks for (``prefetch`` then
+``layout_options``: a layout whose cost bound cannot beat a verified graph is never enumerated).
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing
+from collections import Counter
+
+from mpk_dist.superopt import blocksearch as B
+from mpk_dist.superopt.context import Context
+from mpk_dist.superopt.cost import custom_op_cost
+from mpk_dist.superopt.inference import is_stack_sym
+
+# -- worker side of the process pool ------------------------------------------------------------
+_WORKER_CTX: Context | None = None
+
+
+def _init_worker(target, config, deadline) -> None:
+    global _WORKER_CTX
+    _WORKER_CTX = Context(target, config, deadline)
+
+
+def _layout_task(args):
+    layout, infos, final = args
+    ctx = _WORKER_CTX
+    before = ctx.stats()
+    options = layout_options(ctx, layout, infos, final)
+    after = ctx.stats()
+    return options, {k: after[k] - before.get(k, 0) for k in after}
+
+
+def layout_options(ctx: Context, layout, infos: dict, final: bool) -> list:
+    """[(Structure, sizes, cost_us, ((shape, syms) of each output))] of one layout over ``infos``,
+    in enumeration order: its structures (``blocksearch.enumerate_layout``), each at its cheapest
+    counts (``best_counts``; computed once per ``cost_key``); as the last kernel op (``final``) only those whose output can have the
+    target's shape. Runs in a worker process when the catalog has a pool, so the costing is
+    spread over the cores with the enumeration (it took as long as the enumeration)."""
+    options = []
+    out_shape = ctx.target.graph.nodes[ctx.target.out_node].shape
+    rep = _rep_sizes(layout, infos, ctx.config)
+    memo: dict = {}
+    for st in B.enumerate_layout(ctx, layout, infos, final):
+        if ctx.timed_out():
+            break
+        if final and not _may_have_shape(st, infos, out_shape, ctx.config):
+            ctx.counts["shape_skipped"] = ctx.counts.get("shape_skipped", 0) + 1
+            continue
+        key = cost_key(st, infos, rep)
+        best = memo.get(key, False) if key is not None else False
+        if best is False:
+            best = best_counts(ctx, st, infos)
+            if best is not None and best[1] != math.inf:
+                best = (*best, _out_shapes(st, best[0], infos))
+            if key is not None:
+                memo[key] = best
+        else:
+            ctx.counts["costs_shared"] = ctx.counts.get("costs_shared", 0) + 1
+        if best is not None and best[1] != math.inf:
+            options.append((st, *best))
+    return options
+
+
+def _out_shapes(st, sizes: dict, infos: dict) -> tuple:
+    """((shape, syms) of each output) of ``st`` at ``sizes`` (the same for every structure with
+    its ``cost_key``, as the cost is)."""
+    names = tuple(f"@{k}" for k in range(len(st.outputs)))
+    _, kinfos = B.instantiate(st, sizes, infos, names, None)
+    return tuple((kinfos[n].shape, kinfos[n].syms) for n in names)
+
+
+def _rep_sizes(layout, infos: dict, config):
+    sym_size = {s: x for n in layout.inputs for s, x in zip(infos[n].syms, infos[n].shape) if s}
+    return B.representative_sizes(layout, infos, sym_size, config)
+
+
+def cost_key(st, infos: dict, rep: dict | None):
+    """What ``best_counts`` of ``st`` depends on, from one shape-only instantiation at the
+    representative counts ``rep``: every op's kind, attributes, operand and result shapes and
+    symbols (a multiset), the accumulators' and the outputs' shapes and symbols (STACK included).
+    None when ``rep`` is None or the structure is invalid there.
+
+    Why two structures of one layout with the same key get the same counts and cost: a tile dim
+    that carries index symbol s has extent tile(s) (the full extent over the grid and loop splits
+    of s) at every count, and a dim without a symbol has the same extent at every count (inputs'
+    dims are tiles, and matmul, broadcasting, chains and sums keep or drop dims or reduce them to
+    1, never resize them otherwise), so every shape at every count is a function of the shapes
+    and symbols at ``rep``; an op's validity (``infer``) is a function of
+    its kind, attributes and operand shapes; shared memory is the sum of the non-chain tensors'
+    and accumulators' sizes and the cost reads only the inputs (the layout's), the outputs'
+    shapes, the grid and the loop count (``cost.custom_op_cost``). So ``instantiate`` is valid
+    at the same counts for both, with the same shared memory and output shapes, hence the same
+    ``best_counts`` (tests/superopt/test_catalog.py compares on every structure of a space)."""
+    if rep is None:
+        return None
+    names = tuple(f"@{k}" for k in range(len(st.outputs)))
+    bg, kinfos = B.instantiate(st, rep, infos, names, None)
+    if bg is None:
+        return None
+    sh = {b.local: (b.tile, infos[b.name].syms) for b in bg.inputs}
+    sh.update({x.out: (x.info.shape, x.info.syms) for x in (*bg.body, *bg.accs, *bg.post)})
+    ops = Counter((op.kind, op.attrs, tuple(sh[a] for a in op.inputs), sh[op.out])
+                  for op in bg.ops())
+    return (frozenset(ops.items()), tuple(sorted(repr(sh[a.out]) for a in bg.accs)),
+            tuple((kinfos[n].shape, kinfos[n].syms) for n in names))
+
+
+def best_counts(ctx: Context, st, infos: dict):
+    """(sizes, cost) of the cheapest counts of structure ``st``: grid counts first (each at the
+    smallest loop count whose tiles fit in shared memory), then the larger loop counts for the
+    best grid; None when no count is valid.
+    NOTE: greedy; cost is close to separable in the two. Shared memory per block falls as the
+    loop count grows (fmap'd tiles shrink), so a grid is costed at its first feasible loop
+    count: costing every grid at the smallest loop count only dropped every option of a long
+    reduction (silu*mul->linear at K=12288: the W tile of 2 iterations alone exceeds 227 KB)."""
+    grids, loops = B.count_choices(st, infos, ctx.config)
+    loop_sym = st.layout.loop_sym
+    if loop_sym and not loops:
+        return None
+    names = tuple(f"@{k}" for k in range(len(st.outputs)))
+
+    def cost(sizes):
+        """Cost, or inf; None when the counts make an op invalid (smaller tiles stay invalid)."""
+        bg, kinfos = B.instantiate(st, sizes, infos, names, None)
+        return None if bg is None else custom_op_cost(bg, {**infos, **kinfos})["time_us"]
+
+    def first_fit(g: dict):
+        for n in loops or [None]:
+            sizes = {**g, loop_sym: n} if loop_sym else dict(g)
+            c = cost(sizes)
+            if c is None or c != math.inf:
+                return (math.inf if c is None else c), sizes
+        return math.inf, sizes  # no loop count fits
+
+    scored = [(*first_fit(g), i) for i, g in enumerate(grids)]
+    if not scored:
+        return None
+    c, sizes, i = min(scored, key=lambda x: (x[0], x[2]))
+    best = (sizes, c)
+    rest = loops[loops.index(sizes[loop_sym]) + 1:] if loop_sym else []
+    for n in rest:
+        c = cost({**grids[i], loop_sym: n})
+        if c is not None and c < best[1]:
+            best = ({**grids[i], loop_sym: n}, c)
+    return best
+
+
+class BlockCatalog:
+    """Custom-op options per input subset and layout, memoized; layouts run on a process pool.
+
+    Options are kept per layout (``layout_options``: enumeration order), so that the kernel
+    search can list the options of one layout of a subset without the others (a layout whose
+    cost bound is above the verified cost is never enumerated); ``options`` concatenates them.
+    An option's canonical key is (layout index, position in its layout), not its cost rank."""
+
+    def __init__(self, ctx: Context, processes: int) -> None:
+        self.ctx = ctx
+        self.processes = processes
+        self.memo: dict = {}       # (final, subset infos) -> every layout's options, by cost
+        self.lays: dict = {}       # subset infos -> layouts
+        self.per_layout: dict = {}  # (final, subset infos, layout index) -> options
+        self.pending: dict = {}    # the same key -> AsyncResult of a pool task
+        self.pool = None
+
+    def __enter__(self):
+        if self.processes > 1:
+            mp = multiprocessing.get_context("fork")
+            self.pool = mp.Pool(self.processes, _init_worker,
+                                (self.ctx.target, self.ctx.config, self.ctx.deadline))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.pool is not None:
+            self.pool.terminate()
+            self.pool.join()
+
+    def layouts(self, subset: tuple, infos: dict) -> list:
+        """The layouts of a custom op over ``subset`` (``blocksearch.layouts``), memoized."""
+        key = tuple((n, infos[n]) for n in subset)
+        hit = self.lays.get(key)
+        if hit is None:
+            hit = self.lays[key] = list(B.layouts(subset, infos, self.ctx.config.max_grid_dims))
+        return hit
+
+    def options(self, subset: tuple, infos: dict, final: bool = False) -> list:
+        """[(Structure, sizes, cost_us, output shapes, (layout index, position))] for custom ops
+        reading exactly ``subset``, best first; ``final``: for the last kernel op (one output)."""
+        key = (final, *((n, infos[n]) for n in subset))
+        if key not in self.memo:
+            ks = range(len(self.layouts(subset, infos)))
+            self.prefetch(subset, ks, infos, final)
+            out = [(*o, (k, j)) for k in ks
+                   for j, o in enumerate(self.layout_options(subset, k, infos, final))]
+            out.sort(key=lambda o: o[2])
+            self.memo[key] = out
+        return self.memo[key]
+
+    def prefetch(self, subset: tuple, ks, infos: dict, final: bool) -> None:
+        """Start the enumeration of layouts ``ks`` of ``subset`` on the pool (no-op without)."""
+        if self.pool is None:
+            return
+        sub = {n: infos[n] for n in subset}
+        lays = self.layouts(subset, infos)
+        for k in ks:
+            key = (final, *((n, infos[n]) for n in subset), k)
+            if key not in self.per_layout and key not in self.pending:
+                self.pending[key] = self.pool.apply_async(_layout_task, ((lays[k], sub, final),))
+
+    def layout_options(self, subset: tuple, k: int, infos: dict, final: bool) -> list:
+        """``layout_options`` of layout ``k`` of ``subset`` (memoized; from the pool when
+        prefetched)."""
+        key = (final, *((n, infos[n]) for n in subset), k)
+        hit = self.per_layout.get(key)
+        if hit is not None:
+            return hit
+        sub = {n: infos[n] for n in subset}
+        task = self.pending.pop(key, None)
+        if task is not None:
+            hit, delta = task.get()
+            self.ctx.add_remote(delta)
+        else:
+            hit = layout_options(self.ctx, self.layouts(subset, infos)[k], sub, final)
+        self.per_layout[key] = hit
+        return hit
+
+
+def _may_have_shape(st, infos: dict, shape: tuple, config) -> bool:
+    """False when the custom op of ``st`` writes a tensor of another shape than ``shape`` at
+    every grid and loop count, so as the last kernel op it can never produce the target.
+
+    NOTE: an output dim carrying a grid symbol is tile x count = the full extent, the others are
+    unsplit or 1 (the loop symbol never reaches an accumulator or post op), so without STACK dims
+    the output shape does not depend on the counts: checking it at the representative counts is
+    the same shape test ``KernelSearch`` applies to the last op, done before the costing. A
+    STACK dim's extent is a grid count, so such outputs are kept for the full check.
+    """
+    sym_size = {s: x for n in st.layout.inputs for s, x in zip(infos[n].syms, infos[n].shape) if s}
+    sizes = B.representative_sizes(st.layout, infos, sym_size, config)
+    if sizes is None:
+        return True
+    names = tuple(f"@{k}" for k in range(len(st.outputs)))
+    _, kinfos = B.instantiate(st, sizes, infos, names, None)
+    if kinfos is None:
+        return True
+    for info in kinfos.values():
+        if any(is_stack_sym(s) for s in info.syms) or info.shape == shape:
+            return True
+    return False

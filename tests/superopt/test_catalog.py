@@ -1,0 +1,70 @@
+"""catalog: a subset's options listed layout by layout (on the pool or not) are its options."""
+
+import itertools
+import math
+import time
+
+from mpk_dist.superopt.catalog import BlockCatalog
+from mpk_dist.superopt.context import Context, SearchConfig
+from mpk_dist.superopt.kernelsearch import _input_infos
+from mpk_dist.superopt.patterns import build
+from mpk_dist.superopt.target import analyze
+
+
+def _listing(cat, subset, infos, final, order):
+    """{(layout index, position): (structure, sizes, cost)} from layout_options, asking for the
+    layouts in ``order`` (some prefetched on the pool first)."""
+    cat.prefetch(subset, order[::2], infos, final)
+    out = {}
+    for k in order:
+        for j, o in enumerate(cat.layout_options(subset, k, infos, final)):
+            out[(k, j)] = o
+    return out
+
+
+def test_layout_by_layout_listing_gives_the_subset_options():
+    target = analyze(build("silu_mul_linear", {"M": 2, "I": 64, "N": 32}))
+    ctx = Context(target, SearchConfig(max_block_ops=3, prune=False), time.monotonic() + 120)
+    infos = _input_infos(target)
+    subset = tuple(infos)
+    with BlockCatalog(ctx, 1) as cat:
+        whole = {final: cat.options(subset, infos, final) for final in (False, True)}
+    for procs in (1, 2):
+        for final in (False, True):
+            with BlockCatalog(ctx, procs) as cat:
+                n = len(cat.layouts(subset, infos))
+                listed = _listing(cat, subset, infos, final, list(range(n))[::-1])
+            assert {key: o for *o, key in whole[final]} == {k: list(v) for k, v in listed.items()}
+            costs = [o[2] for o in whole[final]]
+            assert costs == sorted(costs) and len(costs) > (0 if final else 100)
+
+
+def test_shared_costs_equal_the_costs_of_each_structure():
+    """``layout_options`` costs a structure once per ``cost_key`` and reuses the counts and cost
+    for the others with that key: the same options as costing every structure on its own
+    (attention at small shapes, single inputs and all three, unpruned, 3 block ops, first and
+    last op)."""
+    from mpk_dist.superopt import blocksearch as B
+    from mpk_dist.superopt.catalog import best_counts, layout_options
+
+    target = analyze(build("attention_decode", {"H": 2, "D": 16, "S": 64}))
+    ctx = Context(target, SearchConfig(max_block_ops=3, prune=False), time.monotonic() + 120)
+    infos = _input_infos(target)
+    shared = 0
+    for r in (1, 3):
+        for subset in itertools.combinations(infos, r):
+            for final in (False, True):
+                for lay in B.layouts(subset, infos, 1):
+                    before = ctx.counts.get("costs_shared", 0)
+                    got = layout_options(ctx, lay, infos, final)
+                    shared += ctx.counts.get("costs_shared", 0) - before
+                    want = []
+                    for st in [o[0] for o in got] if final else \
+                            B.enumerate_layout(ctx, lay, infos, final):
+                        best = best_counts(ctx, st, infos)
+                        if best is not None and best[1] != math.inf:
+                            _, kinfos = B.instantiate(st, best[0], infos, ("a", "b"), None)
+                            outs = tuple((kinfos[n].shape, kinfos[n].syms) for n in kinfos)
+                            want.append((st, best[0], best[1], outs))
+                    assert got == want, (subset, lay, final)
+    assert shared > 1000, shared
