@@ -23,7 +23,7 @@ class FakeKernel:
 
     blocks_per_sm, num_sms = 1, 8
 
-    def __init__(self, cubin, device_index, block_threads, smem):
+    def __init__(self, cubin, device_index, block_threads, smem, min_carveout=False):
         self.launches = []
 
     def launch(self, grid, params_ptr, stream, cooperative=True):

@@ -72,7 +72,7 @@ def test_backend_pads_a_batch_of_20_to_32(monkeypatch):
 
     monkeypatch.setattr(S, "build_kernel", lambda *a, **k: ("src", types.SimpleNamespace(cubin=b"", cached=True,
                                                                                           compiler="fake", path="x")))
-    monkeypatch.setattr(S, "LoadedKernel", lambda *a: types.SimpleNamespace(blocks_per_sm=1, num_sms=8,
+    monkeypatch.setattr(S, "LoadedKernel", lambda *a, **k: types.SimpleNamespace(blocks_per_sm=1, num_sms=8,
                                                                              launch=lambda *a, **k: None))
     monkeypatch.setattr(S, "host_device_pointer", lambda p: p)
     monkeypatch.setattr(S.Session, "_stream", lambda self: types.SimpleNamespace(cuda_stream=0, query=lambda: True,
