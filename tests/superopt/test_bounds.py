@@ -68,6 +68,18 @@ def test_rest_bound_is_below_every_complete_graph():
         assert c1 + lower.rest(tensors, left, 2) <= ug.cost["time_us"] + EPS, ug
 
 
+def _memo_verify(g):
+    """A verifier of µGraphs against ``g`` (3 trials) that remembers each graph's verdict."""
+    status: dict = {}
+
+    def check(ug):
+        if ug.key() not in status:
+            status[ug.key()] = verify(ug, g, 3)
+        return status[ug.key()]
+
+    return check
+
+
 def _op_cost(ug, k: int) -> float:
     from mpk_dist.superopt.cost import custom_op_cost, prim_op_cost
 
@@ -82,13 +94,7 @@ def test_branch_and_bound_in_a_depth_keeps_the_best():
     """Depth 2 with in-depth verification and cuts returns, as its cheapest verified graph, the
     cheapest graph of the whole depth-2 space that verifies (listed without any cost bound)."""
     g, ctx, _ = _setup(4, prune=True)
-    status: dict = {}
-
-    def check(ug):
-        if ug.key() not in status:
-            status[ug.key()] = verify(ug, g, 3)
-        return status[ug.key()]
-
+    check = _memo_verify(g)
     with BlockCatalog(ctx, 2) as cat:
         everything = KernelSearch(ctx, cat).run(2)
         bnb = KernelSearch(ctx, cat, verify=check)
@@ -161,13 +167,7 @@ def test_unpruned_switch_to_best_first_keeps_the_best():
     layout, and cuts; it returns the cheapest verifying graph of the uncut space (the plain
     enumeration, no verification, no cuts). With a process pool as well."""
     g, ctx = _small_unpruned()
-    status: dict = {}
-
-    def check(ug):
-        if ug.key() not in status:
-            status[ug.key()] = verify(ug, g, 3)
-        return status[ug.key()]
-
+    check = _memo_verify(g)
     with BlockCatalog(ctx, 1) as cat:
         everything = KernelSearch(ctx, cat).run(2)
     best = next(u for u in _rank(everything) if check(u))
