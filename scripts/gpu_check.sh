@@ -24,9 +24,11 @@
 #   --perf          ONLY the issue-6 speed table: `mpk-dist bench --backend megakernel,torch-compile` at
 #                   context ~512 for qwen3-8b, llama3-8b, qwen3-1.7b, qwen3-0.6b (batch 1) and qwen3-8b batch 8
 #                   (MPK_LINEAR_MMA=1), the knob sweep of the newest levers on qwen3-8b (PERF_VARIANTS,
-#                   default "base;y0;x1;k1": the batch-1 x vectors loaded in the sum loop (MPK_LOAD_AHEAD=0), the
-#                   split tiles' cache rows staged in shared memory (MPK_ATTN_STAGE_KV=1), split-KV attention off),
-#                   and a traced qwen3-8b run at context ~480's trace-summary. Limit per step: PERF_LIMIT
+#                   default "base;y0;x1;z1;k1": the batch-1 x vectors loaded in the sum loop (MPK_LOAD_AHEAD=0), the
+#                   split tiles' cache rows staged in shared memory (MPK_ATTN_STAGE_KV=1), the smallest
+#                   shared-memory carveout (MPK_MIN_CARVEOUT=1), split-KV attention off), a traced qwen3-8b run at
+#                   context ~480's trace-summary, and with NCU=1 an ncu profile per source line (scripts/ncu_lines.py).
+#                   Limit per step: PERF_LIMIT
 # Two GPUs: GPU_SPLIT=K/N splits one check's steps over N copies of this script (see below; not for --tp,
 # whose ipc step wants both GPUs), or run two copies side by side, e.g. CUDA_VISIBLE_DEVICES=0 ... --runtime-only and
 # CUDA_VISIBLE_DEVICES=1 ... --fusion-only, each with its own OUT and MPK_CACHE_DIR and MPK_SKIP_INSTALL=1.
@@ -145,7 +147,19 @@ if [ $PERF -eq 1 ]; then
   step perf_startup "${PERF_LIMIT:-150}" bash -c 'D=$(mktemp -d); for i in 1 2; do MPK_CACHE_DIR=$D python3 -m mpk_dist run \
     --model qwen3-8b --backend megakernel --prompt-ids 1,2,3 --max-new-tokens 4 --no-stop | grep start-up || exit 1; done'
   step perf_sweep "${PERF_LIMIT:-150}" python3 scripts/tune_sweep.py --model qwen3-8b --prompt-len 480 --output-len 64 \
-    --variants "${PERF_VARIANTS:-base;y0;x1;k1}" --output-json "$OUT/perf_sweep.json"
+    --variants "${PERF_VARIANTS:-base;y0;x1;z1;k1}" --output-json "$OUT/perf_sweep.json"
+  # NCU=1: PC samples of one qwen3-0.6b launch (480-token prompt + 16 tokens) per source line: the kernel built with
+  # -lineinfo, Nsight Compute's source counters exported per line and SASS instruction, scripts/ncu_lines.py's
+  # top lines (the mega-kernel's SASS names no task kinds; the source lines do). ~3 minutes.
+  if [ "${NCU:-0}" = 1 ]; then
+    IDS=$(python3 -c "print(','.join(str(7 + (i * 37) % 5000) for i in range(480)))")
+    step perf_ncu "${NCU_LIMIT:-300}" bash -c "MPK_NVCC_EXTRA_FLAGS=-lineinfo ncu --clock-control none --set none \
+      --section SourceCounters --section WarpStateStats -k regex:mpk -c 1 -f -o $OUT/ncu_qwen3_06b \
+      python3 -m mpk_dist run --model qwen3-0.6b --backend megakernel --prompt-ids $IDS --max-new-tokens 16 --no-stop \
+      --max-seq-len 576 > $OUT/ncu_run.log 2>&1 && ncu --import $OUT/ncu_qwen3_06b.ncu-rep --page source --csv \
+      --print-source cuda,sass | gzip > $OUT/ncu_cuda_sass.csv.gz && python3 scripts/ncu_lines.py \
+      $OUT/ncu_cuda_sass.csv.gz --top 25"
+  fi
   # The last 32 steps (megakernel_backend.TRACE_STEPS) of a 480-token prompt + 8 tokens: decode at context ~484.
   step perf_trace "${PERF_LIMIT:-150}" bash -c "python3 -m mpk_dist bench --model qwen3-8b --backend megakernel \
     --prompt-len 480 --output-len 8 --max-seq-len 576 --iters 1 --warmup 0 --no-progress \
