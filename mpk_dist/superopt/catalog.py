@@ -50,7 +50,7 @@ def layout_options(ctx: Context, layout, infos: dict, final: bool) -> list:
     for st in B.enumerate_layout(ctx, layout, infos, final):
         if ctx.timed_out():
             break
-        if final and not _may_have_shape(st, infos, out_shape, ctx.config):
+        if final and not _may_have_shape(st, infos, out_shape, ctx.config, rep):
             ctx.counts["shape_skipped"] = ctx.counts.get("shape_skipped", 0) + 1
             continue
         key = cost_key(st, infos, rep)
@@ -68,15 +68,23 @@ def layout_options(ctx: Context, layout, infos: dict, final: bool) -> list:
     return options
 
 
+def _instantiate(st, sizes: dict, infos: dict):
+    """(block graph, infos of its outputs, their names) of ``st`` at ``sizes``, the outputs named
+    ``@0``, ``@1``, ... (shape-only uses: no kernel graph to name them in)."""
+    names = tuple(f"@{k}" for k in range(len(st.outputs)))
+    bg, kinfos = B.instantiate(st, sizes, infos, names, None)
+    return bg, kinfos, names
+
+
 def _out_shapes(st, sizes: dict, infos: dict) -> tuple:
     """((shape, syms) of each output) of ``st`` at ``sizes`` (the same for every structure with
     its ``cost_key``, as the cost is)."""
-    names = tuple(f"@{k}" for k in range(len(st.outputs)))
-    _, kinfos = B.instantiate(st, sizes, infos, names, None)
+    _, kinfos, names = _instantiate(st, sizes, infos)
     return tuple((kinfos[n].shape, kinfos[n].syms) for n in names)
 
 
 def _rep_sizes(layout, infos: dict, config):
+    """The representative grid and loop counts of ``layout`` over ``infos`` (blocksearch.representative_sizes)."""
     sym_size = {s: x for n in layout.inputs for s, x in zip(infos[n].syms, infos[n].shape) if s}
     return B.representative_sizes(layout, infos, sym_size, config)
 
@@ -100,8 +108,7 @@ def cost_key(st, infos: dict, rep: dict | None):
     ``best_counts`` (tests/superopt/test_catalog.py compares on every structure of a space)."""
     if rep is None:
         return None
-    names = tuple(f"@{k}" for k in range(len(st.outputs)))
-    bg, kinfos = B.instantiate(st, rep, infos, names, None)
+    bg, kinfos, names = _instantiate(st, rep, infos)
     if bg is None:
         return None
     sh = {b.local: (b.tile, infos[b.name].syms) for b in bg.inputs}
@@ -231,7 +238,7 @@ class BlockCatalog:
         return hit
 
 
-def _may_have_shape(st, infos: dict, shape: tuple, config) -> bool:
+def _may_have_shape(st, infos: dict, shape: tuple, config, rep: dict | None = False) -> bool:
     """False when the custom op of ``st`` writes a tensor of another shape than ``shape`` at
     every grid and loop count, so as the last kernel op it can never produce the target.
 
@@ -240,13 +247,13 @@ def _may_have_shape(st, infos: dict, shape: tuple, config) -> bool:
     the output shape does not depend on the counts: checking it at the representative counts is
     the same shape test ``KernelSearch`` applies to the last op, done before the costing. A
     STACK dim's extent is a grid count, so such outputs are kept for the full check.
+    ``rep``: the layout's representative counts when the caller has them (``_rep_sizes``; False:
+    computed here).
     """
-    sym_size = {s: x for n in st.layout.inputs for s, x in zip(infos[n].syms, infos[n].shape) if s}
-    sizes = B.representative_sizes(st.layout, infos, sym_size, config)
+    sizes = _rep_sizes(st.layout, infos, config) if rep is False else rep
     if sizes is None:
         return True
-    names = tuple(f"@{k}" for k in range(len(st.outputs)))
-    _, kinfos = B.instantiate(st, sizes, infos, names, None)
+    _, kinfos, _ = _instantiate(st, sizes, infos)
     if kinfos is None:
         return True
     for info in kinfos.values():
