@@ -53,8 +53,9 @@ class _ShapeOnly(FinalFilter):
 
 
 class SharedFinal:
-    """One abstract enumeration of a last-op layout: graphs grouped by output node, and the node
-    recipes that give each node's stripped fingerprint for concrete inputs."""
+    """One abstract enumeration of a last-op layout: graphs grouped by the stripped structure of
+    their output node (``StrippedTable``), whose stripped fingerprint for concrete inputs is the
+    last op's cheap test."""
 
     def __init__(self, ctx, layout, infos: dict, sizes: dict, sym_size: dict) -> None:
         from mpk_dist.superopt.blocksearch import Layout
@@ -72,21 +73,28 @@ class SharedFinal:
         for ops in graphs:
             self.by_out.setdefault(_output_node(ops, enum.acc_of), []).append(ops)
         self.n_graphs = len(graphs)
+        # output nodes grouped by their stripped structure (``StrippedTable``): one concrete
+        # fingerprint per distinct structure, shared with every other signature of the process
+        table, memo = stripped_table(ctx), {}
+        self.by_sid: dict = {}
+        for node, ops in self.by_out.items():
+            self.by_sid.setdefault(table.sid(self.recipe, node, memo), []).extend(ops)
 
     def structures(self, ctx, layout, infos: dict, sizes: dict, sym_size: dict) -> tuple:
         """(structures of ``layout`` over the concrete ``infos`` that the concrete enumerator
         keeps, sorted as it sorts them; the number of graphs that failed the last op's test)."""
         from mpk_dist.superopt.blocksearch import Structure
 
-        filt = FinalFilter(ctx.target, layout, sym_size)
         sfp = _stripped_fp(ctx)
-        leaf = [sfp.of_expr(infos[n].expr) for n in layout.inputs]
-        memo: dict = {}
-        out, failed, repeats = [], 0, 0
-        for node, graphs in self.by_out.items():
-            if self._fp(node, leaf, sfp, memo) != filt.want:
+        table = stripped_table(ctx)
+        table.set_leaves(tuple(sfp.of_expr(infos[n].expr) for n in layout.inputs))
+        want = sfp.of_expr(ctx.target.out_expr)  # FinalFilter.want (the same fingerprint)
+        out, failed, repeats, filt = [], 0, 0, None
+        for sid, graphs in self.by_sid.items():
+            if table.value(sid) != want:
                 failed += len(graphs)
                 continue
+            filt = filt or FinalFilter(ctx.target, layout, sym_size)
             for ops in graphs:
                 st = Structure(layout, *canonical_order(ops))
                 verdict = _concrete_verdict(st, sizes, infos, filt)
@@ -99,29 +107,95 @@ class SharedFinal:
         ctx.counts["shared_repeats"] = ctx.counts.get("shared_repeats", 0) + repeats
         return out, failed
 
-    def _fp(self, node: int, leaf: list, sfp: Fingerprint, memo: dict) -> tuple:
-        """The stripped fingerprint of ``node`` for the concrete inputs (op by op, as
-        ``MemoEnumerator`` computes it)."""
-        hit = memo.get(node)
-        if hit is not None:
-            return hit
-        r = self.recipe[node]
-        if r[0] == "in":
-            v = leaf[r[1]]
-        elif r[0] == "acc":
-            v = self._fp(r[1], leaf, sfp, memo)  # stripped: a sum over iterations vanishes
-        else:
-            kind, attrs, args = r
-            v = sfp.op(kind, attrs, [self._fp(a, leaf, sfp, memo) for a in args], 1)
-        memo[node] = v
-        return v
-
 
 def _stripped_fp(ctx) -> Fingerprint:
     fp = ctx.__dict__.get("_shared_sfp")
     if fp is None:
         fp = ctx.__dict__["_shared_sfp"] = Fingerprint(sized=False)
     return fp
+
+
+class StrippedTable:
+    """Stripped structures of block tensors over opaque inputs, and their stripped fingerprints
+    for the current concrete inputs (one table per process, shared by every signature).
+
+    A node's stripped fingerprint (``Fingerprint(sized=False)``, the last op's cheap test) is a
+    function of its recipe with every reduction dropped: ``sum`` and accumulators are the identity
+    there and ``matmul`` is ``mul``. Two nodes with the same *stripped structure* (the same op
+    tree over the same input positions after that map, mul / add operands unordered) therefore
+    have the same stripped fingerprint for any concrete inputs: this is the same computation, not
+    a fingerprint match, so grouping by structure is exact. The layouts of one input subset (and
+    different block graphs of one layout) produce mostly the same few hundred structures, so a
+    concrete input set computes each structure's fingerprint once instead of once per output node
+    of every layout (before, attention_decode's unpruned last ops spent ~8 ms per layout and input
+    set walking each signature's recipes)."""
+
+    def __init__(self, sfp: Fingerprint) -> None:
+        self.sfp = sfp
+        self.ids: dict = {}        # structure key -> structure id
+        self.defs: list = []       # structure id -> ("in", k) or (kind, attrs, arg ids)
+        self.leaves = None         # stripped fingerprints of the current concrete inputs
+        self.vals: dict = {}       # structure id -> fingerprint for ``leaves``
+
+    def sid(self, recipe: list, node: int, memo: dict) -> int:
+        """The structure id of ``node`` of a ``MemoEnumerator`` whose recipes are ``recipe``
+        (``memo``: node -> id, for this ``recipe`` only)."""
+        hit = memo.get(node)
+        if hit is not None:
+            return hit
+        r = recipe[node]
+        if r[0] == "in":
+            out = self._intern(("in", r[1]), ("in", r[1]))
+        elif r[0] == "acc":
+            out = self.sid(recipe, r[1], memo)      # a sum over iterations: dropped
+        else:
+            kind, attrs, args = r
+            ids = tuple(self.sid(recipe, a, memo) for a in args)
+            if kind == "sum":
+                out = ids[0]                  # a reduction: dropped
+            elif kind in ("matmul", "mul", "add"):
+                # matmul is a reduction of a product; mul and add are commutative
+                k = "add" if kind == "add" else "mul"
+                out = self._intern((k, tuple(sorted(ids))), (k, {}, tuple(sorted(ids))))
+            elif kind == "div":
+                out = self._intern(("div", ids), ("div", {}, ids))
+            else:  # a chain: its program decides
+                prog = attrs["prog"]
+                out = self._intern((kind, id(prog), ids), (kind, {"prog": prog}, ids))
+        memo[node] = out
+        return out
+
+    def _intern(self, key: tuple, d: tuple) -> int:
+        hit = self.ids.get(key)
+        if hit is None:
+            hit = self.ids[key] = len(self.defs)
+            self.defs.append(d)
+        return hit
+
+    def set_leaves(self, leaves: tuple) -> None:
+        """Concrete inputs' stripped fingerprints (by position); forgets values of other ones."""
+        if leaves != self.leaves:
+            self.leaves, self.vals = leaves, {}
+
+    def value(self, sid: int) -> tuple:
+        """The stripped fingerprint of structure ``sid`` for the current inputs."""
+        v = self.vals.get(sid)
+        if v is None:
+            d = self.defs[sid]
+            if d[0] == "in":
+                v = self.leaves[d[1]]
+            else:
+                v = self.sfp.op(d[0], d[1], [self.value(a) for a in d[2]], 1)
+            self.vals[sid] = v
+        return v
+
+
+def stripped_table(ctx) -> StrippedTable:
+    """The process's ``StrippedTable`` (kept on ``ctx``)."""
+    t = ctx.__dict__.get("_shared_table")
+    if t is None:
+        t = ctx.__dict__["_shared_table"] = StrippedTable(_stripped_fp(ctx))
+    return t
 
 
 def _output_node(ops, acc_of: dict) -> int:

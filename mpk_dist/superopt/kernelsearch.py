@@ -218,7 +218,11 @@ class KernelSearch:
         if not custom:
             return
         for subset, _ in self._subsets(tensors, names, prev, last, must_read, spent):
-            for move in self._options(tensors, subset, prev, last, len(ops)):
+            if last and not self.ctx.config.prune:
+                options = self._last_options(tensors, subset, prev, len(ops), spent)
+            else:
+                options = self._options(tensors, subset, prev, last, len(ops))
+            for move in options:
                 if last:
                     move = self._build(tensors, len(ops), last, move)
                     if move is None:
@@ -242,6 +246,26 @@ class KernelSearch:
                             default=math.inf)
                 if spent + least <= self.bound:
                     yield subset, least
+
+    def _last_options(self, tensors: dict, subset: tuple, prev, n_ops: int, spent: float):
+        """The last op's custom-op moves over ``subset``, layout by layout, only from layouts
+        whose bound (``RestBound.layout`` of the last op) leaves the graph no costlier than the
+        verified cost ``self.bound`` (unpruned searches).
+
+        Why nothing that could beat or tie the best is lost: every last-op option of a layout
+        whose output has the target's shape (the only ones ``_record`` can complete a graph with)
+        costs at least the layout's bound (tests/superopt/test_bounds.py), and a graph costs the
+        sum of its ops, so such a graph costs more than ``spent`` + that bound > ``self.bound``,
+        more than a verified graph. ``_TIE`` keeps graphs within rounding of a tie. The bound
+        is read again before each layout (a graph verified meanwhile lowers it).
+        NOTE: unpruned only, so that the pruned search (the one production runs) records the
+        same complete graphs as before; unpruned, the last op's catalogs were most of the time
+        (each distinct first-op output asks for every layout of its subsets)."""
+        for k, lay in enumerate(self.catalog.layouts(subset, tensors)):
+            if spent + self.lower.layout(lay, tensors, True) > self.bound + _TIE:
+                self.ctx.counts["layouts_cut"] = self.ctx.counts.get("layouts_cut", 0) + 1
+                continue
+            yield from self._options(tensors, subset, prev, True, n_ops, k)
 
     def _options(self, tensors: dict, subset: tuple, prev, last: bool, n_ops: int,
                  layout: int | None = None):
@@ -296,6 +320,10 @@ class KernelSearch:
         cost = ug.cost["time_us"]
         if self.verify is not None and cost < self.bound and self.verify(ug):
             self.bound = cost  # branch and bound inside the depth
+
+
+# cost tolerance of a cut (µs): costs are float sums in different orders
+_TIE = 1e-9
 
 
 def _out_names(n_ops: int, n: int) -> tuple:
