@@ -347,9 +347,10 @@ __device__ __noinline__ bool run_attention_prep(const TaskView& t, float* smem, 
   attention_prep_heads(t.arg<const bf16>(ATTENTION_PREP_ARG_QKV), t.arg<const bf16>(ATTENTION_PREP_ARG_Q_NORM_W),
                        t.arg<const bf16>(ATTENTION_PREP_ARG_K_NORM_W), t.arg<const float>(ATTENTION_PREP_ARG_INV_FREQ),
                        t.arg<bf16>(ATTENTION_PREP_ARG_Q), t.arg<bf16>(ATTENTION_PREP_ARG_K_CACHE),
-                       t.arg<bf16>(ATTENTION_PREP_ARG_V_CACHE), p, D, G, t.param(ATTENTION_PREP_PARAM_K_OFFSET),
+                       t.arg<bf16>(ATTENTION_PREP_ARG_V_CACHE), t.arg<const int32_t>(ATTENTION_PREP_ARG_POSITIONS), 0,
+                       t.param(ATTENTION_PREP_PARAM_MAX_SEQ), D, G, t.param(ATTENTION_PREP_PARAM_K_OFFSET),
                        t.param(ATTENTION_PREP_PARAM_V_OFFSET), t.param(ATTENTION_PREP_PARAM_KV_POS_STRIDE),
-                       t.fparam(ATTENTION_PREP_PARAM_EPS), true, tid, nt);
+                       t.fparam(ATTENTION_PREP_PARAM_EPS), tid, nt);
   worker_barrier(nt);  // the q rows and this position's k, v are written before any warp reads them
   // The attention half, as run_attention's body for one sequence. One call per (MG, ME) instance, each
   // with 5 operands (the wrapper reads the rest from the task): 12 attention_seq call sites here, each
@@ -377,6 +378,12 @@ __device__ __noinline__ void run_split_prep_attend(const TaskView& t, int b, int
                               t.fparam(ATTENTION_SPLIT_PREP_PARAM_SCALE), smem, tid, nt, stage);
 }
 
+// MPK_PREP_POS_LATE 0: every position checked before the prep (an extra memory round trip before the prep's
+// loads; a GPU test checks the default against it bit for bit, tests/runtime/test_code_variants_gpu.py).
+#ifndef MPK_PREP_POS_LATE
+#define MPK_PREP_POS_LATE 1
+#endif
+
 __device__ __noinline__ bool run_attention_split_prep(const TaskView& t, float* smem, int tid, int nt) {
   if (t.dtype(ATTENTION_SPLIT_PREP_ARG_QKV) != DTYPE_BF16 || t.dtype(ATTENTION_SPLIT_PREP_ARG_K_CACHE) != DTYPE_BF16 ||
       t.dtype(ATTENTION_SPLIT_PREP_ARG_V_CACHE) != DTYPE_BF16 || t.dtype(ATTENTION_SPLIT_PREP_ARG_OUT) != DTYPE_F32)
@@ -391,8 +398,12 @@ __device__ __noinline__ bool run_attention_split_prep(const TaskView& t, float* 
   bf16* qs = split_prep_q(smem, G, D, nt);
   const int epl = (D + 31) / 32;
   trace_mark(4, tid);  // trace: the body started (thread 0)
-  for (int b = 0; b < B; ++b)  // before any copy is issued: a bad position writes nothing
-    if (pos[b] < 0 || pos[b] >= S) return false;
+  // The positions are checked before anything is written when the stage's copies (which use them) go first;
+  // otherwise after sequence b's prep, which reads pos[b] beside its loads and appends no row outside [0, S).
+  const bool check_first = !MPK_PREP_POS_LATE || t.flag(REC_FLAG_STAGE_KV);
+  if (check_first)
+    for (int b = 0; b < B; ++b)
+      if (pos[b] < 0 || pos[b] >= S) return false;
   // The range's rows below each position (written by earlier steps) fly into shared memory during the prep.
   const int stage_at = split_prep_stage_at(nt >> 5, G, D), kps = t.param(ATTENTION_SPLIT_PREP_PARAM_KV_POS_STRIDE);
   bf16* stage = reinterpret_cast<bf16*>(reinterpret_cast<char*>(smem) + stage_at);
@@ -401,16 +412,17 @@ __device__ __noinline__ bool run_attention_split_prep(const TaskView& t, float* 
                    kv_stage_ok(kc, vc, D, kps, (int)kbs, stage_at + kv_stage_bytes(B, s1 - s0, D));
   if (use) kv_stage_issue(kc, vc, pos, B, D, kps, (int)kbs, s0, s1, 0, stage, tid, nt);
   for (int b = 0; b < B; ++b) {
-    const int p = pos[b];
     attention_prep_heads(t.arg<const bf16>(ATTENTION_SPLIT_PREP_ARG_QKV) + (size_t)b * qs_stride,
                          t.arg<const bf16>(ATTENTION_SPLIT_PREP_ARG_Q_NORM_W),
                          t.arg<const bf16>(ATTENTION_SPLIT_PREP_ARG_K_NORM_W),
                          t.arg<const float>(ATTENTION_SPLIT_PREP_ARG_INV_FREQ), qs,
                          t.arg<bf16>(ATTENTION_SPLIT_PREP_ARG_K_CACHE) + (size_t)b * kbs,
-                         t.arg<bf16>(ATTENTION_SPLIT_PREP_ARG_V_CACHE) + (size_t)b * kbs, p, D, G,
-                         t.param(ATTENTION_SPLIT_PREP_PARAM_K_OFFSET), t.param(ATTENTION_SPLIT_PREP_PARAM_V_OFFSET),
+                         t.arg<bf16>(ATTENTION_SPLIT_PREP_ARG_V_CACHE) + (size_t)b * kbs, pos + b, s0, min(s1, S), D,
+                         G, t.param(ATTENTION_SPLIT_PREP_PARAM_K_OFFSET), t.param(ATTENTION_SPLIT_PREP_PARAM_V_OFFSET),
                          t.param(ATTENTION_SPLIT_PREP_PARAM_KV_POS_STRIDE), t.fparam(ATTENTION_SPLIT_PREP_PARAM_EPS),
-                         s0 <= p && p < s1, tid, nt);
+                         tid, nt);
+    const int p = pos[b];
+    if (p < 0 || p >= S) return false;  // a bad task: its prep wrote no cache row
     if (b == 0) trace_mark(5, tid);  // trace: thread 0's warp prepared its q head (before the block barrier)
     if (use) cp_async_wait_all();  // this thread's staged rows (all sequences' copies: issued above)
     worker_barrier(nt);  // q in shared memory, this position's k and v, before any warp reads them

@@ -15,6 +15,12 @@
 #include "attention.cuh"
 #include "weight_stream.cuh"  // smem_below_ring(): attention_seq needs nwarps * G * (D + 2) floats
 
+// MPK_PREP_ONE_SITE 0: the q heads and the k head each with their own inlined body (the old code; a GPU test
+// checks the default against it bit for bit, tests/runtime/test_code_variants_gpu.py).
+#ifndef MPK_PREP_ONE_SITE
+#define MPK_PREP_ONE_SITE 1
+#endif
+
 namespace mpk {
 
 // One head of one sequence, one warp: the body qkv_prep runs for it (same hook, same choice).
@@ -29,23 +35,37 @@ __device__ __forceinline__ void attn_prep_head(const bf16* src, const bf16* norm
 }
 
 // The prep half: warps 0..G-1 take the q heads of the group, warp G the kv head (k roped into the cache
-// at position p, v copied) when `append` (attention_split_prep: only the range holding p appends),
-// looping when there are fewer warps. Not inlined: its per-lane arrays get their own register
-// allocation, apart from the attention's (as qkv_prep and attention are apart).
+// at position p = *pos, v copied) when append_begin <= p < append_end (attention_split_prep: only the range
+// holding p appends; a position outside writes no cache row), looping when there are fewer warps. The position
+// is read here, beside the head's loads, so a caller need not wait for it first (one memory round trip fewer
+// on the attention's critical path). Not inlined: its per-lane arrays get their own register allocation, apart
+// from the attention's (as qkv_prep and attention are apart).
 __device__ __noinline__ void attention_prep_heads(const bf16* qkv, const bf16* q_norm, const bf16* k_norm,
-                                                  const float* inv_freq, bf16* q, bf16* kc, bf16* vc, int p, int D,
-                                                  int G, int k_off, int v_off, int kv_ps, float eps, bool append,
-                                                  int tid, int nt) {
+                                                  const float* inv_freq, bf16* q, bf16* kc, bf16* vc,
+                                                  const int32_t* pos, int append_begin, int append_end, int D, int G,
+                                                  int k_off, int v_off, int kv_ps, float eps, int tid, int nt) {
   const int warp = tid >> 5, lane = tid & 31, nwarps = nt >> 5;
+  const int p = *pos;
+  const bool append = append_begin <= p && p < append_end;
+  const size_t o = (size_t)p * kv_ps;
   for (int h = warp; h < G + (append ? 1 : 0); h += nwarps) {
+#if MPK_PREP_ONE_SITE
+    // One inlined body for the q heads and the k head: the code is fetched cold every layer, so the k warp
+    // running its own copy doubled the bytes the tile fetched (same arguments as the two sites below).
+    const bool is_k = h >= G;
+    const bf16* src = is_k ? qkv + k_off : qkv + (size_t)h * D;
+    attn_prep_head(src, is_k ? k_norm : q_norm, inv_freq, p, is_k ? kc + o : q + (size_t)h * D, D, eps, lane);
+    if (is_k)
+      for (int d = lane; d < D; d += 32) vc[o + d] = src[v_off + d];
+#else
     if (h < G) {
       attn_prep_head(qkv + (size_t)h * D, q_norm, inv_freq, p, q + (size_t)h * D, D, eps, lane);
     } else {
       const bf16* src = qkv + k_off;
-      const size_t o = (size_t)p * kv_ps;
       attn_prep_head(src, k_norm, inv_freq, p, kc + o, D, eps, lane);
       for (int d = lane; d < D; d += 32) vc[o + d] = src[v_off + d];
     }
+#endif
   }
 }
 

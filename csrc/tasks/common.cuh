@@ -76,6 +76,33 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 
+// The per-head q/k norm + rope bodies (qkv_prep.cuh, generated/qk_norm_rope.cuh) hold a head's pairs
+// (d, d + D/2), d = lane, lane + 32, ... in per-lane arrays of kPairs entries. Why a compile-time count per
+// head size: each body is straight-line code executed once per head, fetched cold every layer (ncu: the prep's
+// lines stalled on "no instruction" 40-56%), and the 8-pair instance for D <= 512 spans ~2,100 instructions.
+// MPK_ROPE_EXACT_PAIRS 0 keeps the single 8-pair instance (the same arithmetic: the guards skip the same pairs).
+#ifndef MPK_ROPE_EXACT_PAIRS
+#define MPK_ROPE_EXACT_PAIRS 1
+#endif
+constexpr int kRopeMaxPairs = 8;  // D <= 2 * 32 * 8 = 512
+// CALL with kPairs bound to the smallest of 1, 2, 4, 8 pairs a lane covering ceil(D / 64) pairs.
+#if MPK_ROPE_EXACT_PAIRS
+#define MPK_ROPE_PAIRS(D_, CALL)                                                   \
+  do {                                                                             \
+    const int rope_pairs_ = ((D_) / 2 + 31) / 32;                                  \
+    if (rope_pairs_ <= 1) { constexpr int kPairs = 1; CALL; }                      \
+    else if (rope_pairs_ <= 2) { constexpr int kPairs = 2; CALL; }                 \
+    else if (rope_pairs_ <= 4) { constexpr int kPairs = 4; CALL; }                 \
+    else { constexpr int kPairs = kRopeMaxPairs; CALL; }                           \
+  } while (0)
+#else
+#define MPK_ROPE_PAIRS(D_, CALL)                 \
+  do {                                           \
+    constexpr int kPairs = kRopeMaxPairs;        \
+    CALL;                                        \
+  } while (0)
+#endif
+
 // Sum of v over the worker threads of the block (smem: nt / 32 floats); every thread gets it.
 __device__ float block_sum(float v, float* smem, int tid, int nt) {
   v = warp_sum(v);

@@ -15,10 +15,11 @@ namespace mpk {
 // generated body replaces: mpk::gen::qk_norm_rope (same signature; csrc/tasks/generated/qk_norm_rope.cuh,
 // rendered from the qk_norm_rope µGraph by mpk_dist.superopt.codegen_rope) when
 // MPK_SUPEROPT_QK_NORM_ROPE is 1 and the model has q/k norms.
-__device__ __forceinline__ void qk_norm_rope(const bf16* src, const bf16* norm_w, const float* inv_freq, int pos,
-                                             bf16* dst, int D, float eps, int lane) {
+// kMaxPairs: the per-lane pair slots (common.cuh MPK_ROPE_PAIRS picks the instance for D).
+template <int kMaxPairs>
+__device__ __forceinline__ void qk_norm_rope_pairs(const bf16* src, const bf16* norm_w, const float* inv_freq, int pos,
+                                                   bf16* dst, int D, float eps, int lane) {
   const int half = D / 2;
-  constexpr int kMaxPairs = 8;
   // Every load first (the head, the norm weights, the frequencies): issued together, one memory round trip
   // instead of three in a row behind the warp sum (the prep time did not move: docs/PERF.md v0.9). Same
   // values, same arithmetic below.
@@ -62,6 +63,11 @@ __device__ __forceinline__ void qk_norm_rope(const bf16* src, const bf16* norm_w
       dst[d + half] = f2bf(round_bf(hi[i] * c) + round_bf(lo[i] * s));
     }
   }
+}
+
+__device__ __forceinline__ void qk_norm_rope(const bf16* src, const bf16* norm_w, const float* inv_freq, int pos,
+                                             bf16* dst, int D, float eps, int lane) {
+  MPK_ROPE_PAIRS(D, (qk_norm_rope_pairs<kPairs>(src, norm_w, inv_freq, pos, dst, D, eps, lane)));
 }
 
 }  // namespace mpk

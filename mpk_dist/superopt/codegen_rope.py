@@ -28,6 +28,9 @@ SIGNATURE = ("const bf16* src, const bf16* norm_w, const float* inv_freq, int po
              "float eps, int lane")
 """The hook's C parameter list (csrc/tasks/qkv_prep.cuh, mpk::qk_norm_rope)."""
 
+CALL_ARGS = "src, norm_w, inv_freq, pos, dst, D, eps, lane"
+"""The hook's arguments, forwarded to the instance with the head size's pair count."""
+
 VEC = {"G": ("bf2f(norm_w[d])", "bf2f(norm_w[d + half])"), "C": ("c", "c"), "S": ("s", "s")}
 
 
@@ -149,10 +152,14 @@ def render_rope(ug, eps: float = 1e-6) -> str:
     head += ["#pragma once", '#include "common.cuh"  // csrc/runtime (on the include path)', "",
              "namespace mpk {", "namespace gen {", "",
              "// One head row of one sequence, one warp: lane l holds the pairs (d, d + D/2), d = l, l + 32, ...",
-             f"__device__ __forceinline__ void qk_norm_rope({SIGNATURE}) {{",
-             "  const int half = D / 2;", "  constexpr int kMaxPairs = 8;  // D <= 512"]
+             "// kMaxPairs: the per-lane pair slots (common.cuh MPK_ROPE_PAIRS picks the instance for D).",
+             "template <int kMaxPairs>",
+             f"__device__ __forceinline__ void qk_norm_rope_pairs({SIGNATURE}) {{",
+             "  const int half = D / 2;"]
     body = _stat_lines(p, consts) + _loop_lines(p, consts)
-    tail = ["}", "", "}  // namespace gen", "}  // namespace mpk", ""]
+    tail = ["}", "", f"__device__ __forceinline__ void qk_norm_rope({SIGNATURE}) {{",
+            f"  MPK_ROPE_PAIRS(D, (qk_norm_rope_pairs<kPairs>({CALL_ARGS})));", "}", "",
+            "}  // namespace gen", "}  // namespace mpk", ""]
     return "\n".join(head + body + tail)
 
 

@@ -6,6 +6,11 @@ the arithmetic, so the logits must equal the default build's bit for bit and sta
   (the default interleaves their warp sums; csrc/tasks/attention.cuh attn_warp_step).
 - ``-DMPK_PARAMS_SMEM=0``: every block reads RuntimeParams from global memory instead of its shared-memory
   copy (csrc/runtime/megakernel.cuh).
+- ``-DMPK_ROPE_EXACT_PAIRS=0 -DMPK_PREP_ONE_SITE=0``: the q/k norm + rope bodies with 8 pair slots for every head
+  size and the prep's q and k heads through two inlined copies (the default instantiates the head size's pair
+  count, csrc/tasks/common.cuh MPK_ROPE_PAIRS, and runs one copy, csrc/tasks/attention_prep.cuh).
+- ``-DMPK_PREP_POS_LATE=0``: the split prep tile checks every position before its prep (the default reads the
+  position inside the prep, beside the head's loads, and checks it after; csrc/runtime/dispatch.cuh).
 
 qwen3-0.6b (default fusions, split-KV attention), 200-token prompt, batch 1 and 4.
 Run: ``python -m pytest -q -m gpu tests/runtime/test_code_variants_gpu.py`` (about a minute on an H200 with the
@@ -25,7 +30,8 @@ torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
 NAME = "qwen3-0.6b"
 PROMPT = 200
 STEPS = 48
-VARIANTS = ["-DMPK_ATTN_GUARD_HEADS=1", "-DMPK_PARAMS_SMEM=0"]
+VARIANTS = ["-DMPK_ATTN_GUARD_HEADS=1", "-DMPK_PARAMS_SMEM=0", "-DMPK_ROPE_EXACT_PAIRS=0 -DMPK_PREP_ONE_SITE=0",
+            "-DMPK_PREP_POS_LATE=0"]
 
 
 def session_with_flags(backend, batch: int, flags: str):
