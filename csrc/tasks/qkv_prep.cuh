@@ -11,11 +11,11 @@
 namespace mpk {
 
 // One head row of one sequence, one warp (lane 0..31): the per-head RMSNorm (when norm_w != nullptr)
-// and the rope at position `pos`; src / dst: the head's D values. This is the hook a superoptimizer-
-// generated body replaces: mpk::gen::qk_norm_rope (same signature; csrc/tasks/generated/qk_norm_rope.cuh,
-// rendered from the qk_norm_rope µGraph by mpk_dist.superopt.codegen_rope) when
-// MPK_SUPEROPT_QK_NORM_ROPE is 1 and the model has q/k norms.
-// kMaxPairs: the per-lane pair slots (common.cuh MPK_ROPE_PAIRS picks the instance for D).
+// and the rope at position `pos`; src / dst: the head's D values. qk_norm_rope (below) is the hook a
+// superoptimizer-generated body replaces: mpk::gen::qk_norm_rope (same signature;
+// csrc/tasks/generated/qk_norm_rope.cuh, rendered from the qk_norm_rope µGraph by
+// mpk_dist.superopt.codegen_rope) when MPK_SUPEROPT_QK_NORM_ROPE is 1 and the model has q/k norms; this is
+// its body with kMaxPairs per-lane pair slots (common.cuh MPK_ROPE_PAIRS picks the instance for D).
 template <int kMaxPairs>
 __device__ __forceinline__ void qk_norm_rope_pairs(const bf16* src, const bf16* norm_w, const float* inv_freq, int pos,
                                                    bf16* dst, int D, float eps, int lane) {
