@@ -167,12 +167,12 @@ class MegakernelBackend(StepBackend):
         batch = padded_batch(batch)
         if (batch, nucleus) not in self.groups:
             from mpk_dist.runtime.group import RankGroup
-            from mpk_dist.taskgraph.compiler import compile_rank_programs
+            from mpk_dist.taskgraph.program_cache import compile_rank_programs_cached
 
             t0 = time.perf_counter()
-            cgs = compile_rank_programs(self.cfg, tp=self.tp, batch=batch, sms=self.workers,
-                                        max_seq_len=self.max_seq_len, ranks=self.transport.ranks, fuse=self.fuse,
-                                        attn_splits=self.attn_splits, nucleus=nucleus)
+            cgs, cached = compile_rank_programs_cached(self.cfg, tp=self.tp, batch=batch, sms=self.workers,
+                                                       max_seq_len=self.max_seq_len, ranks=self.transport.ranks,
+                                                       fuse=self.fuse, attn_splits=self.attn_splits, nucleus=nucleus)
             compile_s = time.perf_counter() - t0
             trace = TRACE_STEPS if self.trace_path else (PROFILE_STEPS if self.comm_profile else 0)
             kw = dict(schedule=self.schedule, worker_threads=self.worker_threads, timeout_s=self.timeout_s, trace=trace,
@@ -180,7 +180,7 @@ class MegakernelBackend(StepBackend):
                       linear_rows=self.linear_rows, superopt=self.superopt, **self.kernel_tuning)
             g = RankGroup(cgs, self.weights, self.transport, self.device, kw)
             for s in g.sessions:
-                s.taskgraph_s = compile_s
+                s.taskgraph_s, s.taskgraph_cached = compile_s, cached
             self.groups[(batch, nucleus)] = g
         return self.groups[(batch, nucleus)]
 
@@ -191,7 +191,8 @@ class MegakernelBackend(StepBackend):
     def build_info(self, batch: int = 1, nucleus: bool = False) -> dict:
         """Compile/load timings of a session (cold compile vs cached cubin, load) and the TP layout."""
         s = self.group(batch, nucleus).lead
-        return {"taskgraph_s": s.taskgraph_s, "kernel_build_s": s.build_s, "kernel_cached": s.build.cached,
+        return {"taskgraph_s": s.taskgraph_s, "taskgraph_cached": s.taskgraph_cached,
+                "kernel_build_s": s.build_s, "kernel_cached": s.build.cached,
                 "compiler": s.build.compiler, "load_s": s.load_s, "cubin": str(s.build.path), "workers": s.workers,
                 "smem_bytes": s.smem, "block_threads": s.block_threads, "tp": self.tp,
                 "transport": self.transport_name, "ranks_per_gpu": self.transport.ranks_per_gpu}

@@ -126,6 +126,7 @@ def main(args) -> int:
         x = res.extra
         total = x["taskgraph_s"] + x["kernel_build_s"] + x["load_s"]
         how = "cached cubin" if x["kernel_cached"] else f"built here: {x['compiler']}, generated bodies incl."
-        print(f"start-up {'warm' if x['kernel_cached'] else 'cold'} {total:.2f} s | task graph {x['taskgraph_s']:.2f} s | "
+        tg = " (cached)" if x.get("taskgraph_cached") else ""
+        print(f"start-up {'warm' if x['kernel_cached'] else 'cold'} {total:.2f} s | task graph {x['taskgraph_s']:.2f} s{tg} | "
               f"kernel {x['kernel_build_s']:.2f} s ({how}) | load {x['load_s']:.2f} s", file=out)
     return 0
