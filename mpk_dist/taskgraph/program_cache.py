@@ -32,8 +32,9 @@ PACKAGE_DIR = Path(__file__).resolve().parent.parent
 
 def cache_dir() -> Path:
     """``$MPK_CACHE_DIR/taskgraphs`` (default ``~/.cache/mpk_dist/taskgraphs``), beside the kernels."""
-    base = os.environ.get("MPK_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "mpk_dist")
-    return Path(base) / "taskgraphs"
+    from mpk_dist.model_source import cache_dir as cache_root
+
+    return cache_root() / "taskgraphs"
 
 
 def enabled() -> bool:
