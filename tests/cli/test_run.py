@@ -81,7 +81,8 @@ def test_backend_specific_flags_are_refused_not_ignored(capsys, flag, needle):
 
 def test_start_up_line_says_cold_or_warm(capsys, monkeypatch, hf_models):
     """A backend that reports its start-up (the mega-kernel's build_info) gets a line with the total and
-    its parts, 'cold' when the kernel was compiled here, 'warm' from a cached cubin."""
+    its parts, 'cold' when the kernel was compiled here, 'warm' from a cached cubin, '(cached)' after the task
+    graph's time when its programs came from the disk cache."""
     import mpk_dist.engine as E
 
     real = E.build_backend
@@ -92,18 +93,18 @@ def test_start_up_line_says_cold_or_warm(capsys, monkeypatch, hf_models):
 
         def generate(req):
             res = gen(req)
-            res.extra.update(taskgraph_s=0.5, kernel_build_s=0.02 if cached else 41.0, kernel_cached=cached,
-                             compiler="nvcc", load_s=0.1)
+            res.extra.update(taskgraph_s=0.5, taskgraph_cached=cached, kernel_build_s=0.02 if cached else 41.0,
+                             kernel_cached=cached, compiler="nvcc", load_s=0.1)
             return res
         backend.generate = generate
         return model, backend
 
     ckpt, _ = hf_models["qwen3-tied"]
-    for cached, word, total in ((False, "cold", "41.60"), (True, "warm", "0.62")):
+    for cached, word, total, tg in ((False, "cold", "41.60", " |"), (True, "warm", "0.62", " (cached) |")):
         monkeypatch.setattr(E, "build_backend", lambda spec, model, c=cached: with_build_info(spec, model, c))
         code, out, _ = _run(capsys, "run", "--model", str(ckpt), "--backend", "torch", "--prompt-ids", "1,2",
                             "--max-new-tokens", "2")
-        assert code == 0 and f"start-up {word} {total} s | task graph 0.50 s" in out, out
+        assert code == 0 and f"start-up {word} {total} s | task graph 0.50 s{tg}" in out, out
     monkeypatch.setattr(E, "build_backend", real)
     code, out, _ = _run(capsys, "run", "--model", str(ckpt), "--backend", "torch", "--prompt-ids", "1,2",
                         "--max-new-tokens", "2")
