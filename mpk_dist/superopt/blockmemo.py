@@ -207,6 +207,11 @@ class FinalFilter:
     have equal stripped fingerprints at any counts, so nothing that could pass is dropped; a false
     match only costs the full check later."""
 
+    # The last op's own checks that look at its result's expression (no recomputation, the
+    # exact test) are applied by the enumerator; False only for ``blockshare``'s opaque inputs,
+    # whose graphs get both checks on the concrete inputs afterwards.
+    exprs = True
+
     def __init__(self, target, layout, sym_size: dict) -> None:
         self.fp = Fingerprint(sized=False)
         self.want = self.fp.of_expr(target.out_expr)
@@ -412,8 +417,10 @@ class MemoEnumerator:
     def _join(self, out: dict, desc: tuple, x: int, child: dict) -> None:
         """Add ``desc`` (making node ``x``) to every completion of the child state that does not
         recompute its result (completions: {op set: result nodes})."""
+        fpid = self.fpid
+        fx = fpid[x]
         for ops, nodes in child.items():
-            if self.fpid[x] in {self.fpid[y] for y in nodes} and self._repeats(x, nodes):
+            if any(fpid[y] == fx for y in nodes) and self._repeats(x, nodes):
                 continue  # no recomputation: a later op repeats this op's expression
             out.setdefault(ops | {desc}, nodes | {x})
 
@@ -551,9 +558,9 @@ class MemoEnumerator:
             if not self._leaf_ok(kind, attrs, operands, shape, syms):
                 continue
             x = self._new(kind, attrs, operands, shape, syms)
-            if self._repeats(x, [i for i, _ in self.inputs] + list(body_nodes)) \
-                    or not self._exact(x) or not self._keep(x) \
-                    or self._acc(x) is None:
+            if self.accept.exprs and (
+                    self._repeats(x, [i for i, _ in self.inputs] + list(body_nodes))
+                    or not self._exact(x)) or not self._keep(x) or self._acc(x) is None:
                 continue
             refs = [("i", i) if i < n_in else ("b", avail[i]) for i in args]
             desc = self._desc("b", kind, attrs, refs, x)
@@ -664,8 +671,9 @@ class MemoEnumerator:
             if not self._leaf_ok(kind, attrs, operands, shape, syms):
                 continue
             x = self._new(kind, attrs, operands, shape, syms)
-            if self._repeats(x, [i for i, _ in self.inputs] + accs + posts) \
-                    or not self._exact(x) or not self._keep(x):
+            if self.accept.exprs and (
+                    self._repeats(x, [i for i, _ in self.inputs] + accs + posts)
+                    or not self._exact(x)) or not self._keep(x):
                 continue
             desc = self._desc("p", kind, attrs, [refs_of[i] for i in args], x)
             out.setdefault(frozenset((desc,)), frozenset((x,)))

@@ -16,8 +16,9 @@ from collections import Counter
 
 from mpk_dist.superopt import blocksearch as B
 from mpk_dist.superopt.context import Context
-from mpk_dist.superopt.cost import custom_op_cost
+from mpk_dist.superopt.cost import H200, custom_op_cost
 from mpk_dist.superopt.inference import is_stack_sym
+from mpk_dist.superopt.ugraph import DTYPE_BYTES, _numel
 
 # -- worker side of the process pool ------------------------------------------------------------
 _WORKER_CTX: Context | None = None
@@ -29,24 +30,28 @@ def _init_worker(target, config, deadline) -> None:
 
 
 def _layout_task(args):
-    layout, infos, final = args
+    layout, infos, final, limit = args
     ctx = _WORKER_CTX
     before = ctx.stats()
-    options = layout_options(ctx, layout, infos, final)
+    options = layout_options(ctx, layout, infos, final, limit)
     after = ctx.stats()
     return options, {k: after[k] - before.get(k, 0) for k in after}
 
 
-def layout_options(ctx: Context, layout, infos: dict, final: bool) -> list:
+def layout_options(ctx: Context, layout, infos: dict, final: bool, limit=None) -> list:
     """[(Structure, sizes, cost_us, ((shape, syms) of each output))] of one layout over ``infos``,
     in enumeration order: its structures (``blocksearch.enumerate_layout``), each at its cheapest
     counts (``best_counts``; computed once per ``cost_key``); as the last kernel op (``final``) only those whose output can have the
     target's shape. Runs in a worker process when the catalog has a pool, so the costing is
-    spread over the cores with the enumeration (it took as long as the enumeration)."""
+    spread over the cores with the enumeration (it took as long as the enumeration).
+    ``limit``: None, or (µs, output reads) from ``KernelSearch``: structures whose
+    ``bytes_lower_bound`` exceeds the µs are neither costed nor listed (``list_limit`` says why
+    none of them can be part of a graph that beats or ties the verified one)."""
     options = []
     out_shape = ctx.target.graph.nodes[ctx.target.out_node].shape
     rep = _rep_sizes(layout, infos, ctx.config)
     memo: dict = {}
+    in_bytes = sum(_numel(infos[n].shape) for n in layout.inputs) * DTYPE_BYTES
     for st in B.enumerate_layout(ctx, layout, infos, final):
         if ctx.timed_out():
             break
@@ -54,6 +59,10 @@ def layout_options(ctx: Context, layout, infos: dict, final: bool) -> list:
             ctx.counts["shape_skipped"] = ctx.counts.get("shape_skipped", 0) + 1
             continue
         key = cost_key(st, infos, rep)
+        if limit is not None and key is not None and \
+                bytes_lower_bound(layout, in_bytes, key[2], limit[1]) > limit[0]:
+            ctx.counts["over_limit"] = ctx.counts.get("over_limit", 0) + 1
+            continue
         best = memo.get(key, False) if key is not None else False
         if best is False:
             best = best_counts(ctx, st, infos)
@@ -66,6 +75,30 @@ def layout_options(ctx: Context, layout, infos: dict, final: bool) -> list:
         if best is not None and best[1] != math.inf:
             options.append((st, *best))
     return options
+
+
+def bytes_lower_bound(layout, in_bytes: int, outs: tuple, out_reads: int, m=H200) -> float:
+    """A lower bound (µs) of a custom op's cost plus, when ``out_reads`` is 2, the part of the
+    next op's cost that reads its outputs: a sync point plus ``in_bytes`` (its inputs, whole) and
+    ``out_reads`` times its outputs' least bytes at full device bandwidth. ``outs``: the outputs'
+    (shape, syms) at the layout's representative counts (``cost_key``'s last item).
+
+    Why it bounds ``custom_op_cost`` at every count ``best_counts`` may pick: the cost is a sync
+    point plus at least device bytes / bandwidth, and the device bytes count every input at least
+    whole and every output whole. An output dim that carries a grid symbol once is that symbol's
+    full extent, a dim with no symbol or an unsplit one has the same extent at every count, and a
+    STACK dim's extent is the grid count, whose representative (``representative_sizes``) is the
+    smallest configured one (``count_choices`` draws from the same list). Any other dim (a grid
+    symbol that occurs twice: one of its dims stays a tile, and shrinks as the count grows; the
+    loop symbol) may be smaller at other counts, so such an output counts 0 bytes here (found by
+    tests/superopt/test_bounds.py: (n, n) from sum(Kt) + sum(V))."""
+    split = set(layout.grid_syms) | {layout.loop_sym}
+    out_b = 0
+    for shape, syms in outs:
+        if all(s is None or is_stack_sym(s) or s not in split or
+               (s in layout.grid_syms and syms.count(s) == 1) for s in syms):
+            out_b += _numel(shape) * DTYPE_BYTES
+    return m.sync_us + (in_bytes + out_reads * out_b) / m.hbm_bytes_per_us
 
 
 def _instantiate(st, sizes: dict, infos: dict):
@@ -174,6 +207,7 @@ class BlockCatalog:
         self.lays: dict = {}       # subset infos -> layouts
         self.per_layout: dict = {}  # (final, subset infos, layout index) -> options
         self.pending: dict = {}    # the same key -> AsyncResult of a pool task
+        self.limits: dict = {}     # the same key -> the limit it was listed under (None: none)
         self.pool = None
 
     def __enter__(self):
@@ -209,8 +243,9 @@ class BlockCatalog:
             self.memo[key] = out
         return self.memo[key]
 
-    def prefetch(self, subset: tuple, ks, infos: dict, final: bool) -> None:
-        """Start the enumeration of layouts ``ks`` of ``subset`` on the pool (no-op without)."""
+    def prefetch(self, subset: tuple, ks, infos: dict, final: bool, limit=None) -> None:
+        """Start the enumeration of layouts ``ks`` of ``subset`` on the pool (no-op without);
+        ``limit``: as ``layout_options``."""
         if self.pool is None:
             return
         sub = {n: infos[n] for n in subset}
@@ -218,24 +253,43 @@ class BlockCatalog:
         for k in ks:
             key = (final, *((n, infos[n]) for n in subset), k)
             if key not in self.per_layout and key not in self.pending:
-                self.pending[key] = self.pool.apply_async(_layout_task, ((lays[k], sub, final),))
+                self.pending[key] = self.pool.apply_async(
+                    _layout_task, ((lays[k], sub, final, limit),))
+                self.limits[key] = limit
 
-    def layout_options(self, subset: tuple, k: int, infos: dict, final: bool) -> list:
+    def in_flight(self) -> int:
+        """Layouts prefetched on the pool and not finished yet (0 without a pool)."""
+        done = [key for key, task in self.pending.items() if task.ready()]
+        return len(self.pending) - len(done)
+
+    def layout_options(self, subset: tuple, k: int, infos: dict, final: bool,
+                       limit=None) -> list:
         """``layout_options`` of layout ``k`` of ``subset`` (memoized; from the pool when
-        prefetched)."""
+        prefetched). ``limit``: as ``layout_options``; a memoized listing serves a request when
+        it was made without a limit or with a limit of the same output reads that is at least
+        the requested one (it then holds every structure the request would list, and maybe more,
+        which the caller's own keys cut)."""
         key = (final, *((n, infos[n]) for n in subset), k)
         hit = self.per_layout.get(key)
-        if hit is not None:
+        if hit is not None and _covers(self.limits.get(key), limit):
             return hit
         sub = {n: infos[n] for n in subset}
         task = self.pending.pop(key, None)
-        if task is not None:
+        if task is not None and _covers(self.limits.get(key), limit):
             hit, delta = task.get()
             self.ctx.add_remote(delta)
         else:
-            hit = layout_options(self.ctx, self.layouts(subset, infos)[k], sub, final)
+            hit = layout_options(self.ctx, self.layouts(subset, infos)[k], sub, final, limit)
+            self.limits[key] = limit
         self.per_layout[key] = hit
         return hit
+
+
+def _covers(have, want) -> bool:
+    """Does a listing made under limit ``have`` hold every structure one under ``want`` would?"""
+    if have is None:
+        return True
+    return want is not None and have[1] == want[1] and have[0] >= want[0]
 
 
 def _may_have_shape(st, infos: dict, shape: tuple, config, rep: dict | None = False) -> bool:

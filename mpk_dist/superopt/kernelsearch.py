@@ -24,21 +24,24 @@ from mpk_dist.superopt.catalog import BlockCatalog
 from mpk_dist.superopt.context import Context
 from mpk_dist.superopt.cost import H200, graph_cost, prim_op_cost
 from mpk_dist.superopt.inference import candidate_ops, infer
-from mpk_dist.superopt.ugraph import KernelOp, TensorInfo, UGraph
+from mpk_dist.superopt.ugraph import DTYPE_BYTES, KernelOp, TensorInfo, UGraph, _numel
 
 
 class KernelSearch:
     """Depth-first growth of kernel graphs (see module docstring)."""
 
     def __init__(self, ctx: Context, catalog: BlockCatalog, bound: float = math.inf,
-                 verify=None) -> None:
+                 verify=None, lanes=None) -> None:
         """``bound``: cost of the best verified graph so far; ``verify``: optional callable
         (UGraph -> bool); a complete graph cheaper than ``bound`` is verified as soon as it is
-        found, and if it passes, its cost becomes the bound for the rest of the depth."""
+        found, and if it passes, its cost becomes the bound for the rest of the depth.
+        ``lanes``: optional ``lanes.Lanes``; the last kernel op after each first op is then
+        searched on a lane process (unpruned searches, see lanes.py)."""
         self.ctx = ctx
         self.catalog = catalog
         self.bound = bound  # branch and bound: cost of the best verified graph so far
         self.verify = verify
+        self.lanes = lanes
         t = ctx.target
         self.inputs = {name: info for name, info in _input_infos(t).items()}
         self.out_shape = t.graph.nodes[t.out_node].shape
@@ -48,6 +51,8 @@ class KernelSearch:
     def run(self, max_ops: int) -> dict:
         """Explore graphs of up to ``max_ops`` kernel ops; returns {key: UGraph}."""
         self._dfs(dict(self.inputs), [], None, max_ops, 0.0)
+        if self.lanes is not None:
+            self.lanes.drain(self)
         return self.candidates
 
     def _dfs(self, tensors: dict, ops: list, prev, budget: int, spent: float) -> None:
@@ -71,6 +76,8 @@ class KernelSearch:
             done = [n for n, i in new.items() if self._is_output(i)]
             if done:
                 self._record(tensors, ops, done[0])
+            elif budget == 2 and self.lanes is not None:
+                self.lanes.submit(self, tensors, ops, (key, set(new)), spent + cost)
             elif not last:
                 self._dfs(tensors, ops, (key, set(new)), budget - 1, spent + cost)
             ops.pop()
@@ -125,21 +132,26 @@ class KernelSearch:
             else:
                 key = self._move_bound(tensors, item, dangling, budget, spent, memo)
             heapq.heappush(heap, (key, next(order), item))
+        ahead: list = []  # unpruned: layout items to enumerate on the pool, by key
         while heap:
             bound, _, item = heapq.heappop(heap)
             if bound > self.bound or self.ctx.timed_out():
                 return  # every later item's bound is at least this one
             if item[0] == "s":
-                self._push_layouts(heap, order, tensors, item[1], item[2], spent)
+                self._push_layouts(heap, order, tensors, item[1], item[2], spent, ahead)
+                self._prefetch_ahead(tensors, ahead, dangling, spent)
             elif item[0] == "l":
-                for move in self._options(tensors, item[1], prev, False, len(ops), item[2]):
+                self._prefetch_ahead(tensors, ahead, dangling, spent)
+                limit = self._list_limit(tensors, item[1], dangling, spent)
+                for move in self._options(tensors, item[1], prev, False, len(ops), item[2],
+                                          limit):
                     heapq.heappush(heap, (self._move_bound(tensors, move, dangling, budget,
                                                            spent, memo), next(order), move))
             else:
                 yield item
 
     def _push_layouts(self, heap: list, order, tensors: dict, subset: tuple, rest: float,
-                      spent: float) -> None:
+                      spent: float, ahead: list) -> None:
         """Push ``("l", subset, k)`` for every layout k of ``subset`` whose bound (its
         ``RestBound.layout`` plus ``rest``, the subset's rest bound) does not exceed the verified
         cost; those are enumerated on the pool meanwhile, the others never (since the ninth
@@ -150,7 +162,56 @@ class KernelSearch:
             if key <= self.bound:
                 heapq.heappush(heap, (key, next(order), ("l", subset, k)))
                 todo.append(k)
-        self.catalog.prefetch(subset, todo, tensors, False)
+                if not self.ctx.config.prune:
+                    heapq.heappush(ahead, (key, next(order), subset, k))
+        if self.ctx.config.prune:
+            self.catalog.prefetch(subset, todo, tensors, False)
+
+    def _list_limit(self, tensors: dict, subset: tuple, dangling: set, spent: float):
+        """Unpruned, once a graph is verified: the ``limit`` under which the catalog lists a
+        non-last op's layout over ``subset`` (``catalog.layout_options``), else None.
+
+        A move over ``subset`` gets the key ``spent`` + its cost + the rest bound of what it
+        leaves unread (``_move_bound``), or ``spent`` + its cost alone when it leaves no input
+        unread. The rest bound is at least a sync point plus the bytes of what is left unread
+        (the tensors of ``dangling`` outside ``subset``, the move's outputs) and of the target's
+        output at full bandwidth: ``RestBound.rest`` is that floor, or the cheapest layout
+        reading all of them, whose device bytes include those. With ``catalog.bytes_lower_bound``
+        of the move's own cost (its outputs counted twice when the rest bound applies), a
+        structure over the limit has a key above the verified cost ``self.bound``, which only
+        falls, so ``_best_first`` would never take it; not costing or listing it changes nothing
+        (``_TIE``: within rounding, kept). NOTE: unpruned only (the pruned search, which
+        production runs, lists as before); at attention_decode's 4.58 us about 80% of the
+        ~450,000 first ops listed had keys above it (93,904 at or below)."""
+        if self.ctx.config.prune or self.bound == math.inf:
+            return None
+        m = H200
+        if not any(n in self.inputs and n not in subset for n in dangling):
+            return (self.bound - spent + _TIE, 1)
+        left = sum(_numel(tensors[n].shape) for n in dangling if n not in subset)
+        left = (left + _numel(self.out_shape)) * DTYPE_BYTES
+        return (self.bound - spent - m.sync_us - left / m.hbm_bytes_per_us + _TIE, 2)
+
+    def _prefetch_ahead(self, tensors: dict, ahead: list, dangling: set, spent: float) -> None:
+        """Unpruned: keep the pool busy with the layouts of smallest key not listed yet, a few
+        (2 per process) at a time, skipping those whose key now exceeds the verified cost.
+
+        NOTE: the layouts are popped in key order, so these are the next ones the search lists.
+        Prefetching every layout whose key was under the bound when its subset came up (as the
+        pruned search does) enumerated most first-op layouts of attention_decode at the first
+        verified graph's 4.91 us (layouts in submission order, each 4-20 s), most of them above
+        the 4.58 us graph found later, and the search waited for them in the pool's queue. Only
+        the order of work changes: a layout not prefetched is listed when it is popped."""
+        if self.ctx.config.prune:
+            return  # _push_layouts prefetched them all
+        limit = 2 * max(1, self.catalog.processes)
+        while ahead and self.catalog.in_flight() < limit:
+            key, _, subset, k = heapq.heappop(ahead)
+            if key > self.bound:
+                ahead.clear()  # every later one's key is at least this one
+                return
+            self.catalog.prefetch(subset, [k], tensors, False,
+                                  self._list_limit(tensors, subset, dangling, spent))
 
     def _move_bound(self, tensors: dict, move, dangling: set, budget: int, spent: float,
                     memo: dict | None = None) -> float:
@@ -268,14 +329,14 @@ class KernelSearch:
             yield from self._options(tensors, subset, prev, True, n_ops, k)
 
     def _options(self, tensors: dict, subset: tuple, prev, last: bool, n_ops: int,
-                 layout: int | None = None):
+                 layout: int | None = None, limit=None):
         """Custom-op moves ("c", subset, n_ops, cost, Structure, sizes, key, output shapes) of
         one subset (of its layout ``layout`` only, in enumeration order, when given)."""
         if layout is None:
             options = self.catalog.options(subset, tensors, final=last)
         else:
             options = [(*o, (layout, j)) for j, o in enumerate(
-                self.catalog.layout_options(subset, layout, tensors, last))]
+                self.catalog.layout_options(subset, layout, tensors, last, limit))]
         for st, sizes, cost, shapes, (k, j) in options:
             if self.ctx.timed_out():
                 return

@@ -23,6 +23,7 @@ from mpk_dist.superopt.context import Context, SearchConfig
 from mpk_dist.superopt.graph import Graph
 from mpk_dist.superopt.catalog import BlockCatalog
 from mpk_dist.superopt.kernelsearch import KernelSearch
+from mpk_dist.superopt.lanes import Lanes
 from mpk_dist.superopt.target import analyze
 from mpk_dist.superopt.cost import H200
 from mpk_dist.superopt.ugraph import DTYPE_BYTES, UGraph, _numel
@@ -155,8 +156,6 @@ def _search(g: Graph, config: SearchConfig, timeout_s: float, processes: int, pr
     ctx = Context(target, config, start + timeout_s, progress=progress)
     found: dict = {}
     status: dict = {}     # graph key -> True (verified) / False (rejected)
-    bound = math.inf      # cost of the best verified graph so far
-    skipped = 0
 
     def check(ug: UGraph) -> bool:
         # verification of a graph found inside a depth (KernelSearch's branch and bound)
@@ -166,22 +165,37 @@ def _search(g: Graph, config: SearchConfig, timeout_s: float, processes: int, pr
         return status[k]
 
     with BlockCatalog(ctx, processes) as catalog:
-        for depth in range(1, config.max_kernel_ops + 1):
-            if depth_lower_bound(target, depth) >= bound:
-                skipped = config.max_kernel_ops - depth + 1
-                break  # every graph with this many kernel ops costs more than a verified one
-            found.update(KernelSearch(ctx, catalog, bound, verify=check).run(depth))
-            ctx.tick(force=True)
-            _verify_ranked(g, found, status, config)
-            costs = [found[k].cost["time_us"] for k, ok in status.items() if ok]
-            bound = min(costs, default=math.inf)
-            if ctx.timed_out():
-                break
+        # unpruned: last kernel ops on lane processes (lanes.py); the pruned search is unchanged
+        lanes = Lanes(ctx, processes) if not config.prune and processes > 1 else None
+        try:
+            skipped = _depths(g, ctx, catalog, lanes, check, found, status)
+        finally:
+            if lanes is not None:
+                lanes.close()
     ranked = [u for u in _rank(found) if status.get(u.key())][:config.keep]
     stats = _stats(ctx, len(ranked), sum(1 for ok in status.values() if not ok), start,
                    len(found))
     stats.update(timed_out=ctx.timed_out(), processes=processes, skipped_depths=skipped)
     return SearchResult(ranked[0] if ranked else None, ranked, stats)
+
+
+def _depths(g: Graph, ctx: Context, catalog: BlockCatalog, lanes, check, found: dict,
+            status: dict) -> int:
+    """Iterative deepening (depth 1, 2, ... ``max_kernel_ops``) into ``found`` / ``status``;
+    returns the number of depths skipped by the depth lower bound."""
+    config, target = ctx.config, ctx.target
+    bound = math.inf      # cost of the best verified graph so far
+    for depth in range(1, config.max_kernel_ops + 1):
+        if depth_lower_bound(target, depth) >= bound:
+            return config.max_kernel_ops - depth + 1  # every such graph costs more than a verified one
+        found.update(KernelSearch(ctx, catalog, bound, verify=check, lanes=lanes).run(depth))
+        ctx.tick(force=True)
+        _verify_ranked(g, found, status, config)
+        costs = [found[k].cost["time_us"] for k, ok in status.items() if ok]
+        bound = min(costs, default=math.inf)
+        if ctx.timed_out():
+            break
+    return 0
 
 
 def depth_lower_bound(target, depth: int, m=H200) -> float:

@@ -13,6 +13,7 @@ from mpk_dist.superopt.kernelsearch import KernelSearch, _input_infos
 from mpk_dist.superopt.patterns import build
 from mpk_dist.superopt.search import _rank
 from mpk_dist.superopt.target import analyze
+from mpk_dist.superopt.ugraph import DTYPE_BYTES
 from mpk_dist.superopt.verify import verify
 
 SHAPE = {"H": 4, "D": 64, "S": 256}
@@ -179,3 +180,59 @@ def test_unpruned_switch_to_best_first_keeps_the_best():
         assert bnb.bound == best.cost["time_us"] < math.inf
         assert best.key() in cut
         assert len(cut) < len(everything)
+
+
+def test_unpruned_lanes_keep_the_best():
+    """Unpruned depth 2 with the last ops on lane processes (lanes.py) returns the cheapest
+    verifying graph of the plain enumeration, as in one process, and records the same complete
+    graphs cheaper than it."""
+    from mpk_dist.superopt.lanes import Lanes
+
+    g, ctx = _small_unpruned()
+    check = _memo_verify(g)
+    with BlockCatalog(ctx, 1) as cat:
+        everything = KernelSearch(ctx, cat).run(2)
+    best = next(u for u in _rank(everything) if check(u))
+    with BlockCatalog(ctx, 2) as cat:
+        lanes = Lanes(ctx, 2)
+        try:
+            bnb = KernelSearch(ctx, cat, verify=check, lanes=lanes)
+            cut = bnb.run(2)
+        finally:
+            lanes.close()
+    assert not ctx.timed_out()
+    assert ctx.counts["lane_handoffs"] > 10
+    assert bnb.bound == best.cost["time_us"] < math.inf
+    assert best.key() in cut
+    cheaper = {k for k, u in everything.items() if u.cost["time_us"] <= bnb.bound}
+    assert cheaper <= set(cut)
+
+
+def test_listing_limit_is_below_every_move_key():
+    """Unpruned, every first-op option of every input subset: with the verified cost set to the
+    option's own best-first key, ``_list_limit`` keeps it (its ``bytes_lower_bound`` is within
+    the limit), so the catalog never drops a move the best-first order could take."""
+    from mpk_dist.superopt.catalog import bytes_lower_bound, cost_key, _rep_sizes
+
+    _, ctx, _ = _setup(3, prune=False)
+    infos = _input_infos(ctx.target)
+    dangling = set(infos)
+    checked = 0
+    with BlockCatalog(ctx, 1) as cat:
+        ks = KernelSearch(ctx, cat)
+        for r in (1, 2, 3):
+            for subset in itertools.combinations(infos, r):
+                for move in ks._options(infos, subset, None, False, 0):
+                    st = move[4]
+                    key = ks._move_bound(infos, move, dangling, 2, 0.0)
+                    if key == math.inf:
+                        continue  # no complete graph through it (never taken)
+                    ks.bound = key
+                    limit = ks._list_limit(infos, subset, dangling, 0.0)
+                    ck = cost_key(st, infos, _rep_sizes(st.layout, infos, ctx.config))
+                    if ck is None:
+                        continue  # the catalog applies no limit to it either
+                    in_b = sum(math.prod(infos[n].shape) for n in subset) * DTYPE_BYTES
+                    assert bytes_lower_bound(st.layout, in_b, ck[2], limit[1]) <= limit[0], (st, key)
+                    checked += 1
+    assert checked > 1000
