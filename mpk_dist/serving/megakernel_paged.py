@@ -342,8 +342,13 @@ class MegakernelPagedBackend:
 
         deadline = time.perf_counter() + self.pass_wait_s + 3 * self.timeout_s
         while not all(s.progress() >= n for s in self.group.sessions):
-            if any(s.finished() for s in self.group.sessions):  # ended early: a watchdog record says why
-                self._end_launch()
+            if any(s.finished() for s in self.group.sessions):
+                # A launch that ends after its last pass publishes that pass's progress first: read it again,
+                # since it may have finished between the two reads (GPU run 2026-11-30: "ended before pass 4
+                # finished (progress [5, 5])" at P = 5).
+                if all(s.progress() >= n for s in self.group.sessions):
+                    return
+                self._end_launch()  # ended early: a watchdog record says why
                 raise DeviceTimeout(f"persistent passes: the launch ended before pass {n - 1} finished "
                                     f"(progress {[s.progress() for s in self.group.sessions]})")
             if time.perf_counter() > deadline:

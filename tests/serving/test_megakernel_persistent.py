@@ -112,3 +112,38 @@ def test_pass_channel_stages_then_rings():
         ch.post(1, {"forced_tokens": [1, 2, 3, 4], "start_pos": [5, 6, 7]})
     with pytest.raises(InputError, match="pass_wait_s: expected a positive"):
         PassChannel(sess, [("start_pos", 0)], wait_s=0)
+
+
+class _RacingSession:
+    """A rank whose launch finishes pass n - 1 and ends between the host's progress read and its finished read."""
+
+    def __init__(self, n: int, reach: bool):
+        self.n, self.reach, self.reads, self.done = n, reach, 0, False
+
+    def progress(self) -> int:
+        self.reads += 1
+        return self.n if (self.done and self.reach) else self.n - 1
+
+    def finished(self) -> bool:
+        self.done = True  # the kernel ran its last pass and exited while the host looked away
+        return True
+
+
+@pytest.mark.parametrize("reach", [True, False])
+def test_wait_progress_reads_again_when_the_launch_just_ended(reach):
+    """The launch ending right after its last pass is no error (progress is read again once it has ended); a
+    launch that ended short of the pass still raises, naming the pass and the progress."""
+    from types import SimpleNamespace
+
+    from mpk_dist.errors import DeviceTimeout
+
+    ended = []
+    fake = SimpleNamespace(group=SimpleNamespace(sessions=[_RacingSession(5, reach)]), pass_wait_s=1.0,
+                           timeout_s=1.0, _end_launch=lambda: ended.append(True))
+    if reach:
+        MP.MegakernelPagedBackend._wait_progress(fake, 5)
+        assert not ended
+    else:
+        with pytest.raises(DeviceTimeout, match=r"ended before pass 4 finished \(progress \[4\]\)"):
+            MP.MegakernelPagedBackend._wait_progress(fake, 5)
+        assert ended
