@@ -276,7 +276,7 @@ class BlockCatalog:
         sub = {n: infos[n] for n in subset}
         task = self.pending.pop(key, None)
         if task is not None and _covers(self.limits.get(key), limit):
-            hit, delta = task.get()
+            hit, delta = self.ctx.pool_result(task, f"layout {k} of {subset}")
             self.ctx.add_remote(delta)
         else:
             hit = layout_options(self.ctx, self.layouts(subset, infos)[k], sub, final, limit)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import time
 from dataclasses import dataclass, field, replace
 
+from mpk_dist.errors import MpkError
 from mpk_dist.superopt.prune import SubexprOracle
 from mpk_dist.superopt.target import Target
 
@@ -24,6 +26,11 @@ class SearchConfig:
     keep: int = 6           # verified candidates to return
     trials: int = 3         # finite-field trials per candidate
     dedup: bool = True      # last custom ops: one state per distinct future (blockmemo)
+
+
+POOL_GRACE_S = 120.0
+"""How long after the search's deadline a worker process's result may still arrive: a worker checks the deadline
+between enumeration steps (one layout's step took up to ~20 s); past this the worker is taken as lost."""
 
 
 @dataclass
@@ -64,6 +71,16 @@ class Context:
 
     def timed_out(self) -> bool:
         return time.monotonic() > self.deadline
+
+    def pool_result(self, task, what: str):
+        """``task.get()`` of a worker-process task, bounded by the deadline plus ``POOL_GRACE_S``: a worker that
+        died (a lost task never completes) raises a clear error instead of hanging the search."""
+        wait = max(0.0, self.deadline - time.monotonic()) + POOL_GRACE_S
+        try:
+            return task.get(timeout=wait)
+        except multiprocessing.TimeoutError:
+            raise MpkError(f"superopt: {what}: expected the worker process's result within {POOL_GRACE_S:.0f} s of "
+                           f"the search deadline, got none after {wait:.0f} s (the worker died or hung)") from None
 
     def tick(self, force: bool = False) -> None:
         """Report progress at most every 0.2 s."""

@@ -101,10 +101,10 @@ class Lanes:
         """Record the graphs of finished hand-offs (all of them when ``block``; else only the
         finished ones, waiting for the oldest while too many are in flight)."""
         while self.sent:
-            _, task, items = self.sent[0]
+            lane, task, items = self.sent[0]
             if not (block or task.ready() or len(self.sent) > self.window * len(self.pools)):
                 return
-            found, delta = task.get()
+            found, delta = self.ctx.pool_result(task, f"lane {lane}'s last ops")
             self.sent.popleft()
             self.ctx.add_remote(delta)
             for (tensors, ops), graphs in zip(items, found):

@@ -68,3 +68,34 @@ def test_shared_costs_equal_the_costs_of_each_structure():
                             want.append((st, best[0], best[1], outs))
                     assert got == want, (subset, lay, final)
     assert shared > 1000, shared
+
+
+def test_a_lost_worker_result_is_a_clear_error_not_a_hang():
+    """Context.pool_result (the catalog's and the lanes' waits on worker processes): the result when it comes,
+    an error naming what was waited on when the worker's task never completes; the wait is bounded by the
+    deadline plus the grace."""
+    import multiprocessing
+
+    import pytest
+
+    from mpk_dist.errors import MpkError
+    from mpk_dist.superopt import context as C
+
+    target = analyze(build("silu_mul_linear", {"M": 2, "I": 64, "N": 32}))
+    ctx = Context(target, SearchConfig(max_block_ops=3, prune=False), time.monotonic() + 5)
+    waits = []
+
+    class Task:
+        def __init__(self, value):
+            self.value = value
+
+        def get(self, timeout=None):
+            waits.append(timeout)
+            if self.value is None:
+                raise multiprocessing.TimeoutError
+            return self.value
+
+    assert ctx.pool_result(Task(("options", {})), "layout 0") == ("options", {})
+    with pytest.raises(MpkError, match=r"superopt: layout 3 of \('X',\): expected the worker process's result"):
+        ctx.pool_result(Task(None), "layout 3 of ('X',)")
+    assert all(w is not None and w <= 5 + C.POOL_GRACE_S for w in waits), waits
