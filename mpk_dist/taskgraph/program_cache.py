@@ -93,8 +93,8 @@ def compile_rank_programs_cached(cfg: ModelConfig, tp: int, batch: int = 1, sms:
               nucleus=nucleus)
     if not enabled():
         return compile_rank_programs(cfg, **kw), False
-    key = program_key(cfg, tp=tp, batch=batch, sms=sms, max_seq_len=max_seq_len, ranks=ranks,
-                      fuse=sorted(fusion_set(fuse)), attn_splits=check_attn_splits(attn_splits), nucleus=nucleus)
+    # The key takes the arguments in their checked, normalized form (fuse=True and its names list agree).
+    key = program_key(cfg, **{**kw, "fuse": sorted(fusion_set(fuse)), "attn_splits": check_attn_splits(attn_splits)})
     d = cache_dir() / key
     if d.is_dir():
         cgs = _load_entry(d, ranks)
