@@ -78,10 +78,13 @@ constexpr int kStageOffset = 64;
 
 __device__ __forceinline__ bf16* stage_base(float* smem) { return reinterpret_cast<bf16*>(smem + kStageOffset); }
 
-// True when B staged rows of K bf16 fit the launch's dynamic shared memory (uniform over the block).
-__device__ __forceinline__ bool stage_fits(int B, int K) {
-  return kStageOffset * sizeof(float) + (uint32_t)B * (uint32_t)K * (uint32_t)sizeof(bf16) <= dynamic_smem_bytes();
+// Dynamic shared-memory bytes up to the end of B staged rows of K bf16 (the reduction scratch included).
+__host__ __device__ __forceinline__ uint32_t staged_bytes(int B, int K) {
+  return kStageOffset * (uint32_t)sizeof(float) + (uint32_t)B * (uint32_t)K * (uint32_t)sizeof(bf16);
 }
+
+// True when B staged rows of K bf16 fit the launch's dynamic shared memory (uniform over the block).
+__device__ __forceinline__ bool stage_fits(int B, int K) { return staged_bytes(B, K) <= dynamic_smem_bytes(); }
 
 // st[k..] = row.load8(k) over one row of K (the block's threads share it).
 template <class Row>
@@ -169,6 +172,26 @@ __device__ __noinline__ void gemv_tile(const XS xs, const bf16* __restrict__ w, 
         if (lane == (b & 31) && n0 + r < n_tile) epi(b, n0 + r, s);
       }
   }
+}
+
+// The fused kinds' GEMV (hand-written and generated bodies alike): tensor-core tiles for batch >= 2 under
+// MPK_LINEAR_MMA=1 when enough warps stream (linear_mma.cuh, its own summation order), else gemv_tile.
+// reserved: bytes at the start of the dynamic shared memory that xs reads (staged_bytes of the staged rows;
+// 0 when x is a global activation).
+template <int B, class XS, class EpiT>
+__device__ __forceinline__ void gemv_fused(const XS& xs, const bf16* __restrict__ w, int K, int n_tile, const EpiT& epi,
+                                           uint32_t reserved, int tid, int nt) {
+#if MPK_LINEAR_MMA
+  if constexpr (B >= 2) {
+    if (const int S = mma_slices(K, n_tile, nt)) {
+      gemv_mma_tile<B>(xs, w, K, n_tile, epi, S, reserved, tid, nt);
+      return;
+    }
+  }
+#else
+  (void)reserved;
+#endif
+  gemv_tile<B, kFuseRows>(xs, w, K, n_tile, epi, tid, nt);
 }
 
 // Fallback when the staged input does not fit the launch's shared memory: batch row b only, one

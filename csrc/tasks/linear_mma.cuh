@@ -65,30 +65,48 @@ __device__ __forceinline__ void mma_bf16_16816(float (&d)[4], uint32_t a0, uint3
 }
 
 
+// MPK_MMA_X_AHEAD 1 (default): a round's x vectors are loaded right after its weight vectors, before the first
+// mma, instead of one x load per chunk inside the mma loop. Why: each in-loop load was consumed by the next mma,
+// a chain of U round trips per round -- L2 ones when x is a global activation (o_proj's linear_residual), as
+// linear.cuh's load_x_round found for batch 1. The same values reach the same mmas, so the same bits. Batch
+// rows 0..7 only (xa); above 8 rows the second half (xb) stays in the loop to keep the registers in bounds.
+#ifndef MPK_MMA_X_AHEAD
+#define MPK_MMA_X_AHEAD 1
+#endif
+
 // One warp's share: weight rows n0..n0+7 (lane row g), k over chunks [c0, c1) of 32, into d[4]
 // (d[0], d[1]: batch g, rows 2q, 2q+1; d[2], d[3]: batch g + 8, same rows).
 template <int B, class XS>
 __device__ __forceinline__ void mma_unit(const XS& xs, const bf16* __restrict__ w, int K, int n_tile, int n0, int c0,
                                          int c1, float (&d)[4], int lane) {
   constexpr int U = MPK_LINEAR_UNROLL;
+  constexpr bool kXAhead = MPK_MMA_X_AHEAD != 0;
   const int g = lane >> 2, q = lane & 3;
   const bool row_ok = n0 + g < n_tile;
   const bf16* wr = w + (size_t)(n0 + g) * K;
   const int k_end = min(K, c1 * 32);
+  const uint4 zero = make_uint4(0, 0, 0, 0);
   for (int cb = c0; cb < c1; cb += U) {
     uint4 wv[U];
 #pragma unroll
     for (int u = 0; u < U; ++u) {  // every weight load of the unit before any use
       const int k = (cb + u) * 32 + q * 8;
-      wv[u] = (row_ok && k < k_end) ? ld_stream_v4(wr + k) : make_uint4(0, 0, 0, 0);
+      wv[u] = (row_ok && k < k_end) ? ld_stream_v4(wr + k) : zero;
+    }
+    uint4 xah[kXAhead ? U : 1];
+    if constexpr (kXAhead) {
+#pragma unroll
+      for (int u = 0; u < U; ++u) {  // batch row g's x vectors of the round, before any mma
+        const int k = (cb + u) * 32 + q * 8;
+        xah[u] = (cb + u < c1 && k < k_end && g < B) ? xs.load8(g, k) : zero;
+      }
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       if (cb + u >= c1) break;  // warp-uniform: the mma needs all 32 lanes
       const int k = (cb + u) * 32 + q * 8;
       const bool k_ok = k < k_end;
-      const uint4 zero = make_uint4(0, 0, 0, 0);
-      const uint4 xa = (k_ok && g < B) ? xs.load8(g, k) : zero;           // batch row g
+      const uint4 xa = kXAhead ? xah[kXAhead ? u : 0] : ((k_ok && g < B) ? xs.load8(g, k) : zero);  // batch row g
       const uint4 xb = (B > 8 && k_ok && g + 8 < B) ? xs.load8(g + 8, k) : zero;  // batch row g + 8
       mma_bf16_16816(d, xa.x, xb.x, xa.y, xb.y, wv[u].x, wv[u].y);  // elements 0..3 of each lane's 8
       mma_bf16_16816(d, xa.z, xb.z, xa.w, xb.w, wv[u].z, wv[u].w);  // elements 4..7
@@ -107,23 +125,32 @@ __device__ __forceinline__ void mma_store(const EpiT& epi, const float (&d)[4], 
   }
 }
 
+// Bytes of the split-K partials of `units` warp units in S slices (one m16n8 fp32 accumulator tile per warp).
+constexpr uint32_t kMmaPartialFloats = 128;  // 32 lanes x d[4]
+constexpr uint32_t kMmaPartialAlign = 16;    // float4 stores
+__device__ __forceinline__ uint32_t mma_partial_bytes(int units, int S) {
+  return (uint32_t)(units * S) * kMmaPartialFloats * (uint32_t)sizeof(float);
+}
+
 // Split-K slices S for a tile (warp units x S <= worker warps, each slice >= one unroll of chunks), or 0
 // when the tensor-core tile would keep fewer than half the warps streaming (few rows and no room for
-// the partials above `reserved`): the caller runs the scalar tile then, which gives every warp a row.
-__device__ __forceinline__ int mma_slices(int K, int n_tile, uint32_t reserved, int nt) {
+// the partials): the caller runs the scalar tile then, which gives every warp a row. The partials go
+// above the operand rows the caller staged when they fit there, else over those rows once every warp has
+// read them (gemv_mma_tile waits for that: one more block barrier).
+__device__ __forceinline__ int mma_slices(int K, int n_tile, int nt) {
   const int nwarps = nt >> 5, units = (n_tile + 7) / 8, chunks = (K + 31) / 32;
   int S = units >= nwarps ? 1 : nwarps / units;
   S = max(1, min(S, chunks / MPK_LINEAR_UNROLL));
-  const uint32_t need = (uint32_t)(units * S) * 128u * sizeof(float);
-  if (S > 1 && reserved + need + 16 > smem_below_ring()) S = 1;  // no room for the partials: no split
+  if (S > 1 && mma_partial_bytes(units, S) + kMmaPartialAlign > smem_below_ring()) S = 1;  // no room at all
   return 2 * units * S >= nwarps ? S : 0;
 }
 
 // NOTE: not inlined, as gemv_tile: one copy per batch serves the plain and the fused kinds.
-// S: mma_slices(...) > 0 (the caller decided this tile runs here).
+// S: mma_slices(...) > 0 (the caller decided this tile runs here); reserved: bytes at the start of the dynamic
+// shared memory the operand XS reads (its staged rows; 0 when x comes from global memory).
 template <int B, class XS, class EpiT>
 __device__ __noinline__ void gemv_mma_tile(const XS xs, const bf16* __restrict__ w, int K, int n_tile, const EpiT epi,
-                                           int S, int tid, int nt) {
+                                           int S, uint32_t reserved, int tid, int nt) {
   static_assert(B >= 1 && B <= 16, "gemv_mma_tile: batch 1..16");
   const int warp = tid >> 5, lane = tid & 31, nwarps = nt >> 5;
   const int units = (n_tile + 7) / 8, chunks = (K + 31) / 32;
@@ -136,23 +163,28 @@ __device__ __noinline__ void gemv_mma_tile(const XS xs, const bf16* __restrict__
     return;
   }
   // The partials sit at the top of the shared memory below the weight ring (all of it when the ring is off).
-  const uint32_t need = (uint32_t)(units * S) * 128u * sizeof(float), dyn = smem_below_ring();
+  const uint32_t need = mma_partial_bytes(units, S), dyn = smem_below_ring();
+  // Over the staged operand rows (silu_linear's 8 x 12288 bf16 at batch 8 leave no room above them): the
+  // rows are dead once every warp has finished its slice, so the partials wait for that.
+  const bool over_operand = reserved + need + kMmaPartialAlign > dyn;
   extern __shared__ float4 mpk_mma_smem4[];  // the launch's dynamic shared memory (aliases the kernel's)
-  float* part = reinterpret_cast<float*>(reinterpret_cast<char*>(mpk_mma_smem4) + ((dyn - need) & ~15u));
-  if (warp < units * S) {  // warp -> (unit, slice); slice s covers chunks [s*chunks/S, (s+1)*chunks/S)
+  float* part = reinterpret_cast<float*>(reinterpret_cast<char*>(mpk_mma_smem4) + ((dyn - need) & ~(kMmaPartialAlign - 1)));
+  float d[4] = {0.f, 0.f, 0.f, 0.f};
+  const bool streams = warp < units * S;  // warp -> (unit, slice); slice s covers chunks [s*chunks/S, (s+1)*chunks/S)
+  if (streams) {
     const int u = warp / S, s = warp % S;
-    float d[4] = {0.f, 0.f, 0.f, 0.f};
     mma_unit<B>(xs, w, K, n_tile, u * 8, s * chunks / S, (s + 1) * chunks / S, d, lane);
-    *reinterpret_cast<float4*>(part + (size_t)warp * 128 + lane * 4) = make_float4(d[0], d[1], d[2], d[3]);
   }
+  if (over_operand) worker_barrier(nt);  // every warp is done with the operand rows the partials overwrite
+  if (streams) *reinterpret_cast<float4*>(part + (size_t)warp * kMmaPartialFloats + lane * 4) = make_float4(d[0], d[1], d[2], d[3]);
   worker_barrier(nt);  // every slice's partials are in shared memory before the sums read them
   if (warp < units) {  // unit `warp`: its slices summed in slice order, then the epilogue
-    float d[4] = {0.f, 0.f, 0.f, 0.f};
+    float r[4] = {0.f, 0.f, 0.f, 0.f};
     for (int s = 0; s < S; ++s) {
-      const float4 p = *reinterpret_cast<const float4*>(part + (size_t)(warp * S + s) * 128 + lane * 4);
-      d[0] += p.x; d[1] += p.y; d[2] += p.z; d[3] += p.w;
+      const float4 p = *reinterpret_cast<const float4*>(part + (size_t)(warp * S + s) * kMmaPartialFloats + lane * 4);
+      r[0] += p.x; r[1] += p.y; r[2] += p.z; r[3] += p.w;
     }
-    mma_store<B>(epi, d, warp * 8, n_tile, lane);
+    mma_store<B>(epi, r, warp * 8, n_tile, lane);
   }
   worker_barrier(nt);  // the partials are read before the next task may reuse the shared memory
 }

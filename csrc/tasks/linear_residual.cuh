@@ -10,7 +10,7 @@ namespace mpk {
 __device__ void linear_residual(int B, const bf16* x, int ldx, const bf16* w, const float* res, float* y, int ldy,
                                 int K, int n_tile, int tid, int nt) {
   const Epi epi{y, res, ldy, kEpiResidual};
-  MPK_FUSED_WITH_BATCH(B, (gemv_tile<kB, kFuseRows>(XRows{x, ldx}, w, K, n_tile, epi, tid, nt)));
+  MPK_FUSED_WITH_BATCH(B, (gemv_fused<kB>(XRows{x, ldx}, w, K, n_tile, epi, 0u, tid, nt)));
 }
 
 }  // namespace mpk

@@ -30,7 +30,7 @@ __device__ void norm_linear(int B, const float* x, int ldx, const bf16* nw, cons
       stage_row(st + (size_t)b * K, K, NormRow{xr, nw, row_rstd(xr, K, eps, smem, tid, nt)}, tid, nt);
     }
     worker_barrier(nt);  // the staged rows are complete before any warp reads them
-    MPK_FUSED_WITH_BATCH(B, (gemv_tile<kB, kFuseRows>(XRows{st, K}, w, K, n_tile, epi, tid, nt)));
+    MPK_FUSED_WITH_BATCH(B, (gemv_fused<kB>(XRows{st, K}, w, K, n_tile, epi, staged_bytes(kB, K), tid, nt)));
     return;
   }
   for (int b = 0; b < B; ++b) {

@@ -16,7 +16,7 @@ __device__ void silu_linear(int B, const bf16* gu, int ldg, int up, const bf16* 
     bf16* st = stage_base(smem);  // [B, K] activations
     for (int b = 0; b < B; ++b) stage_row(st + (size_t)b * K, K, SiluRow{gu + (size_t)b * ldg, up}, tid, nt);
     worker_barrier(nt);  // the staged rows are complete before any warp reads them
-    MPK_FUSED_WITH_BATCH(B, (gemv_tile<kB, kFuseRows>(XRows{st, K}, w, K, n_tile, epi, tid, nt)));
+    MPK_FUSED_WITH_BATCH(B, (gemv_fused<kB>(XRows{st, K}, w, K, n_tile, epi, staged_bytes(kB, K), tid, nt)));
     return;
   }
   for (int b = 0; b < B; ++b) gemv_rowwise(SiluRow{gu + (size_t)b * ldg, up}, w, K, n_tile, epi, b, tid, nt);

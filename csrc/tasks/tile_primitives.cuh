@@ -58,17 +58,7 @@ __device__ __forceinline__ void stage_row(bf16* st, int K, const Row& row, int t
 template <int B, class XS, class EpiT>
 __device__ __forceinline__ void gemv_acc(const XS& xs, const bf16* __restrict__ w, int K, int n_tile, const EpiT& epi,
                                          int tid, int nt) {
-#if MPK_LINEAR_MMA
-  if constexpr (B >= 2) {
-    // The staged operand rows (kStageOffset floats + B*K bf16) stay below the split-K partials.
-    const uint32_t reserved = kStageOffset * sizeof(float) + (uint32_t)B * (uint32_t)K * sizeof(bf16);
-    if (const int S = mma_slices(K, n_tile, reserved, nt)) {
-      gemv_mma_tile<B>(xs, w, K, n_tile, epi, S, tid, nt);
-      return;
-    }
-  }
-#endif
-  gemv_tile<B, kFuseRows>(xs, w, K, n_tile, epi, tid, nt);
+  gemv_fused<B>(xs, w, K, n_tile, epi, staged_bytes(B, K), tid, nt);  // xs: the B rows staged in shared memory
 }
 
 // The same for one operand row computed per element (when the staged rows do not fit).

@@ -6,12 +6,14 @@ One ``attention`` op becomes two task-ops: ``<op>/split`` with one tile per (kv 
 attention_merge), connected through an fp32 scratch buffer ``<op>.partial`` [Hkv, B, SPLITS, GROUP,
 D + 2] whose 2-D view has one row per (h, b), so split tile (h, i) writes one rectangle (rows of h,
 the columns of range i) and merge tile (h, b) reads one row: the merge of head h waits only for
-head h's splits. See docs/TASKGRAPH.md, "Split-KV attention".
+head h's splits. Above AUTO_SPLIT_MAX_BATCH sequences a split tile takes one sequence: one tile per
+(h, b, i) (``split_tiles``). See docs/TASKGRAPH.md, "Split-KV attention".
 """
 
 from __future__ import annotations
 
 import numbers
+from typing import NamedTuple
 
 import numpy as np
 
@@ -25,10 +27,13 @@ MIN_SPLIT_POSITIONS = 64
 """'auto' never cuts the cache into ranges shorter than this (a split's fixed cost must stay small
 next to its KV reads)."""
 AUTO_SPLIT_MAX_BATCH = 4
-"""'auto' splits only programs of at most this many sequences. Measured on an H200 at context ~512
-(2026-11-30, tune_sweep): qwen3-8b batch 1 5.22 ms split vs 6.12 unsplit, batch 8 (MMA linears) 11.04
-split vs 9.71 unsplit (a split tile walks its range once per sequence, with two block barriers and a
-shared-memory merge each time). Batches 2-4 are not measured."""
+"""Up to this many sequences a split tile walks its range for every sequence; above it, each split tile
+takes one sequence (``split_tiles``) and 'auto' picks the ranges so that kv heads x sequences x ranges
+about fill the SMs (no split when that leaves one range). Why: measured on an H200 at context ~512
+(2026-11-30, tune_sweep), qwen3-8b batch 8 (MMA linears) ran 11.04 ms with all 8 sequences in each
+split tile (a tile walks its range once per sequence, with two block barriers and a shared-memory
+merge each time) vs 9.71 unsplit, whose 64 tiles (one per kv head and sequence) each walk the whole
+context (36 us a layer, v0.12's trace). Batches 2-4 are not measured."""
 
 
 def check_attn_splits(attn_splits) -> int | str:
@@ -47,14 +52,13 @@ def check_attn_splits(attn_splits) -> int | str:
 
 
 def resolve_splits(attn_splits, sms: int, kv_heads: int, max_seq_len: int, batch: int = 1) -> int:
-    """Number of KV ranges per kv head. 'auto': 1 (no split) above AUTO_SPLIT_MAX_BATCH sequences, else
-    enough for kv_heads x splits to about fill ``sms`` workers, but no range shorter than
-    MIN_SPLIT_POSITIONS positions."""
+    """Number of KV ranges per kv head. 'auto': enough for the split tiles (kv_heads x splits, times the
+    batch above AUTO_SPLIT_MAX_BATCH sequences: ``split_tiles``) to about fill ``sms`` workers, but no
+    range shorter than MIN_SPLIT_POSITIONS positions."""
     n = check_attn_splits(attn_splits)
     if n == "auto":
-        if batch > AUTO_SPLIT_MAX_BATCH:
-            return 1
-        return max(1, min(sms // max(1, kv_heads), max_seq_len // MIN_SPLIT_POSITIONS))
+        units = max(1, kv_heads) * (batch if seq_tiles(batch) else 1)  # tiles per range
+        return max(1, min(sms // units, max_seq_len // MIN_SPLIT_POSITIONS))
     if n > max_seq_len:
         raise InputError(f"attn_splits: expected at most max_seq_len = {max_seq_len} ranges, got {n}; "
                          "use fewer splits or 'auto'")
@@ -68,6 +72,34 @@ def split_ranges(max_seq_len: int, splits: int) -> list[tuple[int, int]]:
     return [(s0, min(s0 + per, max_seq_len)) for s0 in range(0, max_seq_len, per)]
 
 
+def seq_tiles(batch: int) -> bool:
+    """Whether each split tile takes one sequence (above AUTO_SPLIT_MAX_BATCH sequences) instead of all."""
+    return batch > AUTO_SPLIT_MAX_BATCH
+
+
+class SplitTile(NamedTuple):
+    """One split tile: kv head j, sequences b0 .. b0 + nb - 1, KV range i; ``word``: its merge ticket's
+    index (one word per kv head, or per kv head and sequence with one-sequence tiles)."""
+    j: int
+    b0: int
+    nb: int
+    i: int
+    word: int
+
+
+def split_tiles(hkv: int, B: int, P: int) -> list[SplitTile]:
+    """The split tiles of one attention op in program order: per kv head, per sequence group, per range."""
+    groups = [(b, 1) for b in range(B)] if seq_tiles(B) else [(0, B)]
+    return [SplitTile(j, b0, nb, i, j * len(groups) + g) for j in range(hkv) for g, (b0, nb) in enumerate(groups)
+            for i in range(P)]
+
+
+def split_tile_rects(tiles: list[SplitTile], rows_per_seq: int, c0, width: int) -> np.ndarray:
+    """One rectangle per tile of a [B * rows_per_seq, ...] buffer: its sequences' rows, columns c0(j) .. +width."""
+    return np.array([(t.b0 * rows_per_seq, (t.b0 + t.nb) * rows_per_seq, c0(t.j), c0(t.j) + width) for t in tiles],
+                    np.int64).reshape(-1, 4)
+
+
 def lower_split_attention(lw: Lowerer, op: Op, splits: int, merge_last: bool = False) -> None:
     """Append ``<op>/split`` and ``<op>/merge`` (and the scratch buffer) for one attention op; with
     ``merge_last`` (fusion 'attn_merge') no merge op: the last split tile of each kv head merges it."""
@@ -76,43 +108,46 @@ def lower_split_attention(lw: Lowerer, op: Op, splits: int, merge_last: bool = F
     q, kc, vc, pos = (p.id(n) for n in op.inputs)
     S, G = lw.g.max_seq_len, hq // hkv
     ranges, P, E, part = split_scratch(lw, op, splits)
-    ticket = merge_ticket(lw, op) if merge_last else None
-    cache_count = (B - 1) * S * hkv * D + (S - 1) * hkv * D + D
+    tiles = split_tiles(hkv, B, P)
+    ticket = merge_ticket(lw, op, tiles) if merge_last else None
     sp = p.op(op.name + "/split", BY_NAME["attention_split"], op.layer, op.name)
-    for j in range(hkv):
-        qa = (j * G * D, (B - 1) * hq * D + G * D)
-        for i, (s0, s1) in enumerate(ranges):
-            sp.add_tile({"Q": (q, *qa), "K_CACHE": (kc, j * D, cache_count), "V_CACHE": (vc, j * D, cache_count),
-                         "POSITIONS": (pos, 0, B), "OUT": (part, (j * B * P + i) * E, (B - 1) * P * E + E),
-                         **merge_last_args(lw, op, ticket, j)},
-                        {"BATCH": B, "HEAD_DIM": D, "GROUP": G, "Q_STRIDE": hq * D, "KV_POS_STRIDE": hkv * D,
-                         "KV_BATCH_STRIDE": S * hkv * D, "POS_BEGIN": s0, "POS_END": s1, "OUT_STRIDE": P * E,
-                         "SCALE": a["scale"], "SPLIT_INDEX": i})
-    tiles = [(j, i) for j in range(hkv) for i in range(P)]
-    qrect = np.array([(0, B, j * G * D, (j + 1) * G * D) for j, _ in tiles], np.int64).reshape(-1, 4)
+    for t in tiles:
+        s0, s1 = ranges[t.i]
+        cache_count = (t.nb - 1) * S * hkv * D + (S - 1) * hkv * D + D
+        kv_at = t.b0 * S * hkv * D + t.j * D
+        sp.add_tile({"Q": (q, t.b0 * hq * D + t.j * G * D, (t.nb - 1) * hq * D + G * D), "K_CACHE": (kc, kv_at, cache_count),
+                     "V_CACHE": (vc, kv_at, cache_count), "POSITIONS": (pos, t.b0, t.nb),
+                     "OUT": (part, ((t.j * B + t.b0) * P + t.i) * E, (t.nb - 1) * P * E + E),
+                     **merge_last_args(lw, op, ticket, t)},
+                    {"BATCH": t.nb, "HEAD_DIM": D, "GROUP": G, "Q_STRIDE": hq * D, "KV_POS_STRIDE": hkv * D,
+                     "KV_BATCH_STRIDE": S * hkv * D, "POS_BEGIN": s0, "POS_END": s1, "OUT_STRIDE": P * E,
+                     "SCALE": a["scale"], "SPLIT_INDEX": t.i})
+    qrect = split_tile_rects(tiles, 1, lambda j: j * G * D, G * D)
     # NOTE: the whole head's cache rows, not just the range: qkv_prep's kv tile writes them all, so
     # the finer rectangle would give the same edges.
-    kvrect = np.array([(0, B * S, j * D, (j + 1) * D) for j, _ in tiles], np.int64).reshape(-1, 4)
+    kvrect = split_tile_rects(tiles, S, lambda j: j * D, D)
     sp.reads = [Footprint(q, qrect), Footprint(kc, kvrect), Footprint(vc, kvrect.copy()), _all_fp(pos, p, len(tiles))]
     sp.writes = [partial_footprint(part, B, E, tiles)]
     finish_split(lw, op, sp, part, P, E, tiles, ticket)
 
 
-def merge_ticket(lw: Lowerer, op: Op) -> int:
-    """The 'ticket' buffer ``<op>.ticket``: one word per kv head, counting its finished split tiles."""
-    return lw.p.buffer(f"{op.name}.ticket", (op.attrs["kv_heads"],), "i32", "ticket")
+def merge_ticket(lw: Lowerer, op: Op, tiles: list[SplitTile]) -> int:
+    """The 'ticket' buffer ``<op>.ticket``: one word per merge group (kv head, or kv head and sequence:
+    ``SplitTile.word``), counting its finished split tiles."""
+    return lw.p.buffer(f"{op.name}.ticket", (max(t.word for t in tiles) + 1,), "i32", "ticket")
 
 
-def merge_last_args(lw: Lowerer, op: Op, ticket: int | None, j: int) -> dict:
-    """TICKET and MERGED of a split tile of kv head j (both None without the merge in the last tile)."""
+def merge_last_args(lw: Lowerer, op: Op, ticket: int | None, t: SplitTile) -> dict:
+    """TICKET and MERGED of split tile t (both None without the merge in the last tile)."""
     if ticket is None:
         return {"TICKET": None, "MERGED": None}
-    a, B = op.attrs, lw.B
+    a = op.attrs
     hq, D, G = a["q_heads"], a["head_dim"], a["q_heads"] // a["kv_heads"]
-    return {"TICKET": (ticket, j, 1), "MERGED": (lw.p.id(op.outputs[0]), j * G * D, (B - 1) * hq * D + G * D)}
+    return {"TICKET": (ticket, t.word, 1),
+            "MERGED": (lw.p.id(op.outputs[0]), t.b0 * hq * D + t.j * G * D, (t.nb - 1) * hq * D + G * D)}
 
 
-def finish_split(lw: Lowerer, op: Op, sp, part: int, P: int, E: int, tiles: list[tuple[int, int]],
+def finish_split(lw: Lowerer, op: Op, sp, part: int, P: int, E: int, tiles: list[SplitTile],
                  ticket: int | None) -> None:
     """After a split op's tiles: without a ticket, the merge op; with one, the split tiles also declare
     the head's output columns (the last tile of each head writes them, so every tile of the head is a
@@ -120,11 +155,10 @@ def finish_split(lw: Lowerer, op: Op, sp, part: int, P: int, E: int, tiles: list
     if ticket is None:
         lower_merge(lw, op, part, P, E)
         return
-    a, B = op.attrs, lw.B
+    a = op.attrs
     D, G = a["head_dim"], a["q_heads"] // a["kv_heads"]
     o = lw.p.id(op.outputs[0])
-    sp.writes.append(Footprint(o, np.array([(0, B, j * G * D, (j + 1) * G * D) for j, _ in tiles],
-                                           np.int64).reshape(-1, 4)))
+    sp.writes.append(Footprint(o, split_tile_rects(tiles, 1, lambda j: j * G * D, G * D)))
 
 
 def split_scratch(lw: Lowerer, op: Op, splits: int) -> tuple[list[tuple[int, int]], int, int, int]:
@@ -138,9 +172,10 @@ def split_scratch(lw: Lowerer, op: Op, splits: int) -> tuple[list[tuple[int, int
     return ranges, P, E, part
 
 
-def partial_footprint(part: int, B: int, E: int, tiles: list[tuple[int, int]]) -> Footprint:
-    """What split tile (j, i) writes of the scratch: rows of kv head j, the column block of range i."""
-    return Footprint(part, np.array([(j * B, (j + 1) * B, i * E, (i + 1) * E) for j, i in tiles],
+def partial_footprint(part: int, B: int, E: int, tiles: list[SplitTile]) -> Footprint:
+    """What split tile t writes of the scratch (2-D view: a row per (kv head, sequence)): the rows of its
+    kv head and sequences, the column block of its range."""
+    return Footprint(part, np.array([(t.j * B + t.b0, t.j * B + t.b0 + t.nb, t.i * E, (t.i + 1) * E) for t in tiles],
                                     np.int64).reshape(-1, 4))
 
 

@@ -39,10 +39,11 @@ def lower_attn_prep(lw: Lowerer, f: FusedAttention, attn_splits=1, merge_last: b
 
 def _lower_fused_split(lw: Lowerer, f: FusedAttention, splits: int, merge_last: bool) -> None:
     """qkv_prep folded into the split tiles: tile (j, i) norms and ropes the q heads of group j itself
-    (every range of head j, for all B sequences), appends k/v of head j where range i holds the position,
-    and writes attention_split's partial; then the unchanged merge op (or the merge in the last tile)."""
+    (every range of head j, for its sequences: all B, or one above AUTO_SPLIT_MAX_BATCH), appends k/v of
+    head j where range i holds the position, and writes attention_split's partial; then the unchanged
+    merge op (or the merge in the last tile)."""
     from mpk_dist.taskgraph.lowering_attention import (finish_split, merge_last_args, merge_ticket, partial_footprint,
-                                                       split_scratch)
+                                                       split_scratch, split_tile_rects, split_tiles)
 
     p, B, a, att = lw.p, lw.B, f.prep.attrs, f.attention
     hq, hkv, D = a["q_heads"], a["kv_heads"], a["head_dim"]
@@ -51,29 +52,32 @@ def _lower_fused_split(lw: Lowerer, f: FusedAttention, splits: int, merge_last: 
     _, kc, vc = (p.id(n) for n in f.prep.outputs)
     S, G, QS, inv = lw.g.max_seq_len, hq // hkv, (hq + 2 * hkv) * D, lw._inv_freq(a)
     ranges, P, E, part = split_scratch(lw, att, splits)
-    ticket = merge_ticket(lw, att) if merge_last else None
-    cache_count = (B - 1) * S * hkv * D + (S - 1) * hkv * D + D
+    tiles = split_tiles(hkv, B, P)
+    ticket = merge_ticket(lw, att, tiles) if merge_last else None
     sp = p.op(att.name + "/split", BY_NAME["attention_split_prep"], att.layer, att.name)
-    tiles = [(j, i) for j in range(hkv) for i in range(P)]
-    for j, i in tiles:
-        s0, s1 = ranges[i]
-        k_off = (hq + j) * D - j * G * D
-        sp.add_tile({"QKV": (qkv, j * G * D, (B - 1) * QS + k_off + hkv * D + D), "POSITIONS": (pos, 0, B),
+    for t in tiles:
+        s0, s1 = ranges[t.i]
+        k_off = (hq + t.j) * D - t.j * G * D
+        cache_count = (t.nb - 1) * S * hkv * D + (S - 1) * hkv * D + D
+        kv_at = t.b0 * S * hkv * D + t.j * D
+        sp.add_tile({"QKV": (qkv, t.b0 * QS + t.j * G * D, (t.nb - 1) * QS + k_off + hkv * D + D),
+                     "POSITIONS": (pos, t.b0, t.nb),
                      "Q_NORM_W": None if qn is None else (qn, 0, D), "K_NORM_W": None if kn is None else (kn, 0, D),
-                     "INV_FREQ": (inv, 0, D // 2), "K_CACHE": (kc, j * D, cache_count),
-                     "V_CACHE": (vc, j * D, cache_count), "OUT": (part, (j * B * P + i) * E, (B - 1) * P * E + E),
-                     **merge_last_args(lw, att, ticket, j)},
-                    {"BATCH": B, "HEAD_DIM": D, "GROUP": G, "QKV_STRIDE": QS, "K_OFFSET": k_off, "V_OFFSET": hkv * D,
+                     "INV_FREQ": (inv, 0, D // 2), "K_CACHE": (kc, kv_at, cache_count),
+                     "V_CACHE": (vc, kv_at, cache_count),
+                     "OUT": (part, ((t.j * B + t.b0) * P + t.i) * E, (t.nb - 1) * P * E + E),
+                     **merge_last_args(lw, att, ticket, t)},
+                    {"BATCH": t.nb, "HEAD_DIM": D, "GROUP": G, "QKV_STRIDE": QS, "K_OFFSET": k_off, "V_OFFSET": hkv * D,
                      "KV_POS_STRIDE": hkv * D, "KV_BATCH_STRIDE": S * hkv * D, "MAX_SEQ": S, "POS_BEGIN": s0,
                      "POS_END": s1, "OUT_STRIDE": P * E, "EPS": a["eps"], "SCALE": att.attrs["scale"],
-                     "SPLIT_INDEX": i})
-    cols = lambda c0, n: np.array([(0, B, c0(j), c0(j) + n) for j, _ in tiles], np.int64)  # noqa: E731
+                     "SPLIT_INDEX": t.i})
     # The whole head's cache rows (the appended position is a run-time value); no other op touches the
     # caches, so the rectangles add no events: rows below the position come from earlier steps, ordered
     # through the step's token chain.
-    kvrect = np.array([(0, B * S, j * D, (j + 1) * D) for j, _ in tiles], np.int64)
-    sp.reads = [Footprint(qkv, cols(lambda j: j * G * D, G * D)), Footprint(qkv, cols(lambda j: (hq + j) * D, D)),
-                Footprint(qkv, cols(lambda j: (hq + hkv + j) * D, D)), _all_fp(pos, p, len(tiles)),
+    kvrect = split_tile_rects(tiles, S, lambda j: j * D, D)
+    sp.reads = [Footprint(qkv, split_tile_rects(tiles, 1, lambda j: j * G * D, G * D)),
+                Footprint(qkv, split_tile_rects(tiles, 1, lambda j: (hq + j) * D, D)),
+                Footprint(qkv, split_tile_rects(tiles, 1, lambda j: (hq + hkv + j) * D, D)), _all_fp(pos, p, len(tiles)),
                 Footprint(kc, kvrect.copy()), Footprint(vc, kvrect.copy())]
     sp.writes = [Footprint(kc, kvrect.copy()), Footprint(vc, kvrect.copy()), partial_footprint(part, B, E, tiles)]
     finish_split(lw, att, sp, part, P, E, tiles, ticket)

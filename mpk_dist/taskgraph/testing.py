@@ -39,16 +39,17 @@ def weights(cfg: ModelConfig, tp: int, seed: int = 1, batch: int = 1) -> list[di
             for r in range(tp)]
 
 
-def reference(cfg: ModelConfig, tp: int, feed: list[list[int]], start: int = 0, seed: int = 1):
+def reference(cfg: ModelConfig, tp: int, feed: list[list[int]], start: int | torch.Tensor = 0, seed: int = 1):
     """TorchBackend logits [steps, B, V] and greedy tokens [steps, B] when step s feeds feed[s]
-    (a row of -1 = feed the previous step's greedy token)."""
+    (a row of -1 = feed the previous step's greedy token); ``start``: the first position, one for every
+    sequence or a tensor of one per sequence."""
     ref = TorchBackend(cfg, SyntheticSource(cfg, seed=seed), tp=tp, max_seq_len=MAX_SEQ)
     B = len(feed[0])
     ref.reset(B)
     logits, toks, prev = [], [], None
     for s, row in enumerate(feed):
         tok = torch.tensor([prev[b] if v < 0 else v for b, v in enumerate(row)], dtype=torch.int32)
-        lg = ref.decode(tok, torch.full((B,), start + s, dtype=torch.int32))
+        lg = ref.decode(tok, (torch.as_tensor(start, dtype=torch.int32).expand(B) + s).to(torch.int32))
         prev = lg.argmax(-1).tolist()
         logits.append(lg)
         toks.append(prev)
