@@ -75,10 +75,12 @@ class Problem:
         return KIND_PATTERN[self.kind]
 
     def label(self) -> str:
-        """Short text for messages: ``norm_linear B=1 K=1024 N=4096``, ``qk_norm_rope H=16 D=128``."""
+        """Short text for messages: ``norm_linear B=1 K=1024 N=4096 eps=1e-06``, ``qk_norm_rope H=16 D=128
+        eps=1e-06`` (the epsilon is part of the problem: llama3 and qwen3 at the same shape search apart)."""
+        eps = f" eps={self.eps:g}" if self.eps else ""
         if self.kind == "qk_norm_rope":
-            return f"{self.kind} H={self.batch} D={self.k}"
-        return f"{self.kind} B={self.batch} K={self.k} N={self.n}"
+            return f"{self.kind} H={self.batch} D={self.k}{eps}"
+        return f"{self.kind} B={self.batch} K={self.k} N={self.n}{eps}"
 
     def target(self):
         """The superopt target Graph at this shape."""

@@ -21,7 +21,10 @@ from mpk_dist.backends.base import GenerateRequest  # noqa: E402
 from mpk_dist.runtime.megakernel_backend import MegakernelBackend  # noqa: E402
 from mpk_dist.taskgraph import lowering_attention  # noqa: E402
 from mpk_dist.runtime.testing import MAX_SEQ, compare_logits, median, model, rand_ids, ref  # noqa: E402
+from mpk_dist.runtime.tables import task_params  # noqa: E402
+from mpk_dist.taskgraph.abi import TASK_COLS  # noqa: E402
 from mpk_dist.taskgraph.fusion import FUSIONS  # noqa: E402
+from mpk_dist.taskgraph.tasks import BY_NAME  # noqa: E402
 
 # The reference's "fp32 accumulation" (as in test_megakernel_gpu.py): no reduced-precision split-K.
 torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
@@ -66,6 +69,11 @@ def test_auto_program_is_split(monkeypatch):
     monkeypatch.delenv("MPK_FUSE_ATTN_MERGE", raising=False)
     kinds = [o["kind"] for o in mk("qwen3-0.6b", fuse=True).session(1).cg.meta["ops"]]
     assert kinds.count("attention_split_prep") == 28 and not {"attention_split", "attention_merge", "qkv_prep"} & set(kinds)
+    # batch 8: one sequence per split tile, 132 // (8 kv heads x 8) = 2 ranges on an H200
+    b8 = mk("qwen3-0.6b", fuse=True)
+    cg8, P = b8.session(8).cg, lowering_attention.resolve_splits("auto", b8.workers, 8, MAX_SEQ, 8)
+    rows = (cg8.arrays["tasks"][:, TASK_COLS["OPCODE"]] == BY_NAME["attention_split_prep"].opcode).nonzero()[0]
+    assert P >= 2 and len(rows) == 28 * 8 * 8 * P and {task_params(cg8, int(t))["BATCH"] for t in rows} == {1}
 
 
 # The per-warp path runs only where the launch's shared memory can be withheld below the staged need:
@@ -73,7 +81,8 @@ def test_auto_program_is_split(monkeypatch):
 # 24832 >= 16640 bytes on the H200), so those run the staged path only.
 CASES = [("tiny", 1, "aot", False), ("tiny", 1, "aot", True), ("tiny", 4, "jit", False), ("tiny", 4, "jit", True),
          ("tiny-llama", 16, "aot", True), ("qwen3-0.6b", 1, "aot", False), ("qwen3-0.6b", 1, "aot", True),
-         ("qwen3-0.6b", 4, "jit", True)]
+         ("qwen3-0.6b", 4, "jit", True), ("tiny", 8, "jit", True), ("qwen3-0.6b", 8, "aot", True)]
+"""Batches 8 and 16 run one sequence per split tile (lowering_attention.split_tiles)."""
 
 
 @pytest.mark.parametrize("name,batch,schedule,staged", CASES)

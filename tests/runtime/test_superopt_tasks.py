@@ -166,7 +166,8 @@ def test_qk_norm_rope_gets_a_generated_body_and_llama_keeps_the_hand_written_one
 
     so, _, _ = cold
     c = so.choices["qk_norm_rope"]
-    assert c.problem.label() == "qk_norm_rope H=4 D=32" and "MPK_SUPEROPT_QK_NORM_ROPE" not in so.defines
+    assert c.problem.eps > 0 and c.problem.label() == f"qk_norm_rope H=4 D=32 eps={c.problem.eps:g}"
+    assert "MPK_SUPEROPT_QK_NORM_ROPE" not in so.defines
     assert "mpk::qk_norm_rope" in render(c.ugraph, "qk_norm_rope", eps=c.problem.eps)
     llama = compile_rank_programs(get_preset("tiny-llama"), tp=1, batch=1, sms=8, max_seq_len=64, fuse=True)[0]
     assert not any(p.kind == "qk_norm_rope" for p in ST.problems_of(llama))
