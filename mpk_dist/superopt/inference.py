@@ -56,16 +56,19 @@ def infer(kind: str, args: list, attrs: dict, exprs: bool = True) -> TensorInfo 
     """
     if not exprs:
         return _infer(kind, args, attrs, False)
-    # NOTE: keyed by object identity (the entry keeps its arguments alive, so ids stay unique);
-    # hashing deep expression tuples on every lookup would dominate the search.
-    key = (kind, *map(id, args), attrs.get("dim"), id(attrs.get("prog")), attrs.get("keepdim"))
+    # NOTE: keyed by object identity (the entry keeps its arguments and the chain program alive,
+    # so ids stay unique); hashing deep expression tuples on every lookup would dominate the search.
+    # The program is kept too (since the eleventh session): a later search in the same process
+    # (another eps) could otherwise get a freed program's id for its own and the old expression.
+    prog = attrs.get("prog")
+    key = (kind, *map(id, args), attrs.get("dim"), id(prog), attrs.get("keepdim"))
     hit = _MEMO.get(key)
-    if hit is not None and all(x is y for x, y in zip(hit[0], args)):
-        return hit[1]
+    if hit is not None and hit[1] is prog and all(x is y for x, y in zip(hit[0], args)):
+        return hit[2]
     if len(_MEMO) > 500_000:  # bound memory on very long searches
         _MEMO.clear()
     out = intern(_infer(kind, args, attrs))
-    _MEMO[key] = (tuple(args), out)
+    _MEMO[key] = (tuple(args), prog, out)
     return out
 
 

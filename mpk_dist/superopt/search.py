@@ -210,8 +210,23 @@ def depth_lower_bound(target, depth: int, m=H200) -> float:
     return depth * m.sync_us + io * DTYPE_BYTES / m.hbm_bytes_per_us
 
 
+# Costs closer than this (µs) rank as equal: the cost model sums per-op floats, and equal sums in
+# another order can differ in the last bits (kernelsearch._TIE, the cuts' tolerance, is the same).
+TIE_US = 1e-9
+
+
+def rank_key(ug: UGraph) -> tuple:
+    """The order of ``superoptimize``'s candidates: cost, quantized to ``TIE_US``, then the
+    graph's canonical text (``UGraph.key``). Both depend on the graph alone, never on which
+    worker or lane found it, when, or in which process, so any complete search ranks its
+    complete graphs the same way and picks the same best among equal-cost ones (the one whose
+    text sorts first)."""
+    c = ug.cost["time_us"]
+    return (round(c / TIE_US) if math.isfinite(c) else math.inf, ug.key())
+
+
 def _rank(found: dict) -> list:
-    return sorted(found.values(), key=lambda u: (u.cost["time_us"], u.key()))
+    return sorted(found.values(), key=rank_key)
 
 
 def _verify_ranked(g: Graph, found: dict, status: dict, config: SearchConfig) -> None:
