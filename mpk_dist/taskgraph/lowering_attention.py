@@ -6,8 +6,8 @@ One ``attention`` op becomes two task-ops: ``<op>/split`` with one tile per (kv 
 attention_merge), connected through an fp32 scratch buffer ``<op>.partial`` [Hkv, B, SPLITS, GROUP,
 D + 2] whose 2-D view has one row per (h, b), so split tile (h, i) writes one rectangle (rows of h,
 the columns of range i) and merge tile (h, b) reads one row: the merge of head h waits only for
-head h's splits. Above AUTO_SPLIT_MAX_BATCH sequences a split tile takes one sequence: one tile per
-(h, b, i) (``split_tiles``). See docs/TASKGRAPH.md, "Split-KV attention".
+head h's splits. Above AUTO_SPLIT_MAX_BATCH sequences ('auto' does not split there; an explicit count
+does) a split tile takes one sequence: one tile per (h, b, i) (``split_tiles``). See docs/TASKGRAPH.md, "Split-KV attention".
 """
 
 from __future__ import annotations
@@ -27,13 +27,13 @@ MIN_SPLIT_POSITIONS = 64
 """'auto' never cuts the cache into ranges shorter than this (a split's fixed cost must stay small
 next to its KV reads)."""
 AUTO_SPLIT_MAX_BATCH = 4
-"""Up to this many sequences a split tile walks its range for every sequence; above it, each split tile
-takes one sequence (``split_tiles``) and 'auto' picks the ranges so that kv heads x sequences x ranges
-about fill the SMs (no split when that leaves one range). Why: measured on an H200 at context ~512
-(2026-11-30, tune_sweep), qwen3-8b batch 8 (MMA linears) ran 11.04 ms with all 8 sequences in each
-split tile (a tile walks its range once per sequence, with two block barriers and a shared-memory
-merge each time) vs 9.71 unsplit, whose 64 tiles (one per kv head and sequence) each walk the whole
-context (36 us a layer, v0.12's trace). Batches 2-4 are not measured."""
+"""'auto' splits only programs of at most this many sequences, and up to this many a split tile walks its
+range for every sequence; above it, an explicit split count gives each split tile one sequence
+(``split_tiles``). Measured on an H200 at context ~512, qwen3-8b batch 8 with MMA linears: all 8 sequences
+in each split tile 11.04 ms vs 9.71 unsplit (2026-11-30, v0.7: a tile walks its range once per sequence,
+with two block barriers and a shared-memory merge each time); one sequence per tile, 2 ranges (128 tiles)
+7.568 ms vs 7.374 unsplit (v0.12: the walk of 18 positions a warp is 17 us of the tile's 30, and the split
+tiles' prep and merge cost what the halved walk saves). Batches 2-4 are not measured."""
 
 
 def check_attn_splits(attn_splits) -> int | str:
@@ -52,13 +52,14 @@ def check_attn_splits(attn_splits) -> int | str:
 
 
 def resolve_splits(attn_splits, sms: int, kv_heads: int, max_seq_len: int, batch: int = 1) -> int:
-    """Number of KV ranges per kv head. 'auto': enough for the split tiles (kv_heads x splits, times the
-    batch above AUTO_SPLIT_MAX_BATCH sequences: ``split_tiles``) to about fill ``sms`` workers, but no
-    range shorter than MIN_SPLIT_POSITIONS positions."""
+    """Number of KV ranges per kv head. 'auto': 1 (no split) above AUTO_SPLIT_MAX_BATCH sequences, else
+    enough for kv_heads x splits to about fill ``sms`` workers, but no range shorter than
+    MIN_SPLIT_POSITIONS positions."""
     n = check_attn_splits(attn_splits)
     if n == "auto":
-        units = max(1, kv_heads) * (batch if seq_tiles(batch) else 1)  # tiles per range
-        return max(1, min(sms // units, max_seq_len // MIN_SPLIT_POSITIONS))
+        if batch > AUTO_SPLIT_MAX_BATCH:
+            return 1
+        return max(1, min(sms // max(1, kv_heads), max_seq_len // MIN_SPLIT_POSITIONS))
     if n > max_seq_len:
         raise InputError(f"attn_splits: expected at most max_seq_len = {max_seq_len} ranges, got {n}; "
                          "use fewer splits or 'auto'")

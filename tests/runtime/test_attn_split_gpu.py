@@ -69,32 +69,33 @@ def test_auto_program_is_split(monkeypatch):
     monkeypatch.delenv("MPK_FUSE_ATTN_MERGE", raising=False)
     kinds = [o["kind"] for o in mk("qwen3-0.6b", fuse=True).session(1).cg.meta["ops"]]
     assert kinds.count("attention_split_prep") == 28 and not {"attention_split", "attention_merge", "qkv_prep"} & set(kinds)
-    # batch 8: one sequence per split tile, 132 // (8 kv heads x 8) = 2 ranges on an H200
-    b8 = mk("qwen3-0.6b", fuse=True)
-    cg8, P = b8.session(8).cg, lowering_attention.resolve_splits("auto", b8.workers, 8, MAX_SEQ, 8)
+    # batch 8 with an explicit count ('auto' does not split above 4 sequences): one sequence per split tile
+    cg8 = mk("qwen3-0.6b", fuse=True, attn_splits=2).session(8).cg
     rows = (cg8.arrays["tasks"][:, TASK_COLS["OPCODE"]] == BY_NAME["attention_split_prep"].opcode).nonzero()[0]
-    assert P >= 2 and len(rows) == 28 * 8 * 8 * P and {task_params(cg8, int(t))["BATCH"] for t in rows} == {1}
-
+    assert len(rows) == 28 * 8 * 8 * 2 and {task_params(cg8, int(t))["BATCH"] for t in rows} == {1}
 
 # The per-warp path runs only where the launch's shared memory can be withheld below the staged need:
 # at tiny-llama b16 and qwen3-0.6b b4 the fused linears' staged input rows already need more (5376 >= 2304,
 # 24832 >= 16640 bytes on the H200), so those run the staged path only.
-CASES = [("tiny", 1, "aot", False), ("tiny", 1, "aot", True), ("tiny", 4, "jit", False), ("tiny", 4, "jit", True),
-         ("tiny-llama", 16, "aot", True), ("qwen3-0.6b", 1, "aot", False), ("qwen3-0.6b", 1, "aot", True),
-         ("qwen3-0.6b", 4, "jit", True), ("tiny", 8, "jit", True), ("qwen3-0.6b", 8, "aot", True)]
-"""Batches 8 and 16 run one sequence per split tile (lowering_attention.split_tiles)."""
+CASES = [("tiny", 1, "aot", False, "auto"), ("tiny", 1, "aot", True, "auto"), ("tiny", 4, "jit", False, "auto"),
+         ("tiny", 4, "jit", True, "auto"), ("tiny-llama", 16, "aot", True, 3), ("qwen3-0.6b", 1, "aot", False, "auto"),
+         ("qwen3-0.6b", 1, "aot", True, "auto"), ("qwen3-0.6b", 4, "jit", True, "auto"), ("tiny", 8, "jit", True, 4),
+         ("qwen3-0.6b", 8, "aot", True, 2)]
+"""Above 4 sequences 'auto' does not split: those cases name a count, and run one sequence per split tile
+(lowering_attention.split_tiles)."""
 
 
-@pytest.mark.parametrize("name,batch,schedule,staged", CASES)
-def test_split_teacher_forced_logits(name, batch, schedule, staged, gpu_results, monkeypatch):
+@pytest.mark.parametrize("name,batch,schedule,staged,splits", CASES)
+def test_split_teacher_forced_logits(name, batch, schedule, staged, splits, gpu_results, monkeypatch):
     """>= 256 teacher-forced steps: logits within 3% of their std at every step, argmax >= 99%."""
     if not staged:
         _per_warp(monkeypatch)
     req = forced_request(name, batch)
-    b = mk(name, schedule)
+    b = mk(name, schedule, attn_splits=splits)
     got = b.generate(req)
     want = ref(name).generate(req)
     smem = b.session(batch).smem
+    assert "attention_split" in {o["kind"] for o in b.session(batch).cg.meta["ops"]}, "the program is not split"
     need = _SPLIT_NEED(b.session(batch).cg, "attention_split", b.worker_threads)
     # the path under test really ran: the staged one had its shared memory, the per-warp one did not
     assert (smem >= need) if staged else (smem < need), (staged, smem, need)
@@ -102,7 +103,7 @@ def test_split_teacher_forced_logits(name, batch, schedule, staged, gpu_results,
     err, agree = compare_logits(got.logits, want.logits)
     ok = err <= 0.03 and agree >= 0.99
     ms = sorted(got.per_token_ms)[len(got.per_token_ms) // 2] if got.per_token_ms else float("nan")
-    gpu_results.append({"case": f"attn split auto {name} b{batch} {schedule} {'staged' if staged else 'per-warp'}",
+    gpu_results.append({"case": f"attn split {splits} {name} b{batch} {schedule} {'staged' if staged else 'per-warp'}",
                         "steps": got.logits.shape[0], "max_err/std": f"{err:.4f}", "argmax_agree": f"{agree:.4f}",
                         "ms/token": f"{ms:.3f}", "smem": smem, "ok": ok})
     assert got.logits.shape[0] >= FORCED_STEPS

@@ -52,14 +52,11 @@ def test_auto_fills_the_sms_with_at_least_64_positions_per_range():
     assert resolve_splits("auto", 132, 1, 40960) == 132
     assert resolve_splits("auto", 8, 2, 64) == 1  # too short to split: the unsplit program
     assert resolve_splits("auto", 132, 8, 512, batch=4) == 8
-    # above AUTO_SPLIT_MAX_BATCH a tile takes one sequence: 132 // (8 x 8) ranges, 132 // (8 x 16) = 1 is unsplit
-    assert resolve_splits("auto", 132, 8, 512, batch=8) == 2
-    assert resolve_splits("auto", 132, 8, 512, batch=16) == 1
+    assert resolve_splits("auto", 132, 8, 512, batch=8) == 1  # above AUTO_SPLIT_MAX_BATCH: unsplit
     assert resolve_splits(4, 132, 8, 512, batch=8) == 4  # an explicit count is kept at any batch
-    # tiny (2 kv heads) on 32 SMs: 4 ranges of 64 at batch 4, 32 // (2 x 16) = 1 at batch 16
-    kinds = {b: [o["kind"] for o in compile_rank_programs(fp32("tiny"), 1, batch=b, sms=32, max_seq_len=256,
-                                                          attn_splits="auto")[0].meta["ops"]] for b in (4, 16)}
-    assert "attention_split" in kinds[4] and "attention_split" not in kinds[16]
+    kinds = {b: [o["kind"] for o in compile_rank_programs(fp32("tiny"), 1, batch=b, sms=132, max_seq_len=256,
+                                                          attn_splits="auto")[0].meta["ops"]] for b in (4, 8)}
+    assert "attention_split" in kinds[4] and "attention_split" not in kinds[8]
     assert split_ranges(64, 5) == [(0, 13), (13, 26), (26, 39), (39, 52), (52, 64)]
     assert split_ranges(9, 4) == [(0, 3), (3, 6), (6, 9)]  # never an empty trailing range
     cfg = fp32("tiny")

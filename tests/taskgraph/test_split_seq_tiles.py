@@ -1,6 +1,6 @@
 """Split-KV attention above AUTO_SPLIT_MAX_BATCH sequences (mpk_dist.taskgraph.lowering_attention.split_tiles):
-each split tile takes one sequence, so a batch-6 program has kv heads x 6 x ranges split tiles of BATCH 1;
-'auto' counts the sequences when it fills the SMs; the merge of (kv head, sequence) waits on that pair's
+each split tile takes one sequence, so a batch-6 program with an explicit split count has kv heads x 6 x
+ranges split tiles of BATCH 1 ('auto' does not split there); the merge of (kv head, sequence) waits on that pair's
 ranges only; the program computes what the torch backend does (fp32, random schedules, unfused, merged in
 the last tile, with the q/k prep folded in); the merge in the last tile and the folded prep give the bits
 of the plain split program, with one ticket word per (kv head, sequence) back at 0 after every step."""
@@ -14,7 +14,6 @@ import torch
 from mpk_dist.taskgraph import fusion
 from mpk_dist.runtime.tables import task_params
 from mpk_dist.taskgraph.abi import SIGNAL_COLS, TASK_COLS, WAIT_COLS
-from mpk_dist.taskgraph.compiler import compile_rank_programs
 from mpk_dist.taskgraph.interpreter import Interpreter
 from mpk_dist.taskgraph.lowering_attention import AUTO_SPLIT_MAX_BATCH, resolve_splits
 from mpk_dist.taskgraph.testing import fp32, max_rel_err, preset_or_short, programs, reference, weights
@@ -35,14 +34,11 @@ def _op_tasks(cg, name: str) -> np.ndarray:
     return np.nonzero(cg.arrays["tasks"][:, TASK_COLS["OP_INDEX"]] == idx[0])[0]
 
 
-def test_auto_counts_the_sequences_when_it_fills_the_sms():
-    assert resolve_splits("auto", 132, 8, 576, batch=8) == 2  # 64 one-sequence tiles a range
-    assert resolve_splits("auto", 132, 8, 576, batch=4) == 9  # all 4 sequences in each tile: 576 / 64
-    assert resolve_splits("auto", 132, 8, 576, batch=16) == 1  # 128 tiles of one range: unsplit
-    assert resolve_splits(4, 132, 8, 576, batch=8) == 4  # an explicit count is kept
-    kinds = [o["kind"] for o in compile_rank_programs(fp32("tiny"), 1, batch=8, sms=132, max_seq_len=256,
-                                                      attn_splits="auto")[0].meta["ops"]]
-    assert "attention_split" in kinds
+def test_auto_leaves_them_unsplit_and_an_explicit_count_splits():
+    assert resolve_splits("auto", 132, 8, 576, batch=B) == 1
+    assert resolve_splits(SPLITS, 132, 8, 576, batch=B) == SPLITS
+    kinds = [o["kind"] for o in programs(fp32("tiny"), 1, batch=B, attn_splits="auto")[0].meta["ops"]]
+    assert "attention_split" not in kinds and "attention" in kinds
 
 
 @pytest.mark.parametrize("fuse,kind", [(DEFAULT, "attention_split"), (PREP, "attention_split_prep")])
