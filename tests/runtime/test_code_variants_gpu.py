@@ -11,8 +11,10 @@ the arithmetic, so the logits must equal the default build's bit for bit and sta
   count, csrc/tasks/common.cuh MPK_ROPE_PAIRS, and runs one copy, csrc/tasks/attention_prep.cuh).
 - ``-DMPK_PREP_POS_LATE=0``: the split prep tile checks every position before its prep (the default reads the
   position inside the prep, beside the head's loads, and checks it after; csrc/runtime/dispatch.cuh).
+- ``-DMPK_MMA_X_AHEAD=0`` under MPK_LINEAR_MMA=1, batch 8: the tensor-core tile loads each x vector inside its
+  mma loop (the default loads a round's x vectors right after its weights; csrc/tasks/linear_mma.cuh mma_unit).
 
-qwen3-0.6b (default fusions, split-KV attention), 200-token prompt, batch 1 and 4.
+qwen3-0.6b (default fusions, split-KV attention), 200-token prompt, batch 1 and 4 (the MMA variant: batch 8).
 Run: ``python -m pytest -q -m gpu tests/runtime/test_code_variants_gpu.py`` (about a minute on an H200 with the
 kernels prebuilt).
 """
@@ -51,3 +53,13 @@ def test_code_variant_leaves_the_logits_bitwise(flags, batch, gpu_results):
         f"{flags} did not make another binary"
     check_bitwise(f"{flags} vs default, {NAME} b{batch} prompt {PROMPT}", NAME, variant, default,
                   forced_request(NAME, PROMPT, STEPS, batch, 70), gpu_results)
+
+
+def test_mma_x_ahead_leaves_the_logits_bitwise(gpu_results):
+    flags, mma = "-DMPK_MMA_X_AHEAD=0", {"MPK_LINEAR_MMA": "1"}
+    variant, default = megakernel_with_env(NAME, {**mma, "MPK_NVCC_EXTRA_FLAGS": flags}), megakernel_with_env(NAME, mma)
+    assert session_with_flags(variant, 8, flags).build.path != session_with_flags(default, 8, "").build.path, \
+        f"{flags} did not make another binary"
+    assert "#define MPK_LINEAR_MMA 1" in default.session(8).source, "the default build is not the tensor-core one"
+    check_bitwise(f"{flags} vs default, MPK_LINEAR_MMA=1, {NAME} b8 prompt {PROMPT}", NAME, variant, default,
+                  forced_request(NAME, PROMPT, STEPS, 8, 70), gpu_results)
