@@ -213,7 +213,8 @@ def _rows_together(p: GemvPlan, abi: KindAbi, consts: _Consts, struct: str) -> l
     if p.factor is not None:
         st = p.factor.stat
         x = abi.rows[p.inputs[st.src_input]["name"]][1]
-        lines += [f"    tile::rows_sum_sq(B, K, [=](int b) {{ return {x}; }}, smem, tid, nt);  // {st.acc} of row b: smem[b]"]
+        lines += [f"    tile::rows_sum_sq(B, K, [=](int b) {{ return {x}; }}, smem, tid, nt);"
+                  f"  // {st.acc} of row b: smem[b]"]
         make = [f"      const float {st.acc} = smem[b];",
                 f"      const float r = rsqrtf({_prog(p.factor.inner_prog, st.acc, consts)});"]
     else:

@@ -7,7 +7,8 @@ attention_merge), connected through an fp32 scratch buffer ``<op>.partial`` [Hkv
 D + 2] whose 2-D view has one row per (h, b), so split tile (h, i) writes one rectangle (rows of h,
 the columns of range i) and merge tile (h, b) reads one row: the merge of head h waits only for
 head h's splits. Above AUTO_SPLIT_MAX_BATCH sequences ('auto' does not split there; an explicit count
-does) a split tile takes one sequence: one tile per (h, b, i) (``split_tiles``). See docs/TASKGRAPH.md, "Split-KV attention".
+does) a split tile takes one sequence: one tile per (h, b, i) (``split_tiles``). See docs/TASKGRAPH.md,
+"Split-KV attention".
 """
 
 from __future__ import annotations
@@ -116,8 +117,9 @@ def lower_split_attention(lw: Lowerer, op: Op, splits: int, merge_last: bool = F
         s0, s1 = ranges[t.i]
         cache_count = (t.nb - 1) * S * hkv * D + (S - 1) * hkv * D + D
         kv_at = t.b0 * S * hkv * D + t.j * D
-        sp.add_tile({"Q": (q, t.b0 * hq * D + t.j * G * D, (t.nb - 1) * hq * D + G * D), "K_CACHE": (kc, kv_at, cache_count),
-                     "V_CACHE": (vc, kv_at, cache_count), "POSITIONS": (pos, t.b0, t.nb),
+        sp.add_tile({"Q": (q, t.b0 * hq * D + t.j * G * D, (t.nb - 1) * hq * D + G * D),
+                     "K_CACHE": (kc, kv_at, cache_count), "V_CACHE": (vc, kv_at, cache_count),
+                     "POSITIONS": (pos, t.b0, t.nb),
                      "OUT": (part, ((t.j * B + t.b0) * P + t.i) * E, (t.nb - 1) * P * E + E),
                      **merge_last_args(lw, op, ticket, t)},
                     {"BATCH": t.nb, "HEAD_DIM": D, "GROUP": G, "Q_STRIDE": hq * D, "KV_POS_STRIDE": hkv * D,

@@ -77,7 +77,8 @@ def _lower_fused_split(lw: Lowerer, f: FusedAttention, splits: int, merge_last: 
     kvrect = split_tile_rects(tiles, S, lambda j: j * D, D)
     sp.reads = [Footprint(qkv, split_tile_rects(tiles, 1, lambda j: j * G * D, G * D)),
                 Footprint(qkv, split_tile_rects(tiles, 1, lambda j: (hq + j) * D, D)),
-                Footprint(qkv, split_tile_rects(tiles, 1, lambda j: (hq + hkv + j) * D, D)), _all_fp(pos, p, len(tiles)),
+                Footprint(qkv, split_tile_rects(tiles, 1, lambda j: (hq + hkv + j) * D, D)),
+                _all_fp(pos, p, len(tiles)),
                 Footprint(kc, kvrect.copy()), Footprint(vc, kvrect.copy())]
     sp.writes = [Footprint(kc, kvrect.copy()), Footprint(vc, kvrect.copy()), partial_footprint(part, B, E, tiles)]
     finish_split(lw, att, sp, part, P, E, tiles, ticket)
