@@ -179,9 +179,8 @@ def _body(p: GemvPlan, abi: KindAbi, consts: _Consts, struct: str) -> list:
               if loop else "  // no for-loop: the K loop of the tile primitives (16-byte vectors per lane; the"),
              "  // search's loop count sizes its shared-memory tile, the primitives stream K instead)."]
     lines += ["  const bool staged = stage_fits(B, K);",
-              "  bf16* st = stage_base(smem);  // [B, K] operand rows after the reduction scratch"]
-    lines += _rows_together(p, abi, consts, struct)
-    lines += ["  else for (int b = 0; b < B; ++b) {"]
+              "  bf16* st = stage_base(smem);  // [B, K] operand rows after the reduction scratch",
+              "  for (int b = 0; b < B; ++b) {"]
     if p.factor is not None:
         st = p.factor.stat
         x = abi.rows[p.inputs[st.src_input]["name"]][1]
@@ -202,27 +201,6 @@ def _body(p: GemvPlan, abi: KindAbi, consts: _Consts, struct: str) -> list:
               f"omap={_map(p.output['omap'])} through the ABI's epilogue",
               f"  MPK_FUSED_WITH_BATCH(B, (tile::gemv_acc<kB>(XRows{{st, K}}, {abi.weight}, K, n_tile, epi, tid, nt)));",
               "}"]
-    return lines
-
-
-def _rows_together(p: GemvPlan, abi: KindAbi, consts: _Consts, struct: str) -> list:
-    """The staged path with every row at once (tile::rows_together, MPK_STAGE_ROWS_TOGETHER): the rows'
-    statistics in one block reduction, then all rows staged with several vectors' loads in flight; the same
-    values as the row-by-row loop after it (``else``), and the same GEMV call after both."""
-    lines = ["  if (staged && tile::rows_together(B, K, nt)) {"]
-    if p.factor is not None:
-        st = p.factor.stat
-        x = abi.rows[p.inputs[st.src_input]["name"]][1]
-        lines += [f"    tile::rows_sum_sq(B, K, [=](int b) {{ return {x}; }}, smem, tid, nt);"
-                  f"  // {st.acc} of row b: smem[b]"]
-        make = [f"      const float {st.acc} = smem[b];",
-                f"      const float r = rsqrtf({_prog(p.factor.inner_prog, st.acc, consts)});"]
-    else:
-        make = []
-    lines += ["    tile::stage_rows(st, K, B, [=](int b) {"] + make
-    lines += [f"      return {struct}{{{_row_init(p, abi)}}};",
-              "    }, tid, nt);",
-              "  }"]
     return lines
 
 

@@ -11,9 +11,6 @@ the arithmetic, so the logits must equal the default build's bit for bit and sta
   count, csrc/tasks/common.cuh MPK_ROPE_PAIRS, and runs one copy, csrc/tasks/attention_prep.cuh).
 - ``-DMPK_PREP_POS_LATE=0``: the split prep tile checks every position before its prep (the default reads the
   position inside the prep, beside the head's loads, and checks it after; csrc/runtime/dispatch.cuh).
-- ``-DMPK_STAGE_ROWS_TOGETHER=1``: the generated fused bodies stage every batch row at once (one block reduction
-  for the rows' norm statistics, several vectors' loads before their stores; csrc/tasks/tile_primitives.cuh)
-  instead of row by row.
 - ``-DMPK_MMA_X_AHEAD=0`` under MPK_LINEAR_MMA=1, batch 8: the tensor-core tile loads each x vector inside its
   mma loop (the default loads a round's x vectors right after its weights; csrc/tasks/linear_mma.cuh mma_unit).
 
@@ -36,7 +33,7 @@ NAME = "qwen3-0.6b"
 PROMPT = 200
 STEPS = 48
 VARIANTS = ["-DMPK_ATTN_GUARD_HEADS=1", "-DMPK_PARAMS_SMEM=0", "-DMPK_ROPE_EXACT_PAIRS=0 -DMPK_PREP_ONE_SITE=0",
-            "-DMPK_PREP_POS_LATE=0", "-DMPK_STAGE_ROWS_TOGETHER=1"]
+            "-DMPK_PREP_POS_LATE=0"]
 
 
 def session_with_flags(backend, batch: int, flags: str):

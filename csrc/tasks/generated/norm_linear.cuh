@@ -33,15 +33,7 @@ __device__ void norm_linear(int B, const float* x, int ldx, const bf16* nw, cons
   // search's loop count sizes its shared-memory tile, the primitives stream K instead).
   const bool staged = stage_fits(B, K);
   bf16* st = stage_base(smem);  // [B, K] operand rows after the reduction scratch
-  if (staged && tile::rows_together(B, K, nt)) {
-    tile::rows_sum_sq(B, K, [=](int b) { return x + (size_t)b * ldx; }, smem, tid, nt);  // a3 of row b: smem[b]
-    tile::stage_rows(st, K, B, [=](int b) {
-      const float a3 = smem[b];
-      const float r = rsqrtf(((a3 / (float)K) + eps));
-      return NormLinearOperand{x + (size_t)b * ldx, nw, r};
-    }, tid, nt);
-  }
-  else for (int b = 0; b < B; ++b) {
+  for (int b = 0; b < B; ++b) {
     // acc a3 = sum over the loop of:
     //   b0 = chain[(x*x)](i0) (8, 256)  # rms_norm#0
     //   b3 = sum[dim=1](b0) (8, 1)  # rms_norm#0

@@ -32,12 +32,7 @@ __device__ void silu_linear(int B, const bf16* gu, int ldg, int up, const bf16* 
   // search's loop count sizes its shared-memory tile, the primitives stream K instead).
   const bool staged = stage_fits(B, K);
   bf16* st = stage_base(smem);  // [B, K] operand rows after the reduction scratch
-  if (staged && tile::rows_together(B, K, nt)) {
-    tile::stage_rows(st, K, B, [=](int b) {
-      return SiluLinearOperand{gu + (size_t)b * ldg, gu + (size_t)b * ldg + up};
-    }, tid, nt);
-  }
-  else for (int b = 0; b < B; ++b) {
+  for (int b = 0; b < B; ++b) {
     const SiluLinearOperand row{gu + (size_t)b * ldg, gu + (size_t)b * ldg + up};
     if (staged) tile::stage_row(st + (size_t)b * K, K, row, tid, nt);
     else tile::gemv_acc_row(row, w, K, n_tile, epi, b, tid, nt);  // b2 per row
