@@ -15,6 +15,7 @@ import multiprocessing
 from collections import Counter
 
 from mpk_dist.superopt import blocksearch as B
+from mpk_dist.superopt.bounds import _tile_cost
 from mpk_dist.superopt.context import Context
 from mpk_dist.superopt.cost import H200, custom_op_cost
 from mpk_dist.superopt.inference import is_stack_sym
@@ -51,6 +52,7 @@ def layout_options(ctx: Context, layout, infos: dict, final: bool, limit=None) -
     out_shape = ctx.target.graph.nodes[ctx.target.out_node].shape
     rep = _rep_sizes(layout, infos, ctx.config)
     memo: dict = {}
+    floors: dict = {}  # best_counts' input-tile floors of this layout's counts
     in_bytes = sum(_numel(infos[n].shape) for n in layout.inputs) * DTYPE_BYTES
     for st in B.enumerate_layout(ctx, layout, infos, final):
         if ctx.timed_out():
@@ -65,7 +67,7 @@ def layout_options(ctx: Context, layout, infos: dict, final: bool, limit=None) -
             continue
         best = memo.get(key, False) if key is not None else False
         if best is False:
-            best = best_counts(ctx, st, infos)
+            best = best_counts(ctx, st, infos, floors)
             if best is not None and best[1] != math.inf:
                 best = (*best, _out_shapes(st, best[0], infos))
             if key is not None:
@@ -152,10 +154,23 @@ def cost_key(st, infos: dict, rep: dict | None):
             tuple((kinfos[n].shape, kinfos[n].syms) for n in names))
 
 
-def best_counts(ctx: Context, st, infos: dict):
+def best_counts(ctx: Context, st, infos: dict, floors: dict | None = None):
     """(sizes, cost) of the cheapest counts of structure ``st``: grid counts first (each at the
     smallest loop count whose tiles fit in shared memory), then the larger loop counts for the
     best grid; None when no count is valid.
+
+    ``floors``: None (every count is costed), or a dict shared by the structures of one layout
+    over the same ``infos`` (``layout_options`` passes one per listing): the input-tile floor of
+    each (grid, loop count), ``bounds._tile_cost`` without outputs, which depends on the layout
+    and the counts only. ``custom_op_cost`` at those counts is at least the floor (the same
+    formula with the outputs' bytes added, each term monotone, also in floating point; an
+    infeasible count costs inf), so a grid whose least floor over the loop counts exceeds a cost
+    already found, or a larger loop count whose floor is not below the best cost, cannot be
+    chosen; it is not instantiated. Grids are tried in order of their floors; the pick is still
+    the least (cost, grid index) of all grids, i.e. the same (sizes, cost) as without floors
+    (tests/superopt/test_catalog.py compares on every structure of a space). Since the eleventh
+    session (second part): the count search was ~37% of the first-op listing's CPU time in the
+    unpruned attention_decode search.
     NOTE: greedy; cost is close to separable in the two. Shared memory per block falls as the
     loop count grows (fmap'd tiles shrink), so a grid is costed at its first feasible loop
     count: costing every grid at the smallest loop count only dropped every option of a long
@@ -179,13 +194,33 @@ def best_counts(ctx: Context, st, infos: dict):
                 return (math.inf if c is None else c), sizes
         return math.inf, sizes  # no loop count fits
 
-    scored = [(*first_fit(g), i) for i, g in enumerate(grids)]
+    if floors is None:
+        scored = [(*first_fit(g), i) for i, g in enumerate(grids)]
+    else:
+        def floor(g: dict, n) -> float:
+            key = (tuple(sorted(g.items())), n)
+            f = floors.get(key)
+            if f is None:
+                f = floors[key] = _tile_cost(st.layout, infos, g, n if loop_sym else 1, 0, H200)
+            return f
+
+        least = sorted((min(floor(g, n) for n in loops or [None]), i)
+                       for i, g in enumerate(grids))
+        scored, found = [], math.inf
+        for f, i in least:
+            if f > found:
+                break  # this grid and every later one cost more than a grid already costed
+            c, sizes = first_fit(grids[i])
+            scored.append((c, sizes, i))
+            found = min(found, c)
     if not scored:
         return None
     c, sizes, i = min(scored, key=lambda x: (x[0], x[2]))
     best = (sizes, c)
     rest = loops[loops.index(sizes[loop_sym]) + 1:] if loop_sym else []
     for n in rest:
+        if floors is not None and floor(grids[i], n) >= best[1]:
+            continue  # costs at least best[1]: not cheaper
         c = cost({**grids[i], loop_sym: n})
         if c is not None and c < best[1]:
             best = ({**grids[i], loop_sym: n}, c)

@@ -70,6 +70,57 @@ def test_shared_costs_equal_the_costs_of_each_structure():
     assert shared > 1000, shared
 
 
+def test_count_search_with_floors_picks_the_same_counts_and_instantiates_less():
+    """``best_counts`` with a layout's shared input-tile floors (as ``layout_options`` calls it)
+    gives the same (sizes, cost) as costing every count, on every structure of every layout of
+    single inputs, pairs and all three (attention at H=4 D=128 S=512: grid counts 2..256, loop
+    counts 2..64), first and last op, and instantiates fewer counts; every floor is at most
+    ``custom_op_cost`` at its counts."""
+    from mpk_dist.superopt import blocksearch as B
+    from mpk_dist.superopt import catalog as C
+
+    target = analyze(build("attention_decode", {"H": 4, "D": 128, "S": 512}))
+    ctx = Context(target, SearchConfig(max_block_ops=2, prune=False), time.monotonic() + 300)
+    infos = _input_infos(target)
+    calls = {"plain": 0, "floors": 0}
+    checked = 0
+    real = B.instantiate
+
+    def counting(which):
+        def inst(*a, **k):
+            calls[which] += 1
+            return real(*a, **k)
+        return inst
+
+    try:
+        for r in (1, 2, 3):
+            for subset in itertools.combinations(infos, r):
+                for final in (False, True):
+                    for lay in B.layouts(subset, infos, 1):
+                        floors: dict = {}
+                        for st in B.enumerate_layout(ctx, lay, infos, final):
+                            B.instantiate = counting("plain")
+                            want = C.best_counts(ctx, st, infos)
+                            B.instantiate = counting("floors")
+                            got = C.best_counts(ctx, st, infos, floors)
+                            B.instantiate = real
+                            assert got == want, (subset, lay, st)
+                            checked += 1
+                        for (grid, n), f in floors.items():
+                            sizes = dict(grid)
+                            if lay.loop_sym:
+                                sizes[lay.loop_sym] = n
+                            for st in B.enumerate_layout(ctx, lay, infos, final)[:3]:
+                                bg, kinfos = real(st, sizes, infos, ("@0", "@1"), None)
+                                if bg is not None:
+                                    cost = C.custom_op_cost(bg, {**infos, **kinfos})["time_us"]
+                                    assert f <= cost, (lay, sizes, f, cost)
+    finally:
+        B.instantiate = real
+    assert checked > 1000, checked
+    assert calls["floors"] < 0.8 * calls["plain"], calls
+
+
 def test_a_lost_worker_result_is_a_clear_error_not_a_hang():
     """Context.pool_result (the catalog's and the lanes' waits on worker processes): the result when it comes,
     an error naming what was waited on when the worker's task never completes; the wait is bounded by the
