@@ -180,17 +180,17 @@ class KernelSearch:
         of the move's own cost (its outputs counted twice when the rest bound applies), a
         structure over the limit has a key above the verified cost ``self.bound``, which only
         falls, so ``_best_first`` would never take it; not costing or listing it changes nothing
-        (``_TIE``: within rounding, kept). NOTE: unpruned only (the pruned search, which
+        (``TIE_US``: within rounding, kept). NOTE: unpruned only (the pruned search, which
         production runs, lists as before); at attention_decode's 4.58 us about 80% of the
         ~450,000 first ops listed had keys above it (93,904 at or below)."""
         if self.ctx.config.prune or self.bound == math.inf:
             return None
         m = H200
         if not any(n in self.inputs and n not in subset for n in dangling):
-            return (self.bound - spent + _TIE, 1)
+            return (self.bound - spent + TIE_US, 1)
         left = sum(_numel(tensors[n].shape) for n in dangling if n not in subset)
         left = (left + _numel(self.out_shape)) * DTYPE_BYTES
-        return (self.bound - spent - m.sync_us - left / m.hbm_bytes_per_us + _TIE, 2)
+        return (self.bound - spent - m.sync_us - left / m.hbm_bytes_per_us + TIE_US, 2)
 
     def _prefetch_ahead(self, tensors: dict, ahead: list, dangling: set, spent: float) -> None:
         """Unpruned: keep the pool busy with the layouts of smallest key not listed yet, a few
@@ -317,13 +317,13 @@ class KernelSearch:
         whose output has the target's shape (the only ones ``_record`` can complete a graph with)
         costs at least the layout's bound (tests/superopt/test_bounds.py), and a graph costs the
         sum of its ops, so such a graph costs more than ``spent`` + that bound > ``self.bound``,
-        more than a verified graph. ``_TIE`` keeps graphs within rounding of a tie. The bound
+        more than a verified graph. ``TIE_US`` keeps graphs within rounding of a tie. The bound
         is read again before each layout (a graph verified meanwhile lowers it).
         NOTE: unpruned only, so that the pruned search (the one production runs) records the
         same complete graphs as before; unpruned, the last op's catalogs were most of the time
         (each distinct first-op output asks for every layout of its subsets)."""
         for k, lay in enumerate(self.catalog.layouts(subset, tensors)):
-            if spent + self.lower.layout(lay, tensors, True) > self.bound + _TIE:
+            if spent + self.lower.layout(lay, tensors, True) > self.bound + TIE_US:
                 self.ctx.counts["layouts_cut"] = self.ctx.counts.get("layouts_cut", 0) + 1
                 continue
             yield from self._options(tensors, subset, prev, True, n_ops, k)
@@ -383,8 +383,10 @@ class KernelSearch:
             self.bound = cost  # branch and bound inside the depth
 
 
-# cost tolerance of a cut (µs): costs are float sums in different orders
-_TIE = 1e-9
+TIE_US = 1e-9
+"""Costs closer than this (µs) count as equal: the cost model sums per-op floats, and equal sums in another
+order can differ in the last bits. The cuts keep graphs within it of the bound; search.rank_key ranks
+candidates within it by their text."""
 
 
 def _out_names(n_ops: int, n: int) -> tuple:

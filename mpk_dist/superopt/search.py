@@ -22,7 +22,7 @@ from mpk_dist.errors import MpkError
 from mpk_dist.superopt.context import Context, SearchConfig
 from mpk_dist.superopt.graph import Graph
 from mpk_dist.superopt.catalog import BlockCatalog
-from mpk_dist.superopt.kernelsearch import KernelSearch
+from mpk_dist.superopt.kernelsearch import TIE_US, KernelSearch
 from mpk_dist.superopt.lanes import Lanes
 from mpk_dist.superopt.target import analyze
 from mpk_dist.superopt.cost import H200
@@ -208,11 +208,6 @@ def depth_lower_bound(target, depth: int, m=H200) -> float:
             io += _numel(n.shape)
     io += _numel(g.nodes[g.outputs[0]].shape)
     return depth * m.sync_us + io * DTYPE_BYTES / m.hbm_bytes_per_us
-
-
-# Costs closer than this (µs) rank as equal: the cost model sums per-op floats, and equal sums in
-# another order can differ in the last bits (kernelsearch._TIE, the cuts' tolerance, is the same).
-TIE_US = 1e-9
 
 
 def rank_key(ug: UGraph) -> tuple:
