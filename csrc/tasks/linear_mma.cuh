@@ -27,6 +27,7 @@
 // scalar tile instead (mma_slices). Requires K % 8 == 0 and 16-byte aligned rows (host-checked).
 #pragma once
 #include "common.cuh"
+#include "trace_marks.cuh"
 #include "weight_stream.cuh"  // smem_below_ring()
 
 namespace mpk {
@@ -125,6 +126,11 @@ __device__ __forceinline__ void mma_store(const EpiT& epi, const float (&d)[4], 
   }
 }
 
+// Phase marks of the tensor-core tile (trace_marks.cuh; a linear task sets no other marks). From them the
+// trace says how long a fused tile's prologue (staging its operand rows) and its weight stream take.
+constexpr int kMarkMmaStart = 0;
+constexpr int kMarkMmaStreamed = 1;
+
 // Bytes of the split-K partials of `units` warp units in S slices (one m16n8 fp32 accumulator tile per warp).
 constexpr uint32_t kMmaPartialFloats = 128;  // 32 lanes x d[4]
 constexpr uint32_t kMmaPartialAlign = 16;    // float4 stores
@@ -154,6 +160,7 @@ __device__ __noinline__ void gemv_mma_tile(const XS xs, const bf16* __restrict__
   static_assert(B >= 1 && B <= 16, "gemv_mma_tile: batch 1..16");
   const int warp = tid >> 5, lane = tid & 31, nwarps = nt >> 5;
   const int units = (n_tile + 7) / 8, chunks = (K + 31) / 32;
+  trace_mark(kMarkMmaStart, tid);  // trace: the weight stream starts (a fused kind's operand rows are staged)
   if (S == 1) {
     for (int u = warp; u < units; u += nwarps) {
       float d[4] = {0.f, 0.f, 0.f, 0.f};
@@ -178,6 +185,7 @@ __device__ __noinline__ void gemv_mma_tile(const XS xs, const bf16* __restrict__
   if (over_operand) worker_barrier(nt);  // every warp is done with the operand rows the partials overwrite
   if (streams) *reinterpret_cast<float4*>(part + (size_t)warp * kMmaPartialFloats + lane * 4) = make_float4(d[0], d[1], d[2], d[3]);
   worker_barrier(nt);  // every slice's partials are in shared memory before the sums read them
+  trace_mark(kMarkMmaStreamed, tid);  // trace: every warp's slice is streamed (the partials' sums follow)
   if (warp < units) {  // unit `warp`: its slices summed in slice order, then the epilogue
     float r[4] = {0.f, 0.f, 0.f, 0.f};
     for (int s = 0; s < S; ++s) {

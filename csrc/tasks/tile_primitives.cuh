@@ -3,6 +3,8 @@
 //   load8 / pack8      16-byte loads of 8 values of an input tile into registers, 8 results back to bf16
 //   row_sum_sq         a row reduction (sum over k of x^2) over the block's worker threads
 //   stage_row          an element-wise operand computed in registers and staged in shared memory
+//   rows_sum_sq,       the same for all kB rows of the tile at once (the staged path): the rows' loads in
+//   stage_rows         flight together, one block reduction for every row's statistic
 //   gemv_acc           the matmul accumulated over the K loop for the tile's N_TILE weight rows
 //                      (tensor cores for batch >= 2 under MPK_LINEAR_MMA=1: linear_mma.cuh's order)
 // The reduction and GEMV keep the hand-written kinds' loops and summation orders (rms_norm.cuh's
@@ -50,6 +52,97 @@ __device__ __forceinline__ float row_sum_sq(const float* x, int K, float* smem, 
 template <class Row>
 __device__ __forceinline__ void stage_row(bf16* st, int K, const Row& row, int tid, int nt) {
   for (int k = tid * 8; k < K; k += nt * 8) *reinterpret_cast<uint4*>(st + k) = row.load8(k);
+}
+
+// ---- all kB rows at once (the staged path of the generated bodies) ----
+// Why: row by row, each row's statistic is a block reduction (two barriers) and each staged vector's loads
+// wait for the previous vector's store (the store may alias the source, so the compiler keeps the order).
+// The trace's marks (linear_mma.cuh kMarkMmaStart) put that prologue at 11-12 us of a qwen3-8b batch-8
+// norm_linear tile and 22 us of a silu_linear tile (24 round trips to L2 before the weight stream starts),
+// against 13-46 us for the weights themselves. Here every row's loads of a k step are issued before any
+// store or sum, so a tile pays a few round trips. Same values in the same order per row: the same bits.
+// NOTE: kB is the kernel's compile-time batch (MPK_FUSED_WITH_BATCH), so the per-row arrays stay in registers.
+
+// MPK_STAGE_ROWS_TOGETHER 0: the same two primitives row by row (row_sum_sq, stage_row), for the bitwise
+// GPU test and the A/B (tests/runtime/test_code_variants_gpu.py).
+#ifndef MPK_STAGE_ROWS_TOGETHER
+#define MPK_STAGE_ROWS_TOGETHER 1
+#endif
+constexpr int kStageVectors = 8;  // staged 16-byte vectors a thread loads before it stores the first
+constexpr int kSumLoads = 32;     // row elements a thread loads before it sums the first (rows_sum_sq)
+
+// ss[b] = sum_k x_b[k]^2 for rows b < kB (row(b): row b's fp32 pointer) on every worker thread. Per row the
+// per-thread fmaf order of row_sum_sq (k = tid, tid + nt, ...), then its warp_sum and block_sum's warp order,
+// so each statistic has row_sum_sq's bits (a k past K adds fmaf(0, 0, s) = s: sums of squares start at +0).
+// The warps' partials sit in the staging area (stage_base), which nothing has written yet; the last
+// barrier lets stage_rows overwrite them.
+template <int kB, class RowPtr>
+__device__ __forceinline__ void rows_sum_sq(const RowPtr& row, int K, float* smem, float (&ss)[kB], int tid, int nt) {
+  if (!MPK_STAGE_ROWS_TOGETHER || kB == 1) {  // one row: nothing to overlap (see stage_rows)
+    for (int b = 0; b < kB; ++b) ss[b] = row_sum_sq(row(b), K, smem, tid, nt);
+    return;
+  }
+  constexpr int kSteps = kSumLoads / kB > 0 ? kSumLoads / kB : 1;  // k steps a batch of loads covers
+  const int warp = tid >> 5, lane = tid & 31, nwarps = nt >> 5;
+#pragma unroll
+  for (int b = 0; b < kB; ++b) ss[b] = 0.f;
+  for (int k0 = tid; k0 < K; k0 += kSteps * nt) {
+    float f[kSteps][kB];
+#pragma unroll
+    for (int j = 0; j < kSteps; ++j)
+#pragma unroll
+      for (int b = 0; b < kB; ++b) f[j][b] = k0 + j * nt < K ? row(b)[k0 + j * nt] : 0.f;
+#pragma unroll
+    for (int j = 0; j < kSteps; ++j)
+#pragma unroll
+      for (int b = 0; b < kB; ++b) ss[b] = fmaf(f[j][b], f[j][b], ss[b]);
+  }
+  float* part = smem + kStageOffset;  // kB x nwarps floats of the staging area
+#pragma unroll
+  for (int b = 0; b < kB; ++b) {
+    const float w = warp_sum(ss[b]);
+    if (lane == 0) part[b * nwarps + warp] = w;
+  }
+  worker_barrier(nt);
+#pragma unroll
+  for (int b = 0; b < kB; ++b) {
+    float s = 0.f;
+    for (int i = 0; i < nwarps; ++i) s += part[b * nwarps + i];
+    ss[b] = s;
+  }
+  worker_barrier(nt);  // every thread has read the partials before the rows are staged over them
+}
+
+// st[b * K + k ..] = make_row(b).load8(k) for rows b < kB: up to kStageVectors vectors' loads (rows, then
+// k steps when there are fewer rows) before their stores. Each vector is computed as stage_row computes it.
+template <int kB, class MakeRow>
+__device__ __forceinline__ void stage_rows(bf16* st, int K, const MakeRow& make_row, int tid, int nt) {
+  // NOTE: one row (batch 1) takes the row-by-row loop. Batched at batch 1 (up to 8 k steps, 3 of them real at
+  // K = 12288), ptxas spilled 128 bytes in run_norm_linear and run_silu_linear and the kernel entry's stack frame
+  // grew from 592 to 864 bytes, and the whole kernel ran 50% slower (qwen3-8b b1 7.60 vs 5.01 ms, docs/PERF.md
+  // v0.13): as with v0.11's pipelined walk, a larger entry frame slowed every task, not just this one.
+  if (!MPK_STAGE_ROWS_TOGETHER || kB == 1) {
+    for (int b = 0; b < kB; ++b) stage_row(st + (size_t)b * K, K, make_row(b), tid, nt);
+    return;
+  }
+  constexpr int kRows = kB < kStageVectors ? kB : kStageVectors;  // rows a batch covers
+  constexpr int kSteps = kStageVectors / kRows;                   // k steps a batch covers
+  for (int b0 = 0; b0 < kB; b0 += kRows) {
+    for (int k0 = tid * 8; k0 < K; k0 += kSteps * nt * 8) {
+      uint4 v[kSteps][kRows];
+#pragma unroll
+      for (int j = 0; j < kSteps; ++j)
+#pragma unroll
+        for (int r = 0; r < kRows; ++r)
+          if (k0 + j * nt * 8 < K && b0 + r < kB) v[j][r] = make_row(b0 + r).load8(k0 + j * nt * 8);
+#pragma unroll
+      for (int j = 0; j < kSteps; ++j)
+#pragma unroll
+        for (int r = 0; r < kRows; ++r)
+          if (k0 + j * nt * 8 < K && b0 + r < kB)
+            *reinterpret_cast<uint4*>(st + (size_t)(b0 + r) * K + k0 + j * nt * 8) = v[j][r];
+    }
+  }
 }
 
 // The matmul accumulated over K for the tile's n_tile weight rows and B staged operand rows; the

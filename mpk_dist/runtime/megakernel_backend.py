@@ -367,10 +367,17 @@ interpreter's ``fuse=True`` keep the unfused attention."""
 def fusions_from_env(fuse=True) -> frozenset[str]:
     """The fusion set of ``fuse`` (mpk_dist.taskgraph.fusion; fused linears default on since verified on an
     H200). ``fuse=True`` also gets ``DEFAULT_ATTN_FUSIONS`` unless MPK_FUSE_ATTN_PREP=0 / MPK_FUSE_ATTN_MERGE=0
-    turn one off; an explicit fusion list gets them only when the variable is 1."""
+    turn one off; an explicit fusion list gets them only when the variable is 1. MPK_FUSE_NORM=0,
+    MPK_FUSE_SILU=0 and MPK_FUSE_RESIDUAL=0 drop one of the linears' fusions."""
     from mpk_dist.taskgraph.fusion import fusion_set
 
     out = set(fusion_set(fuse))
+    for var, name in (("MPK_FUSE_NORM", "norm"), ("MPK_FUSE_SILU", "silu"), ("MPK_FUSE_RESIDUAL", "residual")):
+        knob = os.environ.get(var, "")  # 0: one default fusion off (an A/B of it on the GPU), else as given
+        if knob not in ("", "0", "1"):
+            raise InputError(f"{var}: expected one of 0, 1, got {knob!r}")
+        if knob == "0":
+            out.discard(name)
     for var, name in (("MPK_FUSE_ATTN_PREP", "attn_prep"), ("MPK_FUSE_ATTN_MERGE", "attn_merge")):
         knob = os.environ.get(var, "")
         if knob not in ("", "0", "1"):

@@ -169,37 +169,68 @@ def _row_init(p: GemvPlan, abi: KindAbi) -> str:
     return ", ".join(vals + (["r"] if p.factor is not None else []))
 
 
-def _body(p: GemvPlan, abi: KindAbi, consts: _Consts, struct: str) -> list:
-    """The task function: per batch row the row statistic and factor, the operand staged (or per
-    element), then the GEMV over the tile."""
-    grid, loop = p.grid, p.loop
-    lines = [f"__device__ void {abi.name}({abi.signature}) {{",
-             f"  // grid=({grid[0]}/{grid[1]}): one grid block = this task's tile of n_tile output columns;",
-             (f"  // loop={loop[0]}/{loop[1]}: the K loop of the tile primitives (16-byte vectors per lane; the"
-              if loop else "  // no for-loop: the K loop of the tile primitives (16-byte vectors per lane; the"),
-             "  // search's loop count sizes its shared-memory tile, the primitives stream K instead)."]
-    lines += ["  const bool staged = stage_fits(B, K);",
-              "  bf16* st = stage_base(smem);  // [B, K] operand rows after the reduction scratch",
-              "  for (int b = 0; b < B; ++b) {"]
+def _param_names(signature: str) -> list:
+    """The parameter names of a C parameter list (``int B, const float* x`` -> ``['B', 'x']``)."""
+    return [part.replace("*", " ").replace("&", " ").split()[-1] for part in signature.split(",")]
+
+
+def _staged(p: GemvPlan, abi: KindAbi, consts: _Consts, struct: str) -> list:
+    """The staged path for kB rows (the kernel's compile-time batch): every row's statistic in one block
+    reduction (tile::rows_sum_sq), every row's operand staged with several vectors' loads in flight
+    (tile::stage_rows), then the GEMV over the tile. The same values as row by row, so the same bits."""
+    lines = ["// The staged path for the kernel's kB batch rows: the rows' statistics and operands computed together",
+             "// (tile::rows_sum_sq, tile::stage_rows: a few memory round trips a tile, not a few a row).",
+             "template <int kB>",
+             f"__device__ __forceinline__ void {abi.name}_staged({abi.signature}) {{",
+             "  bf16* st = stage_base(smem);  // [kB, K] operand rows after the reduction scratch"]
+    r = ""
     if p.factor is not None:
-        st = p.factor.stat
-        x = abi.rows[p.inputs[st.src_input]["name"]][1]
-        lines += [f"    // acc {st.acc} = sum over the loop of:"]
-        lines += [f"    //   {op_text(o)}" for o in st.ops]
-        lines += [f"    const float {st.acc} = tile::row_sum_sq({x}, K, smem, tid, nt);"]
-        lines += ["    // post ops, as a row factor r = 1 / p applied before the matmul (reference rounding):"]
-        lines += [f"    //   {op_text(o)}" for o in p.factor.ops]
-        lines += [f"    const float r = rsqrtf({_prog(p.factor.inner_prog, st.acc, consts)});"]
-    lines += [f"    const {struct} row{{{_row_init(p, abi)}}};",
-              "    if (staged) tile::stage_row(st + (size_t)b * K, K, row, tid, nt);",
-              f"    else tile::gemv_acc_row(row, {abi.weight}, K, n_tile, epi, b, tid, nt);  // {p.matmul['out']} per row",
-              "  }",
-              "  if (!staged) return;",
+        stat = p.factor.stat
+        x = abi.rows[p.inputs[stat.src_input]["name"]][1]
+        lines += [f"  // acc {stat.acc} = sum over the loop of:"]
+        lines += [f"  //   {op_text(o)}" for o in stat.ops]
+        lines += [f"  float {stat.acc}[kB];",
+                  f"  tile::rows_sum_sq<kB>([&](int b) {{ return {x}; }}, K, smem, {stat.acc}, tid, nt);"]
+        lines += ["  // post ops, as a row factor r = 1 / p applied before the matmul (reference rounding):"]
+        lines += [f"  //   {op_text(o)}" for o in p.factor.ops]
+        lines += ["  float r[kB];", "#pragma unroll",
+                  f"  for (int b = 0; b < kB; ++b) r[b] = rsqrtf({_prog(p.factor.inner_prog, f'{stat.acc}[b]', consts)});"]
+        r = "[b]"
+    init = _row_init(p, abi) + r
+    lines += [f"  tile::stage_rows<kB>(st, K, [&](int b) {{ return {struct}{{{init}}}; }}, tid, nt);",
               "  worker_barrier(nt);  // the staged rows are complete before any warp reads them",
               f"  // {op_text(p.matmul)}",
               f"  // acc {p.acc['out']} = sum({p.acc['src']}); out {p.output['src']} -> {p.output['name']} "
               f"omap={_map(p.output['omap'])} through the ABI's epilogue",
-              f"  MPK_FUSED_WITH_BATCH(B, (tile::gemv_acc<kB>(XRows{{st, K}}, {abi.weight}, K, n_tile, epi, tid, nt)));",
+              f"  tile::gemv_acc<kB>(XRows{{st, K}}, {abi.weight}, K, n_tile, epi, tid, nt);",
+              "}", ""]
+    return lines
+
+
+def _body(p: GemvPlan, abi: KindAbi, consts: _Consts, struct: str) -> list:
+    """The task function: the staged path (``_staged``) when the B operand rows fit the shared memory,
+    else per batch row the row statistic and factor and the GEMV with the operand computed per element."""
+    grid, loop = p.grid, p.loop
+    args = ", ".join(_param_names(abi.signature))
+    lines = _staged(p, abi, consts, struct)
+    lines += [f"__device__ void {abi.name}({abi.signature}) {{",
+              f"  // grid=({grid[0]}/{grid[1]}): one grid block = this task's tile of n_tile output columns;",
+              (f"  // loop={loop[0]}/{loop[1]}: the K loop of the tile primitives (16-byte vectors per lane; the"
+               if loop else "  // no for-loop: the K loop of the tile primitives (16-byte vectors per lane; the"),
+              "  // search's loop count sizes its shared-memory tile, the primitives stream K instead).",
+              "  if (stage_fits(B, K)) {",
+              f"    MPK_FUSED_WITH_BATCH(B, ({abi.name}_staged<kB>({args})));",
+              "    return;",
+              "  }",
+              "  for (int b = 0; b < B; ++b) {  // the staged rows do not fit: the operand per element, row by row"]
+    if p.factor is not None:
+        st = p.factor.stat
+        x = abi.rows[p.inputs[st.src_input]["name"]][1]
+        lines += [f"    const float {st.acc} = tile::row_sum_sq({x}, K, smem, tid, nt);",
+                  f"    const float r = rsqrtf({_prog(p.factor.inner_prog, st.acc, consts)});"]
+    lines += [f"    const {struct} row{{{_row_init(p, abi)}}};",
+              f"    tile::gemv_acc_row(row, {abi.weight}, K, n_tile, epi, b, tid, nt);  // {p.matmul['out']} per row",
+              "  }",
               "}"]
     return lines
 

@@ -11,10 +11,13 @@ the arithmetic, so the logits must equal the default build's bit for bit and sta
   count, csrc/tasks/common.cuh MPK_ROPE_PAIRS, and runs one copy, csrc/tasks/attention_prep.cuh).
 - ``-DMPK_PREP_POS_LATE=0``: the split prep tile checks every position before its prep (the default reads the
   position inside the prep, beside the head's loads, and checks it after; csrc/runtime/dispatch.cuh).
+- ``-DMPK_STAGE_ROWS_TOGETHER=0``: the generated fused bodies' staged path row by row (the default computes every
+  batch row's norm statistic in one block reduction and issues several rows' operand loads before their stores;
+  csrc/tasks/tile_primitives.cuh rows_sum_sq, stage_rows). Also at batch 8 under MPK_LINEAR_MMA=1.
 - ``-DMPK_MMA_X_AHEAD=0`` under MPK_LINEAR_MMA=1, batch 8: the tensor-core tile loads each x vector inside its
   mma loop (the default loads a round's x vectors right after its weights; csrc/tasks/linear_mma.cuh mma_unit).
 
-qwen3-0.6b (default fusions, split-KV attention), 200-token prompt, batch 1 and 4 (the MMA variant: batch 8).
+qwen3-0.6b (default fusions, split-KV attention), 200-token prompt, batch 1 and 4 (the MMA variants: batch 8).
 Run: ``python -m pytest -q -m gpu tests/runtime/test_code_variants_gpu.py`` (about a minute on an H200 with the
 kernels prebuilt).
 """
@@ -33,7 +36,8 @@ NAME = "qwen3-0.6b"
 PROMPT = 200
 STEPS = 48
 VARIANTS = ["-DMPK_ATTN_GUARD_HEADS=1", "-DMPK_PARAMS_SMEM=0", "-DMPK_ROPE_EXACT_PAIRS=0 -DMPK_PREP_ONE_SITE=0",
-            "-DMPK_PREP_POS_LATE=0"]
+            "-DMPK_PREP_POS_LATE=0", "-DMPK_STAGE_ROWS_TOGETHER=0"]
+MMA_VARIANTS = ["-DMPK_MMA_X_AHEAD=0", "-DMPK_STAGE_ROWS_TOGETHER=0"]
 
 
 def session_with_flags(backend, batch: int, flags: str):
@@ -55,8 +59,9 @@ def test_code_variant_leaves_the_logits_bitwise(flags, batch, gpu_results):
                   forced_request(NAME, PROMPT, STEPS, batch, 70), gpu_results)
 
 
-def test_mma_x_ahead_leaves_the_logits_bitwise(gpu_results):
-    flags, mma = "-DMPK_MMA_X_AHEAD=0", {"MPK_LINEAR_MMA": "1"}
+@pytest.mark.parametrize("flags", MMA_VARIANTS)
+def test_mma_variant_leaves_the_logits_bitwise(flags, gpu_results):
+    mma = {"MPK_LINEAR_MMA": "1"}
     variant, default = megakernel_with_env(NAME, {**mma, "MPK_NVCC_EXTRA_FLAGS": flags}), megakernel_with_env(NAME, mma)
     assert session_with_flags(variant, 8, flags).build.path != session_with_flags(default, 8, "").build.path, \
         f"{flags} did not make another binary"

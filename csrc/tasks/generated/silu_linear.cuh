@@ -26,22 +26,30 @@ struct SiluLinearOperand {
   }
 };
 
+// The staged path for the kernel's kB batch rows: the rows' statistics and operands computed together
+// (tile::rows_sum_sq, tile::stage_rows: a few memory round trips a tile, not a few a row).
+template <int kB>
+__device__ __forceinline__ void silu_linear_staged(int B, const bf16* gu, int ldg, int up, const bf16* w, const Epi& epi, int K, int n_tile, float* smem, int tid, int nt) {
+  bf16* st = stage_base(smem);  // [kB, K] operand rows after the reduction scratch
+  tile::stage_rows<kB>(st, K, [&](int b) { return SiluLinearOperand{gu + (size_t)b * ldg, gu + (size_t)b * ldg + up}; }, tid, nt);
+  worker_barrier(nt);  // the staged rows are complete before any warp reads them
+  // b2 = matmul(b1, i2) (8, 8)  # matmul#0
+  // acc a2 = sum(b2); out a2 -> t0 omap=[1] through the ABI's epilogue
+  tile::gemv_acc<kB>(XRows{st, K}, w, K, n_tile, epi, tid, nt);
+}
+
 __device__ void silu_linear(int B, const bf16* gu, int ldg, int up, const bf16* w, const Epi& epi, int K, int n_tile, float* smem, int tid, int nt) {
   // grid=(n/128): one grid block = this task's tile of n_tile output columns;
   // loop=k/8: the K loop of the tile primitives (16-byte vectors per lane; the
   // search's loop count sizes its shared-memory tile, the primitives stream K instead).
-  const bool staged = stage_fits(B, K);
-  bf16* st = stage_base(smem);  // [B, K] operand rows after the reduction scratch
-  for (int b = 0; b < B; ++b) {
-    const SiluLinearOperand row{gu + (size_t)b * ldg, gu + (size_t)b * ldg + up};
-    if (staged) tile::stage_row(st + (size_t)b * K, K, row, tid, nt);
-    else tile::gemv_acc_row(row, w, K, n_tile, epi, b, tid, nt);  // b2 per row
+  if (stage_fits(B, K)) {
+    MPK_FUSED_WITH_BATCH(B, (silu_linear_staged<kB>(B, gu, ldg, up, w, epi, K, n_tile, smem, tid, nt)));
+    return;
   }
-  if (!staged) return;
-  worker_barrier(nt);  // the staged rows are complete before any warp reads them
-  // b2 = matmul(b1, i2) (8, 8)  # matmul#0
-  // acc a2 = sum(b2); out a2 -> t0 omap=[1] through the ABI's epilogue
-  MPK_FUSED_WITH_BATCH(B, (tile::gemv_acc<kB>(XRows{st, K}, w, K, n_tile, epi, tid, nt)));
+  for (int b = 0; b < B; ++b) {  // the staged rows do not fit: the operand per element, row by row
+    const SiluLinearOperand row{gu + (size_t)b * ldg, gu + (size_t)b * ldg + up};
+    tile::gemv_acc_row(row, w, K, n_tile, epi, b, tid, nt);  // b2 per row
+  }
 }
 
 }  // namespace gen
