@@ -21,6 +21,20 @@ needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not o
 WITH = sorted(FUSIONS) + ["attn_prep"]
 
 
+ENTRY_FRAME_BYTES_MAX = 592
+"""The kernel entry's stack frame at batch 1 (ptxas -v). Three changes that grew it (v0.11's pipelined attention
+walk: 2,480 B; v0.12's and v0.13's first rows-together staging: 880 and 864 B, with 128 B of spills in the fused
+linear bodies) each slowed the whole qwen3-8b batch-1 kernel by 10-50% (docs/PERF.md v0.13), not just the
+body that changed. A change that needs a larger frame has to show on the GPU that it does not cost that."""
+
+
+def _frame(log: str, fn: str) -> int:
+    """ptxas -v: the stack frame bytes of function ``fn`` (mangled, or the kernel's plain name)."""
+    m = re.search(rf"Function properties for {re.escape(fn)}\n\s*(\d+) bytes stack frame", log)
+    assert m, f"ptxas -v printed no properties for {fn}"
+    return int(m.group(1))
+
+
 def _spills(log: str) -> dict[str, tuple[int, int]]:
     """ptxas -v: function (mangled) -> (spill store bytes, spill load bytes)."""
     out = {}
@@ -31,6 +45,8 @@ def _spills(log: str) -> dict[str, tuple[int, int]]:
 
 @needs_nvcc
 def test_kernel_builds_without_spills_in_the_new_functions(tmp_path, monkeypatch):
+    """The batch-1 kernel: no spills in the attention_prep functions nor in the fused linear bodies, and the
+    entry's stack frame no larger than ENTRY_FRAME_BYTES_MAX."""
     from mpk_dist.runtime.codegen import KernelShape
     from mpk_dist.runtime.kernel import build_kernel
 
@@ -48,6 +64,11 @@ def test_kernel_builds_without_spills_in_the_new_functions(tmp_path, monkeypatch
     assert len(dispatch) == 1 and len(heads) == 1 and len(small) == 6, sorted(mine)
     for k in dispatch + heads + small:
         assert mine[k] == (0, 0), f"{k}: ptxas spills (stores, loads) = {mine[k]}"
+    fused = {k: v for k, v in spills.items() if re.search(r"run_(norm|silu)_linear", k)}
+    assert len(fused) == 2 and all(v == (0, 0) for v in fused.values()), f"fused linear bodies spill: {fused}"
+    frame = _frame(res.log, "mpk_megakernel")
+    assert frame <= ENTRY_FRAME_BYTES_MAX, (f"the kernel entry's stack frame is {frame} B, expected <= "
+                                            f"{ENTRY_FRAME_BYTES_MAX} B (see ENTRY_FRAME_BYTES_MAX)")
 
 
 def test_dispatch_case_and_opcode():
