@@ -172,7 +172,8 @@ class MegakernelBackend(StepBackend):
             t0 = time.perf_counter()
             cgs, cached = compile_rank_programs_cached(self.cfg, tp=self.tp, batch=batch, sms=self.workers,
                                                        max_seq_len=self.max_seq_len, ranks=self.transport.ranks,
-                                                       fuse=self.fuse, attn_splits=self.attn_splits, nucleus=nucleus)
+                                                       fuse=fusions_for_batch(self.fuse, batch),
+                                                       attn_splits=self.attn_splits, nucleus=nucleus)
             compile_s = time.perf_counter() - t0
             trace = TRACE_STEPS if self.trace_path else (PROFILE_STEPS if self.comm_profile else 0)
             kw = dict(schedule=self.schedule, worker_threads=self.worker_threads, timeout_s=self.timeout_s, trace=trace,
@@ -385,6 +386,24 @@ def fusions_from_env(fuse=True) -> frozenset[str]:
         if knob == "1" or (knob == "" and fuse is True):
             out.add(name)
     return frozenset(out)
+
+
+SILU_FUSE_MAX_BATCH = 4
+"""Largest kernel batch whose programs fuse silu_mul into the down projection. A fused down tile computes
+silu(gate) * up of every batch row over the whole intermediate size as its prologue, and each of the ~128
+tiles repeats it: at batch 8 that prologue took 21-25 us of a 50 us qwen3-8b tile, and the unfused program
+(one silu_mul level, each element computed once) ran 6.52 ms against 7.22 (docs/PERF.md v0.13). At batch 1
+the prologue is an eighth of that and the fusion saves a level; 2-4 are not measured (the cost is linear in
+the rows, the level's ~7-10 us is not)."""
+
+
+def fusions_for_batch(fuse: frozenset, batch: int, environ=None) -> frozenset:
+    """The fusions of a program of ``batch`` rows: ``fuse`` without 'silu' above SILU_FUSE_MAX_BATCH, unless
+    MPK_FUSE_SILU=1 asks for it at every batch."""
+    env = os.environ if environ is None else environ
+    if "silu" in fuse and batch > SILU_FUSE_MAX_BATCH and env.get("MPK_FUSE_SILU", "") != "1":
+        return frozenset(fuse) - {"silu"}
+    return frozenset(fuse)
 
 
 def superopt_from_env(superopt=None) -> bool:

@@ -46,8 +46,8 @@ def build_one(case: BuildCase) -> tuple[str, bool, float]:
     """Compile rank 0's program and build its kernel (cache hit or nvcc); (kernel file, was cached, seconds)."""
     from mpk_dist.models.presets import get_preset
     from mpk_dist.runtime.kernel import build_kernel
-    from mpk_dist.runtime.megakernel_backend import (DEFAULT_WORKER_THREADS, fusions_from_env, linear_rows_from_env,
-                                                     superopt_from_env, tuning_from_env)
+    from mpk_dist.runtime.megakernel_backend import (DEFAULT_WORKER_THREADS, fusions_for_batch, fusions_from_env,
+                                                     linear_rows_from_env, superopt_from_env, tuning_from_env)
     from mpk_dist.runtime.session import kernel_shape
     from mpk_dist.runtime.tables import padded_batch
     from mpk_dist.taskgraph.compiler import compile_rank_programs
@@ -56,7 +56,8 @@ def build_one(case: BuildCase) -> tuple[str, bool, float]:
     cfg = get_preset(case.model)
     # A run's program at the compiler's default 132 SMs and max_seq_len 512 (an H200 and the CLI's default);
     # 'auto' splits there at batch <= 4, as the backend does.
-    cg = compile_rank_programs(cfg, tp=case.tp, batch=padded_batch(case.batch), ranks=[0], fuse=fusions_from_env(),
+    batch = padded_batch(case.batch)
+    cg = compile_rank_programs(cfg, tp=case.tp, batch=batch, ranks=[0], fuse=fusions_for_batch(fusions_from_env(), batch),
                                attn_splits=case.attn_splits)[0]
     tuning = tuning_from_env(DEFAULT_WORKER_THREADS)  # the MPK_* knobs a run in this environment would use
     for table_only in ("prefetch_plan", "bulk_prefetch", "prefetch_ahead", "attn_stage_kv", "min_carveout"):  # not the binary
