@@ -323,20 +323,40 @@ def instantiate(st: Structure, sizes: dict, infos: dict, out_names: tuple, origi
         return None, None
 
 
-def _instantiate(st: Structure, sizes: dict, infos: dict, out_names: tuple, origin_of):
-    lay = st.layout
+_INPUTS_MEMO: dict = {}
+
+
+def _block_inputs(lay: Layout, sizes: dict, infos: dict) -> tuple:
+    """(grid, loop, BlockInputs, {local: per-iteration TensorInfo}) of ``lay``'s inputs at
+    ``sizes``: a function of the layout, the counts of its symbols and the inputs' infos, shared
+    by every structure of the layout (the count search instantiates each structure at several
+    counts, and the input part was ~1/4 of an instantiation)."""
     grid = tuple((s, sizes[s]) for s in lay.grid_syms)
     loop = (lay.loop_sym, sizes[lay.loop_sym]) if lay.loop_sym else None
+    ins = tuple(infos[n] for n in lay.inputs)
+    key = (lay, grid, loop, ins)
+    hit = _INPUTS_MEMO.get(key)
+    if hit is not None:
+        return hit
     env, inputs = {}, []
-    for k, n in enumerate(lay.inputs):
-        info = infos[n]
-        tile = _tile(info, {s: sizes[s] for s in lay.grid_syms})
+    for k, (n, info) in enumerate(zip(lay.inputs, ins)):
+        tile = _tile(info, dict(grid))
         imap = tuple(_dim_of(info.syms, s) for s in lay.grid_syms)
         fmap = _dim_of(info.syms, lay.loop_sym) if loop else None
         inputs.append(BlockInput(n, f"i{k}", imap, fmap, tile))
         shape = _tile(TensorInfo(tile, info.syms, info.expr), {lay.loop_sym: loop[1]}) \
             if fmap is not None else tile
         env[f"i{k}"] = TensorInfo(shape, info.syms, info.expr)
+    if len(_INPUTS_MEMO) > 100_000:  # bound memory on long searches
+        _INPUTS_MEMO.clear()
+    hit = _INPUTS_MEMO[key] = (grid, loop, tuple(inputs), env)
+    return hit
+
+
+def _instantiate(st: Structure, sizes: dict, infos: dict, out_names: tuple, origin_of):
+    lay = st.layout
+    grid, loop, inputs, env = _block_inputs(lay, sizes, infos)
+    env = dict(env)
     body = _ops(st.body, "b", env, origin_of)
     accs = []
     for k, (_, _, _) in enumerate(st.body):
@@ -364,7 +384,7 @@ def _instantiate(st: Structure, sizes: dict, infos: dict, out_names: tuple, orig
         outputs.append(BlockOutput(local, name, tuple(omap)))
         kinfos[name] = TensorInfo(tuple(c for c, _ in stack) + tuple(shape),
                                   tuple(s for _, s in stack) + tuple(syms), info.expr)
-    bg = BlockGraph(grid, loop, tuple(inputs), body, tuple(accs), post, tuple(outputs))
+    bg = BlockGraph(grid, loop, inputs, body, tuple(accs), post, tuple(outputs))
     return bg, kinfos
 
 

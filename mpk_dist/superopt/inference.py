@@ -36,6 +36,7 @@ def _broadcast(a: TensorInfo, b: TensorInfo):
 
 
 _MEMO: dict = {}
+_SHAPE_MEMO: dict = {}
 _INTERN: dict = {}
 
 
@@ -55,7 +56,18 @@ def infer(kind: str, args: list, attrs: dict, exprs: bool = True) -> TensorInfo 
     ``exprs=False`` skips the abstract expression (None): costing many tile sizes needs shapes only.
     """
     if not exprs:
-        return _infer(kind, args, attrs, False)
+        # shapes only: a function of the kind, the dim attributes and the operands' shapes and
+        # symbols (a chain keeps its operand's), memoized by those (the count search infers
+        # every op of every structure at several counts)
+        a = args[0]
+        key = (kind, attrs.get("dim"), attrs.get("keepdim"), a.shape, a.syms) \
+            if len(args) == 1 else (kind, a.shape, a.syms, args[1].shape, args[1].syms)
+        hit = _SHAPE_MEMO.get(key, False)
+        if hit is False:
+            if len(_SHAPE_MEMO) > 500_000:
+                _SHAPE_MEMO.clear()
+            hit = _SHAPE_MEMO[key] = _infer(kind, args, attrs, False)
+        return hit
     # NOTE: keyed by object identity (the entry keeps its arguments and the chain program alive,
     # so ids stay unique); hashing deep expression tuples on every lookup would dominate the search.
     # The program is kept too (since the eleventh session): a later search in the same process

@@ -46,3 +46,47 @@ def test_every_structure_reads_all_inputs_and_has_few_outputs():
         read = {a for _, args, _ in body + post for a in args}
         assert {f"i{k}" for k in range(len(names))} <= read, (lay, body, post)
         assert len(outputs) == 1
+
+
+class _Forgetful(dict):
+    """A memo that never hits (the uncached path)."""
+
+    def get(self, key, default=None):
+        return default
+
+    def __setitem__(self, key, value) -> None:
+        pass
+
+
+def test_instantiate_with_its_memos_equals_the_uncached_path(monkeypatch):
+    """``instantiate`` shares the inputs' part per layout and counts (``_block_inputs``) and
+    memoizes shape-only inference (``inference._SHAPE_MEMO``); every structure of attention's
+    first-op layouts at every grid and loop count gives the same block graph and output infos
+    as without both memos, shapes only and with expressions."""
+    from mpk_dist.superopt import inference
+
+    target = analyze(build("attention_decode", {"H": 4, "D": 64, "S": 256}))
+    config = SearchConfig(max_kernel_ops=2, max_block_ops=3, prune=False)
+    infos = _input_infos(target)
+    cases = []
+    for names in (("Q",), ("Kt", "V")):
+        for lay in B.layouts(names, infos, 1):
+            ctx = Context(target, config, time.monotonic() + 60)
+            for st in B.enumerate_layout(ctx, lay, infos, False)[::5]:
+                grids, loops = B.count_choices(st, infos, config)
+                for g in grids:
+                    for n in loops or [None]:
+                        cases.append((st, {**g, lay.loop_sym: n} if n else dict(g)))
+    assert len(cases) > 2000
+    outs = ("@0", "@1")
+
+    def run(origin_of):
+        return [B.instantiate(st, sizes, infos, outs[:len(st.outputs)], origin_of)
+                for st, sizes in cases]
+
+    cached = [run(None), run(None), run(target.origin_of)]  # fills the memos, then hits them
+    monkeypatch.setattr(B, "_INPUTS_MEMO", _Forgetful())
+    monkeypatch.setattr(inference, "_SHAPE_MEMO", _Forgetful())
+    plain = [run(None), run(None), run(target.origin_of)]
+    assert cached == plain
+    assert all(bg is not None for bg, _ in plain[0][:10])
