@@ -419,10 +419,11 @@ class MemoEnumerator:
         recompute its result (completions: {op set: result nodes})."""
         fpid = self.fpid
         fx = fpid[x]
+        dset, xset = frozenset((desc,)), frozenset((x,))
         for ops, nodes in child.items():
             if any(fpid[y] == fx for y in nodes) and self._repeats(x, nodes):
                 continue  # no recomputation: a later op repeats this op's expression
-            out.setdefault(ops | {desc}, nodes | {x})
+            out.setdefault(ops | dset, nodes | xset)
 
     @staticmethod
     def _desc(phase: str, kind: str, attrs: dict, refs: list, node: int) -> tuple:
@@ -710,35 +711,41 @@ def _by_name(ops, names: dict, phase: str) -> list:
     return sorted((d for d in ops if d[0] == phase), key=lambda d: int(names[d[4]][1:]))
 
 
-def _name(ref: tuple, names: dict) -> str:
-    return f"i{ref[1]}" if ref[0] == "i" else names[ref]
+_CLASS = {"i": 0, "a": 1, "b": 1, "p": 2}
 
 
-def _rank(ref: tuple, names: dict) -> tuple:
+def _rank(name: str) -> tuple:
     # blocksearch's operand index order: inputs, then accumulators / body results, then posts
-    return ({"i": 0, "a": 1, "b": 1, "p": 2}[ref[0]],
-            ref[1] if ref[0] == "i" else int(_name(ref, names)[1:]))
+    return _CLASS[name[0]], int(name[1:])
 
 
 def _place(todo: list, names: dict, prefix: str) -> list:
+    # NOTE: ~10^5 graphs per first-op layout go through here; the operands' names are looked up
+    # in ``names`` (inputs included), and a text is built only for ready ops
+    for d in todo:
+        for r in d[3]:
+            if r[0] == "i" and r not in names:
+                names[r] = f"i{r[1]}"
     out = []
+    todo = list(todo)
     while todo:
         best = None
         for d in todo:
             refs = d[3]
-            if any(r[0] != "i" and r not in names for r in refs):
+            if not all(r in names for r in refs):
                 continue  # an operand is not placed yet
-            if d[1] in _COMMUTATIVE:
-                refs = tuple(sorted(refs, key=lambda r: _rank(r, names)))
-            text = op_call_text(d[1], d[2], tuple(_name(r, names) for r in refs))
+            args = [names[r] for r in refs]
+            if len(args) == 2 and d[1] in _COMMUTATIVE and _rank(args[1]) < _rank(args[0]):
+                args.reverse()
+            text = op_call_text(d[1], d[2], args)
             if best is None or text < best[0]:
-                best = (text, d, refs)
-        _, d, refs = best
+                best = (text, d, args)
+        _, d, args = best
         k = len(out)
         names[d[4]] = f"{prefix}{k}"
         if prefix == "b":
             names[("a", d[4][1])] = f"a{k}"
-        out.append((d[1], tuple(_name(r, names) for r in refs), d[2]))
+        out.append((d[1], tuple(args), d[2]))
         todo.remove(d)
     return out
 
@@ -753,5 +760,8 @@ def _subsets(items: set):
     if len(items) == 1:
         return _NO_SUBSETS + (frozenset(items),)
     items = list(items)
+    if len(items) == 2:  # an op reads at most two tensors: the general loop below, unrolled
+        a, b = items
+        return _NO_SUBSETS + (frozenset((a,)), frozenset((b,)), frozenset((a, b)))
     return [frozenset(x for j, x in enumerate(items) if mask >> j & 1)
             for mask in range(1 << len(items))]

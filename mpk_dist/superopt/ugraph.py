@@ -162,14 +162,21 @@ class BlockGraph:
 def op_call_text(kind: str, attrs: tuple, args: tuple) -> str:
     """``kind[attrs](args)`` as a block op prints in ``BlockGraph.text`` (and so in
     ``UGraph.key``); the canonical op order of the block enumeration compares these strings."""
-    a = dict(attrs)
-    if kind == "chain":
-        name = f"chain[{chain_text(a['prog'])}]"
-    elif kind == "sum":
-        name = f"sum[dim={a['dim']}{'' if a.get('keepdim', True) else ',drop'}]"
-    else:
-        name = kind
+    name = _CALL_NAMES.get((kind, attrs))
+    if name is None:
+        a = dict(attrs)
+        if kind == "chain":
+            name = f"chain[{chain_text(a['prog'])}]"
+        elif kind == "sum":
+            name = f"sum[dim={a['dim']}{'' if a.get('keepdim', True) else ',drop'}]"
+        else:
+            name = kind
+        # few distinct (kind, attrs) per search; the canonical order prints ~10^6 op calls
+        _CALL_NAMES[(kind, attrs)] = name
     return f"{name}({', '.join(args)})"
+
+
+_CALL_NAMES: dict = {}
 
 
 def _op_text(op: BlockOp) -> str:
