@@ -211,6 +211,9 @@ class FinalFilter:
     # exact test) are applied by the enumerator; False only for ``blockshare``'s opaque inputs,
     # whose graphs get both checks on the concrete inputs afterwards.
     exprs = True
+    # The cheap test reads the output's stripped fingerprint (False: shapes only, and the
+    # enumerator computes no stripped fingerprints).
+    stripped = True
 
     def __init__(self, target, layout, sym_size: dict) -> None:
         self.fp = Fingerprint(sized=False)
@@ -263,7 +266,9 @@ class MemoEnumerator:
         self.loop_count = sizes[self.loop] if self.loop else 1
         self.chains = [p for p, _ in ctx.target.chains]
         self.fp = Fingerprint()                       # sized: tells expressions apart
-        self.sfp = accept.fp if accept is not None else None
+        # stripped fingerprints of every node, for ``accept``'s cheap test (not needed when it
+        # tests shapes only: ``blockshare``)
+        self.sfp = accept.fp if accept is not None and accept.stripped else None
         # per node: shape, syms, sized fingerprint and its id, stripped fingerprint, recipe,
         # TensorInfo (None until an expression is needed)
         self.shape, self.syms, self.fps, self.fpid, self.strip = [], [], [], [], []
@@ -319,7 +324,7 @@ class MemoEnumerator:
     # fingerprint, and expressions are built only to confirm a fingerprint match (equal
     # expressions have equal fingerprints, not always the converse), for the pruning oracle, and
     # for a last op's exact test.
-    def _add(self, shape, syms, fp, sfp, recipe, info=None) -> int:
+    def _add(self, shape, syms, fp, sfp, recipe, info=None, findable: bool = True) -> int:
         node = len(self.shape)
         self.shape.append(shape)
         self.syms.append(syms)
@@ -328,7 +333,7 @@ class MemoEnumerator:
         self.strip.append(sfp)
         self.recipe.append(recipe)
         self.infos.append(info)
-        if not self.eager:
+        if findable and not self.eager:
             self.by_fp.setdefault((shape, syms, fp), []).append(node)
         return node
 
@@ -361,6 +366,39 @@ class MemoEnumerator:
                 node = self._find(shape, syms, fp, sfp, (kind, attrs, args))
             self.by_recipe[rk] = node
         return node
+
+    def _leaf(self, kind: str, attrs: dict, args: tuple, shape: tuple, syms: tuple) -> int:
+        """The node of a last op's result when the enumerator does not look at its expression
+        (``accept.exprs`` False, ``blockshare``): one node per recipe, never matched against
+        nodes of equal expression (no expression is built to confirm a fingerprint match).
+
+        Why the graphs are the same as with ``_new``: a last op's result is read by no op and
+        is in no state, so its node only names it in its op's descriptor (whose recipe already
+        tells it apart) and in the no-recomputation test of the ops before it, which compares
+        sized fingerprints and then expressions (``_repeats``), not node ids; its fingerprint is
+        computed as ``_new`` computes it. Confirming fingerprint matches of these results was
+        ~15% of a ``blockshare`` signature's enumeration."""
+        rk = ("leaf", kind, attrs.get("dim"), id(attrs.get("prog")), args)
+        node = self.by_recipe.get(rk)
+        if node is None:
+            a0 = args[0]
+            extent = self.shape[a0][-1] if kind == "matmul" else \
+                self.shape[a0][attrs["dim"]] if kind == "sum" else 1
+            fp = self.fp.op(kind, attrs, [self.fps[a] for a in args], extent)
+            node = self.by_recipe[rk] = self._add(shape, syms, fp, None, (kind, attrs, args),
+                                                  findable=False)
+        return node
+
+    def _leaf_acc(self, b: int) -> int:
+        """``_acc`` of a ``_leaf`` node (which never varies with the loop): its own node."""
+        acc = self.acc_of.get(b)
+        if acc is None:
+            acc = self._add(self.shape[b], self.syms[b],
+                            self.fp.reduce(self.loop_count, self.fps[b]), None, ("acc", b),
+                            findable=False)
+            self._keep(acc)  # counted as ``_acc`` counts; never prunes (unpruned only)
+            self.acc_of[b] = acc
+        return acc
 
     def _by_info(self, info: TensorInfo, sfp, recipe) -> int:
         node = self.by_info.get(info)
@@ -483,7 +521,8 @@ class MemoEnumerator:
     def _leaf_ok(self, kind: str, attrs: dict, args: tuple, shape: tuple, syms: tuple) -> bool:
         """``accept`` for the result of a last op, from shapes and fingerprints only (building
         the expression is most of the cost of a new tensor, and most last ops fail)."""
-        ok = self.accept(shape, syms, self._strip_fp(kind, attrs, args))
+        ok = self.accept(shape, syms,
+                         None if self.sfp is None else self._strip_fp(kind, attrs, args))
         if not ok:
             self.mismatched += 1
         return ok
@@ -558,11 +597,15 @@ class MemoEnumerator:
             operands = tuple(avail[i] for i in args)
             if not self._leaf_ok(kind, attrs, operands, shape, syms):
                 continue
-            x = self._new(kind, attrs, operands, shape, syms)
-            if self.accept.exprs and (
-                    self._repeats(x, [i for i, _ in self.inputs] + list(body_nodes))
-                    or not self._exact(x)) or not self._keep(x) or self._acc(x) is None:
-                continue
+            if not self.accept.exprs:
+                x = self._leaf(kind, attrs, operands, shape, syms)
+                self._keep(x)
+                self._leaf_acc(x)
+            else:
+                x = self._new(kind, attrs, operands, shape, syms)
+                if self._repeats(x, [i for i, _ in self.inputs] + list(body_nodes)) or \
+                        not self._exact(x) or not self._keep(x) or self._acc(x) is None:
+                    continue
             refs = [("i", i) if i < n_in else ("b", avail[i]) for i in args]
             desc = self._desc("b", kind, attrs, refs, x)
             out.setdefault(frozenset((desc,)), frozenset((x,)))
@@ -671,11 +714,14 @@ class MemoEnumerator:
             operands = tuple(avail[i] for i in args)
             if not self._leaf_ok(kind, attrs, operands, shape, syms):
                 continue
-            x = self._new(kind, attrs, operands, shape, syms)
-            if self.accept.exprs and (
-                    self._repeats(x, [i for i, _ in self.inputs] + accs + posts)
-                    or not self._exact(x)) or not self._keep(x):
-                continue
+            if not self.accept.exprs:
+                x = self._leaf(kind, attrs, operands, shape, syms)
+                self._keep(x)
+            else:
+                x = self._new(kind, attrs, operands, shape, syms)
+                if self._repeats(x, [i for i, _ in self.inputs] + accs + posts) or \
+                        not self._exact(x) or not self._keep(x):
+                    continue
             desc = self._desc("p", kind, attrs, [refs_of[i] for i in args], x)
             out.setdefault(frozenset((desc,)), frozenset((x,)))
 

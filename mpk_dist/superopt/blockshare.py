@@ -54,6 +54,7 @@ class _ShapeOnly(FinalFilter):
     (building the last op's expression was ~30% of a signature's enumeration)."""
 
     exprs = False
+    stripped = False
 
     def __call__(self, shape: tuple, syms: tuple, stripped_fp: tuple) -> bool:
         key = (shape, syms)

@@ -74,3 +74,40 @@ def test_concrete_test_applies_no_recomputation():
     opaque = {**infos, gx: TensorInfo(infos[gx].shape, infos[gx].syms, ("v", "@2"))}
     assert _concrete_verdict(st, sizes, opaque, FinalFilter(target, lay, sym_size)) == \
         "mismatched"
+
+
+def test_last_op_results_by_recipe_give_the_same_graphs(monkeypatch):
+    """A signature names each last op's result by its recipe (``MemoEnumerator._leaf``: no
+    expression built to confirm a fingerprint match); routing those results through the node
+    matching of every other tensor (``_new``, ``_acc``) gives the same graphs per layout and the
+    same structures for concrete inputs. The matching merges some results (fewer output nodes),
+    so the test sees the two paths differ in their nodes."""
+    from mpk_dist.superopt.blockmemo import MemoEnumerator, canonical_order
+    from mpk_dist.superopt.blockshare import SharedFinal
+
+    target, infos, config = _setup(4)
+    gx, xx = _named(infos, "G*X"), _named(infos, "X*X")
+
+    def build(lay, sizes, sym_size):
+        ctx = Context(target, config, time.monotonic() + 60)
+        sf = SharedFinal(ctx, lay, infos, sizes, sym_size)
+        graphs = sorted(canonical_order(ops) for g in sf.by_out.values() for ops in g)
+        return sf, graphs, sf.structures(ctx, lay, infos, sizes, sym_size)
+
+    merged = compared = 0
+    for lay in B.layouts((gx, xx, "W"), infos, 1):
+        sym_size = {s: x for n in lay.inputs for s, x in zip(infos[n].syms, infos[n].shape) if s}
+        sizes = B.representative_sizes(lay, infos, sym_size, config)
+        if sizes is None:
+            continue
+        new, new_graphs, new_st = build(lay, sizes, sym_size)
+        with monkeypatch.context() as m:
+            m.setattr(MemoEnumerator, "_leaf", MemoEnumerator._new)
+            m.setattr(MemoEnumerator, "_leaf_acc", MemoEnumerator._acc)
+            old, old_graphs, old_st = build(lay, sizes, sym_size)
+        assert new_graphs == old_graphs and new.n_graphs == old.n_graphs, lay
+        assert new_st == old_st, lay
+        assert (new.states, new.deduplicated) == (old.states, old.deduplicated)
+        merged += len(new.by_out) - len(old.by_out)
+        compared += len(new_graphs)
+    assert compared > 100 and merged > 0
