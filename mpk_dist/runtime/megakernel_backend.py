@@ -388,13 +388,13 @@ def fusions_from_env(fuse=True) -> frozenset[str]:
     return frozenset(out)
 
 
-SILU_FUSE_MAX_BATCH = 4
+SILU_FUSE_MAX_BATCH = 2
 """Largest kernel batch whose programs fuse silu_mul into the down projection. A fused down tile computes
 silu(gate) * up of every batch row over the whole intermediate size as its prologue, and each of the ~128
-tiles repeats it: at batch 8 that prologue took 21-25 us of a 50 us qwen3-8b tile, and the unfused program
-(one silu_mul level, each element computed once) ran 6.52 ms against 7.22 (docs/PERF.md v0.13). At batch 1
-the prologue is an eighth of that and the fusion saves a level; 2-4 are not measured (the cost is linear in
-the rows, the level's ~7-10 us is not)."""
+tiles repeats it; unfused, silu_mul is one more level that computes each element once. Measured (docs/PERF.md
+v0.13, qwen3-8b unless named, ms): batch 8 (MMA) 7.22 fused vs 6.52 unfused, batch 4 (MMA) 7.66 vs 7.04,
+batch 2 6.40 vs 6.49, batch 1 4.97 vs 4.91 (qwen3-0.6b 1.26 vs 1.31, qwen3-1.7b equal): the fusion pays up to
+two rows; batch 3 is not measured."""
 
 
 def fusions_for_batch(fuse: frozenset, batch: int, environ=None) -> frozenset:
