@@ -22,10 +22,11 @@ WITH = sorted(FUSIONS) + ["attn_prep"]
 
 
 ENTRY_FRAME_BYTES_MAX = 592
-"""The kernel entry's stack frame at batch 1 (ptxas -v). Three changes that grew it (v0.11's pipelined attention
-walk: 2,480 B; v0.12's and v0.13's first rows-together staging: 880 and 864 B, with 128 B of spills in the fused
-linear bodies) each slowed the whole qwen3-8b batch-1 kernel by 10-50% (docs/PERF.md v0.13), not just the
-body that changed. A change that needs a larger frame has to show on the GPU that it does not cost that."""
+"""The kernel entry's stack frame at batch 1 (ptxas -v). A tripwire, not a cause: three changes that grew it
+(v0.11's pipelined attention walk: 2,480 B; v0.12's and v0.13's first rows-together staging: 880 and 864 B, with
+128 B of spills in the fused linear bodies) each slowed the whole qwen3-8b batch-1 kernel by 10-50%, while the
+same frame padded alone cost nothing (docs/PERF.md v0.13, call 7): the growth came with larger once-a-tile code.
+A change that needs a larger frame has to show on the GPU that it does not slow the kernel."""
 
 
 def _frame(log: str, fn: str) -> int:
