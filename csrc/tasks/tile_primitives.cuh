@@ -58,9 +58,11 @@ __device__ __forceinline__ void stage_row(bf16* st, int K, const Row& row, int t
 // Why: row by row, each row's statistic is a block reduction (two barriers) and each staged vector's loads
 // wait for the previous vector's store (the store may alias the source, so the compiler keeps the order).
 // The trace's marks (linear_mma.cuh kMarkMmaStart) put that prologue at 11-12 us of a qwen3-8b batch-8
-// norm_linear tile and 22 us of a silu_linear tile (24 round trips to L2 before the weight stream starts),
-// against 13-46 us for the weights themselves. Here every row's loads of a k step are issued before any
-// store or sum, so a tile pays a few round trips. Same values in the same order per row: the same bits.
+// norm_linear tile (8 block reductions, 8 chained round trips to L2) against 13-46 us for the weights
+// themselves; together it took 7-8 us. (A silu_linear tile's 21-25 us stayed: its prologue is compute, silu of
+// every row in every tile, so above two rows silu_mul is its own level: megakernel_backend.SILU_FUSE_MAX_BATCH.)
+// Here every row's loads of a k step are issued before any store or sum. Same values in the same order per row:
+// the same bits.
 // NOTE: kB is the kernel's compile-time batch (MPK_FUSED_WITH_BATCH), so the per-row arrays stay in registers.
 
 // MPK_STAGE_ROWS_TOGETHER 0: the same two primitives row by row (row_sum_sq, stage_row), for the bitwise
@@ -117,10 +119,10 @@ __device__ __forceinline__ void rows_sum_sq(const RowPtr& row, int K, float* sme
 // k steps when there are fewer rows) before their stores. Each vector is computed as stage_row computes it.
 template <int kB, class MakeRow>
 __device__ __forceinline__ void stage_rows(bf16* st, int K, const MakeRow& make_row, int tid, int nt) {
-  // NOTE: one row (batch 1) takes the row-by-row loop. Batched at batch 1 (up to 8 k steps, 3 of them real at
-  // K = 12288), ptxas spilled 128 bytes in run_norm_linear and run_silu_linear and the kernel entry's stack frame
-  // grew from 592 to 864 bytes, and the whole kernel ran 50% slower (qwen3-8b b1 7.60 vs 5.01 ms, docs/PERF.md
-  // v0.13): as with v0.11's pipelined walk, a larger entry frame slowed every task, not just this one.
+  // NOTE: one row (batch 1) takes the row-by-row loop. Batched at batch 1 (up to 8 guarded k steps, 3 of them
+  // real at K = 12288), run_silu_linear had 3.4x the instructions, ptxas spilled 128 bytes in it and in
+  // run_norm_linear, and the whole kernel ran 50% slower (qwen3-8b b1 7.60 vs 5.01 ms, docs/PERF.md v0.13). Not
+  // through the entry's larger stack frame (592 -> 864 B): padded alone, that frame cost nothing.
   if (!MPK_STAGE_ROWS_TOGETHER || kB == 1) {
     for (int b = 0; b < kB; ++b) stage_row(st + (size_t)b * K, K, make_row(b), tid, nt);
     return;

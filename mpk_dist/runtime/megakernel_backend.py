@@ -365,6 +365,14 @@ qwen3-0.6b at context ~512 (docs/PERF.md v0.8). Not in ``fusion.FUSIONS``: compi
 interpreter's ``fuse=True`` keep the unfused attention."""
 
 
+def _fusion_switch(var: str, environ=None) -> str:
+    """The value of a fusion switch: '' (unset), '0' or '1'; anything else is refused by name."""
+    knob = (os.environ if environ is None else environ).get(var, "")
+    if knob not in ("", "0", "1"):
+        raise InputError(f"{var}: expected one of 0, 1, got {knob!r}")
+    return knob
+
+
 def fusions_from_env(fuse=True) -> frozenset[str]:
     """The fusion set of ``fuse`` (mpk_dist.taskgraph.fusion; fused linears default on since verified on an
     H200). ``fuse=True`` also gets ``DEFAULT_ATTN_FUSIONS`` unless MPK_FUSE_ATTN_PREP=0 / MPK_FUSE_ATTN_MERGE=0
@@ -374,15 +382,10 @@ def fusions_from_env(fuse=True) -> frozenset[str]:
 
     out = set(fusion_set(fuse))
     for var, name in (("MPK_FUSE_NORM", "norm"), ("MPK_FUSE_SILU", "silu"), ("MPK_FUSE_RESIDUAL", "residual")):
-        knob = os.environ.get(var, "")  # 0: one default fusion off (an A/B of it on the GPU), else as given
-        if knob not in ("", "0", "1"):
-            raise InputError(f"{var}: expected one of 0, 1, got {knob!r}")
-        if knob == "0":
+        if _fusion_switch(var) == "0":  # one default fusion off (an A/B of it on the GPU)
             out.discard(name)
     for var, name in (("MPK_FUSE_ATTN_PREP", "attn_prep"), ("MPK_FUSE_ATTN_MERGE", "attn_merge")):
-        knob = os.environ.get(var, "")
-        if knob not in ("", "0", "1"):
-            raise InputError(f"{var}: expected one of 0, 1, got {knob!r}")
+        knob = _fusion_switch(var)
         if knob == "1" or (knob == "" and fuse is True):
             out.add(name)
     return frozenset(out)
@@ -400,8 +403,7 @@ two rows; batch 3 is not measured."""
 def fusions_for_batch(fuse: frozenset, batch: int, environ=None) -> frozenset:
     """The fusions of a program of ``batch`` rows: ``fuse`` without 'silu' above SILU_FUSE_MAX_BATCH, unless
     MPK_FUSE_SILU=1 asks for it at every batch."""
-    env = os.environ if environ is None else environ
-    if "silu" in fuse and batch > SILU_FUSE_MAX_BATCH and env.get("MPK_FUSE_SILU", "") != "1":
+    if "silu" in fuse and batch > SILU_FUSE_MAX_BATCH and _fusion_switch("MPK_FUSE_SILU", environ) != "1":
         return frozenset(fuse) - {"silu"}
     return frozenset(fuse)
 
