@@ -130,44 +130,6 @@ def test_env_knob_reaches_the_program(fake_gpu, monkeypatch):
         fake_gpu.MegakernelBackend(m.config, m.weights, device="cpu", max_seq_len=16, sms=4)
 
 
-def test_linear_fusion_knobs_drop_one_fusion(fake_gpu, monkeypatch):
-    """MPK_FUSE_SILU=0 (and its norm / residual siblings) drops that one fusion from the default set and the
-    program then has the unfused silu_mul level; a bad value is refused by name."""
-    from mpk_dist.model_source import open_model
-
-    m = open_model("tiny")
-    for var in ("MPK_FUSE_NORM", "MPK_FUSE_SILU", "MPK_FUSE_RESIDUAL", "MPK_FUSE_ATTN_PREP", "MPK_FUSE_ATTN_MERGE"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("MPK_FUSE_SILU", "0")
-    b = fake_gpu.MegakernelBackend(m.config, m.weights, device="cpu", max_seq_len=16, sms=4)
-    assert b.fuse == frozenset({"norm", "residual", "attn_prep", "attn_merge"})
-    kinds = {o["kind"] for o in b.session(1).cg.meta["ops"]}
-    assert "silu_mul" in kinds and "silu_linear" not in kinds and "norm_linear" in kinds
-    monkeypatch.setenv("MPK_FUSE_SILU", "1")
-    assert "silu" in fake_gpu.MegakernelBackend(m.config, m.weights, device="cpu", max_seq_len=16, sms=4).fuse
-    monkeypatch.setenv("MPK_FUSE_NORM", "off")
-    with pytest.raises(InputError, match=r"MPK_FUSE_NORM: expected one of 0, 1, got 'off'"):
-        fake_gpu.MegakernelBackend(m.config, m.weights, device="cpu", max_seq_len=16, sms=4)
-
-
-def test_silu_fusion_stops_above_its_batch(fake_gpu, monkeypatch):
-    """Above SILU_FUSE_MAX_BATCH rows the backend's programs keep silu_mul as its own level (the fused down tile
-    would recompute it in every tile); at or below it, and with MPK_FUSE_SILU=1 at any batch, the fusion stays."""
-    from mpk_dist.model_source import open_model
-    from mpk_dist.runtime.megakernel_backend import SILU_FUSE_MAX_BATCH, fusions_for_batch
-
-    m = open_model("tiny")
-    for var in ("MPK_FUSE_NORM", "MPK_FUSE_SILU", "MPK_FUSE_RESIDUAL"):
-        monkeypatch.delenv(var, raising=False)
-    b = fake_gpu.MegakernelBackend(m.config, m.weights, device="cpu", max_seq_len=16, sms=4)
-    kinds = lambda batch: {o["kind"] for o in b.group(batch).sessions[0].cg.meta["ops"]}  # noqa: E731
-    assert "silu_linear" in kinds(SILU_FUSE_MAX_BATCH) and "silu_mul" not in kinds(SILU_FUSE_MAX_BATCH)
-    above = kinds(2 * SILU_FUSE_MAX_BATCH)
-    assert "silu_mul" in above and "silu_linear" not in above and "norm_linear" in above
-    assert fusions_for_batch(b.fuse, 2 * SILU_FUSE_MAX_BATCH, {"MPK_FUSE_SILU": "1"}) == b.fuse
-    assert fusions_for_batch(b.fuse, 2 * SILU_FUSE_MAX_BATCH, {}) == b.fuse - {"silu"}
-
-
 # ---- the fusion in split-KV programs: attention_split_prep ----
 def _split_program(batch: int = 1):
     from mpk_dist.models.presets import get_preset

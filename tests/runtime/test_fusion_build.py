@@ -1,6 +1,7 @@
 """CPU checks of the fused linears' CUDA side: the mega-kernel with the fused task bodies builds for
 sm_90a (nvcc), every fused kind has a dispatch case and a weight prefetch, and the shared-memory
-layout constant matches the Python side that sizes the staging."""
+layout constant matches the Python side that sizes the staging; and of the backend's fusion choice
+(the MPK_FUSE_* switches, silu_mul unfused above SILU_FUSE_MAX_BATCH rows)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import shutil
 
 import pytest
 
+from mpk_dist.errors import InputError
 from mpk_dist.runtime.build import CSRC
 from mpk_dist.runtime.codegen import KernelShape
 from mpk_dist.runtime.kernel import build_kernel
@@ -45,3 +47,42 @@ def test_stage_offset_matches_the_python_side():
     text = (CSRC / "tasks" / "fused_gemv.cuh").read_text()
     floats = int(re.search(r"constexpr int kStageOffset = (\d+);", text).group(1))
     assert floats * 4 == fusion.STAGE_OFFSET_BYTES
+
+
+def test_linear_fusion_knobs_drop_one_fusion(fake_gpu, monkeypatch):
+    """MPK_FUSE_SILU=0 (and its norm / residual siblings) drops that one fusion from the default set and the
+    program then has the unfused silu_mul level; a bad value is refused by name."""
+    from mpk_dist.model_source import open_model
+
+    m = open_model("tiny")
+    for var in ("MPK_FUSE_NORM", "MPK_FUSE_SILU", "MPK_FUSE_RESIDUAL", "MPK_FUSE_ATTN_PREP", "MPK_FUSE_ATTN_MERGE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("MPK_FUSE_SILU", "0")
+    b = fake_gpu.MegakernelBackend(m.config, m.weights, device="cpu", max_seq_len=16, sms=4)
+    assert b.fuse == frozenset({"norm", "residual", "attn_prep", "attn_merge"})
+    kinds = {o["kind"] for o in b.session(1).cg.meta["ops"]}
+    assert "silu_mul" in kinds and "silu_linear" not in kinds and "norm_linear" in kinds
+    monkeypatch.setenv("MPK_FUSE_SILU", "1")
+    assert "silu" in fake_gpu.MegakernelBackend(m.config, m.weights, device="cpu", max_seq_len=16, sms=4).fuse
+    monkeypatch.setenv("MPK_FUSE_NORM", "off")
+    with pytest.raises(InputError, match=r"MPK_FUSE_NORM: expected one of 0, 1, got 'off'"):
+        fake_gpu.MegakernelBackend(m.config, m.weights, device="cpu", max_seq_len=16, sms=4)
+
+
+def test_silu_fusion_stops_above_its_batch(fake_gpu, monkeypatch):
+    """Above SILU_FUSE_MAX_BATCH rows the backend's programs keep silu_mul as its own level (the fused down tile
+    would recompute it in every tile); at or below it, and with MPK_FUSE_SILU=1 at any batch, the fusion stays."""
+    from mpk_dist.model_source import open_model
+    from mpk_dist.runtime.megakernel_backend import SILU_FUSE_MAX_BATCH, fusions_for_batch
+
+    m = open_model("tiny")
+    for var in ("MPK_FUSE_NORM", "MPK_FUSE_SILU", "MPK_FUSE_RESIDUAL"):
+        monkeypatch.delenv(var, raising=False)
+    b = fake_gpu.MegakernelBackend(m.config, m.weights, device="cpu", max_seq_len=16, sms=4)
+    kinds = lambda batch: {o["kind"] for o in b.group(batch).sessions[0].cg.meta["ops"]}  # noqa: E731
+    assert "silu_linear" in kinds(SILU_FUSE_MAX_BATCH) and "silu_mul" not in kinds(SILU_FUSE_MAX_BATCH)
+    above = kinds(2 * SILU_FUSE_MAX_BATCH)
+    assert "silu_mul" in above and "silu_linear" not in above and "norm_linear" in above
+    assert fusions_for_batch(b.fuse, 2 * SILU_FUSE_MAX_BATCH, {"MPK_FUSE_SILU": "1"}) == b.fuse
+    assert fusions_for_batch(b.fuse, 2 * SILU_FUSE_MAX_BATCH, {}) == b.fuse - {"silu"}
+
