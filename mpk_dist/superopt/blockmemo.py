@@ -310,12 +310,28 @@ class MemoEnumerator:
             return self._post(0, allin, frozenset(), frozenset(), frozenset(), frozenset())
         return self._body(0, allin, frozenset(), frozenset())
 
-    def structures(self, graphs) -> list:
-        """``Structure`` s of the op sets ``graphs``, each in its canonical order, sorted."""
+    def structures(self, graphs, keep=None) -> list:
+        """``Structure`` s of the op sets ``graphs``, each in its canonical order, sorted;
+        ``keep``: None, or a callable on a graph's outputs ((shape, syms) of each output tile):
+        the graphs it returns False for are left out before their canonical order is built."""
         from mpk_dist.superopt.blocksearch import Structure
 
+        if keep is not None:
+            graphs = [ops for ops in graphs if keep(self._output_tiles(ops))]
         out = [Structure(self.layout, *canonical_order(ops)) for ops in graphs]
         out.sort(key=lambda s: (s.body, s.post, s.outputs))
+        return out
+
+    def _output_tiles(self, ops) -> list:
+        """(shape, syms) of the outputs of the op set ``ops`` (as ``canonical_order`` finds
+        them: accumulators of unread body results, unread post results; an accumulator has its
+        body tensor's shape), at the enumeration's counts."""
+        read = {r for d in ops for r in d[3]}
+        out = []
+        for d in ops:
+            ref = d[4]
+            if ref not in read and (d[0] == "p" or ("a", ref[1]) not in read):
+                out.append((self.shape[ref[1]], self.syms[ref[1]]))
         return out
 
     # -- tensors ----------------------------------------------------------------------------

@@ -264,7 +264,7 @@ def representative_sizes(layout: Layout, infos: dict, sym_size: dict, config) ->
 
 def enumerate_layout(ctx: Context, layout: Layout, infos: dict, final: bool = False,
                      early_bound: bool = True, dedup: bool | None = None,
-                     share: bool | None = None) -> list:
+                     share: bool | None = None, keep=None) -> list:
     """All complete structures of one layout (see module docstring).
 
     ``final``: the op will be the last kernel op, so it has exactly one output (the target);
@@ -277,6 +277,10 @@ def enumerate_layout(ctx: Context, layout: Layout, infos: dict, final: bool = Fa
     ``share`` (default: a last op with ``dedup`` and without pruning): the layout is enumerated
     once per input shapes with opaque inputs and tested per concrete inputs (``blockshare``; the
     same structures, tests compare the two).
+    ``keep``: None, or a callable on a structure's outputs ((shape, syms) of each kernel output
+    at the representative counts, as ``catalog.cost_key`` has them) that may drop the
+    structures it returns False for before they are put in canonical order (the deduplicating
+    enumerator of a non-last op only; the other paths return everything).
     """
     sym_size = {}
     for n in layout.inputs:
@@ -303,6 +307,10 @@ def enumerate_layout(ctx: Context, layout: Layout, infos: dict, final: bool = Fa
         for key, n in (("deduplicated", enum.deduplicated), ("states", enum.states),
                        ("mismatched", enum.mismatched)):
             ctx.counts[key] = ctx.counts.get(key, 0) + n
+        if keep is not None and not final:
+            grid = tuple((s, sizes[s]) for s in layout.grid_syms)
+            return enum.structures(graphs, lambda outs: keep(tuple(
+                kernel_output(shape, syms, grid)[1:] for shape, syms in outs)))
         return enum.structures(graphs)
     return _Builder(ctx, layout, infos, sizes, outs, early_bound).run()
 
@@ -371,21 +379,29 @@ def _instantiate(st: Structure, sizes: dict, infos: dict, out_names: tuple, orig
     outputs, kinfos = [], {}
     for local, name in zip(st.outputs, out_names):
         info = env[local]
-        omap, shape, syms = [], list(info.shape), list(info.syms)
-        stack = []
-        for s, c in grid:
-            d = _dim_of(info.syms, s)
-            if d is None:
-                omap.append(STACK)
-                stack.append((c, f"{s}#"))
-            else:
-                omap.append(d)
-                shape[d] *= c
-        outputs.append(BlockOutput(local, name, tuple(omap)))
-        kinfos[name] = TensorInfo(tuple(c for c, _ in stack) + tuple(shape),
-                                  tuple(s for _, s in stack) + tuple(syms), info.expr)
+        omap, shape, syms = kernel_output(info.shape, info.syms, grid)
+        outputs.append(BlockOutput(local, name, omap))
+        kinfos[name] = TensorInfo(shape, syms, info.expr)
     bg = BlockGraph(grid, loop, inputs, body, tuple(accs), post, tuple(outputs))
     return bg, kinfos
+
+
+def kernel_output(shape: tuple, syms: tuple, grid: tuple) -> tuple:
+    """(omap, shape, syms) of the kernel tensor a block tensor of tile ``shape`` / ``syms``
+    writes under ``grid`` ((symbol, count) per axis): a dim that carries an axis's symbol is
+    concatenated along (its extent times the count), an axis whose symbol it lacks stacks a new
+    leading dim (STACK, symbol ``s#``)."""
+    omap, shape, stack = [], list(shape), []
+    for s, c in grid:
+        d = _dim_of(syms, s)
+        if d is None:
+            omap.append(STACK)
+            stack.append((c, f"{s}#"))
+        else:
+            omap.append(d)
+            shape[d] *= c
+    return (tuple(omap), tuple(c for c, _ in stack) + tuple(shape),
+            tuple(s for _, s in stack) + tuple(syms))
 
 
 def _ops(spec: tuple, prefix: str, env: dict, origin_of) -> tuple:

@@ -54,7 +54,16 @@ def layout_options(ctx: Context, layout, infos: dict, final: bool, limit=None) -
     memo: dict = {}
     floors: dict = {}  # best_counts' input-tile floors of this layout's counts
     in_bytes = sum(_numel(infos[n].shape) for n in layout.inputs) * DTYPE_BYTES
-    for st in B.enumerate_layout(ctx, layout, infos, final):
+    keep, early = None, [0]
+    if limit is not None and not final:
+        # the test below on a structure's outputs, applied by the enumerator before the
+        # structure is put in canonical order and keyed (~half of first-op structures of the
+        # unpruned attention_decode search are over the limit once a graph is verified)
+        def keep(outs: tuple) -> bool:
+            ok = bytes_lower_bound(layout, in_bytes, outs, limit[1]) <= limit[0]
+            early[0] += not ok
+            return ok
+    for st in B.enumerate_layout(ctx, layout, infos, final, keep=keep):
         if ctx.timed_out():
             break
         if final and not _may_have_shape(st, infos, out_shape, ctx.config, rep):
@@ -76,6 +85,8 @@ def layout_options(ctx: Context, layout, infos: dict, final: bool, limit=None) -
             ctx.counts["costs_shared"] = ctx.counts.get("costs_shared", 0) + 1
         if best is not None and best[1] != math.inf:
             options.append((st, *best))
+    if early[0]:
+        ctx.counts["over_limit"] = ctx.counts.get("over_limit", 0) + early[0]
     return options
 
 

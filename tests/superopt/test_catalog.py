@@ -150,3 +150,34 @@ def test_a_lost_worker_result_is_a_clear_error_not_a_hang():
     with pytest.raises(MpkError, match=r"superopt: layout 3 of \('X',\): expected the worker process's result"):
         ctx.pool_result(Task(None), "layout 3 of ('X',)")
     assert all(w is not None and w <= 5 + C.POOL_GRACE_S for w in waits), waits
+
+
+def test_listing_limit_applied_by_the_enumerator_lists_the_same_options(monkeypatch):
+    """Under a listing limit, ``layout_options`` lets the enumerator drop structures whose outputs
+    put them over the limit before they are put in canonical order (``enumerate_layout(keep=)``);
+    the options listed and the ``over_limit`` count are those of the check on ``cost_key``'s
+    outputs alone (the first-op layouts of Q and of (Kt, V) for attention at small shapes, 3
+    block ops, limits that cut most of them, about half and none, output reads 1 and 2)."""
+    from mpk_dist.superopt import blocksearch as B
+    from mpk_dist.superopt import catalog as C
+
+    target = analyze(build("attention_decode", {"H": 4, "D": 64, "S": 256}))
+    config = SearchConfig(max_kernel_ops=2, max_block_ops=3, prune=False)
+    infos = _input_infos(target)
+    plain = B.enumerate_layout
+
+    def listings(early: bool) -> tuple:
+        ctx = Context(target, config, time.monotonic() + 900)
+        with monkeypatch.context() as m:
+            if not early:
+                m.setattr(B, "enumerate_layout",
+                          lambda *a, keep=None, **k: plain(*a, **k))
+            out = [C.layout_options(ctx, lay, infos, False, (us, reads))
+                   for subset in (("Q",), ("Kt", "V")) for lay in B.layouts(subset, infos, 1)
+                   for us in (2.0003, 2.02, 100.0) for reads in (1, 2)]
+        return out, ctx.counts.get("over_limit", 0)
+
+    early, early_over = listings(True)
+    late, late_over = listings(False)
+    assert early == late and early_over == late_over
+    assert early_over > 1000 and sum(map(len, early)) > 1000
