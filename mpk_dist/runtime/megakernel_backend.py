@@ -464,6 +464,14 @@ def tuning_from_env(worker_threads: int, environ=None) -> dict:
         if val is None or not ok(val):
             raise InputError(f"{var}: expected one of {allowed}, got {raw!r}")
         out[key] = val
+    # The full-width linear tiles' prefetch from the task records instead of the compiled MPK_PREFETCH_KB cap
+    # (prefetch_plan level_bytes): one binary measured at several caps. Only when set (same binary).
+    raw = env.get("MPK_PREFETCH_LEVEL_KB", "")
+    if raw:
+        if not raw.isdigit():
+            raise InputError(f"MPK_PREFETCH_LEVEL_KB: expected a cap in KB >= 0 (unset: the kernel's MPK_PREFETCH_KB), "
+                             f"got {raw!r}")
+        out["prefetch_level_kb"] = int(raw)
     # Switches whose key appears only when set away from the default, so the default dict (and every
     # Session built from it) is what it was before the switch existed.
     for key, var, default in SWITCHES:

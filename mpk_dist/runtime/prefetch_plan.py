@@ -4,9 +4,11 @@ A worker issues an L2 prefetch of its next task's weights and then spins on that
 events. Most linear ops follow another full-width linear: their wait is short, and prefetching whole
 tiles there (132 tiles of up to ~1.6 MB, more than the L2) only evicts lines before they are used,
 so those tasks keep the kernel's small default cap (``MPK_PREFETCH_KB``). A linear that waits on a
-NARROW op (few tasks: the o-projection after attention, whose qkv_prep -> attention chain runs on a
-handful of SMs for tens of microseconds) leaves every other SM idle for that long; its whole weight
-block fits in L2 and can be in L2 by the time the inputs arrive. This module marks those tasks.
+NARROW op leaves HBM idle for that op's whole time; its whole weight block fits in L2 and can be in L2
+by the time the inputs arrive. This module marks those tasks. Narrow means either few producer tasks
+(an unfused rms_norm; unsplit attention's 8 tiles) or attention tiles however many (split-KV attention:
+64 tiles for qwen3-8b at context 512, ~18 us a layer in which HBM moves ~2 MB of cache rows). Short
+weightless producers (silu_mul, the embedding) do not count: their wait is too short to fill.
 
 A tile whose own worker runs one of those narrow producers earlier in its list gets 0 (no prefetch):
 that worker reaches the tile when its input is (nearly) ready, so there is nothing to hide and issuing
@@ -28,6 +30,10 @@ from mpk_dist.taskgraph.tasks import BY_NAME
 LINEAR_KINDS = ("linear", "norm_linear", "linear_residual", "silu_linear")
 """Kinds whose CUDA bodies stream a contiguous [N_TILE, K] bf16 weight block (dispatch.cuh prefetch_task)."""
 
+ATTENTION_KINDS = ("attention", "attention_split", "attention_split_prep", "attention_merge", "attention_prep",
+                   "paged_attention")
+"""Producers that stream no weights for a long time (a KV walk and its chain of dependent round trips)."""
+
 NARROW_FRACTION = 0.25
 """An input event with fewer signallers per step than this share of the workers marks a long wait."""
 
@@ -37,8 +43,22 @@ L2_SHARE = 0.7
 WEIGHT_BYTES = 2  # the linear bodies read bf16 weights
 
 
-def _narrow_events(cg, task: int, workers: int) -> set[int]:
-    """The events with few signallers that ``task`` waits on in its own step."""
+def _attention_events(cg) -> set[int]:
+    """The events signalled only by attention tiles (``ATTENTION_KINDS``)."""
+    tasks, signals = cg.arrays["tasks"], cg.arrays["signals"]
+    attention = np.isin(tasks[:, TASK_COLS["OPCODE"]], [BY_NAME[k].opcode for k in ATTENTION_KINDS])
+    by_event: dict[int, bool] = {}
+    for t in range(tasks.shape[0]):
+        row = tasks[t]
+        for e in signals[int(row[TASK_COLS["SIGNAL_BEGIN"]]):int(row[TASK_COLS["SIGNAL_END"]]),
+                         SIGNAL_COLS["EVENT"]].tolist():
+            by_event[e] = by_event.get(e, True) and bool(attention[t])
+    return {e for e, only in by_event.items() if only}
+
+
+def _narrow_events(cg, task: int, workers: int, attention: set[int]) -> set[int]:
+    """The events ``task`` waits on in its own step whose producers leave HBM idle for long: fewer
+    signallers than ``NARROW_FRACTION`` of the workers, or attention tiles only (in ``attention``)."""
     tasks, waits, events = cg.arrays["tasks"], cg.arrays["waits"], cg.arrays["events"]
     row = tasks[task]
     out = set()
@@ -46,7 +66,8 @@ def _narrow_events(cg, task: int, workers: int) -> set[int]:
         if int(waits[k, WAIT_COLS["STEP_OFFSET"]]) != 0:
             continue
         e = int(waits[k, WAIT_COLS["EVENT"]])
-        if 0 < int(events[e, EVENT_COLS["TRIGGERS"]]) < NARROW_FRACTION * workers:
+        triggers = int(events[e, EVENT_COLS["TRIGGERS"]])
+        if 0 < triggers and (triggers < NARROW_FRACTION * workers or e in attention):
             out.add(e)
     return out
 
@@ -83,34 +104,41 @@ def _narrow_tiles(cg, workers: int, l2_bytes: int) -> dict[int, tuple[int, set[i
         named = {spec.name: int(v) for spec, v in zip(kind.params, p)}
         by_op.setdefault(int(tasks[t, TASK_COLS["OP_INDEX"]]), []).append((t, named["N_TILE"] * named["K"] * WEIGHT_BYTES))
     budget = int(L2_SHARE * l2_bytes)
+    attention = _attention_events(cg)
     out = {}
     for tiles in by_op.values():
-        narrow = _narrow_events(cg, tiles[0][0], workers)
+        narrow = _narrow_events(cg, tiles[0][0], workers, attention)
         if narrow:
             share = budget // len(tiles)
             out.update({t: (min(nbytes, share), narrow) for t, nbytes in tiles})
     return out
 
 
-def prefetch_plan(cg, workers: int, l2_bytes: int) -> np.ndarray:
+def prefetch_plan(cg, workers: int, l2_bytes: int, level_bytes: int | None = None) -> np.ndarray:
     """Per task: L2 prefetch bytes before its waits (>= 0), or -1 for the kernel's default cap.
 
     Tiles of a linear op that waits on a narrow op get their whole weight block, or an equal share of
     ``L2_SHARE * l2_bytes`` when the op's blocks together exceed it (0 when their own worker runs one
-    of the narrow producers first); every other task gets -1.
+    of the narrow producers first). ``level_bytes`` (MPK_PREFETCH_LEVEL_KB): every other linear tile's
+    bytes instead of the kernel's compiled cap, so one binary can be measured at several caps; every
+    other task gets -1.
     """
-    return _plan_of(cg, _narrow_tiles(cg, workers, l2_bytes))
+    return _plan_of(cg, _narrow_tiles(cg, workers, l2_bytes), level_bytes)
 
 
-def _plan_of(cg, tiles: dict[int, tuple[int, set[int]]]) -> np.ndarray:
-    """prefetch_plan's array from ``_narrow_tiles``' result."""
-    plan = np.full(cg.arrays["tasks"].shape[0], -1, np.int32)
+def _plan_of(cg, tiles: dict[int, tuple[int, set[int]]], level_bytes: int | None = None) -> np.ndarray:
+    """prefetch_plan's array from ``_narrow_tiles``' result (``level_bytes``: see prefetch_plan)."""
+    tasks = cg.arrays["tasks"]
+    plan = np.full(tasks.shape[0], -1, np.int32)
+    if level_bytes is not None:
+        linear = np.isin(tasks[:, TASK_COLS["OPCODE"]], [BY_NAME[k].opcode for k in LINEAR_KINDS])
+        plan[linear] = level_bytes
     for t, (nbytes, narrow) in tiles.items():
         plan[t] = 0 if _runs_a_producer_first(cg, t, narrow) else nbytes
     return plan
 
 
-def hoist_ahead(cg, workers: int, l2_bytes: int) -> tuple[np.ndarray, np.ndarray]:
+def hoist_ahead(cg, workers: int, l2_bytes: int, level_bytes: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(plan, ahead): ``prefetch_plan`` with the narrow-waiting tiles' prefetch moved one task earlier
     on their aot worker where that earlier task is not a linear (an attention or other narrow task:
     its wait is idle HBM time, where a linear predecessor's is its own weight stream). ``ahead[t]``:
@@ -120,7 +148,7 @@ def hoist_ahead(cg, workers: int, l2_bytes: int) -> tuple[np.ndarray, np.ndarray
     schedule has no fixed predecessor."""
     tasks = cg.arrays["tasks"]
     tiles = _narrow_tiles(cg, workers, l2_bytes)
-    plan = _plan_of(cg, tiles)
+    plan = _plan_of(cg, tiles, level_bytes)
     ahead = np.zeros(tasks.shape[0], np.int32)
     linear_ops = {BY_NAME[k].opcode for k in LINEAR_KINDS}
     offs, lst = cg.arrays["worker_offsets"], cg.arrays["worker_tasks"]

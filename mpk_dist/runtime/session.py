@@ -72,7 +72,8 @@ class Session:
                  cooperative: bool = True, superopt: bool = True, linear_mma: bool = False,
                  prefetch_plan: bool = True, linear_tma: bool = False, linear_pipe: bool = False,
                  attn_prefetch: bool = True, bulk_prefetch: bool = False, prefetch_ahead: bool = False,
-                 attn_stage_kv: bool = False, load_ahead: bool = True, min_carveout: bool = False):
+                 attn_stage_kv: bool = False, load_ahead: bool = True, min_carveout: bool = False,
+                 prefetch_level_kb: int | None = None):
         if cg.meta["abi_version"] != ABI_VERSION:
             raise InputError(f"task graph ABI: expected version {ABI_VERSION}, got {cg.meta['abi_version']}")
         tables.check_supported(cg)
@@ -122,6 +123,7 @@ class Session:
         self.use_prefetch_plan = prefetch_plan
         # Record-level switches (no rebuild): bulk-copy prefetches; hoisting needs the aot worker order.
         self.bulk_prefetch, self.prefetch_ahead = bulk_prefetch, prefetch_ahead and schedule == "aot"
+        self.prefetch_level_kb = prefetch_level_kb
         self.passes = None  # a PassChannel once enable_passes (persistent passes, pass_io.py)
         self._alloc(weights, num_sched)
 
@@ -202,9 +204,10 @@ class Session:
         l2 = int(getattr(torch.cuda.get_device_properties(self.device), "L2_cache_size", 0)) if self.device.type == "cuda" else 0
         share = self.world if self.stream is not None else 1
         l2 = (l2 or DEFAULT_L2_BYTES) // share
+        level = None if self.prefetch_level_kb is None else self.prefetch_level_kb * 1024
         if self.prefetch_ahead:
-            return hoist_ahead(self.cg, self.workers, l2)
-        return prefetch_plan(self.cg, self.workers, l2), None
+            return hoist_ahead(self.cg, self.workers, l2, level)
+        return prefetch_plan(self.cg, self.workers, l2, level), None
 
     def _region_view(self, offset: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
         """A typed view of bytes [offset, offset + nbytes) of this rank's symmetric region."""

@@ -82,10 +82,31 @@ def test_budget_is_shared_when_the_blocks_exceed_it():
         assert (small[tiles] < full[tiles]).all()
 
 
-def test_no_narrow_wait_means_no_plan():
-    """With as few workers as attention tasks nothing counts as narrow: every entry is -1."""
+def test_with_as_many_workers_as_tiles_only_attention_waits_are_narrow():
+    """With as few workers as attention tasks no signaller count is narrow: only the o_proj tiles (after
+    attention) are planned, every other entry is -1."""
     cg = compile_rank_programs(get_preset("tiny"), tp=1, batch=1, sms=4, max_seq_len=64, fuse=True)[0]
-    assert (prefetch_plan(cg, 4, 50 << 20) == -1).all()
+    plan = prefetch_plan(cg, 4, 50 << 20)
+    marked = {name.split(".")[-1] for (name, _), v in _by_name(cg, plan).items() if v != {-1}}
+    assert marked == {"o_proj"}
+
+
+@pytest.mark.parametrize("model", ["qwen3-8b", "qwen3-0.6b"])
+def test_split_attention_counts_as_narrow_however_many_tiles(model):
+    """At context 512 split-KV attention has 64 tiles (more than NARROW_FRACTION of 132 workers) and HBM
+    idles through it all the same: the o_proj tiles after it are planned (before this rule: none were)."""
+    from mpk_dist.runtime.megakernel_backend import fusions_for_batch, fusions_from_env
+
+    cg = compile_rank_programs(get_preset(model), tp=1, batch=1, sms=SMS, max_seq_len=512,
+                               fuse=fusions_for_batch(fusions_from_env(True), 1), attn_splits="auto")[0]
+    kinds = {BY_OPCODE[int(o)].name for o in cg.arrays["tasks"][:, TASK_COLS["OPCODE"]]}
+    assert "attention_split_prep" in kinds
+    split_tiles = sum(1 for o in cg.arrays["tasks"][:, TASK_COLS["OPCODE"]]
+                      if BY_OPCODE[int(o)].name == "attention_split_prep") // get_preset(model).num_layers
+    assert split_tiles >= 0.25 * SMS, split_tiles  # the signaller rule alone would not mark it
+    plan = prefetch_plan(cg, SMS, 50 << 20)
+    marked = {name.split(".")[-1] for (name, _), v in _by_name(cg, plan).items() if max(v) > 0}
+    assert marked == {"o_proj"}
 
 
 def test_the_rule_is_the_signaller_count_not_the_op():
@@ -164,3 +185,34 @@ def test_bulk_and_ahead_switches_reach_the_records():
     addr = np.zeros(cg.arrays["args"].shape[0], np.uint64)
     assert ((build_records(cg, addr, bulk_prefetch=True)[0][:, REC_FLAGS] & FLAG_BULK_PREFETCH) != 0).all()
     assert ((build_records(cg, addr)[0][:, REC_FLAGS] & FLAG_BULK_PREFETCH) == 0).all()
+
+
+def test_level_cap_fills_every_other_linear_tile():
+    """MPK_PREFETCH_LEVEL_KB (table-only): the linear tiles the plan leaves at the kernel's cap get that many
+    bytes in their records instead; the narrow-waiting tiles keep their plan; non-linear tasks keep -1."""
+    from mpk_dist.errors import InputError
+    from mpk_dist.runtime.megakernel_backend import tuning_from_env
+
+    assert tuning_from_env(512, {"MPK_PREFETCH_LEVEL_KB": "128"})["prefetch_level_kb"] == 128
+    assert "prefetch_level_kb" not in tuning_from_env(512, {})
+    with pytest.raises(InputError, match="MPK_PREFETCH_LEVEL_KB: expected a cap in KB >= 0"):
+        tuning_from_env(512, {"MPK_PREFETCH_LEVEL_KB": "-5"})
+    cg = compile_rank_programs(get_preset(MODEL), tp=1, batch=1, sms=SMS, max_seq_len=64, fuse=True)[0]
+    base = prefetch_plan(cg, SMS, 50 << 20)
+    level = prefetch_plan(cg, SMS, 50 << 20, level_bytes=128 << 10)
+    linear = np.array([BY_OPCODE[int(o)].name in ("linear", "norm_linear", "linear_residual", "silu_linear")
+                       for o in cg.arrays["tasks"][:, TASK_COLS["OPCODE"]]])
+    assert (level[linear & (base == -1)] == 128 << 10).all() and (linear & (base == -1)).sum() > 100
+    assert (level[~linear] == -1).all() and (level[base >= 0] == base[base >= 0]).all()
+
+
+def test_tune_sweep_has_the_level_cap_token():
+    """scripts/tune_sweep.py: 'e<KB>' sets MPK_PREFETCH_LEVEL_KB (a table-only sweep on one binary)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "tune_sweep.py"
+    spec = importlib.util.spec_from_file_location("tune_sweep", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.parse_variant("e128,h1") == ({"MPK_PREFETCH_LEVEL_KB": "128", "MPK_PREFETCH_AHEAD": "1"}, {})
