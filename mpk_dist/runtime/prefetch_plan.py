@@ -4,11 +4,14 @@ A worker issues an L2 prefetch of its next task's weights and then spins on that
 events. Most linear ops follow another full-width linear: their wait is short, and prefetching whole
 tiles there (132 tiles of up to ~1.6 MB, more than the L2) only evicts lines before they are used,
 so those tasks keep the kernel's small default cap (``MPK_PREFETCH_KB``). A linear that waits on a
-NARROW op leaves HBM idle for that op's whole time; its whole weight block fits in L2 and can be in L2
-by the time the inputs arrive. This module marks those tasks. Narrow means either few producer tasks
-(an unfused rms_norm; unsplit attention's 8 tiles) or attention tiles however many (split-KV attention:
-64 tiles for qwen3-8b at context 512, ~18 us a layer in which HBM moves ~2 MB of cache rows). Short
-weightless producers (silu_mul, the embedding) do not count: their wait is too short to fill.
+NARROW op (few tasks: an unfused rms_norm, or unsplit attention's 8 tiles, which run for tens of
+microseconds on a handful of SMs) leaves every other SM idle for that long; its whole weight block fits
+in L2 and can be in L2 by the time the inputs arrive. This module marks those tasks.
+
+Split-KV attention (64-72 tiles for qwen3-8b at context 512) is deliberately NOT narrow: planning the
+o_proj tiles behind it measured slower (docs/PERF.md v0.14: qwen3-8b 5.042 vs 5.008 ms, the attention
+level 19.5-20.4 vs 18.0-18.7 us: the 33.5 MB of prefetches slow the attention's own loads more than
+they speed up o_proj).
 
 A tile whose own worker runs one of those narrow producers earlier in its list gets 0 (no prefetch):
 that worker reaches the tile when its input is (nearly) ready, so there is nothing to hide and issuing
@@ -30,10 +33,6 @@ from mpk_dist.taskgraph.tasks import BY_NAME
 LINEAR_KINDS = ("linear", "norm_linear", "linear_residual", "silu_linear")
 """Kinds whose CUDA bodies stream a contiguous [N_TILE, K] bf16 weight block (dispatch.cuh prefetch_task)."""
 
-ATTENTION_KINDS = ("attention", "attention_split", "attention_split_prep", "attention_merge", "attention_prep",
-                   "paged_attention")
-"""Producers that stream no weights for a long time (a KV walk and its chain of dependent round trips)."""
-
 NARROW_FRACTION = 0.25
 """An input event with fewer signallers per step than this share of the workers marks a long wait."""
 
@@ -43,22 +42,8 @@ L2_SHARE = 0.7
 WEIGHT_BYTES = 2  # the linear bodies read bf16 weights
 
 
-def _attention_events(cg) -> set[int]:
-    """The events signalled only by attention tiles (``ATTENTION_KINDS``)."""
-    tasks, signals = cg.arrays["tasks"], cg.arrays["signals"]
-    attention = np.isin(tasks[:, TASK_COLS["OPCODE"]], [BY_NAME[k].opcode for k in ATTENTION_KINDS])
-    by_event: dict[int, bool] = {}
-    for t in range(tasks.shape[0]):
-        row = tasks[t]
-        for e in signals[int(row[TASK_COLS["SIGNAL_BEGIN"]]):int(row[TASK_COLS["SIGNAL_END"]]),
-                         SIGNAL_COLS["EVENT"]].tolist():
-            by_event[e] = by_event.get(e, True) and bool(attention[t])
-    return {e for e, only in by_event.items() if only}
-
-
-def _narrow_events(cg, task: int, workers: int, attention: set[int]) -> set[int]:
-    """The events ``task`` waits on in its own step whose producers leave HBM idle for long: fewer
-    signallers than ``NARROW_FRACTION`` of the workers, or attention tiles only (in ``attention``)."""
+def _narrow_events(cg, task: int, workers: int) -> set[int]:
+    """The events with few signallers that ``task`` waits on in its own step."""
     tasks, waits, events = cg.arrays["tasks"], cg.arrays["waits"], cg.arrays["events"]
     row = tasks[task]
     out = set()
@@ -66,8 +51,7 @@ def _narrow_events(cg, task: int, workers: int, attention: set[int]) -> set[int]
         if int(waits[k, WAIT_COLS["STEP_OFFSET"]]) != 0:
             continue
         e = int(waits[k, WAIT_COLS["EVENT"]])
-        triggers = int(events[e, EVENT_COLS["TRIGGERS"]])
-        if 0 < triggers and (triggers < NARROW_FRACTION * workers or e in attention):
+        if 0 < int(events[e, EVENT_COLS["TRIGGERS"]]) < NARROW_FRACTION * workers:
             out.add(e)
     return out
 
@@ -104,10 +88,9 @@ def _narrow_tiles(cg, workers: int, l2_bytes: int) -> dict[int, tuple[int, set[i
         named = {spec.name: int(v) for spec, v in zip(kind.params, p)}
         by_op.setdefault(int(tasks[t, TASK_COLS["OP_INDEX"]]), []).append((t, named["N_TILE"] * named["K"] * WEIGHT_BYTES))
     budget = int(L2_SHARE * l2_bytes)
-    attention = _attention_events(cg)
     out = {}
     for tiles in by_op.values():
-        narrow = _narrow_events(cg, tiles[0][0], workers, attention)
+        narrow = _narrow_events(cg, tiles[0][0], workers)
         if narrow:
             share = budget // len(tiles)
             out.update({t: (min(nbytes, share), narrow) for t, nbytes in tiles})
