@@ -442,7 +442,8 @@ def scoped_env(env: dict[str, str], keys=()):
 def tuning_from_env(worker_threads: int, environ=None) -> dict:
     """Kernel knobs {linear_unroll, worker_threads, prefetch_kb[, linear_mma, linear_tma, linear_pipe,
     prefetch_plan, attn_prefetch]}: MPK_LINEAR_UNROLL, MPK_WORKER_THREADS, MPK_PREFETCH_KB and the
-    SWITCHES override the defaults (8 loads in flight per lane; ``worker_threads``; DEFAULT_PREFETCH_KB of a
+    SWITCHES override the defaults (loads in flight per lane: None, the program's choice,
+    tables.default_linear_unroll; ``worker_threads``; DEFAULT_PREFETCH_KB of a
     linear tile's weights into L2; each switch's default) so a GPU session can sweep them
     (scripts/tune_sweep.py); a bad value is refused with the allowed ones."""
     from mpk_dist.runtime.codegen import LINEAR_UNROLLS, WORKER_THREADS
@@ -450,15 +451,18 @@ def tuning_from_env(worker_threads: int, environ=None) -> dict:
     env = os.environ if environ is None else environ
     out = {}
     for key, var, default, ok, allowed in (
-            ("linear_unroll", "MPK_LINEAR_UNROLL", 8, lambda v: v in LINEAR_UNROLLS,
+            ("linear_unroll", "MPK_LINEAR_UNROLL", None, lambda v: v in LINEAR_UNROLLS,
              ", ".join(map(str, LINEAR_UNROLLS))),
             ("worker_threads", "MPK_WORKER_THREADS", worker_threads, lambda v: v in WORKER_THREADS,
              ", ".join(map(str, WORKER_THREADS))),
             ("prefetch_kb", "MPK_PREFETCH_KB", DEFAULT_PREFETCH_KB, lambda v: v >= -1,
              "-1 (whole tile) or a cap in KB >= 0")):
         raw = env.get(var, "")
+        if not raw:
+            out[key] = default
+            continue
         try:
-            val = int(raw) if raw else default
+            val = int(raw)
         except ValueError:
             val = None
         if val is None or not ok(val):

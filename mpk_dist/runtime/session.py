@@ -45,8 +45,11 @@ MMA_PARTIAL_BYTES_PER_WARP = 512
 
 
 def kernel_shape(cg, worker_threads: int, schedule: str, **knobs) -> KernelShape:
-    """The KernelShape a Session of program ``cg`` builds (``knobs``: the other KernelShape fields); the
-    kernel prebuild (mpk_dist.runtime.prebuild) asks the same function, so its cubins are the ones found."""
+    """The KernelShape a Session of program ``cg`` builds (``knobs``: the other KernelShape fields; a
+    ``linear_unroll`` of None takes ``tables.default_linear_unroll``); the kernel prebuild
+    (mpk_dist.runtime.prebuild) asks the same function, so its cubins are the ones found."""
+    if knobs.get("linear_unroll") is None:
+        knobs["linear_unroll"] = tables.default_linear_unroll(cg, worker_threads)
     # MPK_BATCH: the rows of a linear tile (row blocks of 16 above 16 rows), not the program's batch
     return KernelShape(tables.kernel_batch(cg), worker_threads, schedule, **knobs)
 
@@ -67,7 +70,7 @@ class Session:
 
     def __init__(self, cg, weights: dict[str, torch.Tensor], device: torch.device, schedule: str = "aot",
                  worker_threads: int = 256, timeout_s: float = 5.0, trace: bool | int = False, num_sched: int = 4,
-                 compiler: str | None = None, model: str = "-", linear_rows: int = 1, linear_unroll: int = 8,
+                 compiler: str | None = None, model: str = "-", linear_rows: int = 1, linear_unroll: int | None = None,
                  prefetch_kb: int = -1, region=None, stream=None,
                  cooperative: bool = True, superopt: bool = True, linear_mma: bool = False,
                  prefetch_plan: bool = True, linear_tma: bool = False, linear_pipe: bool = False,

@@ -14,7 +14,7 @@ import numpy as np
 
 from mpk_dist.errors import InputError
 from mpk_dist.taskgraph.abi import TASK_COLS, WAIT_COLS
-from mpk_dist.taskgraph.tasks import BY_NAME
+from mpk_dist.taskgraph.tasks import BY_NAME, BY_OPCODE
 
 from mpk_dist.taskgraph.lowering import ROW_BLOCK
 
@@ -33,6 +33,37 @@ MAX_WORLD = 8
 def kernel_batch(cg) -> int:
     """MPK_BATCH of the kernel that runs ``cg``: the rows of each linear-kind tile, min(batch, ROW_BLOCK)."""
     return min(int(cg.meta["batch"]), ROW_BLOCK)
+
+
+UNROLL_WIDE = 16
+"""16-byte weight loads in flight per lane for batch-1 programs whose linear tiles are all large."""
+UNROLL_WIDE_MIN_ROUNDS = 2
+"""... large = at least this many rounds of UNROLL_WIDE loads by every worker thread (a round: threads x 16
+loads x 16 B; 128 KB at 512 threads). Measured on an H200 at context ~512 (docs/PERF.md v0.14, one process,
+same tokens): qwen3-8b 4.94 vs 5.01 ms and llama3-8b 4.71 vs 4.76 (smallest tile: o_proj, 256 KB) with 16,
+but qwen3-1.7b 1.91 vs 1.80 and qwen3-0.6b 1.46 vs 1.27 (64 and 32 KB tiles: one round does not fill)."""
+LINEAR_KIND_NAMES = ("linear", "norm_linear", "linear_residual", "silu_linear")
+
+
+def default_linear_unroll(cg, worker_threads: int) -> int:
+    """MPK_LINEAR_UNROLL for program ``cg``: UNROLL_WIDE at batch 1 when every linear tile holds at least
+    UNROLL_WIDE_MIN_ROUNDS rounds of UNROLL_WIDE 16-byte loads per thread, else 8 (batches >= 2 are not
+    measured with 16: they keep 8)."""
+    if kernel_batch(cg) != 1:
+        return 8
+    tasks, params = cg.arrays["tasks"], cg.arrays["params"]
+    smallest = None
+    for op in np.unique(tasks[:, TASK_COLS["OP_INDEX"]]).tolist():
+        t = int(np.nonzero(tasks[:, TASK_COLS["OP_INDEX"]] == op)[0][0])
+        kind = BY_OPCODE[int(tasks[t, TASK_COLS["OPCODE"]])]
+        if kind.name not in LINEAR_KIND_NAMES:
+            continue
+        p = params[tasks[t, TASK_COLS["PARAM_BEGIN"]]:tasks[t, TASK_COLS["PARAM_END"]]]
+        named = {spec.name: int(v) for spec, v in zip(kind.params, p)}
+        nbytes = named["N_TILE"] * named["K"] * 2
+        smallest = nbytes if smallest is None else min(smallest, nbytes)
+    wide = UNROLL_WIDE_MIN_ROUNDS * worker_threads * UNROLL_WIDE * 16
+    return UNROLL_WIDE if smallest is not None and smallest >= wide else 8
 
 
 def padded_batch(batch: int) -> int:

@@ -26,7 +26,13 @@ from mpk_dist.taskgraph.tasks import BY_NAME, kind_params
 
 MIN_SPLIT_POSITIONS = 64
 """'auto' never cuts the cache into ranges shorter than this (a split's fixed cost must stay small
-next to its KV reads)."""
+next to its KV reads) in programs of 2..AUTO_SPLIT_MAX_BATCH sequences, whose split tiles walk their range
+once per sequence."""
+MIN_SPLIT_POSITIONS_B1 = 32
+"""The same floor for one sequence. Measured on an H200 at context ~512 (max_seq_len 544, docs/PERF.md v0.14,
+one process): 12 or 16 ranges per kv head instead of 64-position ranges (9) gave qwen3-8b 4.984 / 4.987 vs
+5.010 / 5.016 ms, qwen3-0.6b 1.251 / 1.252 vs 1.270 / 1.263, qwen3-1.7b 1.782 (12) vs 1.797 / 1.795: the walk
+shortens and the tiles (up to sms // kv_heads per head) still fit the workers."""
 AUTO_SPLIT_MAX_BATCH = 4
 """'auto' splits only programs of at most this many sequences, and up to this many a split tile walks its
 range for every sequence; above it, an explicit split count gives each split tile one sequence
@@ -55,12 +61,13 @@ def check_attn_splits(attn_splits) -> int | str:
 def resolve_splits(attn_splits, sms: int, kv_heads: int, max_seq_len: int, batch: int = 1) -> int:
     """Number of KV ranges per kv head. 'auto': 1 (no split) above AUTO_SPLIT_MAX_BATCH sequences, else
     enough for kv_heads x splits to about fill ``sms`` workers, but no range shorter than
-    MIN_SPLIT_POSITIONS positions."""
+    MIN_SPLIT_POSITIONS_B1 positions at batch 1 or MIN_SPLIT_POSITIONS above."""
     n = check_attn_splits(attn_splits)
     if n == "auto":
         if batch > AUTO_SPLIT_MAX_BATCH:
             return 1
-        return max(1, min(sms // max(1, kv_heads), max_seq_len // MIN_SPLIT_POSITIONS))
+        floor = MIN_SPLIT_POSITIONS_B1 if batch == 1 else MIN_SPLIT_POSITIONS
+        return max(1, min(sms // max(1, kv_heads), max_seq_len // floor))
     if n > max_seq_len:
         raise InputError(f"attn_splits: expected at most max_seq_len = {max_seq_len} ranges, got {n}; "
                          "use fewer splits or 'auto'")

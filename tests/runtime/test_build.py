@@ -117,7 +117,7 @@ def test_tuning_knobs_from_env_are_checked():
     from mpk_dist.errors import InputError
     from mpk_dist.runtime.megakernel_backend import tuning_from_env
 
-    assert tuning_from_env(256, {}) == {"linear_unroll": 8, "worker_threads": 256, "prefetch_kb": 64}
+    assert tuning_from_env(256, {}) == {"linear_unroll": None, "worker_threads": 256, "prefetch_kb": 64}
     assert tuning_from_env(256, {"MPK_LINEAR_UNROLL": "16", "MPK_WORKER_THREADS": "512", "MPK_PREFETCH_KB": "64",
                                  "MPK_ATTN_PREFETCH": "0"}) == \
         {"linear_unroll": 16, "worker_threads": 512, "prefetch_kb": 64, "attn_prefetch": False}
