@@ -35,20 +35,21 @@ def kernel_batch(cg) -> int:
     return min(int(cg.meta["batch"]), ROW_BLOCK)
 
 
-UNROLL_WIDE = 16
-"""16-byte weight loads in flight per lane for batch-1 programs whose linear tiles are all large."""
-UNROLL_WIDE_MIN_ROUNDS = 2
-"""... large = at least this many rounds of UNROLL_WIDE loads by every worker thread (a round: threads x 16
-loads x 16 B; 128 KB at 512 threads). Measured on an H200 at context ~512 (docs/PERF.md v0.14, one process,
-same tokens): qwen3-8b 4.94 vs 5.01 ms and llama3-8b 4.71 vs 4.76 (smallest tile: o_proj, 256 KB) with 16,
-but qwen3-1.7b 1.91 vs 1.80 and qwen3-0.6b 1.46 vs 1.27 (64 and 32 KB tiles: one round does not fill)."""
+UNROLLS_BATCH1 = (16, 8, 4)
+"""16-byte weight loads in flight per lane a batch-1 program may get, widest first."""
+UNROLL_MIN_ROUNDS = 2
+"""A batch-1 program gets the widest unroll u for which its smallest linear tile holds at least this many rounds
+(a round: worker threads x u loads x 16 B), else the narrowest. Measured on an H200 at context ~512 (docs/PERF.md
+v0.14, one process per model, the same tokens): qwen3-8b 4.94 vs 5.01 ms and llama3-8b 4.71 vs 4.76 with 16
+(smallest tile o_proj, 256 KB: two rounds of 16); qwen3-1.7b 1.754 vs 1.785 with 4 (64 KB tiles) and 1.91 with 16;
+qwen3-0.6b 1.177 vs 1.256 with 4 (32 KB tiles) and 1.46 with 16: loads past a short tile's end are wasted slots."""
 LINEAR_KIND_NAMES = ("linear", "norm_linear", "linear_residual", "silu_linear")
 
 
 def default_linear_unroll(cg, worker_threads: int) -> int:
-    """MPK_LINEAR_UNROLL for program ``cg``: UNROLL_WIDE at batch 1 when every linear tile holds at least
-    UNROLL_WIDE_MIN_ROUNDS rounds of UNROLL_WIDE 16-byte loads per thread, else 8 (batches >= 2 are not
-    measured with 16: they keep 8)."""
+    """MPK_LINEAR_UNROLL for program ``cg``: at batch 1 the widest of UNROLLS_BATCH1 whose rounds fit
+    UNROLL_MIN_ROUNDS times into every linear tile (else the narrowest); 8 at batches >= 2 (not measured
+    with others)."""
     if kernel_batch(cg) != 1:
         return 8
     tasks, params = cg.arrays["tasks"], cg.arrays["params"]
@@ -62,8 +63,10 @@ def default_linear_unroll(cg, worker_threads: int) -> int:
         named = {spec.name: int(v) for spec, v in zip(kind.params, p)}
         nbytes = named["N_TILE"] * named["K"] * 2
         smallest = nbytes if smallest is None else min(smallest, nbytes)
-    wide = UNROLL_WIDE_MIN_ROUNDS * worker_threads * UNROLL_WIDE * 16
-    return UNROLL_WIDE if smallest is not None and smallest >= wide else 8
+    for u in UNROLLS_BATCH1:
+        if smallest is not None and smallest >= UNROLL_MIN_ROUNDS * worker_threads * u * 16:
+            return u
+    return UNROLLS_BATCH1[-1]
 
 
 def padded_batch(batch: int) -> int:

@@ -77,14 +77,15 @@ def test_x_ahead_logits_are_bitwise_the_in_loop_loads(fuse, gpu_results):
                   forced_request(NAME, 6, STEPS, 1, 40), gpu_results)
 
 
+@pytest.mark.parametrize("unroll", [16, 4])
 @pytest.mark.parametrize("fuse", [True, False])
-def test_unroll_16_logits_are_bitwise_unroll_8(fuse, gpu_results):
-    """Batch 1: 16 weight loads in flight per lane (the default for qwen3-8b-sized tiles,
+def test_unroll_logits_are_bitwise_unroll_8(unroll, fuse, gpu_results):
+    """Batch 1: 16 or 4 weight loads in flight per lane (the defaults for qwen3-8b-sized and small tiles,
     tables.default_linear_unroll) against 8: the same logits, bit for bit (qwen3-0.6b's K = 1024 leaves most of
     a 16-load round past K, so the +0 terms are exercised)."""
-    wide = megakernel_with_env(NAME, {"MPK_LINEAR_UNROLL": "16"}, fuse=fuse)
-    narrow = megakernel_with_env(NAME, {"MPK_LINEAR_UNROLL": "8"}, fuse=fuse)
-    assert "#define MPK_LINEAR_UNROLL 16" in wide.session(1).source, "the 16-load kernel did not run"
-    assert "#define MPK_LINEAR_UNROLL 8" in narrow.session(1).source
-    check_bitwise(f"unroll 16 vs 8 forced {NAME} b1 fuse={fuse}", NAME, wide, narrow,
+    other = megakernel_with_env(NAME, {"MPK_LINEAR_UNROLL": str(unroll)}, fuse=fuse)
+    eight = megakernel_with_env(NAME, {"MPK_LINEAR_UNROLL": "8"}, fuse=fuse)
+    assert f"#define MPK_LINEAR_UNROLL {unroll}" in other.session(1).source, f"the {unroll}-load kernel did not run"
+    assert "#define MPK_LINEAR_UNROLL 8" in eight.session(1).source
+    check_bitwise(f"unroll {unroll} vs 8 forced {NAME} b1 fuse={fuse}", NAME, other, eight,
                   forced_request(NAME, 6, STEPS, 1, 41), gpu_results)

@@ -65,12 +65,13 @@ def test_param_struct_layout_matches_the_cuda_rules():
     assert np.frombuffer(raw, np.int32)[params.RuntimeParams.num_tasks.offset // 4] == 7
 
 
-@pytest.mark.parametrize("model,batch,tp,want", [("qwen3-8b", 1, 1, 16), ("llama3-8b", 1, 1, 16), ("qwen3-1.7b", 1, 1, 8),
-                                                 ("qwen3-0.6b", 1, 1, 8), ("qwen3-8b", 8, 1, 8), ("qwen3-8b", 1, 2, 8)])
-def test_default_unroll_is_wide_only_for_large_batch_1_tiles(model, batch, tp, want):
-    """16 loads in flight per lane when every linear tile of a batch-1 program holds two rounds of them (qwen3-8b's
-    smallest, o_proj: 32 rows x 4096 x 2 B = 256 KB at 512 threads), else 8; the kernel shape takes it when no
-    MPK_LINEAR_UNROLL is set, and the variable still wins."""
+@pytest.mark.parametrize("model,batch,tp,want", [("qwen3-8b", 1, 1, 16), ("llama3-8b", 1, 1, 16), ("qwen3-1.7b", 1, 1, 4),
+                                                 ("qwen3-0.6b", 1, 1, 4), ("qwen3-8b", 8, 1, 8), ("qwen3-8b", 1, 2, 8)])
+def test_default_unroll_follows_the_smallest_batch_1_tile(model, batch, tp, want):
+    """At batch 1 the widest unroll whose rounds fit twice into every linear tile: qwen3-8b's smallest, o_proj
+    (32 rows x 4096 x 2 B = 256 KB), takes 16 at 512 threads; at tp 2 (128 KB) 8; qwen3-1.7b's 64 KB tiles 4,
+    qwen3-0.6b's 32 KB the narrowest, 4; batch 8 keeps 8. The kernel shape takes it when no MPK_LINEAR_UNROLL is
+    set, and the variable still wins."""
     from mpk_dist.models.presets import get_preset
     from mpk_dist.runtime.megakernel_backend import fusions_for_batch, fusions_from_env, tuning_from_env
     from mpk_dist.runtime.session import kernel_shape
@@ -83,6 +84,6 @@ def test_default_unroll_is_wide_only_for_large_batch_1_tiles(model, batch, tp, w
     tuning = tuning_from_env(512, {})
     wt = tuning.pop("worker_threads")
     assert kernel_shape(cg, wt, "aot", **tuning).linear_unroll == want
-    tuning = tuning_from_env(512, {"MPK_LINEAR_UNROLL": "4"})
+    tuning = tuning_from_env(512, {"MPK_LINEAR_UNROLL": "8"})
     wt = tuning.pop("worker_threads")
-    assert kernel_shape(cg, wt, "aot", **tuning).linear_unroll == 4
+    assert kernel_shape(cg, wt, "aot", **tuning).linear_unroll == 8
