@@ -45,15 +45,18 @@ def _spills(log: str) -> dict[str, tuple[int, int]]:
 
 
 @needs_nvcc
-def test_kernel_builds_without_spills_in_the_new_functions(tmp_path, monkeypatch):
-    """The batch-1 kernel: no spills in the attention_prep functions nor in the fused linear bodies, and the
-    entry's stack frame no larger than ENTRY_FRAME_BYTES_MAX."""
+@pytest.mark.parametrize("unroll", [4, 8, 16])
+def test_kernel_builds_without_spills_in_the_new_functions(unroll, tmp_path, monkeypatch):
+    """The batch-1 kernel at each unroll a batch-1 default may take (tables.default_linear_unroll): no spills in
+    the attention_prep functions nor in the fused linear bodies, and the entry's stack frame no larger than
+    ENTRY_FRAME_BYTES_MAX."""
     from mpk_dist.runtime.codegen import KernelShape
     from mpk_dist.runtime.kernel import build_kernel
 
     monkeypatch.setenv("MPK_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("MPK_NVCC_EXTRA_FLAGS", "-Xptxas -v")
-    _, res = build_kernel(KernelShape(batch=1, worker_threads=512, schedule="aot"), compiler="nvcc")
+    _, res = build_kernel(KernelShape(batch=1, worker_threads=512, schedule="aot", linear_unroll=unroll),
+                          compiler="nvcc")
     assert res.cubin[:4] == b"\x7fELF"
     assert "attention_prep.cuh" in {p.name for p in res.headers}
     spills = _spills(res.log)
