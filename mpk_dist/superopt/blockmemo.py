@@ -245,8 +245,9 @@ class MemoEnumerator:
     """Complete block graphs of one layout at representative counts (module docstring).
 
     ``run()`` returns {op set: result nodes} of every complete graph that passes
-    ``accept`` (every complete graph when ``accept`` is None); ``structures()`` turns op sets into
-    ``blocksearch.Structure`` s. Counters: ``states`` explored, ``deduplicated`` prefixes that
+    ``accept`` (every complete graph when ``accept`` is None), ``completions()`` the same graphs
+    in a compact form (``ops_of`` turns a key into its op descriptors); ``structures()`` turns op
+    sets into ``blocksearch.Structure`` s. Counters: ``states`` explored, ``deduplicated`` prefixes that
     reached an explored state, ``mismatched`` complete graphs ``accept`` rejected.
 
     Tensors are small ints (nodes), one per distinct TensorInfo; see the comment above ``_add``
@@ -295,6 +296,18 @@ class MemoEnumerator:
             self.inputs.append((node, dep))
         self.input_fpids = {self.fpid[i] for i, _ in self.inputs}
         self.memo: dict = {}
+        # Completions are kept compact (``_join``): an op descriptor gets an id on first sight,
+        # and a completion is the tuple of its ops' ids in ascending order; a state being built
+        # collects them as dict keys (value None, for the order and the deduplication), and the
+        # memo keeps a finished state's keys as a tuple (``_finish``), under a key whose sets are
+        # sorted tuples (``_tup``). Before, a completion was a frozenset of descriptors mapped to
+        # a frozenset of its result nodes: 1.5 KB for a five-op graph (a frozenset of five is 728
+        # bytes), and every state holds all of its completions until the layout is done (one
+        # last-op layout of qk_norm_rope, 5 block ops: 5.0 M completions, 3.7 GB).
+        self.desc_ids: dict = {}            # descriptor -> id
+        self.descs: list = []               # id -> descriptor
+        self.desc_node: list = []           # id -> the node the op makes
+        self.desc_fpid: list = []           # id -> that node's fingerprint id
         self.acc_of: dict = {}              # body node -> accumulator node (None: cannot leave)
         # operand shapes -> valid ops and result shapes: depends on the target's chains only,
         # so it is shared by every layout and input subset of one search
@@ -304,11 +317,29 @@ class MemoEnumerator:
         self.mismatched = 0
 
     def run(self) -> dict:
-        """{frozenset of op descriptors: frozenset of the nodes the ops make}."""
+        """{frozenset of op descriptors: frozenset of the nodes the ops make}: ``completions``
+        expanded (the enumerator's paths use the compact form)."""
+        return {frozenset(ops): frozenset(d[4][1] for d in ops)
+                for ops in map(self.ops_of, self.completions())}
+
+    def completions(self) -> tuple:
+        """Every complete graph once, compact: a tuple of keys, a key being the ascending ids of
+        the graph's op descriptors (``ops_of`` gives the descriptors), in the order ``run`` lists
+        them. The memo of states is dropped at the end: no state is asked for again, and its
+        completions were most of the enumeration's memory."""
         allin = frozenset(range(len(self.inputs)))
         if self.loop is None:
-            return self._post(0, allin, frozenset(), frozenset(), frozenset(), frozenset())
-        return self._body(0, allin, frozenset(), frozenset())
+            root = self._post(0, allin, frozenset(), frozenset(), frozenset(), frozenset())
+        else:
+            root = self._body(0, allin, frozenset(), frozenset())
+        self.memo = {}
+        return root
+
+    def ops_of(self, key: tuple) -> tuple:
+        """The op descriptors of a completion key (in id order; every use of a graph's op set
+        is independent of the order: ``canonical_order`` places ops by their text)."""
+        descs = self.descs
+        return tuple(descs[i] for i in key)
 
     def structures(self, graphs, keep=None) -> list:
         """``Structure`` s of the op sets ``graphs``, each in its canonical order, sorted;
@@ -470,14 +501,50 @@ class MemoEnumerator:
 
     def _join(self, out: dict, desc: tuple, x: int, child: dict) -> None:
         """Add ``desc`` (making node ``x``) to every completion of the child state that does not
-        recompute its result (completions: {op set: result nodes})."""
-        fpid = self.fpid
+        recompute its result (completions: {ascending op ids: None}, see ``__init__``).
+
+        The same completions as with op sets: two keys are equal exactly when their op sets are
+        (ids are per distinct descriptor), they are added in the same order, and a completion's
+        result nodes are its ops' nodes. ``desc`` itself is never in a child's completion: its
+        node ``x`` would be among the completion's nodes, and then it repeats itself."""
+        fpid, dfp, dnode = self.fpid, self.desc_fpid, self.desc_node
         fx = fpid[x]
-        dset, xset = frozenset((desc,)), frozenset((x,))
-        for ops, nodes in child.items():
-            if any(fpid[y] == fx for y in nodes) and self._repeats(x, nodes):
+        di = self._did(desc, x)
+        for key in child:
+            if any(dfp[i] == fx for i in key) and self._repeats(x, [dnode[i] for i in key]):
                 continue  # no recomputation: a later op repeats this op's expression
-            out.setdefault(ops | dset, nodes | xset)
+            out.setdefault(tuple(sorted(key + (di,))), None)
+
+    def _did(self, desc: tuple, x: int) -> int:
+        """The id of op descriptor ``desc`` (whose result is node ``x``)."""
+        i = self.desc_ids.get(desc)
+        if i is None:
+            i = self.desc_ids[desc] = len(self.descs)
+            self.descs.append(desc)
+            self.desc_node.append(x)
+            self.desc_fpid.append(self.fpid[x])
+        return i
+
+    def _unit(self, out: dict, desc: tuple, x: int) -> None:
+        """Add the one-op completion ``desc`` (the last op of a last custom op)."""
+        out.setdefault((self._did(desc, x),), None)
+
+    @staticmethod
+    def _done(out: dict) -> None:
+        """Add the empty completion (the graph is complete as it is)."""
+        out[()] = None
+
+    @staticmethod
+    def _merge(out: dict, done) -> None:
+        """Add the completions ``done`` of another state (leaving the loop) to ``out``."""
+        for key in done:
+            out.setdefault(key, None)
+
+    @staticmethod
+    def _finish(out: dict) -> tuple:
+        """A state's completions as kept in the memo: the keys of ``out`` in their order (a tuple
+        of 26 keys is ~250 bytes, the dict ~1.2 KB)."""
+        return tuple(out)
 
     @staticmethod
     def _desc(phase: str, kind: str, attrs: dict, refs: list, node: int) -> tuple:
@@ -555,13 +622,13 @@ class MemoEnumerator:
 
     # -- body -------------------------------------------------------------------------------
     def _body(self, nb: int, unread: frozenset, dangling: frozenset, kept: frozenset) -> dict:
-        key = (0, nb, unread, dangling, kept)
+        key = (0, nb, _tup(unread), _tup(dangling), _tup(kept))
         hit = self._seen(key)
         if hit is not None:
             return hit
         out: dict = {}
         if nb >= 1:
-            out.update(self._boundary(nb, unread, dangling, kept))
+            self._merge(out, self._boundary(nb, unread, dangling, kept))
         left = self.max_ops - nb - 1
         if left == 0 and self.accept is not None:
             self._body_last(nb, unread, dangling | kept, out)
@@ -593,7 +660,7 @@ class MemoEnumerator:
                         continue
                     child = self._body(nb + 1, un2, frozenset(base_d), frozenset(k2))
                     self._join(out, desc, x, child)
-        self.memo[key] = out
+        out = self.memo[key] = self._finish(out)
         return out
 
     def _body_last(self, nb: int, unread: frozenset, body_nodes: frozenset, out: dict) -> None:
@@ -624,7 +691,7 @@ class MemoEnumerator:
                     continue
             refs = [("i", i) if i < n_in else ("b", avail[i]) for i in args]
             desc = self._desc("b", kind, attrs, refs, x)
-            out.setdefault(frozenset((desc,)), frozenset((x,)))
+            self._unit(out, desc, x)
 
     def _acc(self, b: int):
         """The accumulator node of body node ``b`` (sum over iterations), or None when ``b`` varies
@@ -661,7 +728,7 @@ class MemoEnumerator:
               post_d: frozenset, post_k: frozenset) -> dict:
         """After the loop. ``acc_d`` / ``acc_k``: body nodes whose accumulators are unread / read
         and to be read again; ``post_d`` / ``post_k``: the same for post ops' results."""
-        key = (1, n, unread, acc_d, acc_k, post_d, post_k)
+        key = (1, n, _tup(unread), _tup(acc_d), _tup(acc_k), _tup(post_d), _tup(post_k))
         hit = self._seen(key)
         if hit is not None:
             return hit
@@ -671,7 +738,7 @@ class MemoEnumerator:
             if 1 <= outs <= self.max_outputs:
                 if self.accept is None or self._accept_node(
                         self.acc_of[next(iter(acc_d))] if acc_d else next(iter(post_d))):
-                    out[frozenset()] = frozenset()
+                    self._done(out)
         left = self.max_ops - n - 1
         if left == 0 and self.accept is not None:
             self._post_last(n, unread, acc_d | acc_k, post_d | post_k, out)
@@ -710,7 +777,7 @@ class MemoEnumerator:
                     child = self._post(n + 1, un2, ad, frozenset(ak), frozenset(pd),
                                        frozenset(pk))
                     self._join(out, desc, x, child)
-        self.memo[key] = out
+        out = self.memo[key] = self._finish(out)
         return out
 
     def _post_last(self, n: int, unread: frozenset, accs: frozenset, posts: frozenset,
@@ -739,7 +806,7 @@ class MemoEnumerator:
                         not self._exact(x) or not self._keep(x):
                     continue
             desc = self._desc("p", kind, attrs, [refs_of[i] for i in args], x)
-            out.setdefault(frozenset((desc,)), frozenset((x,)))
+            self._unit(out, desc, x)
 
     def _accept_node(self, node: int) -> bool:
         ok = self.accept(self.shape[node], self.syms[node], self.strip[node]) and \
@@ -810,6 +877,12 @@ def _place(todo: list, names: dict, prefix: str) -> list:
         out.append((d[1], tuple(args), d[2]))
         todo.remove(d)
     return out
+
+
+def _tup(items: frozenset) -> tuple:
+    """A set of small ints as a memo key part: its sorted tuple (equal exactly when the sets are;
+    ~50 bytes where a frozenset takes 216)."""
+    return tuple(sorted(items)) if items else ()
 
 
 _NO_SUBSETS = (frozenset(),)

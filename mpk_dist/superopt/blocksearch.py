@@ -303,7 +303,8 @@ def enumerate_layout(ctx: Context, layout: Layout, infos: dict, final: bool = Fa
 
         enum = MemoEnumerator(ctx, layout, infos, sizes, outs,
                               FinalFilter(ctx.target, layout, sym_size) if final else None)
-        graphs = enum.run()
+        # compact completions, expanded one graph at a time (blockmemo.MemoEnumerator.__init__)
+        graphs = map(enum.ops_of, enum.completions())
         for key, n in (("deduplicated", enum.deduplicated), ("states", enum.states),
                        ("mismatched", enum.mismatched)):
             ctx.counts[key] = ctx.counts.get(key, 0) + n

@@ -80,12 +80,14 @@ class SharedFinal:
                   for a, n in zip(names, layout.inputs)}
         alay = Layout(names, layout.grid_syms, layout.loop_sym)
         enum = MemoEnumerator(ctx, alay, ainfos, sizes, 1, _ShapeOnly(ctx.target, alay, sym_size))
-        graphs = enum.run()
+        graphs = enum.completions()
         self.complete = not ctx.timed_out()
         self.states, self.deduplicated = enum.states, enum.deduplicated
         self.recipe, self.shape, self.acc_of = enum.recipe, enum.shape, enum.acc_of
+        # op sets kept as tuples of descriptors (``MemoEnumerator.ops_of``): a signature is kept
+        # for the whole search, and a tuple of five is 80 bytes, a frozenset 728
         self.by_out: dict = {}
-        for ops in graphs:
+        for ops in map(enum.ops_of, graphs):
             self.by_out.setdefault(_output_node(ops, enum.acc_of), []).append(ops)
         self.n_graphs = len(graphs)
         # output nodes grouped by their stripped structure (``StrippedTable``): one concrete
