@@ -78,6 +78,19 @@ RESULTS: list[dict] = _Rows()
 
 
 @pytest.fixture()
+def tune_sweep() -> types.ModuleType:
+    """scripts/tune_sweep.py as a module (it is a script, not part of the package)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("tune_sweep", Path(__file__).resolve().parents[2] / "scripts" /
+                                                  "tune_sweep.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture()
 def gpu_results() -> list[dict]:
     """The session's result rows (append one dict per checked case)."""
     return RESULTS

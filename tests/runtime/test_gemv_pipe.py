@@ -6,7 +6,6 @@ to bench-linear and to the knob sweep. Bitwise equality with the register path i
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
 
 import pytest
@@ -61,10 +60,7 @@ def test_linear_load_switches_reach_the_kernel_shape(field, var, suffix):
         tuning_from_env(512, {var: "2"})
 
 
-def test_bench_linear_and_sweep_offer_the_pipelined_loads():
+def test_bench_linear_and_sweep_offer_the_pipelined_loads(tune_sweep):
     opts = LA.BenchOptions(batches=[1, 8], variants=["scalar", "pipe"])
     assert LA.cases(opts) == [(1, "scalar"), (1, "pipe"), (8, "scalar"), (8, "pipe")]
-    spec = importlib.util.spec_from_file_location("tune_sweep", CSRC.parent / "scripts" / "tune_sweep.py")
-    tune_sweep = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tune_sweep)
     assert tune_sweep.parse_variant("l1,t512") == ({"MPK_LINEAR_PIPE": "1", "MPK_WORKER_THREADS": "512"}, {})

@@ -4,7 +4,6 @@ in the generated fused bodies), and the knob travels from the environment to the
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
 import subprocess
 import types
@@ -93,21 +92,14 @@ def test_env_knob_is_checked():
             tuning_from_env(256, {"MPK_LINEAR_MMA": bad})
 
 
-def test_tune_sweep_has_the_m_token():
+def test_tune_sweep_has_the_m_token(tune_sweep):
     """scripts/tune_sweep.py: 'm1' sets MPK_LINEAR_MMA=1 next to the other knobs."""
-    path = Path(__file__).resolve().parents[2] / "scripts" / "tune_sweep.py"
-    spec = importlib.util.spec_from_file_location("tune_sweep", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    assert mod.parse_variant("t512,m1") == ({"MPK_WORKER_THREADS": "512", "MPK_LINEAR_MMA": "1"}, {})
+    assert tune_sweep.parse_variant("t512,m1") == ({"MPK_WORKER_THREADS": "512", "MPK_LINEAR_MMA": "1"}, {})
 
 
-def test_tune_sweep_has_the_attention_split_token():
+def test_tune_sweep_has_the_attention_split_token(tune_sweep):
     """scripts/tune_sweep.py: 'k<N>' / 'kauto' pass attn_splits to the backend; k0 and kx are refused."""
-    path = Path(__file__).resolve().parents[2] / "scripts" / "tune_sweep.py"
-    spec = importlib.util.spec_from_file_location("tune_sweep", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = tune_sweep
     assert mod.parse_variant("k4,a1") == ({"MPK_FUSE_ATTN_PREP": "1"}, {"attn_splits": 4})
     assert mod.parse_variant("kauto") == ({}, {"attn_splits": "auto"})
     assert mod.parse_variant("kauto,v0") == ({"MPK_ATTN_PREFETCH": "0"}, {"attn_splits": "auto"})

@@ -200,13 +200,6 @@ def test_level_cap_fills_every_other_linear_tile():
     assert (level[~linear] == -1).all() and (level[base >= 0] == base[base >= 0]).all()
 
 
-def test_tune_sweep_has_the_level_cap_token():
+def test_tune_sweep_has_the_level_cap_token(tune_sweep):
     """scripts/tune_sweep.py: 'e<KB>' sets MPK_PREFETCH_LEVEL_KB (a table-only sweep on one binary)."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[2] / "scripts" / "tune_sweep.py"
-    spec = importlib.util.spec_from_file_location("tune_sweep", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    assert mod.parse_variant("e128,h1") == ({"MPK_PREFETCH_LEVEL_KB": "128", "MPK_PREFETCH_AHEAD": "1"}, {})
+    assert tune_sweep.parse_variant("e128,h1") == ({"MPK_PREFETCH_LEVEL_KB": "128", "MPK_PREFETCH_AHEAD": "1"}, {})
