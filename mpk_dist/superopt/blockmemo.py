@@ -247,8 +247,8 @@ class MemoEnumerator:
     ``run()`` returns {op set: result nodes} of every complete graph that passes
     ``accept`` (every complete graph when ``accept`` is None), ``completions()`` the same graphs
     in a compact form (``ops_of`` turns a key into its op descriptors); ``structures()`` turns op
-    sets into ``blocksearch.Structure`` s. Counters: ``states`` explored, ``deduplicated`` prefixes that
-    reached an explored state, ``mismatched`` complete graphs ``accept`` rejected.
+    sets into ``blocksearch.Structure`` s. Counters: ``states`` explored, ``deduplicated``
+    prefixes that reached an explored state, ``mismatched`` complete graphs ``accept`` rejected.
 
     Tensors are small ints (nodes), one per distinct TensorInfo; see the comment above ``_add``
     for how they are found without building every expression.
@@ -500,8 +500,8 @@ class MemoEnumerator:
                    unread + sinks + promises - self.max_outputs) <= left
 
     def _join(self, out: dict, desc: tuple, x: int, child: dict) -> None:
-        """Add ``desc`` (making node ``x``) to every completion of the child state that does not
-        recompute its result (completions: {ascending op ids: None}, see ``__init__``).
+        """Add ``desc`` (making node ``x``) to every completion of the child state (a tuple of
+        keys: ascending op ids, see ``__init__``) that does not recompute its result.
 
         The same completions as with op sets: two keys are equal exactly when their op sets are
         (ids are per distinct descriptor), they are added in the same order, and a completion's
@@ -610,7 +610,7 @@ class MemoEnumerator:
             self.mismatched += 1
         return ok
 
-    def _seen(self, key: tuple) -> dict | None:
+    def _seen(self, key: tuple) -> tuple | None:
         """The completions of an explored state (counted as a deduplicated prefix), or None for a new
         state (counted in ``states``; the caller stores its completions under ``key``)."""
         hit = self.memo.get(key)
@@ -621,7 +621,7 @@ class MemoEnumerator:
         return hit
 
     # -- body -------------------------------------------------------------------------------
-    def _body(self, nb: int, unread: frozenset, dangling: frozenset, kept: frozenset) -> dict:
+    def _body(self, nb: int, unread: frozenset, dangling: frozenset, kept: frozenset) -> tuple:
         key = (0, nb, _tup(unread), _tup(dangling), _tup(kept))
         hit = self._seen(key)
         if hit is not None:
@@ -714,18 +714,19 @@ class MemoEnumerator:
         self.acc_of[b] = acc
         return acc
 
-    def _boundary(self, nb: int, unread: frozenset, dangling: frozenset, kept: frozenset) -> dict:
+    def _boundary(self, nb: int, unread: frozenset, dangling: frozenset,
+                  kept: frozenset) -> tuple:
         """Leave the loop: every loop-dependent input must have been read, and every dangling or
         kept body tensor needs an accumulator (its only way out of the loop)."""
         if any(self.inputs[k][1] for k in unread):
-            return {}
+            return ()
         if any(self._acc(b) is None for b in dangling | kept):
-            return {}
+            return ()
         return self._post(nb, unread, dangling, kept, frozenset(), frozenset())
 
     # -- post -------------------------------------------------------------------------------
     def _post(self, n: int, unread: frozenset, acc_d: frozenset, acc_k: frozenset,
-              post_d: frozenset, post_k: frozenset) -> dict:
+              post_d: frozenset, post_k: frozenset) -> tuple:
         """After the loop. ``acc_d`` / ``acc_k``: body nodes whose accumulators are unread / read
         and to be read again; ``post_d`` / ``post_k``: the same for post ops' results."""
         key = (1, n, _tup(unread), _tup(acc_d), _tup(acc_k), _tup(post_d), _tup(post_k))
