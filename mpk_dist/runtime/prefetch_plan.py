@@ -27,11 +27,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from mpk_dist.runtime.tables import LINEAR_KINDS, weight_block_bytes
 from mpk_dist.taskgraph.abi import EVENT_COLS, SIGNAL_COLS, TASK_COLS, WAIT_COLS
 from mpk_dist.taskgraph.tasks import BY_NAME
-
-LINEAR_KINDS = ("linear", "norm_linear", "linear_residual", "silu_linear")
-"""Kinds whose CUDA bodies stream a contiguous [N_TILE, K] bf16 weight block (dispatch.cuh prefetch_task)."""
 
 NARROW_FRACTION = 0.25
 """An input event with fewer signallers per step than this share of the workers marks a long wait."""
@@ -39,7 +37,6 @@ NARROW_FRACTION = 0.25
 L2_SHARE = 0.7
 """Share of the L2 one op's whole-tile prefetches may fill (the rest: activations, the KV cache)."""
 
-WEIGHT_BYTES = 2  # the linear bodies read bf16 weights
 
 
 def _narrow_events(cg, task: int, workers: int) -> set[int]:
@@ -77,16 +74,12 @@ def _runs_a_producer_first(cg, task: int, events: set[int]) -> bool:
 def _narrow_tiles(cg, workers: int, l2_bytes: int) -> dict[int, tuple[int, set[int]]]:
     """{task: (bytes, narrow events)} for every tile of a linear op that waits on a narrow op: its whole
     weight block, or an equal share of ``L2_SHARE * l2_bytes`` when the op's blocks together exceed it."""
-    tasks, params = cg.arrays["tasks"], cg.arrays["params"]
-    opcodes = {BY_NAME[k].opcode: BY_NAME[k] for k in LINEAR_KINDS}
+    tasks = cg.arrays["tasks"]
+    opcodes = {BY_NAME[k].opcode for k in LINEAR_KINDS}
     by_op: dict[int, list[tuple[int, int]]] = {}
     for t in range(tasks.shape[0]):
-        kind = opcodes.get(int(tasks[t, TASK_COLS["OPCODE"]]))
-        if kind is None:
-            continue
-        p = params[tasks[t, TASK_COLS["PARAM_BEGIN"]]:tasks[t, TASK_COLS["PARAM_END"]]]
-        named = {spec.name: int(v) for spec, v in zip(kind.params, p)}
-        by_op.setdefault(int(tasks[t, TASK_COLS["OP_INDEX"]]), []).append((t, named["N_TILE"] * named["K"] * WEIGHT_BYTES))
+        if int(tasks[t, TASK_COLS["OPCODE"]]) in opcodes:
+            by_op.setdefault(int(tasks[t, TASK_COLS["OP_INDEX"]]), []).append((t, weight_block_bytes(cg, t)))
     budget = int(L2_SHARE * l2_bytes)
     out = {}
     for tiles in by_op.values():

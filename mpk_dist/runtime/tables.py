@@ -14,7 +14,7 @@ import numpy as np
 
 from mpk_dist.errors import InputError
 from mpk_dist.taskgraph.abi import TASK_COLS, WAIT_COLS
-from mpk_dist.taskgraph.tasks import BY_NAME, BY_OPCODE
+from mpk_dist.taskgraph.tasks import BY_NAME
 
 from mpk_dist.taskgraph.lowering import ROW_BLOCK
 
@@ -43,7 +43,10 @@ UNROLL_MIN_ROUNDS = 2
 v0.14, one process per model, the same tokens): qwen3-8b 4.94 vs 5.01 ms and llama3-8b 4.71 vs 4.76 with 16
 (smallest tile o_proj, 256 KB: two rounds of 16); qwen3-1.7b 1.754 vs 1.785 with 4 (64 KB tiles) and 1.91 with 16;
 qwen3-0.6b 1.177 vs 1.256 with 4 (32 KB tiles) and 1.46 with 16: loads past a short tile's end are wasted slots."""
-LINEAR_KIND_NAMES = ("linear", "norm_linear", "linear_residual", "silu_linear")
+WEIGHT_BYTES = 2
+"""Bytes per weight the linear bodies read (bf16)."""
+LOAD_BYTES = 16
+"""Bytes of one weight load of a lane (the unroll counts these)."""
 
 
 def default_linear_unroll(cg, worker_threads: int) -> int:
@@ -52,19 +55,12 @@ def default_linear_unroll(cg, worker_threads: int) -> int:
     with others)."""
     if kernel_batch(cg) != 1:
         return 8
-    tasks, params = cg.arrays["tasks"], cg.arrays["params"]
-    smallest = None
-    for op in np.unique(tasks[:, TASK_COLS["OP_INDEX"]]).tolist():
-        t = int(np.nonzero(tasks[:, TASK_COLS["OP_INDEX"]] == op)[0][0])
-        kind = BY_OPCODE[int(tasks[t, TASK_COLS["OPCODE"]])]
-        if kind.name not in LINEAR_KIND_NAMES:
-            continue
-        p = params[tasks[t, TASK_COLS["PARAM_BEGIN"]]:tasks[t, TASK_COLS["PARAM_END"]]]
-        named = {spec.name: int(v) for spec, v in zip(kind.params, p)}
-        nbytes = named["N_TILE"] * named["K"] * 2
-        smallest = nbytes if smallest is None else min(smallest, nbytes)
+    tasks = cg.arrays["tasks"]
+    _, first = np.unique(tasks[:, TASK_COLS["OP_INDEX"]], return_index=True)  # one tile per op
+    linear = [BY_NAME[k].opcode for k in LINEAR_KINDS]
+    sizes = [weight_block_bytes(cg, int(t)) for t in first if int(tasks[t, TASK_COLS["OPCODE"]]) in linear]
     for u in UNROLLS_BATCH1:
-        if smallest is not None and smallest >= UNROLL_MIN_ROUNDS * worker_threads * u * 16:
+        if sizes and min(sizes) >= UNROLL_MIN_ROUNDS * worker_threads * u * LOAD_BYTES:
             return u
     return UNROLLS_BATCH1[-1]
 
@@ -83,6 +79,12 @@ def task_params(cg, task: int) -> dict[str, int]:
     kind = _kind_of(row)
     p = cg.arrays["params"][row[TASK_COLS["PARAM_BEGIN"]]:row[TASK_COLS["PARAM_END"]]]
     return {spec.name: int(v) for spec, v in zip(kind.params, p)}
+
+
+def weight_block_bytes(cg, task: int) -> int:
+    """Bytes of the contiguous [N_TILE, K] weight block a linear-kind task streams."""
+    named = task_params(cg, task)
+    return named["N_TILE"] * named["K"] * WEIGHT_BYTES
 
 
 def _kind_of(row):
