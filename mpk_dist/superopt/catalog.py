@@ -23,6 +23,7 @@ from mpk_dist.superopt.ugraph import DTYPE_BYTES, _numel
 
 # -- worker side of the process pool ------------------------------------------------------------
 _WORKER_CTX: Context | None = None
+_WORKER_KEYS: dict = {}  # the worker's state for ``kernelsearch.first_op_keys``
 
 
 def _init_worker(target, config, deadline) -> None:
@@ -31,12 +32,17 @@ def _init_worker(target, config, deadline) -> None:
 
 
 def _layout_task(args):
-    layout, infos, final, limit = args
+    layout, infos, final, limit, keyed = args
     ctx = _WORKER_CTX
     before = ctx.stats()
     options = layout_options(ctx, layout, infos, final, limit)
+    keys = None
+    if keyed is not None:
+        from mpk_dist.superopt.kernelsearch import first_op_keys  # kernelsearch imports this module
+
+        keys = (keyed, first_op_keys(ctx, tuple(infos), options, keyed, _WORKER_KEYS))
     after = ctx.stats()
-    return options, {k: after[k] - before.get(k, 0) for k in after}
+    return (options, keys), {k: after[k] - before.get(k, 0) for k in after}
 
 
 def layout_options(ctx: Context, layout, infos: dict, final: bool, limit=None) -> list:
@@ -254,6 +260,7 @@ class BlockCatalog:
         self.per_layout: dict = {}  # (final, subset infos, layout index) -> options
         self.pending: dict = {}    # the same key -> AsyncResult of a pool task
         self.limits: dict = {}     # the same key -> the limit it was listed under (None: none)
+        self.keyed: dict = {}      # the same key -> (budget, first-op keys) from the pool
         self.pool = None
 
     def __enter__(self):
@@ -289,9 +296,11 @@ class BlockCatalog:
             self.memo[key] = out
         return self.memo[key]
 
-    def prefetch(self, subset: tuple, ks, infos: dict, final: bool, limit=None) -> None:
+    def prefetch(self, subset: tuple, ks, infos: dict, final: bool, limit=None,
+                 keyed: int | None = None) -> None:
         """Start the enumeration of layouts ``ks`` of ``subset`` on the pool (no-op without);
-        ``limit``: as ``layout_options``."""
+        ``limit``: as ``layout_options``; ``keyed``: None, or the budget of a level whose first
+        ops these are: the worker computes their best-first keys too (``keys``)."""
         if self.pool is None:
             return
         sub = {n: infos[n] for n in subset}
@@ -300,8 +309,28 @@ class BlockCatalog:
             key = (final, *((n, infos[n]) for n in subset), k)
             if key not in self.per_layout and key not in self.pending:
                 self.pending[key] = self.pool.apply_async(
-                    _layout_task, ((lays[k], sub, final, limit),))
+                    _layout_task, ((lays[k], sub, final, limit, keyed),))
                 self.limits[key] = limit
+
+    def keys(self, subset: tuple, k: int, infos: dict, budget: int):
+        """The first-op keys the pool computed for layout ``k`` of ``subset`` at ``budget``
+        (``kernelsearch.first_op_keys``, one per option of ``layout_options``), or None."""
+        hit = self.keyed.get((False, *((n, infos[n]) for n in subset), k))
+        return hit[1] if hit is not None and hit[0] == budget else None
+
+    def release(self, subset: tuple, infos: dict, final: bool, k: int | None = None) -> None:
+        """Forget the listings of layout ``k`` of ``subset`` (every layout when None) and the
+        subset's ``options``: the caller asks for them no more (the unpruned search's first-op
+        listings took gigabytes of the main process)."""
+        head = (final, *((n, infos[n]) for n in subset))
+        if k is None:
+            self.memo.pop(head, None)
+        for j in (range(len(self.layouts(subset, infos))) if k is None else (k,)):
+            key = (*head, j)
+            self.per_layout.pop(key, None)
+            self.limits.pop(key, None)
+            self.keyed.pop(key, None)
+        self.ctx.counts["listings_released"] = self.ctx.counts.get("listings_released", 0) + 1
 
     def in_flight(self) -> int:
         """Layouts prefetched on the pool and not finished yet (0 without a pool)."""
@@ -322,11 +351,14 @@ class BlockCatalog:
         sub = {n: infos[n] for n in subset}
         task = self.pending.pop(key, None)
         if task is not None and _covers(self.limits.get(key), limit):
-            hit, delta = self.ctx.pool_result(task, f"layout {k} of {subset}")
+            (hit, keys), delta = self.ctx.pool_result(task, f"layout {k} of {subset}")
             self.ctx.add_remote(delta)
+            if keys is not None:
+                self.keyed[key] = keys  # (budget, keys): aligned with ``hit``
         else:
             hit = layout_options(self.ctx, self.layouts(subset, infos)[k], sub, final, limit)
             self.limits[key] = limit
+            self.keyed.pop(key, None)
         self.per_layout[key] = hit
         return hit
 

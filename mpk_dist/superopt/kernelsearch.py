@@ -102,6 +102,7 @@ class KernelSearch:
             if item[0] == "s":
                 pending.extendleft(reversed(list(
                     self._options(tensors, item[1], prev, False, len(ops)))))
+                self._release(ops, budget, item[1], tensors)
             else:
                 yield item
         if pending and self.bound < math.inf:
@@ -137,18 +138,36 @@ class KernelSearch:
             bound, _, item = heapq.heappop(heap)
             if bound > self.bound or self.ctx.timed_out():
                 return  # every later item's bound is at least this one
+            keyed = None if ops else budget  # the pool keys first ops (``first_op_keys``)
             if item[0] == "s":
                 self._push_layouts(heap, order, tensors, item[1], item[2], spent, ahead)
-                self._prefetch_ahead(tensors, ahead, dangling, spent)
+                self._prefetch_ahead(tensors, ahead, dangling, spent, keyed)
             elif item[0] == "l":
-                self._prefetch_ahead(tensors, ahead, dangling, spent)
+                self._prefetch_ahead(tensors, ahead, dangling, spent, keyed)
                 limit = self._list_limit(tensors, item[1], dangling, spent)
-                for move in self._options(tensors, item[1], prev, False, len(ops), item[2],
-                                          limit):
-                    heapq.heappush(heap, (self._move_bound(tensors, move, dangling, budget,
-                                                           spent, memo), next(order), move))
+                moves = self._options(tensors, item[1], prev, False, len(ops), item[2], limit)
+                keys = self.catalog.keys(item[1], item[2], tensors, budget) if not ops else None
+                for move in moves:
+                    # the key the pool worker computed, the same function on the same values
+                    key = keys[move[6][3]] if keys is not None else \
+                        self._move_bound(tensors, move, dangling, budget, spent, memo)
+                    if key <= self.bound:
+                        # NOTE: a move above the bound would only end the loop when popped, as
+                        # the next item (whose key is at least its own) does: not kept
+                        heapq.heappush(heap, (key, next(order), move))
+                self._release(ops, budget, item[1], tensors, item[2])
             else:
                 yield item
+
+    def _release(self, ops: list, budget: int, subset: tuple, tensors: dict,
+                 layout: int | None = None) -> None:
+        """Drop the catalog's listing of ``subset`` (of its layout ``layout``, or all of its
+        layouts) once its moves are taken over, when nothing asks for it again: a first op
+        (``ops`` empty) of the last depth, followed by the last op only, whose listings
+        (``final``) are other ones. With a third op the second level would list the same
+        subsets of inputs again, and so would a later depth; their listings stay."""
+        if not ops and budget == 2 == self.ctx.config.max_kernel_ops:
+            self.catalog.release(subset, tensors, False, layout)
 
     def _push_layouts(self, heap: list, order, tensors: dict, subset: tuple, rest: float,
                       spent: float, ahead: list) -> None:
@@ -192,9 +211,13 @@ class KernelSearch:
         left = (left + _numel(self.out_shape)) * DTYPE_BYTES
         return (self.bound - spent - m.sync_us - left / m.hbm_bytes_per_us + TIE_US, 2)
 
-    def _prefetch_ahead(self, tensors: dict, ahead: list, dangling: set, spent: float) -> None:
+    def _prefetch_ahead(self, tensors: dict, ahead: list, dangling: set, spent: float,
+                        keyed: int | None = None) -> None:
         """Unpruned: keep the pool busy with the layouts of smallest key not listed yet, a few
         (2 per process) at a time, skipping those whose key now exceeds the verified cost.
+        ``keyed``: the level's budget when the listed moves are first ops: the pool then
+        computes their best-first keys too (``first_op_keys``; the main process spent ~60% of
+        its CPU time on them, and with 16 processes it was the one that limited the search).
 
         NOTE: the layouts are popped in key order, so these are the next ones the search lists.
         Prefetching every layout whose key was under the bound when its subset came up (as the
@@ -211,28 +234,15 @@ class KernelSearch:
                 ahead.clear()  # every later one's key is at least this one
                 return
             self.catalog.prefetch(subset, [k], tensors, False,
-                                  self._list_limit(tensors, subset, dangling, spent))
+                                  self._list_limit(tensors, subset, dangling, spent), keyed)
 
     def _move_bound(self, tensors: dict, move, dangling: set, budget: int, spent: float,
                     memo: dict | None = None) -> float:
         """A lower bound of every complete graph through ``move`` (see ``_best_first``);
         ``memo``: rest bounds of one level's moves (the tensors and what is unread are fixed
         there, so the rest bound depends only on what the move reads and the shapes it makes)."""
-        args, cost, new = move[1], move[3], self._shapes(tensors, move)
-        # The move may complete the graph (no op follows) only if it leaves no input unread:
-        # ``_record`` drops a graph that ignores an input, and a move whose result is the
-        # target's is never extended, so such a move adds nothing either way.
-        unread_inputs = any(n in self.inputs and n not in args for n in dangling)
-        if not unread_inputs and any(i.shape == self.out_shape for i in new.values()):
-            return spent + cost
-        key = (frozenset(args), tuple((i.shape, i.syms) for i in new.values()))
-        rest = memo.get(key) if memo is not None else None
-        if rest is None:
-            left = (dangling - set(args)) | set(new)
-            rest = self.lower.rest({**tensors, **new}, left, budget - 1)
-            if memo is not None:
-                memo[key] = rest
-        return spent + cost + rest
+        return move_bound(self.lower, self.inputs, self.out_shape, tensors, move[1], move[3],
+                          self._shapes(tensors, move), dangling, budget, spent, memo)
 
     def _shapes(self, tensors: dict, move) -> dict:
         """{new tensor: TensorInfo without expression} of a listed move."""
@@ -332,6 +342,8 @@ class KernelSearch:
                  layout: int | None = None, limit=None):
         """Custom-op moves ("c", subset, n_ops, cost, Structure, sizes, key, output shapes) of
         one subset (of its layout ``layout`` only, in enumeration order, when given)."""
+        if self.lanes is not None:
+            self.lanes.flush()  # the listing may wait for the pool: the lanes get their work first
         if layout is None:
             options = self.catalog.options(subset, tensors, final=last)
         else:
@@ -387,6 +399,50 @@ TIE_US = 1e-9
 """Costs closer than this (µs) count as equal: the cost model sums per-op floats, and equal sums in another
 order can differ in the last bits. The cuts keep graphs within it of the bound; search.rank_key ranks
 candidates within it by their text."""
+
+
+def move_bound(lower: RestBound, inputs: dict, out_shape: tuple, tensors: dict, args: tuple,
+               cost: float, new: dict, dangling: set, budget: int, spent: float,
+               memo: dict | None = None) -> float:
+    """``KernelSearch._move_bound`` of a move reading ``args`` at ``cost`` and making ``new``
+    ({name: TensorInfo}, shapes and symbols only); ``inputs``: the target's input infos."""
+    # The move may complete the graph (no op follows) only if it leaves no input unread:
+    # ``_record`` drops a graph that ignores an input, and a move whose result is the
+    # target's is never extended, so such a move adds nothing either way.
+    unread_inputs = any(n in inputs and n not in args for n in dangling)
+    if not unread_inputs and any(i.shape == out_shape for i in new.values()):
+        return spent + cost
+    key = (frozenset(args), tuple((i.shape, i.syms) for i in new.values()))
+    rest = memo.get(key) if memo is not None else None
+    if rest is None:
+        left = (dangling - set(args)) | set(new)
+        rest = lower.rest({**tensors, **new}, left, budget - 1)
+        if memo is not None:
+            memo[key] = rest
+    return spent + cost + rest
+
+
+def first_op_keys(ctx: Context, subset: tuple, options: list, budget: int, state: dict) -> list:
+    """The best-first keys (``KernelSearch._move_bound``) of the options of one layout of
+    ``subset`` (``catalog.layout_options``) as first ops of a level with ``budget`` ops left:
+    the kernel tensors are the target's inputs, none read yet, nothing spent. Computed on the
+    pool worker that listed them; ``state``: that process's ``RestBound`` and rest memos, kept
+    across its listings as ``_best_first`` keeps one memo per level."""
+    t = ctx.target
+    if "lower" not in state:
+        state["inputs"] = _input_infos(t)
+        state["out_shape"] = t.graph.nodes[t.out_node].shape
+        state["lower"] = RestBound(ctx.config, state["out_shape"])
+    inputs, out_shape = state["inputs"], state["out_shape"]
+    memo = state.setdefault(budget, {})
+    dangling = set(inputs)
+    keys = []
+    for st, _, cost, shapes in options:
+        new = {n: TensorInfo(shape, syms, None)
+               for n, (shape, syms) in zip(_out_names(0, len(st.outputs)), shapes)}
+        keys.append(move_bound(state["lower"], inputs, out_shape, inputs, subset, cost, new,
+                               dangling, budget, 0.0, memo))
+    return keys
 
 
 def _out_names(n_ops: int, n: int) -> tuple:

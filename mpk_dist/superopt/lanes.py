@@ -16,10 +16,19 @@ tensors, the same canonical ``prev``), under a bound that is the caller's bound 
 or higher (a graph verified later only lowers it), so it cuts less, never more, and every
 complete graph goes through the caller's ``_record``. The order in which graphs are recorded
 changes, which changes nothing in the ranked result (cost, then text) but may change which
-graphs get verified along the way. A first op is routed by its inputs and output shapes, so the
-first ops that need the same last-op signatures mostly meet in one lane (each lane builds its
-own). Used only without pruning (``KernelSearch`` with ``lanes``), so the pruned search, the one
-production runs, is unchanged.
+graphs get verified along the way. Used only without pruning (``KernelSearch`` with ``lanes``), so
+the pruned search, the one production runs, is unchanged.
+
+Which lane: the first ops that need the same last-op signatures should meet in few lanes (each
+lane builds its own signatures), but spread over enough lanes to keep all of them busy. A first
+op's *route* (its inputs and output shapes) has a list of home lanes; it goes to the least loaded
+of them (first ops handed over and not yet recorded) unless that lane has more than ``spill``
+first ops more than the least loaded lane overall, which then joins the route's homes.
+NOTE: until the fourteenth session a route had one lane (``hash(route) % n``): attention_decode
+has few routes, and with 8 lanes one lane did 45 s of 118 s of lane CPU time, one none, and the
+main process waited 118 s of 241 s for lane results. A lane with nothing in flight gets a first op
+at once (a batch of one); the others get batches of ``batch``, and ``flush`` sends the partial
+batches before the caller may wait for something else (a first-op listing).
 """
 
 from __future__ import annotations
@@ -65,14 +74,17 @@ def _lane_task(batch: list):
 class Lanes:
     """One-process pools that run the last kernel op for first ops (module docstring)."""
 
-    def __init__(self, ctx, n: int, batch: int = 8, window: int = 4) -> None:
+    def __init__(self, ctx, n: int, batch: int = 8, window: int = 4, spill: int = 16) -> None:
         mp = multiprocessing.get_context("fork")
         self.ctx = ctx
         self.pools = [mp.Pool(1, _init_lane, (ctx.target, ctx.config, ctx.deadline))
                       for _ in range(n)]
-        self.batch, self.window = batch, window
+        self.batch, self.window, self.spill = batch, window, spill
         self.open = [[] for _ in range(n)]       # per lane: first ops not sent yet
         self.sent = deque()                      # (lane, AsyncResult, [(tensors, ops)])
+        self.load = [0] * n                      # per lane: first ops handed over, not recorded
+        self.busy = [0] * n                      # per lane: tasks sent, not collected
+        self.homes: dict = {}                    # route -> lanes that take its first ops
 
     def close(self) -> None:
         """Stop the lane processes."""
@@ -86,34 +98,66 @@ class Lanes:
         self.ctx.counts["lane_handoffs"] = self.ctx.counts.get("lane_handoffs", 0) + 1
         first = ops[-1]
         route = (first.inputs, tuple((tensors[n].shape, tensors[n].syms) for n in first.outputs))
-        k = hash(route) % len(self.pools)
+        k = self._lane(route)
         self.open[k].append((dict(tensors), list(ops), prev, spent, ks.bound))
-        if len(self.open[k]) >= self.batch:
+        self.load[k] += 1
+        if len(self.open[k]) >= self.batch or not self.busy[k]:
             self._send(k)
         self._collect(ks, block=False)
+
+    def _lane(self, route) -> int:
+        """The lane for a first op of ``route`` (module docstring: home lanes, spill)."""
+        homes = self.homes.get(route)
+        idle = min(range(len(self.pools)), key=self.load.__getitem__)
+        if homes is None:
+            homes = self.homes[route] = [idle]
+        k = min(homes, key=self.load.__getitem__)
+        if self.load[k] > self.load[idle] + self.spill:
+            homes.append(idle)
+            self.ctx.counts["lane_spills"] = self.ctx.counts.get("lane_spills", 0) + 1
+            k = idle
+        return k
+
+    def flush(self) -> None:
+        """Send every partial batch (before the caller waits for something else)."""
+        for k in range(len(self.pools)):
+            if self.open[k]:
+                self._send(k)
 
     def _send(self, k: int) -> None:
         batch, self.open[k] = self.open[k], []
         task = self.pools[k].apply_async(_lane_task, (batch,))
+        self.busy[k] += 1
         self.sent.append((k, task, [(t, o) for t, o, *_ in batch]))
 
     def _collect(self, ks, block: bool) -> None:
-        """Record the graphs of finished hand-offs (all of them when ``block``; else only the
-        finished ones, waiting for the oldest while too many are in flight)."""
+        """Record the graphs of finished hand-offs, in the order they were sent (all of them
+        when ``block``; else the finished ones, waiting for the oldest while too many are in
+        flight). Lanes finish out of order, so every finished one is looked at, not only the
+        oldest."""
         while self.sent:
-            lane, task, items = self.sent[0]
-            if not (block or task.ready() or len(self.sent) > self.window * len(self.pools)):
+            done = [item for item in self.sent if item[1].ready()]
+            if not done and (block or len(self.sent) > self.window * len(self.pools)):
+                self.flush()  # idle lanes get their partial batches while this waits
+                done = [self.sent[0]]
+            if not done:
                 return
-            found, delta = self.ctx.pool_result(task, f"lane {lane}'s last ops")
-            self.sent.popleft()
-            self.ctx.add_remote(delta)
-            for (tensors, ops), graphs in zip(items, found):
-                for last, new, out in graphs:
-                    ks._record({**tensors, **new}, [*ops, last], out)
+            for item in done:
+                self.sent.remove(item)
+                self._record(ks, *item)
+
+    def _record(self, ks, lane: int, task, items: list) -> None:
+        found, delta = self.ctx.pool_result(task, f"lane {lane}'s last ops")
+        self.busy[lane] -= 1
+        self.load[lane] -= len(items)
+        self.ctx.add_remote(delta)
+        for (tensors, ops), graphs in zip(items, found):
+            for last, new, out in graphs:
+                ks._record({**tensors, **new}, [*ops, last], out)
+        if self.open[lane] and not self.busy[lane]:
+            self._send(lane)  # the lane is idle: its partial batch goes now
 
     def drain(self, ks) -> None:
         """Send every open batch and record everything the lanes found."""
-        for k in range(len(self.pools)):
-            if self.open[k]:
-                self._send(k)
+        self.flush()
         self._collect(ks, block=True)

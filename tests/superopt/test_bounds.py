@@ -236,3 +236,34 @@ def test_listing_limit_is_below_every_move_key():
                     assert bytes_lower_bound(st.layout, in_b, ck[2], limit[1]) <= limit[0], (st, key)
                     checked += 1
     assert checked > 1000
+
+
+def test_first_op_keys_from_the_pool_equal_the_main_process_keys():
+    """Unpruned, every first-op layout of every input subset listed on a pool with ``keyed``:
+    the keys the worker computed (``kernelsearch.first_op_keys``) are the main process's
+    ``_move_bound`` of the same moves, float for float, at budgets 2 and 3, and a listing made
+    without ``keyed`` (or asked for at another budget) has none."""
+    _, ctx, _ = _setup(3, prune=False)
+    infos = _input_infos(ctx.target)
+    dangling = set(infos)
+    checked = 0
+    with BlockCatalog(ctx, 2) as cat:
+        ks = KernelSearch(ctx, cat)
+        for r in (1, 2, 3):
+            for subset in itertools.combinations(infos, r):
+                n = len(cat.layouts(subset, infos))
+                budget = 2 + r % 2
+                cat.prefetch(subset, range(0, n, 2), infos, False, None, budget)
+                cat.prefetch(subset, range(1, n, 2), infos, False)
+                for k in range(n):
+                    moves = list(ks._options(infos, subset, None, False, 0, k))
+                    keys = cat.keys(subset, k, infos, budget)
+                    assert (keys is None) == (k % 2 == 1)
+                    if keys is None:
+                        continue
+                    assert cat.keys(subset, k, infos, budget + 1) is None
+                    for move in moves:
+                        assert keys[move[6][3]] == ks._move_bound(infos, move, dangling, budget,
+                                                                  0.0)
+                        checked += 1
+    assert checked > 1000

@@ -62,3 +62,35 @@ def test_long_reduction_keeps_the_one_op_graph_at_a_loop_count_that_fits():
     bg2, kinfos2 = B.instantiate(st, small, infos, ("@0",), None)
     assert bg2.smem_bytes() > SMEM_LIMIT  # the cause: at loop count 2 the tiles do not fit
 
+
+
+def test_released_first_op_listings_change_nothing(monkeypatch):
+    """Depth 2 of 2, pruned and unpruned, in canonical order (no bound) and best-first (the
+    bound of the cheapest graph): the catalog drops each first-op listing once its moves are
+    taken over (``KernelSearch._release``). The search finds the same graphs with the same
+    counters as with every listing kept, and the catalog holds no first-op listing at the end."""
+    from mpk_dist.superopt.catalog import BlockCatalog
+    from mpk_dist.superopt.kernelsearch import KernelSearch
+
+    target = analyze(build("silu_mul_linear", {"M": 2, "I": 64, "N": 32}))
+
+    def search(prune: bool, bound: float, release: bool):
+        if not release:
+            monkeypatch.setattr(BlockCatalog, "release", lambda self, *a, **k: None)
+        ctx = Context(target, SearchConfig(max_kernel_ops=2, max_block_ops=2, prune=prune),
+                      time.monotonic() + 120)
+        with BlockCatalog(ctx, 1) as cat:
+            found = KernelSearch(ctx, cat, bound).run(2)
+            first = [k for k in cat.per_layout if not k[0]]
+        monkeypatch.undo()
+        assert not ctx.timed_out()
+        counts = {k: v for k, v in ctx.stats().items() if k != "listings_released"}
+        return found, counts, first, ctx.counts.get("listings_released", 0)
+
+    best = min(u.cost["time_us"] for u in search(False, float("inf"), True)[0].values())
+    for prune, bound in ((True, float("inf")), (False, float("inf")), (False, best)):
+        found, counts, first, released = search(prune, bound, True)
+        found0, counts0, first0, _ = search(prune, bound, False)
+        assert sorted(found) == sorted(found0) and len(found) > 0
+        assert counts == counts0
+        assert first == [] and len(first0) > 0 and released > 0
