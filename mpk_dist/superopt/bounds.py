@@ -62,17 +62,19 @@ def layout_lower_bound(layout, infos: dict, config, out_shape: tuple | None, m=H
     for g in grids:
         if not _admissible(layout, g, sym_size, out_shape):
             continue
+        parts = _tile_parts(layout, infos, g, m)  # the same for every loop count
         for n in loops or [1]:
-            best = min(best, _tile_cost(layout, infos, g, n, out_b, m))
+            best = min(best, _tile_cost(layout, infos, g, n, out_b, m, parts))
     return best
 
 
-def _tile_cost(layout, infos: dict, grid: dict, loop_count: int, out_b: int, m) -> float:
-    """``custom_op_cost``'s formula for the inputs alone (plus ``out_b`` output bytes)."""
+def _tile_parts(layout, infos: dict, grid: dict, m) -> tuple:
+    """What ``_tile_cost`` reads of the inputs at ``grid``, for any loop count: the block
+    count, the inputs' device bytes and tile bytes (ints), and the tiles the loop splits."""
     blocks = 1
     for c in grid.values():
         blocks *= c
-    dram, per_block, fill = out_b, out_b // blocks, 0
+    dram, per_block, fill, looped = 0, 0, 0, []
     for n in layout.inputs:
         info = infos[n]
         whole = _bytes(info.shape)
@@ -81,8 +83,23 @@ def _tile_cost(layout, infos: dict, grid: dict, loop_count: int, out_b: int, m) 
         reps = blocks * _numel(tile_shape) // max(1, _numel(info.shape))
         dram += whole if (reps <= 1 or whole <= m.l2_bytes) else whole * reps
         per_block += tile
-        looped = layout.loop_sym is not None and layout.loop_sym in info.syms
-        fill += tile // loop_count if looped else tile
+        if layout.loop_sym is not None and layout.loop_sym in info.syms:
+            looped.append(tile)
+        else:
+            fill += tile
+    return blocks, dram, per_block, fill, tuple(looped)
+
+
+def _tile_cost(layout, infos: dict, grid: dict, loop_count: int, out_b: int, m,
+               parts: tuple | None = None) -> float:
+    """``custom_op_cost``'s formula for the inputs alone (plus ``out_b`` output bytes).
+    ``parts``: ``_tile_parts`` at ``grid`` when the caller has it (every sum is of ints, so
+    hoisting it out of the loop counts changes no float; since the fourteenth session, when
+    the rest bounds moved to the pool workers)."""
+    blocks, dram, per_block, fill, looped = parts or _tile_parts(layout, infos, grid, m)
+    dram += out_b
+    per_block += out_b // blocks
+    fill += sum(t // loop_count for t in looped)
     waves = math.ceil(blocks / m.sm_count)
     block_us = (per_block + fill) / m.sm_bytes_per_us + \
         (loop_count if layout.loop_sym else 1) * m.loop_iter_us

@@ -66,23 +66,32 @@ class KernelSearch:
             moves = self._moves(tensors, ops, prev, True, dangling, spent)
         else:
             listed = self._ordered(tensors, ops, prev, dangling, budget, spent)
+            if budget == 2 and self.lanes is not None:
+                # NOTE: handed over as listed: the lane builds the op (its block graph's
+                # expressions), which took ~25% of the main process's CPU time here
+                for m in listed:
+                    self.lanes.submit(self, tensors, ops, m, spent)
+                return
             moves = (self._build(tensors, len(ops), False, m) for m in listed)
         for move in moves:
-            if move is None:
-                continue
-            op, new, key, cost = move
-            tensors.update(new)
-            ops.append(op)
-            done = [n for n, i in new.items() if self._is_output(i)]
-            if done:
-                self._record(tensors, ops, done[0])
-            elif budget == 2 and self.lanes is not None:
-                self.lanes.submit(self, tensors, ops, (key, set(new)), spent + cost)
-            elif not last:
-                self._dfs(tensors, ops, (key, set(new)), budget - 1, spent + cost)
-            ops.pop()
-            for n in new:
-                del tensors[n]
+            self._take(tensors, ops, move, budget, spent)
+
+    def _take(self, tensors: dict, ops: list, move, budget: int, spent: float) -> None:
+        """Extend the graph by the built ``move`` (None: skipped): record it when its result is
+        the target's, else search the ops after it; ``tensors`` and ``ops`` are restored."""
+        if move is None:
+            return
+        op, new, key, cost = move
+        tensors.update(new)
+        ops.append(op)
+        done = [n for n, i in new.items() if self._is_output(i)]
+        if done:
+            self._record(tensors, ops, done[0])
+        elif budget > 1:
+            self._dfs(tensors, ops, (key, set(new)), budget - 1, spent + cost)
+        ops.pop()
+        for n in new:
+            del tensors[n]
 
     def _ordered(self, tensors: dict, ops: list, prev, dangling: set, budget: int,
                  spent: float):
@@ -145,8 +154,11 @@ class KernelSearch:
             elif item[0] == "l":
                 self._prefetch_ahead(tensors, ahead, dangling, spent, keyed)
                 limit = self._list_limit(tensors, item[1], dangling, spent)
-                moves = self._options(tensors, item[1], prev, False, len(ops), item[2], limit)
+                moves = list(self._options(tensors, item[1], prev, False, len(ops), item[2],
+                                           limit))  # listed (and keyed) before the keys are read
                 keys = self.catalog.keys(item[1], item[2], tensors, budget) if not ops else None
+                if keys is not None:
+                    self.ctx.counts["pool_keys"] = self.ctx.counts.get("pool_keys", 0) + len(moves)
                 for move in moves:
                     # the key the pool worker computed, the same function on the same values
                     key = keys[move[6][3]] if keys is not None else \

@@ -6,10 +6,10 @@ depth 2: ~10^5 first ops whose best-first key can beat the verified cost), and t
 catalog's pool sat idle once the first ops were listed. Here ``KernelSearch`` hands each first op
 whose next op is the last one to a lane instead of descending itself: a lane is a one-process
 pool with its own ``KernelSearch`` (its own context, catalog and ``blockshare`` signatures), and
-it runs exactly ``KernelSearch._dfs`` for that op with the caller's bound at hand-off time. It
-sends back the complete graphs it found (the last op and its outputs) and its counters; the
-caller records them with ``KernelSearch._record`` (cost, verification, bound) as if it had
-found them itself.
+it runs exactly what ``KernelSearch._dfs`` runs for that op (``_build`` of the listed move, then
+``_take``) with the caller's bound at hand-off time. It sends back the complete graphs it found
+(the ops it added and their outputs) and its counters; the caller records them with
+``KernelSearch._record`` (cost, verification, bound) as if it had found them itself.
 
 Why the result is the same: a lane explores the same last ops the caller would (same code, same
 tensors, the same canonical ``prev``), under a bound that is the caller's bound at hand-off time
@@ -49,23 +49,25 @@ def _init_lane(target, config, deadline) -> None:
         """A lane's search: complete graphs are collected, not recorded (the caller does)."""
 
         def _record(self, tensors: dict, ops: list, out: str) -> None:
-            last = ops[-1]
-            self.found.append((last, {n: tensors[n] for n in last.outputs}, out))
+            mine = ops[self.base:]
+            self.found.append((mine, {n: tensors[n] for op in mine for n in op.outputs}, out))
 
     ctx = Context(target, config, deadline)
     _LANE = Collect(ctx, BlockCatalog(ctx, 1))
 
 
 def _lane_task(batch: list):
-    """[complete graphs (last op, its outputs, the output name)] per hand-off of ``batch``, and
-    the lane's counters since the last task."""
+    """[complete graphs (the ops after the hand-off's, their outputs, the output name)] per
+    hand-off of ``batch`` (first ops as listed, built here), and the lane's counters since the
+    last task."""
     ks = _LANE
     before = ks.ctx.stats()
     out = []
-    for tensors, ops, prev, spent, bound in batch:
+    for tensors, ops, move, spent, bound in batch:
         ks.bound = bound  # the caller's bound at hand-off time
-        ks.found = []
-        ks._dfs(tensors, ops, prev, 1, spent)
+        ks.found, ks.base = [], len(ops)
+        # exactly what the caller's KernelSearch._dfs does with a listed move of budget 2
+        ks._take(tensors, ops, ks._build(tensors, len(ops), False, move), 2, spent)
         out.append(ks.found)
     after = ks.ctx.stats()
     return out, {k: after[k] - before.get(k, 0) for k in after}
@@ -92,14 +94,13 @@ class Lanes:
             p.terminate()
             p.join()
 
-    def submit(self, ks, tensors: dict, ops: list, prev, spent: float) -> None:
-        """Hand the last op after ``ops`` (``tensors`` so far, ``spent`` their cost) to a lane;
-        records what earlier hand-offs found."""
+    def submit(self, ks, tensors: dict, ops: list, move, spent: float) -> None:
+        """Hand the listed ``move`` after ``ops`` (``tensors`` so far, ``spent`` their cost) and
+        the last op after it to a lane; records what earlier hand-offs found."""
         self.ctx.counts["lane_handoffs"] = self.ctx.counts.get("lane_handoffs", 0) + 1
-        first = ops[-1]
-        route = (first.inputs, tuple((tensors[n].shape, tensors[n].syms) for n in first.outputs))
+        route = (move[1], tuple((i.shape, i.syms) for i in ks._shapes(tensors, move).values()))
         k = self._lane(route)
-        self.open[k].append((dict(tensors), list(ops), prev, spent, ks.bound))
+        self.open[k].append((dict(tensors), list(ops), move, spent, ks.bound))
         self.load[k] += 1
         if len(self.open[k]) >= self.batch or not self.busy[k]:
             self._send(k)
@@ -152,8 +153,8 @@ class Lanes:
         self.load[lane] -= len(items)
         self.ctx.add_remote(delta)
         for (tensors, ops), graphs in zip(items, found):
-            for last, new, out in graphs:
-                ks._record({**tensors, **new}, [*ops, last], out)
+            for mine, new, out in graphs:
+                ks._record({**tensors, **new}, [*ops, *mine], out)
         if self.open[lane] and not self.busy[lane]:
             self._send(lane)  # the lane is idle: its partial batch goes now
 

@@ -202,6 +202,7 @@ def test_unpruned_lanes_keep_the_best():
             lanes.close()
     assert not ctx.timed_out()
     assert ctx.counts["lane_handoffs"] > 10
+    assert ctx.counts["pool_keys"] > 0  # best-first keys of first ops came from the pool
     assert bnb.bound == best.cost["time_us"] < math.inf
     assert best.key() in cut
     cheaper = {k for k, u in everything.items() if u.cost["time_us"] <= bnb.bound}
