@@ -106,9 +106,12 @@ class KernelSearch:
         pending = deque(self._moves(tensors, ops, prev, False, set(), spent, custom=False))
         pending.extend(("s", subset, least) for subset, least in
                        self._subsets(tensors, list(tensors), prev, False, set(), spent))
+        upcoming = deque(item[1] for item in pending if item[0] == "s")
         while pending and self.bound == math.inf and not self.ctx.timed_out():
             item = pending.popleft()
             if item[0] == "s":
+                upcoming.popleft()  # this subset: the "s" items come in the same order
+                self._prefetch_subsets(tensors, upcoming)
                 pending.extendleft(reversed(list(
                     self._options(tensors, item[1], prev, False, len(ops)))))
                 self._release(ops, budget, item[1], tensors)
@@ -116,6 +119,25 @@ class KernelSearch:
                 yield item
         if pending and self.bound < math.inf:
             yield from self._best_first(tensors, ops, prev, dangling, budget, spent, pending)
+
+    def _prefetch_subsets(self, tensors: dict, upcoming) -> None:
+        """Unpruned, canonical phase: keep the pool busy with the layouts of the subsets listed
+        next (``upcoming``, in canonical order), 2 per process in flight, as ``_prefetch_ahead``
+        does in the best-first phase.
+
+        NOTE: each subset's layouts were enumerated only when the subset came up, and the main
+        process waited for its slowest layout: at most a subset's layouts (7 for Q) ran at once
+        however many processes there were, and the lanes waited too. A prefetched listing is the
+        same listing (no limit: it serves any later request); one that the best-first phase
+        never asks for only cost pool time."""
+        if self.ctx.config.prune or self.catalog.pool is None:
+            return  # the pruned search lists as before (the one production runs)
+        limit = 2 * self.catalog.processes
+        for subset in upcoming:
+            for k in range(len(self.catalog.layouts(subset, tensors))):
+                if self.catalog.in_flight() >= limit:
+                    return
+                self.catalog.prefetch(subset, [k], tensors, False)
 
     def _best_first(self, tensors: dict, ops: list, prev, dangling: set, budget: int,
                     spent: float, items):
