@@ -23,7 +23,7 @@
 #                   (GPU_SPLIT below), after one install and one kernel prebuild; not with --tp
 #   --perf          ONLY the issue-6 speed table: `mpk-dist bench --backend megakernel,torch-compile` at
 #                   context ~512 for qwen3-8b, llama3-8b, qwen3-1.7b, qwen3-0.6b (batch 1) and qwen3-8b batch 8
-#                   (MPK_LINEAR_MMA=1), the knob sweep of the newest levers on qwen3-8b (PERF_VARIANTS,
+#                   (tensor-core tiles, the default from batch 4), the knob sweep of the newest levers on qwen3-8b (PERF_VARIANTS,
 #                   default "base;u8;k9;y0;x1;z1;k1": 8 loads in flight per lane instead of the program's 16 (MPK_LINEAR_UNROLL),
 #                   9 KV ranges instead of 16 (v0.13's split), the batch-1 x vectors loaded in the sum loop (MPK_LOAD_AHEAD=0), the
 #                   split tiles' cache rows staged in shared memory (MPK_ATTN_STAGE_KV=1), the smallest
@@ -142,7 +142,7 @@ if [ $PERF -eq 1 ]; then
     step "perf_$m" "${PERF_LIMIT:-150}" python3 -m mpk_dist bench --model "$m" --backend megakernel,torch-compile $CTX \
       --output-json "$OUT/perf_$m.json"
   done
-  step perf_qwen3-8b_b8 "${PERF_LIMIT:-150}" env MPK_LINEAR_MMA=1 python3 -m mpk_dist bench --model qwen3-8b --batch 8 \
+  step perf_qwen3-8b_b8 "${PERF_LIMIT:-150}" python3 -m mpk_dist bench --model qwen3-8b --batch 8 \
     --backend megakernel,torch-compile $CTX --output-json "$OUT/perf_qwen3-8b_b8.json"
   # Issue 6's start-up figures: cold (empty cache: superoptimizer searches + nvcc) then warm (cached), qwen3-8b.
   step perf_startup "${PERF_LIMIT:-150}" bash -c 'D=$(mktemp -d); for i in 1 2; do MPK_CACHE_DIR=$D python3 -m mpk_dist run \
@@ -288,16 +288,17 @@ if [ $EXTRAS -eq 1 ] && { [ $FUSION_ONLY -eq 0 ] || [ $FUSION -eq 0 ]; }; then
     --output-json "$OUT/bench_linear.json"
   # Issue 10: TTFT of 128/1024/4096-token prompts (megakernel vs torch, one run each; 256 tokens a pass),
   # then the 1024-token workload with every pass posted into one resident launch (--persistent-passes), and
-  # the 4096-token one with tensor-core tiles for the 16-row blocks of prefill (MPK_LINEAR_MMA=1).
+  # the 4096-token one with the scalar tiles for the 16-row blocks of prefill (MPK_LINEAR_MMA=0; tensor cores are the
+  # default from 4 rows a tile since 2026-12-01, so the loop above runs them).
   step ttft "${EXTRA_LIMIT:-240}" bash -c 'for L in 128 1024 4096; do python3 -m mpk_dist serve-bench --model qwen3-0.6b \
     --backend megakernel,torch --synthetic 4 --prompt-len $L --output-len 16 --max-batch 4 --max-tokens-per-step 256 \
     --ignore-eos --check --device cuda --output-json "'"$OUT"'/ttft_$L.json" | tail -4 || exit 1; done; \
     python3 -m mpk_dist serve-bench --model qwen3-0.6b --backend megakernel --persistent-passes 4096 --synthetic 4 \
     --prompt-len 1024 --output-len 16 --max-batch 4 --max-tokens-per-step 256 --ignore-eos --check --device cuda \
     --output-json "'"$OUT"'/ttft_1024_persistent.json" | tail -3; \
-    MPK_LINEAR_MMA=1 python3 -m mpk_dist serve-bench --model qwen3-0.6b --backend megakernel --synthetic 4 \
+    MPK_LINEAR_MMA=0 python3 -m mpk_dist serve-bench --model qwen3-0.6b --backend megakernel --synthetic 4 \
     --prompt-len 4096 --output-len 16 --max-batch 4 --max-tokens-per-step 256 --ignore-eos --check --device cuda \
-    --output-json "'"$OUT"'/ttft_4096_mma.json" | tail -3'
+    --output-json "'"$OUT"'/ttft_4096_scalar.json" | tail -3'
   if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
     step bench_comm "${EXTRA_LIMIT:-240}" launch/mpirun.sh -n 2 bench-comm --output-json "$OUT/bench_comm.json"
   fi

@@ -41,8 +41,9 @@ DEFAULT_WORKER_THREADS = 512
 DEFAULT_PREFETCH_KB = 64
 
 SWITCHES = (
-    # batch >= 2 linear tiles on tensor cores (csrc/tasks/linear_mma.cuh; another summation order)
-    ("linear_mma", "MPK_LINEAR_MMA", False),
+    # linear tiles on tensor cores (csrc/tasks/linear_mma.cuh; another summation order); default (None): from
+    # tables.MMA_MIN_BATCH rows on, set 0 or 1 to force
+    ("linear_mma", "MPK_LINEAR_MMA", None),
     # weights through a shared-memory ring by bulk copies (csrc/tasks/weight_stream.cuh; same sums)
     ("linear_tma", "MPK_LINEAR_TMA", False),
     # software-pipelined linear tiles: the next chunk's loads in flight while one is summed (gemv_pipe.cuh; same bits)
@@ -477,7 +478,8 @@ def tuning_from_env(worker_threads: int, environ=None) -> dict:
                              f"got {raw!r}")
         out["prefetch_level_kb"] = int(raw)
     # Switches whose key appears only when set away from the default, so the default dict (and every
-    # Session built from it) is what it was before the switch existed.
+    # Session built from it) is what it was before the switch existed; a switch whose default depends on the
+    # program (None) appears whenever it is set.
     for key, var, default in SWITCHES:
         raw = env.get(var, "")
         if raw not in ("", "0", "1"):

@@ -48,6 +48,8 @@ def kernel_shape(cg, worker_threads: int, schedule: str, **knobs) -> KernelShape
     """The KernelShape a Session of program ``cg`` builds (``knobs``: the other KernelShape fields; a
     ``linear_unroll`` of None takes ``tables.default_linear_unroll``); the kernel prebuild
     (mpk_dist.runtime.prebuild) asks the same function, so its cubins are the ones found."""
+    if knobs.get("linear_mma") is None:
+        knobs["linear_mma"] = tables.default_linear_mma(cg)
     if knobs.get("linear_unroll") is None:
         knobs["linear_unroll"] = tables.default_linear_unroll(cg, worker_threads)
     # MPK_BATCH: the rows of a linear tile (row blocks of 16 above 16 rows), not the program's batch
@@ -72,7 +74,7 @@ class Session:
                  worker_threads: int = 256, timeout_s: float = 5.0, trace: bool | int = False, num_sched: int = 4,
                  compiler: str | None = None, model: str = "-", linear_rows: int = 1, linear_unroll: int | None = None,
                  prefetch_kb: int = -1, region=None, stream=None,
-                 cooperative: bool = True, superopt: bool = True, linear_mma: bool = False,
+                 cooperative: bool = True, superopt: bool = True, linear_mma: bool | None = None,
                  prefetch_plan: bool = True, linear_tma: bool = False, linear_pipe: bool = False,
                  attn_prefetch: bool = True, bulk_prefetch: bool = False, prefetch_ahead: bool = False,
                  attn_stage_kv: bool = False, load_ahead: bool = True, min_carveout: bool = False,
@@ -106,7 +108,7 @@ class Session:
         # Record-level: split-KV tiles stage their cache rows in shared memory when the stage fits.
         self.stage_kv = attn_stage_kv and tables.kv_stage_fits(cg, worker_threads, weight_ring=linear_tma)
         self.smem = tables.smem_bytes(cg, worker_threads, weight_ring=linear_tma, stage_kv=self.stage_kv)
-        if linear_mma:  # room for the MMA linear tiles' split-K partials (csrc/tasks/linear_mma.cuh), below the ring
+        if shape.linear_mma:  # room for the MMA linear tiles' split-K partials (csrc/tasks/linear_mma.cuh), below the ring
             ring = tables.WEIGHT_RING_BYTES if linear_tma else 0
             self.smem = max(self.smem, MMA_PARTIAL_BYTES_PER_WARP * (worker_threads // 32) + 128 + ring)
         t0 = time.perf_counter()

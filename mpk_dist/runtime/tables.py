@@ -65,6 +65,19 @@ def default_linear_unroll(cg, worker_threads: int) -> int:
     return UNROLLS_BATCH1[-1]
 
 
+MMA_MIN_BATCH = 4
+"""Kernel batches from which the linear tiles run on tensor cores by default (MPK_LINEAR_MMA unset;
+csrc/tasks/linear_mma.cuh). Measured on an H200 (docs/PERF.md v0.13, qwen3-8b tiles alone, us): from batch 4 the
+tensor-core tile is ahead on every matrix (b4: qkv 18.73 vs 24.81, gate_up 57.86 vs 75.49, lm_head 350.20 vs
+391.95), at batch 2 behind on lm_head (353.06 vs 289.68); the batch-8 issue-6 figures are with it (v0.12-v0.14)."""
+
+
+def default_linear_mma(cg) -> bool:
+    """Whether program ``cg``'s linear tiles run on tensor cores when MPK_LINEAR_MMA is unset: from
+    MMA_MIN_BATCH rows a tile on."""
+    return kernel_batch(cg) >= MMA_MIN_BATCH
+
+
 def padded_batch(batch: int) -> int:
     """The batch a mega-kernel program is compiled for: ``batch`` up to ROW_BLOCK, else the next
     multiple of ROW_BLOCK (the host fills the extra rows and drops their results)."""

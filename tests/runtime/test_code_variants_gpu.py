@@ -17,7 +17,8 @@ the arithmetic, so the logits must equal the default build's bit for bit and sta
 - ``-DMPK_MMA_X_AHEAD=0`` under MPK_LINEAR_MMA=1, batch 8: the tensor-core tile loads each x vector inside its
   mma loop (the default loads a round's x vectors right after its weights; csrc/tasks/linear_mma.cuh mma_unit).
 
-qwen3-0.6b (default fusions, split-KV attention), 200-token prompt, batch 1 and 4 (the MMA variants: batch 8).
+qwen3-0.6b (default fusions, split-KV attention), 200-token prompt, batch 1 and 4 (batch 4 on tensor cores, the
+default from 4 rows a tile; the MMA variants: batch 8).
 Run: ``python -m pytest -q -m gpu tests/runtime/test_code_variants_gpu.py`` (about a minute on an H200 with the
 kernels prebuilt).
 """

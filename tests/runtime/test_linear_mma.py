@@ -81,11 +81,13 @@ def test_kernel_shape_field_renders_the_define():
 
 
 def test_env_knob_is_checked():
-    """MPK_LINEAR_MMA=1 adds linear_mma=True; unset or 0 leaves the default dict as it was; else one error."""
+    """Unset leaves linear_mma out (the program's batch decides: tables.default_linear_mma); 1 and 0 force it
+    on and off; else one error."""
     from mpk_dist.runtime.megakernel_backend import tuning_from_env
 
     base = tuning_from_env(256, {})
-    assert "linear_mma" not in base and tuning_from_env(256, {"MPK_LINEAR_MMA": "0"}) == base
+    assert "linear_mma" not in base
+    assert tuning_from_env(256, {"MPK_LINEAR_MMA": "0"}) == {**base, "linear_mma": False}
     assert tuning_from_env(256, {"MPK_LINEAR_MMA": "1"}) == {**base, "linear_mma": True}
     for bad in ("2", "yes", "on"):
         with pytest.raises(InputError, match="MPK_LINEAR_MMA: expected one of 0, 1"):

@@ -87,3 +87,21 @@ def test_default_unroll_follows_the_smallest_batch_1_tile(model, batch, tp, want
     tuning = tuning_from_env(512, {"MPK_LINEAR_UNROLL": "8"})
     wt = tuning.pop("worker_threads")
     assert kernel_shape(cg, wt, "aot", **tuning).linear_unroll == 8
+
+
+@pytest.mark.parametrize("batch,want", [(1, False), (2, False), (4, True), (8, True), (32, True)])
+def test_default_linear_mma_from_batch_4(batch, want):
+    """Tensor-core linear tiles by default from MMA_MIN_BATCH rows a tile (batch 32 runs 16-row tiles); the kernel
+    shape takes the default when MPK_LINEAR_MMA is unset, and the variable wins either way."""
+    from mpk_dist.models.presets import get_preset
+    from mpk_dist.runtime.megakernel_backend import tuning_from_env
+    from mpk_dist.runtime.session import kernel_shape
+    from mpk_dist.runtime.tables import default_linear_mma
+    from mpk_dist.taskgraph.compiler import compile_rank_programs
+
+    cg = compile_rank_programs(get_preset("tiny"), tp=1, batch=batch, ranks=[0])[0]
+    assert default_linear_mma(cg) == want
+    for env, mma in (({}, want), ({"MPK_LINEAR_MMA": "0"}, False), ({"MPK_LINEAR_MMA": "1"}, True)):
+        tuning = tuning_from_env(512, env)
+        wt = tuning.pop("worker_threads")
+        assert kernel_shape(cg, wt, "aot", **tuning).linear_mma == mma, env
