@@ -27,7 +27,7 @@ first ops more than the least loaded lane overall, which then joins the route's 
 lane's backlog of 64 first ops takes about as long as building a few signatures; with 16, 8
 lanes on 2 cores built 937 signatures in 240 s where one lane per route built 481).
 NOTE: until the fourteenth session a route had one lane (``hash(route) % n``): attention_decode
-has few routes, and with 8 lanes one lane did 45 s of 118 s of lane CPU time, one none, and the
+has few routes, and with 8 lanes one lane did 45 s of 105 s of lane CPU time, one none, and the
 main process waited 118 s of 241 s for lane results. A lane with nothing in flight gets a first op
 at once (a batch of one); the others get batches of ``batch``, and ``flush`` sends the partial
 batches before the caller may wait for something else (a first-op listing).
