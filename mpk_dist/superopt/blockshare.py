@@ -37,8 +37,22 @@ With pruning the oracle judges every prefix's expression, so nothing is shared t
 
 from __future__ import annotations
 
+import sys
+from collections import OrderedDict
+
 from mpk_dist.superopt.blockmemo import FinalFilter, Fingerprint, MemoEnumerator, canonical_order
 from mpk_dist.superopt.ugraph import TensorInfo
+
+SIGNATURE_CACHE_BYTES = 1 << 30
+"""Bound on the bytes of one process's signatures (``SharedFinal.nbytes``: their containers
+and op tuples as ``sys.getsizeof`` counts them); past it the least recently used one is dropped.
+
+Why 1 GiB: on the 2-core machine (23 GB) the unpruned attention_decode search's two lanes grew
+~0.3 GB a minute each until the run was stopped at 12 GB (fourteenth session, 3.6 and 3.9 GB per
+lane at 740 s), and a spilled route puts its signatures in several lanes. At 1 GiB per process
+2 lanes stay a few GB in all, and 8 lanes on a 16-core, 128 GB machine ~10-15 GB. A dropped
+signature is rebuilt identically when asked again (``signature_rebuilds``), so the bound trades
+CPU time for memory and changes no result (docs/SUPEROPT.md, fourteenth session, second part)."""
 
 
 class _ShapeOnly(FinalFilter):
@@ -83,19 +97,21 @@ class SharedFinal:
         graphs = enum.completions()
         self.complete = not ctx.timed_out()
         self.states, self.deduplicated = enum.states, enum.deduplicated
-        self.recipe, self.shape, self.acc_of = enum.recipe, enum.shape, enum.acc_of
-        # op sets kept as tuples of descriptors (``MemoEnumerator.ops_of``): a signature is kept
-        # for the whole search, and a tuple of five is 80 bytes, a frozenset 728
+        # op sets kept as tuples of descriptors (``MemoEnumerator.ops_of``): a signature may be
+        # kept for the whole search, and a tuple of five is 80 bytes, a frozenset 728
         self.by_out: dict = {}
         for ops in map(enum.ops_of, graphs):
             self.by_out.setdefault(_output_node(ops, enum.acc_of), []).append(ops)
         self.n_graphs = len(graphs)
         # output nodes grouped by their stripped structure (``StrippedTable``): one concrete
-        # fingerprint per distinct structure, shared with every other signature of the process
+        # fingerprint per distinct structure, shared with every other signature of the process.
+        # NOTE: the enumerator's recipes (one per node it made) are needed only here, so they are
+        # not kept with the signature.
         table, memo = stripped_table(ctx), {}
         self.by_sid: dict = {}
         for node, ops in self.by_out.items():
-            self.by_sid.setdefault(table.sid(self.recipe, node, memo), []).extend(ops)
+            self.by_sid.setdefault(table.sid(enum.recipe, node, memo), []).extend(ops)
+        self.nbytes = _held_bytes(self.by_out, self.by_sid)
 
     def structures(self, ctx, layout, infos: dict, sizes: dict, sym_size: dict) -> tuple:
         """(structures of ``layout`` over the concrete ``infos`` that the concrete enumerator
@@ -245,19 +261,73 @@ def _concrete_verdict(st, sizes: dict, infos: dict, filt: FinalFilter) -> str:
     return "ok" if filt.exact(info) else "mismatched"
 
 
+def _held_bytes(by_out: dict, by_sid: dict) -> int:
+    """Bytes a signature holds, as ``sys.getsizeof`` counts them: both dicts, their lists and
+    each op tuple once (the descriptors inside are shared with other graphs and counted once)."""
+    size = sys.getsizeof(by_out) + sys.getsizeof(by_sid)
+    descs: dict = {}
+    for graphs in by_out.values():
+        size += sys.getsizeof(graphs)
+        for ops in graphs:
+            size += sys.getsizeof(ops)
+            for d in ops:
+                descs[id(d)] = d
+    size += sum(sys.getsizeof(g) for g in by_sid.values())
+    return size + sum(map(sys.getsizeof, descs.values()))
+
+
+class SignatureCache:
+    """A process's signatures (``SharedFinal`` by signature key), least recently used first,
+    holding at most ``SIGNATURE_CACHE_BYTES`` of ``nbytes`` (the newest one always stays).
+
+    Counters on ``ctx``: ``signature_evictions`` (signatures dropped) and ``signature_rebuilds``
+    (signatures built again after being dropped). A rebuilt signature is the same enumeration of
+    the same shapes, so only the counters (built, states, explored) differ from an unbounded
+    cache, never the structures."""
+
+    def __init__(self, ctx) -> None:
+        self.ctx = ctx
+        self.entries: OrderedDict = OrderedDict()
+        self.nbytes = 0
+        self.evicted: set = set()  # keys dropped once: a later build of one is a rebuild
+
+    def get(self, key):
+        """The signature of ``key``, now the most recently used, or None."""
+        entry = self.entries.get(key)
+        if entry is not None:
+            self.entries.move_to_end(key)
+        return entry
+
+    def put(self, key, entry: SharedFinal) -> None:
+        """Keep ``entry``; drop the least recently used ones while over the bound."""
+        counts = self.ctx.counts
+        if key in self.evicted:
+            counts["signature_rebuilds"] = counts.get("signature_rebuilds", 0) + 1
+        self.entries[key] = entry
+        self.nbytes += entry.nbytes
+        while self.nbytes > SIGNATURE_CACHE_BYTES and len(self.entries) > 1:
+            old, dropped = self.entries.popitem(last=False)
+            self.nbytes -= dropped.nbytes
+            self.evicted.add(old)
+            counts["signature_evictions"] = counts.get("signature_evictions", 0) + 1
+
+
 def shared_final_structures(ctx, layout, infos: dict, sizes: dict, sym_size: dict) -> list:
     """The last-op structures of ``layout`` over ``infos`` (unpruned), from the abstract
-    enumeration of the layout's signature (built once per process, kept on ``ctx``)."""
+    enumeration of the layout's signature (built once per process and kept on ``ctx`` while
+    ``SignatureCache`` keeps it; built again, identically, when asked for after eviction)."""
     key = (tuple((infos[n].shape, infos[n].syms) for n in layout.inputs), layout.grid_syms,
            layout.loop_sym, tuple(sorted(sizes.items())))
-    cache = ctx.__dict__.setdefault("_shared_final", {})
+    cache = ctx.__dict__.get("_shared_final")
+    if cache is None:
+        cache = ctx.__dict__["_shared_final"] = SignatureCache(ctx)
     entry = cache.get(key)
     if entry is None:
         entry = SharedFinal(ctx, layout, infos, sizes, sym_size)
         for k, n in (("deduplicated", entry.deduplicated), ("states", entry.states)):
             ctx.counts[k] = ctx.counts.get(k, 0) + n
         if entry.complete:
-            cache[key] = entry
+            cache.put(key, entry)
         ctx.counts["shared_built"] = ctx.counts.get("shared_built", 0) + 1
     else:
         ctx.counts["shared_reused"] = ctx.counts.get("shared_reused", 0) + 1

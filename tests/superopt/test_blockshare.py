@@ -111,3 +111,33 @@ def test_last_op_results_by_recipe_give_the_same_graphs(monkeypatch):
         merged += len(new.by_out) - len(old.by_out)
         compared += len(new_graphs)
     assert compared > 100 and merged > 0
+
+
+def test_a_tiny_signature_cache_gives_the_same_structures(monkeypatch):
+    """With ``SIGNATURE_CACHE_BYTES`` below any signature's size, every new signature evicts the
+    previous one and a later request rebuilds it: the structures of every layout of three input
+    sets (two of them share signatures) are those of an unbounded cache, and only the counters
+    say signatures were dropped and built again."""
+    from mpk_dist.superopt import blockshare
+
+    target, infos, config = _setup(3)
+    gx, ginv, xx = _named(infos, "G*X"), _named(infos, "inv(G)*X"), _named(infos, "X*X")
+    subsets = ((gx, xx, "W"), ("X", gx, "W"), (ginv, xx, "W"), ("X", gx, "W"))
+
+    def run():
+        ctx = Context(target, config, time.monotonic() + 120)
+        out = [B.enumerate_layout(ctx, lay, infos, final=True, share=True)
+               for subset in subsets for lay in B.layouts(subset, infos, 1)]
+        return out, ctx.counts, ctx.__dict__["_shared_final"]
+
+    free, free_counts, free_cache = run()
+    assert "signature_evictions" not in free_counts and free_cache.nbytes > 0
+    with monkeypatch.context() as m:
+        m.setattr(blockshare, "SIGNATURE_CACHE_BYTES", 1)
+        tiny, tiny_counts, tiny_cache = run()
+    assert tiny == free and sum(map(len, tiny)) > 0
+    assert tiny_counts["signature_evictions"] > 0 and tiny_counts["signature_rebuilds"] > 0
+    assert len(tiny_cache.entries) == 1  # the newest signature stays
+    assert tiny_counts["shared_built"] > free_counts["shared_built"]
+    assert tiny_counts["shared_built"] == free_counts["shared_built"] + \
+        tiny_counts["signature_rebuilds"]
