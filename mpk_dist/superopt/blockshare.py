@@ -43,16 +43,18 @@ from collections import OrderedDict
 from mpk_dist.superopt.blockmemo import FinalFilter, Fingerprint, MemoEnumerator, canonical_order
 from mpk_dist.superopt.ugraph import TensorInfo
 
-SIGNATURE_CACHE_BYTES = 1 << 30
+SIGNATURE_CACHE_BYTES = 512 << 20
 """Bound on the bytes of one process's signatures (``SharedFinal.nbytes``: their containers
 and op tuples as ``sys.getsizeof`` counts them); past it the least recently used one is dropped.
 
-Why 1 GiB: on the 2-core machine (23 GB) the unpruned attention_decode search's two lanes grew
-~0.3 GB a minute each until the run was stopped at 12 GB (fourteenth session, 3.6 and 3.9 GB per
-lane at 740 s), and a spilled route puts its signatures in several lanes. At 1 GiB per process
-2 lanes stay a few GB in all, and 8 lanes on a 16-core, 128 GB machine ~10-15 GB. A dropped
-signature is rebuilt identically when asked again (``signature_rebuilds``), so the bound trades
-CPU time for memory and changes no result (docs/SUPEROPT.md, fourteenth session, second part)."""
+Why 512 MiB: on the 2-core machine (23 GB) the unpruned attention_decode search's two lanes grew
+~0.3 GB a minute each until the run was stopped at 12 GB (fourteenth session: 3.6 and 3.9 GB per
+lane at 740 s), and a spilled route puts its signatures in several lanes. A lane's RSS was ~2.2x
+its signatures' ``nbytes`` (1,100 MB at 479 MB after 200 s: allocator overhead, the freed memory
+of the enumerations, the lane's other memos), so 512 MiB is ~1.2 GB of RSS per lane: 2 lanes here
+stay a few GB in all, and 8 lanes on a 16-core, 128 GB machine ~10 GB. A dropped signature is
+rebuilt identically when asked again (``signature_rebuilds``), so the bound trades CPU time for
+memory and changes no result (docs/SUPEROPT.md, fourteenth session, second part)."""
 
 
 class _ShapeOnly(FinalFilter):
