@@ -2,8 +2,9 @@
 
 ``compare_prune(g, ...)`` runs ``superoptimize`` twice with the same bounds, ``prune=True`` and
 then ``prune=False``, and reports both statistics and whether the two best µGraphs are the same
-graph. Sameness is canonical: equal ``UGraph.key()`` (the graph's text without costs: every kernel
-op, block graph, map, count and chain), printed as a short hash. The comparison is *complete* only
+graph. Sameness is canonical: equal ``UGraph.structure_key()`` (the graph's text without costs and
+without the ops' origin comments: every kernel op, block graph, map, count and chain), printed as
+a short hash of ``UGraph.key()`` (comments included, as the cache and the docs name graphs). The comparison is *complete* only
 when neither search timed out; a timed-out search returns the best graph found so far, so its
 "best" says nothing about the whole space.
 """
@@ -47,11 +48,12 @@ class PruneComparison:
 
     @property
     def same_best(self) -> bool | None:
-        """Whether both best µGraphs are the same graph; None when either found none."""
+        """Whether both best µGraphs are the same graph (origin comments aside); None when either
+        found none."""
         a, b = self.pruned.best, self.unpruned.best
         if a is None or b is None:
             return None
-        return a.key() == b.key()
+        return a.structure_key() == b.structure_key()
 
     def verdict(self) -> str:
         """One line: equal / different / undecided, and why."""
@@ -60,8 +62,13 @@ class PruneComparison:
         if same is None:
             return "best graphs equal: undecided (a search found no verified graph)"
         word = "yes" if same else "NO"
-        tail = f" (hash {h})" if same else (f" (pruned {h}, unpruned "
-                                             f"{graph_hash(self.unpruned.best)})")
+        h2 = graph_hash(self.unpruned.best)
+        if not same:
+            tail = f" (pruned {h}, unpruned {h2})"
+        elif h2 == h:
+            tail = f" (hash {h})"
+        else:
+            tail = f" (one structure; the ops' origin comments differ: pruned {h}, unpruned {h2})"
         if not self.complete:
             tail += "; a search timed out, so this compares best-so-far graphs only"
         return f"best graphs equal: {word}{tail}"

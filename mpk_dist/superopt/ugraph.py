@@ -138,8 +138,8 @@ class BlockGraph:
         n += sum(_numel(a.info.shape) for a in self.accs)
         return n * DTYPE_BYTES
 
-    def text(self, indent: str = "    ") -> str:
-        """Readable multi-line form."""
+    def text(self, indent: str = "    ", origins: bool = True) -> str:
+        """Readable multi-line form (``origins``: each op's target op as a comment)."""
         grid = ", ".join(f"{s}/{c}" for s, c in self.grid) or "1"
         loop = f"{self.loop[0]}/{self.loop[1]}" if self.loop else "none"
         rows = [f"{indent}grid=({grid}) loop={loop} smem={self.smem_bytes() / 1024:.1f}KB"]
@@ -148,11 +148,11 @@ class BlockGraph:
             fmap = "φ" if i.fmap is None else str(i.fmap)
             rows.append(f"{indent}in  {i.local} <- {i.name} tile{i.tile} imap=[{imap}] fmap={fmap}")
         for op in self.body:
-            rows.append(f"{indent}  for: {_op_text(op)}")
+            rows.append(f"{indent}  for: {_op_text(op, origins)}")
         for a in self.accs:
             rows.append(f"{indent}acc {a.out} = {a.kind}({a.src}) {a.info.shape}")
         for op in self.post:
-            rows.append(f"{indent}{_op_text(op)}")
+            rows.append(f"{indent}{_op_text(op, origins)}")
         for o in self.outputs:
             omap = ",".join("stack" if d == STACK else str(d) for d in o.omap) or "-"
             rows.append(f"{indent}out {o.src} -> {o.name} omap=[{omap}]")
@@ -179,8 +179,8 @@ def op_call_text(kind: str, attrs: tuple, args: tuple) -> str:
 _CALL_NAMES: dict = {}
 
 
-def _op_text(op: BlockOp) -> str:
-    src = f"  # {op.origin}" if op.origin else ""
+def _op_text(op: BlockOp, origins: bool = True) -> str:
+    src = f"  # {op.origin}" if op.origin and origins else ""
     return f"{op.out} = {op_call_text(op.kind, op.attrs, op.inputs)} {op.info.shape}{src}"
 
 
@@ -230,8 +230,15 @@ class UGraph:
         """A canonical text identifying the graph (costs excluded)."""
         return self.text(with_cost=False)
 
-    def text(self, with_cost: bool = True) -> str:
-        """Readable multi-line form."""
+    def structure_key(self) -> str:
+        """``key`` without the ops' origin comments: the graph's structure alone. Why: an op's
+        origin is provenance for the reader, and ``Target.origin_of`` may answer a partial sum and
+        the full one alike in the order a process asks, so two searches can print one graph with
+        different comments (the unpruned attention_decode run of 2026-12-01)."""
+        return self.text(with_cost=False, origins=False)
+
+    def text(self, with_cost: bool = True, origins: bool = True) -> str:
+        """Readable multi-line form (``origins``: each op's target op as a comment)."""
         head = f"µGraph: {len(self.kernel_ops)} kernel op(s)"
         if with_cost and self.cost:
             c = self.cost
@@ -244,14 +251,14 @@ class UGraph:
             outs = ", ".join(op.outputs)
             if op.is_custom:
                 rows.append(f"  {outs} = custom({', '.join(op.inputs)})")
-                rows.append(op.block.text("      "))
+                rows.append(op.block.text("      ", origins))
             else:
                 extra = ""
                 if op.kind == "chain":
                     extra = f"[{chain_text(op.attr('prog'))}]"
                 elif op.kind == "sum":
                     extra = f"[dim={op.attr('dim')}{'' if op.attr('keepdim', True) else ',drop'}]"
-                src = f"  # {op.origin}" if op.origin else ""
+                src = f"  # {op.origin}" if op.origin and origins else ""
                 rows.append(f"  {outs} = {op.kind}{extra}({', '.join(op.inputs)}) "
                             f"{self.tensors[op.outputs[0]].shape}{src}")
         rows.append(f"  output {self.output} {self.tensors[self.output].shape}")

@@ -59,6 +59,29 @@ def test_differing_or_missing_best_is_reported(silu_cmp):
     assert empty.same_best is None and "undecided" in empty.verdict()
 
 
+def test_origin_comments_alone_do_not_make_another_graph(silu_cmp):
+    """Two searches may print one graph with different origin comments (``Target.origin_of`` answers in
+    the order a process asks): the verdict says equal and names both hashes; a changed structure is
+    still another graph."""
+    from dataclasses import replace
+
+    def reorigin(ug, origin):
+        ops = [replace(op, origin=origin, block=None if op.block is None else replace(
+            op.block, body=tuple(replace(b, origin=origin) for b in op.block.body),
+            post=tuple(replace(b, origin=origin) for b in op.block.post))) for op in ug.kernel_ops]
+        return replace(ug, kernel_ops=ops)
+
+    best = silu_cmp.pruned.best
+    other = reorigin(best, "elsewhere#9")
+    assert other.key() != best.key() and other.structure_key() == best.structure_key()
+    assert "# elsewhere#9" in other.text() and "#9" not in other.structure_key()
+    cmp = replace(silu_cmp, unpruned=replace(silu_cmp.unpruned, best=other))
+    assert cmp.same_best is True
+    assert f"one structure; the ops' origin comments differ: pruned {graph_hash(best)}, unpruned " \
+           f"{graph_hash(other)}" in cmp.verdict()
+    assert graph_hash(best) != graph_hash(other)
+
+
 def test_prune_argument_is_refused():
     with pytest.raises(MpkError, match="expected no 'prune' argument"):
         compare_prune(build("silu_mul_linear", SMALL), prune=True, **BOUNDS)
