@@ -21,6 +21,12 @@ from mpk_dist.superopt.cost import H200, custom_op_cost
 from mpk_dist.superopt.inference import is_stack_sym
 from mpk_dist.superopt.ugraph import DTYPE_BYTES, _numel
 
+def _listing_key(final: bool, subset: tuple, infos: dict, k: int | None = None) -> tuple:
+    """The catalog's key of ``subset``'s options (``k`` None) or of its layout ``k``'s listing."""
+    head = (final, *((n, infos[n]) for n in subset))
+    return head if k is None else (*head, k)
+
+
 # -- worker side of the process pool ------------------------------------------------------------
 _WORKER_CTX: Context | None = None
 _WORKER_KEYS: dict = {}  # the worker's state for ``kernelsearch.first_op_keys``
@@ -286,7 +292,7 @@ class BlockCatalog:
     def options(self, subset: tuple, infos: dict, final: bool = False) -> list:
         """[(Structure, sizes, cost_us, output shapes, (layout index, position))] for custom ops
         reading exactly ``subset``, best first; ``final``: for the last kernel op (one output)."""
-        key = (final, *((n, infos[n]) for n in subset))
+        key = _listing_key(final, subset, infos)
         if key not in self.memo:
             ks = range(len(self.layouts(subset, infos)))
             self.prefetch(subset, ks, infos, final)
@@ -306,7 +312,7 @@ class BlockCatalog:
         sub = {n: infos[n] for n in subset}
         lays = self.layouts(subset, infos)
         for k in ks:
-            key = (final, *((n, infos[n]) for n in subset), k)
+            key = _listing_key(final, subset, infos, k)
             if key not in self.per_layout and key not in self.pending:
                 self.pending[key] = self.pool.apply_async(
                     _layout_task, ((lays[k], sub, final, limit, keyed),))
@@ -315,18 +321,17 @@ class BlockCatalog:
     def keys(self, subset: tuple, k: int, infos: dict, budget: int):
         """The first-op keys the pool computed for layout ``k`` of ``subset`` at ``budget``
         (``kernelsearch.first_op_keys``, one per option of ``layout_options``), or None."""
-        hit = self.keyed.get((False, *((n, infos[n]) for n in subset), k))
+        hit = self.keyed.get(_listing_key(False, subset, infos, k))
         return hit[1] if hit is not None and hit[0] == budget else None
 
     def release(self, subset: tuple, infos: dict, final: bool, k: int | None = None) -> None:
         """Forget the listings of layout ``k`` of ``subset`` (every layout when None) and the
         subset's ``options``: the caller asks for them no more (the unpruned search's first-op
         listings took gigabytes of the main process)."""
-        head = (final, *((n, infos[n]) for n in subset))
         if k is None:
-            self.memo.pop(head, None)
+            self.memo.pop(_listing_key(final, subset, infos), None)
         for j in (range(len(self.layouts(subset, infos))) if k is None else (k,)):
-            key = (*head, j)
+            key = _listing_key(final, subset, infos, j)
             self.per_layout.pop(key, None)
             self.limits.pop(key, None)
             self.keyed.pop(key, None)
@@ -344,7 +349,7 @@ class BlockCatalog:
         it was made without a limit or with a limit of the same output reads that is at least
         the requested one (it then holds every structure the request would list, and maybe more,
         which the caller's own keys cut)."""
-        key = (final, *((n, infos[n]) for n in subset), k)
+        key = _listing_key(final, subset, infos, k)
         hit = self.per_layout.get(key)
         if hit is not None and _covers(self.limits.get(key), limit):
             return hit
