@@ -115,7 +115,8 @@ class Target:
     syms: list           # per node: tuple of symbol names (None for size-1 dims)
     sym_size: dict       # symbol -> extent
     chains: list         # [(program, origin)]
-    origins: dict        # sizeless canonical expr -> origin label
+    origins: dict        # sizeless canonical expr of a target op -> its origin label (never
+                         # grows: origin_of's other answers go to its own memo, by exact expr)
 
     @property
     def out_node(self) -> int:
@@ -128,16 +129,24 @@ class Target:
 
     def origin_of(self, e: tuple) -> str:
         """The user-level op ``e`` implements: the op whose expression matches it (sum sizes
-        ignored), else the first op (in program order) that contains it as a subexpression."""
+        ignored), else the first op (in program order) that contains ``e`` itself as a
+        subexpression, else "". A function of ``e`` alone: the fallback is memoized under ``e``,
+        not under its sizeless form, because two expressions with one sizeless form (a full sum
+        and a partial one) can get different fallback answers, and the first one asked would
+        otherwise answer for both, so one graph could print different origins in two processes
+        (docs/SUPEROPT.md, fourteenth and fifteenth sessions)."""
         hit = self.origins.get(_sizeless(e))
         if hit is not None:
             return hit
-        if "_node_closures" not in self.__dict__:
-            self._node_closures = [(n.origin, E.closure(self.exprs[i]))
-                                   for i, n in enumerate(self.graph.nodes)
-                                   if n.op not in ("input", "const")]
-        found = next((o for o, c in self._node_closures if e in c), "")
-        self.origins[_sizeless(e)] = found
+        memo = self.__dict__.setdefault("_fallback", {})
+        found = memo.get(e)
+        if found is None:
+            if "_node_closures" not in self.__dict__:
+                self._node_closures = [(n.origin, E.closure(self.exprs[i]))
+                                       for i, n in enumerate(self.graph.nodes)
+                                       if n.op not in ("input", "const")]
+            found = next((o for o, c in self._node_closures if e in c), "")
+            memo[e] = found
         return found
 
 
