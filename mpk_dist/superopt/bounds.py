@@ -13,6 +13,10 @@ graph that ties with the best verified one is kept, since the ranking breaks tie
 * ``rest_lower_bound``: what the ops still to come cost at least: one sync point, reading every
   tensor nobody read yet and writing the output, at full device bandwidth; when only one op is
   left, the cheapest layout (or library op) that reads all of those tensors.
+* ``move_bound``: the best-first key of a listed move (its cost plus the rest bound of what it
+  leaves unread), and ``first_op_keys``, the same keys of a layout's first ops computed on the
+  pool worker that listed them (moved here from ``kernelsearch`` in the fifteenth session: they
+  are bounds, and the pool imports them without the kernel search).
 """
 
 from __future__ import annotations
@@ -21,8 +25,9 @@ import math
 from itertools import combinations
 
 from mpk_dist.superopt import blocksearch as B
+from mpk_dist.superopt.context import Context
 from mpk_dist.superopt.cost import H200
-from mpk_dist.superopt.ugraph import DTYPE_BYTES, _numel
+from mpk_dist.superopt.ugraph import DTYPE_BYTES, TensorInfo, _numel
 
 
 def _bytes(shape: tuple) -> int:
@@ -149,3 +154,60 @@ class RestBound:
                     best = min(best, self.layout(lay, tensors, True))
         self.memo[key] = best
         return best
+
+
+def move_bound(lower: RestBound, inputs: dict, out_shape: tuple, tensors: dict, args: tuple,
+               cost: float, new: dict, dangling: set, budget: int, spent: float,
+               memo: dict | None = None) -> float:
+    """``KernelSearch._move_bound`` of a move reading ``args`` at ``cost`` and making ``new``
+    ({name: TensorInfo}, shapes and symbols only); ``inputs``: the target's input infos."""
+    # The move may complete the graph (no op follows) only if it leaves no input unread:
+    # ``_record`` drops a graph that ignores an input, and a move whose result is the
+    # target's is never extended, so such a move adds nothing either way.
+    unread_inputs = any(n in inputs and n not in args for n in dangling)
+    if not unread_inputs and any(i.shape == out_shape for i in new.values()):
+        return spent + cost
+    key = (frozenset(args), tuple((i.shape, i.syms) for i in new.values()))
+    rest = memo.get(key) if memo is not None else None
+    if rest is None:
+        left = (dangling - set(args)) | set(new)
+        rest = lower.rest({**tensors, **new}, left, budget - 1)
+        if memo is not None:
+            memo[key] = rest
+    return spent + cost + rest
+
+
+def first_op_keys(ctx: Context, subset: tuple, options: list, budget: int, state: dict) -> list:
+    """The best-first keys (``KernelSearch._move_bound``) of the options of one layout of
+    ``subset`` (``catalog.layout_options``) as first ops of a level with ``budget`` ops left:
+    the kernel tensors are the target's inputs, none read yet, nothing spent. Computed on the
+    pool worker that listed them; ``state``: that process's ``RestBound`` and rest memos, kept
+    across its listings as ``_best_first`` keeps one memo per level."""
+    t = ctx.target
+    if "lower" not in state:
+        state["inputs"] = input_infos(t)
+        state["out_shape"] = t.graph.nodes[t.out_node].shape
+        state["lower"] = RestBound(ctx.config, state["out_shape"])
+    inputs, out_shape = state["inputs"], state["out_shape"]
+    memo = state.setdefault(budget, {})
+    dangling = set(inputs)
+    keys = []
+    for st, _, cost, shapes in options:
+        new = {n: TensorInfo(shape, syms, None)
+               for n, (shape, syms) in zip(out_names(0, len(st.outputs)), shapes)}
+        keys.append(move_bound(state["lower"], inputs, out_shape, inputs, subset, cost, new,
+                               dangling, budget, 0.0, memo))
+    return keys
+
+
+def out_names(n_ops: int, n: int) -> tuple:
+    """Kernel names of the ``n`` outputs of the op at position ``n_ops``: t3, t3_1, ..."""
+    return tuple(f"t{n_ops}" + ("" if k == 0 else f"_{k}") for k in range(n))
+
+
+def input_infos(target) -> dict:
+    """{input name: TensorInfo (shape, symbols, abstract expression)} of the target's inputs:
+    the kernel tensors a search starts from."""
+    g = target.graph
+    return {n.attrs["name"]: TensorInfo(n.shape, target.syms[i], target.exprs[i])
+            for i, n in enumerate(g.nodes) if n.op == "input"}

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import math
 import multiprocessing
-from collections import Counter
+from collections import Counter, OrderedDict
 
 from mpk_dist.superopt import blocksearch as B
-from mpk_dist.superopt.bounds import _tile_cost
+from mpk_dist.superopt.bounds import _tile_cost, first_op_keys
 from mpk_dist.superopt.context import Context
 from mpk_dist.superopt.cost import H200, custom_op_cost
 from mpk_dist.superopt.inference import is_stack_sym
@@ -29,7 +29,7 @@ def _listing_key(final: bool, subset: tuple, infos: dict, k: int | None = None) 
 
 # -- worker side of the process pool ------------------------------------------------------------
 _WORKER_CTX: Context | None = None
-_WORKER_KEYS: dict = {}  # the worker's state for ``kernelsearch.first_op_keys``
+_WORKER_KEYS: dict = {}  # the worker's state for ``bounds.first_op_keys``
 
 
 def _init_worker(target, config, deadline) -> None:
@@ -44,8 +44,6 @@ def _layout_task(args):
     options = layout_options(ctx, layout, infos, final, limit)
     keys = None
     if keyed is not None:
-        from mpk_dist.superopt.kernelsearch import first_op_keys  # kernelsearch imports this module
-
         keys = (keyed, first_op_keys(ctx, tuple(infos), options, keyed, _WORKER_KEYS))
     after = ctx.stats()
     return (options, keys), {k: after[k] - before.get(k, 0) for k in after}
@@ -256,14 +254,21 @@ class BlockCatalog:
     Options are kept per layout (``layout_options``: enumeration order), so that the kernel
     search can list the options of one layout of a subset without the others (a layout whose
     cost bound is above the verified cost is never enumerated); ``options`` concatenates them.
-    An option's canonical key is (layout index, position in its layout), not its cost rank."""
+    An option's canonical key is (layout index, position in its layout), not its cost rank.
 
-    def __init__(self, ctx: Context, processes: int) -> None:
+    ``max_listings``: None (unbounded), or how many layout lists (``lays``) and how many layout
+    listings (``per_layout``) are kept, each least recently used first (the lanes' catalogs:
+    one listing per concrete first-op output, see ``LANE_LISTINGS``). A listing dropped and
+    asked for again is computed again from the same layout and inputs, so it is the same list;
+    only counters differ (``listing_evictions``, and what the new enumeration counts)."""
+
+    def __init__(self, ctx: Context, processes: int, max_listings: int | None = None) -> None:
         self.ctx = ctx
         self.processes = processes
+        self.max_listings = max_listings
         self.memo: dict = {}       # (final, subset infos) -> every layout's options, by cost
-        self.lays: dict = {}       # subset infos -> layouts
-        self.per_layout: dict = {}  # (final, subset infos, layout index) -> options
+        self.lays: OrderedDict = OrderedDict()        # subset infos -> layouts
+        self.per_layout: OrderedDict = OrderedDict()  # (final, subset infos, layout index) -> options
         self.pending: dict = {}    # the same key -> AsyncResult of a pool task
         self.limits: dict = {}     # the same key -> the limit it was listed under (None: none)
         self.keyed: dict = {}      # the same key -> (budget, first-op keys) from the pool
@@ -287,7 +292,23 @@ class BlockCatalog:
         hit = self.lays.get(key)
         if hit is None:
             hit = self.lays[key] = list(B.layouts(subset, infos, self.ctx.config.max_grid_dims))
+            self._bound(self.lays)
+        elif self.max_listings is not None:
+            self.lays.move_to_end(key)
         return hit
+
+    def _bound(self, table: OrderedDict) -> None:
+        """Drop ``table``'s least recently used entries beyond ``max_listings`` (the newest
+        always stays); a dropped layout listing takes its limit and pool keys with it."""
+        if self.max_listings is None:
+            return
+        counts = self.ctx.counts
+        while len(table) > max(1, self.max_listings):
+            old, _ = table.popitem(last=False)
+            if table is self.per_layout and old not in self.pending:
+                self.limits.pop(old, None)
+                self.keyed.pop(old, None)
+            counts["listing_evictions"] = counts.get("listing_evictions", 0) + 1
 
     def options(self, subset: tuple, infos: dict, final: bool = False) -> list:
         """[(Structure, sizes, cost_us, output shapes, (layout index, position))] for custom ops
@@ -320,7 +341,7 @@ class BlockCatalog:
 
     def keys(self, subset: tuple, k: int, infos: dict, budget: int):
         """The first-op keys the pool computed for layout ``k`` of ``subset`` at ``budget``
-        (``kernelsearch.first_op_keys``, one per option of ``layout_options``), or None."""
+        (``bounds.first_op_keys``, one per option of ``layout_options``), or None."""
         hit = self.keyed.get(_listing_key(False, subset, infos, k))
         return hit[1] if hit is not None and hit[0] == budget else None
 
@@ -352,6 +373,8 @@ class BlockCatalog:
         key = _listing_key(final, subset, infos, k)
         hit = self.per_layout.get(key)
         if hit is not None and _covers(self.limits.get(key), limit):
+            if self.max_listings is not None:
+                self.per_layout.move_to_end(key)
             return hit
         sub = {n: infos[n] for n in subset}
         task = self.pending.pop(key, None)
@@ -365,6 +388,9 @@ class BlockCatalog:
             self.limits[key] = limit
             self.keyed.pop(key, None)
         self.per_layout[key] = hit
+        if self.max_listings is not None:
+            self.per_layout.move_to_end(key)  # a listing made again under a new limit is new
+            self._bound(self.per_layout)
         return hit
 
 

@@ -19,7 +19,9 @@ from collections import deque
 from itertools import combinations
 
 from mpk_dist.superopt import blocksearch as B
-from mpk_dist.superopt.bounds import RestBound
+from mpk_dist.superopt.bounds import RestBound, move_bound
+from mpk_dist.superopt.bounds import input_infos as _input_infos
+from mpk_dist.superopt.bounds import out_names as _out_names
 from mpk_dist.superopt.catalog import BlockCatalog
 from mpk_dist.superopt.context import Context
 from mpk_dist.superopt.cost import H200, graph_cost, prim_op_cost
@@ -169,7 +171,7 @@ class KernelSearch:
             bound, _, item = heapq.heappop(heap)
             if bound > self.bound or self.ctx.timed_out():
                 return  # every later item's bound is at least this one
-            keyed = None if ops else budget  # the pool keys first ops (``first_op_keys``)
+            keyed = None if ops else budget  # the pool keys first ops (``bounds.first_op_keys``)
             if item[0] == "s":
                 self._push_layouts(heap, order, tensors, item[1], item[2], spent, ahead)
                 self._prefetch_ahead(tensors, ahead, dangling, spent, keyed)
@@ -250,7 +252,7 @@ class KernelSearch:
         """Unpruned: keep the pool busy with the layouts of smallest key not listed yet, a few
         (2 per process) at a time, skipping those whose key now exceeds the verified cost.
         ``keyed``: the level's budget when the listed moves are first ops: the pool then
-        computes their best-first keys too (``first_op_keys``; the main process spent ~60% of
+        computes their best-first keys too (``bounds.first_op_keys``; the main process spent ~60% of
         its CPU time on them, and with 16 processes it was the one that limited the search).
 
         NOTE: the layouts are popped in key order, so these are the next ones the search lists.
@@ -435,55 +437,6 @@ order can differ in the last bits. The cuts keep graphs within it of the bound; 
 candidates within it by their text."""
 
 
-def move_bound(lower: RestBound, inputs: dict, out_shape: tuple, tensors: dict, args: tuple,
-               cost: float, new: dict, dangling: set, budget: int, spent: float,
-               memo: dict | None = None) -> float:
-    """``KernelSearch._move_bound`` of a move reading ``args`` at ``cost`` and making ``new``
-    ({name: TensorInfo}, shapes and symbols only); ``inputs``: the target's input infos."""
-    # The move may complete the graph (no op follows) only if it leaves no input unread:
-    # ``_record`` drops a graph that ignores an input, and a move whose result is the
-    # target's is never extended, so such a move adds nothing either way.
-    unread_inputs = any(n in inputs and n not in args for n in dangling)
-    if not unread_inputs and any(i.shape == out_shape for i in new.values()):
-        return spent + cost
-    key = (frozenset(args), tuple((i.shape, i.syms) for i in new.values()))
-    rest = memo.get(key) if memo is not None else None
-    if rest is None:
-        left = (dangling - set(args)) | set(new)
-        rest = lower.rest({**tensors, **new}, left, budget - 1)
-        if memo is not None:
-            memo[key] = rest
-    return spent + cost + rest
-
-
-def first_op_keys(ctx: Context, subset: tuple, options: list, budget: int, state: dict) -> list:
-    """The best-first keys (``KernelSearch._move_bound``) of the options of one layout of
-    ``subset`` (``catalog.layout_options``) as first ops of a level with ``budget`` ops left:
-    the kernel tensors are the target's inputs, none read yet, nothing spent. Computed on the
-    pool worker that listed them; ``state``: that process's ``RestBound`` and rest memos, kept
-    across its listings as ``_best_first`` keeps one memo per level."""
-    t = ctx.target
-    if "lower" not in state:
-        state["inputs"] = _input_infos(t)
-        state["out_shape"] = t.graph.nodes[t.out_node].shape
-        state["lower"] = RestBound(ctx.config, state["out_shape"])
-    inputs, out_shape = state["inputs"], state["out_shape"]
-    memo = state.setdefault(budget, {})
-    dangling = set(inputs)
-    keys = []
-    for st, _, cost, shapes in options:
-        new = {n: TensorInfo(shape, syms, None)
-               for n, (shape, syms) in zip(_out_names(0, len(st.outputs)), shapes)}
-        keys.append(move_bound(state["lower"], inputs, out_shape, inputs, subset, cost, new,
-                               dangling, budget, 0.0, memo))
-    return keys
-
-
-def _out_names(n_ops: int, n: int) -> tuple:
-    """Kernel names of the ``n`` outputs of the op at position ``n_ops``: t3, t3_1, ..."""
-    return tuple(f"t{n_ops}" + ("" if k == 0 else f"_{k}") for k in range(n))
-
-
 def _dangling(tensors: dict, ops: list) -> set:
     """Tensors (inputs included) that no op reads yet."""
     read = {a for op in ops for a in op.inputs}
@@ -495,9 +448,3 @@ def _canonical(key: tuple, args: tuple, prev) -> bool:
         return True
     prev_key, prev_outs = prev
     return bool(prev_outs & set(args)) or key > prev_key
-
-
-def _input_infos(target) -> dict:
-    g = target.graph
-    return {n.attrs["name"]: TensorInfo(n.shape, target.syms[i], target.exprs[i])
-            for i, n in enumerate(g.nodes) if n.op == "input"}

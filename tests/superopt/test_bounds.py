@@ -241,7 +241,7 @@ def test_listing_limit_is_below_every_move_key():
 
 def test_first_op_keys_from_the_pool_equal_the_main_process_keys():
     """Unpruned, every first-op layout of every input subset listed on a pool with ``keyed``:
-    the keys the worker computed (``kernelsearch.first_op_keys``) are the main process's
+    the keys the worker computed (``bounds.first_op_keys``) are the main process's
     ``_move_bound`` of the same moves, float for float, at budgets 2 and 3, and a listing made
     without ``keyed`` (or asked for at another budget) has none."""
     _, ctx, _ = _setup(3, prune=False)
