@@ -40,6 +40,13 @@ from collections import deque
 
 _LANE = None  # the lane process's KernelSearch
 
+LANE_LISTINGS = 8192
+"""How many last-op layout listings (and layout lists) a lane's catalog keeps (``BlockCatalog``'s
+``max_listings``, least recently used first). A lane lists the last op once per concrete first-op
+output, and nothing released those listings: the unpruned attention_decode run's lanes held 23-27 k
+of them after 200 s and still grew ~0.5 MB/s to the end (fourteenth session, second part). A dropped
+listing is listed again, identically, if that output comes back."""
+
 
 def _init_lane(target, config, deadline) -> None:
     global _LANE
@@ -55,7 +62,7 @@ def _init_lane(target, config, deadline) -> None:
             self.found.append((mine, {n: tensors[n] for op in mine for n in op.outputs}, out))
 
     ctx = Context(target, config, deadline)
-    _LANE = Collect(ctx, BlockCatalog(ctx, 1))
+    _LANE = Collect(ctx, BlockCatalog(ctx, 1, max_listings=LANE_LISTINGS))
 
 
 def _lane_task(batch: list):

@@ -141,6 +141,8 @@ class Target:
         memo = self.__dict__.setdefault("_fallback", {})
         found = memo.get(e)
         if found is None:
+            if len(memo) > 200_000:
+                memo.clear()  # bounds a lane's memory on long searches; answers depend on e alone
             if "_node_closures" not in self.__dict__:
                 self._node_closures = [(n.origin, E.closure(self.exprs[i]))
                                        for i, n in enumerate(self.graph.nodes)

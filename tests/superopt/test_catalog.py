@@ -181,3 +181,34 @@ def test_listing_limit_applied_by_the_enumerator_lists_the_same_options(monkeypa
     late, late_over = listings(False)
     assert early == late and early_over == late_over
     assert early_over > 1000 and sum(map(len, early)) > 1000
+
+
+def test_a_bounded_catalog_lists_the_same_options():
+    """``max_listings`` (the lanes' catalogs): with room for one listing and one layout list,
+    every request of a sequence that comes back to evicted subsets (last ops over inputs and
+    first-op-like tensors, unpruned, as a lane asks) gets the listing an unbounded catalog gives,
+    and the catalog holds one of each at the end."""
+    from mpk_dist.superopt.inference import infer
+
+    target = analyze(build("rmsnorm_linear", {"M": 2, "K": 64, "N": 32}))
+    infos = dict(_input_infos(target))
+    infos["t0"] = infer("mul", [infos["X"], infos["G"]], {})
+    infos["t1"] = infer("mul", [infos["X"], infos["X"]], {})
+    infos["t2"] = infer("div", [infos["X"], infos["G"]], {})
+    config = SearchConfig(max_kernel_ops=2, max_block_ops=4, prune=False)
+    asks = [("t0", "t1", "W"), ("t2", "t1", "W"), ("t0", "t1", "W")]
+
+    ctx = Context(target, config, time.monotonic() + 120)  # one context: signatures built once
+
+    def run(max_listings):
+        cat = BlockCatalog(ctx, 1, max_listings=max_listings)
+        out = [[cat.layout_options(s, k, infos, True) for k in range(len(cat.layouts(s, infos)))]
+               for s in asks]
+        return out, ctx.counts.get("listing_evictions", 0), cat
+
+    free, free_evictions, free_cat = run(None)
+    tight, tight_evictions, tight_cat = run(1)
+    assert tight == free and sum(len(x) for lists in free for x in lists) > 0
+    assert free_evictions == 0 and len(free_cat.per_layout) > 2
+    assert tight_evictions > 0
+    assert len(tight_cat.per_layout) == 1 and len(tight_cat.lays) == 1
