@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import multiprocessing
 from collections import Counter, OrderedDict
+from dataclasses import replace
 
 from mpk_dist.superopt import blocksearch as B
 from mpk_dist.superopt.bounds import _tile_cost, first_op_keys
@@ -272,6 +273,10 @@ class BlockCatalog:
         self.pending: dict = {}    # the same key -> AsyncResult of a pool task
         self.limits: dict = {}     # the same key -> the limit it was listed under (None: none)
         self.keyed: dict = {}      # the same key -> (budget, first-op keys) from the pool
+        # unpruned first ops over target inputs, listed once per renaming class (``_rep``):
+        self.reps: dict = {}       # class -> (representative subset, its infos, its members)
+        self.served: dict = {}     # representative's listing key -> members not served yet
+        self.held: dict = {}       # representative's listing key -> options kept for members
         self.pool = None
 
     def __enter__(self):
@@ -330,6 +335,10 @@ class BlockCatalog:
         ops these are: the worker computes their best-first keys too (``keys``)."""
         if self.pool is None:
             return
+        rep = self._rep(final, subset, infos)
+        if rep is not None and rep[0] != subset:
+            self.prefetch(rep[0], ks, rep[1], final, limit, keyed)  # members are renamed copies
+            return
         sub = {n: infos[n] for n in subset}
         lays = self.layouts(subset, infos)
         for k in ks:
@@ -353,6 +362,11 @@ class BlockCatalog:
             self.memo.pop(_listing_key(final, subset, infos), None)
         for j in (range(len(self.layouts(subset, infos))) if k is None else (k,)):
             key = _listing_key(final, subset, infos, j)
+            rep = self._rep(final, subset, infos)
+            if rep is not None and rep[0] == subset and self._left(key, rep) \
+                    and key in self.per_layout:
+                # a representative's listing stays until its members are served from it
+                self.held[key] = (self.per_layout[key], self.limits.get(key), self.keyed.get(key))
             self.per_layout.pop(key, None)
             self.limits.pop(key, None)
             self.keyed.pop(key, None)
@@ -376,6 +390,9 @@ class BlockCatalog:
             if self.max_listings is not None:
                 self.per_layout.move_to_end(key)
             return hit
+        rep = self._rep(final, subset, infos)
+        if rep is not None and rep[0] != subset:
+            return self._renamed(subset, k, infos, final, limit, key, rep)
         sub = {n: infos[n] for n in subset}
         task = self.pending.pop(key, None)
         if task is not None and _covers(self.limits.get(key), limit):
@@ -392,6 +409,81 @@ class BlockCatalog:
             self.per_layout.move_to_end(key)  # a listing made again under a new limit is new
             self._bound(self.per_layout)
         return hit
+
+
+    def _rep(self, final: bool, subset: tuple, infos: dict):
+        """(representative subset, its infos, members) of ``subset``'s renaming class, or None.
+
+        Unpruned, a first op over target inputs only (each input's expression is the atom of its
+        own name) is listed once per class of subsets that are position-wise renamings of one
+        another: the same shape and index symbols at every position (qk_norm_rope's (G,), (C,),
+        (S,), or (Q, G), (Q, C), (Q, S); silu_mul_linear's (A,), (B,)). The other members get the
+        representative's listing with the layout's input names replaced (``_renamed``).
+
+        Why that is the member's own listing: the enumeration looks at the inputs' shapes and
+        symbols (validity, tiles, the dangling-tensor bound) and, unpruned, at expressions only
+        to tell equal ones apart (no recomputation, merging nodes). A bijective renaming of input
+        atoms maps equal expressions to equal ones and unequal to unequal (the axioms are closed
+        under substitution, the assumption ``blockshare`` makes too), so every decision is the
+        same and the structures are the same, in the same order; costs, output shapes and the
+        first ops' best-first keys depend on shapes only. Not with pruning (the oracle tells G
+        from C), not for last ops (the target's test tells them apart) and not for inputs made by
+        an earlier op (their expressions are not atoms)."""
+        if final or self.ctx.config.prune:
+            return None
+        if not all(infos[n].expr == ("v", n) for n in subset):
+            return None
+        cls = tuple((infos[n].shape, infos[n].syms) for n in subset)
+        hit = self.reps.get(cls)
+        if hit is None:
+            hit = self.reps[cls] = (subset, {n: infos[n] for n in subset}, _members(self.ctx, cls))
+        return hit
+
+    def _left(self, rkey: tuple, rep) -> set:
+        """The members of ``rep``'s class not served yet from the representative's listing
+        ``rkey`` (one layout's)."""
+        left = self.served.get(rkey)
+        if left is None:
+            left = self.served[rkey] = {m for m in rep[2] if m != rep[0]}
+        return left
+
+    def _renamed(self, subset: tuple, k: int, infos: dict, final: bool, limit, key, rep) -> list:
+        """Layout ``k`` of the member ``subset`` from its representative's listing (``_rep``)."""
+        rsub, rinfos, members = rep
+        rkey = _listing_key(final, rsub, rinfos, k)
+        left = self._left(rkey, rep)
+        held = self.held.get(rkey)
+        if held is not None and _covers(held[1], limit):
+            base, have, keyed = held
+        else:
+            base = self.layout_options(rsub, k, rinfos, final, limit)
+            have, keyed = self.limits.get(rkey), self.keyed.get(rkey)
+        lay = self.layouts(subset, infos)[k]
+        hit = [(replace(st, layout=lay), *rest) for st, *rest in base]
+        self.limits[key] = have
+        if keyed is not None:
+            self.keyed[key] = keyed  # the same values: keys depend on shapes (``_rep``)
+        self.per_layout[key] = hit
+        left.discard(subset)
+        if not left:
+            self.held.pop(rkey, None)  # every member served: the representative's copy goes
+        counts = self.ctx.counts
+        counts["listings_renamed"] = counts.get("listings_renamed", 0) + 1
+        if self.max_listings is not None:
+            self._bound(self.per_layout)
+        return hit
+
+
+def _members(ctx: Context, cls: tuple) -> list:
+    """Every subset of the target's inputs (in input order, as the kernel search forms them) with
+    the shapes and symbols ``cls`` position by position."""
+    from itertools import combinations
+
+    from mpk_dist.superopt.bounds import input_infos
+
+    infos = input_infos(ctx.target)
+    return [s for s in combinations(list(infos), len(cls))
+            if tuple((infos[n].shape, infos[n].syms) for n in s) == cls]
 
 
 def _covers(have, want) -> bool:

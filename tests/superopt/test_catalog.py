@@ -212,3 +212,59 @@ def test_a_bounded_catalog_lists_the_same_options():
     assert free_evictions == 0 and len(free_cat.per_layout) > 2
     assert tight_evictions > 0
     assert len(tight_cat.per_layout) == 1 and len(tight_cat.lays) == 1
+
+
+def test_renamed_subsets_list_what_their_own_enumeration_lists():
+    """Unpruned first ops over target inputs are listed once per renaming class: (B,) and
+    (B, W) of silu_mul_linear get (A,)'s and (A, W)'s listings with B for A, which equal their own
+    enumeration (``catalog.layout_options`` on a fresh context), on the pool too, with the pool's
+    first-op keys; a representative released before its members still serves them without a new
+    enumeration; with pruning nothing is shared."""
+    from mpk_dist.superopt import blocksearch as B
+    from mpk_dist.superopt.bounds import first_op_keys
+    from mpk_dist.superopt.catalog import layout_options
+
+    target = analyze(build("silu_mul_linear", {"M": 2, "I": 64, "N": 32}))
+    infos = _input_infos(target)
+    config = SearchConfig(max_block_ops=3, prune=False)
+    pairs = ((("A",), ("B",)), (("A", "W"), ("B", "W")))
+
+    def own(subset, k):
+        ctx = Context(target, config, time.monotonic() + 120)
+        lay = list(B.layouts(subset, infos, 1))[k]
+        sub = {n: infos[n] for n in subset}
+        opts = layout_options(ctx, lay, sub, False)
+        return opts, first_op_keys(ctx, subset, opts, 2, {})
+
+    for procs in (1, 2):
+        ctx = Context(target, config, time.monotonic() + 120)
+        with BlockCatalog(ctx, procs) as cat:
+            for rep, member in pairs:
+                n = len(cat.layouts(rep, infos))
+                cat.prefetch(rep, range(n), infos, False, None, 2)
+                for k in range(n):
+                    cat.layout_options(rep, k, infos, False)
+                total = 0
+                for k in range(n):
+                    opts, keys = own(member, k)
+                    assert cat.layout_options(member, k, infos, False) == opts
+                    total += len(opts)
+                    if procs > 1:
+                        assert cat.keys(member, k, infos, 2) == keys
+                assert total > 0
+        assert ctx.counts["listings_renamed"] == sum(len(cat.layouts(m, infos)) for _, m in pairs)
+
+    ctx = Context(target, config, time.monotonic() + 120)
+    cat = BlockCatalog(ctx, 1)
+    listed = [cat.layout_options(("A",), k, infos, False) for k in range(len(cat.layouts(("A",), infos)))]
+    cat.release(("A",), infos, False)
+    explored = ctx.counts["explored"]
+    served = [cat.layout_options(("B",), k, infos, False) for k in range(len(listed))]
+    assert ctx.counts["explored"] == explored and not cat.held  # from the held copy, then dropped
+    assert [[o[1:] for o in x] for x in served] == [[o[1:] for o in x] for x in listed]
+
+    pruned = Context(target, SearchConfig(max_block_ops=3, prune=True), time.monotonic() + 120)
+    cat = BlockCatalog(pruned, 1)
+    cat.layout_options(("A",), 0, infos, False)
+    cat.layout_options(("B",), 0, infos, False)
+    assert "listings_renamed" not in pruned.counts
