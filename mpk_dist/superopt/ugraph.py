@@ -232,9 +232,11 @@ class UGraph:
 
     def structure_key(self) -> str:
         """``key`` without the ops' origin comments: the graph's structure alone. Why: an op's
-        origin is provenance for the reader, and ``Target.origin_of`` may answer a partial sum and
-        the full one alike in the order a process asks, so two searches can print one graph with
-        different comments (the unpruned attention_decode run of 2026-12-01)."""
+        origin is provenance for the reader, and until the fifteenth session ``Target.origin_of``
+        answered a partial sum and the full one alike in the order a process asked, so two
+        searches printed one graph with different comments (the unpruned attention_decode run of
+        2026-12-01); it is a function of the expression now, and comparing structures keeps
+        provenance out of the verdict either way."""
         return self.text(with_cost=False, origins=False)
 
     def text(self, with_cost: bool = True, origins: bool = True) -> str:

@@ -60,9 +60,9 @@ def test_differing_or_missing_best_is_reported(silu_cmp):
 
 
 def test_origin_comments_alone_do_not_make_another_graph(silu_cmp):
-    """Two searches may print one graph with different origin comments (``Target.origin_of`` answers in
-    the order a process asks): the verdict says equal and names both hashes; a changed structure is
-    still another graph."""
+    """Two searches may print one graph with different origin comments (``Target.origin_of`` answered in
+    the order a process asked until the fifteenth session): the verdict says equal and names both hashes;
+    a changed structure is still another graph."""
     from dataclasses import replace
 
     def reorigin(ug, origin):
