@@ -57,6 +57,12 @@ rebuilt identically when asked again (``signature_rebuilds``), so the bound trad
 memory and changes no result (docs/SUPEROPT.md, fourteenth session, second part)."""
 
 
+PASSING_MEMO = 16384
+"""How many concrete input sets' cheap-test results (``SharedFinal.passing``: a tuple of structure ids,
+mostly empty) one signature keeps before it forgets them all; a forgotten one is computed again,
+identically."""
+
+
 class _ShapeOnly(FinalFilter):
     """``FinalFilter`` without the expression test: the abstract enumeration keeps every
     complete graph whose one output can have the target's shape (expressions come later).
@@ -114,6 +120,10 @@ class SharedFinal:
         for node, ops in self.by_out.items():
             self.by_sid.setdefault(table.sid(enum.recipe, node, memo), []).extend(ops)
         self.nbytes = _held_bytes(self.by_out, self.by_sid)
+        self.n_grouped = sum(map(len, self.by_sid.values()))
+        # concrete inputs' stripped fingerprints -> the structure ids whose value is the target's
+        # (``structures``); cleared past ``PASSING_MEMO`` entries
+        self.passing: dict = {}
 
     def structures(self, ctx, layout, infos: dict, sizes: dict, sym_size: dict) -> tuple:
         """(structures of ``layout`` over the concrete ``infos`` that the concrete enumerator
@@ -121,14 +131,29 @@ class SharedFinal:
         from mpk_dist.superopt.blocksearch import Structure
 
         sfp = _stripped_fp(ctx)
-        table = stripped_table(ctx)
-        table.set_leaves(tuple(sfp.of_expr(infos[n].expr) for n in layout.inputs))
-        want = sfp.of_expr(ctx.target.out_expr)  # FinalFilter.want (the same fingerprint)
-        out, failed, repeats, filt = [], 0, 0, None
-        for sid, graphs in self.by_sid.items():
-            if table.value(sid) != want:
-                failed += len(graphs)
-                continue
+        leaves = tuple(sfp.of_expr(infos[n].expr) for n in layout.inputs)
+        passing = self.passing.get(leaves)
+        counts = ctx.counts
+        if passing is None:
+            # the cheap test of every output structure: its stripped fingerprint is a function
+            # of ``leaves`` alone (``StrippedTable``), so inputs with the same stripped
+            # fingerprints pass the same structures (first ops that differ only in sum sizes,
+            # layouts or forms the stripped fingerprint identifies: qk_norm_rope's 115,522
+            # first ops of (G,)'s layout 1 under the bound have 2,691 distinct ones)
+            table = stripped_table(ctx)
+            table.set_leaves(leaves)
+            want = sfp.of_expr(ctx.target.out_expr)  # FinalFilter.want (the same fingerprint)
+            passing = tuple(sid for sid in self.by_sid if table.value(sid) == want)
+            if len(self.passing) >= PASSING_MEMO:
+                self.passing.clear()
+            self.passing[leaves] = passing
+            counts["stripped_tested"] = counts.get("stripped_tested", 0) + 1
+        else:
+            counts["stripped_reused"] = counts.get("stripped_reused", 0) + 1
+        out, repeats, filt = [], 0, None
+        failed = self.n_grouped - sum(len(self.by_sid[sid]) for sid in passing)
+        for sid in passing:
+            graphs = self.by_sid[sid]
             filt = filt or FinalFilter(ctx.target, layout, sym_size)
             for ops in graphs:
                 st = Structure(layout, *canonical_order(ops))

@@ -141,3 +141,28 @@ def test_a_tiny_signature_cache_gives_the_same_structures(monkeypatch):
     assert tiny_counts["shared_built"] > free_counts["shared_built"]
     assert tiny_counts["shared_built"] == free_counts["shared_built"] + \
         tiny_counts["signature_rebuilds"]
+
+
+def test_inputs_with_equal_stripped_fingerprints_reuse_the_cheap_test():
+    """``SharedFinal.passing``: an input set whose stripped fingerprints equal an earlier one's (here
+    G*X and sum8(G*X), which differ only in a reduction size) reuses the cheap test's result, and
+    every layout's structures and failure counts equal those of a fresh context."""
+    from mpk_dist.superopt import expr as E
+
+    target, infos, config = _setup(4)
+    gx, xx = _named(infos, "G*X"), _named(infos, "X*X")
+    infos = {**infos, "s8": TensorInfo(infos[gx].shape, infos[gx].syms, E.mk_sum(8, infos[gx].expr))}
+    shared = Context(target, config, time.monotonic() + 120)
+    kept = 0
+    for subset in ((gx, xx, "W"), ("s8", xx, "W")):
+        for lay in B.layouts(subset, infos, 1):
+            if lay.grid_syms != ("n",) or lay.loop_sym not in (None, "k"):
+                continue
+            fresh = Context(target, config, time.monotonic() + 60)
+            want = B.enumerate_layout(fresh, lay, infos, final=True, share=True)
+            before = shared.counts.get("mismatched", 0)
+            got = B.enumerate_layout(shared, lay, infos, final=True, share=True)
+            assert got == want
+            assert shared.counts.get("mismatched", 0) - before == fresh.counts["mismatched"]
+            kept += len(got)
+    assert kept > 0 and shared.counts["stripped_reused"] == 2 and shared.counts["stripped_tested"] == 2
