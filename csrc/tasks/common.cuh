@@ -38,6 +38,35 @@ __device__ __forceinline__ uint4 ld_stream_v4(const void* p) {
   return r;
 }
 
+// MPK_WEIGHT_EVICT_FIRST 1: the linear tiles' weight streams (ld_weight_v4) mark their L2 lines first to go.
+// Why: a step streams every weight byte once (qwen3-8b: ~420 MB a layer through a 60 MB L2), so a weight line
+// is never read again in the step, yet at normal priority it evicts what is: the task code (fetched cold every
+// layer: ncu's "no instruction" stalls of the prep), the cache rows prefetched before an attention tile's
+// wait, the norm weights, the activations. A hint only: the same bytes arrive, so the same bits.
+#ifndef MPK_WEIGHT_EVICT_FIRST
+#define MPK_WEIGHT_EVICT_FIRST 0
+#endif
+
+// The L2 policy "evict first" for the whole access (the fraction 1.0): a 64-bit descriptor the loads carry.
+__device__ __forceinline__ uint64_t l2_policy_evict_first() {
+  uint64_t pol;
+  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
+  return pol;
+}
+
+// 16-byte load of a linear tile's weights: ld_stream_v4, with the L2 policy above under MPK_WEIGHT_EVICT_FIRST.
+// (sm_90 takes an L2 eviction priority on a 16-byte load only as a cache-hint policy operand.)
+__device__ __forceinline__ uint4 ld_weight_v4(const void* p) {
+#if MPK_WEIGHT_EVICT_FIRST
+  uint4 r;
+  asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0,%1,%2,%3}, [%4], %5;"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p), "l"(l2_policy_evict_first()));
+  return r;
+#else
+  return ld_stream_v4(p);
+#endif
+}
+
 // 16-byte load of an activation written earlier in this kernel by another block. A plain (weak,
 // coherent-path) load: visibility comes from the acquire the block performed before the task.
 __device__ __forceinline__ uint4 ld_act_v4(const void* p) { return *reinterpret_cast<const uint4*>(p); }

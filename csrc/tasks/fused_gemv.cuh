@@ -140,7 +140,7 @@ __device__ __noinline__ void gemv_tile(const XS xs, const bf16* __restrict__ w, 
 #pragma unroll
         for (int u = 0; u < U; ++u) {  // every weight load of the R rows before any use
           const int k = kb + u * 256 + lane * 8;
-          wv[r][u] = (k < K && n0 + r < n_tile) ? ld_stream_v4(w + (size_t)(n0 + r) * K + k) : make_uint4(0, 0, 0, 0);
+          wv[r][u] = (k < K && n0 + r < n_tile) ? ld_weight_v4(w + (size_t)(n0 + r) * K + k) : make_uint4(0, 0, 0, 0);
         }
       if constexpr (kAhead) {  // x before any use, as the weights (linear.cuh load_x_round)
         uint4 xv[U];
@@ -204,7 +204,7 @@ __device__ void gemv_rowwise(const Row& row, const bf16* __restrict__ w, int K, 
   const int warp = tid >> 5, lane = tid & 31, nwarps = nt >> 5;
   for (int n = warp; n < n_tile; n += nwarps) {
     float acc = 0.f;
-    for (int k = lane * 8; k < K; k += 256) acc += dot8(ld_stream_v4(w + (size_t)n * K + k), row.load8(k));
+    for (int k = lane * 8; k < K; k += 256) acc += dot8(ld_weight_v4(w + (size_t)n * K + k), row.load8(k));
     const float s = warp_sum(acc);
     if (lane == (b & 31)) epi(b, n, s);
   }

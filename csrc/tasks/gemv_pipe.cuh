@@ -28,7 +28,7 @@ __device__ __forceinline__ void pipe_load(uint4 (&buf)[U], const bf16* __restric
 #pragma unroll
   for (int u = 0; u < U; ++u) {
     const int k = kb + u * kPipeLaneStride + lane * 8;
-    buf[u] = k < K ? ld_stream_v4(wr + k) : make_uint4(0, 0, 0, 0);
+    buf[u] = k < K ? ld_weight_v4(wr + k) : make_uint4(0, 0, 0, 0);
   }
 }
 

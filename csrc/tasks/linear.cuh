@@ -71,7 +71,7 @@ __device__ void linear_tile(const bf16* __restrict__ x, int ldx, const bf16* __r
 #pragma unroll
       for (int u = 0; u < kLinUnroll; ++u) {  // issue every weight load before any use
         int k = kb + u * 256 + lane * 8;
-        wv[u] = k < K ? ld_stream_v4(wr + k) : make_uint4(0, 0, 0, 0);
+        wv[u] = k < K ? ld_weight_v4(wr + k) : make_uint4(0, 0, 0, 0);
       }
       if constexpr (B == 1 && MPK_LOAD_AHEAD) {  // x before any use, as the weights (load_x_round)
         uint4 xv[kLinUnroll];
@@ -119,7 +119,7 @@ __device__ void linear_tile_rows(const bf16* __restrict__ x, int ldx, const bf16
 #pragma unroll
         for (int u = 0; u < U; ++u) {  // every weight load of the R rows before any use
           const int k = kb + u * 256 + lane * 8;
-          wv[r][u] = (k < K && n0 + r < n_tile) ? ld_stream_v4(w + (size_t)(n0 + r) * K + k) : make_uint4(0, 0, 0, 0);
+          wv[r][u] = (k < K && n0 + r < n_tile) ? ld_weight_v4(w + (size_t)(n0 + r) * K + k) : make_uint4(0, 0, 0, 0);
         }
 #pragma unroll
       for (int u = 0; u < U; ++u) {

@@ -2,7 +2,7 @@
 // for the n_tile weight rows of one tile, with mma.sync.m16n8k16 (bf16 in, fp32 accumulators).
 //
 // Operands: the batch rows are the MMA's M (16, padded with zeros), the weight rows its N (8 per
-// warp unit), k its K. Each lane streams 16-byte weight vectors with the same ld_stream_v4 as the
+// warp unit), k its K. Each lane streams 16-byte weight vectors with the same ld_weight_v4 as the
 // scalar tile (kLinUnroll in flight before the first use), and reads 16-byte x vectors through the
 // input policy (XS::load8(b, k), the fused kinds' interface), so neither operand is staged.
 //
@@ -92,7 +92,7 @@ __device__ __forceinline__ void mma_unit(const XS& xs, const bf16* __restrict__ 
 #pragma unroll
     for (int u = 0; u < U; ++u) {  // every weight load of the unit before any use
       const int k = (cb + u) * 32 + q * 8;
-      wv[u] = (row_ok && k < k_end) ? ld_stream_v4(wr + k) : zero;
+      wv[u] = (row_ok && k < k_end) ? ld_weight_v4(wr + k) : zero;
     }
     uint4 xah[kXAhead ? U : 1];
     if constexpr (kXAhead) {

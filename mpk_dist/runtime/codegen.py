@@ -42,10 +42,11 @@ class KernelShape:
     linear_pipe: bool = False  # next chunk's weight loads issued before this one is summed (gemv_pipe.cuh; same bits)
     attn_prefetch: bool = True  # attention tiles pull their cache rows into L2 before their wait (attention.cuh; same bits)
     load_ahead: bool = True  # batch-1 GEMV: a round's x vectors loaded before any use (linear.cuh load_x_round; same bits)
+    weight_evict_first: bool = False  # linear tiles' weight loads marked first to leave L2 (common.cuh ld_weight_v4; same bits)
 
 
     def name(self) -> str:
-        """File-name label: mk_b<batch>_t<threads>_<schedule>[_r<rows>][_u<unroll>][_p<prefetch KB>][_d][_nso][_m][_tma][_pipe][_nap][_nxa]."""
+        """File-name label: mk_b<batch>_t<threads>_<schedule>[_r<rows>][_u<unroll>][_p<prefetch KB>][_d][_nso][_m][_tma][_pipe][_nap][_nxa][_wef]."""
         rows = f"_r{self.linear_rows}" if self.linear_rows != 1 else ""
         unroll = f"_u{self.linear_unroll}" if self.linear_unroll != 8 else ""
         pf = f"_p{self.prefetch_kb}" if self.prefetch_kb != -1 else ""
@@ -55,6 +56,7 @@ class KernelShape:
         mma += "_pipe" if self.linear_pipe else ""
         mma += "" if self.attn_prefetch else "_nap"
         mma += "" if self.load_ahead else "_nxa"
+        mma += "_wef" if self.weight_evict_first else ""
         return f"mk_b{self.batch}_t{self.worker_threads}_{self.schedule}{rows}{unroll}{pf}{nso}{mma}"
 
 
@@ -109,6 +111,7 @@ def render_source(shape: KernelShape, model: str = "-", rank: int = 0, world: in
         f"#define MPK_LINEAR_PIPE {int(shape.linear_pipe)}",
         f"#define MPK_ATTN_PREFETCH {int(shape.attn_prefetch)}",
         f"#define MPK_LOAD_AHEAD {int(shape.load_ahead)}",
+        f"#define MPK_WEIGHT_EVICT_FIRST {int(shape.weight_evict_first)}",
         "#include <cstddef>",
         '#include "abi_generated.h"  // mpk_dist.taskgraph.abi.render_cuda_abi_header()',
         '#include "megakernel.cuh"',

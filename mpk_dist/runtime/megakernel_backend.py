@@ -55,6 +55,9 @@ SWITCHES = (
     # batch-1 GEMV tiles load a round's x vectors before any use, as the weights (linear.cuh load_x_round; same
     # bits). Loading the epilogue's residual at the row's start as well measured slower (docs/PERF.md v0.9)
     ("load_ahead", "MPK_LOAD_AHEAD", True),
+    # linear tiles' weight loads marked first to leave L2, so the code, cache rows and activations stay there
+    # (csrc/tasks/common.cuh ld_weight_v4; same bits)
+    ("weight_evict_first", "MPK_WEIGHT_EVICT_FIRST", False),
     # L2 prefetches through the bulk-copy engine instead of one instruction per line (common.cuh; same bits)
     ("bulk_prefetch", "MPK_BULK_PREFETCH", False),
     # aot: a narrow-waiting linear tile's prefetch issued during its worker's previous (attention) task's

@@ -133,3 +133,6 @@ def test_tuning_knobs_from_env_are_checked():
         render_source(KernelShape(batch=1, linear_unroll=5))
     assert "#define MPK_ATTN_PREFETCH 0" in render_source(KernelShape(batch=1, attn_prefetch=False))
     assert KernelShape(1, attn_prefetch=False).name().endswith("_nap") and "_nap" not in KernelShape(1).name()
+    assert "#define MPK_WEIGHT_EVICT_FIRST 1" in render_source(KernelShape(batch=1, weight_evict_first=True))
+    assert "#define MPK_WEIGHT_EVICT_FIRST 0" in render_source(KernelShape(batch=1))
+    assert KernelShape(1, weight_evict_first=True).name().endswith("_wef") and "_wef" not in KernelShape(1).name()

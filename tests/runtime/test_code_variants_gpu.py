@@ -38,6 +38,7 @@ PROMPT = 200
 STEPS = 48
 VARIANTS = ["-DMPK_ATTN_GUARD_HEADS=1", "-DMPK_PARAMS_SMEM=0", "-DMPK_ROPE_EXACT_PAIRS=0 -DMPK_PREP_ONE_SITE=0",
             "-DMPK_PREP_POS_LATE=0", "-DMPK_STAGE_ROWS_TOGETHER=0"]
+SWITCHES = [{"MPK_WEIGHT_EVICT_FIRST": "1"}]  # kernel switches of the same kind (environment, not -D)
 MMA_VARIANTS = ["-DMPK_MMA_X_AHEAD=0", "-DMPK_STAGE_ROWS_TOGETHER=0"]
 
 
@@ -69,3 +70,13 @@ def test_mma_variant_leaves_the_logits_bitwise(flags, gpu_results):
     assert "#define MPK_LINEAR_MMA 1" in default.session(8).source, "the default build is not the tensor-core one"
     check_bitwise(f"{flags} vs default, MPK_LINEAR_MMA=1, {NAME} b8 prompt {PROMPT}", NAME, variant, default,
                   forced_request(NAME, PROMPT, STEPS, 8, 70), gpu_results)
+
+
+@pytest.mark.parametrize("env", SWITCHES, ids=lambda e: ",".join(f"{k}={v}" for k, v in e.items()))
+def test_switch_leaves_the_logits_bitwise(env, gpu_results):
+    """A kernel switch that changes only how bytes move (MPK_WEIGHT_EVICT_FIRST: the weight loads' L2 policy)
+    gives the default build's logits bit for bit, batch 1."""
+    variant, default = megakernel_with_env(NAME, env), megakernel_with_env(NAME, {})
+    assert variant.session(1).build.path != default.session(1).build.path, f"{env} did not make another binary"
+    check_bitwise(f"{env} vs default, {NAME} b1 prompt {PROMPT}", NAME, variant, default,
+                  forced_request(NAME, PROMPT, STEPS, 1, 70), gpu_results)

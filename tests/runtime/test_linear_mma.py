@@ -105,6 +105,7 @@ def test_tune_sweep_has_the_attention_split_token(tune_sweep):
     assert mod.parse_variant("k4,a1") == ({"MPK_FUSE_ATTN_PREP": "1"}, {"attn_splits": 4})
     assert mod.parse_variant("kauto") == ({}, {"attn_splits": "auto"})
     assert mod.parse_variant("kauto,v0") == ({"MPK_ATTN_PREFETCH": "0"}, {"attn_splits": "auto"})
+    assert mod.parse_variant("d1") == ({"MPK_WEIGHT_EVICT_FIRST": "1"}, {})
     for bad in ("k0", "kx"):
         with pytest.raises(SystemExit, match="k<N>"):
             mod.parse_variant(bad)

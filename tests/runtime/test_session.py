@@ -137,7 +137,7 @@ def test_every_env_knob_reaches_the_kernel_shape(fake_gpu, monkeypatch):
     env = {"MPK_LINEAR_UNROLL": "16", "MPK_WORKER_THREADS": "256", "MPK_PREFETCH_KB": "32", "MPK_ATTN_PREFETCH": "0",
            "MPK_LINEAR_MMA": "1", "MPK_LINEAR_TMA": "1", "MPK_LINEAR_PIPE": "1", "MPK_PREFETCH_PLAN": "0",
            "MPK_BULK_PREFETCH": "1", "MPK_PREFETCH_AHEAD": "1", "MPK_ATTN_STAGE_KV": "1",
-           "MPK_LOAD_AHEAD": "0"}
+           "MPK_LOAD_AHEAD": "0", "MPK_WEIGHT_EVICT_FIRST": "1"}
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     monkeypatch.setattr(S.tables, "kv_stage_fits", lambda *a, **k: True)  # tiny at 16 positions has no split tiles
@@ -148,7 +148,7 @@ def test_every_env_knob_reaches_the_kernel_shape(fake_gpu, monkeypatch):
     shape = shapes[-1]
     assert (shape.linear_unroll, shape.worker_threads, shape.prefetch_kb) == (16, 256, 32)
     assert shape.linear_mma and shape.linear_tma and shape.linear_pipe and not shape.attn_prefetch
-    assert not shape.load_ahead
+    assert not shape.load_ahead and shape.weight_evict_first
 
 
 def test_scoped_env_restores_every_variable(monkeypatch):
