@@ -185,17 +185,25 @@ def _qk_problems(cg) -> dict[Problem, int]:
 
 
 def _qk_problems_fused(cg) -> dict[Problem, int]:
-    """The same problem from attention_prep tiles (the attn_prep fusion: qkv_prep folded into the
-    attention tiles, one per (kv head, sequence)): H = GROUP x the kv heads of one layer."""
-    normed, get = _normed_tiles(cg, "attention_prep", "Q_NORM_W")
-    if not normed:
-        return {}
-    tiles0 = _first_layer(normed)
-    t = tiles0[0]
-    D, G = get(t, "HEAD_DIM"), get(t, "GROUP")
-    kv_heads = max(1, len(tiles0) // max(1, int(cg.meta["batch"])))
-    prob = Problem("qk_norm_rope", G * kv_heads, D, D, _f32(get(t, "EPS")))
-    return {prob: len(normed) * (G + 1) * D}
+    """The same problem from the tiles that fold qkv_prep into attention (the attn_prep fusion): attention_prep
+    tiles, one per (kv head, sequence), and in a split-KV program attention_split_prep tiles, one per (kv head,
+    KV range), each running the prep of its group (csrc/tasks/attention_prep.cuh attn_prep_head calls the hook).
+    H = GROUP x the kv heads of one layer."""
+    out: dict[Problem, int] = {}
+    for kind_name in ("attention_prep", "attention_split_prep"):
+        normed, get = _normed_tiles(cg, kind_name, "Q_NORM_W")
+        if not normed:
+            continue
+        tiles0 = _first_layer(normed)
+        t = tiles0[0]
+        D, G = get(t, "HEAD_DIM"), get(t, "GROUP")
+        if kind_name == "attention_prep":  # a tile per (kv head, sequence)
+            kv_heads = max(1, len(tiles0) // max(1, int(cg.meta["batch"])))
+        else:  # a tile per (kv head, range): the first range's tiles count the kv heads
+            kv_heads = max(1, sum(1 for u in tiles0 if get(u, "SPLIT_INDEX") == 0))
+        prob = Problem("qk_norm_rope", G * kv_heads, D, D, _f32(get(t, "EPS")))
+        out[prob] = out.get(prob, 0) + len(normed) * (G + 1) * D  # head values a step: G q heads and the k head
+    return out
 
 
 def _bounds(pattern: str) -> dict:
@@ -369,7 +377,7 @@ def _has_qkv_prep(cg) -> bool:
     from mpk_dist.taskgraph.tasks import BY_NAME
 
     ops = cg.arrays["tasks"][:, TASK_COLS["OPCODE"]]
-    return bool(((ops == BY_NAME["qkv_prep"].opcode) | (ops == BY_NAME["attention_prep"].opcode)).any())
+    return bool(np.isin(ops, [BY_NAME[k].opcode for k in ("qkv_prep", "attention_prep", "attention_split_prep")]).any())
 
 
 def prepare(cg, searcher=search, log=None) -> SuperoptBuild:

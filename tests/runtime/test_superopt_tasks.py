@@ -296,3 +296,42 @@ def test_attn_prep_fusion_asks_for_the_same_qk_norm_rope_problem():
     plain = qk(True)
     fused = qk(("norm", "silu", "residual", *OPT_IN_FUSIONS))
     assert len(plain) == 1 and fused == plain and plain[0].batch == get_preset("qwen3-0.6b").num_heads
+
+
+def test_split_prep_tiles_ask_for_the_qk_norm_rope_problem():
+    """A split-KV program (the batch-1 default: attention_split_prep tiles run the q/k norm + rope through the
+    hook) asks for the same qk_norm_rope problem as the unsplit one, so its build gets the searched body
+    rather than the checked-in fallback; Llama (no q/k norm) asks for none."""
+    from mpk_dist.models.presets import get_preset
+    from mpk_dist.taskgraph.compiler import compile_rank_programs
+    from mpk_dist.runtime.megakernel_backend import DEFAULT_ATTN_FUSIONS
+    from mpk_dist.taskgraph.abi import TASK_COLS
+    from mpk_dist.taskgraph.tasks import BY_NAME
+
+    def qk(model, splits):  # the program a run builds (the backend's default fusions)
+        cg = compile_rank_programs(get_preset(model), tp=1, batch=1, sms=132, max_seq_len=512, attn_splits=splits,
+                                   fuse=("norm", "silu", "residual", *DEFAULT_ATTN_FUSIONS))[0]
+        return cg, [p for p in ST.problems_of(cg) if p.kind == "qk_norm_rope"]
+
+    cg, split = qk("qwen3-0.6b", "auto")
+    assert (cg.arrays["tasks"][:, TASK_COLS["OPCODE"]] == BY_NAME["attention_split_prep"].opcode).any(), "no split prep tiles"
+    assert split and split == qk("qwen3-0.6b", 1)[1] and split[0].batch == get_preset("qwen3-0.6b").num_heads
+    assert qk("llama3-8b", "auto")[1] == [] and ST._has_qkv_prep(qk("llama3-8b", "auto")[0])
+
+
+def test_checked_in_qk_norm_rope_fallback_is_the_renderers_text():
+    """csrc/tasks/generated/qk_norm_rope.cuh (the body a build without its own searched µGraph compiles) is what
+    today's renderer makes of the µGraph stored beside it: a renderer change that is not re-rendered fails here
+    (the fallback once kept 8 pair slots after the renderer had moved to one instance per pair count)."""
+    import json
+
+    import numpy as np
+
+    from mpk_dist.runtime.build import CSRC
+    from mpk_dist.superopt.codegen import render
+
+    folder = CSRC / "tasks" / "generated"
+    ug = json.loads((folder / "qk_norm_rope.ugraph.json").read_text())
+    text = render(ug, "qk_norm_rope", eps=float(np.float32(1e-6)))
+    assert "template <int kMaxPairs>" in text
+    assert (folder / "qk_norm_rope.cuh").read_text() == text, "re-render the fallback from qk_norm_rope.ugraph.json"

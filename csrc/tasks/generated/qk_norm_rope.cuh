@@ -3,8 +3,8 @@
 // same signature; qkv_prep calls it per sequence when the model has q/k norms.
 // µGraph ops: add#0, matmul#0, mul#0, mul#1, rms_norm#0; search estimate 4.88 us at shapes C(128,), G(128,), Q(32, 128), R(128, 128), S(128,).
 // Kernel ops (each gridded over the head rows: one grid block = one head row = one warp here):
-//   t0 = custom(Q, G) grid=(m/32) loop=none
-//   t1 = custom(C, S, R, t0) grid=(m/32) loop=none
+//   t0 = custom(Q) grid=(m/32) loop=none
+//   t1 = custom(G, C, S, R, t0) grid=(m/32) loop=none
 #pragma once
 #include "common.cuh"  // csrc/runtime (on the include path)
 
@@ -12,9 +12,10 @@ namespace mpk {
 namespace gen {
 
 // One head row of one sequence, one warp: lane l holds the pairs (d, d + D/2), d = l, l + 32, ...
-__device__ __forceinline__ void qk_norm_rope(const bf16* src, const bf16* norm_w, const float* inv_freq, int pos, bf16* dst, int D, float eps, int lane) {
+// kMaxPairs: the per-lane pair slots (common.cuh MPK_ROPE_PAIRS picks the instance for D).
+template <int kMaxPairs>
+__device__ __forceinline__ void qk_norm_rope_pairs(const bf16* src, const bf16* norm_w, const float* inv_freq, int pos, bf16* dst, int D, float eps, int lane) {
   const int half = D / 2;
-  constexpr int kMaxPairs = 8;  // D <= 512
   float q_lo[kMaxPairs], q_hi[kMaxPairs];
   float ss = 0.f;
 #pragma unroll
@@ -29,7 +30,7 @@ __device__ __forceinline__ void qk_norm_rope(const bf16* src, const bf16* norm_w
       ss += q_lo[i] * q_lo[i] + q_hi[i] * q_hi[i];
     }
   }
-  // t0.p3 = chain[sqrt(((x*0.0078125)+1e-06))](p2) (1, 1)  # rms_norm#0
+  // t0.p3 = chain[sqrt(((x*0.0078125)+9.999999974752427e-07))](p2) (1, 1)  # rms_norm#0
   // as a row factor r = 1 / sqrt(..) applied to the head row before use (reference rounding)
   const float stat = warp_sum(ss);
   const float r = rsqrtf(((stat / (float)D) + eps));
@@ -43,21 +44,25 @@ __device__ __forceinline__ void qk_norm_rope(const bf16* src, const bf16* norm_w
       // t0.p4 = div(p1, p3) (1, 128)  # rms_norm#0
       // the head row times the row factor r, rounded (reference rounding)
       const float t0_xr_lo = round_bf(q_lo[i] * r), t0_xr_hi = round_bf(q_hi[i] * r);
-      // t0.p1 = mul(i0, i1) (1, 128)  # rms_norm#0
-      const float t0_p1_lo = round_bf(t0_xr_lo * bf2f(norm_w[d])), t0_p1_hi = round_bf(t0_xr_hi * bf2f(norm_w[d + half]));
-      // t1.p1 = mul(i0, i3) (1, 128)  # mul#0
-      const float t1_p1_lo = round_bf(c * t0_p1_lo), t1_p1_hi = round_bf(c * t0_p1_hi);
-      // t1.p0 = matmul(i3, i2) (1, 128)  # matmul#0
+      // t1.p0 = mul(i0, i4) (1, 128)  # rms_norm#0
+      const float t1_p0_lo = round_bf(bf2f(norm_w[d]) * t0_xr_lo), t1_p0_hi = round_bf(bf2f(norm_w[d + half]) * t0_xr_hi);
+      // t1.p2 = mul(i1, p0) (1, 128)  # mul#0
+      const float t1_p2_lo = round_bf(c * t1_p0_lo), t1_p2_hi = round_bf(c * t1_p0_hi);
+      // t1.p1 = matmul(p0, i3) (1, 128)  # matmul#0
       // rotate-half: a swap within the lane, exact
-      const float t1_rot_lo = -t0_p1_hi, t1_rot_hi = t0_p1_lo;
-      // t1.p2 = mul(i1, p0) (1, 128)  # mul#1
-      const float t1_p2_lo = round_bf(s * t1_rot_lo), t1_p2_hi = round_bf(s * t1_rot_hi);
-      // t1.p3 = add(p1, p2) (1, 128)  # add#0
-      const float t1_p3_lo = round_bf(t1_p1_lo + t1_p2_lo), t1_p3_hi = round_bf(t1_p1_hi + t1_p2_hi);
-      dst[d] = f2bf(t1_p3_lo);
-      dst[d + half] = f2bf(t1_p3_hi);
+      const float t1_rot_lo = -t1_p0_hi, t1_rot_hi = t1_p0_lo;
+      // t1.p3 = mul(i2, p1) (1, 128)  # mul#1
+      const float t1_p3_lo = round_bf(s * t1_rot_lo), t1_p3_hi = round_bf(s * t1_rot_hi);
+      // t1.p4 = add(p2, p3) (1, 128)  # add#0
+      const float t1_p4_lo = round_bf(t1_p2_lo + t1_p3_lo), t1_p4_hi = round_bf(t1_p2_hi + t1_p3_hi);
+      dst[d] = f2bf(t1_p4_lo);
+      dst[d + half] = f2bf(t1_p4_hi);
     }
   }
+}
+
+__device__ __forceinline__ void qk_norm_rope(const bf16* src, const bf16* norm_w, const float* inv_freq, int pos, bf16* dst, int D, float eps, int lane) {
+  MPK_ROPE_PAIRS(D, (qk_norm_rope_pairs<kPairs>(src, norm_w, inv_freq, pos, dst, D, eps, lane)));
 }
 
 }  // namespace gen
