@@ -197,10 +197,11 @@ def _qk_problems_fused(cg) -> dict[Problem, int]:
         tiles0 = _first_layer(normed)
         t = tiles0[0]
         D, G = get(t, "HEAD_DIM"), get(t, "GROUP")
+        batch = max(1, int(cg.meta["batch"]))
         if kind_name == "attention_prep":  # a tile per (kv head, sequence)
-            kv_heads = max(1, len(tiles0) // max(1, int(cg.meta["batch"])))
-        else:  # a tile per (kv head, range): the first range's tiles count the kv heads
-            kv_heads = max(1, sum(1 for u in tiles0 if get(u, "SPLIT_INDEX") == 0))
+            kv_heads = max(1, len(tiles0) // batch)
+        else:  # a tile per (kv head, range) for all sequences, or per sequence too: the first range's sequences
+            kv_heads = max(1, sum(get(u, "BATCH") for u in tiles0 if get(u, "SPLIT_INDEX") == 0) // batch)
         prob = Problem("qk_norm_rope", G * kv_heads, D, D, _f32(get(t, "EPS")))
         out[prob] = out.get(prob, 0) + len(normed) * (G + 1) * D  # head values a step: G q heads and the k head
     return out

@@ -308,8 +308,8 @@ def test_split_prep_tiles_ask_for_the_qk_norm_rope_problem():
     from mpk_dist.taskgraph.abi import TASK_COLS
     from mpk_dist.taskgraph.tasks import BY_NAME
 
-    def qk(model, splits):  # the program a run builds (the backend's default fusions)
-        cg = compile_rank_programs(get_preset(model), tp=1, batch=1, sms=132, max_seq_len=512, attn_splits=splits,
+    def qk(model, splits, batch=1):  # the program a run builds (the backend's default fusions)
+        cg = compile_rank_programs(get_preset(model), tp=1, batch=batch, sms=132, max_seq_len=512, attn_splits=splits,
                                    fuse=("norm", "silu", "residual", *DEFAULT_ATTN_FUSIONS))[0]
         return cg, [p for p in ST.problems_of(cg) if p.kind == "qk_norm_rope"]
 
@@ -317,6 +317,8 @@ def test_split_prep_tiles_ask_for_the_qk_norm_rope_problem():
     assert (cg.arrays["tasks"][:, TASK_COLS["OPCODE"]] == BY_NAME["attention_split_prep"].opcode).any(), "no split prep tiles"
     assert split and split == qk("qwen3-0.6b", 1)[1] and split[0].batch == get_preset("qwen3-0.6b").num_heads
     assert qk("llama3-8b", "auto")[1] == [] and ST._has_qkv_prep(qk("llama3-8b", "auto")[0])
+    # above 4 sequences a split tile holds one sequence: still one layer's q heads
+    assert qk("qwen3-0.6b", 2, batch=8)[1] == split
 
 
 def test_checked_in_qk_norm_rope_fallback_is_the_renderers_text():
