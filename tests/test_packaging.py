@@ -30,11 +30,13 @@ def test_console_script_declared():
 
 
 def test_every_cuda_source_is_package_data():
-    """Every .cu/.cuh/.h under csrc/ (e.g. csrc/bench/comm_bench.cu) matches a package-data glob."""
+    """Every .cu/.cuh/.h under csrc/ (e.g. csrc/bench/comm_bench.cu), and the µGraph a checked-in generated body is
+    rendered from (csrc/tasks/generated/*.json), matches a package-data glob."""
     data = tomllib.loads((ROOT / "pyproject.toml").read_text())
     globs = data["tool"]["setuptools"]["package-data"]["mpk_dist.csrc"]
     shipped = {p for g in globs for p in (ROOT / "csrc").glob(g)}
     sources = {p for p in (ROOT / "csrc").rglob("*") if p.suffix in (".cu", ".cuh", ".h") and "__pycache__" not in p.parts}
+    sources |= set((ROOT / "csrc" / "tasks" / "generated").glob("*.json"))
     assert (ROOT / "csrc" / "bench" / "comm_bench.cu") in sources
     missing = sorted(str(p.relative_to(ROOT)) for p in sources - shipped)
     assert not missing, f"add these to [tool.setuptools.package-data] in pyproject.toml: {missing}"
