@@ -185,26 +185,29 @@ def _qk_problems(cg) -> dict[Problem, int]:
 
 
 def _qk_problems_fused(cg) -> dict[Problem, int]:
-    """The same problem from the tiles that fold qkv_prep into attention (the attn_prep fusion): attention_prep
-    tiles, one per (kv head, sequence), and in a split-KV program attention_split_prep tiles, one per (kv head,
-    KV range), each running the prep of its group (csrc/tasks/attention_prep.cuh attn_prep_head calls the hook).
-    H = GROUP x the kv heads of one layer."""
-    out: dict[Problem, int] = {}
-    for kind_name in ("attention_prep", "attention_split_prep"):
-        normed, get = _normed_tiles(cg, kind_name, "Q_NORM_W")
-        if not normed:
-            continue
-        tiles0 = _first_layer(normed)
-        t = tiles0[0]
-        D, G = get(t, "HEAD_DIM"), get(t, "GROUP")
-        batch = max(1, int(cg.meta["batch"]))
-        if kind_name == "attention_prep":  # a tile per (kv head, sequence)
-            kv_heads = max(1, len(tiles0) // batch)
-        else:  # a tile per (kv head, range) for all sequences, or per sequence too: the first range's sequences
-            kv_heads = max(1, sum(get(u, "BATCH") for u in tiles0 if get(u, "SPLIT_INDEX") == 0) // batch)
-        prob = Problem("qk_norm_rope", G * kv_heads, D, D, _f32(get(t, "EPS")))
-        out[prob] = out.get(prob, 0) + len(normed) * (G + 1) * D  # head values a step: G q heads and the k head
-    return out
+    """The same problem from attention_prep tiles (the attn_prep fusion: qkv_prep folded into the
+    attention tiles, one per (kv head, sequence)): H = GROUP x the kv heads of one layer."""
+    normed, get = _normed_tiles(cg, "attention_prep", "Q_NORM_W")
+    if not normed:
+        return {}
+    tiles0 = _first_layer(normed)
+    t = tiles0[0]
+    D, G = get(t, "HEAD_DIM"), get(t, "GROUP")
+    kv_heads = max(1, len(tiles0) // max(1, int(cg.meta["batch"])))
+    prob = Problem("qk_norm_rope", G * kv_heads, D, D, _f32(get(t, "EPS")))
+    return {prob: len(normed) * (G + 1) * D}
+
+
+CHECKED_IN_QK = "csrc/tasks/generated/qk_norm_rope.cuh (rendered from qk_norm_rope.ugraph.json beside it)"
+"""The qk_norm_rope body a split-KV program compiles (see _split_prep_normed)."""
+
+
+def _split_prep_normed(cg) -> bool:
+    """Whether the program's attention_split_prep tiles (the batch-1 default: the prep folded into split-KV
+    attention) run a q/k norm. They call the qk_norm_rope hook like qkv_prep, but are not searched at build
+    time: the per-head body does not depend on the head count, and a search would add its 25 s limit to every
+    batch-1 cold start (issue 6 asks for <= 60 s). Without a define the hook compiles the checked-in generated body."""
+    return bool(_normed_tiles(cg, "attention_split_prep", "Q_NORM_W")[0])
 
 
 def _bounds(pattern: str) -> dict:
@@ -392,6 +395,9 @@ def prepare(cg, searcher=search, log=None) -> SuperoptBuild:
         mine = {p: w for p, w in probs.items() if p.kind == kind}
         if mine:  # else the kind does not run: whatever body is compiled, no tile calls it
             _kind_body(out, kind, mine, searcher, log)
+        elif kind == "qk_norm_rope" and _split_prep_normed(cg):
+            out.notes.append(f"superopt: qk_norm_rope in the split prep tiles: the checked-in generated body {CHECKED_IN_QK}; "
+                             "not searched at build time")
         elif kind == "qk_norm_rope" and _has_qkv_prep(cg):  # rope only (no q/k norm): nothing to replace
             _hand_written(out, kind, "the model has no q/k norm (rope only; the qk_norm_rope pattern needs one)")
     for n in out.notes:

@@ -298,27 +298,37 @@ def test_attn_prep_fusion_asks_for_the_same_qk_norm_rope_problem():
     assert len(plain) == 1 and fused == plain and plain[0].batch == get_preset("qwen3-0.6b").num_heads
 
 
-def test_split_prep_tiles_ask_for_the_qk_norm_rope_problem():
+def test_split_prep_tiles_compile_the_checked_in_qk_body_without_a_search(monkeypatch, tmp_path):
     """A split-KV program (the batch-1 default: attention_split_prep tiles run the q/k norm + rope through the
-    hook) asks for the same qk_norm_rope problem as the unsplit one, so its build gets the searched body
-    rather than the checked-in fallback; Llama (no q/k norm) asks for none."""
+    hook) searches no qk_norm_rope problem (no 25 s on the cold start), defines nothing for it, so the hook
+    compiles the checked-in generated body, and says so; Llama (no q/k norm) keeps the hand-written body."""
     from mpk_dist.models.presets import get_preset
-    from mpk_dist.taskgraph.compiler import compile_rank_programs
     from mpk_dist.runtime.megakernel_backend import DEFAULT_ATTN_FUSIONS
     from mpk_dist.taskgraph.abi import TASK_COLS
+    from mpk_dist.taskgraph.compiler import compile_rank_programs
     from mpk_dist.taskgraph.tasks import BY_NAME
 
-    def qk(model, splits, batch=1):  # the program a run builds (the backend's default fusions)
-        cg = compile_rank_programs(get_preset(model), tp=1, batch=batch, sms=132, max_seq_len=512, attn_splits=splits,
-                                   fuse=("norm", "silu", "residual", *DEFAULT_ATTN_FUSIONS))[0]
-        return cg, [p for p in ST.problems_of(cg) if p.kind == "qk_norm_rope"]
+    def program(model, batch=1):  # the program a run builds (the backend's default fusions)
+        return compile_rank_programs(get_preset(model), tp=1, batch=batch, sms=132, max_seq_len=512, attn_splits="auto",
+                                     fuse=("norm", "silu", "residual", *DEFAULT_ATTN_FUSIONS))[0]
 
-    cg, split = qk("qwen3-0.6b", "auto")
-    assert (cg.arrays["tasks"][:, TASK_COLS["OPCODE"]] == BY_NAME["attention_split_prep"].opcode).any(), "no split prep tiles"
-    assert split and split == qk("qwen3-0.6b", 1)[1] and split[0].batch == get_preset("qwen3-0.6b").num_heads
-    assert qk("llama3-8b", "auto")[1] == [] and ST._has_qkv_prep(qk("llama3-8b", "auto")[0])
-    # above 4 sequences a split tile holds one sequence: still one layer's q heads
-    assert qk("qwen3-0.6b", 2, batch=8)[1] == split
+    def nothing(problem):
+        asked.append(problem)
+        return ST.Choice(problem, None, {"seconds": 0.0}, "not searched (test)")
+
+    monkeypatch.setenv("MPK_CACHE_DIR", str(tmp_path))
+    ST._MEMO.clear()
+    ST._NOTED.clear()  # notes print once per process; this test reads them
+    asked, log = [], []
+    cg = program("qwen3-0.6b")
+    assert (cg.arrays["tasks"][:, TASK_COLS["OPCODE"]] == BY_NAME["attention_split_prep"].opcode).any(), "not split"
+    so = ST.prepare(cg, nothing, log.append)
+    assert asked and not any(p.kind == "qk_norm_rope" for p in asked)
+    assert "MPK_SUPEROPT_QK_NORM_ROPE" not in so.defines and "qk_norm_rope" not in so.choices
+    assert any("split prep tiles: the checked-in generated body" in m for m in log), log
+    llama = ST.prepare(program("llama3-8b"), nothing, log.append)
+    assert llama.defines.get("MPK_SUPEROPT_QK_NORM_ROPE") == 0
+    ST._MEMO.clear()
 
 
 def test_checked_in_qk_norm_rope_fallback_is_the_renderers_text():
