@@ -22,6 +22,7 @@ from mpk_dist.superopt.cost import H200, custom_op_cost
 from mpk_dist.superopt.inference import is_stack_sym
 from mpk_dist.superopt.ugraph import DTYPE_BYTES, _numel
 
+
 def _listing_key(final: bool, subset: tuple, infos: dict, k: int | None = None) -> tuple:
     """The catalog's key of ``subset``'s options (``k`` None) or of its layout ``k``'s listing."""
     head = (final, *((n, infos[n]) for n in subset))
@@ -360,9 +361,9 @@ class BlockCatalog:
         listings took gigabytes of the main process)."""
         if k is None:
             self.memo.pop(_listing_key(final, subset, infos), None)
+        rep = self._rep(final, subset, infos)
         for j in (range(len(self.layouts(subset, infos))) if k is None else (k,)):
             key = _listing_key(final, subset, infos, j)
-            rep = self._rep(final, subset, infos)
             if rep is not None and rep[0] == subset and self._left(key, rep) \
                     and key in self.per_layout:
                 # a representative's listing stays until its members are served from it
@@ -409,7 +410,6 @@ class BlockCatalog:
             self.per_layout.move_to_end(key)  # a listing made again under a new limit is new
             self._bound(self.per_layout)
         return hit
-
 
     def _rep(self, final: bool, subset: tuple, infos: dict):
         """(representative subset, its infos, members) of ``subset``'s renaming class, or None.

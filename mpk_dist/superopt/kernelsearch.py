@@ -19,9 +19,7 @@ from collections import deque
 from itertools import combinations
 
 from mpk_dist.superopt import blocksearch as B
-from mpk_dist.superopt.bounds import RestBound, move_bound
-from mpk_dist.superopt.bounds import input_infos as _input_infos
-from mpk_dist.superopt.bounds import out_names as _out_names
+from mpk_dist.superopt.bounds import RestBound, input_infos, move_bound, out_names
 from mpk_dist.superopt.catalog import BlockCatalog
 from mpk_dist.superopt.context import Context
 from mpk_dist.superopt.cost import H200, graph_cost, prim_op_cost
@@ -45,7 +43,7 @@ class KernelSearch:
         self.verify = verify
         self.lanes = lanes
         t = ctx.target
-        self.inputs = {name: info for name, info in _input_infos(t).items()}
+        self.inputs = input_infos(t)
         self.out_shape = t.graph.nodes[t.out_node].shape
         self.lower = RestBound(ctx.config, self.out_shape)
         self.candidates: dict = {}
@@ -286,7 +284,7 @@ class KernelSearch:
             return move[4][1]
         _, subset, n_ops, _, st, sizes, _, shapes = move
         return {n: TensorInfo(shape, syms, None)
-                for n, (shape, syms) in zip(_out_names(n_ops, len(st.outputs)), shapes)}
+                for n, (shape, syms) in zip(out_names(n_ops, len(st.outputs)), shapes)}
 
     def _is_output(self, info) -> bool:
         return info.expr == self.ctx.target.out_expr and info.shape == self.out_shape
@@ -398,7 +396,7 @@ class KernelSearch:
         if move[0] == "p":
             return move[4]
         _, subset, _, cost, st, sizes, key, _ = move
-        outs = _out_names(n_ops, len(st.outputs))
+        outs = out_names(n_ops, len(st.outputs))
         bg, kinfos = B.instantiate(st, sizes, tensors, outs, self.ctx.target.origin_of)
         seen = {i.expr for i in tensors.values()}
         if any(i.expr in seen for i in kinfos.values()):

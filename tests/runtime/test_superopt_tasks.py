@@ -308,8 +308,8 @@ def test_split_prep_tiles_compile_the_checked_in_qk_body_without_a_search(monkey
     from mpk_dist.taskgraph.compiler import compile_rank_programs
     from mpk_dist.taskgraph.tasks import BY_NAME
 
-    def program(model, batch=1):  # the program a run builds (the backend's default fusions)
-        return compile_rank_programs(get_preset(model), tp=1, batch=batch, sms=132, max_seq_len=512, attn_splits="auto",
+    def program(model):  # the batch-1 program a run builds (the backend's default fusions)
+        return compile_rank_programs(get_preset(model), tp=1, batch=1, sms=132, max_seq_len=512, attn_splits="auto",
                                      fuse=("norm", "silu", "residual", *DEFAULT_ATTN_FUSIONS))[0]
 
     def nothing(problem):

@@ -11,7 +11,7 @@ from mpk_dist.superopt import blocksearch as B
 from mpk_dist.superopt import superoptimize
 from mpk_dist.superopt.blockmemo import FinalFilter, MemoEnumerator, canonical_order, strip_sums
 from mpk_dist.superopt.context import Context, SearchConfig
-from mpk_dist.superopt.kernelsearch import _input_infos
+from mpk_dist.superopt.bounds import input_infos
 from mpk_dist.superopt.patterns import build
 from mpk_dist.superopt.target import analyze
 from mpk_dist.superopt.ugraph import op_call_text
@@ -55,7 +55,7 @@ def _both(pattern, shape, ops, prune, final, accept, subsets=False):
     memo enumerator, and the memo enumerator's structures). Non-last ops go through
     ``enumerate_layout`` (the search's path: ``dedup`` on, up to ``max_block_outputs`` outputs)."""
     target = analyze(build(pattern, shape))
-    infos = _input_infos(target)
+    infos = input_infos(target)
     config = SearchConfig(max_kernel_ops=1, max_block_ops=ops, prune=prune)
     out = []
     for lay in _layouts(infos, subsets):
@@ -133,7 +133,7 @@ def test_fingerprints_follow_the_expressions():
     """The op-by-op fingerprints of every tensor the enumerator made (sized, and stripped of
     reductions) equal those of its abstract expression: the normalization rules hold for them."""
     target = analyze(build("attention_decode", {"H": 4, "D": 64, "S": 256}))
-    infos = _input_infos(target)
+    infos = input_infos(target)
     config = SearchConfig(max_kernel_ops=1, max_block_ops=4, prune=False)
     checked = 0
     for lay in list(B.layouts(tuple(infos), infos, 1))[:4]:
@@ -158,7 +158,7 @@ def test_fingerprints_follow_the_expressions():
 
 def test_canonical_order_is_the_smallest_text():
     target = analyze(build("rmsnorm_linear", {"M": 4, "K": 512, "N": 256}))
-    infos = _input_infos(target)
+    infos = input_infos(target)
     config = SearchConfig(max_kernel_ops=1, max_block_ops=4, prune=False)
     lay = B.Layout(("X", "G", "W"), ("n",), None)
     structs = B.enumerate_layout(Context(target, config, time.monotonic() + 60), lay, infos,

@@ -14,7 +14,7 @@ from mpk_dist.superopt import blocksearch as B
 from mpk_dist.superopt.blockmemo import FinalFilter, MemoEnumerator
 from mpk_dist.superopt.blockshare import _ShapeOnly
 from mpk_dist.superopt.context import Context, SearchConfig
-from mpk_dist.superopt.kernelsearch import _input_infos
+from mpk_dist.superopt.bounds import input_infos
 from mpk_dist.superopt.patterns import build
 from mpk_dist.superopt.target import analyze
 from mpk_dist.superopt.ugraph import TensorInfo
@@ -66,7 +66,7 @@ CASES = [  # pattern, shapes, block ops, prune, inputs of the custom op (each ca
 def _setup(pattern, shape, ops, prune):
     target = analyze(build(pattern, shape))
     config = SearchConfig(max_kernel_ops=2, max_block_ops=ops, prune=prune)
-    return target, config, _input_infos(target)
+    return target, config, input_infos(target)
 
 
 def _sizes(lay, infos, config):

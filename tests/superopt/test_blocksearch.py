@@ -6,7 +6,7 @@ import pytest
 
 from mpk_dist.superopt import blocksearch as B
 from mpk_dist.superopt.context import Context, SearchConfig
-from mpk_dist.superopt.kernelsearch import _input_infos
+from mpk_dist.superopt.bounds import input_infos
 from mpk_dist.superopt.patterns import build
 from mpk_dist.superopt.target import analyze
 
@@ -14,7 +14,7 @@ from mpk_dist.superopt.target import analyze
 def _enumerate(target, names, prune: bool, final: bool, early: bool, block_ops: int = 3):
     config = SearchConfig(max_kernel_ops=1, max_block_ops=block_ops, prune=prune)
     ctx = Context(target, config, time.monotonic() + 60)
-    infos = _input_infos(target)
+    infos = input_infos(target)
     out = []
     for lay in B.layouts(names, infos, 1):
         out += [(lay, s.body, s.post, s.outputs)
@@ -67,7 +67,7 @@ def test_instantiate_with_its_memos_equals_the_uncached_path(monkeypatch):
 
     target = analyze(build("attention_decode", {"H": 4, "D": 64, "S": 256}))
     config = SearchConfig(max_kernel_ops=2, max_block_ops=3, prune=False)
-    infos = _input_infos(target)
+    infos = input_infos(target)
     cases = []
     for names in (("Q",), ("Kt", "V")):
         for lay in B.layouts(names, infos, 1):

@@ -9,7 +9,7 @@ from mpk_dist.superopt.blockmemo import FinalFilter
 from mpk_dist.superopt.blockshare import _concrete_verdict
 from mpk_dist.superopt.context import Context, SearchConfig
 from mpk_dist.superopt.inference import candidate_ops, infer
-from mpk_dist.superopt.kernelsearch import _input_infos
+from mpk_dist.superopt.bounds import input_infos
 from mpk_dist.superopt.patterns import build
 from mpk_dist.superopt.expr import to_text
 from mpk_dist.superopt.target import analyze
@@ -30,7 +30,7 @@ def _first_op_tensors(target, infos: dict) -> dict:
 
 def _setup(ops: int):
     target = analyze(build("rmsnorm_linear", {"M": 2, "K": 64, "N": 32}))
-    infos = _input_infos(target)
+    infos = input_infos(target)
     made = _first_op_tensors(target, infos)
     config = SearchConfig(max_kernel_ops=2, max_block_ops=ops, prune=False)
     return target, {**infos, **made}, config

@@ -6,10 +6,10 @@ import math
 import time
 
 from mpk_dist.superopt import blocksearch as B
-from mpk_dist.superopt.bounds import RestBound
+from mpk_dist.superopt.bounds import RestBound, input_infos
 from mpk_dist.superopt.context import Context, SearchConfig
 from mpk_dist.superopt.catalog import BlockCatalog
-from mpk_dist.superopt.kernelsearch import KernelSearch, _input_infos
+from mpk_dist.superopt.kernelsearch import KernelSearch
 from mpk_dist.superopt.patterns import build
 from mpk_dist.superopt.search import _rank
 from mpk_dist.superopt.target import analyze
@@ -34,7 +34,7 @@ def test_layout_bound_is_below_every_option():
     bound; for the last op, options whose output has the target's shape (the only ones the
     kernel search keeps)."""
     _, ctx, out_shape = _setup(3, prune=False)
-    infos = _input_infos(ctx.target)
+    infos = input_infos(ctx.target)
     lower = RestBound(ctx.config, out_shape)
     checked = 0
     with BlockCatalog(ctx, 1) as cat:
@@ -216,7 +216,7 @@ def test_listing_limit_is_below_every_move_key():
     from mpk_dist.superopt.catalog import bytes_lower_bound, cost_key, _rep_sizes
 
     _, ctx, _ = _setup(3, prune=False)
-    infos = _input_infos(ctx.target)
+    infos = input_infos(ctx.target)
     dangling = set(infos)
     checked = 0
     with BlockCatalog(ctx, 1) as cat:
@@ -245,7 +245,7 @@ def test_first_op_keys_from_the_pool_equal_the_main_process_keys():
     ``_move_bound`` of the same moves, float for float, at budgets 2 and 3, and a listing made
     without ``keyed`` (or asked for at another budget) has none."""
     _, ctx, _ = _setup(3, prune=False)
-    infos = _input_infos(ctx.target)
+    infos = input_infos(ctx.target)
     dangling = set(infos)
     checked = 0
     with BlockCatalog(ctx, 2) as cat:

@@ -6,7 +6,7 @@ import time
 
 from mpk_dist.superopt.catalog import BlockCatalog
 from mpk_dist.superopt.context import Context, SearchConfig
-from mpk_dist.superopt.kernelsearch import _input_infos
+from mpk_dist.superopt.bounds import input_infos
 from mpk_dist.superopt.patterns import build
 from mpk_dist.superopt.target import analyze
 
@@ -25,7 +25,7 @@ def _listing(cat, subset, infos, final, order):
 def test_layout_by_layout_listing_gives_the_subset_options():
     target = analyze(build("silu_mul_linear", {"M": 2, "I": 64, "N": 32}))
     ctx = Context(target, SearchConfig(max_block_ops=3, prune=False), time.monotonic() + 120)
-    infos = _input_infos(target)
+    infos = input_infos(target)
     subset = tuple(infos)
     with BlockCatalog(ctx, 1) as cat:
         whole = {final: cat.options(subset, infos, final) for final in (False, True)}
@@ -49,7 +49,7 @@ def test_shared_costs_equal_the_costs_of_each_structure():
 
     target = analyze(build("attention_decode", {"H": 2, "D": 16, "S": 64}))
     ctx = Context(target, SearchConfig(max_block_ops=3, prune=False), time.monotonic() + 120)
-    infos = _input_infos(target)
+    infos = input_infos(target)
     shared = 0
     for r in (1, 3):
         for subset in itertools.combinations(infos, r):
@@ -81,7 +81,7 @@ def test_count_search_with_floors_picks_the_same_counts_and_instantiates_less():
 
     target = analyze(build("attention_decode", {"H": 4, "D": 128, "S": 512}))
     ctx = Context(target, SearchConfig(max_block_ops=2, prune=False), time.monotonic() + 300)
-    infos = _input_infos(target)
+    infos = input_infos(target)
     calls = {"plain": 0, "floors": 0}
     checked = 0
     real = B.instantiate
@@ -163,7 +163,7 @@ def test_listing_limit_applied_by_the_enumerator_lists_the_same_options(monkeypa
 
     target = analyze(build("attention_decode", {"H": 4, "D": 64, "S": 256}))
     config = SearchConfig(max_kernel_ops=2, max_block_ops=3, prune=False)
-    infos = _input_infos(target)
+    infos = input_infos(target)
     plain = B.enumerate_layout
 
     def listings(early: bool) -> tuple:
@@ -191,7 +191,7 @@ def test_a_bounded_catalog_lists_the_same_options():
     from mpk_dist.superopt.inference import infer
 
     target = analyze(build("rmsnorm_linear", {"M": 2, "K": 64, "N": 32}))
-    infos = dict(_input_infos(target))
+    infos = dict(input_infos(target))
     infos["t0"] = infer("mul", [infos["X"], infos["G"]], {})
     infos["t1"] = infer("mul", [infos["X"], infos["X"]], {})
     infos["t2"] = infer("div", [infos["X"], infos["G"]], {})
@@ -225,7 +225,7 @@ def test_renamed_subsets_list_what_their_own_enumeration_lists():
     from mpk_dist.superopt.catalog import layout_options
 
     target = analyze(build("silu_mul_linear", {"M": 2, "I": 64, "N": 32}))
-    infos = _input_infos(target)
+    infos = input_infos(target)
     config = SearchConfig(max_block_ops=3, prune=False)
     pairs = ((("A",), ("B",)), (("A", "W"), ("B", "W")))
 

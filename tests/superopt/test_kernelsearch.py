@@ -5,7 +5,7 @@ import time
 from mpk_dist.superopt import blocksearch as B
 from mpk_dist.superopt.context import Context, SearchConfig
 from mpk_dist.superopt.catalog import _may_have_shape
-from mpk_dist.superopt.kernelsearch import _input_infos
+from mpk_dist.superopt.bounds import input_infos
 from mpk_dist.superopt.patterns import build
 from mpk_dist.superopt.target import analyze
 
@@ -14,7 +14,7 @@ def test_shape_check_drops_only_structures_that_never_have_the_target_shape():
     target = analyze(build("attention_decode", {"H": 4, "D": 64, "S": 256}))
     config = SearchConfig(max_kernel_ops=1, max_block_ops=3, prune=False, max_grid_dims=2)
     ctx = Context(target, config, time.monotonic() + 60)
-    infos = _input_infos(target)
+    infos = input_infos(target)
     out_shape = target.graph.nodes[target.out_node].shape
     dropped = kept = 0
     for lay in B.layouts(tuple(infos), infos, config.max_grid_dims):
@@ -37,7 +37,7 @@ def _last_op_options(K: int, N: int):
 
     target = analyze(build("silu_mul_linear", {"M": 1, "I": K, "N": N}))
     ctx = Context(target, SearchConfig(max_block_ops=4), time.monotonic() + 60)
-    infos = _input_infos(target)
+    infos = input_infos(target)
     return BlockCatalog(ctx, 1).options(tuple(infos), infos, final=True), infos
 
 
