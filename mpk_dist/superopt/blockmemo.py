@@ -85,6 +85,7 @@ P61 = 2305842296249143607
 R30 = 1073741789
 K61 = 1452152591141073327
 W61 = 1647088814001249575
+FIELD61 = (P61, R30, W61, K61)
 
 
 class Fingerprint:
@@ -101,8 +102,11 @@ class Fingerprint:
     ``of_expr`` computes the same value from an expression tuple (a test checks they agree).
     """
 
-    def __init__(self, sized: bool = True) -> None:
-        self.sized, self.p, self.q, self.w, self.k = sized, P61, R30, W61, K61
+    def __init__(self, sized: bool = True, field: tuple = FIELD61) -> None:
+        """``field``: (p, r, w, K) of the construction above (``sieve.FIELD31``: the same one
+        under 2^31, for numpy's int64)."""
+        self.sized = sized
+        self.p, self.q, self.w, self.k = field
         rnd = random.Random(7)
         self.sqrt_p = [rnd.randrange(self.p) for _ in range(4)]
         self.sqrt_q = [rnd.randrange(self.q) for _ in range(4)]

@@ -40,7 +40,10 @@ from __future__ import annotations
 import sys
 from collections import OrderedDict
 
+import numpy as np
+
 from mpk_dist.superopt.blockmemo import FinalFilter, Fingerprint, MemoEnumerator, canonical_order
+from mpk_dist.superopt.sieve import FIELD31, StructureSieve
 from mpk_dist.superopt.ugraph import TensorInfo
 
 SIGNATURE_CACHE_BYTES = 512 << 20
@@ -119,10 +122,13 @@ class SharedFinal:
         self.by_sid: dict = {}
         for node, ops in self.by_out.items():
             self.by_sid.setdefault(table.sid(enum.recipe, node, memo), []).extend(ops)
-        self.nbytes = _held_bytes(self.by_out, self.by_sid)
+        # the cheap test of every output structure at once, in a 31-bit field (``sieve``)
+        self.sids = np.fromiter(self.by_sid, np.int64, len(self.by_sid))
+        self.sieve = StructureSieve(table, list(self.by_sid), _sieve_fp(ctx))
+        self.nbytes = _held_bytes(self.by_out, self.by_sid) + self.sieve.nbytes + self.sids.nbytes
         self.n_grouped = sum(map(len, self.by_sid.values()))
-        # concrete inputs' stripped fingerprints -> the structure ids whose value is the target's
-        # (``structures``); cleared past ``PASSING_MEMO`` entries
+        # concrete inputs' stripped fingerprints (61 and 31 bits) -> the structure ids whose
+        # value is the target's (``structures``); cleared past ``PASSING_MEMO`` entries
         self.passing: dict = {}
 
     def structures(self, ctx, layout, infos: dict, sizes: dict, sym_size: dict) -> tuple:
@@ -130,24 +136,31 @@ class SharedFinal:
         keeps, sorted as it sorts them; the number of graphs that failed the last op's test)."""
         from mpk_dist.superopt.blocksearch import Structure
 
-        sfp = _stripped_fp(ctx)
+        sfp, sfp31 = _stripped_fp(ctx), _sieve_fp(ctx)
         leaves = tuple(sfp.of_expr(infos[n].expr) for n in layout.inputs)
-        passing = self.passing.get(leaves)
+        leaves31 = tuple(sfp31.of_expr(infos[n].expr) for n in layout.inputs)
+        passing = self.passing.get((leaves, leaves31))
         counts = ctx.counts
         if passing is None:
-            # the cheap test of every output structure: its stripped fingerprint is a function
-            # of ``leaves`` alone (``StrippedTable``), so inputs with the same stripped
+            # the cheap test of every output structure: its stripped fingerprints are a
+            # function of the leaves alone (``StrippedTable``), so inputs with the same stripped
             # fingerprints pass the same structures (first ops that differ only in sum sizes,
             # layouts or forms the stripped fingerprint identifies: qk_norm_rope's 115,522
-            # first ops of (G,)'s layout 1 under the bound have 2,691 distinct ones)
+            # first ops of (G,)'s layout 1 under the bound have 2,691 distinct ones). The 31-bit
+            # test (``sieve``, all structures at once) first, then the 61-bit one
+            # (``FinalFilter.want``'s fingerprint) on the few structures it keeps; both are
+            # necessary conditions of the exact test.
+            keep = self.sieve.matches(leaves31, sfp31.of_expr(ctx.target.out_expr))
             table = stripped_table(ctx)
             table.set_leaves(leaves)
-            want = sfp.of_expr(ctx.target.out_expr)  # FinalFilter.want (the same fingerprint)
-            passing = tuple(sid for sid in self.by_sid if table.value(sid) == want)
+            want = sfp.of_expr(ctx.target.out_expr)
+            sieved = self.sids[keep].tolist()  # in ``by_sid``'s order, as before
+            passing = tuple(sid for sid in sieved if table.value(sid) == want)
             if len(self.passing) >= PASSING_MEMO:
                 self.passing.clear()
-            self.passing[leaves] = passing
+            self.passing[(leaves, leaves31)] = passing
             counts["stripped_tested"] = counts.get("stripped_tested", 0) + 1
+            counts["sieve_kept"] = counts.get("sieve_kept", 0) + len(sieved)
         else:
             counts["stripped_reused"] = counts.get("stripped_reused", 0) + 1
         out, repeats, filt = [], 0, None
@@ -172,6 +185,14 @@ def _stripped_fp(ctx) -> Fingerprint:
     fp = ctx.__dict__.get("_shared_sfp")
     if fp is None:
         fp = ctx.__dict__["_shared_sfp"] = Fingerprint(sized=False)
+    return fp
+
+
+def _sieve_fp(ctx) -> Fingerprint:
+    """The process's 31-bit stripped fingerprint (``sieve.FIELD31``)."""
+    fp = ctx.__dict__.get("_sieve_sfp")
+    if fp is None:
+        fp = ctx.__dict__["_sieve_sfp"] = Fingerprint(sized=False, field=FIELD31)
     return fp
 
 

@@ -1,0 +1,172 @@
+"""The last op's cheap test over all output structures of a signature at once (numpy).
+
+``blockshare.SharedFinal`` tests each concrete input set of a last-op layout by the stripped
+fingerprint of every output structure of the layout's signature (``StrippedTable.value``:
+``Fingerprint(sized=False)`` computed node by node in Python, 61-bit values). For qk_norm_rope's
+5-input signatures that is ~3 x 10^5 structure values, ~0.7 s, per new stripped input set
+(docs/SUPEROPT.md, fifteenth session), and it was most of a lane's time.
+
+``StructureSieve`` compiles the structures a signature reaches into a few numpy index arrays
+(grouped by height and op kind) once, and evaluates them for an input set with one vectorized
+step per group, in a second fingerprint of the same construction over a 31-bit prime
+(``FIELD31``: products of two values fit in int64). The structures whose 31-bit value is not the
+target's are dropped; the others (a handful) still get the 61-bit test of ``StrippedTable``, and
+every graph that passes that gets the exact test (``blockshare._concrete_verdict``).
+
+Why the kept graphs are exactly the same: both fingerprints are built by the same code
+(``blockmemo.Fingerprint``, ``field`` only changes the constants p = 2 R Q + 1, W of order R, K
+with K = 1 mod 2R and K = -1 mod Q), so every rewrite of ``expr.normalize`` holds for both: a
+graph whose output's stripped expression equals the target's has equal fingerprints in both
+fields. The 31-bit test is therefore a necessary condition of the exact test, like the 61-bit one,
+and a graph it drops would have failed the exact test. It only lets through more false matches
+(about one structure in 2^15 whose r parts collide), which the 61-bit test then drops as before.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mpk_dist.superopt import expr as E
+
+# p = 2*R*Q + 1 (prime, 31 bits; R = 32749 and Q = 32609 primes), W of order R in Z_p*, K with
+# K = 1 mod 2R and K = -1 mod Q: blockmemo's construction (P61, R30, W61, K61) under 2^31, so
+# that (p - 1)^2 < 2^62 and every product of two values is exact in int64.
+P31 = 2135824283
+R15 = 32749
+W31 = 1175230284
+K31 = 1357773541
+FIELD31 = (P31, R15, W31, K31)
+
+
+class StructureSieve:
+    """The structures ``roots`` of a ``StrippedTable`` (and every structure under them) compiled
+    for vectorized evaluation of ``fp`` (a ``Fingerprint(sized=False, field=FIELD31)``).
+
+    ``matches(leaves, want)``: a bool array over ``roots`` (in their order), True where the
+    structure's fingerprint for the concrete inputs' fingerprints ``leaves`` (by input position)
+    is ``want``: the same values as a ``StrippedTable`` over ``fp`` gives, for all roots at once
+    (tests/superopt/test_sieve.py compares them)."""
+
+    def __init__(self, table, roots: list, fp) -> None:
+        self.fp = fp
+        order, local = _post_order(table.defs, roots)
+        height = [0] * len(order)
+        groups: dict = {}
+        in_pos, in_k = [], []
+        for i, sid in enumerate(order):
+            d = table.defs[sid]
+            if d[0] == "in":
+                in_pos.append(i)
+                in_k.append(d[1])
+                continue
+            kind, attrs, args = d
+            loc = [local[a] for a in args]
+            height[i] = 1 + max(height[j] for j in loc)
+            # mul, add, div are the table's binary forms; anything else is a chain program
+            code = kind if kind in ("mul", "add", "div") else ("chain", id(attrs["prog"]))
+            g = groups.setdefault((height[i], code), [attrs.get("prog"), [], [], []])
+            g[1].append(i)
+            g[2].append(loc[0])
+            g[3].append(loc[-1])
+        self.n = len(order)
+        self.in_pos, self.in_k = np.array(in_pos, np.int32), np.array(in_k, np.int32)
+        # evaluated by height: every operand has a smaller height than its result
+        self.groups = [(code if isinstance(code, str) else "chain", prog,
+                        np.array(out, np.int32), np.array(a, np.int32), np.array(b, np.int32))
+                       for (_, code), (prog, out, a, b) in sorted(groups.items(),
+                                                                   key=lambda kv: kv[0][0])]
+        self.roots = np.array([local[r] for r in roots], np.int32)
+        self.nbytes = sum(x.nbytes for g in self.groups for x in g[2:]) + self.roots.nbytes
+
+    def values(self, leaves: tuple) -> tuple:
+        """(p parts, r parts) of every compiled structure's fingerprint for ``leaves``."""
+        f = self.fp
+        vp, vr = np.zeros(self.n, np.int64), np.zeros(self.n, np.int64)
+        lp = np.array([x[0] for x in leaves], np.int64)
+        lr = np.array([x[1] for x in leaves], np.int64)
+        vp[self.in_pos], vr[self.in_pos] = lp[self.in_k], lr[self.in_k]
+        for code, prog, out, a, b in self.groups:
+            x = (vp[a], vr[a])
+            if code == "chain":
+                y = self._chain(prog, x)
+            else:
+                y = self._binary(code, x, (vp[b], vr[b]))
+            vp[out], vr[out] = y
+        return vp, vr
+
+    def matches(self, leaves: tuple, want: tuple) -> np.ndarray:
+        """True per root whose fingerprint for ``leaves`` is ``want``."""
+        vp, vr = self.values(leaves)
+        return (vp[self.roots] == want[0]) & (vr[self.roots] == want[1])
+
+    def _binary(self, code: str, x: tuple, y: tuple) -> tuple:
+        p, r = self.fp.p, self.fp.q
+        if code == "add":
+            return (x[0] + y[0]) % p, (x[1] + y[1]) % r
+        if code == "div":  # mul by inv: x**K on the p part, the identity on the r part
+            y = (self._pow_k(y[0]), y[1])
+        return x[0] * y[0] % p, x[1] * y[1] % r
+
+    def _pow_k(self, x: np.ndarray) -> np.ndarray:
+        """x ** K mod p, elementwise (``Fingerprint.inv``'s p part)."""
+        p, k = self.fp.p, self.fp.k
+        out, base = np.ones_like(x), x.copy()
+        while k:
+            if k & 1:
+                out = out * base % p
+            base = base * base % p
+            k >>= 1
+        return out
+
+    def _exp(self, x: tuple) -> tuple:
+        """W ** (r part) mod p, r part 1 (``Fingerprint.exp``)."""
+        p, e = self.fp.p, x[1]
+        out, w = np.ones_like(e), self.fp.w
+        for bit in range(int(e.max(initial=0)).bit_length()):
+            out = np.where((e >> bit) & 1, out * w % p, out)
+            w = w * w % p
+        return out, np.ones_like(e)
+
+    def _sqrt(self, x: tuple) -> tuple:
+        """The fixed random cubic of each part (``Fingerprint.sqrt``), Horner step by step."""
+        out = []
+        for v, c, m in ((x[0], self.fp.sqrt_p, self.fp.p), (x[1], self.fp.sqrt_q, self.fp.q)):
+            acc = np.full_like(v, c[3])
+            for coef in (c[2], c[1], c[0]):
+                acc = (acc * v % m + coef) % m
+            out.append(acc)
+        return tuple(out)
+
+    def _chain(self, prog, x: tuple) -> tuple:
+        """A chain program on arrays (``Fingerprint.chain``)."""
+        if prog == "x":
+            return x
+        if isinstance(prog, float):
+            c = self.fp.atom(E.const(prog))
+            return np.full_like(x[0], c[0]), np.full_like(x[1], c[1])
+        op, *args = prog
+        sub = [self._chain(a, x) for a in args]
+        if op in ("add", "mul", "div"):
+            return self._binary(op, sub[0], sub[1])
+        return {"exp": self._exp, "sqrt": self._sqrt}[op](sub[0])
+
+
+def _post_order(defs: list, roots: list) -> tuple:
+    """(structure ids reachable from ``roots``, operands first; {id: position})."""
+    local: dict = {}
+    order: list = []
+    for root in roots:
+        stack = [(root, False)]
+        while stack:
+            sid, ready = stack.pop()
+            if sid in local:
+                continue
+            if ready:
+                local[sid] = len(order)
+                order.append(sid)
+                continue
+            stack.append((sid, True))
+            d = defs[sid]
+            if d[0] != "in":
+                stack.extend((a, False) for a in d[2] if a not in local)
+    return order, local
