@@ -30,6 +30,10 @@ from mpk_dist.superopt.ugraph import DTYPE_BYTES, KernelOp, TensorInfo, UGraph, 
 class KernelSearch:
     """Depth-first growth of kernel graphs (see module docstring)."""
 
+    # unpruned canonical phase: list and take a subset's custom ops layout by layout (False: the
+    # whole subset first, as before the sixteenth session; kept for the comparison test)
+    by_layout = True
+
     def __init__(self, ctx: Context, catalog: BlockCatalog, bound: float = math.inf,
                  verify=None, lanes=None) -> None:
         """``bound``: cost of the best verified graph so far; ``verify``: optional callable
@@ -102,19 +106,39 @@ class KernelSearch:
         the canonical one (qk_norm_rope's first graphs came later in it). Since the ninth session
         the switch happens as soon as a graph is verified, also in the middle of a level
         (attention_decode unpruned verified its first two-op graph after 21 s, and then went on
-        through ~10^6 first ops in canonical order). The moves are the same ones either way."""
+        through ~10^6 first ops in canonical order). The moves are the same ones either way.
+
+        Unpruned (``by_layout``, since the sixteenth session) a subset's custom ops are listed
+        and taken layout by layout (``("L", subset, k)`` items): before, the first move of a
+        subset waited for all of its layouts (qk_norm_rope's Q has 7; on 2 cores the whole
+        unpruned run handed 70 first ops to the lanes in 470 s, presumably the library ops). A move's key
+        is (layout, position), so the same moves are taken, only in another order; layouts not
+        listed yet at the switch become layout items of the best-first order."""
         pending = deque(self._moves(tensors, ops, prev, False, set(), spent, custom=False))
         pending.extend(("s", subset, least) for subset, least in
                        self._subsets(tensors, list(tensors), prev, False, set(), spent))
         upcoming = deque(item[1] for item in pending if item[0] == "s")
+        by_layout = self.by_layout and not self.ctx.config.prune
         while pending and self.bound == math.inf and not self.ctx.timed_out():
             item = pending.popleft()
-            if item[0] == "s":
+            if item[0] == "s" and by_layout:
                 upcoming.popleft()  # this subset: the "s" items come in the same order
+                ks = range(len(self.catalog.layouts(item[1], tensors)))
+                self.catalog.prefetch(item[1], ks, tensors, False)
+                self._prefetch_subsets(tensors, upcoming)
+                pending.extendleft(reversed([("L", item[1], k) for k in ks]))
+            elif item[0] == "s":
+                upcoming.popleft()
                 self._prefetch_subsets(tensors, upcoming)
                 pending.extendleft(reversed(list(
                     self._options(tensors, item[1], prev, False, len(ops)))))
                 self._release(ops, budget, item[1], tensors)
+            elif item[0] == "L":
+                # one layout's moves, cheapest first (as ``options`` orders a whole subset)
+                moves = sorted(self._options(tensors, item[1], prev, False, len(ops), item[2]),
+                               key=lambda m: m[3])
+                pending.extendleft(reversed(moves))
+                self._release(ops, budget, item[1], tensors, item[2])
             else:
                 yield item
         if pending and self.bound < math.inf:
@@ -154,17 +178,23 @@ class KernelSearch:
         heap: list = []
         order = itertools.count()
         memo: dict = {}
+        ahead: list = []  # unpruned: layout items to enumerate on the pool, by key
         for item in items:
-            if item[0] == "s":
-                subset, least = item[1], item[2]
+            if item[0] in ("s", "L"):
+                subset = item[1]
                 # an op that completes the graph reads every unread tensor (else _record drops it)
                 rest = 0.0 if dangling <= set(subset) else \
                     self.lower.rest(tensors, dangling - set(subset), budget - 1)
-                key, item = spent + least + rest, ("s", subset, rest)
+                if item[0] == "s":
+                    key, item = spent + item[2] + rest, ("s", subset, rest)
+                else:  # a layout the canonical phase had not listed yet (``_push_layouts``)
+                    lay = self.catalog.layouts(subset, tensors)[item[2]]
+                    key = spent + self.lower.layout(lay, tensors, False) + rest
+                    item = ("l", subset, item[2])
+                    heapq.heappush(ahead, (key, next(order), subset, item[2]))
             else:
                 key = self._move_bound(tensors, item, dangling, budget, spent, memo)
             heapq.heappush(heap, (key, next(order), item))
-        ahead: list = []  # unpruned: layout items to enumerate on the pool, by key
         while heap:
             bound, _, item = heapq.heappop(heap)
             if bound > self.bound or self.ctx.timed_out():

@@ -94,3 +94,87 @@ def test_released_first_op_listings_change_nothing(monkeypatch):
         assert sorted(found) == sorted(found0) and len(found) > 0
         assert counts == counts0
         assert first == [] and len(first0) > 0 and released > 0
+
+
+
+def test_unpruned_canonical_phase_takes_moves_layout_by_layout(monkeypatch):
+    """Unpruned depth 2 in canonical order (no bound): with ``KernelSearch.by_layout`` a
+    subset's first custom op is taken before the subset's last layout is listed (before: after
+    all of them), and the search finds the same complete graphs, with one process and two. With
+    verification the switch to best-first comes while layouts are still unlisted (they become
+    layout items of ``_best_first``), and the search returns the cheapest accepted graph."""
+    from mpk_dist.superopt.catalog import BlockCatalog
+    from mpk_dist.superopt.kernelsearch import KernelSearch
+    from mpk_dist.superopt.search import _rank
+    from mpk_dist.superopt.verify import verify
+
+    g = build("silu_mul_linear", {"M": 2, "I": 64, "N": 32})
+    target = analyze(g)
+    config = SearchConfig(max_kernel_ops=2, max_block_ops=2, prune=False)
+    status: dict = {}
+
+    def check(ug) -> bool:
+        if ug.key() not in status:
+            status[ug.key()] = verify(ug, g, 3)
+        return status[ug.key()]
+
+    def search(by_layout: bool, procs: int, check=None):
+        events: list = []
+        listed, take, best_first = (BlockCatalog.layout_options, KernelSearch._take,
+                                    KernelSearch._best_first)
+
+        def logged_listing(self, subset, k, infos, final, limit=None):
+            if not final:
+                events.append(("list", subset, k, len(self.layouts(subset, infos))))
+            return listed(self, subset, k, infos, final, limit)
+
+        def logged_take(self, tensors, ops, move, budget, spent):
+            if move is not None and not ops and move[0].kind == "custom":
+                events.append(("take", move[0].inputs))
+            return take(self, tensors, ops, move, budget, spent)
+
+        def logged_best_first(self, tensors, ops, prev, dangling, budget, spent, items):
+            items = list(items)
+            events.append(("switch", sum(1 for i in items if i[0] == "L")))
+            return best_first(self, tensors, ops, prev, dangling, budget, spent, items)
+
+        with monkeypatch.context() as m:
+            m.setattr(KernelSearch, "by_layout", by_layout)
+            m.setattr(BlockCatalog, "layout_options", logged_listing)
+            m.setattr(KernelSearch, "_take", logged_take)
+            m.setattr(KernelSearch, "_best_first", logged_best_first)
+            ctx = Context(target, config, time.monotonic() + 120)
+            with BlockCatalog(ctx, procs) as cat:
+                ks = KernelSearch(ctx, cat, verify=check)
+                found = ks.run(2)
+        assert not ctx.timed_out()
+        return found, events, ks.bound
+
+    old, old_events, _ = search(False, 1)
+    assert len(old) > 0 and _early(old_events) == 0
+    for procs in (1, 2):
+        new, new_events, _ = search(True, procs)
+        assert sorted(new) == sorted(old)
+        assert _early(new_events) > 0
+    # accepting only graphs whose first op is custom puts the switch inside a subset's layouts
+    # (library first ops come before every subset); the cuts keep the cheapest accepted graph
+    # for any acceptance test
+
+    def custom_first(ug) -> bool:
+        return ug.kernel_ops[0].kind == "custom" and check(ug)
+
+    best = next(u for u in _rank(old) if custom_first(u))
+    _, events, bound = search(True, 2, custom_first)
+    assert bound == best.cost["time_us"]
+    assert any(e[0] == "switch" and e[1] > 0 for e in events)  # unlisted layouts at the switch
+
+
+def _early(events) -> int:
+    """First ops taken over a subset some of whose layouts were listed, but not all."""
+    seen, n = {}, 0
+    for e in events:
+        if e[0] == "list":
+            seen.setdefault(e[1], (set(), e[3]))[0].add(e[2])
+        elif e[0] == "take" and e[1] in seen and len(seen[e[1]][0]) < seen[e[1]][1]:
+            n += 1
+    return n
