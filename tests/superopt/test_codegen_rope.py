@@ -3,7 +3,7 @@ qk_norm_rope search returns: every candidate that lowers gives a body whose CPU 
 qkv_prep reference bit for bit and what the µGraph evaluates (within bf16 rounding); the text names its
 µGraph ops and keeps the hand-written hook's signature; it builds for sm_90a inside qkv_prep.cuh;
 graphs outside the lowering are a one-line CodegenError. One real search (~12 s, timed out on purpose:
-this pattern's depth-2 space is never exhausted) serves the module."""
+this pattern's depth-2 space is never exhausted; 90 s more on a loaded machine) serves the module."""
 
 from __future__ import annotations
 
@@ -27,15 +27,21 @@ from mpk_dist.superopt.patterns import build
 
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH (CI installs CUDA 13.0)")
 H, D, EPS = 4, 32, 1e-6
+# The search is timed out on purpose, so what it verifies depends on the CPU time it gets: 12 s is enough on an
+# idle 2-core machine (every CI run before 2026-12-01); a CI run sharing the machine with other searches got none in 12 s
+# (2026-12-01), so a second, longer search runs only then.
+SEARCH_LIMITS_S = (12, 90)
 
 
 @pytest.fixture(scope="module")
 def cands():
     """The verified candidates of one qk_norm_rope search at H=4, D=32 (as dicts and UGraphs)."""
-    res = superoptimize(build("qk_norm_rope", {"H": H, "D": D}), max_kernel_ops=2, max_block_ops=5, timeout_s=12,
-                        cache=False, processes=2)
-    assert res.candidates, "the qk_norm_rope search verified no µGraph within 12 s"
-    return res.candidates
+    for limit in SEARCH_LIMITS_S:  # the short limit first; the long one only where the machine is loaded
+        res = superoptimize(build("qk_norm_rope", {"H": H, "D": D}), max_kernel_ops=2, max_block_ops=5,
+                            timeout_s=limit, cache=False, processes=2)
+        if res.candidates:
+            return res.candidates
+    raise AssertionError(f"the qk_norm_rope search verified no µGraph within {' s, then '.join(map(str, SEARCH_LIMITS_S))} s")
 
 
 def lowerable(cands):
