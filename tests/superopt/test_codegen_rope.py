@@ -28,7 +28,7 @@ from mpk_dist.superopt.patterns import build
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH (CI installs CUDA 13.0)")
 H, D, EPS = 4, 32, 1e-6
 # The search is timed out on purpose, so what it verifies depends on the CPU time it gets: 12 s is enough on an
-# idle 2-core machine (every CI run before 2026-12-01); a CI run sharing the machine with other searches got none in 12 s
+# idle 2-core machine (earlier CI runs); a CI run sharing the machine with other searches got none in 12 s
 # (2026-12-01), so a second, longer search runs only then.
 SEARCH_LIMITS_S = (12, 90)
 
