@@ -27,6 +27,7 @@ from __future__ import annotations
 import numpy as np
 
 from mpk_dist.superopt import expr as E
+from mpk_dist.superopt.field import _vpow
 
 # p = 2*R*Q + 1 (prime, 31 bits; R = 32749 and Q = 32609 primes), W of order R in Z_p*, K with
 # K = 1 mod 2R and K = -1 mod Q: blockmemo's construction (P61, R30, W61, K61) under 2^31, so
@@ -109,14 +110,7 @@ class StructureSieve:
 
     def _pow_k(self, x: np.ndarray) -> np.ndarray:
         """x ** K mod p, elementwise (``Fingerprint.inv``'s p part)."""
-        p, k = self.fp.p, self.fp.k
-        out, base = np.ones_like(x), x.copy()
-        while k:
-            if k & 1:
-                out = out * base % p
-            base = base * base % p
-            k >>= 1
-        return out
+        return _vpow(x, self.fp.k, self.fp.p)
 
     def _exp(self, x: tuple) -> tuple:
         """W ** (r part) mod p, r part 1 (``Fingerprint.exp``)."""
