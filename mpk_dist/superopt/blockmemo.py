@@ -605,6 +605,26 @@ class MemoEnumerator:
         self.shape_ops[shapes] = hit
         return hit
 
+    def reachable_types(self) -> set:
+        """Every (shape, syms) a tensor of this layout's block graphs can have: the input tiles'
+        and what ``_valid`` ops make from them, closed up to ``max_block_ops`` rounds.
+
+        An over-approximation: phases, loop dependence and which tensors an op may still read
+        are ignored, and an accumulator has its body tensor's shape and symbols, so every node
+        the enumeration makes (inputs, body and post results, accumulators) has one of these
+        types. ``blockshare`` uses it to skip a signature none of whose types can be the
+        target's output (shape only)."""
+        types = {(self.shape[i], self.syms[i]) for i, _ in self.inputs}
+        for _ in range(self.max_ops):
+            cur = list(types)
+            new = {(shape, syms) for t in cur for _, _, shape, syms in self._valid(t)}
+            new |= {(shape, syms) for a in cur for b in cur
+                    for _, _, shape, syms in self._valid(a, b)}
+            if new <= types:
+                break
+            types |= new
+        return types
+
     def _leaf_ok(self, kind: str, attrs: dict, args: tuple, shape: tuple, syms: tuple) -> bool:
         """``accept`` for the result of a last op, from shapes and fingerprints only (building
         the expression is most of the cost of a new tensor, and most last ops fail)."""

@@ -92,20 +92,165 @@ class _ShapeOnly(FinalFilter):
         return True
 
 
-class SharedFinal:
-    """One abstract enumeration of a last-op layout: graphs grouped by the stripped structure of
-    their output node (``StrippedTable``), whose stripped fingerprint for concrete inputs is the
-    last op's cheap test."""
+def _generic_extents(n: int) -> list:
+    """``n`` distinct primes above 10^6 (the generic tile extents of ``Family``: larger than any
+    real extent, so they never meet one, and their products factor uniquely)."""
+    out, k = [], 1_000_003
+    while len(out) < n:
+        if all(k % d for d in range(3, int(k ** 0.5) + 1, 2)):
+            out.append(k)
+        k += 2
+    return out
+
+
+_GENERIC = _generic_extents(64)
+
+
+def _relabel(layout, infos: dict, sizes: dict):
+    """(generic key, {generic extent: extent}) of ``layout`` over ``infos`` at its
+    representative counts ``sizes``: each distinct tile extent above 1 (and the loop count),
+    in order of first appearance (inputs in order, dims in order, then the loop count), becomes
+    the next generic extent (``_GENERIC``); 1 stays. The key is the inputs' generic tiles and
+    symbols, the loop symbol and the generic loop count: the layout's tiles up to a renaming of
+    their extents. None when there are more distinct extents than generic ones."""
+    from mpk_dist.superopt.blocksearch import _tile
+
+    loop = layout.loop_sym
+    split = {s: sizes[s] for s in layout.grid_syms}
+    values: dict = {}
+    tiles = []
+    for n in layout.inputs:
+        info = infos[n]
+        dep = loop is not None and loop in info.syms
+        tile = _tile(info, {**split, **({loop: sizes[loop]} if dep else {})})
+        tiles.append((tile, info.syms))
+        for d in tile:
+            if d > 1:
+                values.setdefault(d, len(values))
+    count = sizes[loop] if loop else None
+    if loop and count > 1:
+        values.setdefault(count, len(values))
+    if len(values) > len(_GENERIC):
+        return None, None
+    g = {v: _GENERIC[i] for v, i in values.items()}
+    key = (tuple((tuple(g.get(d, d) for d in tile), syms) for tile, syms in tiles), loop,
+           g.get(count, count))
+    return key, {x: v for v, x in g.items()}
+
+
+class Family:
+    """The last-op layouts of one input set that one abstract enumeration serves: those whose
+    tiles (and loop count) are the same up to a renaming of extents (``_relabel``), e.g.
+    qk_norm_rope's (Q, G, C, S, R) without a grid and with the grid over m (Q's tile (32, 128)
+    or (16, 128)): 191,731 states each, identical, and ~60 s each (sixteenth session).
+
+    The enumeration runs once, over opaque inputs whose tiles have the *generic* extents (a
+    distinct prime above 10^6 per distinct extent), with no grid and the generic loop count, and
+    keeps a graph when its output passes the shape test of some member (``accept``); each
+    member then takes the graphs whose output, renamed back to its extents, passes its own test
+    (``SharedFinal._view``), and every graph still gets the concrete test per input set.
+
+    Why a member gets exactly what its own enumeration gives (the module docstring's argument
+    with one more substitution):
+
+    * Validity of an op looks at extents only through equality and through being 1
+      (``inference._broadcast``, matmul's inner dims; a sum makes a 1); the renaming is a
+      bijection on the extents that keeps 1, so the same ops are valid on corresponding tiles,
+      with corresponding result shapes, and the member's shape test sees its own shapes.
+    * Expressions hold extents only as reduction sizes, multiplied together (``expr.mk_sum``,
+      ``mk_mul``). Generic sizes are products of distinct primes, so two generic expressions are
+      equal only when their sizes are the same products of the same extents: substituting the
+      member's extents keeps them equal. So generic-equal tensors are member-equal (as
+      opaque-equal tensors are concrete-equal), and the generic enumeration yields a superset
+      of the member's graphs (no-recomputation drops and state merges are a subset of the
+      member's). The extras are graphs where the member's sizes make two tensors equal that the
+      generic ones keep apart (say sum_32(sum_4(x)) and sum_128(x)); the concrete test
+      (``_concrete_verdict``: every input, body and post expression distinct at the member's
+      counts, then the exact test) drops them, as it drops the graphs opaque inputs let through.
+    * Nothing else in ``MemoEnumerator`` looks at extents or at the grid (the dangling bound,
+      phases and accumulators look at names and symbols), and the loop symbol is the same for
+      every member (part of the key).
+    tests/superopt/test_blockshare.py compares every layout with the concrete enumerator."""
 
     def __init__(self, ctx, layout, infos: dict, sizes: dict, sym_size: dict) -> None:
-        from mpk_dist.superopt.blocksearch import Layout
+        from mpk_dist.superopt.blocksearch import Layout, layouts, representative_sizes
 
+        self.key, _ = _relabel(layout, infos, sizes)
+        self.sym_size = sym_size
+        # members: (grid, loop) -> {generic extent: the member's extent}
+        self.members: dict = {}
+        self.layouts: list = []
+        cands = layouts(layout.inputs, infos, ctx.config.max_grid_dims) if self.key else ()
+        for lay in cands:
+            lsizes = representative_sizes(lay, infos, sym_size, ctx.config)
+            if lsizes is None:
+                continue
+            key, back = _relabel(lay, infos, lsizes)
+            if key == self.key:
+                self.members[(lay.grid_syms, lay.loop_sym)] = back
+                self.layouts.append((lay, tuple(sorted(lsizes.items()))))
+        if (layout.grid_syms, layout.loop_sym) not in self.members:
+            # no generic form (too many extents): the layout alone, at its own extents
+            self.members = {(layout.grid_syms, layout.loop_sym): {}}
+            self.layouts = [(layout, tuple(sorted(sizes.items())))]
+            self.key = None
         names = tuple(f"@{k}" for k in range(len(layout.inputs)))
-        ainfos = {a: TensorInfo(infos[n].shape, infos[n].syms, ("v", a))
-                  for a, n in zip(names, layout.inputs)}
-        alay = Layout(names, layout.grid_syms, layout.loop_sym)
-        enum = MemoEnumerator(ctx, alay, ainfos, sizes, 1, _ShapeOnly(ctx.target, alay, sym_size))
-        graphs = enum.completions()
+        loop = layout.loop_sym
+        if self.key is None:
+            self.ainfos = {a: TensorInfo(infos[n].shape, infos[n].syms, ("v", a))
+                           for a, n in zip(names, layout.inputs)}
+            self.alay = Layout(names, layout.grid_syms, loop)
+            self.asizes = sizes
+        else:
+            # generic tiles as whole tensors (no grid); a loop dim is the tile times the count
+            gloop = self.key[2]
+            self.ainfos = {a: TensorInfo(tuple(d * gloop if s == loop and loop else d
+                                               for d, s in zip(shape, syms)), syms, ("v", a))
+                           for a, (shape, syms) in zip(names, self.key[0])}
+            self.alay = Layout(names, (), loop)
+            self.asizes = {loop: gloop} if loop else {}
+
+    def cache_key(self, infos: dict, inputs: tuple) -> tuple:
+        """The signature cache's key: the inputs' shapes and symbols and every member's grid
+        and counts (which decide the generic key and every member's shape test)."""
+        return (tuple((infos[n].shape, infos[n].syms) for n in inputs),
+                tuple((lay.grid_syms, lay.loop_sym, sizes) for lay, sizes in self.layouts))
+
+    def accept(self, target) -> "_ShapeOnly":
+        """The enumeration's test: the output passes some member's shape test."""
+        self._tests = [(back, _ShapeOnly(target, lay, self.sym_size))
+                       for (lay, _), back in zip(self.layouts, self.members.values())]
+        fam = self
+
+        class _Any(_ShapeOnly):
+            def shape_ok(self, shape: tuple, syms: tuple) -> bool:
+                return fam.shape_ok(shape, syms)
+
+        return _Any(target, self.layouts[0][0], self.sym_size)
+
+    def shape_ok(self, shape: tuple, syms: tuple) -> bool:
+        """Does some member's shape test pass an output of (generic) ``shape`` and ``syms``?"""
+        return any(test.shape_ok(tuple(back.get(d, d) for d in shape), syms)
+                   for back, test in self._tests)
+
+
+class SharedFinal:
+    """One abstract enumeration of the last-op layouts of a ``Family`` (the layouts of one input
+    set that differ only in their tile extents): graphs grouped by the stripped structure of
+    their output node (``StrippedTable``), whose stripped fingerprint for concrete inputs is the
+    last op's cheap test, and by their output's (generic) shape, which decides per layout
+    whether a graph can be the target's."""
+
+    def __init__(self, ctx, layout, infos: dict, sizes: dict, sym_size: dict,
+                 family: "Family | None" = None) -> None:
+        fam = family or Family(ctx, layout, infos, sizes, sym_size)
+        self.family = fam
+        enum = MemoEnumerator(ctx, fam.alay, fam.ainfos, fam.asizes, 1, fam.accept(ctx.target))
+        # a signature none of whose tensors can have an accepted shape has no graph: not
+        # enumerated (``MemoEnumerator.reachable_types``; 381,717 states and ~50 s for one of
+        # qk_norm_rope's, sixteenth session)
+        self.unreachable = not any(fam.shape_ok(*t) for t in enum.reachable_types())
+        graphs = () if self.unreachable else enum.completions()
         self.complete = not ctx.timed_out()
         self.states, self.deduplicated = enum.states, enum.deduplicated
         # op sets kept as tuples of descriptors (``MemoEnumerator.ops_of``): a signature may be
@@ -114,28 +259,51 @@ class SharedFinal:
         for ops in map(enum.ops_of, graphs):
             self.by_out.setdefault(_output_node(ops, enum.acc_of), []).append(ops)
         self.n_graphs = len(graphs)
+        # output node -> its (generic shape, syms), and how many graphs each of those has
+        self.out_type = {node: (enum.shape[node], enum.syms[node]) for node in self.by_out}
+        self.type_graphs: dict = {}
+        for node, ops in self.by_out.items():
+            t = self.out_type[node]
+            self.type_graphs[t] = self.type_graphs.get(t, 0) + len(ops)
         # output nodes grouped by their stripped structure (``StrippedTable``): one concrete
         # fingerprint per distinct structure, shared with every other signature of the process.
         # NOTE: the enumerator's recipes (one per node it made) are needed only here, so they are
         # not kept with the signature.
         table, memo = stripped_table(ctx), {}
         self.by_sid: dict = {}
-        for node, ops in self.by_out.items():
-            self.by_sid.setdefault(table.sid(enum.recipe, node, memo), []).extend(ops)
+        for node in self.by_out:
+            self.by_sid.setdefault(table.sid(enum.recipe, node, memo), []).append(node)
         # the cheap test of every output structure at once, in a 31-bit field (``sieve``)
         self.sids = np.fromiter(self.by_sid, np.int64, len(self.by_sid))
         self.sieve = StructureSieve(table, list(self.by_sid), _sieve_fp(ctx))
         self.nbytes = _held_bytes(self.by_out, self.by_sid) + self.sieve.nbytes + self.sids.nbytes
-        self.n_grouped = sum(map(len, self.by_sid.values()))
+        # per layout of the family: (output types it accepts, its number of graphs)
+        self.views: dict = {}
         # concrete inputs' stripped fingerprints (61 and 31 bits) -> the structure ids whose
         # value is the target's (``structures``); cleared past ``PASSING_MEMO`` entries
         self.passing: dict = {}
+
+    def _view(self, ctx, layout, sym_size: dict) -> tuple:
+        """(the output types whose graphs ``layout``'s own enumeration would keep by shape, the
+        number of those graphs)."""
+        lkey = (layout.grid_syms, layout.loop_sym)
+        hit = self.views.get(lkey)
+        if hit is None:
+            back = self.family.members[lkey]
+            test = _ShapeOnly(ctx.target, layout, sym_size)
+            ok = {t for t in self.type_graphs
+                  if test.shape_ok(tuple(back.get(d, d) for d in t[0]), t[1])}
+            hit = self.views[lkey] = (ok, sum(self.type_graphs[t] for t in ok))
+        return hit
 
     def structures(self, ctx, layout, infos: dict, sizes: dict, sym_size: dict) -> tuple:
         """(structures of ``layout`` over the concrete ``infos`` that the concrete enumerator
         keeps, sorted as it sorts them; the number of graphs that failed the last op's test)."""
         from mpk_dist.superopt.blocksearch import Structure
 
+        ok, n_grouped = self._view(ctx, layout, sym_size)
+        if not n_grouped:
+            return [], 0
         sfp, sfp31 = _stripped_fp(ctx), _sieve_fp(ctx)
         leaves = tuple(sfp.of_expr(infos[n].expr) for n in layout.inputs)
         leaves31 = tuple(sfp31.of_expr(infos[n].expr) for n in layout.inputs)
@@ -164,10 +332,11 @@ class SharedFinal:
         else:
             counts["stripped_reused"] = counts.get("stripped_reused", 0) + 1
         out, repeats, filt = [], 0, None
-        failed = self.n_grouped - sum(len(self.by_sid[sid]) for sid in passing)
-        for sid in passing:
-            graphs = self.by_sid[sid]
-            filt = filt or FinalFilter(ctx.target, layout, sym_size)
+        graphs = [ops for sid in passing for node in self.by_sid[sid]
+                  if self.out_type[node] in ok for ops in self.by_out[node]]
+        failed = n_grouped - len(graphs)
+        if graphs:
+            filt = FinalFilter(ctx.target, layout, sym_size)
             for ops in graphs:
                 st = Structure(layout, *canonical_order(ops))
                 verdict = _concrete_verdict(st, sizes, infos, filt)
@@ -362,21 +531,28 @@ class SignatureCache:
 
 def shared_final_structures(ctx, layout, infos: dict, sizes: dict, sym_size: dict) -> list:
     """The last-op structures of ``layout`` over ``infos`` (unpruned), from the abstract
-    enumeration of the layout's signature (built once per process and kept on ``ctx`` while
+    enumeration of the layout's ``Family`` (built once per process and kept on ``ctx`` while
     ``SignatureCache`` keeps it; built again, identically, when asked for after eviction)."""
-    key = (tuple((infos[n].shape, infos[n].syms) for n in layout.inputs), layout.grid_syms,
-           layout.loop_sym, tuple(sorted(sizes.items())))
+    lkey = (tuple((infos[n].shape, infos[n].syms) for n in layout.inputs), layout.grid_syms,
+            layout.loop_sym, tuple(sorted(sizes.items())))
+    families = ctx.__dict__.setdefault("_families", {})
+    fam = families.get(lkey)
+    if fam is None:
+        fam = families[lkey] = Family(ctx, layout, infos, sizes, sym_size)
+    key = fam.cache_key(infos, layout.inputs)
     cache = ctx.__dict__.get("_shared_final")
     if cache is None:
         cache = ctx.__dict__["_shared_final"] = SignatureCache(ctx)
     entry = cache.get(key)
     if entry is None:
-        entry = SharedFinal(ctx, layout, infos, sizes, sym_size)
+        entry = SharedFinal(ctx, layout, infos, sizes, sym_size, fam)
         for k, n in (("deduplicated", entry.deduplicated), ("states", entry.states)):
             ctx.counts[k] = ctx.counts.get(k, 0) + n
         if entry.complete:
             cache.put(key, entry)
         ctx.counts["shared_built"] = ctx.counts.get("shared_built", 0) + 1
+        if entry.unreachable:
+            ctx.counts["shared_unreachable"] = ctx.counts.get("shared_unreachable", 0) + 1
     else:
         ctx.counts["shared_reused"] = ctx.counts.get("shared_reused", 0) + 1
     out, failed = entry.structures(ctx, layout, infos, sizes, sym_size)

@@ -166,3 +166,85 @@ def test_inputs_with_equal_stripped_fingerprints_reuse_the_cheap_test():
             assert shared.counts.get("mismatched", 0) - before == fresh.counts["mismatched"]
             kept += len(got)
     assert kept > 0 and shared.counts["stripped_reused"] == 2 and shared.counts["stripped_tested"] == 2
+
+
+def _all_layouts_against_concrete(target, infos, config, subsets):
+    """enumerate_layout with and without ``blockshare`` over every layout of ``subsets``: equal
+    lists per layout; returns (layouts compared, graphs kept, the shared context's counters)."""
+    shared = Context(target, config, time.monotonic() + 300)
+    n_lay = kept = 0
+    for subset in subsets:
+        for lay in B.layouts(subset, infos, config.max_grid_dims):
+            old = B.enumerate_layout(Context(target, config, time.monotonic() + 120), lay, infos,
+                                     final=True, share=False)
+            new = B.enumerate_layout(shared, lay, infos, final=True, share=True)
+            assert new == old, (lay, new[:2], old[:2])
+            n_lay += 1
+            kept += len(new)
+    return n_lay, kept, shared.counts
+
+
+def test_layouts_that_differ_in_extents_share_one_enumeration():
+    """``Family``: layouts of one input set whose tiles differ only in their extents (no grid,
+    grid over m, grid over n: rms_norm->matmul at M=8, K=64, N=32) are enumerated once, with
+    generic extents; every layout's structures equal the concrete enumerator's, and fewer
+    signatures are built than layouts asked (each family once)."""
+    from mpk_dist.superopt import blockshare
+
+    target = analyze(build("rmsnorm_linear", {"M": 8, "K": 64, "N": 32}))
+    infos = input_infos(target)
+    infos = {**infos, **_first_op_tensors(target, infos)}
+    config = SearchConfig(max_kernel_ops=2, max_block_ops=4, prune=False)
+    gx, xx = _named(infos, "G*X"), _named(infos, "X*X")
+    subsets = ((gx, xx, "W"), ("X", "G", "W"), (gx, "W"))
+    n_lay, kept, counts = _all_layouts_against_concrete(target, infos, config, subsets)
+    assert kept > 0 and n_lay >= 12
+    # families: the same enumeration serves several layouts of one input set
+    fams = {}
+    for subset in subsets:
+        for lay in B.layouts(subset, infos, 1):
+            sym_size = {s: x for n in lay.inputs for s, x in zip(infos[n].syms, infos[n].shape) if s}
+            sizes = B.representative_sizes(lay, infos, sym_size, config)
+            if sizes is not None:
+                fam = blockshare.Family(Context(target, config, time.monotonic() + 60), lay,
+                                        infos, sizes, sym_size)
+                fams[fam.cache_key(infos, lay.inputs)] = len(fam.members)
+    assert max(fams.values()) >= 3  # none, grid m, grid n
+    assert counts["shared_built"] == len(fams) < n_lay
+
+
+def test_generic_extents_keep_a_loop_and_two_grid_dims():
+    """The same comparison with a loop over k and two grid dims (``max_grid_dims=2``), at 3 block
+    ops: families whose members split two symbols."""
+    target = analyze(build("rmsnorm_linear", {"M": 8, "K": 64, "N": 32}))
+    infos = input_infos(target)
+    infos = {**infos, **_first_op_tensors(target, infos)}
+    config = SearchConfig(max_kernel_ops=2, max_block_ops=3, prune=False, max_grid_dims=2)
+    gx, xx = _named(infos, "G*X"), _named(infos, "X*X")
+    n_lay, kept, counts = _all_layouts_against_concrete(
+        target, infos, config, ((gx, xx, "W"), ("X", "G", "W")))
+    assert kept > 0 and counts["shared_built"] < n_lay
+
+
+def test_a_signature_that_cannot_reach_the_target_shape_is_not_enumerated():
+    """qk_norm_rope (H=4, D=16): a last op over G, C, S, R and a tensor without Q's head dim (as
+    after sum(Q) over the heads) has no tensor of the target's shape; the signature is marked
+    unreachable without an enumeration (0 states) and every layout lists nothing, as the
+    concrete enumerator does; with the head dim present (Q*Q) the signature is enumerated."""
+    from mpk_dist.superopt import expr as E
+
+    target = analyze(build("qk_norm_rope", {"H": 4, "D": 16}))
+    infos = dict(input_infos(target))
+    q = infos["Q"]
+    infos["t0"] = TensorInfo((1, 16), (None, q.syms[1]), E.mk_sum(4, q.expr))
+    infos["t1"] = TensorInfo(q.shape, q.syms, E.mk_mul([q.expr, q.expr]))
+    config = SearchConfig(max_kernel_ops=2, max_block_ops=4, prune=False)
+    n_lay, kept, counts = _all_layouts_against_concrete(
+        target, infos, config, (("G", "C", "S", "R", "t0"),))
+    assert n_lay > 0 and kept == 0
+    assert counts["shared_unreachable"] == counts["shared_built"] > 0
+    assert counts.get("states", 0) == 0
+    n_lay, kept, counts = _all_layouts_against_concrete(
+        target, infos, config, (("G", "C", "S", "R", "t1"),))
+    # (the loop over m cannot give a (4, 16) output: unreachable too; the others are enumerated)
+    assert counts["states"] > 0 and counts["shared_unreachable"] < counts["shared_built"]
