@@ -106,10 +106,21 @@ def _generic_extents(n: int) -> list:
 _GENERIC = _generic_extents(64)
 
 
-def _relabel(layout, infos: dict, sizes: dict):
+def _order(layout, infos: dict) -> tuple:
+    """The input positions of ``layout`` in the order a signature lists them: by symbols (then
+    by position), so that input sets that are permutations of one another by shape (qk_norm_rope's
+    (Q, G, C, S, R) at depth 1 and (G, C, S, R, t0) after a first op that made t0 of Q's shape)
+    have one signature. The symbols do not depend on the counts, so every layout of one input set
+    gets the same order."""
+    return tuple(sorted(range(len(layout.inputs)),
+                        key=lambda k: tuple(map(str, infos[layout.inputs[k]].syms))))
+
+
+def _relabel(layout, infos: dict, sizes: dict, order: tuple | None = None):
     """(generic key, {generic extent: extent}) of ``layout`` over ``infos`` at its
-    representative counts ``sizes``: each distinct tile extent above 1 (and the loop count),
-    in order of first appearance (inputs in order, dims in order, then the loop count), becomes
+    representative counts ``sizes``, its inputs taken in ``order`` (positions; default
+    ``_order``): each distinct tile extent above 1 (and the loop count),
+    in order of first appearance (inputs in that order, dims in order, then the loop count), becomes
     the next generic extent (``_GENERIC``); 1 stays. The key is the inputs' generic tiles and
     symbols, the loop symbol and the generic loop count: the layout's tiles up to a renaming of
     their extents. None when there are more distinct extents than generic ones."""
@@ -119,8 +130,8 @@ def _relabel(layout, infos: dict, sizes: dict):
     split = {s: sizes[s] for s in layout.grid_syms}
     values: dict = {}
     tiles = []
-    for n in layout.inputs:
-        info = infos[n]
+    for k in (_order(layout, infos) if order is None else order):
+        info = infos[layout.inputs[k]]
         dep = loop is not None and loop in info.syms
         tile = _tile(info, {**split, **({loop: sizes[loop]} if dep else {})})
         tiles.append((tile, info.syms))
@@ -175,7 +186,9 @@ class Family:
     def __init__(self, ctx, layout, infos: dict, sizes: dict, sym_size: dict) -> None:
         from mpk_dist.superopt.blocksearch import Layout, layouts, representative_sizes
 
-        self.key, _ = _relabel(layout, infos, sizes)
+        # the enumeration's input k is the layout's input ``order[k]``
+        self.order = _order(layout, infos)
+        self.key, _ = _relabel(layout, infos, sizes, self.order)
         self.sym_size = sym_size
         # members: (grid, loop) -> {generic extent: the member's extent}
         self.members: dict = {}
@@ -185,7 +198,7 @@ class Family:
             lsizes = representative_sizes(lay, infos, sym_size, ctx.config)
             if lsizes is None:
                 continue
-            key, back = _relabel(lay, infos, lsizes)
+            key, back = _relabel(lay, infos, lsizes, self.order)
             if key == self.key:
                 self.members[(lay.grid_syms, lay.loop_sym)] = back
                 self.layouts.append((lay, tuple(sorted(lsizes.items()))))
@@ -194,11 +207,12 @@ class Family:
             self.members = {(layout.grid_syms, layout.loop_sym): {}}
             self.layouts = [(layout, tuple(sorted(sizes.items())))]
             self.key = None
+            self.order = tuple(range(len(layout.inputs)))
         names = tuple(f"@{k}" for k in range(len(layout.inputs)))
         loop = layout.loop_sym
         if self.key is None:
             self.ainfos = {a: TensorInfo(infos[n].shape, infos[n].syms, ("v", a))
-                           for a, n in zip(names, layout.inputs)}
+                           for a, n in zip(names, self.inputs(layout))}
             self.alay = Layout(names, layout.grid_syms, loop)
             self.asizes = sizes
         else:
@@ -210,11 +224,26 @@ class Family:
             self.alay = Layout(names, (), loop)
             self.asizes = {loop: gloop} if loop else {}
 
+    def inputs(self, layout) -> tuple:
+        """``layout``'s input names in the enumeration's order."""
+        return tuple(layout.inputs[k] for k in self.order)
+
     def cache_key(self, infos: dict, inputs: tuple) -> tuple:
-        """The signature cache's key: the inputs' shapes and symbols and every member's grid
-        and counts (which decide the generic key and every member's shape test)."""
-        return (tuple((infos[n].shape, infos[n].syms) for n in inputs),
+        """The signature cache's key: the inputs' shapes and symbols in the enumeration's order
+        (``inputs``: the layout's input names) and every member's grid and counts (which decide
+        the generic key and every member's shape test)."""
+        return (self.key is None,
+                tuple((infos[inputs[k]].shape, infos[inputs[k]].syms) for k in self.order),
                 tuple((lay.grid_syms, lay.loop_sym, sizes) for lay, sizes in self.layouts))
+
+    def renamed(self, ops: tuple) -> tuple:
+        """The op descriptors ``ops`` of the enumeration with its input positions replaced by
+        the layout's (``order``)."""
+        order = self.order
+        if order == tuple(range(len(order))):
+            return ops
+        return tuple((*d[:3], tuple(("i", order[r[1]]) if r[0] == "i" else r for r in d[3]),
+                      *d[4:]) for d in ops)
 
     def accept(self, target) -> "_ShapeOnly":
         """The enumeration's test: the output passes some member's shape test."""
@@ -283,30 +312,35 @@ class SharedFinal:
         # value is the target's (``structures``); cleared past ``PASSING_MEMO`` entries
         self.passing: dict = {}
 
-    def _view(self, ctx, layout, sym_size: dict) -> tuple:
+    def _view(self, ctx, layout, sym_size: dict, fam: "Family") -> tuple:
         """(the output types whose graphs ``layout``'s own enumeration would keep by shape, the
         number of those graphs)."""
         lkey = (layout.grid_syms, layout.loop_sym)
         hit = self.views.get(lkey)
         if hit is None:
-            back = self.family.members[lkey]
+            back = fam.members[lkey]
             test = _ShapeOnly(ctx.target, layout, sym_size)
             ok = {t for t in self.type_graphs
                   if test.shape_ok(tuple(back.get(d, d) for d in t[0]), t[1])}
             hit = self.views[lkey] = (ok, sum(self.type_graphs[t] for t in ok))
         return hit
 
-    def structures(self, ctx, layout, infos: dict, sizes: dict, sym_size: dict) -> tuple:
+    def structures(self, ctx, layout, infos: dict, sizes: dict, sym_size: dict,
+                   family: "Family | None" = None) -> tuple:
         """(structures of ``layout`` over the concrete ``infos`` that the concrete enumerator
-        keeps, sorted as it sorts them; the number of graphs that failed the last op's test)."""
+        keeps, sorted as it sorts them; the number of graphs that failed the last op's test).
+        ``family``: ``layout``'s ``Family`` (default: the one this signature was built for); its
+        input order maps the enumeration's inputs to ``layout``'s."""
         from mpk_dist.superopt.blocksearch import Structure
 
-        ok, n_grouped = self._view(ctx, layout, sym_size)
+        fam = family or self.family
+        ok, n_grouped = self._view(ctx, layout, sym_size, fam)
         if not n_grouped:
             return [], 0
         sfp, sfp31 = _stripped_fp(ctx), _sieve_fp(ctx)
-        leaves = tuple(sfp.of_expr(infos[n].expr) for n in layout.inputs)
-        leaves31 = tuple(sfp31.of_expr(infos[n].expr) for n in layout.inputs)
+        names = fam.inputs(layout)  # the leaves by the enumeration's input positions
+        leaves = tuple(sfp.of_expr(infos[n].expr) for n in names)
+        leaves31 = tuple(sfp31.of_expr(infos[n].expr) for n in names)
         passing = self.passing.get((leaves, leaves31))
         counts = ctx.counts
         if passing is None:
@@ -338,7 +372,7 @@ class SharedFinal:
         if graphs:
             filt = FinalFilter(ctx.target, layout, sym_size)
             for ops in graphs:
-                st = Structure(layout, *canonical_order(ops))
+                st = Structure(layout, *canonical_order(fam.renamed(ops)))
                 verdict = _concrete_verdict(st, sizes, infos, filt)
                 if verdict == "ok":
                     out.append(st)
@@ -555,6 +589,6 @@ def shared_final_structures(ctx, layout, infos: dict, sizes: dict, sym_size: dic
             ctx.counts["shared_unreachable"] = ctx.counts.get("shared_unreachable", 0) + 1
     else:
         ctx.counts["shared_reused"] = ctx.counts.get("shared_reused", 0) + 1
-    out, failed = entry.structures(ctx, layout, infos, sizes, sym_size)
+    out, failed = entry.structures(ctx, layout, infos, sizes, sym_size, fam)
     ctx.counts["mismatched"] = ctx.counts.get("mismatched", 0) + failed
     return out

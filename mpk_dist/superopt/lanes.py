@@ -39,6 +39,16 @@ import multiprocessing
 from collections import deque
 
 _LANE = None  # the lane process's KernelSearch
+_SEED: dict = {}  # the caller's last-op signatures at fork time, for the lanes' contexts
+
+SEEDED = ("_shared_final", "_families", "_shared_table", "_shared_sfp", "_sieve_sfp")
+"""What a lane's context takes from its caller's when the lanes start (``Lanes.start``): the
+``blockshare`` signatures (with their ``StrippedTable``, whose structure ids the signatures'
+sieves use, and the fingerprints) that the caller built at depth 1. qk_norm_rope's depth-1
+signature over (Q, G, C, S, R) is the one every first op that makes a tensor of Q's shape and reads
+Q needs ((G, C, S, R, t0), the same signature since the seventeenth session); each lane built it
+again (~60-80 s on 2 cores). A signature is a function of its key, so a copied one is the one the
+lane would build."""
 
 LANE_LISTINGS = 8192
 """How many last-op layout listings (and layout lists) a lane's catalog keeps (``BlockCatalog``'s
@@ -62,6 +72,10 @@ def _init_lane(target, config, deadline) -> None:
             self.found.append((mine, {n: tensors[n] for op in mine for n in op.outputs}, out))
 
     ctx = Context(target, config, deadline)
+    ctx.__dict__.update(_SEED)
+    cache = ctx.__dict__.get("_shared_final")
+    if cache is not None:
+        cache.ctx = ctx  # its counters are the lane's now
     _LANE = Collect(ctx, BlockCatalog(ctx, 1, max_listings=LANE_LISTINGS))
 
 
@@ -86,10 +100,10 @@ class Lanes:
     """One-process pools that run the last kernel op for first ops (module docstring)."""
 
     def __init__(self, ctx, n: int, batch: int = 8, window: int = 4, spill: int = 64) -> None:
-        mp = multiprocessing.get_context("fork")
+        """``n`` lanes; they start (fork) at the first hand-off (``start``)."""
         self.ctx = ctx
-        self.pools = [mp.Pool(1, _init_lane, (ctx.target, ctx.config, ctx.deadline))
-                      for _ in range(n)]
+        self.n = n
+        self.pools = None
         self.batch, self.window, self.spill = batch, window, spill
         self.open = [[] for _ in range(n)]       # per lane: first ops not sent yet
         self.sent = deque()                      # (lane, AsyncResult, [(tensors, ops)])
@@ -97,15 +111,34 @@ class Lanes:
         self.busy = [0] * n                      # per lane: tasks sent, not collected
         self.homes: dict = {}                    # route -> lanes that take its first ops
 
+    def start(self) -> None:
+        """Fork the lane processes (once, at the first hand-off, so that they start with the
+        signatures the caller built before: ``SEEDED``). The caller's own signatures are then
+        dropped: with lanes, the caller runs no last op again (every later last op is handed
+        over)."""
+        if self.pools is not None:
+            return
+        global _SEED
+        ctx = self.ctx
+        _SEED = {k: ctx.__dict__[k] for k in SEEDED if k in ctx.__dict__}
+        mp = multiprocessing.get_context("fork")
+        try:
+            self.pools = [mp.Pool(1, _init_lane, (ctx.target, ctx.config, ctx.deadline))
+                          for _ in range(self.n)]
+        finally:
+            _SEED = {}
+        ctx.__dict__.pop("_shared_final", None)
+
     def close(self) -> None:
         """Stop the lane processes."""
-        for p in self.pools:
+        for p in self.pools or ():
             p.terminate()
             p.join()
 
     def submit(self, ks, tensors: dict, ops: list, move, spent: float) -> None:
         """Hand the listed ``move`` after ``ops`` (``tensors`` so far, ``spent`` their cost) and
         the last op after it to a lane; records what earlier hand-offs found."""
+        self.start()
         self.ctx.counts["lane_handoffs"] = self.ctx.counts.get("lane_handoffs", 0) + 1
         route = (move[1], tuple((i.shape, i.syms) for i in ks._shapes(tensors, move).values()))
         k = self._lane(route)
@@ -130,6 +163,8 @@ class Lanes:
 
     def flush(self) -> None:
         """Send every partial batch (before the caller waits for something else)."""
+        if self.pools is None:
+            return
         for k in range(len(self.pools)):
             if self.open[k]:
                 self._send(k)
@@ -169,5 +204,7 @@ class Lanes:
 
     def drain(self, ks) -> None:
         """Send every open batch and record everything the lanes found."""
+        if self.pools is None:
+            return
         self.flush()
         self._collect(ks, block=True)

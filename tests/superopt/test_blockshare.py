@@ -248,3 +248,22 @@ def test_a_signature_that_cannot_reach_the_target_shape_is_not_enumerated():
         target, infos, config, (("G", "C", "S", "R", "t1"),))
     # (the loop over m cannot give a (4, 16) output: unreachable too; the others are enumerated)
     assert counts["states"] > 0 and counts["shared_unreachable"] < counts["shared_built"]
+
+
+def test_input_sets_that_are_permutations_by_shape_share_a_signature():
+    """qk_norm_rope (H=4, D=16), 4 block ops: the input sets (C, S, R, Q) and (n, C, S, R) with
+    n = rms_norm(Q, G) of Q's shape list their inputs in another order; the signature lists them
+    by symbols (``_order``), so the second set reuses the first one's enumeration, and every
+    layout of both equals the concrete enumerator's (the second keeps the rope's graphs: the
+    input positions renamed back)."""
+    target = analyze(build("qk_norm_rope", {"H": 4, "D": 16}))
+    infos = dict(input_infos(target))
+    q = infos["Q"]
+    infos["n"] = TensorInfo(q.shape, q.syms, target.exprs[13])  # rms_norm(Q, G)
+    config = SearchConfig(max_kernel_ops=2, max_block_ops=4, prune=False)
+    subsets = (("C", "S", "R", "Q"), ("n", "C", "S", "R"))
+    n_lay, kept, counts = _all_layouts_against_concrete(target, infos, config, subsets)
+    assert kept > 0
+    first = _all_layouts_against_concrete(target, infos, config, subsets[:1])[2]
+    assert counts["shared_built"] == first["shared_built"]  # the second set builds nothing
+    assert counts["shared_reused"] == n_lay - first["shared_built"] > 0
