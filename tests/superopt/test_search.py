@@ -66,13 +66,14 @@ def test_stats_have_every_key(results):
     assert costs == sorted(costs)
 
 
-@pytest.mark.parametrize("dedup, ratio", [(True, 1.5), (False, 2)])
+@pytest.mark.parametrize("dedup, ratio", [(True, 1.3), (False, 2)])
 def test_no_prune_finds_the_same_best_and_explores_more(dedup, ratio):
     """With dedup (blockmemo) 'explored' counts new tensors per state, not per prefix, so the
     unpruned search explores fewer than with the prefix enumerator; both explore more unpruned.
     (Since the tenth session the unpruned last op skips the layouts whose cost bound cannot beat a
     graph verified earlier in the depth: without dedup 3,467 tensors against 1,285 pruned, over 3x
-    before.)"""
+    before. Since the seventeenth session layouts that differ only in tile extents share one
+    last-op enumeration, so with dedup 1,627 against 1,146: ratio 1.3.)"""
     g = build("silu_mul_linear", {"M": 2, "I": 256, "N": 64})
     kw = dict(max_kernel_ops=1, max_block_ops=3, timeout_s=60, cache=False, processes=1,
               dedup=dedup)
