@@ -308,6 +308,13 @@ def enumerate_layout(ctx: Context, layout: Layout, infos: dict, final: bool = Fa
         for key, n in (("deduplicated", enum.deduplicated), ("states", enum.states),
                        ("mismatched", enum.mismatched)):
             ctx.counts[key] = ctx.counts.get(key, 0) + n
+        if ctx.timed_out():
+            # NOTE: the only caller (``catalog.layout_options``) checks the deadline before it
+            # takes the first structure, so it lists nothing from a layout that ran into the
+            # deadline; putting that layout's partial graphs in canonical order first kept pool
+            # workers (and the main process waiting for them) up to ~75 s past the deadline
+            # (qk_norm_rope's first-op layouts of Q, eighteenth session).
+            return []
         if keep is not None and not final:
             grid = tuple((s, sizes[s]) for s in layout.grid_syms)
             return enum.structures(graphs, lambda outs: keep(tuple(

@@ -281,6 +281,13 @@ class SharedFinal:
         self.unreachable = not any(fam.shape_ok(*t) for t in enum.reachable_types())
         graphs = () if self.unreachable else enum.completions()
         self.complete = not ctx.timed_out()
+        if not self.complete:
+            # NOTE: past the deadline every consumer drops what a listing holds
+            # (``catalog.layout_options`` and ``KernelSearch._options`` check the deadline before
+            # their first structure), so a partial signature would only cost time: its tables
+            # and sieve took the lanes ~30 s past the deadline (eighteenth session). Kept empty
+            # (and, as before, not cached).
+            graphs = ()
         self.states, self.deduplicated = enum.states, enum.deduplicated
         # op sets kept as tuples of descriptors (``MemoEnumerator.ops_of``): a signature may be
         # kept for the whole search, and a tuple of five is 80 bytes, a frozenset 728

@@ -90,3 +90,40 @@ def test_instantiate_with_its_memos_equals_the_uncached_path(monkeypatch):
     plain = [run(None), run(None), run(target.origin_of)]
     assert cached == plain
     assert all(bg is not None for bg, _ in plain[0][:10])
+
+
+class _LateContext(Context):
+    """A context whose deadline passes at its ``after``-th ``timed_out`` call."""
+
+    after = 10**9
+    calls = 0
+
+    def timed_out(self) -> bool:
+        self.calls += 1
+        return self.calls > self.after
+
+
+def test_a_layout_that_runs_into_the_deadline_lists_nothing(monkeypatch):
+    """A first-op layout whose enumeration the deadline stops lists nothing, as before (the
+    catalog checked the deadline before its first structure), and its partial graphs are no
+    longer put in canonical order (``MemoEnumerator.structures``: up to ~75 s past the deadline
+    for qk_norm_rope's layouts of Q)."""
+    from mpk_dist.superopt.blockmemo import MemoEnumerator
+    from mpk_dist.superopt.catalog import layout_options
+
+    target = analyze(build("rmsnorm_linear", {"M": 4, "K": 512, "N": 256}))
+    infos = input_infos(target)
+    config = SearchConfig(max_kernel_ops=2, max_block_ops=3, prune=False)
+    lay = next(lay for lay in B.layouts(("X", "G"), infos, 1) if lay.loop_sym == "k")
+    made = []
+    real = MemoEnumerator.structures
+    monkeypatch.setattr(MemoEnumerator, "structures",
+                        lambda self, *a, **k: made.append(1) or real(self, *a, **k))
+    full = _LateContext(target, config, 0.0)
+    assert B.enumerate_layout(full, lay, infos, False) and made == [1]
+    late = _LateContext(target, config, 0.0)
+    late.after = full.calls // 2  # the deadline passes in the middle of the enumeration
+    assert B.enumerate_layout(late, lay, infos, False) == []
+    late.calls = 0
+    assert layout_options(late, lay, infos, False) == []
+    assert made == [1] and late.counts["states"] > 0  # stopped midway, nothing put in order

@@ -267,3 +267,38 @@ def test_input_sets_that_are_permutations_by_shape_share_a_signature():
     first = _all_layouts_against_concrete(target, infos, config, subsets[:1])[2]
     assert counts["shared_built"] == first["shared_built"]  # the second set builds nothing
     assert counts["shared_reused"] == n_lay - first["shared_built"] > 0
+
+
+def test_a_signature_that_runs_into_the_deadline_keeps_nothing():
+    """A signature whose enumeration the deadline stops holds no graphs (its tables and sieve
+    are not built: ~30 s of the lanes past the deadline in the eighteenth session) and lists
+    nothing, as the concrete enumerator's layout listing (``catalog.layout_options`` checks the
+    deadline before its first structure) and as before."""
+    from mpk_dist.superopt.blockshare import SharedFinal
+    from mpk_dist.superopt.catalog import layout_options
+
+    target, infos, config = _setup(4)
+    gx, xx = _named(infos, "G*X"), _named(infos, "X*X")
+    lay = next(lay for lay in B.layouts((gx, xx, "W"), infos, 1)
+               if lay.grid_syms == ("n",) and lay.loop_sym == "k")
+    sym_size = {s: x for n in lay.inputs for s, x in zip(infos[n].syms, infos[n].shape) if s}
+    sizes = B.representative_sizes(lay, infos, sym_size, config)
+
+    class Late(Context):
+        after, calls = 10**9, 0
+
+        def timed_out(self) -> bool:
+            self.calls += 1
+            return self.calls > self.after
+
+    full = Late(target, config, 0.0)
+    whole = SharedFinal(full, lay, infos, sizes, sym_size)
+    assert whole.complete and whole.n_graphs > 0
+    late = Late(target, config, 0.0)
+    late.after = full.calls // 2
+    part = SharedFinal(late, lay, infos, sizes, sym_size)
+    assert not part.complete and part.states > 0
+    assert part.n_graphs == 0 and not part.by_out and not part.by_sid
+    ctx = Late(target, config, 0.0)
+    ctx.after = full.calls // 2
+    assert layout_options(ctx, lay, infos, True) == []  # the shared path (unpruned last op)
