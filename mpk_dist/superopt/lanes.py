@@ -21,7 +21,8 @@ the pruned search, the one production runs, is unchanged.
 
 Which lane: the first ops that need the same last-op signatures should meet in few lanes (each
 lane builds its own signatures), but spread over enough lanes to keep all of them busy. A first
-op's *route* (its inputs and output shapes) has a list of home lanes; it goes to the least loaded
+op's *route* (``route_of``: the types of the tensors its last op must read and may read) has a
+list of home lanes; it goes to the least loaded
 of them (first ops handed over and not yet recorded) unless that lane has more than ``spill``
 first ops more than the least loaded lane overall, which then joins the route's homes (64: a
 lane's backlog of 64 first ops takes about as long as building a few signatures; with 16, 8
@@ -96,6 +97,30 @@ def _lane_task(batch: list):
     return out, {k: after[k] - before.get(k, 0) for k in after}
 
 
+def route_of(tensors: dict, ops: list, reads: tuple, made: dict) -> tuple:
+    """A hand-off's route: the types (shape, symbols) of the tensors its last op must read (those
+    nobody reads after the move that reads ``reads`` and makes ``made``) and of the others, each
+    a sorted multiset. The last op's input sets are the sets of tensors that hold every one of the
+    first kind, and a signature's key is its inputs' types (``blockshare.Family.cache_key``), so
+    first ops of one route need the same signatures whatever their tensors' names (up to the
+    order of inputs whose symbols are equal and shapes differ, which ``blockshare._order``
+    breaks by position; tests/superopt/test_lanes.py checks qk_norm_rope's library first ops).
+
+    NOTE: until the eighteenth session the route was the names the move reads and the types it
+    makes: qk_norm_rope's G, C and S have one type, and a reduction of G and one of C (the same
+    family of last ops over Q, two (128,) vectors, R and a (1,) result) went to both lanes, which
+    both built that family (~50-70 s each on 2 cores). Which lane runs a hand-off changes no
+    result (module docstring)."""
+    read = {a for op in ops for a in op.inputs} | set(reads)
+    must = [i for n, i in tensors.items() if n not in read] + list(made.values())
+    rest = [i for n, i in tensors.items() if n in read]
+
+    def types(infos: list) -> tuple:
+        return tuple(sorted((i.shape, tuple(map(str, i.syms))) for i in infos))
+
+    return types(must), types(rest)
+
+
 class Lanes:
     """One-process pools that run the last kernel op for first ops (module docstring)."""
 
@@ -140,8 +165,7 @@ class Lanes:
         the last op after it to a lane; records what earlier hand-offs found."""
         self.start()
         self.ctx.counts["lane_handoffs"] = self.ctx.counts.get("lane_handoffs", 0) + 1
-        route = (move[1], tuple((i.shape, i.syms) for i in ks._shapes(tensors, move).values()))
-        k = self._lane(route)
+        k = self._lane(route_of(tensors, ops, move[1], ks._shapes(tensors, move)))
         self.open[k].append((dict(tensors), list(ops), move, spent, ks.bound))
         self.load[k] += 1
         if len(self.open[k]) >= self.batch or not self.busy[k]:

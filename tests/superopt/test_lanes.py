@@ -45,3 +45,64 @@ def test_a_route_stays_on_its_home_lanes_while_they_keep_up():
     lanes.load[2] = 6
     assert lanes._lane("a") == 2              # the least loaded of its homes (6 < 7)
     assert "lane_spills" in lanes.ctx.counts and lanes.ctx.counts["lane_spills"] == 1
+
+
+def _signature_keys(ctx, tensors: dict, must: set) -> set:
+    """Every ``blockshare`` signature key (``Family.cache_key``) that the last custom op over
+    ``tensors`` asks for (its input sets hold every tensor of ``must``)."""
+    from itertools import combinations
+
+    from mpk_dist.superopt import blocksearch as B
+    from mpk_dist.superopt.blockshare import Family
+
+    keys = set()
+    names = list(tensors)
+    for r in range(1, ctx.config.max_custom_inputs + 1):
+        for subset in combinations(names, r):
+            if not must <= set(subset):
+                continue
+            for lay in B.layouts(subset, tensors, ctx.config.max_grid_dims):
+                sym_size = {s: x for n in subset
+                            for s, x in zip(tensors[n].syms, tensors[n].shape) if s}
+                sizes = B.representative_sizes(lay, tensors, sym_size, ctx.config)
+                if sizes is not None:
+                    fam = Family(ctx, lay, tensors, sizes, sym_size)
+                    keys.add(fam.cache_key(tensors, lay.inputs))
+    return keys
+
+
+def test_first_ops_of_one_route_need_the_same_signatures():
+    """qk_norm_rope's library first ops (what the 2-core unpruned run hands over first): first
+    ops of one route (``route_of``) ask for the same last-op signatures, and first ops over
+    different inputs (G, C and S have one type) share routes: each family is built in the
+    lanes of one route, not in every lane that got one of its first ops (both lanes built the
+    family over Q, two (128,) vectors, R and a (1,) result in the seventeenth session)."""
+    import math
+    import time
+
+    from mpk_dist.superopt.bounds import input_infos
+    from mpk_dist.superopt.catalog import BlockCatalog
+    from mpk_dist.superopt.context import Context, SearchConfig
+    from mpk_dist.superopt.kernelsearch import KernelSearch
+    from mpk_dist.superopt.lanes import route_of
+    from mpk_dist.superopt.patterns import build
+    from mpk_dist.superopt.target import analyze
+
+    target = analyze(build("qk_norm_rope", {"H": 4, "D": 16}))
+    ctx = Context(target, SearchConfig(max_kernel_ops=2, max_block_ops=5, prune=False),
+                  time.monotonic() + 60)
+    ks = KernelSearch(ctx, BlockCatalog(ctx, 1), math.inf)
+    tensors = dict(input_infos(target))
+    by_route: dict = {}
+    for move in ks._moves(tensors, [], None, False, set(), 0.0, custom=False):
+        made = ks._shapes(tensors, move)
+        after = {**tensors, **made}
+        must = {n for n in tensors if n not in move[1]} | set(made)
+        route = route_of(tensors, [], move[1], made)
+        keys = frozenset(_signature_keys(ctx, after, must))
+        by_route.setdefault(route, set()).add((keys, tuple(sorted(set(move[1])))))
+    assert len(by_route) > 5
+    for route, items in by_route.items():
+        assert len({keys for keys, _ in items}) == 1, route  # one route, one set of signatures
+    shared = [items for items in by_route.values() if len({reads for _, reads in items}) > 1]
+    assert len(shared) >= 3  # e.g. sum(G), sum(C), sum(S): one route
