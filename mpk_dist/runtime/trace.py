@@ -113,11 +113,18 @@ def levels(events: list[dict], step: int, rank: int = 0) -> list[dict]:
     """Per op of one step on one rank, in start order: tasks, first start, last end, median run, how
     spread its tiles' starts and ends are, and the gap from the previous op's last end to its first
     start. What shows where a decode step loses time between levels (a late tile holds the next level).
-    ``mark_median_us``: per phase mark, the median over the tiles that set it (None: no tile did)."""
+    ``mark_median_us``: per phase mark, the median over the tiles that set it (None: no tile did);
+    ``wait_median_us``: the median time its tiles waited (turning to the task -> inputs ready, 0 for a tile that
+    did not wait), ``prep_median_us`` the median part of that spent on prefetches and code warm-up."""
     by_op: dict[str, list[dict]] = defaultdict(list)
+    waited: dict[int, float] = {}
     for e in events:
         a = e.get("args", {})
-        if e.get("cat") != "wait" and a.get("step") == step and e.get("pid", 0) == rank:
+        if a.get("step") != step or e.get("pid", 0) != rank:
+            continue
+        if e.get("cat") == "wait":
+            waited[a.get("task", -1)] = e["dur"]
+        else:
             by_op[e["name"]].append(e)
     if not by_op:
         raise InputError(f"trace: expected task events of step {step} on rank {rank}, got none")
@@ -130,7 +137,9 @@ def levels(events: list[dict], step: int, rank: int = 0) -> list[dict]:
                      "start_spread_us": float(starts.max() - starts.min()),
                      "end_spread_us": float(ends.max() - ends.min()),
                      "gap_us": None if prev_end is None else float(starts.min() - prev_end),
-                     "mark_median_us": [_median_arg(es, f"mark{k}_us") for k in range(TRACE_MARKS)]})
+                     "mark_median_us": [_median_arg(es, f"mark{k}_us") for k in range(TRACE_MARKS)],
+                     "wait_median_us": float(np.median([waited.get(e["args"].get("task", -1), 0.0) for e in es])),
+                     "prep_median_us": _median_arg(es, "prep_us")})
         prev_end = float(ends.max())
     return rows
 
@@ -145,12 +154,14 @@ def format_levels(rows: list[dict]) -> str:
     when some op's tiles set marks."""
     marks = [k for k in range(TRACE_MARKS) if any(r["mark_median_us"][k] is not None for r in rows)]
     out = [f"{'op':<22}{'kind':<16}{'tasks':>6}{'start':>11}{'span':>8}{'run med':>9}{'start spr':>10}"
-           f"{'end spr':>9}{'gap':>7}" + "".join(f"{f'mark{k}':>8}" for k in marks)]
+           f"{'end spr':>9}{'gap':>7}{'wait med':>9}{'prep med':>9}" + "".join(f"{f'mark{k}':>8}" for k in marks)]
     for r in rows:
         gap = "" if r["gap_us"] is None else f"{r['gap_us']:.2f}"
         mk = [r["mark_median_us"][k] for k in marks]
         out.append(f"{r['op']:<22}{r['kind']:<16}{r['tasks']:>6}{r['start_us']:>11.1f}{r['end_us'] - r['start_us']:>8.2f}"
                    f"{r['run_median_us']:>9.2f}{r['start_spread_us']:>10.2f}{r['end_spread_us']:>9.2f}{gap:>7}"
+                   f"{r.get('wait_median_us', 0.0):>9.2f}"
+                   + ("".rjust(9) if r.get("prep_median_us") is None else f"{r['prep_median_us']:>9.2f}")
                    + "".join("" .rjust(8) if m is None else f"{m:>8.2f}" for m in mk))
     return "\n".join(out)
 

@@ -94,3 +94,24 @@ def test_phase_marks_reach_the_events_and_the_levels(tmp_path, capsys):
     assert rows[op1]["mark_median_us"][0] == pytest.approx(0.3) and rows[op1]["mark_median_us"][1] is None
     table = format_levels(list(rows.values()))
     assert "mark0" in table and "mark1" not in table and "0.30" in table
+
+
+def test_levels_show_each_ops_median_wait_and_prep(tmp_path):
+    """The levels view gives per op the median of its tiles' waits (a tile that did not wait counts 0) and of the
+    prefetch / code warm-up part of them (``prep_us``), from the same step only."""
+    cg = compile_rank_programs(get_preset("tiny"), tp=1, batch=1, sms=2, max_seq_len=16)[0]
+    # worker 0: task 0 waits 1000 ns (400 of it prep), task 1 none; worker 1: task 2 waits 3000 ns (prep 1000)
+    per_worker = [_records([(0, 0, 1000, 2000, 400, 0), (1, 2000, 2000, 3000)]),
+                  _records([(2, 0, 3000, 4000, 1000, 0)])]
+    evs = load_trace(write_trace(tmp_path / "t.json", chrome_trace(cg, per_worker)))
+    from mpk_dist.runtime.trace import format_levels, levels
+
+    op_of = {e["args"]["task"]: e["name"] for e in evs if e["cat"] != "wait"}
+    rows = {r["op"]: r for r in levels(evs, 0)}
+    waits, preps = {0: 1.0, 1: 0.0, 2: 3.0}, {0: 0.4, 1: 0.0, 2: 1.0}
+    for op, r in rows.items():
+        mine = [t for t, name in op_of.items() if name == op]
+        assert r["wait_median_us"] == pytest.approx(float(np.median([waits[t] for t in mine])))
+        assert r["prep_median_us"] == pytest.approx(float(np.median([preps[t] for t in mine])))
+    assert rows[op_of[2]]["wait_median_us"] >= 1.5  # task 2's 3 us wait is in its op's median
+    assert "wait med" in format_levels(list(rows.values()))
