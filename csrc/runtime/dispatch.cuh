@@ -577,19 +577,6 @@ __device__ __noinline__ void attention_prefetch(const TaskView& t, bool bulk, in
 // (a linear tile's weights, an attention tile's older cache rows) into L2, and prime the weight ring
 // (MPK_LINEAR_TMA). planned: the linear tiles' byte count (the host's plan, prefetch_plan.py, or -1: the
 // MPK_PREFETCH_KB cap); the aot worker also calls it for its NEXT task with REC_PREFETCH_NEXT.
-// The idle-worker spans of an aot record (mpk_dist/runtime/idle_prefetch.py): bulk L2 prefetches of the coming
-// linear levels' weights, other tiles' blocks, issued before this task's wait by a worker the attention level
-// leaves idle.
-__device__ __forceinline__ void prefetch_spans(const int32_t* rec, int tid, int nt) {
-  for (int k = 0; k < REC_MAX_SPANS; ++k) {
-    const uint32_t bytes = (uint32_t)rec[REC_SPAN_BYTES + k];
-    if (bytes == 0) break;
-    const int at = REC_ARGS + 2 * (REC_SPAN_ADDR_SLOT + k);
-    const uint64_t a = (uint64_t)(uint32_t)rec[at] | ((uint64_t)(uint32_t)rec[at + 1] << 32);
-    prefetch_l2_bulk(reinterpret_cast<const void*>(a), bytes, tid, nt);
-  }
-}
-
 __device__ void prefetch_task(const RuntimeParams& p, const int32_t* rec, int planned, int tid, int nt) {
   const TaskView t(p, rec);
   const bool bulk = (rec[REC_FLAGS] & REC_FLAG_BULK_PREFETCH) != 0;

@@ -21,7 +21,7 @@ struct TraceRecord {
   uint64_t start_ns;
   uint32_t wait_ns;  // turning to the task -> its inputs ready (includes prep_ns)
   uint32_t run_ns;   // inputs ready -> signalled (includes post_ns)
-  uint32_t prep_ns;  // turning to the task -> its weight prefetch and descriptor prefetch issued, code warmed (aot)
+  uint32_t prep_ns;  // turning to the task -> its weight prefetch and descriptor prefetch issued (aot)
   uint32_t post_ns;  // body done -> barrier, step epilogue, signals (and a ring drain) done
   uint32_t mark_ns[kTraceMarks];  // inputs ready -> the body's phase mark k (0: the body set none)
 };

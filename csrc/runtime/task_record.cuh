@@ -39,12 +39,6 @@ constexpr int REC_MAX_ARGS = 12;
 constexpr int REC_DTYPES = 60;  // REC_MAX_ARGS dtype codes (-1: absent optional argument)
 constexpr int REC_PARAMS = 72;  // REC_MAX_PARAMS parameters in the kind's declared order
 constexpr int REC_MAX_PARAMS = 16;
-// Idle-worker L2 prefetch spans (mpk_dist/runtime/idle_prefetch.py): span k's address in argument slot
-// REC_SPAN_ADDR_SLOT + k (a carrying task has at most REC_SPAN_ADDR_SLOT arguments), its bytes in word
-// REC_SPAN_BYTES + k (0: no more spans).
-constexpr int REC_SPAN_ADDR_SLOT = 8;
-constexpr int REC_SPAN_BYTES = 88;
-constexpr int REC_MAX_SPANS = 4;
 
 // REC_FLAGS bits. A task with more waits or signals than a record holds keeps reading the tables.
 constexpr int REC_FLAG_SIG_SYS = 1;          // some signal goes to a peer or a system-scope event
@@ -52,8 +46,6 @@ constexpr int REC_FLAG_WAITS_INLINE = 2;     // the waits are in the record
 constexpr int REC_FLAG_SIGNALS_INLINE = 4;   // the signals are in the record
 constexpr int REC_FLAG_BULK_PREFETCH = 8;    // L2 prefetches by bulk copies (common.cuh prefetch_l2_bulk)
 constexpr int REC_FLAG_STAGE_KV = 16;        // split-KV tile: its range's cache rows into shared memory first
-constexpr int REC_FLAG_WARM_CODE = 32;       // aot: a dry run of the body during the wait (code_warm.cuh)
-constexpr int REC_FLAG_WARM_PROBE = 64;      // with WARM_CODE: skip the dry run when the inputs are ready already
 
 // Signal kinds (column 1 of a signal entry).
 constexpr int SIG_KIND_LOCAL = 0;      // this rank's counter, gpu scope

@@ -6,7 +6,6 @@
 //    of the block that owns the task (tasks[t, WORKER]); workers pop and run.
 // Both share run_and_signal(): run -> barrier -> [epilogue] -> signal.
 #pragma once
-#include "code_warm.cuh"
 #include "dispatch.cuh"
 #include "params.cuh"
 #include "pass_begin.cuh"
@@ -259,11 +258,6 @@ __device__ __forceinline__ void record_fetch_wait(int tid) {
 __device__ void worker_loop_aot(const RuntimeParams& p, BlockState& st, float* smem, int tid, int nt) {
   // Two record slots: the current task's, and the next one's arriving during the current wait.
   __shared__ __align__(16) int32_t recs[2][REC_WORDS];
-#if MPK_WARM_CODE
-  __shared__ int warm_ready;  // code_warm.cuh's probe answer (thread 0 -> the block)
-#else
-  int warm_ready = 0;  // unused: warm_task_code is empty
-#endif
   const int w = blockIdx.x;
   const int begin = p.worker_offsets[w], end = p.worker_offsets[w + 1];
   int ntrace = 0, slot = 0;
@@ -277,7 +271,6 @@ __device__ void worker_loop_aot(const RuntimeParams& p, BlockState& st, float* s
       const int task = rec[REC_TASK];
       const uint64_t t0 = globaltimer_ns();
       prefetch_task(p, rec, rec[REC_PREFETCH], tid, nt);  // weights stream in while we wait for the inputs
-      prefetch_spans(rec, tid, nt);  // an idle worker's share of the coming levels' weights (idle_prefetch.py)
       record_fetch(p, i + 1 < end ? i + 1 : begin, recs[slot ^ 1], tid);  // the next task (next step: the first)
       if (rec[REC_PREFETCH_NEXT] != 0) {
         // The host planned the next task's weights here (prefetch_plan.py hoist_ahead): this task waits on
@@ -286,9 +279,6 @@ __device__ void worker_loop_aot(const RuntimeParams& p, BlockState& st, float* s
         worker_barrier(nt);  // the next record is visible to every thread
         prefetch_task(p, recs[slot ^ 1], rec[REC_PREFETCH_NEXT], tid, nt);
       }
-      // A split-KV prep tile's code into the instruction caches during the wait (REC_FLAG_WARM_CODE); in the
-      // trace its time is part of prep_ns.
-      warm_task_code(p, rec, s, &warm_ready, smem, tid, nt);
       const uint64_t t_prep = globaltimer_ns();
       if (tid == 0) st.failed = wait_task_events(p, rec, s);
       worker_barrier(nt);  // hands thread 0's acquired view to every worker thread

@@ -43,11 +43,10 @@ class KernelShape:
     attn_prefetch: bool = True  # attention tiles pull their cache rows into L2 before their wait (attention.cuh; same bits)
     load_ahead: bool = True  # batch-1 GEMV: a round's x vectors loaded before any use (linear.cuh load_x_round; same bits)
     weight_evict_first: bool = False  # linear tiles' weight loads marked first to leave L2 (common.cuh ld_weight_v4; same bits)
-    warm_code: bool = False  # aot: flagged split-KV prep tiles run a dry copy of their body in their wait (code_warm.cuh)
 
 
     def name(self) -> str:
-        """File-name label: mk_b<batch>_t<threads>_<schedule>[_r<rows>][_u<unroll>][_p<prefetch KB>][_d][_nso][_m][_tma][_pipe][_nap][_nxa][_wef][_wc]."""
+        """File-name label: mk_b<batch>_t<threads>_<schedule>[_r<rows>][_u<unroll>][_p<prefetch KB>][_d][_nso][_m][_tma][_pipe][_nap][_nxa][_wef]."""
         rows = f"_r{self.linear_rows}" if self.linear_rows != 1 else ""
         unroll = f"_u{self.linear_unroll}" if self.linear_unroll != 8 else ""
         pf = f"_p{self.prefetch_kb}" if self.prefetch_kb != -1 else ""
@@ -58,7 +57,6 @@ class KernelShape:
         mma += "" if self.attn_prefetch else "_nap"
         mma += "" if self.load_ahead else "_nxa"
         mma += "_wef" if self.weight_evict_first else ""
-        mma += "_wc" if self.warm_code else ""
         return f"mk_b{self.batch}_t{self.worker_threads}_{self.schedule}{rows}{unroll}{pf}{nso}{mma}"
 
 
@@ -114,7 +112,6 @@ def render_source(shape: KernelShape, model: str = "-", rank: int = 0, world: in
         f"#define MPK_ATTN_PREFETCH {int(shape.attn_prefetch)}",
         f"#define MPK_LOAD_AHEAD {int(shape.load_ahead)}",
         f"#define MPK_WEIGHT_EVICT_FIRST {int(shape.weight_evict_first)}",
-        f"#define MPK_WARM_CODE {int(shape.warm_code)}",
         "#include <cstddef>",
         '#include "abi_generated.h"  // mpk_dist.taskgraph.abi.render_cuda_abi_header()',
         '#include "megakernel.cuh"',

@@ -70,12 +70,6 @@ SWITCHES = (
     # the kernel's preferred shared-memory carveout as small as its blocks need, the rest L1 data cache
     # (mpk_dist/runtime/loader.py carveout_percent; launch setting, same binary and bits)
     ("min_carveout", "MPK_MIN_CARVEOUT", False),
-    # aot: while a split-KV prep tile waits for its inputs, its block runs the body once on scratch, so the code
-    # is in the instruction caches when the inputs arrive (csrc/runtime/code_warm.cuh; another binary, MPK_WARM_CODE,
-    # and a record flag on those tiles; same bits)
-    ("warm_code", "MPK_WARM_CODE", False),
-    # with warm_code: skip that dry run when the tile's inputs are ready already (one relaxed look first)
-    ("warm_probe", "MPK_WARM_PROBE", False),
 )
 """On/off kernel switches read from the environment: (Session keyword, variable, default)."""
 
@@ -486,13 +480,6 @@ def tuning_from_env(worker_threads: int, environ=None) -> dict:
             raise InputError(f"MPK_PREFETCH_LEVEL_KB: expected a cap in KB >= 0 (unset: the kernel's MPK_PREFETCH_KB), "
                              f"got {raw!r}")
         out["prefetch_level_kb"] = int(raw)
-    # aot: the workers an attention level leaves idle prefetch the coming linear levels' weights into L2, whole
-    # ops up to this many MB per attention level (mpk_dist/runtime/idle_prefetch.py; the task records, same binary).
-    raw = env.get("MPK_IDLE_PREFETCH_MB", "")
-    if raw:
-        if not raw.isdigit():
-            raise InputError(f"MPK_IDLE_PREFETCH_MB: expected a budget in MB >= 0 (0 or unset: off), got {raw!r}")
-        out["idle_prefetch_mb"] = int(raw)
     # Switches whose key appears only when set away from the default, so the default dict (and every
     # Session built from it) is what it was before the switch existed; a switch whose default depends on the
     # program (None) appears whenever it is set.

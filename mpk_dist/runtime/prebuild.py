@@ -61,12 +61,8 @@ def build_one(case: BuildCase) -> tuple[str, bool, float]:
                                attn_splits=case.attn_splits)[0]
     tuning = tuning_from_env(DEFAULT_WORKER_THREADS)  # the MPK_* knobs a run in this environment would use
     for table_only in ("prefetch_plan", "bulk_prefetch", "prefetch_ahead", "attn_stage_kv", "min_carveout",
-                       "prefetch_level_kb", "idle_prefetch_mb"):  # not the binary
+                       "prefetch_level_kb"):  # not the binary
         tuning.pop(table_only, None)
-    # the code warm-up's dry run is in the binary (a Session's rule); the probe is a record flag
-    warm = tuning.pop("warm_code", False) or tuning.pop("warm_probe", False)
-    tuning.pop("warm_probe", None)
-    tuning["warm_code"] = warm and case.schedule == "aot"
     wt = tuning.pop("worker_threads")
     shape = kernel_shape(cg, wt, case.schedule, linear_rows=linear_rows_from_env(),
                          superopt=case.superopt and superopt_from_env(), **tuning)

@@ -78,8 +78,8 @@ class Session:
                  prefetch_plan: bool = True, linear_tma: bool = False, linear_pipe: bool = False,
                  attn_prefetch: bool = True, bulk_prefetch: bool = False, prefetch_ahead: bool = False,
                  attn_stage_kv: bool = False, load_ahead: bool = True, min_carveout: bool = False,
-                 weight_evict_first: bool = False, warm_code: bool = False, warm_probe: bool = False,
-                 prefetch_level_kb: int | None = None, idle_prefetch_mb: int = 0):
+                 weight_evict_first: bool = False,
+                 prefetch_level_kb: int | None = None):
         if cg.meta["abi_version"] != ABI_VERSION:
             raise InputError(f"task graph ABI: expected version {ABI_VERSION}, got {cg.meta['abi_version']}")
         tables.check_supported(cg)
@@ -101,8 +101,7 @@ class Session:
                              prefetch_kb=prefetch_kb, superopt=superopt,
                              linear_mma=linear_mma, linear_tma=linear_tma, linear_pipe=linear_pipe,
                              attn_prefetch=attn_prefetch, load_ahead=load_ahead,
-                             weight_evict_first=weight_evict_first,
-                             warm_code=(warm_code or warm_probe) and schedule == "aot")
+                             weight_evict_first=weight_evict_first)
         self.source, self.build = build_kernel(shape, model=model,
                                                rank=self.rank, world=self.world, input_hash=tables_hash(cg.arrays),
                                                compiler=compiler, program=cg)
@@ -132,13 +131,6 @@ class Session:
         # Record-level switches (no rebuild): bulk-copy prefetches; hoisting needs the aot worker order.
         self.bulk_prefetch, self.prefetch_ahead = bulk_prefetch, prefetch_ahead and schedule == "aot"
         self.prefetch_level_kb = prefetch_level_kb
-        # Record-level (aot): idle workers of an attention level prefetch the next linears' weights (idle_prefetch.py).
-        self.idle_prefetch_mb = idle_prefetch_mb if schedule == "aot" else 0
-        # aot split-KV prep tiles warm their code during their wait (code_warm.cuh): the binary has the dry run
-        # (MPK_WARM_CODE: its second call site of the prep body made ptxas spill in the fused linear bodies, so
-        # the default binary leaves it out), the records say which tiles run it.
-        self.warm_code = shape.warm_code
-        self.warm_probe = warm_probe and self.warm_code
         self.passes = None  # a PassChannel once enable_passes (persistent passes, pass_io.py)
         self._alloc(weights, num_sched)
 
@@ -189,14 +181,8 @@ class Session:
         self.peer_quota = self._dev(peer_quota(cg))
         plan, ahead = self._prefetch_plan() if self.use_prefetch_plan else (None, None)
         # argument addresses and the plan live here
-        spans = None
-        if self.idle_prefetch_mb:
-            from mpk_dist.runtime.idle_prefetch import idle_spans
-
-            spans = idle_spans(cg, arg_addr, self.idle_prefetch_mb << 20)
         records, task_rec = build_records(cg, arg_addr, plan, ahead, bulk_prefetch=self.bulk_prefetch,
-                                          stage_kv=self.stage_kv, warm_code=self.warm_code,
-                                          warm_probe=self.warm_probe, spans=spans)
+                                          stage_kv=self.stage_kv)
         self.records, self.task_rec = self._dev(records), self._dev(task_rec)
         dep_ptr, dep_task, dep_off = tables.dependents(cg)
         self.deps = [self._dev(dep_ptr), self._dev(dep_task), self._dev(dep_off)]

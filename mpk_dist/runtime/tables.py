@@ -179,8 +179,7 @@ def check_linear_batch(cg) -> None:
 
 # Opt-in shared memory per block on sm_90 (227 KiB, dynamic + static), minus a margin for the static part.
 HOPPER_MAX_DYNAMIC_SMEM = 227 * 1024
-SMEM_RESERVE = 3072  # static: BlockState, the two task-record slots (768 B), RuntimeParams's copy, flags,
-# code_warm.cuh's dry record (384 B); 2,688 B in the qwen3-8b batch-1 build of 2026-12-01
+SMEM_RESERVE = 3072  # static: BlockState, the two task-record slots (768 B), RuntimeParams's copy, flags
 RING_STAGES, RING_STAGE_BYTES = 4, 32 * 1024
 WEIGHT_RING_BYTES = RING_STAGES * RING_STAGE_BYTES + 2 * RING_STAGES * 8 + 32
 """csrc/tasks/weight_stream.cuh's kRingBytes: stages, their full/empty mbarriers and the 32-byte RingState

@@ -24,9 +24,7 @@ REC_SIGNALS, REC_SIGNAL_COLS, REC_MAX_SIGNALS = 24, 3, 4
 REC_ARGS, REC_MAX_ARGS = 36, 12
 REC_DTYPES = 60
 REC_PARAMS, REC_MAX_PARAMS = 72, 16
-REC_SPAN_ADDR_SLOT, REC_SPAN_BYTES, REC_MAX_SPANS = 8, 88, 4  # idle-worker L2 spans (idle_prefetch.py)
 FLAG_SIG_SYS, FLAG_WAITS_INLINE, FLAG_SIGNALS_INLINE, FLAG_BULK_PREFETCH, FLAG_STAGE_KV = 1, 2, 4, 8, 16
-FLAG_WARM_CODE, FLAG_WARM_PROBE = 32, 64
 SIG_KIND_LOCAL, SIG_KIND_SYSTEM, SIG_KIND_ALL_RANKS = 0, 1, 2
 
 CONSTANTS = {name: value for name, value in globals().items()
@@ -34,10 +32,7 @@ CONSTANTS = {name: value for name, value in globals().items()
 """Every layout constant, checked against task_record.cuh in the generated source (``layout_asserts``)."""
 _CUDA_NAME = {"FLAG_SIG_SYS": "REC_FLAG_SIG_SYS", "FLAG_WAITS_INLINE": "REC_FLAG_WAITS_INLINE",
               "FLAG_SIGNALS_INLINE": "REC_FLAG_SIGNALS_INLINE", "FLAG_BULK_PREFETCH": "REC_FLAG_BULK_PREFETCH",
-              "FLAG_STAGE_KV": "REC_FLAG_STAGE_KV", "FLAG_WARM_CODE": "REC_FLAG_WARM_CODE",
-              "FLAG_WARM_PROBE": "REC_FLAG_WARM_PROBE"}
-WARM_CODE_KINDS = ("attention_split_prep",)
-"""Task kinds whose aot wait runs a dry run of their body (csrc/runtime/code_warm.cuh)."""
+              "FLAG_STAGE_KV": "REC_FLAG_STAGE_KV"}
 
 
 def layout_asserts() -> list[str]:
@@ -53,8 +48,7 @@ def _span(begin: np.ndarray, end: np.ndarray, k: int) -> tuple[np.ndarray, np.nd
 
 
 def build_records(cg, arg_addr: np.ndarray, prefetch: np.ndarray | None = None, prefetch_next: np.ndarray | None = None,
-                  bulk_prefetch: bool = False, stage_kv: bool = False, warm_code: bool = False,
-                  warm_probe: bool = False, spans: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+                  bulk_prefetch: bool = False, stage_kv: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """(records int32 [T, REC_WORDS] in worker order, task_rec int32 [T]) of program ``cg``.
 
     ``arg_addr``: uint64 [NA], each argument row resolved to its device address (0: absent);
@@ -62,10 +56,7 @@ def build_records(cg, arg_addr: np.ndarray, prefetch: np.ndarray | None = None, 
     ``prefetch_next``: int32 [T] bytes of the task's aot successor to prefetch during its wait (None: 0,
     prefetch_plan.hoist_ahead); ``bulk_prefetch``: every record's prefetches by bulk copies; ``stage_kv``: the
     split-KV tiles stage their cache rows in shared memory (the launch must have
-    lowering_attention.kv_stage_smem_bytes); ``warm_code``: the WARM_CODE_KINDS tiles run their body once on
-    scratch during their aot wait, ``warm_probe`` only when their inputs are not ready yet (implies warm_code);
-    ``spans``: int64 [T, REC_MAX_SPANS, 2] (address, bytes) L2 prefetches a task's aot worker issues before its wait
-    (idle_prefetch.idle_spans; None: none), the addresses in argument slots REC_SPAN_ADDR_SLOT.. of the record."""
+    lowering_attention.kv_stage_smem_bytes)."""
     tasks, A = cg.arrays["tasks"], cg.arrays
     T = tasks.shape[0]
     order = A["worker_tasks"].astype(np.int64)
@@ -90,12 +81,6 @@ def build_records(cg, arg_addr: np.ndarray, prefetch: np.ndarray | None = None, 
 
         staging = np.isin(col("OPCODE"), [BY_NAME[k].opcode for k in KV_STAGE_KINDS])
         flags |= np.where(staging, FLAG_STAGE_KV, 0).astype(np.int32)
-    if warm_code or warm_probe:
-        from mpk_dist.taskgraph.tasks import BY_NAME
-
-        warming = np.isin(col("OPCODE"), [BY_NAME[k].opcode for k in WARM_CODE_KINDS])
-        bits = FLAG_WARM_CODE | (FLAG_WARM_PROBE if warm_probe else 0)
-        flags |= np.where(warming, bits, 0).astype(np.int32)
 
     wb, we = col("WAIT_BEGIN"), col("WAIT_END")
     nw = we - wb
@@ -142,20 +127,6 @@ def build_records(cg, arg_addr: np.ndarray, prefetch: np.ndarray | None = None, 
         rec[:, REC_ARGS + 2 * i] = np.where(ok, addr32[idx, 0], 0)
         rec[:, REC_ARGS + 2 * i + 1] = np.where(ok, addr32[idx, 1], 0)
         rec[:, REC_DTYPES + i] = np.where(ok, dt[idx], -1)
-    if spans is not None:
-        carrying = (spans[:, :, 1] > 0).any(axis=1)
-        if spans.shape != (T, REC_MAX_SPANS, 2) or (carrying & (nargs > REC_SPAN_ADDR_SLOT)).any():
-            raise InputError(f"task records: expected spans of shape {(T, REC_MAX_SPANS, 2)} on tasks of <= "
-                             f"{REC_SPAN_ADDR_SLOT} arguments, got {spans.shape} (or a task with more arguments)")
-        if (spans[:, :, 1] >= 2 ** 31).any() or (spans[:, :, 1] < 0).any():
-            raise InputError("task records: expected span bytes in [0, 2^31)")
-        words = np.ascontiguousarray(spans[:, :, 0].astype(np.uint64)).view(np.int32).reshape(T, REC_MAX_SPANS, 2)
-        for k in range(REC_MAX_SPANS):
-            on = spans[:, k, 1] > 0
-            at = REC_ARGS + 2 * (REC_SPAN_ADDR_SLOT + k)
-            rec[:, at] = np.where(on, words[:, k, 0], rec[:, at])
-            rec[:, at + 1] = np.where(on, words[:, k, 1], rec[:, at + 1])
-            rec[:, REC_SPAN_BYTES + k] = spans[:, k, 1].astype(np.int32)
     pb, pe = col("PARAM_BEGIN"), col("PARAM_END")
     for i in range(REC_MAX_PARAMS):
         idx, ok = _span(pb, pe, i)

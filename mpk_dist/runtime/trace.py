@@ -115,7 +115,7 @@ def levels(events: list[dict], step: int, rank: int = 0) -> list[dict]:
     start. What shows where a decode step loses time between levels (a late tile holds the next level).
     ``mark_median_us``: per phase mark, the median over the tiles that set it (None: no tile did);
     ``wait_median_us``: the median time its tiles waited (turning to the task -> inputs ready, 0 for a tile that
-    did not wait), ``prep_median_us`` the median part of that spent on prefetches and code warm-up."""
+    did not wait), ``prep_median_us`` the median part of that spent issuing its prefetches (TraceRecord.prep_ns)."""
     by_op: dict[str, list[dict]] = defaultdict(list)
     waited: dict[int, float] = {}
     for e in events:

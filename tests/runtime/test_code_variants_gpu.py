@@ -14,10 +14,6 @@ the arithmetic, so the logits must equal the default build's bit for bit and sta
 - ``-DMPK_STAGE_ROWS_TOGETHER=0``: the generated fused bodies' staged path row by row (the default computes every
   batch row's norm statistic in one block reduction and issues several rows' operand loads before their stores;
   csrc/tasks/tile_primitives.cuh rows_sum_sq, stage_rows). Also at batch 8 under MPK_LINEAR_MMA=1.
-- Record field ``MPK_IDLE_PREFETCH_MB=42`` (same binary): idle workers of an attention level L2-prefetch the next
-  linear levels' weights (mpk_dist/runtime/idle_prefetch.py).
-- ``MPK_WARM_CODE=1`` / ``MPK_WARM_PROBE=1`` (another binary, -DMPK_WARM_CODE=1, and a record flag): the split-KV
-  prep tiles run their body once on scratch during their wait (csrc/runtime/code_warm.cuh).
 - ``-DMPK_MMA_X_AHEAD=0`` under MPK_LINEAR_MMA=1, batch 8: the tensor-core tile loads each x vector inside its
   mma loop (the default loads a round's x vectors right after its weights; csrc/tasks/linear_mma.cuh mma_unit).
 
@@ -43,7 +39,6 @@ STEPS = 48
 VARIANTS = ["-DMPK_ATTN_GUARD_HEADS=1", "-DMPK_PARAMS_SMEM=0", "-DMPK_ROPE_EXACT_PAIRS=0 -DMPK_PREP_ONE_SITE=0",
             "-DMPK_PREP_POS_LATE=0", "-DMPK_STAGE_ROWS_TOGETHER=0"]
 SWITCHES = [{"MPK_WEIGHT_EVICT_FIRST": "1"}]  # kernel switches of the same kind (environment, not -D)
-WARM_SWITCHES = [{"MPK_WARM_CODE": "1"}, {"MPK_WARM_PROBE": "1"}]  # another binary and flagged task records
 MMA_VARIANTS = ["-DMPK_MMA_X_AHEAD=0", "-DMPK_STAGE_ROWS_TOGETHER=0"]
 
 
@@ -84,37 +79,4 @@ def test_switch_leaves_the_logits_bitwise(env, gpu_results):
     variant, default = megakernel_with_env(NAME, env), megakernel_with_env(NAME, {})
     assert variant.session(1).build.path != default.session(1).build.path, f"{env} did not make another binary"
     check_bitwise(f"{env} vs default, {NAME} b1 prompt {PROMPT}", NAME, variant, default,
-                  forced_request(NAME, PROMPT, STEPS, 1, 70), gpu_results)
-
-
-@pytest.mark.parametrize("env", WARM_SWITCHES, ids=lambda e: ",".join(f"{k}={v}" for k, v in e.items()))
-def test_warm_code_leaves_the_logits_bitwise(env, gpu_results):
-    """MPK_WARM_CODE / MPK_WARM_PROBE (the split-KV prep tiles run their body once on scratch during their wait,
-    csrc/runtime/code_warm.cuh) give the default's logits bit for bit, batch 1, from another binary whose split
-    prep tiles' records carry the flag (else the run compared nothing)."""
-    from mpk_dist.runtime import task_records as R
-
-    variant, default = megakernel_with_env(NAME, env), megakernel_with_env(NAME, {})
-    sv, sd = variant.session(1), default.session(1)
-    assert sv.build.path != sd.build.path, f"{env} did not make another binary (-DMPK_WARM_CODE=1)"
-    flags = sv.records[:, R.REC_FLAGS].cpu()
-    assert int(((flags & R.FLAG_WARM_CODE) != 0).sum()) > 0, f"{env}: no record carries the warm flag"
-    assert int(((sd.records[:, R.REC_FLAGS].cpu() & R.FLAG_WARM_CODE) != 0).sum()) == 0
-    check_bitwise(f"{env} vs default, {NAME} b1 prompt {PROMPT}", NAME, variant, default,
-                  forced_request(NAME, PROMPT, STEPS, 1, 70), gpu_results)
-
-
-def test_idle_prefetch_leaves_the_logits_bitwise(gpu_results):
-    """MPK_IDLE_PREFETCH_MB (the workers an attention level leaves idle prefetch the next linear levels' weights
-    into L2; mpk_dist/runtime/idle_prefetch.py) only moves bytes earlier: the same binary, spans on some records,
-    the default's logits bit for bit, batch 1."""
-    from mpk_dist.runtime import task_records as R
-
-    variant, default = megakernel_with_env(NAME, {"MPK_IDLE_PREFETCH_MB": "42"}), megakernel_with_env(NAME, {})
-    sv, sd = variant.session(1), default.session(1)
-    assert sv.build.path == sd.build.path, "MPK_IDLE_PREFETCH_MB made another binary (it is a record field)"
-    span_bytes = sv.records[:, R.REC_SPAN_BYTES:R.REC_SPAN_BYTES + R.REC_MAX_SPANS].cpu()
-    assert int((span_bytes > 0).sum()) > 0, "no record carries an idle-worker span"
-    assert int((sd.records[:, R.REC_SPAN_BYTES:R.REC_SPAN_BYTES + R.REC_MAX_SPANS].cpu() > 0).sum()) == 0
-    check_bitwise(f"MPK_IDLE_PREFETCH_MB=42 vs default, {NAME} b1 prompt {PROMPT}", NAME, variant, default,
                   forced_request(NAME, PROMPT, STEPS, 1, 70), gpu_results)

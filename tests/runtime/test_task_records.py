@@ -125,26 +125,3 @@ def test_host_constants_equal_the_cuda_header():
     assert R.REC_WORDS * 4 % 16 == 0 and (R.REC_ARGS * 4) % 8 == 0  # 16-byte copies, aligned 64-bit addresses
     assert R.REC_PARAMS + R.REC_MAX_PARAMS <= R.REC_WORDS
     assert 'static_assert(mpk::REC_WORDS == 96' in layout_asserts()
-
-
-@pytest.mark.parametrize("probe", [False, True])
-def test_warm_code_flags_exactly_the_split_prep_tiles(probe):
-    """MPK_WARM_CODE / MPK_WARM_PROBE (csrc/runtime/code_warm.cuh): the flag bits go on the split-KV prep tiles'
-    records and on no other; off by default; the probe bit only with the probe; nothing else in a record moves."""
-    from mpk_dist.runtime.megakernel_backend import fusions_for_batch, fusions_from_env
-    from mpk_dist.taskgraph.tasks import BY_NAME
-
-    cg = compile_rank_programs(get_preset("tiny"), tp=1, batch=1, sms=16, max_seq_len=32,
-                               fuse=fusions_for_batch(fusions_from_env(), 1), attn_splits=2)[0]
-    base, task_rec = R.build_records(cg, _addrs(cg))
-    warm, _ = R.build_records(cg, _addrs(cg), warm_code=not probe, warm_probe=probe)
-    split_prep = cg.arrays["tasks"][:, TASK_COLS["OPCODE"]] == BY_NAME["attention_split_prep"].opcode
-    assert split_prep.sum() >= 2, "the program has no split-KV prep tiles to flag"
-    rows = task_rec[split_prep]
-    bits = R.FLAG_WARM_CODE | R.FLAG_WARM_PROBE
-    assert not (base[:, R.REC_FLAGS] & bits).any()
-    assert (warm[rows, R.REC_FLAGS] & R.FLAG_WARM_CODE).all()
-    assert bool((warm[rows, R.REC_FLAGS] & R.FLAG_WARM_PROBE).all()) is probe
-    assert not (np.delete(warm, rows, axis=0)[:, R.REC_FLAGS] & bits).any()
-    warm[:, R.REC_FLAGS] &= ~bits
-    assert np.array_equal(warm, base)

@@ -98,7 +98,7 @@ def test_phase_marks_reach_the_events_and_the_levels(tmp_path, capsys):
 
 def test_levels_show_each_ops_median_wait_and_prep(tmp_path):
     """The levels view gives per op the median of its tiles' waits (a tile that did not wait counts 0) and of the
-    prefetch / code warm-up part of them (``prep_us``), from the same step only."""
+    prefetch part of them (``prep_us``), from the same step only."""
     cg = compile_rank_programs(get_preset("tiny"), tp=1, batch=1, sms=2, max_seq_len=16)[0]
     # worker 0: task 0 waits 1000 ns (400 of it prep), task 1 none; worker 1: task 2 waits 3000 ns (prep 1000)
     per_worker = [_records([(0, 0, 1000, 2000, 400, 0), (1, 2000, 2000, 3000)]),
