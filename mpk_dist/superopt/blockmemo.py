@@ -339,6 +339,13 @@ class MemoEnumerator:
         self.memo = {}
         return root
 
+    # NOTE (``_deadline``): ``_body`` and ``_post`` check the deadline before each op, not only
+    # before a state's ops: a state's ops and their new child states still ran after the
+    # deadline in every frame of the recursion (a first-op layout of qk_norm_rope's Q: 26 s past
+    # it, eighteenth session). Nothing of an enumeration that ran into the deadline is kept: its
+    # two callers list nothing from it (``blocksearch.enumerate_layout`` returns no structures,
+    # a ``blockshare.SharedFinal`` keeps no graphs), so where it stops changes no listing.
+
     def ops_of(self, key: tuple) -> tuple:
         """The op descriptors of a completion key (in id order; every use of a graph's op set
         is independent of the order: ``canonical_order`` places ops by their text)."""
@@ -666,6 +673,8 @@ class MemoEnumerator:
             owed = set(unread) | set(range(n_in, len(avail)))
             need = len(unread) + len(body_nodes) + 1 - self.max_outputs - left
             for kind, args, attrs, shape, syms in self._ops_on(avail, need, owed):
+                if self.ctx.timed_out():
+                    break  # nothing of a run past the deadline is kept (``_deadline``)
                 if not any(dep[i] for i in args):
                     continue  # body ops must depend on the loop
                 read_in = {i for i in args if i < n_in}
@@ -782,6 +791,8 @@ class MemoEnumerator:
             owed |= set(range(len(ins), len(avail)))  # every acc and post here is owed
             need = len(unread) + len(accs) + len(posts) + 1 - self.max_outputs - left
             for kind, args, attrs, shape, syms in self._ops_on(avail, need, owed):
+                if self.ctx.timed_out():
+                    break  # nothing of a run past the deadline is kept (``_deadline``)
                 refs = [refs_of[i] for i in args]
                 read_in = {r[1] for r in refs if r[0] == "i"}
                 read_a = {r[1] for r in refs if r[0] == "a"}

@@ -127,3 +127,24 @@ def test_a_layout_that_runs_into_the_deadline_lists_nothing(monkeypatch):
     late.calls = 0
     assert layout_options(late, lay, infos, False) == []
     assert made == [1] and late.counts["states"] > 0  # stopped midway, nothing put in order
+
+
+def test_the_enumeration_makes_no_tensor_past_the_deadline(monkeypatch):
+    """Once the deadline passes, ``MemoEnumerator`` makes no further tensor (``_new``) in any
+    frame of its recursion (each state's loop over ops checks it; before, every frame still ran
+    its remaining ops and their child states), and the layout still lists nothing."""
+    from mpk_dist.superopt.blockmemo import MemoEnumerator
+
+    target = analyze(build("rmsnorm_linear", {"M": 4, "K": 512, "N": 256}))
+    infos = input_infos(target)
+    config = SearchConfig(max_kernel_ops=2, max_block_ops=3, prune=False)
+    lay = next(lay for lay in B.layouts(("X", "G"), infos, 1) if lay.loop_sym == "k")
+    full = _LateContext(target, config, 0.0)
+    assert B.enumerate_layout(full, lay, infos, False)
+    late = _LateContext(target, config, 0.0)
+    late.after = full.calls // 2
+    made, real = [], MemoEnumerator._new
+    monkeypatch.setattr(MemoEnumerator, "_new", lambda self, *a: made.append(
+        late.calls > late.after) or real(self, *a))
+    assert B.enumerate_layout(late, lay, infos, False) == []
+    assert made and not made[-1] and sum(made) == 0
