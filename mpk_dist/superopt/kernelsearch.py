@@ -33,6 +33,9 @@ class KernelSearch:
     # unpruned canonical phase: list and take a subset's custom ops layout by layout (False: the
     # whole subset first, as before the sixteenth session; kept for the comparison test)
     by_layout = True
+    # unpruned, with a pool: a depth that is not the last starts the next depth's first
+    # first-op listings on the pool (``_prefetch_next_depth``; False: as before, for the test)
+    prefetch_next = True
 
     def __init__(self, ctx: Context, catalog: BlockCatalog, bound: float = math.inf,
                  verify=None, lanes=None) -> None:
@@ -54,6 +57,8 @@ class KernelSearch:
 
     def run(self, max_ops: int) -> dict:
         """Explore graphs of up to ``max_ops`` kernel ops; returns {key: UGraph}."""
+        if self.prefetch_next:
+            self._prefetch_next_depth(max_ops)
         self._dfs(dict(self.inputs), [], None, max_ops, 0.0)
         if self.lanes is not None:
             self.lanes.drain(self)
@@ -144,10 +149,35 @@ class KernelSearch:
         if pending and self.bound < math.inf:
             yield from self._best_first(tensors, ops, prev, dangling, budget, spent, pending)
 
-    def _prefetch_subsets(self, tensors: dict, upcoming) -> None:
+    def _prefetch_next_depth(self, max_ops: int) -> None:
+        """Unpruned, with a pool, before a depth that is not the last: start the listings the
+        next depth's canonical phase asks for first (the layouts of its first input subsets, in
+        its order: ``_prefetch_subsets``) on ``processes - 1`` workers, so that the main process
+        keeps a core for this depth.
+
+        NOTE: the last op of a depth runs in the main process and the pool waits (qk_norm_rope's
+        depth 1: 64-79 s, one of the 2 cores idle; the lanes start at depth 2), and the next
+        depth's first listing over Q took 77-140 s CPU from ~140 s on (eighteenth session). A
+        prefetched listing is the one the next depth would make (no limit: it serves any later
+        request, ``catalog.layout_options``); if that depth asks for none of them (a verified
+        graph cuts them, or the depth is skipped), only pool time was spent."""
+        config = self.ctx.config
+        if config.prune or self.catalog.pool is None or max_ops >= config.max_kernel_ops:
+            return
+        tensors = dict(self.inputs)
+        # the next depth's subsets: the same ``_subsets`` call as its ``_ordered`` at the root
+        upcoming = deque(subset for subset, _ in
+                         self._subsets(tensors, list(tensors), None, False, set(), 0.0))
+        before = self.catalog.in_flight()
+        self._prefetch_subsets(tensors, upcoming, self.catalog.processes - 1)
+        n = self.catalog.in_flight() - before
+        self.ctx.counts["next_depth_prefetched"] = \
+            self.ctx.counts.get("next_depth_prefetched", 0) + n
+
+    def _prefetch_subsets(self, tensors: dict, upcoming, limit: int | None = None) -> None:
         """Unpruned, canonical phase: keep the pool busy with the layouts of the subsets listed
-        next (``upcoming``, in canonical order), 2 per process in flight, as ``_prefetch_ahead``
-        does in the best-first phase.
+        next (``upcoming``, in canonical order), ``limit`` (default 2 per process) in flight, as
+        ``_prefetch_ahead`` does in the best-first phase.
 
         NOTE: each subset's layouts were enumerated only when the subset came up, and the main
         process waited for its slowest layout: at most a subset's layouts (7 for Q) ran at once
@@ -156,7 +186,7 @@ class KernelSearch:
         never asks for only cost pool time."""
         if self.ctx.config.prune or self.catalog.pool is None:
             return  # the pruned search lists as before (the one production runs)
-        limit = 2 * self.catalog.processes
+        limit = 2 * self.catalog.processes if limit is None else limit
         for subset in upcoming:
             for k in range(len(self.catalog.layouts(subset, tensors))):
                 if self.catalog.in_flight() >= limit:

@@ -178,3 +178,40 @@ def _early(events) -> int:
         elif e[0] == "take" and e[1] in seen and len(seen[e[1]][0]) < seen[e[1]][1]:
             n += 1
     return n
+
+
+def test_unpruned_depth_prefetches_the_next_depths_first_listing(monkeypatch):
+    """Unpruned with a pool, depth 1 starts depth 2's first first-op listing on one worker
+    (``KernelSearch._prefetch_next_depth``: the pool sat idle while depth 1's last op ran in the
+    main process); depth 2 then lists it first, and both depths find the same complete graphs
+    as without the prefetch and as in one process."""
+    from mpk_dist.superopt.catalog import BlockCatalog, _listing_key
+    from mpk_dist.superopt.kernelsearch import KernelSearch
+
+    target = analyze(build("silu_mul_linear", {"M": 2, "I": 64, "N": 32}))
+    config = SearchConfig(max_kernel_ops=2, max_block_ops=2, prune=False)
+    listed = BlockCatalog.layout_options
+
+    def depths(prefetch: bool, procs: int):
+        first: list = []
+
+        def logged(self, subset, k, infos, final, limit=None):
+            if not final and not first:
+                first.append(_listing_key(final, subset, infos, k))
+            return listed(self, subset, k, infos, final, limit)
+
+        with monkeypatch.context() as m:
+            m.setattr(KernelSearch, "prefetch_next", prefetch)
+            m.setattr(BlockCatalog, "layout_options", logged)
+            ctx = Context(target, config, time.monotonic() + 120)
+            with BlockCatalog(ctx, procs) as cat:
+                one = KernelSearch(ctx, cat).run(1)
+                early = set(cat.pending)
+                two = KernelSearch(ctx, cat).run(2)
+        assert not ctx.timed_out()
+        return sorted(one), sorted(two), early, first, ctx.counts.get("next_depth_prefetched", 0)
+
+    one, two, early, first, n = depths(True, 2)
+    assert two and n == 1 and early == set(first)  # the one depth 2 listed first
+    for off in (depths(False, 2), depths(True, 1)):
+        assert off[:2] == (one, two) and off[4] == 0
