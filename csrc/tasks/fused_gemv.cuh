@@ -111,6 +111,13 @@ struct Epi {
   }
 };
 
+// Phase marks of the batch-1 GEMV tile (trace_marks.cuh; the same slots as linear_mma.cuh's): the weight loop
+// starts (a fused kind's prologue is done and its operand rows staged), and thread 0's warp has summed its rows
+// (its own progress; the tile's other warps may still stream). From them the trace says how a linear level's
+// run splits into prologue, stream and tail.
+constexpr int kMarkGemvStart = kMarkMmaStart;
+constexpr int kMarkGemvWarp0Done = kMarkMmaStreamed;
+
 // NOTE: not inlined: one copy per batch serves all three fused kinds (inlined at each call site it
 // tripled the batch-16 kernel's build time); the call costs nothing next to a tile's weight stream.
 template <int B, int R, class XS, class EpiT>
@@ -126,6 +133,7 @@ __device__ __noinline__ void gemv_tile(const XS xs, const bf16* __restrict__ w, 
     return;
   }
   const int warp = tid >> 5, lane = tid & 31, nwarps = nt >> 5;
+  if constexpr (B == 1) trace_mark(kMarkGemvStart, tid);  // trace: the weight loop starts
   constexpr bool kAhead = B == 1 && MPK_LOAD_AHEAD;  // x before its use (same bits)
   for (int n0 = warp * R; n0 < n_tile; n0 += nwarps * R) {
     float acc[R][B];
@@ -172,6 +180,7 @@ __device__ __noinline__ void gemv_tile(const XS xs, const bf16* __restrict__ w, 
         if (lane == (b & 31) && n0 + r < n_tile) epi(b, n0 + r, s);
       }
   }
+  if constexpr (B == 1) trace_mark(kMarkGemvWarp0Done, tid);  // trace: thread 0's warp has summed its rows
 }
 
 // The fused kinds' GEMV (hand-written and generated bodies alike): tensor-core tiles for batch >= 2 under
