@@ -340,9 +340,10 @@ class MemoEnumerator:
         return root
 
     # NOTE (``_deadline``): ``_body`` and ``_post`` check the deadline before each op, not only
-    # before a state's ops: a state's ops and their new child states still ran after the
-    # deadline in every frame of the recursion (a first-op layout of qk_norm_rope's Q: 26 s past
-    # it, eighteenth session). Nothing of an enumeration that ran into the deadline is kept: its
+    # before a state's ops, and ``_join`` before it copies a child's completions: a state's ops
+    # and their child states still ran after the deadline in every frame of the recursion, and
+    # each frame still joined its child's (partial, up to ~10^6) completions (a first-op layout
+    # of qk_norm_rope's Q: 26-40 s past it, eighteenth session). Nothing of an enumeration that ran into the deadline is kept: its
     # two callers list nothing from it (``blocksearch.enumerate_layout`` returns no structures,
     # a ``blockshare.SharedFinal`` keeps no graphs), so where it stops changes no listing.
 
@@ -518,6 +519,8 @@ class MemoEnumerator:
         (ids are per distinct descriptor), they are added in the same order, and a completion's
         result nodes are its ops' nodes. ``desc`` itself is never in a child's completion: its
         node ``x`` would be among the completion's nodes, and then it repeats itself."""
+        if self.ctx.timed_out():
+            return  # nothing of a run past the deadline is kept (``_deadline``)
         fpid, dfp, dnode = self.fpid, self.desc_fpid, self.desc_node
         fx = fpid[x]
         di = self._did(desc, x)

@@ -130,9 +130,9 @@ def test_a_layout_that_runs_into_the_deadline_lists_nothing(monkeypatch):
 
 
 def test_the_enumeration_makes_no_tensor_past_the_deadline(monkeypatch):
-    """Once the deadline passes, ``MemoEnumerator`` makes no further tensor (``_new``) in any
-    frame of its recursion (each state's loop over ops checks it; before, every frame still ran
-    its remaining ops and their child states), and the layout still lists nothing."""
+    """Once the deadline passes, ``MemoEnumerator`` makes no further tensor (``_new``) and joins
+    no completions (``_join``) in any frame of its recursion (before, every frame still ran its
+    remaining ops, their child states and the joins), and the layout still lists nothing."""
     from mpk_dist.superopt.blockmemo import MemoEnumerator
 
     target = analyze(build("rmsnorm_linear", {"M": 4, "K": 512, "N": 256}))
@@ -143,8 +143,12 @@ def test_the_enumeration_makes_no_tensor_past_the_deadline(monkeypatch):
     assert B.enumerate_layout(full, lay, infos, False)
     late = _LateContext(target, config, 0.0)
     late.after = full.calls // 2
-    made, real = [], MemoEnumerator._new
+    made, joined = [], []
+    real_new, real_did = MemoEnumerator._new, MemoEnumerator._did
     monkeypatch.setattr(MemoEnumerator, "_new", lambda self, *a: made.append(
-        late.calls > late.after) or real(self, *a))
+        late.calls > late.after) or real_new(self, *a))
+    monkeypatch.setattr(MemoEnumerator, "_did", lambda self, *a: joined.append(
+        late.calls > late.after) or real_did(self, *a))
     assert B.enumerate_layout(late, lay, infos, False) == []
-    assert made and not made[-1] and sum(made) == 0
+    assert made and sum(made) == 0  # no tensor made past the deadline
+    assert joined and sum(joined) == 0  # no completion joined past it
