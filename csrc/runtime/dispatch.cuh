@@ -577,48 +577,15 @@ __device__ __noinline__ void attention_prefetch(const TaskView& t, bool bulk, in
 // (a linear tile's weights, an attention tile's older cache rows) into L2, and prime the weight ring
 // (MPK_LINEAR_TMA). planned: the linear tiles' byte count (the host's plan, prefetch_plan.py, or -1: the
 // MPK_PREFETCH_KB cap); the aot worker also calls it for its NEXT task with REC_PREFETCH_NEXT.
-// Once a linear-kind task's inputs are ready (aot, REC_BODY_PREFETCH > 0): bulk L2 prefetch of the next
-// REC_BODY_PREFETCH bytes of its weight block past what prefetch_task pulled before the wait. Why: a fused tile's
-// prologue (the norm statistic, silu of the operand row: qwen3-8b's down 4.1 us, docs/PERF.md v0.18) streams no
-// weights, and the level before it has finished, so HBM idles; fire and forget, the prologue runs meanwhile.
-__device__ __forceinline__ void prefetch_task_body(const RuntimeParams& p, const int32_t* rec, int tid, int nt) {
-  const TaskView t(p, rec);
-  const bf16* w;
-  int K, n_tile;
-  if (t.opcode() == OP_NORM_LINEAR) {
-    w = t.arg<const bf16>(NORM_LINEAR_ARG_W), K = t.param(NORM_LINEAR_PARAM_K), n_tile = t.param(NORM_LINEAR_PARAM_N_TILE);
-  } else if (t.opcode() == OP_SILU_LINEAR) {
-    w = t.arg<const bf16>(SILU_LINEAR_ARG_W), K = t.param(SILU_LINEAR_PARAM_K), n_tile = t.param(SILU_LINEAR_PARAM_N_TILE);
-  } else if (t.opcode() == OP_LINEAR_RESIDUAL) {
-    w = t.arg<const bf16>(LINEAR_RESIDUAL_ARG_W), K = t.param(LINEAR_RESIDUAL_PARAM_K),
-    n_tile = t.param(LINEAR_RESIDUAL_PARAM_N_TILE);
-  } else if (t.opcode() == OP_LINEAR) {
-    w = t.arg<const bf16>(LINEAR_ARG_W), K = t.param(LINEAR_PARAM_K), n_tile = t.param(LINEAR_PARAM_N_TILE);
-  } else {
-    return;
-  }
-  const uint64_t block = (uint64_t)n_tile * K * sizeof(bf16), planned = (uint64_t)rec[REC_PREFETCH];
-  const uint64_t cap = MPK_PREFETCH_KB >= 0 ? (uint64_t)MPK_PREFETCH_KB * 1024 : block;
-  const uint64_t done = (int)rec[REC_PREFETCH] >= 0 ? min(planned, block) : min(cap, block);
-  const uint64_t bytes = min((uint64_t)(uint32_t)rec[REC_BODY_PREFETCH], block - done);
-  if (bytes > 0) prefetch_l2_bulk(reinterpret_cast<const char*>(w) + done, bytes, tid, nt);
-}
-
 __device__ void prefetch_task(const RuntimeParams& p, const int32_t* rec, int planned, int tid, int nt) {
   const TaskView t(p, rec);
   const bool bulk = (rec[REC_FLAGS] & REC_FLAG_BULK_PREFETCH) != 0;
   if (t.opcode() == OP_LINEAR)
     linear_prefetch(t.arg<const bf16>(LINEAR_ARG_W), t.param(LINEAR_PARAM_K), t.param(LINEAR_PARAM_N_TILE), planned,
                     bulk, tid, nt);
-  else if (t.opcode() == OP_NORM_LINEAR) {  // fused linears: the weight block is independent of the waits too
+  else if (t.opcode() == OP_NORM_LINEAR)  // fused linears: the weight block is independent of the waits too
     linear_prefetch(t.arg<const bf16>(NORM_LINEAR_ARG_W), t.param(NORM_LINEAR_PARAM_K),
                     t.param(NORM_LINEAR_PARAM_N_TILE), planned, bulk, tid, nt);
-    // The norm weights (a constant read once a step, so evicted by the weight streams since) are the prologue's
-    // second load; from L2 instead of HBM that round trip is shorter (REC_FLAG_NORM_W_PREFETCH).
-    if (rec[REC_FLAGS] & REC_FLAG_NORM_W_PREFETCH)
-      prefetch_l2(t.arg<const bf16>(NORM_LINEAR_ARG_NORM_W), (uint64_t)t.param(NORM_LINEAR_PARAM_K) * sizeof(bf16),
-                  tid, nt);
-  }
   else if (t.opcode() == OP_LINEAR_RESIDUAL)
     linear_prefetch(t.arg<const bf16>(LINEAR_RESIDUAL_ARG_W), t.param(LINEAR_RESIDUAL_PARAM_K),
                     t.param(LINEAR_RESIDUAL_PARAM_N_TILE), planned, bulk, tid, nt);

@@ -28,7 +28,6 @@ constexpr int REC_PREFETCH = 3;  // planned L2 prefetch bytes (prefetch_plan.py)
 constexpr int REC_NWAITS = 4;
 constexpr int REC_NSIGNALS = 5;
 constexpr int REC_PREFETCH_NEXT = 6;  // aot: bytes of the NEXT record's weight block to prefetch during this wait (0: none)
-constexpr int REC_BODY_PREFETCH = 7;  // aot: weight bytes past REC_PREFETCH's to prefetch once the inputs are ready (0: none)
 constexpr int REC_WAITS = 8;  // REC_MAX_WAITS x (event, step offset, triggers, scope)
 constexpr int REC_WAIT_COLS = 4;
 constexpr int REC_MAX_WAITS = 4;
@@ -47,7 +46,6 @@ constexpr int REC_FLAG_WAITS_INLINE = 2;     // the waits are in the record
 constexpr int REC_FLAG_SIGNALS_INLINE = 4;   // the signals are in the record
 constexpr int REC_FLAG_BULK_PREFETCH = 8;    // L2 prefetches by bulk copies (common.cuh prefetch_l2_bulk)
 constexpr int REC_FLAG_STAGE_KV = 16;        // split-KV tile: its range's cache rows into shared memory first
-constexpr int REC_FLAG_NORM_W_PREFETCH = 32;  // norm_linear: its norm weight vector into L2 before the wait too
 
 // Signal kinds (column 1 of a signal entry).
 constexpr int SIG_KIND_LOCAL = 0;      // this rank's counter, gpu scope

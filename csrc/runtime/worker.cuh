@@ -284,7 +284,6 @@ __device__ void worker_loop_aot(const RuntimeParams& p, BlockState& st, float* s
       worker_barrier(nt);  // hands thread 0's acquired view to every worker thread
       if (st.failed) { stop = true; break; }
       const uint64_t t_ready = globaltimer_ns();
-      if (rec[REC_BODY_PREFETCH] != 0) prefetch_task_body(p, rec, tid, nt);  // HBM idles during the prologue
       uint64_t t_body = 0;
       if (!run_and_signal<false>(p, rec, s, smem, tid, nt, &t_body)) { stop = true; break; }
       if (tid == 0) stream_drain();  // a ring primed for this task but not streamed from (weight_stream.cuh)

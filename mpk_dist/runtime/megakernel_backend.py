@@ -70,9 +70,6 @@ SWITCHES = (
     # the kernel's preferred shared-memory carveout as small as its blocks need, the rest L1 data cache
     # (mpk_dist/runtime/loader.py carveout_percent; launch setting, same binary and bits)
     ("min_carveout", "MPK_MIN_CARVEOUT", False),
-    # norm_linear tiles L2-prefetch their norm weights before the wait as well (the prologue's second load; a
-    # record flag, same binary and bits; csrc/runtime/dispatch.cuh prefetch_task)
-    ("norm_w_prefetch", "MPK_NORM_W_PREFETCH", False),
 )
 """On/off kernel switches read from the environment: (Session keyword, variable, default)."""
 
@@ -483,13 +480,6 @@ def tuning_from_env(worker_threads: int, environ=None) -> dict:
             raise InputError(f"MPK_PREFETCH_LEVEL_KB: expected a cap in KB >= 0 (unset: the kernel's MPK_PREFETCH_KB), "
                              f"got {raw!r}")
         out["prefetch_level_kb"] = int(raw)
-    # aot: linear tiles prefetch this many more KB of their weights once their inputs are ready, while a fused
-    # kind's prologue runs (dispatch.cuh prefetch_task_body; the task records, same binary and bits).
-    raw = env.get("MPK_BODY_PREFETCH_KB", "")
-    if raw:
-        if not raw.isdigit():
-            raise InputError(f"MPK_BODY_PREFETCH_KB: expected KB >= 0 (0 or unset: none), got {raw!r}")
-        out["body_prefetch_kb"] = int(raw)
     # Switches whose key appears only when set away from the default, so the default dict (and every
     # Session built from it) is what it was before the switch existed; a switch whose default depends on the
     # program (None) appears whenever it is set.

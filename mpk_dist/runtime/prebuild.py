@@ -61,7 +61,7 @@ def build_one(case: BuildCase) -> tuple[str, bool, float]:
                                attn_splits=case.attn_splits)[0]
     tuning = tuning_from_env(DEFAULT_WORKER_THREADS)  # the MPK_* knobs a run in this environment would use
     for table_only in ("prefetch_plan", "bulk_prefetch", "prefetch_ahead", "attn_stage_kv", "min_carveout",
-                       "prefetch_level_kb", "body_prefetch_kb", "norm_w_prefetch"):  # not the binary
+                       "prefetch_level_kb"):  # not the binary
         tuning.pop(table_only, None)
     wt = tuning.pop("worker_threads")
     shape = kernel_shape(cg, wt, case.schedule, linear_rows=linear_rows_from_env(),

@@ -79,7 +79,7 @@ class Session:
                  attn_prefetch: bool = True, bulk_prefetch: bool = False, prefetch_ahead: bool = False,
                  attn_stage_kv: bool = False, load_ahead: bool = True, min_carveout: bool = False,
                  weight_evict_first: bool = False,
-                 prefetch_level_kb: int | None = None, body_prefetch_kb: int = 0, norm_w_prefetch: bool = False):
+                 prefetch_level_kb: int | None = None):
         if cg.meta["abi_version"] != ABI_VERSION:
             raise InputError(f"task graph ABI: expected version {ABI_VERSION}, got {cg.meta['abi_version']}")
         tables.check_supported(cg)
@@ -131,9 +131,6 @@ class Session:
         # Record-level switches (no rebuild): bulk-copy prefetches; hoisting needs the aot worker order.
         self.bulk_prefetch, self.prefetch_ahead = bulk_prefetch, prefetch_ahead and schedule == "aot"
         self.prefetch_level_kb = prefetch_level_kb
-        # Record-level: linear tiles prefetch more of their weights once their inputs are ready (aot; the prologue
-        # streams none), norm_linear tiles their norm weights before the wait (dispatch.cuh prefetch_task_body).
-        self.body_prefetch_kb, self.norm_w_prefetch = (body_prefetch_kb if schedule == "aot" else 0), norm_w_prefetch
         self.passes = None  # a PassChannel once enable_passes (persistent passes, pass_io.py)
         self._alloc(weights, num_sched)
 
@@ -185,8 +182,7 @@ class Session:
         plan, ahead = self._prefetch_plan() if self.use_prefetch_plan else (None, None)
         # argument addresses and the plan live here
         records, task_rec = build_records(cg, arg_addr, plan, ahead, bulk_prefetch=self.bulk_prefetch,
-                                          stage_kv=self.stage_kv, body_prefetch=self.body_prefetch_kb * 1024,
-                                          norm_w_prefetch=self.norm_w_prefetch)
+                                          stage_kv=self.stage_kv)
         self.records, self.task_rec = self._dev(records), self._dev(task_rec)
         dep_ptr, dep_task, dep_off = tables.dependents(cg)
         self.deps = [self._dev(dep_ptr), self._dev(dep_task), self._dev(dep_off)]

@@ -19,14 +19,12 @@ from mpk_dist.taskgraph.abi import (ARG_COLS, BUFFER_COLS, EV_SCOPE_SYSTEM, EVEN
 REC_WORDS = 96
 REC_TASK, REC_OPCODE, REC_FLAGS, REC_PREFETCH, REC_NWAITS, REC_NSIGNALS = 0, 1, 2, 3, 4, 5
 REC_PREFETCH_NEXT = 6
-REC_BODY_PREFETCH = 7
 REC_WAITS, REC_WAIT_COLS, REC_MAX_WAITS = 8, 4, 4
 REC_SIGNALS, REC_SIGNAL_COLS, REC_MAX_SIGNALS = 24, 3, 4
 REC_ARGS, REC_MAX_ARGS = 36, 12
 REC_DTYPES = 60
 REC_PARAMS, REC_MAX_PARAMS = 72, 16
 FLAG_SIG_SYS, FLAG_WAITS_INLINE, FLAG_SIGNALS_INLINE, FLAG_BULK_PREFETCH, FLAG_STAGE_KV = 1, 2, 4, 8, 16
-FLAG_NORM_W_PREFETCH = 32
 SIG_KIND_LOCAL, SIG_KIND_SYSTEM, SIG_KIND_ALL_RANKS = 0, 1, 2
 
 CONSTANTS = {name: value for name, value in globals().items()
@@ -34,7 +32,7 @@ CONSTANTS = {name: value for name, value in globals().items()
 """Every layout constant, checked against task_record.cuh in the generated source (``layout_asserts``)."""
 _CUDA_NAME = {"FLAG_SIG_SYS": "REC_FLAG_SIG_SYS", "FLAG_WAITS_INLINE": "REC_FLAG_WAITS_INLINE",
               "FLAG_SIGNALS_INLINE": "REC_FLAG_SIGNALS_INLINE", "FLAG_BULK_PREFETCH": "REC_FLAG_BULK_PREFETCH",
-              "FLAG_STAGE_KV": "REC_FLAG_STAGE_KV", "FLAG_NORM_W_PREFETCH": "REC_FLAG_NORM_W_PREFETCH"}
+              "FLAG_STAGE_KV": "REC_FLAG_STAGE_KV"}
 
 
 def layout_asserts() -> list[str]:
@@ -50,8 +48,7 @@ def _span(begin: np.ndarray, end: np.ndarray, k: int) -> tuple[np.ndarray, np.nd
 
 
 def build_records(cg, arg_addr: np.ndarray, prefetch: np.ndarray | None = None, prefetch_next: np.ndarray | None = None,
-                  bulk_prefetch: bool = False, stage_kv: bool = False, body_prefetch: int = 0,
-                  norm_w_prefetch: bool = False) -> tuple[np.ndarray, np.ndarray]:
+                  bulk_prefetch: bool = False, stage_kv: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """(records int32 [T, REC_WORDS] in worker order, task_rec int32 [T]) of program ``cg``.
 
     ``arg_addr``: uint64 [NA], each argument row resolved to its device address (0: absent);
@@ -59,9 +56,7 @@ def build_records(cg, arg_addr: np.ndarray, prefetch: np.ndarray | None = None, 
     ``prefetch_next``: int32 [T] bytes of the task's aot successor to prefetch during its wait (None: 0,
     prefetch_plan.hoist_ahead); ``bulk_prefetch``: every record's prefetches by bulk copies; ``stage_kv``: the
     split-KV tiles stage their cache rows in shared memory (the launch must have
-    lowering_attention.kv_stage_smem_bytes); ``body_prefetch``: weight bytes each linear-kind tile's aot worker
-    prefetches past its planned prefetch once the inputs are ready (REC_BODY_PREFETCH; 0: none);
-    ``norm_w_prefetch``: norm_linear tiles also prefetch their norm weights before the wait."""
+    lowering_attention.kv_stage_smem_bytes)."""
     tasks, A = cg.arrays["tasks"], cg.arrays
     T = tasks.shape[0]
     order = A["worker_tasks"].astype(np.int64)
@@ -80,16 +75,6 @@ def build_records(cg, arg_addr: np.ndarray, prefetch: np.ndarray | None = None, 
     ev = A["events"]
     trig, scope = ev[:, EVENT_COLS["TRIGGERS"]], ev[:, EVENT_COLS["SCOPE"]]
     flags = np.full(T, FLAG_BULK_PREFETCH if bulk_prefetch else 0, dtype=np.int32)
-    if body_prefetch or norm_w_prefetch:
-        from mpk_dist.runtime.tables import LINEAR_KINDS
-        from mpk_dist.taskgraph.tasks import BY_NAME
-
-        if not 0 <= body_prefetch < 2 ** 31:
-            raise InputError(f"task records: expected body prefetch bytes in [0, 2^31), got {body_prefetch}")
-        linear = np.isin(col("OPCODE"), [BY_NAME[k].opcode for k in LINEAR_KINDS])
-        rec[:, REC_BODY_PREFETCH] = np.where(linear, body_prefetch, 0)
-        if norm_w_prefetch:
-            flags |= np.where(col("OPCODE") == BY_NAME["norm_linear"].opcode, FLAG_NORM_W_PREFETCH, 0).astype(np.int32)
     if stage_kv:
         from mpk_dist.taskgraph.lowering_attention import KV_STAGE_KINDS
         from mpk_dist.taskgraph.tasks import BY_NAME

@@ -14,9 +14,6 @@ the arithmetic, so the logits must equal the default build's bit for bit and sta
 - ``-DMPK_STAGE_ROWS_TOGETHER=0``: the generated fused bodies' staged path row by row (the default computes every
   batch row's norm statistic in one block reduction and issues several rows' operand loads before their stores;
   csrc/tasks/tile_primitives.cuh rows_sum_sq, stage_rows). Also at batch 8 under MPK_LINEAR_MMA=1.
-- Record-level prefetches (same binary): ``MPK_BODY_PREFETCH_KB`` (linear tiles pull more of their weights into L2
-  once their inputs are ready) and ``MPK_NORM_W_PREFETCH=1`` (norm_linear tiles pull their norm weights before the
-  wait); csrc/runtime/dispatch.cuh prefetch_task_body, prefetch_task.
 - ``-DMPK_MMA_X_AHEAD=0`` under MPK_LINEAR_MMA=1, batch 8: the tensor-core tile loads each x vector inside its
   mma loop (the default loads a round's x vectors right after its weights; csrc/tasks/linear_mma.cuh mma_unit).
 
@@ -81,24 +78,5 @@ def test_switch_leaves_the_logits_bitwise(env, gpu_results):
     gives the default build's logits bit for bit, batch 1."""
     variant, default = megakernel_with_env(NAME, env), megakernel_with_env(NAME, {})
     assert variant.session(1).build.path != default.session(1).build.path, f"{env} did not make another binary"
-    check_bitwise(f"{env} vs default, {NAME} b1 prompt {PROMPT}", NAME, variant, default,
-                  forced_request(NAME, PROMPT, STEPS, 1, 70), gpu_results)
-
-
-RECORD_PREFETCHES = [{"MPK_BODY_PREFETCH_KB": "256"}, {"MPK_NORM_W_PREFETCH": "1"}]
-
-
-@pytest.mark.parametrize("env", RECORD_PREFETCHES, ids=lambda e: ",".join(f"{k}={v}" for k, v in e.items()))
-def test_record_prefetch_leaves_the_logits_bitwise(env, gpu_results):
-    """A prefetch set in the task records (the same binary) only moves bytes into L2 earlier: the default's
-    logits bit for bit, batch 1, with the field on some records (else the run compared nothing)."""
-    from mpk_dist.runtime import task_records as R
-
-    variant, default = megakernel_with_env(NAME, env), megakernel_with_env(NAME, {})
-    sv, sd = variant.session(1), default.session(1)
-    assert sv.build.path == sd.build.path, f"{env} made another binary (it is a record field)"
-    on = lambda recs: int(((recs[:, R.REC_BODY_PREFETCH] != 0) |  # noqa: E731
-                           ((recs[:, R.REC_FLAGS] & R.FLAG_NORM_W_PREFETCH) != 0)).sum())
-    assert on(sv.records.cpu()) > 0 and on(sd.records.cpu()) == 0
     check_bitwise(f"{env} vs default, {NAME} b1 prompt {PROMPT}", NAME, variant, default,
                   forced_request(NAME, PROMPT, STEPS, 1, 70), gpu_results)

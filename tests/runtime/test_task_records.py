@@ -125,29 +125,3 @@ def test_host_constants_equal_the_cuda_header():
     assert R.REC_WORDS * 4 % 16 == 0 and (R.REC_ARGS * 4) % 8 == 0  # 16-byte copies, aligned 64-bit addresses
     assert R.REC_PARAMS + R.REC_MAX_PARAMS <= R.REC_WORDS
     assert 'static_assert(mpk::REC_WORDS == 96' in layout_asserts()
-
-
-@pytest.mark.parametrize("body,norm_w", [(128 * 1024, False), (0, True), (64 * 1024, True)])
-def test_body_and_norm_weight_prefetch_mark_the_linear_tiles_only(body, norm_w):
-    """MPK_BODY_PREFETCH_KB / MPK_NORM_W_PREFETCH (csrc/runtime/dispatch.cuh prefetch_task_body, prefetch_task):
-    REC_BODY_PREFETCH holds the bytes on every linear-kind tile and 0 elsewhere, the norm-weight flag is on the
-    norm_linear tiles only, both are off by default, and nothing else in a record moves."""
-    from mpk_dist.runtime.tables import LINEAR_KINDS
-    from mpk_dist.taskgraph.tasks import BY_NAME
-
-    cg = _program("tiny", 1)
-    base, task_rec = R.build_records(cg, _addrs(cg))
-    rec, _ = R.build_records(cg, _addrs(cg), body_prefetch=body, norm_w_prefetch=norm_w)
-    op = cg.arrays["tasks"][:, TASK_COLS["OPCODE"]][np.argsort(task_rec)]  # per record row
-    linear = np.isin(op, [BY_NAME[k].opcode for k in LINEAR_KINDS])
-    norm = op == BY_NAME["norm_linear"].opcode
-    assert linear.sum() > norm.sum() > 0
-    assert not base[:, R.REC_BODY_PREFETCH].any() and not (base[:, R.REC_FLAGS] & R.FLAG_NORM_W_PREFETCH).any()
-    assert (rec[linear, R.REC_BODY_PREFETCH] == body).all() and not rec[~linear, R.REC_BODY_PREFETCH].any()
-    flagged = (rec[:, R.REC_FLAGS] & R.FLAG_NORM_W_PREFETCH) != 0
-    assert np.array_equal(flagged, norm & norm_w)
-    rec[:, R.REC_BODY_PREFETCH] = 0
-    rec[:, R.REC_FLAGS] &= ~R.FLAG_NORM_W_PREFETCH
-    assert np.array_equal(rec, base)
-    with pytest.raises(InputError):
-        R.build_records(cg, _addrs(cg), body_prefetch=-1)
