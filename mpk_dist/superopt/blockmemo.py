@@ -340,10 +340,12 @@ class MemoEnumerator:
         return root
 
     # NOTE (``_deadline``): ``_body`` and ``_post`` check the deadline before each op, not only
-    # before a state's ops, and ``_join`` before it copies a child's completions: a state's ops
-    # and their child states still ran after the deadline in every frame of the recursion, and
-    # each frame still joined its child's (partial, up to ~10^6) completions (a first-op layout
-    # of qk_norm_rope's Q: 26-40 s past it, eighteenth session). Nothing of an enumeration that ran into the deadline is kept: its
+    # before a state's ops, ``_join`` before it copies a child's completions, and ``structures``
+    # every 4096 graphs: a state's ops and their child states still ran after the deadline in
+    # every frame of the recursion, each frame still joined its child's partial completions, and
+    # a finished enumeration was put in canonical order whole (qk_norm_rope's first-op layout
+    # "none" of Q: 1.9 M graphs enumerated in 72 s, then more than 70 s of canonical orders; the
+    # pool worker ran 26-60 s past the deadline, eighteenth session). Nothing of an enumeration that ran into the deadline is kept: its
     # two callers list nothing from it (``blocksearch.enumerate_layout`` returns no structures,
     # a ``blockshare.SharedFinal`` keeps no graphs), so where it stops changes no listing.
 
@@ -361,7 +363,12 @@ class MemoEnumerator:
 
         if keep is not None:
             graphs = [ops for ops in graphs if keep(self._output_tiles(ops))]
-        out = [Structure(self.layout, *canonical_order(ops)) for ops in graphs]
+        out = []
+        timed_out = self.ctx.timed_out
+        for i, ops in enumerate(graphs):
+            if not i & 4095 and timed_out():
+                return []  # (``_deadline``) qk_norm_rope's Q, layout "none": 1.9 M graphs
+            out.append(Structure(self.layout, *canonical_order(ops)))
         out.sort(key=lambda s: (s.body, s.post, s.outputs))
         return out
 

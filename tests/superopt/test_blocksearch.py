@@ -152,3 +152,26 @@ def test_the_enumeration_makes_no_tensor_past_the_deadline(monkeypatch):
     assert B.enumerate_layout(late, lay, infos, False) == []
     assert made and sum(made) == 0  # no tensor made past the deadline
     assert joined and sum(joined) == 0  # no completion joined past it
+
+
+def test_a_finished_enumeration_is_not_put_in_order_past_the_deadline(monkeypatch):
+    """The deadline passing after the enumeration but before its graphs are put in canonical
+    order (``MemoEnumerator.structures``, checked every 4096 graphs: qk_norm_rope's layout
+    "none" of Q has 1.9 M) lists nothing and orders none of them."""
+    from mpk_dist.superopt import blockmemo
+
+    target = analyze(build("rmsnorm_linear", {"M": 4, "K": 512, "N": 256}))
+    infos = input_infos(target)
+    config = SearchConfig(max_kernel_ops=2, max_block_ops=3, prune=False)
+    lay = next(lay for lay in B.layouts(("X", "G"), infos, 1) if lay.loop_sym == "k")
+    entry, real = [], blockmemo.MemoEnumerator.structures
+    monkeypatch.setattr(blockmemo.MemoEnumerator, "structures", lambda self, *a: entry.append(
+        self.ctx.calls) or real(self, *a))
+    full = _LateContext(target, config, 0.0)
+    assert B.enumerate_layout(full, lay, infos, False)
+    late = _LateContext(target, config, 0.0)
+    late.after = entry[0]  # every check of the enumeration passes, the first one after fails
+    ordered, order = [], blockmemo.canonical_order
+    monkeypatch.setattr(blockmemo, "canonical_order", lambda ops: ordered.append(1) or order(ops))
+    assert B.enumerate_layout(late, lay, infos, False) == []
+    assert late.counts["states"] == full.counts["states"] and not ordered
