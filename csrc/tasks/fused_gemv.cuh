@@ -115,6 +115,11 @@ struct Epi {
 // starts (a fused kind's prologue is done and its operand rows staged), and thread 0's warp has summed its rows
 // (its own progress; the tile's other warps may still stream). From them the trace says how a linear level's
 // run splits into prologue, stream and tail.
+// Off by default: the two timer reads a tile cost qwen3-0.6b 0.7% a step (1.166 / 1.167 vs 1.159 / 1.157 ms; qwen3-8b
+// 0.2%, docs/PERF.md v0.18). Traces that want them build with MPK_NVCC_EXTRA_FLAGS=-DMPK_GEMV_MARKS=1.
+#ifndef MPK_GEMV_MARKS
+#define MPK_GEMV_MARKS 0
+#endif
 constexpr int kMarkGemvStart = kMarkMmaStart;
 constexpr int kMarkGemvWarp0Done = kMarkMmaStreamed;
 
@@ -133,7 +138,7 @@ __device__ __noinline__ void gemv_tile(const XS xs, const bf16* __restrict__ w, 
     return;
   }
   const int warp = tid >> 5, lane = tid & 31, nwarps = nt >> 5;
-  if constexpr (B == 1) trace_mark(kMarkGemvStart, tid);  // trace: the weight loop starts
+  if constexpr (B == 1 && MPK_GEMV_MARKS) trace_mark(kMarkGemvStart, tid);  // trace: the weight loop starts
   constexpr bool kAhead = B == 1 && MPK_LOAD_AHEAD;  // x before its use (same bits)
   for (int n0 = warp * R; n0 < n_tile; n0 += nwarps * R) {
     float acc[R][B];
@@ -180,7 +185,7 @@ __device__ __noinline__ void gemv_tile(const XS xs, const bf16* __restrict__ w, 
         if (lane == (b & 31) && n0 + r < n_tile) epi(b, n0 + r, s);
       }
   }
-  if constexpr (B == 1) trace_mark(kMarkGemvWarp0Done, tid);  // trace: thread 0's warp has summed its rows
+  if constexpr (B == 1 && MPK_GEMV_MARKS) trace_mark(kMarkGemvWarp0Done, tid);  // trace: thread 0's warp has summed its rows
 }
 
 // The fused kinds' GEMV (hand-written and generated bodies alike): tensor-core tiles for batch >= 2 under
