@@ -345,9 +345,10 @@ class MemoEnumerator:
     # every frame of the recursion, each frame still joined its child's partial completions, and
     # a finished enumeration was put in canonical order whole (qk_norm_rope's first-op layout
     # "none" of Q: 1.9 M graphs enumerated in 72 s, then more than 70 s of canonical orders; the
-    # pool worker ran 26-60 s past the deadline, eighteenth session). Nothing of an enumeration that ran into the deadline is kept: its
-    # two callers list nothing from it (``blocksearch.enumerate_layout`` returns no structures,
-    # a ``blockshare.SharedFinal`` keeps no graphs), so where it stops changes no listing.
+    # pool worker ran up to 75 s past the deadline, eighteenth session). Nothing of an
+    # enumeration that ran into the deadline is kept: its two callers list nothing from it
+    # (``blocksearch.enumerate_layout`` returns no structures, a ``blockshare.SharedFinal`` keeps
+    # no graphs), so where it stops changes no listing.
 
     def ops_of(self, key: tuple) -> tuple:
         """The op descriptors of a completion key (in id order; every use of a graph's op set

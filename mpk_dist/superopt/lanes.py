@@ -22,11 +22,11 @@ the pruned search, the one production runs, is unchanged.
 Which lane: the first ops that need the same last-op signatures should meet in few lanes (each
 lane builds its own signatures), but spread over enough lanes to keep all of them busy. A first
 op's *route* (``route_of``: the types of the tensors its last op must read and may read) has a
-list of home lanes; it goes to the least loaded
-of them (first ops handed over and not yet recorded) unless that lane has more than ``spill``
-first ops more than the least loaded lane overall, which then joins the route's homes (64: a
-lane's backlog of 64 first ops takes about as long as building a few signatures; with 16, 8
-lanes on 2 cores built 937 signatures in 240 s where one lane per route built 481).
+list of home lanes; it goes to the least loaded of them (first ops handed over and not yet
+recorded) unless that lane has more than ``spill`` first ops more than the least loaded lane
+overall, which then joins the route's homes (64: a lane's backlog of 64 first ops takes about
+as long as building a few signatures; with 16, 8 lanes on 2 cores built 937 signatures in 240 s
+where one lane per route built 481).
 NOTE: until the fourteenth session a route had one lane (``hash(route) % n``): attention_decode
 has few routes, and with 8 lanes one lane did 45 s of 105 s of lane CPU time, one none, and the
 main process waited 118 s of 241 s for lane results. A lane with nothing in flight gets a first op
