@@ -149,6 +149,11 @@ def _median_arg(events: list[dict], key: str) -> float | None:
     return float(np.median(vals)) if vals else None
 
 
+def _cell(value: float | None, width: int) -> str:
+    """A right-aligned 2-decimal column, blank where no tile set the value."""
+    return " " * width if value is None else f"{value:>{width}.2f}"
+
+
 def format_levels(rows: list[dict]) -> str:
     """``levels`` as a table; the phase-mark columns (median time from the run's start to mark k) appear
     when some op's tiles set marks."""
@@ -160,9 +165,8 @@ def format_levels(rows: list[dict]) -> str:
         mk = [r["mark_median_us"][k] for k in marks]
         out.append(f"{r['op']:<22}{r['kind']:<16}{r['tasks']:>6}{r['start_us']:>11.1f}{r['end_us'] - r['start_us']:>8.2f}"
                    f"{r['run_median_us']:>9.2f}{r['start_spread_us']:>10.2f}{r['end_spread_us']:>9.2f}{gap:>7}"
-                   f"{r.get('wait_median_us', 0.0):>9.2f}"
-                   + ("".rjust(9) if r.get("prep_median_us") is None else f"{r['prep_median_us']:>9.2f}")
-                   + "".join("" .rjust(8) if m is None else f"{m:>8.2f}" for m in mk))
+                   f"{r['wait_median_us']:>9.2f}{_cell(r['prep_median_us'], 9)}"
+                   + "".join(_cell(m, 8) for m in mk))
     return "\n".join(out)
 
 
