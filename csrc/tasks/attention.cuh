@@ -58,58 +58,20 @@ __device__ __forceinline__ void attn_warp_init(const bf16* q, int D, int G, int 
   }
 }
 
-// MPK_WALK_AHEAD 1: a warp loads the k and v rows of kWalkAhead of its positions before it updates its softmax
-// with the first, and a lane loads its ME elements of a row as one vector where the row allows (epl == ME,
-// aligned). Why: a position's row loads otherwise wait for the previous position's update (warp sums, two
-// expf), one memory round trip per position of the warp: 2 of them in a batch-1 split tile (32 positions,
-// 16 warps), whose walk the trace puts at ~4.3 us (docs/PERF.md v0.18). Same values, same order of
-// updates: the same bits. 0: one position and one element at a time, for the A/B.
-#ifndef MPK_WALK_AHEAD
-#define MPK_WALK_AHEAD 1
-#endif
-constexpr int kWalkAhead = 2;
-// Instances whose per-lane arrays (MG x ME accumulators) are at most this walk ahead: in the larger ones (G or
-// epl of 8, which no qwen3 / llama3 shape has) the second position's rows made ptxas spill, and the kernel
-// entry's stack frame grew past the CI tripwire (tests/runtime/test_attn_prep_build.py).
-constexpr int kWalkAheadMaxRegs = 16;  // positions a warp loads at once: a batch-1 split tile's 32 positions / 16 warps
-
-// A lane's elements lane * epl + i (i < ME) of one k or v row, as fp32 (0 outside the row).
-template <int ME>
-__device__ __forceinline__ void attn_row_load(const bf16* r, int D, int lane, float (&f)[ME]) {
+// One cache position (k and v rows at kr, vr): fp32 score per head, then the online-softmax update.
+template <int MG, int ME>
+__device__ __forceinline__ void attn_warp_step(const float (&qv)[MG][ME], const bf16* kr, const bf16* vr, int D, int G,
+                                               float scale, int lane, float (&acc)[MG][ME], float (&m)[MG],
+                                               float (&l)[MG]) {
   const int epl = (D + 31) / 32;
-  if constexpr (MPK_WALK_AHEAD && (ME == 2 || ME == 4 || ME == 8)) {
-    // ME bf16 = 4, 8 or 16 bytes at lane * ME: one load when the lane's elements are exactly its ME slots
-    if (epl == ME && lane * ME + ME <= D && (reinterpret_cast<uintptr_t>(r + lane * ME) & (ME * sizeof(bf16) - 1)) == 0) {
-      uint32_t w[ME / 2];  // bf16 pairs, element 2i in the low half
-      if constexpr (ME == 2) {
-        w[0] = *reinterpret_cast<const uint32_t*>(r + lane * ME);
-      } else if constexpr (ME == 4) {
-        const uint2 v = *reinterpret_cast<const uint2*>(r + lane * ME);
-        w[0] = v.x; w[1] = v.y;
-      } else {
-        const uint4 v = *reinterpret_cast<const uint4*>(r + lane * ME);
-        w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;
-      }
-#pragma unroll
-      for (int i = 0; i < ME / 2; ++i) {  // a bf16 is the high half of its fp32: bf2f's exact value
-        f[2 * i] = __uint_as_float(w[i] << 16);
-        f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
-      }
-      return;
-    }
-  }
+  float kv[ME], vv[ME];
 #pragma unroll
   for (int i = 0; i < ME; ++i) {
     const int d = lane * epl + i;
-    f[i] = (i < epl && d < D) ? bf2f(r[d]) : 0.f;
+    const bool in = i < epl && d < D;
+    kv[i] = in ? bf2f(kr[d]) : 0.f;
+    vv[i] = in ? bf2f(vr[d]) : 0.f;
   }
-}
-
-// The online-softmax update with one position's k and v elements (kv, vv from attn_row_load).
-template <int MG, int ME>
-__device__ __forceinline__ void attn_warp_update(const float (&qv)[MG][ME], const float (&kv)[ME],
-                                                 const float (&vv)[ME], int G, float scale, float (&acc)[MG][ME],
-                                                 float (&m)[MG], float (&l)[MG]) {
 #if MPK_ATTN_GUARD_HEADS
 #pragma unroll
   for (int j = 0; j < MG; ++j) {
@@ -148,45 +110,6 @@ __device__ __forceinline__ void attn_warp_update(const float (&qv)[MG][ME], cons
     m[j] = mn;
   }
 #endif
-}
-
-// One cache position (k and v rows at kr, vr): fp32 score per head, then the online-softmax update.
-template <int MG, int ME>
-__device__ __forceinline__ void attn_warp_step(const float (&qv)[MG][ME], const bf16* kr, const bf16* vr, int D, int G,
-                                               float scale, int lane, float (&acc)[MG][ME], float (&m)[MG],
-                                               float (&l)[MG]) {
-  float kv[ME], vv[ME];
-  attn_row_load<ME>(kr, D, lane, kv);
-  attn_row_load<ME>(vr, D, lane, vv);
-  attn_warp_update<MG, ME>(qv, kv, vv, G, scale, acc, m, l);
-}
-
-// The warp's positions t = begin, begin + step, ... < end in order; row(t, kr, vr) gives position t's k and v
-// rows. With MPK_WALK_AHEAD, kWalkAhead positions' rows are loaded before the first of them is used.
-template <int MG, int ME, class RowAt>
-__device__ __forceinline__ void attn_warp_walk(const float (&qv)[MG][ME], const RowAt& row, int begin, int end,
-                                               int step, int D, int G, float scale, int lane, float (&acc)[MG][ME],
-                                               float (&m)[MG], float (&l)[MG]) {
-  int t = begin;
-  if constexpr (MPK_WALK_AHEAD && MG * ME <= kWalkAheadMaxRegs) {
-    for (; t + (kWalkAhead - 1) * step < end; t += kWalkAhead * step) {  // whole groups: no guard between loads
-      float kv[kWalkAhead][ME], vv[kWalkAhead][ME];
-#pragma unroll
-      for (int a = 0; a < kWalkAhead; ++a) {
-        const bf16 *kr, *vr;
-        row(t + a * step, kr, vr);
-        attn_row_load<ME>(kr, D, lane, kv[a]);
-        attn_row_load<ME>(vr, D, lane, vv[a]);
-      }
-#pragma unroll
-      for (int a = 0; a < kWalkAhead; ++a) attn_warp_update<MG, ME>(qv, kv[a], vv[a], G, scale, acc, m, l);
-    }
-  }
-  for (; t < end; t += step) {
-    const bf16 *kr, *vr;
-    row(t, kr, vr);
-    attn_warp_step<MG, ME>(qv, kr, vr, D, G, scale, lane, acc, m, l);
-  }
 }
 
 // A warp's state as G entries of (acc[0..D), m, l), `entry` floats apart (shared memory for the block merge,
@@ -259,10 +182,8 @@ __device__ __noinline__ void attention_seq(const bf16* q, const bf16* kc, const 
   const int warp = tid >> 5, lane = tid & 31, nwarps = nt >> 5;
   float qv[MG][ME], acc[MG][ME], m[MG], l[MG];
   attn_warp_init<MG, ME>(q, D, G, lane, qv, acc, m, l);
-  attn_warp_walk<MG, ME>(qv, [&](int t, const bf16*& kr, const bf16*& vr) {
-    kr = kc + (size_t)t * kv_ps;
-    vr = vc + (size_t)t * kv_ps;
-  }, warp, n_pos, nwarps, D, G, scale, lane, acc, m, l);
+  for (int t = warp; t < n_pos; t += nwarps)
+    attn_warp_step<MG, ME>(qv, kc + (size_t)t * kv_ps, vc + (size_t)t * kv_ps, D, G, scale, lane, acc, m, l);
   attn_warp_store<MG, ME>(acc, m, l, smem + (size_t)warp * G * (D + 2), D, G, D + 2, lane);
   worker_barrier(nt);
   for (int idx = tid; idx < G * D; idx += nt) {

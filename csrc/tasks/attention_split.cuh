@@ -96,11 +96,12 @@ __device__ __forceinline__ void split_warp_partial(const bf16* q, const bf16* kc
                                                    const KvStage& stage = KvStage()) {
   float qv[MG][ME];
   attn_warp_init<MG, ME>(q, D, G, lane, qv, st.acc, st.m, st.l);
-  attn_warp_walk<MG, ME>(qv, [&](int t, const bf16*& kr, const bf16*& vr) {
+  for (int t = begin; t < end; t += step) {
     const bool staged = t < stage.end;  // stage.begin <= begin: a staged range starts at the tile's first row
-    kr = staged ? stage.k + (size_t)(t - stage.begin) * D : kc + (size_t)t * kv_ps;
-    vr = staged ? stage.v + (size_t)(t - stage.begin) * D : vc + (size_t)t * kv_ps;
-  }, begin, end, step, D, G, scale, lane, st.acc, st.m, st.l);
+    const bf16* kr = staged ? stage.k + (size_t)(t - stage.begin) * D : kc + (size_t)t * kv_ps;
+    const bf16* vr = staged ? stage.v + (size_t)(t - stage.begin) * D : vc + (size_t)t * kv_ps;
+    attn_warp_step<MG, ME>(qv, kr, vr, D, G, scale, lane, st.acc, st.m, st.l);
+  }
 }
 
 // Staged path for one sequence: warps split the range, merged through shared memory into `out`.

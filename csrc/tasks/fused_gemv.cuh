@@ -35,59 +35,41 @@ struct XRows {
   __device__ __forceinline__ uint4 load8(int b, int k) const { return ld_act_v4(x + (size_t)b * ld + k); }
 };
 
-// The raw bytes of 8 values of a prologue's inputs (Row::fetch) and the values computed from them (Row::finish):
-// apart, so stage_row can issue several vectors' loads before the first computation (see MPK_PROLOGUE_AHEAD).
-struct NormRaw {
-  float4 a, c;  // x[k..k+7], fp32
-  uint4 w;      // nw[k..k+7], bf16
-};
-struct SiluRaw {
-  uint4 g, u;  // gate[k..k+7], up[k..k+7], bf16
-};
-
 // The 8 normalised values w[k+i] * bf16(x[k+i] * r) of one fp32 row, each rounded to bf16 (rms_norm.cuh).
-__device__ __forceinline__ uint4 norm8(const NormRaw& raw, float r) {
-  const float f[8] = {raw.a.x, raw.a.y, raw.a.z, raw.a.w, raw.c.x, raw.c.y, raw.c.z, raw.c.w};
+__device__ __forceinline__ uint4 norm8(const float* xr, const bf16* nw, float r, int k) {
+  const float4 a = *reinterpret_cast<const float4*>(xr + k), c = *reinterpret_cast<const float4*>(xr + k + 4);
+  const float f[8] = {a.x, a.y, a.z, a.w, c.x, c.y, c.z, c.w};
   float g[8];
-  unpack8(raw.w, g);
+  unpack8(ld_stream_v4(nw + k), g);
   __align__(16) bf16 o[8];
 #pragma unroll
   for (int i = 0; i < 8; ++i) o[i] = f2bf(g[i] * round_bf(f[i] * r));
   return *reinterpret_cast<const uint4*>(o);
 }
 
-// The 8 values bf16(bf16(silu(gate)) * up) of silu_mul.cuh.
-__device__ __forceinline__ uint4 silu8(const SiluRaw& raw) {
+// The 8 values bf16(bf16(silu(gate)) * up) of silu_mul.cuh, gate at g[k..], up at g[up + k..].
+__device__ __forceinline__ uint4 silu8(const bf16* g, int up, int k) {
   float fg[8], fu[8];
-  unpack8(raw.g, fg);
-  unpack8(raw.u, fu);
+  unpack8(ld_act_v4(g + k), fg);
+  unpack8(ld_act_v4(g + up + k), fu);
   __align__(16) bf16 o[8];
 #pragma unroll
   for (int i = 0; i < 8; ++i) o[i] = f2bf(silu_bf(fg[i]) * fu[i]);
   return *reinterpret_cast<const uint4*>(o);
 }
 
-// One input row with its prologue computed per element (the fallback path, gemv_rowwise) or staged (stage_row).
+// One input row with its prologue computed per element (the fallback path, gemv_rowwise).
 struct NormRow {
   const float* x;
   const bf16* nw;
   float r;
-  using Raw = NormRaw;
-  __device__ __forceinline__ Raw fetch(int k) const {
-    return {*reinterpret_cast<const float4*>(x + k), *reinterpret_cast<const float4*>(x + k + 4), ld_stream_v4(nw + k)};
-  }
-  __device__ __forceinline__ uint4 finish(const Raw& raw) const { return norm8(raw, r); }
-  __device__ __forceinline__ uint4 load8(int k) const { return finish(fetch(k)); }
+  __device__ __forceinline__ uint4 load8(int k) const { return norm8(x, nw, r, k); }
 };
 
-// gate at g[k..], up at g[up + k..].
 struct SiluRow {
   const bf16* g;
   int up;
-  using Raw = SiluRaw;
-  __device__ __forceinline__ Raw fetch(int k) const { return {ld_act_v4(g + k), ld_act_v4(g + up + k)}; }
-  __device__ __forceinline__ uint4 finish(const Raw& raw) const { return silu8(raw); }
-  __device__ __forceinline__ uint4 load8(int k) const { return finish(fetch(k)); }
+  __device__ __forceinline__ uint4 load8(int k) const { return silu8(g, up, k); }
 };
 
 // Staged prologue rows live after the block-reduction scratch (kStageOffset floats >= 32 warps), so
@@ -104,47 +86,10 @@ __host__ __device__ __forceinline__ uint32_t staged_bytes(int B, int K) {
 // True when B staged rows of K bf16 fit the launch's dynamic shared memory (uniform over the block).
 __device__ __forceinline__ bool stage_fits(int B, int K) { return staged_bytes(B, K) <= dynamic_smem_bytes(); }
 
-// MPK_PROLOGUE_AHEAD 1: stage_row computes kStageAhead of a thread's vectors before it stores the first.
-// Why: each vector's loads otherwise wait for the previous vector's store (the store may alias the source, so
-// the compiler keeps the order): a chain of one memory round trip per k step of a thread, 3 of them in
-// qwen3-8b's down projection (silu of K = 12288 at 512 threads), whose prologue the GEMV phase marks put at
-// 4.1 us against 0.7 for o_proj's (docs/PERF.md v0.18). A group has no branch between its loads, so they
-// are all in flight together; the values and so the bits are the same. 0: one vector at a time, for the A/B.
-#ifndef MPK_PROLOGUE_AHEAD
-#define MPK_PROLOGUE_AHEAD 1
-#endif
-constexpr int kStageAhead = 3;  // vectors a thread computes before it stores: K = 12288 at 512 threads is 3
-
-// G of a thread's vectors, k, k + step, ..., all below K: every vector's loads (Row::fetch), then the values
-// (Row::finish), then the stores. The loads go first in the source: the compiler does not move a load above
-// the computation of an earlier vector when that computation has a call in it (the IEEE division in silu).
-template <int G, class Row>
-__device__ __forceinline__ void stage_group(bf16* st, int k, int step, const Row& row) {
-  typename Row::Raw raw[G];
-#pragma unroll
-  for (int j = 0; j < G; ++j) raw[j] = row.fetch(k + j * step);
-  uint4 v[G];
-#pragma unroll
-  for (int j = 0; j < G; ++j) v[j] = row.finish(raw[j]);
-#pragma unroll
-  for (int j = 0; j < G; ++j) *reinterpret_cast<uint4*>(st + k + j * step) = v[j];
-}
-
 // st[k..] = row.load8(k) over one row of K (the block's threads share it).
 template <class Row>
 __device__ __forceinline__ void stage_row(bf16* st, int K, const Row& row, int tid, int nt) {
-  const int step = nt * 8;
-  int k = tid * 8;
-  if constexpr (MPK_PROLOGUE_AHEAD) {
-    // Whole groups of kStageAhead, then one of 2 (qwen3-1.7b's K = 6144 is 2 a thread), then the last one: the
-    // groups have no guard between their loads.
-    for (; k + (kStageAhead - 1) * step < K; k += kStageAhead * step) stage_group<kStageAhead>(st, k, step, row);
-    if (k + step < K) {
-      stage_group<2>(st, k, step, row);
-      k += 2 * step;
-    }
-  }
-  for (; k < K; k += step) *reinterpret_cast<uint4*>(st + k) = row.load8(k);
+  for (int k = tid * 8; k < K; k += nt * 8) *reinterpret_cast<uint4*>(st + k) = row.load8(k);
 }
 
 // Epilogue, chosen at run time (one GEMV instance serves every fused kind; the choice costs a

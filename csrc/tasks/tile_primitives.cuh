@@ -16,41 +16,18 @@
 namespace mpk {
 namespace tile {
 
-// The raw bytes of 8 consecutive values of a row (fetch8: the loads) and their fp32 values (unpack8): apart, so a
-// staged prologue can issue several vectors' loads before the first computation (fused_gemv.cuh stage_group).
-struct Raw8F {
-  float4 a, c;
-};
-template <class P>
-struct RawOf;  // the raw type of 8 values at a P: uint4 for bf16, Raw8F for fp32
-template <>
-struct RawOf<const bf16*> {
-  using type = uint4;
-};
-template <>
-struct RawOf<const float*> {
-  using type = Raw8F;
-};
-
-// fp32 rows (16-byte aligned: K % 8 == 0, checked by the host).
-__device__ __forceinline__ Raw8F fetch8(const float* p) {
-  return {*reinterpret_cast<const float4*>(p), *reinterpret_cast<const float4*>(p + 4)};
+// 8 consecutive values of a row into fp32 registers (16-byte aligned: K % 8 == 0, checked by the host).
+__device__ __forceinline__ void load8(const float* p, float* f) {
+  const float4 a = *reinterpret_cast<const float4*>(p), c = *reinterpret_cast<const float4*>(p + 4);
+  f[0] = a.x; f[1] = a.y; f[2] = a.z; f[3] = a.w;
+  f[4] = c.x; f[5] = c.y; f[6] = c.z; f[7] = c.w;
 }
+
 // bf16 activations written earlier in this kernel (coherent load; see ld_act_v4).
-__device__ __forceinline__ uint4 fetch8(const bf16* p) { return ld_act_v4(p); }
+__device__ __forceinline__ void load8(const bf16* p, float* f) { unpack8(ld_act_v4(p), f); }
+
 // Read-only bf16 parameters (norm weights): streaming, non-coherent load.
-__device__ __forceinline__ uint4 fetch8_param(const bf16* p) { return ld_stream_v4(p); }
-
-__device__ __forceinline__ void unpack8(const Raw8F& r, float* f) {
-  f[0] = r.a.x; f[1] = r.a.y; f[2] = r.a.z; f[3] = r.a.w;
-  f[4] = r.c.x; f[5] = r.c.y; f[6] = r.c.z; f[7] = r.c.w;
-}
-__device__ __forceinline__ void unpack8(const uint4& r, float* f) { mpk::unpack8(r, f); }
-
-// 8 consecutive values of a row into fp32 registers: the loads and the values together.
-__device__ __forceinline__ void load8(const float* p, float* f) { unpack8(fetch8(p), f); }
-__device__ __forceinline__ void load8(const bf16* p, float* f) { unpack8(fetch8(p), f); }
-__device__ __forceinline__ void load8_param(const bf16* p, float* f) { unpack8(fetch8_param(p), f); }
+__device__ __forceinline__ void load8_param(const bf16* p, float* f) { unpack8(ld_stream_v4(p), f); }
 
 // 8 fp32 values rounded to bf16, as one 16-byte vector.
 __device__ __forceinline__ uint4 pack8(const float* f) {
@@ -71,11 +48,10 @@ __device__ __forceinline__ float row_sum_sq(const float* x, int K, float* smem, 
   return block_sum(ss, smem, tid, nt);
 }
 
-// st[k..k+7] = row.load8(k) over one row of K: the element-wise operand in registers, staged (fused_gemv.cuh's
-// loop, with its MPK_PROLOGUE_AHEAD groups).
+// st[k..k+7] = row.load8(k) over one row of K: the element-wise operand in registers, staged.
 template <class Row>
 __device__ __forceinline__ void stage_row(bf16* st, int K, const Row& row, int tid, int nt) {
-  mpk::stage_row(st, K, row, tid, nt);
+  for (int k = tid * 8; k < K; k += nt * 8) *reinterpret_cast<uint4*>(st + k) = row.load8(k);
 }
 
 // ---- all kB rows at once (the staged path of the generated bodies) ----

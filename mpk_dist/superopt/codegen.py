@@ -149,22 +149,14 @@ def _row_struct(p: GemvPlan, abi: KindAbi, consts: _Consts, struct: str) -> list
                      f"imap={_map(p.inputs[loc]['imap'])} fmap={p.inputs[loc]['fmap']}")
     if p.factor is not None:
         lines.append("  float r;  // row factor")
-    # fetch: the loads of 8 values of every input; finish: the values from them. Apart so that the staged path
-    # can issue several vectors' loads before the first computation (csrc/tasks/fused_gemv.cuh stage_group).
-    lines.append("  struct Raw {")
-    lines += [f"    tile::RawOf<{abi.rows[p.inputs[loc]['name']][0]}>::type {loc};" for loc in used]
-    lines.append("  };")
-    fetches = ", ".join(f"tile::{'fetch8' if abi.rows[p.inputs[loc]['name']][2] else 'fetch8_param'}({loc} + k)"
-                        for loc in used)
-    lines.append(f"  __device__ __forceinline__ Raw fetch(int k) const {{ return Raw{{{fetches}}}; }}")
-    lines.append("  __device__ __forceinline__ uint4 finish(const Raw& raw) const {")
+    lines.append("  __device__ __forceinline__ uint4 load8(int k) const {")
     for loc in used:
+        load = "load8" if abi.rows[p.inputs[loc]["name"]][2] else "load8_param"
         lines.append(f"    float v_{loc}[8];")
-        lines.append(f"    tile::unpack8(raw.{loc}, v_{loc});")
+        lines.append(f"    tile::{load}({loc} + k, v_{loc});")
     lines += ["    float o[8];", "#pragma unroll",
               f"    for (int e = 0; e < 8; ++e) o[e] = {_expr(p.operand, consts)};",
-              "    return tile::pack8(o);", "  }",
-              "  __device__ __forceinline__ uint4 load8(int k) const { return finish(fetch(k)); }", "};"]
+              "    return tile::pack8(o);", "  }", "};"]
     return lines
 
 

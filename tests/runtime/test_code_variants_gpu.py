@@ -14,11 +14,6 @@ the arithmetic, so the logits must equal the default build's bit for bit and sta
 - ``-DMPK_STAGE_ROWS_TOGETHER=0``: the generated fused bodies' staged path row by row (the default computes every
   batch row's norm statistic in one block reduction and issues several rows' operand loads before their stores;
   csrc/tasks/tile_primitives.cuh rows_sum_sq, stage_rows). Also at batch 8 under MPK_LINEAR_MMA=1.
-- ``-DMPK_PROLOGUE_AHEAD=0 -DMPK_WALK_AHEAD=0``: a fused tile's staged prologue one vector at a time and the
-  attention walk one position (and one element) at a time (the default computes 3 of a thread's vectors before it
-  stores any, csrc/tasks/fused_gemv.cuh stage_row, and loads 2 of a warp's positions' rows, each as one vector,
-  before it updates its softmax, csrc/tasks/attention.cuh attn_warp_walk). qwen3-8b's down projection (K = 12288,
-  3 vectors a thread) is the shape whose prologue has a group; qwen3-0.6b's walk has 2 positions a warp.
 - ``-DMPK_MMA_X_AHEAD=0`` under MPK_LINEAR_MMA=1, batch 8: the tensor-core tile loads each x vector inside its
   mma loop (the default loads a round's x vectors right after its weights; csrc/tasks/linear_mma.cuh mma_unit).
 
@@ -64,20 +59,6 @@ def test_code_variant_leaves_the_logits_bitwise(flags, batch, gpu_results):
         f"{flags} did not make another binary"
     check_bitwise(f"{flags} vs default, {NAME} b{batch} prompt {PROMPT}", NAME, variant, default,
                   forced_request(NAME, PROMPT, STEPS, batch, 70), gpu_results)
-
-
-AHEAD_OFF = "-DMPK_PROLOGUE_AHEAD=0 -DMPK_WALK_AHEAD=0"
-
-
-@pytest.mark.parametrize("name", ["qwen3-0.6b", "qwen3-8b"])
-def test_ahead_loads_leave_the_logits_bitwise(name, gpu_results):
-    """The prologue's and the walk's loads ahead (the default) vs both off, batch 1: the same logits bit for bit,
-    within tolerance of torch (the flags string is the one tune_sweep's A/B rows build, so the kernels are shared)."""
-    variant, default = megakernel_with_env(name, {"MPK_NVCC_EXTRA_FLAGS": AHEAD_OFF}), megakernel_with_env(name, {})
-    assert session_with_flags(variant, 1, AHEAD_OFF).build.path != session_with_flags(default, 1, "").build.path, \
-        f"{AHEAD_OFF} did not make another binary"
-    check_bitwise(f"{AHEAD_OFF} vs default, {name} b1 prompt {PROMPT}", name, variant, default,
-                  forced_request(name, PROMPT, STEPS, 1, 70), gpu_results)
 
 
 @pytest.mark.parametrize("flags", MMA_VARIANTS)

@@ -15,22 +15,16 @@ struct NormLinearOperand {
   const float* i0;  // µGraph input X (row b), tile (8, 4096), imap=[φ] fmap=1
   const bf16* i1;  // µGraph input G (whole), tile (4096,), imap=[φ] fmap=0
   float r;  // row factor
-  struct Raw {
-    tile::RawOf<const float*>::type i0;
-    tile::RawOf<const bf16*>::type i1;
-  };
-  __device__ __forceinline__ Raw fetch(int k) const { return Raw{tile::fetch8(i0 + k), tile::fetch8_param(i1 + k)}; }
-  __device__ __forceinline__ uint4 finish(const Raw& raw) const {
+  __device__ __forceinline__ uint4 load8(int k) const {
     float v_i0[8];
-    tile::unpack8(raw.i0, v_i0);
+    tile::load8(i0 + k, v_i0);
     float v_i1[8];
-    tile::unpack8(raw.i1, v_i1);
+    tile::load8_param(i1 + k, v_i1);
     float o[8];
 #pragma unroll
     for (int e = 0; e < 8; ++e) o[e] = (round_bf(v_i0[e] * r) * v_i1[e]);
     return tile::pack8(o);
   }
-  __device__ __forceinline__ uint4 load8(int k) const { return finish(fetch(k)); }
 };
 
 // The staged path for the kernel's kB batch rows: the rows' statistics and operands computed together
