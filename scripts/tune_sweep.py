@@ -12,6 +12,8 @@ task records instead of the compiled p cap: the same binary), d<0|1> (linear wei
 csrc/tasks/common.cuh ld_weight_v4) ('base' = defaults).
 NOTE: m1 changes the summation order of linear tiles, so its tokens may differ from the base's
 (DIFFERS then means "check with compare_logits", not a bug by itself).
+A part -D<NAME>=<value> adds that compile-time define to the variant's build (MPK_NVCC_EXTRA_FLAGS, part of the
+kernel's cache key), e.g. "base;-DMPK_WALK_AHEAD=0" for the code variants designed to leave every sum as it is.
 k<N> / kauto splits each attention tile into N (or 'auto') KV ranges with a merge (--attn-splits; another
 summation order, so DIFFERS is possible). f0/f1 turns --fuse off/on (fused and unfused programs are bit-identical on the GPU); s0/s1 turns the
 superoptimizer-generated task bodies off/on (--no-superopt; designed bit-identical). Every variant
@@ -33,6 +35,8 @@ KNOBS = {"u": "MPK_LINEAR_UNROLL", "t": "MPK_WORKER_THREADS", "p": "MPK_PREFETCH
          "y": "MPK_LOAD_AHEAD", "z": "MPK_MIN_CARVEOUT", "e": "MPK_PREFETCH_LEVEL_KB",
          "d": "MPK_WEIGHT_EVICT_FIRST"}
 
+EXTRA_FLAGS = "MPK_NVCC_EXTRA_FLAGS"  # defines of a variant's build (-D parts)
+
 
 def parse_variant(text: str) -> tuple[dict[str, str], dict]:
     """'t512,u16,f1' -> ({'MPK_WORKER_THREADS': '512', 'MPK_LINEAR_UNROLL': '16'}, {'fuse': True});
@@ -50,8 +54,11 @@ def parse_variant(text: str) -> tuple[dict[str, str], dict]:
         if part == "kauto" or (part[0] == "k" and part[1:].isdigit() and int(part[1:]) >= 1):
             opts["attn_splits"] = "auto" if part == "kauto" else int(part[1:])  # split-KV ranges per kv head
             continue
+        if part.startswith("-D") and len(part) > 2:  # a compile-time define, e.g. -DMPK_WALK_AHEAD=0
+            env[EXTRA_FLAGS] = f"{env.get(EXTRA_FLAGS, '')} {part}".strip()
+            continue
         if part[0] not in KNOBS or not part[1:].lstrip("-").isdigit():
-            raise SystemExit(f"tune_sweep: variant part {part!r}: expected u<N>, t<N>, p<N>, e<KB>, r<N>, m<0|1>, w<0|1>, b<0|1>, l<0|1>, v<0|1>, g<0|1>, h<0|1>, c<0|1>, x<0|1>, y<0|1>, d<0|1>, "
+            raise SystemExit(f"tune_sweep: variant part {part!r}: expected -D<NAME>=<value>, u<N>, t<N>, p<N>, e<KB>, r<N>, m<0|1>, w<0|1>, b<0|1>, l<0|1>, v<0|1>, g<0|1>, h<0|1>, c<0|1>, x<0|1>, y<0|1>, d<0|1>, "
                              "a<0|1>, f<0|1> (--fuse), s<0|1> (--superopt), k<N>|kauto (--attn-splits), or 'base'")
         env[KNOBS[part[0]]] = part[1:]
     return env, opts
@@ -85,7 +92,7 @@ def main(argv=None) -> int:
           f"{torch.cuda.get_device_name()}")
     print(f"{'variant':<14}{'p50 ms':>9}{'floor ms':>10}{'/floor':>8}  tokens")
     for text, (env, opts) in variants:
-        with scoped_env(env, keys=KNOBS.values()):
+        with scoped_env(env, keys=[*KNOBS.values(), EXTRA_FLAGS]):
             spec = RunSpec(model=args.model, backend="megakernel", tp=1, batch=args.batch,
                            max_new_tokens=args.output_len, max_seq_len=args.prompt_len + args.output_len,
                            device="cuda", seed=0, backend_opts=opts)

@@ -111,6 +111,14 @@ def test_tune_sweep_has_the_attention_split_token(tune_sweep):
             mod.parse_variant(bad)
 
 
+def test_tune_sweep_has_compile_time_defines(tune_sweep):
+    """scripts/tune_sweep.py: -D parts become the variant's MPK_NVCC_EXTRA_FLAGS, space-joined in order."""
+    assert tune_sweep.parse_variant("-DMPK_WALK_AHEAD=0,v0,-DMPK_PROLOGUE_AHEAD=0") == (
+        {"MPK_NVCC_EXTRA_FLAGS": "-DMPK_WALK_AHEAD=0 -DMPK_PROLOGUE_AHEAD=0", "MPK_ATTN_PREFETCH": "0"}, {})
+    with pytest.raises(SystemExit, match="-D<NAME>"):
+        tune_sweep.parse_variant("-D")
+
+
 def test_env_knob_reaches_the_kernel_shape(fake_gpu, monkeypatch):
     """MPK_LINEAR_MMA=1 in the environment builds a kernel shape with linear_mma=True."""
     from mpk_dist.model_source import open_model
