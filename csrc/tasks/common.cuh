@@ -105,6 +105,23 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 
+// MPK_ROPE_SINCOS 1: a rope angle's cosine and sine from one sincosf (one argument reduction, one copy of its
+// rarely taken large-argument path, which inlined per call holds local-memory tables and double-precision code)
+// instead of cosf and sinf. Why: the prep bodies are straight-line code fetched cold every layer (see below), and
+// each trig call inlines that slow path. CUDA's sincosf gives the values of sinf and cosf; the GPU test
+// (tests/runtime/test_code_variants_gpu.py, -DMPK_ROPE_SINCOS=0) checks the logits bit for bit.
+#ifndef MPK_ROPE_SINCOS
+#define MPK_ROPE_SINCOS 1
+#endif
+__device__ __forceinline__ void rope_cos_sin(float ang, float& c, float& s) {
+#if MPK_ROPE_SINCOS
+  sincosf(ang, &s, &c);
+#else
+  c = cosf(ang);
+  s = sinf(ang);
+#endif
+}
+
 // The per-head q/k norm + rope bodies (qkv_prep.cuh, generated/qk_norm_rope.cuh) hold a head's pairs
 // (d, d + D/2), d = lane, lane + 32, ... in per-lane arrays of kPairs entries. Why a compile-time count per
 // head size: each body is straight-line code executed once per head, fetched cold every layer (ncu: the prep's

@@ -57,7 +57,9 @@ __device__ __forceinline__ void qk_norm_rope_pairs(const bf16* src, const bf16* 
     const int d = lane + 32 * i;
     if (d < half) {
       const float ang = (float)pos * freq[i];  // fp32 product, as torch forms the angles
-      const float c = round_bf(cosf(ang)), s = round_bf(sinf(ang));
+      float cr, sr;
+      rope_cos_sin(ang, cr, sr);
+      const float c = round_bf(cr), s = round_bf(sr);
       // rotate-half: out[d] = x[d] c - x[d+h] s ; out[d+h] = x[d+h] c + x[d] s
       dst[d] = f2bf(round_bf(lo[i] * c) + round_bf(-hi[i] * s));
       dst[d + half] = f2bf(round_bf(hi[i] * c) + round_bf(lo[i] * s));

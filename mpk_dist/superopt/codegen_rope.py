@@ -9,7 +9,7 @@ matmul by the rotate-half matrix R) is a swap within a lane: rot(e)[d] = -e[d + 
 rot(e)[d + D/2] = e[d].
 
 How the µGraph's inputs bind to the task's ABI: Q -> the head row ``src`` (bf16), G -> ``norm_w``,
-C / S -> ``round_bf(cosf(a))`` / ``round_bf(sinf(a))`` with the fp32 angle ``a = (float)pos *
+C / S -> ``round_bf(cos(a))`` / ``round_bf(sin(a))`` (one ``sincosf`` when both are used) with the fp32 angle ``a = (float)pos *
 inv_freq[d]`` (both halves share d's frequency), R -> rotate-half. Constants of the search's shapes
 are bound to run-time values: 1/D (the search's D) -> ``/ (float)D``, the target's eps -> ``eps``.
 
@@ -126,9 +126,13 @@ def _loop_lines(p: RopePlan, consts) -> list:
             "    if (d < half) {"]
     if em.vecs & {"C", "S"}:
         head += ["      const float ang = (float)pos * inv_freq[d];  // fp32 product, as torch forms the angles"]
-        if "C" in em.vecs:
+        if {"C", "S"} <= em.vecs:  # both from one sincosf (common.cuh rope_cos_sin: the values of cosf, sinf)
+            head += ["      float cr, sr;", "      rope_cos_sin(ang, cr, sr);",
+                     "      const float c = round_bf(cr);  // µGraph input C",
+                     "      const float s = round_bf(sr);  // µGraph input S"]
+        elif "C" in em.vecs:
             head.append("      const float c = round_bf(cosf(ang));  // µGraph input C")
-        if "S" in em.vecs:
+        else:
             head.append("      const float s = round_bf(sinf(ang));  // µGraph input S")
     tail = [f"      dst[d] = f2bf({lo});", f"      dst[d + half] = f2bf({hi});", "    }", "  }"]
     return head + em.lines + tail

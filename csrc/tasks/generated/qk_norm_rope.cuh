@@ -39,8 +39,10 @@ __device__ __forceinline__ void qk_norm_rope_pairs(const bf16* src, const bf16* 
     const int d = lane + 32 * i;
     if (d < half) {
       const float ang = (float)pos * inv_freq[d];  // fp32 product, as torch forms the angles
-      const float c = round_bf(cosf(ang));  // µGraph input C
-      const float s = round_bf(sinf(ang));  // µGraph input S
+      float cr, sr;
+      rope_cos_sin(ang, cr, sr);
+      const float c = round_bf(cr);  // µGraph input C
+      const float s = round_bf(sr);  // µGraph input S
       // t0.p4 = div(p1, p3) (1, 128)  # rms_norm#0
       // the head row times the row factor r, rounded (reference rounding)
       const float t0_xr_lo = round_bf(q_lo[i] * r), t0_xr_hi = round_bf(q_hi[i] * r);
