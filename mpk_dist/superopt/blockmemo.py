@@ -48,6 +48,10 @@ from mpk_dist.superopt.inference import candidate_ops, infer, intern, is_stack_s
 from mpk_dist.superopt.ugraph import TensorInfo, op_call_name
 
 _COMMUTATIVE = ("mul", "add")
+# ``_join`` keeps a child's completions unchecked when none of their ops has the new op's
+# fingerprint (``_child_fps``), for children with at least this many completions (smaller ones
+# are checked one by one, which costs about as much as building their set)
+_WHOLE_JOIN = 4
 
 
 # -- the last op's test ------------------------------------------------------------------------
@@ -313,6 +317,8 @@ class MemoEnumerator:
         self.desc_node: list = []           # id -> the node the op makes
         self.desc_fpid: list = []           # id -> that node's fingerprint id
         self.acc_of: dict = {}              # body node -> accumulator node (None: cannot leave)
+        self.child_fps: dict = {}           # id of a state's completions -> (them, ``_child_fps``)
+        self.joined_whole = 0               # joins that kept a child's completions unchecked
         # operand shapes -> valid ops and result shapes: depends on the target's chains only,
         # so it is shared by every layout and input subset of one search
         self.shape_ops: dict = ctx.target.__dict__.setdefault("_block_shape_ops", {})
@@ -337,6 +343,7 @@ class MemoEnumerator:
         else:
             root = self._body(0, allin, frozenset(), frozenset())
         self.memo = {}
+        self.child_fps = {}
         return root
 
     # NOTE (``_deadline``): ``_body`` and ``_post`` check the deadline before each op, not only
@@ -529,13 +536,37 @@ class MemoEnumerator:
         node ``x`` would be among the completion's nodes, and then it repeats itself."""
         if self.ctx.timed_out():
             return  # nothing of a run past the deadline is kept (``_deadline``)
-        fpid, dfp, dnode = self.fpid, self.desc_fpid, self.desc_node
-        fx = fpid[x]
+        dfp, dnode = self.desc_fpid, self.desc_node
+        fx = self.fpid[x]
         di = self._did(desc, x)
+        if len(child) >= _WHOLE_JOIN and fx not in self._child_fps(child):
+            # no op of any completion has x's fingerprint, so none repeats x's expression (equal
+            # expressions have equal fingerprints): every completion is kept, unchecked
+            self.joined_whole += 1
+            for key in child:
+                out.setdefault(tuple(sorted(key + (di,))), None)
+            return
         for key in child:
-            if any(dfp[i] == fx for i in key) and self._repeats(x, [dnode[i] for i in key]):
+            if fx in map(dfp.__getitem__, key) and self._repeats(x, [dnode[i] for i in key]):
                 continue  # no recomputation: a later op repeats this op's expression
             out.setdefault(tuple(sorted(key + (di,))), None)
+
+    def _child_fps(self, child: tuple) -> set:
+        """The fingerprint ids of every op of every completion of ``child`` (a state's
+        completions from the memo), memoized by identity until ``completions`` ends.
+
+        NOTE: ``_join`` checked every completion of the child for an op with the new op's
+        fingerprint, each time the child was joined (qk_norm_rope's first-op layout "none" of Q
+        at 5 block ops: 730,960 states, 924,487 prefixes reusing one; about a quarter of a
+        profiled enumeration was ``_join``); the answer is almost always no, and one set per
+        child answers it for all of its completions at once."""
+        hit = self.child_fps.get(id(child))
+        if hit is not None and hit[0] is child:
+            return hit[1]
+        dfp = self.desc_fpid
+        fps = {dfp[i] for key in child for i in key}
+        self.child_fps[id(child)] = (child, fps)  # keeps child alive, so its id stays unique
+        return fps
 
     def _did(self, desc: tuple, x: int) -> int:
         """The id of op descriptor ``desc`` (whose result is node ``x``)."""

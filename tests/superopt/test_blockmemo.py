@@ -297,3 +297,60 @@ def test_canonical_order_builds_each_text_once_and_places_as_the_greedy_order(mo
                 graphs += 1
                 ops += len(g)
     assert graphs > 40000 and ops > 3 * graphs, (graphs, ops)
+
+
+class _CheckEveryJoin(MemoEnumerator):
+    """``MemoEnumerator`` with ``_join`` as it was before ``_child_fps``: every completion of
+    the child checked on its own (the reference); counts the completions it drops."""
+
+    dropped = 0
+
+    def _join(self, out, desc, x, child):
+        if self.ctx.timed_out():
+            return
+        fx = self.fpid[x]
+        di = self._did(desc, x)
+        for key in child:
+            if any(self.desc_fpid[i] == fx for i in key) and \
+                    self._repeats(x, [self.desc_node[i] for i in key]):
+                self.dropped += 1
+                continue
+            out.setdefault(tuple(sorted(key + (di,))), None)
+
+
+def test_joins_that_keep_a_child_whole_give_the_same_completions():
+    """Completions (the same keys, in the same order, the same descriptors) with ``_join``'s
+    whole-child path and with every completion checked, on first ops of qk_norm_rope (Q at 4
+    block ops: post ops only, a loop, a grid and a loop; (Q, G) at 3) and on last ops of
+    attention at 4 block ops (``FinalFilter``); the whole-child path is taken, and the
+    checks it skips are ones that drop no completion (the reference drops some: recomputations
+    exist in these spaces)."""
+    cases = []
+    qk = analyze(build("qk_norm_rope", {"H": 4, "D": 16}))
+    for lay in (B.Layout(("Q",), (), None), B.Layout(("Q",), (), "k"),
+                B.Layout(("Q",), ("m",), "k")):
+        cases.append((qk, lay, 4, None))
+    cases += [(qk, lay, 3, None) for lay in B.layouts(("Q", "G"), input_infos(qk), 1)]
+    att = analyze(build("attention_decode", {"H": 4, "D": 64, "S": 256}))
+    infos = input_infos(att)
+    cases += [(att, lay, 4, True) for lay in B.layouts(tuple(infos), infos, 1)]
+    whole = dropped = keys = 0
+    for target, lay, ops, final in cases:
+        infos = input_infos(target)
+        config = SearchConfig(max_kernel_ops=2, max_block_ops=ops, prune=False)
+        sym_size = {s: x for n in lay.inputs for s, x in zip(infos[n].syms, infos[n].shape) if s}
+        sizes = B.representative_sizes(lay, infos, sym_size, config)
+        if sizes is None:
+            continue
+        got = []
+        for cls in (MemoEnumerator, _CheckEveryJoin):
+            accept = FinalFilter(target, lay, sym_size) if final else None
+            enum = cls(Context(target, config, time.monotonic() + 60), lay, infos, sizes,
+                       1 if final else 2, accept)
+            got.append((enum, [enum.ops_of(k) for k in enum.completions()]))
+        (new, a), (ref, b) = got
+        assert a == b, lay
+        whole += new.joined_whole
+        dropped += ref.dropped
+        keys += len(a)
+    assert whole > 1000 and dropped > 0 and keys > 40000, (whole, dropped, keys)
