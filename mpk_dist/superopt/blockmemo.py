@@ -45,9 +45,13 @@ import zlib
 
 from mpk_dist.superopt import expr as E
 from mpk_dist.superopt.inference import candidate_ops, infer, intern, is_stack_sym
-from mpk_dist.superopt.ugraph import TensorInfo, op_call_text
+from mpk_dist.superopt.ugraph import TensorInfo, op_call_name
 
 _COMMUTATIVE = ("mul", "add")
+# ``_join`` keeps a child's completions unchecked when none of their ops has the new op's
+# fingerprint (``_child_fps``), for children with at least this many completions (smaller ones
+# are checked one by one, which costs about as much as building their set)
+_WHOLE_JOIN = 4
 
 
 # -- the last op's test ------------------------------------------------------------------------
@@ -313,6 +317,8 @@ class MemoEnumerator:
         self.desc_node: list = []           # id -> the node the op makes
         self.desc_fpid: list = []           # id -> that node's fingerprint id
         self.acc_of: dict = {}              # body node -> accumulator node (None: cannot leave)
+        self.child_fps: dict = {}           # id of a state's completions -> (them, ``_child_fps``)
+        self.joined_whole = 0               # joins that kept a child's completions unchecked
         # operand shapes -> valid ops and result shapes: depends on the target's chains only,
         # so it is shared by every layout and input subset of one search
         self.shape_ops: dict = ctx.target.__dict__.setdefault("_block_shape_ops", {})
@@ -337,6 +343,7 @@ class MemoEnumerator:
         else:
             root = self._body(0, allin, frozenset(), frozenset())
         self.memo = {}
+        self.child_fps = {}
         return root
 
     # NOTE (``_deadline``): ``_body`` and ``_post`` check the deadline before each op, not only
@@ -529,13 +536,37 @@ class MemoEnumerator:
         node ``x`` would be among the completion's nodes, and then it repeats itself."""
         if self.ctx.timed_out():
             return  # nothing of a run past the deadline is kept (``_deadline``)
-        fpid, dfp, dnode = self.fpid, self.desc_fpid, self.desc_node
-        fx = fpid[x]
+        dfp, dnode = self.desc_fpid, self.desc_node
+        fx = self.fpid[x]
         di = self._did(desc, x)
+        if len(child) >= _WHOLE_JOIN and fx not in self._child_fps(child):
+            # no op of any completion has x's fingerprint, so none repeats x's expression (equal
+            # expressions have equal fingerprints): every completion is kept, unchecked
+            self.joined_whole += 1
+            for key in child:
+                out.setdefault(tuple(sorted(key + (di,))), None)
+            return
         for key in child:
-            if any(dfp[i] == fx for i in key) and self._repeats(x, [dnode[i] for i in key]):
+            if fx in map(dfp.__getitem__, key) and self._repeats(x, [dnode[i] for i in key]):
                 continue  # no recomputation: a later op repeats this op's expression
             out.setdefault(tuple(sorted(key + (di,))), None)
+
+    def _child_fps(self, child: tuple) -> set:
+        """The fingerprint ids of every op of every completion of ``child`` (a state's
+        completions from the memo), memoized by identity until ``completions`` ends.
+
+        NOTE: ``_join`` checked every completion of the child for an op with the new op's
+        fingerprint, each time the child was joined (qk_norm_rope's first-op layout "none" of Q
+        at 5 block ops: 730,960 states, 924,487 prefixes reusing one; about a quarter of a
+        profiled enumeration was ``_join``); the answer is almost always no, and one set per
+        child answers it for all of its completions at once."""
+        hit = self.child_fps.get(id(child))
+        if hit is not None and hit[0] is child:
+            return hit[1]
+        dfp = self.desc_fpid
+        fps = {dfp[i] for key in child for i in key}
+        self.child_fps[id(child)] = (child, fps)  # keeps child alive, so its id stays unique
+        return fps
 
     def _did(self, desc: tuple, x: int) -> int:
         """The id of op descriptor ``desc`` (whose result is node ``x``)."""
@@ -874,17 +905,38 @@ def canonical_order(ops) -> tuple:
     op results, each in order of definition); outputs as ``blocksearch`` orders them (body sinks'
     accumulators, then post sinks)."""
     names: dict = {}
-    body = _place([d for d in ops if d[0] == "b"], names, "b")
-    post = _place([d for d in ops if d[0] == "p"], names, "p")
-    read = {r for d in ops for r in d[3]}
-    outputs = [names[("a", d[4][1])] for d in _by_name(ops, names, "b")
-               if d[4] not in read and ("a", d[4][1]) not in read]
-    outputs += [names[d[4]] for d in _by_name(ops, names, "p") if d[4] not in read]
-    return tuple(body), tuple(post), tuple(outputs)
+    body_d, post_d, read = [], [], set()
+    for d in ops:
+        p = _prepared(d)
+        (body_d if d[0] == "b" else post_d).append(p)
+        read.update(p[1])
+    body, body_out = _place(body_d, names, "b")
+    post, post_out = _place(post_d, names, "p")
+    # a body op's result leaves through its accumulator, unless a later op reads either
+    outputs = [f"a{k}" for k, r in enumerate(body_out)
+               if r not in read and ("a", r[1]) not in read]
+    outputs += [f"p{k}" for k, r in enumerate(post_out) if r not in read]
+    outputs = tuple(outputs)
+    return tuple(body), tuple(post), _OUTPUTS.setdefault(outputs, outputs)
 
 
-def _by_name(ops, names: dict, phase: str) -> list:
-    return sorted((d for d in ops if d[0] == phase), key=lambda d: int(names[d[4]][1:]))
+# few distinct output lists per listing: shared, as the ops are (``_op_tuple``)
+_OUTPUTS: dict = {}
+_PREPARED: dict = {}
+
+
+def _prepared(d: tuple) -> tuple:
+    """(call name, operand refs, commutative, result ref, kind, attrs) of descriptor ``d``,
+    memoized by identity: the enumerator's graphs share their descriptor objects (``ops_of``),
+    so an op's call name is looked up once per descriptor, not once per graph."""
+    hit = _PREPARED.get(id(d))
+    if hit is not None and hit[0] is d:
+        return hit[1]
+    if len(_PREPARED) > 200_000:  # bound memory (the entries keep their descriptors alive)
+        _PREPARED.clear()
+    p = (op_call_name(d[1], d[2]), d[3], d[1] in _COMMUTATIVE, d[4], d[1], d[2])
+    _PREPARED[id(d)] = (d, p)  # keeps d alive, so its id stays unique
+    return p
 
 
 _CLASS = {"i": 0, "a": 1, "b": 1, "p": 2}
@@ -895,35 +947,77 @@ def _rank(name: str) -> tuple:
     return _CLASS[name[0]], int(name[1:])
 
 
-def _place(todo: list, names: dict, prefix: str) -> list:
-    # NOTE: ~10^5 graphs per first-op layout go through here; the operands' names are looked up
-    # in ``names`` (inputs included), and a text is built only for ready ops
-    for d in todo:
-        for r in d[3]:
-            if r[0] == "i" and r not in names:
-                names[r] = f"i{r[1]}"
-    out = []
-    todo = list(todo)
-    while todo:
-        best = None
-        for d in todo:
-            refs = d[3]
-            if not all(r in names for r in refs):
-                continue  # an operand is not placed yet
-            args = [names[r] for r in refs]
-            if len(args) == 2 and d[1] in _COMMUTATIVE and _rank(args[1]) < _rank(args[0]):
-                args.reverse()
-            text = op_call_text(d[1], d[2], args)
-            if best is None or text < best[0]:
-                best = (text, d, args)
-        _, d, args = best
+def _place(todo: list, names: dict, prefix: str) -> tuple:
+    """Place the ops ``todo`` (one phase, ``_prepared``) greedily by their text
+    (``canonical_order``); name their results ``prefix``0, 1, ... (a body op's accumulator a0, a1,
+    ...) in ``names``. Returns ([(kind, arg names, attrs)] in placed order, [result ref]).
+
+    NOTE: ~2·10^6 graphs per first-op layout go through here (qk_norm_rope's Q, layout "none",
+    unpruned: 95 s of its 264 s on one core, eighteenth session), so this is the same greedy
+    choice with less work: an op's text is final once its operands are placed, so it is built
+    once, when its last operand is placed (counted per op; the text of every ready op was built
+    again, and every op's operands looked up again, at each step); ties keep ``todo``'s order,
+    as the strict minimum over ``todo`` did."""
+    ready, waiting, missing = [], {}, []
+    for pos, p in enumerate(todo):
+        m = 0
+        for r in p[1]:
+            if r not in names:
+                if r[0] == "i":
+                    names[r] = f"i{r[1]}"
+                    continue
+                m += 1
+                waiting.setdefault(r, []).append(pos)
+        missing.append(m)
+        if not m:
+            ready.append(_ready(p, pos, names))
+    out, results = [], []
+    while ready:
+        best = min(ready)  # (text, position): texts differ between ops of one graph
+        ready.remove(best)
+        _, _, p, args = best
         k = len(out)
-        names[d[4]] = f"{prefix}{k}"
+        r = p[3]
+        names[r] = f"{prefix}{k}"
         if prefix == "b":
-            names[("a", d[4][1])] = f"a{k}"
-        out.append((d[1], tuple(args), d[2]))
-        todo.remove(d)
-    return out
+            names[("a", r[1])] = f"a{k}"
+        out.append(_op_tuple(p, args))
+        results.append(r)
+        for pos in waiting.get(r, ()):
+            missing[pos] -= 1
+            if not missing[pos]:
+                ready.append(_ready(todo[pos], pos, names))
+    return out, results
+
+
+_OPS: dict = {}        # (id of a prepared op, arg names) -> (that op, its structure op)
+_OP_VALUES: dict = {}  # structure op -> the one object of its value
+
+
+def _op_tuple(p: tuple, args: tuple) -> tuple:
+    """The structure op (kind, arg names, attrs) of prepared op ``p`` on ``args``, one object per
+    distinct value: the structures of a listing share their ops (qk_norm_rope, H=4, D=16, Q's
+    first-op layout "none" at 3 block ops: 33 distinct ops in 2,059 structures), so a listing
+    takes less memory and pickles to less (``pickle`` writes a shared object once and refers to
+    it after). Found by ``p``'s identity first (``_PREPARED`` keeps ``p`` alive), since hashing
+    the value hashes its attrs (a chain's program) too."""
+    k = (id(p), args)
+    hit = _OPS.get(k)
+    if hit is None or hit[0] is not p:
+        if len(_OPS) > 200_000:  # bound memory
+            _OPS.clear()
+            _OP_VALUES.clear()
+        t = (p[4], args, p[5])
+        hit = _OPS[k] = (p, _OP_VALUES.setdefault(t, t))
+    return hit[1]
+
+
+def _ready(p: tuple, pos: int, names: dict) -> tuple:
+    """(text, position, prepared op, arg names) of an op whose operands are all named."""
+    args = tuple(names[r] for r in p[1])
+    if p[2] and len(args) == 2 and _rank(args[1]) < _rank(args[0]):
+        args = (args[1], args[0])
+    return f"{p[0]}({', '.join(args)})", pos, p, args
 
 
 def _tup(items: frozenset) -> tuple:

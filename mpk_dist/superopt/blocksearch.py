@@ -43,6 +43,11 @@ class Structure:
     post: tuple
     outputs: tuple      # local names written to device memory
 
+    def __reduce__(self):
+        # pickled as a constructor call: pool workers hand back listings of up to ~2·10^6
+        # structures, and the default (a fresh state dict per object) pickled to more bytes
+        return Structure, (self.layout, self.body, self.post, self.outputs)
+
 
 def _dim_of(syms: tuple, s) -> int | None | bool:
     """Index of symbol s in syms; None if absent; False if it occurs twice (no valid split)."""

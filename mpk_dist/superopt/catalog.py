@@ -12,15 +12,15 @@ from __future__ import annotations
 
 import math
 import multiprocessing
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from dataclasses import replace
 
 from mpk_dist.superopt import blocksearch as B
 from mpk_dist.superopt.bounds import _tile_cost, first_op_keys
 from mpk_dist.superopt.context import Context
 from mpk_dist.superopt.cost import H200, custom_op_cost
-from mpk_dist.superopt.inference import is_stack_sym
-from mpk_dist.superopt.ugraph import DTYPE_BYTES, _numel
+from mpk_dist.superopt.inference import infer, is_stack_sym
+from mpk_dist.superopt.ugraph import DTYPE_BYTES, TensorInfo, _numel
 
 
 def _listing_key(final: bool, subset: tuple, infos: dict, k: int | None = None) -> tuple:
@@ -63,6 +63,7 @@ def layout_options(ctx: Context, layout, infos: dict, final: bool, limit=None) -
     options = []
     out_shape = ctx.target.graph.nodes[ctx.target.out_node].shape
     rep = _rep_sizes(layout, infos, ctx.config)
+    table = None if rep is None else KeyTable(layout, infos, rep)
     memo: dict = {}
     floors: dict = {}  # best_counts' input-tile floors of this layout's counts
     in_bytes = sum(_numel(infos[n].shape) for n in layout.inputs) * DTYPE_BYTES
@@ -81,7 +82,7 @@ def layout_options(ctx: Context, layout, infos: dict, final: bool, limit=None) -
         if final and not _may_have_shape(st, infos, out_shape, ctx.config, rep):
             ctx.counts["shape_skipped"] = ctx.counts.get("shape_skipped", 0) + 1
             continue
-        key = cost_key(st, infos, rep)
+        key = cost_key(st, infos, rep, table)
         if limit is not None and key is not None and \
                 bytes_lower_bound(layout, in_bytes, key[2], limit[1]) > limit[0]:
             ctx.counts["over_limit"] = ctx.counts.get("over_limit", 0) + 1
@@ -147,11 +148,12 @@ def _rep_sizes(layout, infos: dict, config):
     return B.representative_sizes(layout, infos, sym_size, config)
 
 
-def cost_key(st, infos: dict, rep: dict | None):
-    """What ``best_counts`` of ``st`` depends on, from one shape-only instantiation at the
-    representative counts ``rep``: every op's kind, attributes, operand and result shapes and
-    symbols (a multiset), the accumulators' and the outputs' shapes and symbols (STACK included).
-    None when ``rep`` is None or the structure is invalid there.
+def cost_key(st, infos: dict, rep: dict | None, table: "KeyTable | None" = None):
+    """What ``best_counts`` of ``st`` depends on, from its shapes at the representative counts
+    ``rep``: every op's kind, attributes, operand and result shapes and symbols (a multiset), the
+    accumulators' and the outputs' shapes and symbols (STACK included). None when ``rep`` is None
+    or the structure is invalid there. ``table``: a ``KeyTable`` of ``st``'s layout, ``infos``
+    and ``rep``, shared by the structures of one listing (``layout_options``), or None.
 
     Why two structures of one layout with the same key get the same counts and cost: a tile dim
     that carries index symbol s has extent tile(s) (the full extent over the grid and loop splits
@@ -166,15 +168,79 @@ def cost_key(st, infos: dict, rep: dict | None):
     ``best_counts`` (tests/superopt/test_catalog.py compares on every structure of a space)."""
     if rep is None:
         return None
-    bg, kinfos, names = _instantiate(st, rep, infos)
-    if bg is None:
-        return None
-    sh = {b.local: (b.tile, infos[b.name].syms) for b in bg.inputs}
-    sh.update({x.out: (x.info.shape, x.info.syms) for x in (*bg.body, *bg.accs, *bg.post)})
-    ops = Counter((op.kind, op.attrs, tuple(sh[a] for a in op.inputs), sh[op.out])
-                  for op in bg.ops())
-    return (frozenset(ops.items()), tuple(sorted(repr(sh[a.out]) for a in bg.accs)),
-            tuple((kinfos[n].shape, kinfos[n].syms) for n in names))
+    if table is None:
+        table = KeyTable(st.layout, infos, rep)
+    return table.key(st)
+
+
+class KeyTable:
+    """``cost_key`` of the structures of one layout over ``infos`` at counts ``rep``, without
+    instantiating them: the key is the one ``blocksearch.instantiate`` at ``rep`` gives (block
+    inputs as ``_block_inputs`` makes them, each op's result type by shape-only ``infer``, an
+    accumulator of ``b<k>`` where the post ops or the outputs read ``a<k>``, outputs through
+    ``kernel_output``), with each op's result type looked up per (kind, attrs, operand types).
+
+    NOTE: ``layout_options`` keys every structure it lists (1.9 M for qk_norm_rope's first-op
+    layout "none" of Q, unpruned); through ``instantiate`` (a BlockGraph, a BlockOp and a
+    TensorInfo per op) that was most of the costing phase, 99 s of that listing's 264 s on one
+    core (eighteenth session). tests/superopt/test_catalog.py compares with the instantiated
+    key on every structure of a space."""
+
+    def __init__(self, layout, infos: dict, rep: dict) -> None:
+        grid, _, inputs, env = B._block_inputs(layout, rep, infos)
+        self.grid = grid
+        # what ``infer`` sees of an input (its per-iteration tile) and what the key holds of it
+        # (its block tile: ``cost_key`` keyed inputs by ``BlockInput.tile``)
+        self.env = {local: (info.shape, info.syms) for local, info in env.items()}
+        self.shown = {b.local: (b.tile, infos[b.name].syms) for b in inputs}
+        self.results: dict = {}   # (kind, attrs, operand types) -> result type, None: invalid
+        self.outs: dict = {}      # output's block type -> its kernel type
+
+    def _result(self, kind: str, attrs: tuple, types: tuple):
+        k = (kind, attrs, types)
+        hit = self.results.get(k, False)
+        if hit is False:
+            r = infer(kind, [TensorInfo(s, y, None) for s, y in types], dict(attrs),
+                      exprs=False)
+            hit = self.results[k] = None if r is None else (r.shape, r.syms)
+        return hit
+
+    def _phase(self, spec: tuple, prefix: str, env: dict, shown: dict, items: dict) -> bool:
+        """Add the ops ``spec`` (named ``prefix``0, 1, ...) to ``env`` / ``shown`` and count
+        their key items in ``items``; False when one is invalid."""
+        result = self._result
+        for k, (kind, args, attrs) in enumerate(spec):
+            r = result(kind, attrs, tuple(env[a] for a in args))
+            if r is None:
+                return False
+            env[f"{prefix}{k}"] = shown[f"{prefix}{k}"] = r
+            item = (kind, attrs, tuple(shown[a] for a in args), r)
+            items[item] = items.get(item, 0) + 1
+        return True
+
+    def key(self, st):
+        """``cost_key(st, infos, rep)`` of a structure of this table's layout."""
+        env, shown, items = dict(self.env), dict(self.shown), {}
+        if not self._phase(st.body, "b", env, shown, items):
+            return None
+        read = {a for _, args, _ in st.post for a in args}
+        accs = []
+        for k in range(len(st.body)):
+            acc = f"a{k}"
+            if acc in read or acc in st.outputs:
+                env[acc] = shown[acc] = env[f"b{k}"]
+                accs.append(acc)
+        if not self._phase(st.post, "p", env, shown, items):
+            return None
+        outs = []
+        for local in st.outputs:
+            t = env[local]
+            o = self.outs.get(t)
+            if o is None:
+                o = self.outs[t] = B.kernel_output(t[0], t[1], self.grid)[1:]
+            outs.append(o)
+        return (frozenset(items.items()), tuple(sorted(repr(shown[a]) for a in accs)),
+                tuple(outs))
 
 
 def best_counts(ctx: Context, st, infos: dict, floors: dict | None = None):

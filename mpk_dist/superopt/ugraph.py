@@ -162,6 +162,11 @@ class BlockGraph:
 def op_call_text(kind: str, attrs: tuple, args: tuple) -> str:
     """``kind[attrs](args)`` as a block op prints in ``BlockGraph.text`` (and so in
     ``UGraph.key``); the canonical op order of the block enumeration compares these strings."""
+    return f"{op_call_name(kind, attrs)}({', '.join(args)})"
+
+
+def op_call_name(kind: str, attrs: tuple) -> str:
+    """The ``kind[attrs]`` part of ``op_call_text``."""
     name = _CALL_NAMES.get((kind, attrs))
     if name is None:
         a = dict(attrs)
@@ -173,7 +178,7 @@ def op_call_text(kind: str, attrs: tuple, args: tuple) -> str:
             name = kind
         # few distinct (kind, attrs) per search; the canonical order prints ~10^6 op calls
         _CALL_NAMES[(kind, attrs)] = name
-    return f"{name}({', '.join(args)})"
+    return name
 
 
 _CALL_NAMES: dict = {}

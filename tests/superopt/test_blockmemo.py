@@ -215,3 +215,142 @@ def _ugraph_form(ug) -> tuple:
     body = tuple((o.kind, o.inputs, o.attrs) for o in bg.body)
     post = tuple((o.kind, o.inputs, o.attrs) for o in bg.post)
     return bg.grid, bg.loop, canonical_order(_descs(body, post, len(names)))
+
+
+def _greedy_order(ops) -> tuple:
+    """``canonical_order`` as it was written before the texts were built once per op: at each
+    step every op is checked for readiness and the text of every ready op is built, the smallest
+    placed (the reference for the current code)."""
+    from mpk_dist.superopt.blockmemo import _COMMUTATIVE, _rank
+
+    names: dict = {}
+
+    def place(todo, prefix):
+        for d in todo:
+            for r in d[3]:
+                if r[0] == "i":
+                    names.setdefault(r, f"i{r[1]}")
+        out, todo = [], list(todo)
+        while todo:
+            best = None
+            for d in todo:
+                if not all(r in names for r in d[3]):
+                    continue
+                args = [names[r] for r in d[3]]
+                if len(args) == 2 and d[1] in _COMMUTATIVE and _rank(args[1]) < _rank(args[0]):
+                    args.reverse()
+                text = op_call_text(d[1], d[2], args)
+                if best is None or text < best[0]:
+                    best = (text, d, args)
+            _, d, args = best
+            k = len(out)
+            names[d[4]] = f"{prefix}{k}"
+            if prefix == "b":
+                names[("a", d[4][1])] = f"a{k}"
+            out.append((d, (d[1], tuple(args), d[2])))
+            todo.remove(d)
+        return out
+
+    body = place([d for d in ops if d[0] == "b"], "b")
+    post = place([d for d in ops if d[0] == "p"], "p")
+    read = {r for d in ops for r in d[3]}
+    outputs = [f"a{k}" for k, (d, _) in enumerate(body)
+               if d[4] not in read and ("a", d[4][1]) not in read]
+    outputs += [f"p{k}" for k, (d, _) in enumerate(post) if d[4] not in read]
+    return tuple(o for _, o in body), tuple(o for _, o in post), tuple(outputs)
+
+
+def test_canonical_order_builds_each_text_once_and_places_as_the_greedy_order(monkeypatch):
+    """``canonical_order`` gives the greedy smallest-text order of the former code (every ready
+    op's text built at every step) on the graphs of qk_norm_rope's first-op layouts (H=4, D=16,
+    unpruned): Q at 4 block ops with no grid and no loop (post ops only), a loop, and a grid and
+    a loop (body ops, accumulators), every layout of (Q, G) at 3 block ops; one and two outputs;
+    in the enumerator's op order and reversed; and it builds one text per op."""
+    from mpk_dist.superopt import blockmemo as M
+
+    target = analyze(build("qk_norm_rope", {"H": 4, "D": 16}))
+    infos = input_infos(target)
+    texts = [0]
+    real = M._ready
+
+    def counted(*args):
+        texts[0] += 1
+        return real(*args)
+
+    monkeypatch.setattr(M, "_ready", counted)
+    graphs = ops = 0
+    cases = [(4, B.Layout(("Q",), (), None), 5), (4, B.Layout(("Q",), (), "k"), 2),
+             (4, B.Layout(("Q",), ("m",), "k"), 2)]
+    cases += [(3, lay, 1) for lay in B.layouts(("Q", "G"), infos, 1)]
+    for block_ops, lay, step in cases:
+        config = SearchConfig(max_kernel_ops=2, max_block_ops=block_ops, prune=False)
+        sym_size = {s: x for n in lay.inputs for s, x in zip(infos[n].syms, infos[n].shape) if s}
+        sizes = B.representative_sizes(lay, infos, sym_size, config)
+        enum = MemoEnumerator(Context(target, config, time.monotonic() + 60), lay, infos,
+                              sizes, config.max_block_outputs)
+        for key in enum.completions()[::step]:
+            g = enum.ops_of(key)
+            for order in (g, g[::-1]):
+                before = texts[0]
+                assert canonical_order(order) == _greedy_order(order), (lay, g)
+                assert texts[0] - before == len(g)
+                graphs += 1
+                ops += len(g)
+    assert graphs > 40000 and ops > 3 * graphs, (graphs, ops)
+
+
+class _CheckEveryJoin(MemoEnumerator):
+    """``MemoEnumerator`` with ``_join`` as it was before ``_child_fps``: every completion of
+    the child checked on its own (the reference); counts the completions it drops."""
+
+    dropped = 0
+
+    def _join(self, out, desc, x, child):
+        if self.ctx.timed_out():
+            return
+        fx = self.fpid[x]
+        di = self._did(desc, x)
+        for key in child:
+            if any(self.desc_fpid[i] == fx for i in key) and \
+                    self._repeats(x, [self.desc_node[i] for i in key]):
+                self.dropped += 1
+                continue
+            out.setdefault(tuple(sorted(key + (di,))), None)
+
+
+def test_joins_that_keep_a_child_whole_give_the_same_completions():
+    """Completions (the same keys, in the same order, the same descriptors) with ``_join``'s
+    whole-child path and with every completion checked, on first ops of qk_norm_rope (Q at 4
+    block ops: post ops only, a loop, a grid and a loop; (Q, G) at 3) and on last ops of
+    attention at 4 block ops (``FinalFilter``); the whole-child path is taken, and the
+    checks it skips are ones that drop no completion (the reference drops some: recomputations
+    exist in these spaces)."""
+    cases = []
+    qk = analyze(build("qk_norm_rope", {"H": 4, "D": 16}))
+    for lay in (B.Layout(("Q",), (), None), B.Layout(("Q",), (), "k"),
+                B.Layout(("Q",), ("m",), "k")):
+        cases.append((qk, lay, 4, None))
+    cases += [(qk, lay, 3, None) for lay in B.layouts(("Q", "G"), input_infos(qk), 1)]
+    att = analyze(build("attention_decode", {"H": 4, "D": 64, "S": 256}))
+    infos = input_infos(att)
+    cases += [(att, lay, 4, True) for lay in B.layouts(tuple(infos), infos, 1)]
+    whole = dropped = keys = 0
+    for target, lay, ops, final in cases:
+        infos = input_infos(target)
+        config = SearchConfig(max_kernel_ops=2, max_block_ops=ops, prune=False)
+        sym_size = {s: x for n in lay.inputs for s, x in zip(infos[n].syms, infos[n].shape) if s}
+        sizes = B.representative_sizes(lay, infos, sym_size, config)
+        if sizes is None:
+            continue
+        got = []
+        for cls in (MemoEnumerator, _CheckEveryJoin):
+            accept = FinalFilter(target, lay, sym_size) if final else None
+            enum = cls(Context(target, config, time.monotonic() + 60), lay, infos, sizes,
+                       1 if final else 2, accept)
+            got.append((enum, [enum.ops_of(k) for k in enum.completions()]))
+        (new, a), (ref, b) = got
+        assert a == b, lay
+        whole += new.joined_whole
+        dropped += ref.dropped
+        keys += len(a)
+    assert whole > 1000 and dropped > 0 and keys > 40000, (whole, dropped, keys)

@@ -268,3 +268,100 @@ def test_renamed_subsets_list_what_their_own_enumeration_lists():
     cat.layout_options(("A",), 0, infos, False)
     cat.layout_options(("B",), 0, infos, False)
     assert "listings_renamed" not in pruned.counts
+
+
+def _instantiated_key(st, infos, rep):
+    """``cost_key`` as it was computed before ``KeyTable``: from the block graph instantiated at
+    the representative counts (the reference the table must reproduce)."""
+    from collections import Counter
+
+    from mpk_dist.superopt.catalog import _instantiate
+
+    bg, kinfos, names = _instantiate(st, rep, infos)
+    if bg is None:
+        return None
+    sh = {b.local: (b.tile, infos[b.name].syms) for b in bg.inputs}
+    sh.update({x.out: (x.info.shape, x.info.syms) for x in (*bg.body, *bg.accs, *bg.post)})
+    ops = Counter((op.kind, op.attrs, tuple(sh[a] for a in op.inputs), sh[op.out])
+                  for op in bg.ops())
+    return (frozenset(ops.items()), tuple(sorted(repr(sh[a.out]) for a in bg.accs)),
+            tuple((kinfos[n].shape, kinfos[n].syms) for n in names))
+
+
+def test_cost_key_from_the_key_table_is_the_instantiated_key(monkeypatch):
+    """``cost_key`` through a listing's ``KeyTable`` is the key of the block graph instantiated
+    at the representative counts, on every structure of every layout of every input subset of
+    single inputs and all inputs of qk_norm_rope (H=4, D=16; loop layouts with body ops and
+    accumulators, grids, STACK outputs) and every input subset of attention (3 block ops,
+    unpruned, first ops); and
+    ``layout_options`` instantiates a structure only to cost it (``_out_shapes``, once per
+    distinct key), not to key it (it instantiated every structure it listed)."""
+    from mpk_dist.superopt import blocksearch as B
+    from mpk_dist.superopt import catalog as C
+
+    checked = 0
+    for pattern, shape, sizes in (("qk_norm_rope", {"H": 4, "D": 16}, (1, 5)),
+                                  ("attention_decode", {"H": 2, "D": 16, "S": 64}, (1, 2, 3))):
+        target = analyze(build(pattern, shape))
+        ctx = Context(target, SearchConfig(max_block_ops=3, prune=False), time.monotonic() + 120)
+        infos = input_infos(target)
+        for r in sizes:
+            for subset in itertools.combinations(infos, r):
+                for lay in B.layouts(subset, infos, 1):
+                    rep = C._rep_sizes(lay, infos, ctx.config)
+                    if rep is None:
+                        continue
+                    table = C.KeyTable(lay, infos, rep)
+                    for st in B.enumerate_layout(ctx, lay, infos, False):
+                        assert C.cost_key(st, infos, rep, table) == \
+                            _instantiated_key(st, infos, rep), (lay, st)
+                        checked += 1
+    assert checked > 50000, checked
+
+    target = analyze(build("attention_decode", {"H": 2, "D": 16, "S": 64}))
+    ctx = Context(target, SearchConfig(max_block_ops=3, prune=False), time.monotonic() + 120)
+    infos = input_infos(target)
+    calls = [0]
+    real = C._instantiate
+
+    def counted(*args):
+        calls[0] += 1
+        return real(*args)
+
+    monkeypatch.setattr(C, "_instantiate", counted)
+    lay = B.Layout(tuple(infos), ("n",), "k")
+    opts = C.layout_options(ctx, lay, infos, False)
+    rep = C._rep_sizes(lay, infos, ctx.config)
+    monkeypatch.setattr(C, "_instantiate", real)
+    keys = {_instantiated_key(o[0], infos, rep) for o in opts}
+    assert 0 < calls[0] <= len(keys) < len(opts), (len(opts), len(keys), calls)
+
+
+def test_listed_structures_share_their_ops_and_pickle_small():
+    """The structures of a first-op listing share their ops and output lists (one object per
+    distinct value), pickle as constructor calls, and come back equal and still shared: qk_norm_rope
+    (H=4, D=16), 3 block ops, unpruned, layout "none" of (Q,) and (Q, G) (2,059 and 7,467
+    options). A pool worker hands a listing back pickled (Q's first-op layout "none" at decode
+    shapes: 1.9 M options). Bytes per option: 49 and 53 now, 60 and 64 with the dataclass's
+    default pickling, 108 and 115 with an op tuple per structure."""
+    import pickle
+
+    from mpk_dist.superopt import blocksearch as B
+    from mpk_dist.superopt.catalog import layout_options
+
+    target = analyze(build("qk_norm_rope", {"H": 4, "D": 16}))
+    infos = input_infos(target)
+    ctx = Context(target, SearchConfig(max_block_ops=3, prune=False), time.monotonic() + 120)
+
+    def shared(opts) -> bool:
+        ops = [op for o in opts for op in o[0].body + o[0].post]
+        outs = [o[0].outputs for o in opts]
+        return len({id(x) for x in ops}) == len(set(ops)) and \
+            len({id(x) for x in outs}) == len(set(outs))
+
+    for subset in (("Q",), ("Q", "G")):
+        opts = layout_options(ctx, B.Layout(subset, (), None), infos, False)
+        blob = pickle.dumps(opts, protocol=pickle.HIGHEST_PROTOCOL)
+        back = pickle.loads(blob)
+        assert len(opts) > 2000 and back == opts and shared(opts) and shared(back)
+        assert len(blob) < 56 * len(opts), len(blob) / len(opts)
