@@ -29,3 +29,21 @@ def results():
         return cache[name]
 
     return get
+
+
+@pytest.fixture
+def count_calls(monkeypatch):
+    """``count_calls(module, name)`` replaces ``module.name`` with a wrapper that counts its calls for the rest of
+    the test and returns (the one-element count list, the real function)."""
+
+    def wrap(module, name):
+        calls, real = [0], getattr(module, name)
+
+        def counted(*args, **kwargs):
+            calls[0] += 1
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, counted)
+        return calls, real
+
+    return wrap

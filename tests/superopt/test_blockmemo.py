@@ -260,7 +260,7 @@ def _greedy_order(ops) -> tuple:
     return tuple(o for _, o in body), tuple(o for _, o in post), tuple(outputs)
 
 
-def test_canonical_order_builds_each_text_once_and_places_as_the_greedy_order(monkeypatch):
+def test_canonical_order_builds_each_text_once_and_places_as_the_greedy_order(count_calls):
     """``canonical_order`` gives the greedy smallest-text order of the former code (every ready
     op's text built at every step) on the graphs of qk_norm_rope's first-op layouts (H=4, D=16,
     unpruned): Q at 4 block ops with no grid and no loop (post ops only), a loop, and a grid and
@@ -270,14 +270,7 @@ def test_canonical_order_builds_each_text_once_and_places_as_the_greedy_order(mo
 
     target = analyze(build("qk_norm_rope", {"H": 4, "D": 16}))
     infos = input_infos(target)
-    texts = [0]
-    real = M._ready
-
-    def counted(*args):
-        texts[0] += 1
-        return real(*args)
-
-    monkeypatch.setattr(M, "_ready", counted)
+    texts, _ = count_calls(M, "_ready")
     graphs = ops = 0
     cases = [(4, B.Layout(("Q",), (), None), 5), (4, B.Layout(("Q",), (), "k"), 2),
              (4, B.Layout(("Q",), ("m",), "k"), 2)]

@@ -288,7 +288,7 @@ def _instantiated_key(st, infos, rep):
             tuple((kinfos[n].shape, kinfos[n].syms) for n in names))
 
 
-def test_cost_key_from_the_key_table_is_the_instantiated_key(monkeypatch):
+def test_cost_key_from_the_key_table_is_the_instantiated_key(monkeypatch, count_calls):
     """``cost_key`` through a listing's ``KeyTable`` is the key of the block graph instantiated
     at the representative counts, on every structure of every layout of every input subset of
     single inputs and all inputs of qk_norm_rope (H=4, D=16; loop layouts with body ops and
@@ -321,14 +321,7 @@ def test_cost_key_from_the_key_table_is_the_instantiated_key(monkeypatch):
     target = analyze(build("attention_decode", {"H": 2, "D": 16, "S": 64}))
     ctx = Context(target, SearchConfig(max_block_ops=3, prune=False), time.monotonic() + 120)
     infos = input_infos(target)
-    calls = [0]
-    real = C._instantiate
-
-    def counted(*args):
-        calls[0] += 1
-        return real(*args)
-
-    monkeypatch.setattr(C, "_instantiate", counted)
+    calls, real = count_calls(C, "_instantiate")
     lay = B.Layout(tuple(infos), ("n",), "k")
     opts = C.layout_options(ctx, lay, infos, False)
     rep = C._rep_sizes(lay, infos, ctx.config)
