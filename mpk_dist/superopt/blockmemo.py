@@ -45,7 +45,7 @@ import zlib
 
 from mpk_dist.superopt import expr as E
 from mpk_dist.superopt.inference import candidate_ops, infer, intern, is_stack_sym
-from mpk_dist.superopt.ugraph import TensorInfo, op_call_name
+from mpk_dist.superopt.ugraph import TensorInfo, call_text, op_call_name
 
 _COMMUTATIVE = ("mul", "add")
 # ``_join`` keeps a child's completions unchecked when none of their ops has the new op's
@@ -1017,7 +1017,7 @@ def _ready(p: tuple, pos: int, names: dict) -> tuple:
     args = tuple(names[r] for r in p[1])
     if p[2] and len(args) == 2 and _rank(args[1]) < _rank(args[0]):
         args = (args[1], args[0])
-    return f"{p[0]}({', '.join(args)})", pos, p, args
+    return call_text(p[0], args), pos, p, args
 
 
 def _tup(items: frozenset) -> tuple:

@@ -162,7 +162,12 @@ class BlockGraph:
 def op_call_text(kind: str, attrs: tuple, args: tuple) -> str:
     """``kind[attrs](args)`` as a block op prints in ``BlockGraph.text`` (and so in
     ``UGraph.key``); the canonical op order of the block enumeration compares these strings."""
-    return f"{op_call_name(kind, attrs)}({', '.join(args)})"
+    return call_text(op_call_name(kind, attrs), args)
+
+
+def call_text(name: str, args) -> str:
+    """``name(args)``: the one place the op call's text is formatted (the canonical order compares it)."""
+    return f"{name}({', '.join(args)})"
 
 
 def op_call_name(kind: str, attrs: tuple) -> str:
