@@ -26,6 +26,8 @@
 #include "norm_linear.cuh"
 #include "linear_residual.cuh"
 #include "silu_linear.cuh"
+// silu_mul as the gate|up projection's epilogue (opt-in fusion 'silu_epi'; docs/TASKGRAPH.md)
+#include "norm_linear_silu.cuh"
 // Superoptimized bodies (mpk_dist.runtime.superopt_tasks): MPK_SUPEROPT comes from the generated .cu
 // (KernelShape.superopt); a kind whose search found no lowerable µGraph is built with
 // -DMPK_SUPEROPT_<KIND>=0 and runs its hand-written body. "generated/<kind>.cuh" resolves to the
@@ -172,7 +174,35 @@ __device__ __noinline__ void run_comm_push(const TaskView& t, int opcode, int ti
 // Only the dtype combinations the fused graphs produce are instantiated (bf16 models: fp32
 // residual stream, bf16 activations, fp32 logits); any other combination returns false, which the
 // worker reports as a bad task instead of computing something wrong.
+// The gate|up projection with its silu epilogue: norm_linear's body (generated or hand-written) on the tile's
+// gate and up rows, then silu(gate) * up into the activation.
+__device__ __noinline__ bool run_norm_linear_silu(const TaskView& t, float* smem, int tid, int nt) {
+  if (t.dtype(NORM_LINEAR_SILU_ARG_X) != DTYPE_F32 || t.dtype(NORM_LINEAR_SILU_ARG_Y) != DTYPE_BF16) return false;
+  const auto body = [](int B, const float* x, int ldx, const bf16* nw, const bf16* w, const Epi& epi, int K,
+                       int n_tile, float eps, float* sm, int tid_, int nt_) {
+#if MPK_SUPEROPT_NORM_LINEAR
+    gen::norm_linear(B, x, ldx, nw, w, epi, K, n_tile, eps, sm, tid_, nt_);  // generated from the chosen µGraph
+#else
+    norm_linear(B, x, ldx, nw, w, epi, K, n_tile, eps, sm, tid_, nt_);
+#endif
+  };
+  return norm_linear_silu(t.param(NORM_LINEAR_SILU_PARAM_BATCH), t.arg<const float>(NORM_LINEAR_SILU_ARG_X),
+                          t.param(NORM_LINEAR_SILU_PARAM_X_STRIDE), t.arg<const bf16>(NORM_LINEAR_SILU_ARG_NORM_W),
+                          t.arg<const bf16>(NORM_LINEAR_SILU_ARG_W), t.param(NORM_LINEAR_SILU_PARAM_UP_ROWS),
+                          t.arg<bf16>(NORM_LINEAR_SILU_ARG_Y), t.param(NORM_LINEAR_SILU_PARAM_Y_STRIDE),
+                          t.param(NORM_LINEAR_SILU_PARAM_K), t.param(NORM_LINEAR_SILU_PARAM_N_TILE),
+                          t.fparam(NORM_LINEAR_SILU_PARAM_EPS), smem, tid, nt, body);
+}
+
+// norm_linear_silu tasks come here too. NOTE: any call of run_norm_linear_silu the kernel can reach grows the
+// entry's stack frame from 592 to 608 bytes (ptxas -v, batch 1; also with a case of its own in run_task), though
+// no function it adds has a frame or spills; -DMPK_SILU_EPI_KIND=0 leaves the kind out (such a task is then
+// reported as a bad task), so one process can measure the default build with and without it.
+#ifndef MPK_SILU_EPI_KIND
+#define MPK_SILU_EPI_KIND 1
+#endif
 __device__ __noinline__ bool run_norm_linear(const TaskView& t, float* smem, int tid, int nt) {
+  if (t.opcode() == OP_NORM_LINEAR_SILU) return MPK_SILU_EPI_KIND && run_norm_linear_silu(t, smem, tid, nt);
   if (t.dtype(NORM_LINEAR_ARG_X) != DTYPE_F32) return false;
   const int B = t.param(NORM_LINEAR_PARAM_BATCH), K = t.param(NORM_LINEAR_PARAM_K);
   const int n = t.param(NORM_LINEAR_PARAM_N_TILE), xs = t.param(NORM_LINEAR_PARAM_X_STRIDE);
@@ -504,6 +534,7 @@ __device__ bool run_task(const RuntimeParams& p, const int32_t* rec, int step, f
                          t.param(ARGMAX_NUCLEUS_CUT_PARAM_WORLD), smem, tid, nt);
       return true;
     case OP_NORM_LINEAR: return run_norm_linear(t, smem, tid, nt);
+    case OP_NORM_LINEAR_SILU: return run_norm_linear(t, smem, tid, nt);  // the gate|up projection + silu epilogue
     case OP_LINEAR_RESIDUAL: return run_linear_residual(t, tid, nt);
     case OP_SILU_LINEAR: return run_silu_linear(t, smem, tid, nt);
     case OP_ATTENTION_SPLIT: return run_attention_split(t, smem, tid, nt);
@@ -586,6 +617,9 @@ __device__ void prefetch_task(const RuntimeParams& p, const int32_t* rec, int pl
   else if (t.opcode() == OP_NORM_LINEAR)  // fused linears: the weight block is independent of the waits too
     linear_prefetch(t.arg<const bf16>(NORM_LINEAR_ARG_W), t.param(NORM_LINEAR_PARAM_K),
                     t.param(NORM_LINEAR_PARAM_N_TILE), planned, bulk, tid, nt);
+  else if (t.opcode() == OP_NORM_LINEAR_SILU)  // half of the planned bytes from each weight block
+    pair_prefetch(t.arg<const bf16>(NORM_LINEAR_SILU_ARG_W), t.param(NORM_LINEAR_SILU_PARAM_UP_ROWS),
+                  t.param(NORM_LINEAR_SILU_PARAM_K), t.param(NORM_LINEAR_SILU_PARAM_N_TILE), planned, bulk, tid, nt);
   else if (t.opcode() == OP_LINEAR_RESIDUAL)
     linear_prefetch(t.arg<const bf16>(LINEAR_RESIDUAL_ARG_W), t.param(LINEAR_RESIDUAL_PARAM_K),
                     t.param(LINEAR_RESIDUAL_PARAM_N_TILE), planned, bulk, tid, nt);

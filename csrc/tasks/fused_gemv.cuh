@@ -96,20 +96,32 @@ __device__ __forceinline__ void stage_row(bf16* st, int K, const Row& row, int t
 // branch per output element): store the fp32 sum rounded to bf16 (activations) or unrounded (fp32
 // logits), or add the bf16-rounded product to the fp32 residual (the tp-1 residual add, computed
 // as the unfused add does: bf16 partial + fp32 stream in fp32).
-enum EpiMode : int { kEpiBf16 = 0, kEpiF32 = 1, kEpiResidual = 2 };
+// kEpiPair (norm_linear_silu.cuh): the tile's n_tile weight rows are two halves, rows [0, n_tile/2) at w and rows
+// [n_tile/2, n_tile) at w + pair_jump; each sum is stored rounded to bf16 (as kEpiBf16) into the tile's
+// [B, n_tile] buffer y (shared memory), which the caller turns into silu(gate) * up.
+enum EpiMode : int { kEpiBf16 = 0, kEpiF32 = 1, kEpiResidual = 2, kEpiPair = 3 };
 
 struct Epi {
   void* y;
   const float* res;  // kEpiResidual only
   int ld;
   int mode;
+  long long pair_jump = 0;  // kEpiPair only: elements from the first weight row to the first row of the second half
   __device__ __forceinline__ void operator()(int b, int n, float s) const {
     const size_t o = (size_t)b * ld + n;
     if (mode == kEpiResidual) reinterpret_cast<float*>(y)[o] = round_bf(s) + res[o];
     else if (mode == kEpiF32) reinterpret_cast<float*>(y)[o] = s;
-    else reinterpret_cast<bf16*>(y)[o] = f2bf(s);
+    else reinterpret_cast<bf16*>(y)[o] = f2bf(s);  // kEpiBf16, kEpiPair
   }
 };
+
+// Whether an epilogue splits the tile's rows into two weight blocks (kEpiPair); other epilogue types never do.
+__device__ __forceinline__ bool epi_is_pair(const Epi& e) { return e.mode == kEpiPair; }
+template <class EpiT>
+__device__ __forceinline__ bool epi_is_pair(const EpiT&) { return false; }
+__device__ __forceinline__ long long epi_pair_jump(const Epi& e) { return e.pair_jump; }
+template <class EpiT>
+__device__ __forceinline__ long long epi_pair_jump(const EpiT&) { return 0; }
 
 // Phase marks of the batch-1 GEMV tile (trace_marks.cuh; the same slots as linear_mma.cuh's): the weight loop
 // starts (a fused kind's prologue is done and its operand rows staged), and thread 0's warp has summed its rows
@@ -192,9 +204,21 @@ __device__ __noinline__ void gemv_tile(const XS xs, const bf16* __restrict__ w, 
 // MPK_LINEAR_MMA=1 when enough warps stream (linear_mma.cuh, its own summation order), else gemv_tile.
 // reserved: bytes at the start of the dynamic shared memory that xs reads (staged_bytes of the staged rows;
 // 0 when x is a global activation).
+// kEpiPair: the two halves of the tile's rows on the scalar tile (gemv_pair), tensor cores or not: the silu
+// epilogue fusion is planned only for programs whose linears run scalar (megakernel_backend.fusions_for_batch).
+template <int B, class XS>
+__device__ __forceinline__ void gemv_pair(const XS& xs, const bf16* __restrict__ w, int K, int n_tile, const Epi& epi,
+                                          int tid, int nt);
+template <int B, class XS, class EpiT>  // other epilogue types are never pairs (epi_is_pair)
+__device__ __forceinline__ void gemv_pair(const XS&, const bf16* __restrict__, int, int, const EpiT&, int, int) {}
+
 template <int B, class XS, class EpiT>
 __device__ __forceinline__ void gemv_fused(const XS& xs, const bf16* __restrict__ w, int K, int n_tile, const EpiT& epi,
                                            uint32_t reserved, int tid, int nt) {
+  if (epi_is_pair(epi)) {
+    gemv_pair<B>(xs, w, K, n_tile, epi, tid, nt);
+    return;
+  }
 #if MPK_LINEAR_MMA
   if constexpr (B >= 2) {
     if (const int S = mma_slices(K, n_tile, nt)) {
@@ -208,6 +232,30 @@ __device__ __forceinline__ void gemv_fused(const XS& xs, const bf16* __restrict_
   gemv_tile<B, kFuseRows>(xs, w, K, n_tile, epi, tid, nt);
 }
 
+// Half the block's warps sum the first half of the rows (the gate rows of norm_linear_silu) and the other half the
+// second (the up rows), each warp whole rows as gemv_tile always does: the same sums as the unfused gate|up tile,
+// with as many rows per warp (the unfused projection's tiles hold n_tile rows of one half for all the warps).
+// Under MPK_LINEAR_TMA the weight ring's producer and barriers span the block, so the halves run one after the
+// other there.
+template <int B, class XS>
+__device__ __forceinline__ void gemv_pair(const XS& xs, const bf16* __restrict__ w, int K, int n_tile, const Epi& epi,
+                                          int tid, int nt) {
+  const int h = n_tile / 2;
+  Epi first = epi, second = epi;
+  first.mode = second.mode = kEpiBf16;
+  second.y = static_cast<bf16*>(epi.y) + h;
+  const bf16* w2 = w + epi.pair_jump;
+  if (MPK_LINEAR_TMA) {
+    gemv_tile<B, kFuseRows>(xs, w, K, h, first, tid, nt);
+    gemv_tile<B, kFuseRows>(xs, w2, K, h, second, tid, nt);
+    return;
+  }
+  const int half = (nt >> 6) << 5;  // the first half's threads: whole warps (nt - half for the second)
+  const bool second_half = tid >= half;
+  gemv_tile<B, kFuseRows>(xs, second_half ? w2 : w, K, h, second_half ? second : first, second_half ? tid - half : tid,
+                          second_half ? nt - half : half);
+}
+
 // Fallback when the staged input does not fit the launch's shared memory: batch row b only, one
 // warp per weight row, the prologue computed per element. Each lane sums its k = lane*8 + 256 j
 // terms in increasing j, as gemv_tile does for any R and U, so the result is bit-identical to the
@@ -216,9 +264,11 @@ template <class Row, class EpiT>
 __device__ void gemv_rowwise(const Row& row, const bf16* __restrict__ w, int K, int n_tile, const EpiT& epi, int b,
                              int tid, int nt) {
   const int warp = tid >> 5, lane = tid & 31, nwarps = nt >> 5;
+  const int second = epi_is_pair(epi) ? n_tile / 2 : n_tile;  // kEpiPair: rows from here on are at w + pair_jump
   for (int n = warp; n < n_tile; n += nwarps) {
+    const bf16* wr = n < second ? w + (size_t)n * K : w + epi_pair_jump(epi) + (size_t)(n - second) * K;
     float acc = 0.f;
-    for (int k = lane * 8; k < K; k += 256) acc += dot8(ld_weight_v4(w + (size_t)n * K + k), row.load8(k));
+    for (int k = lane * 8; k < K; k += 256) acc += dot8(ld_weight_v4(wr + k), row.load8(k));
     const float s = warp_sum(acc);
     if (lane == (b & 31)) epi(b, n, s);
   }

@@ -186,14 +186,35 @@ __device__ void linear(int B, const bf16* x, int ldx, const bf16* w, OutT* y, in
 #define MPK_PREFETCH_KB -1
 #endif
 // planned: bytes the host planned for this task (prefetch_plan.py), or -1 for the MPK_PREFETCH_KB cap.
-__device__ __forceinline__ void linear_prefetch(const bf16* w, int K, int n_tile, int planned, bool bulk, int tid,
-                                                int nt) {
+__device__ __forceinline__ uint64_t linear_prefetch_bytes(int K, int n_tile, int planned) {
   uint64_t bytes = (uint64_t)n_tile * K * sizeof(bf16);
   if (planned >= 0) bytes = bytes < (uint64_t)planned ? bytes : (uint64_t)planned;
   else if (MPK_PREFETCH_KB >= 0 && bytes > (uint64_t)MPK_PREFETCH_KB * 1024) bytes = (uint64_t)MPK_PREFETCH_KB * 1024;
+  return bytes;
+}
+
+__device__ __forceinline__ void linear_prefetch(const bf16* w, int K, int n_tile, int planned, bool bulk, int tid,
+                                                int nt) {
+  const uint64_t bytes = linear_prefetch_bytes(K, n_tile, planned);
   if (tid == 0) stream_prime(w, K, n_tile, nt);  // MPK_LINEAR_TMA: the first stages into shared memory
   if (bulk) prefetch_l2_bulk(w, bytes, tid, nt);
   else prefetch_l2(w, bytes, tid, nt);
+}
+
+// A tile whose n_tile weight rows are two blocks of n_tile / 2 (norm_linear_silu: gate rows at w, up rows
+// up_rows rows later): the bytes linear_prefetch would give it, half from the head of each block (each half
+// of the block's warps starts there). No ring priming: the pair tile streams through registers.
+__device__ __forceinline__ void pair_prefetch(const bf16* w, int up_rows, int K, int n_tile, int planned, bool bulk,
+                                              int tid, int nt) {
+  const uint64_t bytes = linear_prefetch_bytes(K, n_tile, planned) / 2;
+  const bf16* w2 = w + (size_t)up_rows * K;
+  if (bulk) {
+    prefetch_l2_bulk(w, bytes, tid, nt);
+    prefetch_l2_bulk(w2, bytes, tid, nt);
+  } else {
+    prefetch_l2(w, bytes, tid, nt);
+    prefetch_l2(w2, bytes, tid, nt);
+  }
 }
 
 }  // namespace mpk

@@ -381,7 +381,8 @@ def fusions_from_env(fuse=True) -> frozenset[str]:
     """The fusion set of ``fuse`` (mpk_dist.taskgraph.fusion; fused linears default on since verified on an
     H200). ``fuse=True`` also gets ``DEFAULT_ATTN_FUSIONS`` unless MPK_FUSE_ATTN_PREP=0 / MPK_FUSE_ATTN_MERGE=0
     turn one off; an explicit fusion list gets them only when the variable is 1. MPK_FUSE_NORM=0,
-    MPK_FUSE_SILU=0 and MPK_FUSE_RESIDUAL=0 drop one of the linears' fusions."""
+    MPK_FUSE_SILU=0 and MPK_FUSE_RESIDUAL=0 drop one of the linears' fusions; MPK_FUSE_SILU_EPI=1 adds the
+    opt-in 'silu_epi' (silu_mul as the gate|up projection's epilogue)."""
     from mpk_dist.taskgraph.fusion import fusion_set
 
     out = set(fusion_set(fuse))
@@ -392,6 +393,8 @@ def fusions_from_env(fuse=True) -> frozenset[str]:
         knob = _fusion_switch(var)
         if knob == "1" or (knob == "" and fuse is True):
             out.add(name)
+    if _fusion_switch("MPK_FUSE_SILU_EPI") == "1":  # opt-in: silu_mul as the gate|up projection's epilogue
+        out.add("silu_epi")
     return frozenset(out)
 
 
@@ -406,10 +409,24 @@ two rows; batch 3 is not measured."""
 
 def fusions_for_batch(fuse: frozenset, batch: int, environ=None) -> frozenset:
     """The fusions of a program of ``batch`` rows: ``fuse`` without 'silu' above SILU_FUSE_MAX_BATCH, unless
-    MPK_FUSE_SILU=1 asks for it at every batch."""
-    if "silu" in fuse and batch > SILU_FUSE_MAX_BATCH and _fusion_switch("MPK_FUSE_SILU", environ) != "1":
-        return frozenset(fuse) - {"silu"}
-    return frozenset(fuse)
+    MPK_FUSE_SILU=1 asks for it at every batch; without 'silu_epi' when the program's linear tiles run on
+    tensor cores (its gate|up halves run on the scalar tile only: csrc/tasks/fused_gemv.cuh gemv_pair)."""
+    out = set(fuse)
+    if "silu" in out and batch > SILU_FUSE_MAX_BATCH and _fusion_switch("MPK_FUSE_SILU", environ) != "1":
+        out.discard("silu")
+    if "silu_epi" in out and _linear_mma_for_batch(batch, environ):
+        out.discard("silu_epi")
+    return frozenset(out)
+
+
+def _linear_mma_for_batch(batch: int, environ=None) -> bool:
+    """Whether a program of ``batch`` rows runs its linear tiles on tensor cores: MPK_LINEAR_MMA=1 from 2 rows a
+    tile, unset from ``tables.MMA_MIN_BATCH`` (``tables.default_linear_mma``), 0 never."""
+    from mpk_dist.runtime.tables import MMA_MIN_BATCH, ROW_BLOCK
+
+    knob = (os.environ if environ is None else environ).get("MPK_LINEAR_MMA", "")
+    rows = min(batch, ROW_BLOCK)
+    return rows >= 2 if knob == "1" else (knob == "" and rows >= MMA_MIN_BATCH)
 
 
 def superopt_from_env(superopt=None) -> bool:

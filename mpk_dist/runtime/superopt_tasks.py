@@ -133,13 +133,15 @@ def problems_of(cg) -> dict[Problem, int]:
 
     tasks, params = cg.arrays["tasks"], cg.arrays["params"]
     out: dict[Problem, int] = {}
-    for kind_name in ("norm_linear", "silu_linear"):
+    # norm_linear_silu runs norm_linear's body on the gate|up projection (N = 2 I, twice its Y_STRIDE)
+    for kind_name, body, widths in (("norm_linear", "norm_linear", 1), ("silu_linear", "silu_linear", 1),
+                                    ("norm_linear_silu", "norm_linear", 2)):
         kind = BY_NAME[kind_name]
         rows = tasks[tasks[:, TASK_COLS["OPCODE"]] == kind.opcode]
         for p0 in rows[:, TASK_COLS["PARAM_BEGIN"]].tolist():
             get = lambda name: int(params[p0 + kind.param_index(name)])  # noqa: E731
-            eps = _f32(get("EPS")) if kind_name == "norm_linear" else 0.0
-            prob = Problem(kind_name, get("BATCH"), get("K"), get("Y_STRIDE"), eps)
+            eps = _f32(get("EPS")) if body == "norm_linear" else 0.0
+            prob = Problem(body, get("BATCH"), get("K"), widths * get("Y_STRIDE"), eps)
             out[prob] = out.get(prob, 0) + get("K") * get("N_TILE")
     out.update(_qk_problems(cg))
     for prob, w in _qk_problems_fused(cg).items():

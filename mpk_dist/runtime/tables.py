@@ -22,7 +22,7 @@ MAX_BATCH = 256
 """Sequences (or tokens of a paged pass) per program: linear-kind ops over more than ROW_BLOCK rows
 are tiled in row blocks of ROW_BLOCK (docs/TASKGRAPH.md, "Row blocks"), so above ROW_BLOCK the batch
 must be a multiple of it (the hosts pad: ``padded_batch``). The other bodies loop over any batch."""
-LINEAR_KINDS = ("linear", "norm_linear", "linear_residual", "silu_linear")
+LINEAR_KINDS = ("linear", "norm_linear", "linear_residual", "silu_linear", "norm_linear_silu")
 """Kinds whose CUDA body runs MPK_BATCH rows (a compile-time constant of the generated kernel;
 csrc/tasks/linear.cuh, fused_gemv.cuh, linear_mma.cuh, weight_stream.cuh) whatever the task's BATCH says."""
 MAX_GROUP = 8

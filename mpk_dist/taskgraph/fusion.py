@@ -19,6 +19,13 @@ Opt-in (named explicitly, not part of ``fuse=True`` until verified on a GPU):
   counts them) merges the head's partials into the attention output, so the merge level disappears
   (``lowering_attention``; tasks/attention_split.py). A lowering choice: nothing else in the plan changes.
 
+* ``silu_epi``: rms_norm -> linear -> silu_mul (the gate|up projection) becomes one ``norm_linear_silu``:
+  each tile owns a block of intermediate columns (their gate and their up weight rows) and writes
+  silu(gate) * up itself, so the gate|up activation and the silu_mul level disappear and the down
+  projection reads the activation as a plain input (``linear_residual`` at tp 1, a ``linear`` at tp > 1)
+  instead of recomputing silu over the whole intermediate size in each of its tiles. Needs ``norm``;
+  it takes the silu_mul before ``silu`` could fold it into the down projection.
+
 The pass only plans; ``mpk_dist.taskgraph.lowering_fused`` and ``lowering_attn_prep`` lower the plan.
 Numerics are unchanged: every fused kind rounds at exactly the points the unfused ops round. OFF by
 default in ``compile_rank_programs``; ``fuse=True`` turns on the ``FUSIONS``.
@@ -35,7 +42,7 @@ from mpk_dist.graph import Graph, Op
 FUSIONS = ("norm", "silu", "residual")
 """Names of the fusions ``fuse=True`` turns on, in the order they are documented."""
 
-OPT_IN_FUSIONS = ("attn_prep", "attn_merge")
+OPT_IN_FUSIONS = ("attn_prep", "attn_merge", "silu_epi")
 """Fusions that must be named (``fuse='norm,silu,residual,attn_prep'`` or a list): not GPU-verified yet."""
 
 VEC = 8
@@ -67,24 +74,28 @@ def fusion_set(fuse: bool | str | Iterable[str] | None) -> frozenset[str]:
 
 @dataclass
 class FusedLinear:
-    """A linear op and the ops folded into its tiles (prologue: ``norm`` or ``silu``; epilogue: ``residual``)."""
+    """A linear op and the ops folded into its tiles (prologue: ``norm`` or ``silu``; epilogue: ``residual``,
+    or ``act``: the silu_mul that reads the gate|up output)."""
 
     linear: Op
     norm: Op | None = None
     silu: Op | None = None
     residual: Op | None = None
+    act: Op | None = None
 
     @property
     def kind(self) -> str:
         """The task kind that runs it."""
+        if self.act is not None:
+            return "norm_linear_silu"
         if self.silu is not None:
             return "silu_linear"
         return "norm_linear" if self.norm is not None else "linear_residual"
 
     @property
     def output(self) -> str:
-        """The tensor the fused tiles write (the add's output when the residual is fused)."""
-        return (self.residual or self.linear).outputs[0]
+        """The tensor the fused tiles write (the add's output when the residual is fused, silu_mul's with ``act``)."""
+        return (self.act or self.residual or self.linear).outputs[0]
 
     def residual_input(self) -> str | None:
         """The residual operand of the fused add (its input that is not the linear's output)."""
@@ -121,7 +132,9 @@ def _sole_consumer(graph: Graph, cons: dict[str, list[Op]], tensor: str, op: Op)
 
 
 def _plan_one(graph: Graph, lin: Op, producer: dict[str, Op], cons: dict[str, list[Op]],
-              fusions: frozenset[str]) -> FusedLinear | None:
+              fusions: frozenset[str], taken: set[int]) -> FusedLinear | None:
+    """The fused group of one linear (None: nothing folds into it). ``taken``: ids of silu_mul ops an
+    earlier gate|up linear folded as its epilogue (not available as a prologue); this call adds its own."""
     x, out = lin.inputs[0], lin.outputs[0]
     K = graph.tensors[lin.inputs[1]].shape[1]
     if K % VEC:
@@ -135,9 +148,14 @@ def _plan_one(graph: Graph, lin: Op, producer: dict[str, Op], cons: dict[str, li
     if src is not None and stage_ok and _sole_consumer(graph, cons, x, lin):
         if "norm" in fusions and src.kind == "rms_norm":
             f.norm = src
-        elif "silu" in fusions and src.kind == "silu_mul":
+        elif "silu" in fusions and src.kind == "silu_mul" and id(src) not in taken:
             f.silu = src
     users = cons.get(out, [])
+    if ("silu_epi" in fusions and f.norm is not None and len(users) == 1 and users[0].kind == "silu_mul"
+            and _sole_consumer(graph, cons, out, users[0])):
+        f.act = users[0]
+        taken.add(id(f.act))
+        return f
     if ("residual" in fusions and f.norm is None and len(users) == 1 and users[0].kind == "add"
             and _sole_consumer(graph, cons, out, users[0])):
         add = users[0]
@@ -168,16 +186,17 @@ def plan(graph: Graph, fuse: bool | str | Iterable[str] | None) -> list[Op | Fus
     producer = {t: op for op in graph.ops for t in op.outputs}
     cons = _consumers(graph)
     fused: dict[int, FusedLinear | FusedAttention] = {}
+    taken: set[int] = set()  # silu_mul ops folded as an epilogue (the gate|up linear comes before its down)
     for op in graph.ops:
         f = None
         if op.kind == "linear":
-            f = _plan_one(graph, op, producer, cons, fusions)
+            f = _plan_one(graph, op, producer, cons, fusions, taken)
         elif op.kind == "attention" and "attn_prep" in fusions:
             f = _plan_attention(graph, op, producer, cons)
         if f is not None:
             fused[id(op)] = f
     absorbed = {id(o) for f in fused.values()
-                for o in ((f.prep,) if isinstance(f, FusedAttention) else (f.norm, f.silu, f.residual)) if o is not None}
+                for o in ((f.prep,) if isinstance(f, FusedAttention) else (f.norm, f.silu, f.residual, f.act)) if o is not None}
     return [fused.get(id(op), op) for op in graph.ops if id(op) not in absorbed]
 
 
@@ -189,27 +208,39 @@ def dropped_tensors(items: list[Op | FusedLinear | FusedAttention]) -> set[str]:
         if isinstance(f, FusedLinear):
             if f.norm is not None or f.silu is not None:
                 out.add(f.linear.inputs[0])
-            if f.residual is not None:
+            if f.residual is not None or f.act is not None:
                 out.add(f.linear.outputs[0])
     return out
 
-STAGING_KINDS = ("norm_linear", "silu_linear")
+STAGING_KINDS = ("norm_linear", "silu_linear", "norm_linear_silu")
+
+PAIR_ALIGN = 16
+"""norm_linear_silu keeps its tile's rounded gate|up sums (B x N_TILE bf16) in shared memory after the staged
+rows, at the next multiple of this (``kPairAlign`` in csrc/tasks/norm_linear_silu.cuh)."""
+
+
+def pair_offset(batch, k):
+    """Byte offset of norm_linear_silu's gate|up sums in dynamic shared memory: after the staged rows."""
+    return -(-(STAGE_OFFSET_BYTES + 2 * batch * k) // PAIR_ALIGN) * PAIR_ALIGN
 
 
 def staging_bytes(cg, limit: int) -> int:
     """Dynamic shared memory the fused tiles of a compiled program want for staging their prologue
-    (the reduction scratch plus B*K bf16), the largest such need that is <= ``limit`` (the device's
-    per-block maximum minus what else the kernel keeps there); 0 without staging tiles. A tile that
-    needs more than the launch provides computes its prologue per element instead (same result,
-    slower), so the runtime should size its dynamic shared memory to at least this."""
+    (the reduction scratch plus B*K bf16; norm_linear_silu also its B*N_TILE gate|up sums after them), the
+    largest such need that is <= ``limit`` (the device's per-block maximum minus what else the kernel
+    keeps there); 0 without staging tiles. A tile that needs more than the launch provides computes its
+    prologue per element instead (same result, slower), so the runtime should size its dynamic shared
+    memory to at least this."""
     from mpk_dist.taskgraph.tasks import kind_params
 
     best = 0
     for name in STAGING_KINDS:
-        p = kind_params(cg, name, "BATCH", "K")
+        p = kind_params(cg, name, "BATCH", "K", "N_TILE")
         if p is None:
             continue
         need = STAGE_OFFSET_BYTES + 2 * p[0] * p[1]
+        if name == "norm_linear_silu":
+            need = pair_offset(p[0], p[1]) + 2 * p[0] * p[2]
         fits = need[need <= limit]
         best = max(best, int(fits.max(initial=0)))
     return best

@@ -1,23 +1,27 @@
 """Lowering of the fused linears planned by ``mpk_dist.taskgraph.fusion`` (norm_linear,
-linear_residual, silu_linear).
+linear_residual, silu_linear, norm_linear_silu).
 
 Tiles are the linear's own (``Lowerer.linear_grid``: the same column blocks and row blocks as
 unfused), so a fused program differs from the unfused one only by the task-ops that disappear.
 Footprints: a prologue fusion reads the whole pre-fusion input of its row block (all K columns: the
 norm's statistics and silu's gate|up need them; each row's prologue uses that row only, so a row block
 of <= 16 rows computes exactly what the whole batch would), a residual epilogue reads and writes the
-tile's rectangle.
+tile's rectangle. A ``norm_linear_silu`` tile owns a block of intermediate columns instead: its gate rows and
+its up rows (``lower_gate_up_silu``).
 """
 
 from __future__ import annotations
 
 from mpk_dist.taskgraph.fusion import FusedLinear
-from mpk_dist.taskgraph.lowering import Lowerer, _grid_fp, _rows_fp
+from mpk_dist.taskgraph.lowering import LINEAR_ALIGN, Lowerer, _grid_fp, _rows_fp, col_tiles, row_blocks
 from mpk_dist.taskgraph.tasks import BY_NAME
 
 
 def lower_fused(lw: Lowerer, f: FusedLinear) -> None:
     """Append the task-op of one fused linear to the program."""
+    if f.act is not None:
+        lower_gate_up_silu(lw, f)
+        return
     p, lin = lw.p, f.linear
     w, y = p.id(lin.inputs[1]), p.id(f.output)
     N, K = lw.g.tensors[lin.inputs[1]].shape
@@ -44,4 +48,26 @@ def lower_fused(lw: Lowerer, f: FusedLinear) -> None:
            "silu_linear": f.silu.inputs[0] if f.silu else None}.get(f.kind) or lin.inputs[0]
     src_cols = 2 * K if f.kind == "silu_linear" else K
     t.reads = [_rows_fp(p.id(src), grid, src_cols)] + ([] if rid is None else [_grid_fp(rid, grid)])
+    t.writes = [_grid_fp(y, grid)]
+
+
+def lower_gate_up_silu(lw: Lowerer, f: FusedLinear) -> None:
+    """The gate|up projection with its norm prologue and silu_mul epilogue: one tile per block of
+    intermediate columns [c0, c0 + n) (multiples of LINEAR_ALIGN, about one tile per SM as the unfused
+    projection's halves had) and row block; the tile reads the gate rows c0.. and the up rows I + c0.. of
+    the [2I, K] weight and writes act[rows, c0:c0 + n]."""
+    p, lin = lw.p, f.linear
+    w, y = p.id(lin.inputs[1]), p.id(f.output)
+    N, K = lw.g.tensors[lin.inputs[1]].shape
+    I = N // 2
+    x, nw = p.id(f.norm.inputs[0]), p.id(f.norm.inputs[1])
+    share = max(1, lw.sms // len(row_blocks(lw.B)))
+    grid = lw.linear_grid(col_tiles(I, share, LINEAR_ALIGN))
+    t = p.op(lin.name, BY_NAME[f.kind], lin.layer, lin.name)
+    for r0, nr, c0, n in grid:
+        t.add_tile({"X": (x, r0 * K, nr * K), "NORM_W": (nw, 0, K), "W": (w, c0 * K, (I + n) * K),
+                    "Y": (y, r0 * I + c0, (nr - 1) * I + n)},
+                   {"BATCH": nr, "K": K, "N_TILE": 2 * n, "X_STRIDE": K, "Y_STRIDE": I, "UP_ROWS": I,
+                    "EPS": f.norm.attrs["eps"]})
+    t.reads = [_rows_fp(x, grid, K)]
     t.writes = [_grid_fp(y, grid)]

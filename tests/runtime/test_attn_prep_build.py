@@ -68,8 +68,8 @@ def test_kernel_builds_without_spills_in_the_new_functions(unroll, tmp_path, mon
     assert len(dispatch) == 1 and len(heads) == 1 and len(small) == 6, sorted(mine)
     for k in dispatch + heads + small:
         assert mine[k] == (0, 0), f"{k}: ptxas spills (stores, loads) = {mine[k]}"
-    fused = {k: v for k, v in spills.items() if re.search(r"run_(norm|silu)_linear", k)}
-    assert len(fused) == 2 and all(v == (0, 0) for v in fused.values()), f"fused linear bodies spill: {fused}"
+    fused = {k: v for k, v in spills.items() if re.search(r"run_(norm|silu)_linear", k)}  # + run_norm_linear_silu
+    assert len(fused) == 3 and all(v == (0, 0) for v in fused.values()), f"fused linear bodies spill: {fused}"
     frame = _frame(res.log, "mpk_megakernel")
     assert frame <= ENTRY_FRAME_BYTES_MAX, (f"the kernel entry's stack frame is {frame} B, expected <= "
                                             f"{ENTRY_FRAME_BYTES_MAX} B (see ENTRY_FRAME_BYTES_MAX)")

@@ -86,3 +86,43 @@ def test_silu_fusion_stops_above_its_batch(fake_gpu, monkeypatch):
     assert fusions_for_batch(b.fuse, 2 * SILU_FUSE_MAX_BATCH, {"MPK_FUSE_SILU": "1"}) == b.fuse
     assert fusions_for_batch(b.fuse, 2 * SILU_FUSE_MAX_BATCH, {}) == b.fuse - {"silu"}
 
+
+
+def test_silu_epilogue_kind_is_dispatched_and_prefetched():
+    """norm_linear_silu runs through run_norm_linear (a case of its own grew the kernel entry's frame) and its
+    two weight blocks are prefetched; -DMPK_SILU_EPI_KIND=0 leaves it out."""
+    text = (CSRC / "runtime" / "dispatch.cuh").read_text()
+    run_task = text[text.index("__device__ bool run_task("):text.index("__device__ void prefetch_task(")]
+    assert re.search(r"case OP_NORM_LINEAR_SILU: return run_norm_linear\(", run_task)
+    body = text[text.index("__device__ __noinline__ bool run_norm_linear("):]
+    assert "OP_NORM_LINEAR_SILU) return MPK_SILU_EPI_KIND && run_norm_linear_silu(" in body[:600]
+    prefetch = text[text.index("__device__ void prefetch_task("):]
+    assert "pair_prefetch(t.arg<const bf16>(NORM_LINEAR_SILU_ARG_W), t.param(NORM_LINEAR_SILU_PARAM_UP_ROWS)" in prefetch
+    assert BY_NAME["norm_linear_silu"].opcode == len(BY_NAME) - 1, "appended after the existing opcodes"
+
+
+def test_pair_align_matches_the_python_side():
+    text = (CSRC / "tasks" / "norm_linear_silu.cuh").read_text()
+    assert int(re.search(r"constexpr uint32_t kPairAlign = (\d+);", text).group(1)) == fusion.PAIR_ALIGN
+
+
+def test_silu_epilogue_switch_and_its_batches(fake_gpu, monkeypatch):
+    """MPK_FUSE_SILU_EPI=1 adds the opt-in 'silu_epi': a batch-1 program's gate|up tiles write the activation
+    (norm_linear_silu, no silu_linear); programs whose linears run on tensor cores keep the default fusions."""
+    from mpk_dist.model_source import open_model
+    from mpk_dist.runtime.megakernel_backend import fusions_for_batch
+    from mpk_dist.runtime.tables import MMA_MIN_BATCH
+
+    m = open_model("tiny")
+    for var in ("MPK_FUSE_NORM", "MPK_FUSE_SILU", "MPK_FUSE_RESIDUAL", "MPK_LINEAR_MMA"):
+        monkeypatch.delenv(var, raising=False)
+    assert "silu_epi" not in fake_gpu.MegakernelBackend(m.config, m.weights, device="cpu", max_seq_len=16, sms=4).fuse
+    monkeypatch.setenv("MPK_FUSE_SILU_EPI", "1")
+    b = fake_gpu.MegakernelBackend(m.config, m.weights, device="cpu", max_seq_len=16, sms=4)
+    assert "silu_epi" in b.fuse
+    kinds = {o["kind"] for o in b.group(1).sessions[0].cg.meta["ops"]}
+    assert "norm_linear_silu" in kinds and "silu_linear" not in kinds and "silu_mul" not in kinds
+    assert "silu_epi" not in fusions_for_batch(b.fuse, MMA_MIN_BATCH, {})
+    assert "silu_epi" in fusions_for_batch(b.fuse, MMA_MIN_BATCH, {"MPK_LINEAR_MMA": "0"})
+    assert "silu_epi" not in fusions_for_batch(b.fuse, 2, {"MPK_LINEAR_MMA": "1"})
+    assert "silu_epi" in fusions_for_batch(b.fuse, MMA_MIN_BATCH - 1, {})

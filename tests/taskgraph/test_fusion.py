@@ -115,3 +115,91 @@ def test_deleting_any_edge_of_a_fused_layer_is_caught(tp, layer):
     missed, tried = uncaught_edge_deletions(cgs, ws, layer, feed)
     assert tried >= 20
     assert not missed, f"deleting these edges of a fused layer went unnoticed: {missed}"
+
+
+EPI = "norm,silu,residual,silu_epi"
+
+
+def test_silu_epilogue_folds_silu_mul_into_the_gate_up_tiles():
+    """With 'silu_epi' the gate|up projection writes silu(gate) * up itself: the gate|up activation is not
+    declared, no silu_mul task is left, and the down projection is a plain linear (with the residual at tp 1),
+    not a silu_linear that recomputes the silu."""
+    (cg,) = programs(fp32("tiny"), 1, fuse=EPI)
+    assert _layer_kinds(cg, 0) == ["norm_linear", "qkv_prep", "attention", "linear_residual", "norm_linear_silu",
+                                   "linear_residual"]
+    names = {b["name"] for b in cg.meta["buffers"]}
+    assert "L0.gate_up" not in names and "L0.act" in names
+    kinds = _layer_kinds(programs(fp32("tiny"), 2, fuse=EPI)[0], 1)
+    assert kinds.count("norm_linear_silu") == 1 and "silu_linear" not in kinds and "silu_mul" not in kinds
+    # without the norm fused into the gate|up projection the epilogue is not planned: silu goes to the down tiles
+    (cg,) = programs(fp32("tiny"), 1, fuse="silu,residual,silu_epi")
+    assert "norm_linear_silu" not in _layer_kinds(cg, 0) and "silu_linear" in _layer_kinds(cg, 0)
+
+
+def test_silu_epilogue_tiles_own_gate_and_up_rows_of_the_same_columns():
+    """Each norm_linear_silu tile's weight rows are its columns' gate rows and, UP_ROWS rows later, their up rows;
+    the tiles cover every intermediate column once."""
+    from mpk_dist.taskgraph.abi import TASK_COLS
+    from mpk_dist.taskgraph.tasks import BY_NAME
+
+    cfg = fp32("tiny")
+    (cg,) = programs(cfg, 1, fuse=EPI)
+    kind, I, K = BY_NAME["norm_linear_silu"], cfg.intermediate_size, cfg.hidden_size
+    tasks = cg.arrays["tasks"]
+    rows = tasks[(tasks[:, TASK_COLS["OPCODE"]] == kind.opcode) & (tasks[:, TASK_COLS["LAYER"]] == 0)]
+    cols = []
+    for t in rows:
+        p = cg.arrays["params"][t[TASK_COLS["PARAM_BEGIN"]]:t[TASK_COLS["PARAM_END"]]]
+        n, up = int(p[kind.param_index("N_TILE")]) // 2, int(p[kind.param_index("UP_ROWS")])
+        a = cg.arrays["args"][t[TASK_COLS["ARG_BEGIN"]] + kind.arg_index("W")]
+        y = cg.arrays["args"][t[TASK_COLS["ARG_BEGIN"]] + kind.arg_index("Y")]
+        c0 = int(a[1]) // K
+        assert up == I and int(y[1]) == c0 and int(a[2]) == (I + n) * K
+        cols.extend(range(c0, c0 + n))
+    assert sorted(cols) == list(range(I)) and len(rows) > 1
+
+
+def test_staging_bytes_counts_the_gate_up_sums():
+    cg = programs(fp32("tiny"), 1, batch=2, fuse=EPI)[0]
+    from mpk_dist.taskgraph.tasks import kind_params
+
+    B, K, n = (int(v.max()) for v in kind_params(cg, "norm_linear_silu", "BATCH", "K", "N_TILE"))
+    assert fusion.pair_offset(B, K) % fusion.PAIR_ALIGN == 0 and fusion.pair_offset(B, K) >= fusion.STAGE_OFFSET_BYTES + 2 * B * K
+    assert fusion.staging_bytes(cg, 1 << 20) >= fusion.pair_offset(B, K) + 2 * B * n
+
+
+@pytest.mark.parametrize("config,tp", [("tiny", 1), ("tiny-llama", 2)])
+def test_silu_epilogue_random_schedules_match_torch_backend(config, tp):
+    cfg = fp32(config)
+    cgs, ws = programs(cfg, tp, fuse=EPI), weights(cfg, tp)
+    assert "norm_linear_silu" in _layer_kinds(cgs[0], 0)
+    greedy = [[7]] + [[-1]] * (LONG - 1)
+    ref_logits, ref_tokens = reference(cfg, tp, greedy)
+    for seed in range(4):
+        steps = LONG if seed == 0 else SHORT
+        res = Interpreter(cgs, ws, seed=seed, mode="aot" if seed % 2 else "jit").run(
+            steps, torch.tensor(greedy[:steps]), torch.tensor([0]))
+        err = max_rel_err(res.captured["logits"], ref_logits[:steps])
+        assert err <= 1e-5, f"{config} tp={tp} schedule {seed}: max rel. error {err:.2e}"
+        assert torch.equal(res.tokens, ref_tokens[:steps])
+
+
+@pytest.mark.parametrize("config,tp,batch", [("tiny", 1, 2), ("tiny-llama", 2, 1)])
+def test_bf16_silu_epilogue_equals_unfused_bit_for_bit(config, tp, batch):
+    """The epilogue rounds where the gate|up linear and silu_mul round: bf16 logits equal the unfused program's."""
+    cfg = get_preset(config)
+    ws = weights(cfg, tp, batch=batch)
+    feed = torch.tensor([[7, 11][:batch]] + [[-1] * batch] * 5)
+    out = [Interpreter(programs(cfg, tp, batch=batch, fuse=f), ws, seed=3).run(6, feed, torch.zeros(batch, dtype=torch.int32))
+           for f in (False, EPI)]
+    assert torch.equal(out[0].captured["logits"], out[1].captured["logits"])
+    assert torch.equal(out[0].tokens, out[1].tokens)
+
+
+def test_deleting_any_edge_of_a_silu_epilogue_layer_is_caught():
+    cfg = fp32("tiny")
+    cgs, ws = programs(cfg, 1, fuse=EPI), weights(cfg, 1)
+    assert "norm_linear_silu" in _layer_kinds(cgs[0], 1)
+    missed, tried = uncaught_edge_deletions(cgs, ws, 1, torch.tensor([[5], [-1]]))
+    assert tried >= 10
+    assert not missed, f"deleting these edges of a fused layer went unnoticed: {missed}"

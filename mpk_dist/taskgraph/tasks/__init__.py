@@ -9,7 +9,7 @@ from mpk_dist.taskgraph.tasks import (add, allgather_push, allreduce_push, allre
                                       argmax_nucleus_hist, argmax_partial, argmax_reduce, argmax_select, attention, attention_merge,
                                       attention_prep,
                                       attention_split, attention_split_prep, embedding, gather_rows, linear, linear_residual,
-                                      norm_linear, page_alloc, paged_attention, qkv_prep, qkv_prep_paged, rms_norm, silu_linear,
+                                      norm_linear, norm_linear_silu, page_alloc, paged_attention, qkv_prep, qkv_prep_paged, rms_norm, silu_linear,
                                       silu_mul, step_begin)
 from mpk_dist.taskgraph.tasks.base import TaskKind
 
@@ -31,7 +31,9 @@ KINDS: tuple[TaskKind, ...] = tuple(sorted(
                       # the paged KV cache's page allocator on the device (compile_paged_programs; docs/SERVING.md)
                       page_alloc,
                       # the attn_prep fusion in split-KV programs (opt-in: fuse=[..., 'attn_prep']; docs/TASKGRAPH.md)
-                      attention_split_prep)),
+                      attention_split_prep,
+                      # silu_mul as the gate|up projection's epilogue (opt-in: fuse=[..., 'silu_epi']; docs/TASKGRAPH.md)
+                      norm_linear_silu)),
     key=lambda k: k.opcode))
 
 BY_NAME: dict[str, TaskKind] = {k.name: k for k in KINDS}
