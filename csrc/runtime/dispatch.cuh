@@ -194,12 +194,16 @@ __device__ __noinline__ bool run_norm_linear_silu(const TaskView& t, float* smem
                           t.fparam(NORM_LINEAR_SILU_PARAM_EPS), smem, tid, nt, body);
 }
 
-// norm_linear_silu tasks come here too. NOTE: any call of run_norm_linear_silu the kernel can reach grows the
-// entry's stack frame from 592 to 608 bytes (ptxas -v, batch 1; also with a case of its own in run_task), though
-// no function it adds has a frame or spills; -DMPK_SILU_EPI_KIND=0 leaves the kind out (such a task is then
-// reported as a bad task), so one process can measure the default build with and without it.
+// norm_linear_silu tasks come here too. NOTE: a kernel that can reach both run_norm_linear_silu and
+// run_silu_linear has an entry stack frame of 608 bytes instead of 592 (ptxas -v, batch 1), though no function
+// either adds has a frame or spills, and it ran 0.3-0.7% slower (docs/PERF.md v0.20). A program runs one of the
+// two (fusion 'silu_epi' or 'silu'), so the build leaves out the kind its program does not run
+// (MPK_SILU_EPI_KIND / MPK_SILU_LINEAR_KIND = 0, kernel.kind_defines); such a task is reported as a bad task.
 #ifndef MPK_SILU_EPI_KIND
 #define MPK_SILU_EPI_KIND 1
+#endif
+#ifndef MPK_SILU_LINEAR_KIND
+#define MPK_SILU_LINEAR_KIND 1
 #endif
 __device__ __noinline__ bool run_norm_linear(const TaskView& t, float* smem, int tid, int nt) {
   if (t.opcode() == OP_NORM_LINEAR_SILU) return MPK_SILU_EPI_KIND && run_norm_linear_silu(t, smem, tid, nt);
@@ -536,7 +540,7 @@ __device__ bool run_task(const RuntimeParams& p, const int32_t* rec, int step, f
     case OP_NORM_LINEAR: return run_norm_linear(t, smem, tid, nt);
     case OP_NORM_LINEAR_SILU: return run_norm_linear(t, smem, tid, nt);  // the gate|up projection + silu epilogue
     case OP_LINEAR_RESIDUAL: return run_linear_residual(t, tid, nt);
-    case OP_SILU_LINEAR: return run_silu_linear(t, smem, tid, nt);
+    case OP_SILU_LINEAR: return MPK_SILU_LINEAR_KIND && run_silu_linear(t, smem, tid, nt);
     case OP_ATTENTION_SPLIT: return run_attention_split(t, smem, tid, nt);
     case OP_ATTENTION_MERGE: return run_attention_merge(t, tid, nt);
     case OP_QKV_PREP_PAGED: return run_qkv_prep_paged(t, tid, nt);

@@ -369,6 +369,15 @@ qwen3-0.6b at context ~512 (docs/PERF.md v0.8). Not in ``fusion.FUSIONS``: compi
 interpreter's ``fuse=True`` keep the unfused attention."""
 
 
+DEFAULT_SILU_EPI = True
+"""``fuse=True`` includes 'silu_epi' (silu_mul as the gate|up projection's epilogue, norm_linear_silu tiles) wherever
+the program's linears run scalar (``fusions_for_batch``). GPU-checked bit-identical to the 'silu' prologue program
+(qwen3-0.6b b1 and b2) and faster on every batch-1 model at context ~512 (docs/PERF.md v0.20, ms, one process each):
+qwen3-8b 4.837 / 4.834 vs 4.908 / 4.906, llama3-8b 4.626 / 4.630 vs 4.727 / 4.731, qwen3-1.7b 1.694 / 1.690 vs
+1.725 / 1.725, qwen3-0.6b 1.143 / 1.141 vs 1.151 / 1.152. Not in ``fusion.FUSIONS`` (the interpreter's and
+compile_rank_programs' ``fuse=True`` keep the silu prologue)."""
+
+
 def _fusion_switch(var: str, environ=None) -> str:
     """The value of a fusion switch: '' (unset), '0' or '1'; anything else is refused by name."""
     knob = (os.environ if environ is None else environ).get(var, "")
@@ -381,8 +390,8 @@ def fusions_from_env(fuse=True) -> frozenset[str]:
     """The fusion set of ``fuse`` (mpk_dist.taskgraph.fusion; fused linears default on since verified on an
     H200). ``fuse=True`` also gets ``DEFAULT_ATTN_FUSIONS`` unless MPK_FUSE_ATTN_PREP=0 / MPK_FUSE_ATTN_MERGE=0
     turn one off; an explicit fusion list gets them only when the variable is 1. MPK_FUSE_NORM=0,
-    MPK_FUSE_SILU=0 and MPK_FUSE_RESIDUAL=0 drop one of the linears' fusions; MPK_FUSE_SILU_EPI=1 adds the
-    opt-in 'silu_epi' (silu_mul as the gate|up projection's epilogue)."""
+    MPK_FUSE_SILU=0 and MPK_FUSE_RESIDUAL=0 drop one of the linears' fusions. ``fuse=True`` also gets 'silu_epi'
+    (``DEFAULT_SILU_EPI``) unless MPK_FUSE_SILU_EPI=0; an explicit list gets it when the variable is 1."""
     from mpk_dist.taskgraph.fusion import fusion_set
 
     out = set(fusion_set(fuse))
@@ -393,7 +402,8 @@ def fusions_from_env(fuse=True) -> frozenset[str]:
         knob = _fusion_switch(var)
         if knob == "1" or (knob == "" and fuse is True):
             out.add(name)
-    if _fusion_switch("MPK_FUSE_SILU_EPI") == "1":  # opt-in: silu_mul as the gate|up projection's epilogue
+    knob = _fusion_switch("MPK_FUSE_SILU_EPI")  # silu_mul as the gate|up projection's epilogue (DEFAULT_SILU_EPI)
+    if knob == "1" or (knob == "" and fuse is True):
         out.add("silu_epi")
     return frozenset(out)
 

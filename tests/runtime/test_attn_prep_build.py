@@ -49,12 +49,15 @@ def _spills(log: str) -> dict[str, tuple[int, int]]:
 def test_kernel_builds_without_spills_in_the_new_functions(unroll, tmp_path, monkeypatch):
     """The batch-1 kernel at each unroll a batch-1 default may take (tables.default_linear_unroll): no spills in
     the attention_prep functions nor in the fused linear bodies, and the entry's stack frame no larger than
-    ENTRY_FRAME_BYTES_MAX."""
+    ENTRY_FRAME_BYTES_MAX. A program's kernel leaves out the silu kind it does not run (kernel.kind_defines): the
+    default batch-1 programs run norm_linear_silu (unroll 4 and 16 here), those with MPK_FUSE_SILU_EPI=0
+    silu_linear (unroll 8 here)."""
     from mpk_dist.runtime.codegen import KernelShape
     from mpk_dist.runtime.kernel import build_kernel
 
+    left_out = "MPK_SILU_EPI_KIND" if unroll == 8 else "MPK_SILU_LINEAR_KIND"
     monkeypatch.setenv("MPK_CACHE_DIR", str(tmp_path))
-    monkeypatch.setenv("MPK_NVCC_EXTRA_FLAGS", "-Xptxas -v")
+    monkeypatch.setenv("MPK_NVCC_EXTRA_FLAGS", f"-Xptxas -v -D{left_out}=0")
     _, res = build_kernel(KernelShape(batch=1, worker_threads=512, schedule="aot", linear_unroll=unroll),
                           compiler="nvcc")
     assert res.cubin[:4] == b"\x7fELF"
@@ -69,7 +72,8 @@ def test_kernel_builds_without_spills_in_the_new_functions(unroll, tmp_path, mon
     for k in dispatch + heads + small:
         assert mine[k] == (0, 0), f"{k}: ptxas spills (stores, loads) = {mine[k]}"
     fused = {k: v for k, v in spills.items() if re.search(r"run_(norm|silu)_linear", k)}  # + run_norm_linear_silu
-    assert len(fused) == 3 and all(v == (0, 0) for v in fused.values()), f"fused linear bodies spill: {fused}"
+    assert len(fused) == 2 and all(v == (0, 0) for v in fused.values()), f"fused linear bodies spill: {fused}"
+    assert any("run_norm_linear_silu" in k for k in fused) == (left_out == "MPK_SILU_LINEAR_KIND"), sorted(fused)
     frame = _frame(res.log, "mpk_megakernel")
     assert frame <= ENTRY_FRAME_BYTES_MAX, (f"the kernel entry's stack frame is {frame} B, expected <= "
                                             f"{ENTRY_FRAME_BYTES_MAX} B (see ENTRY_FRAME_BYTES_MAX)")
@@ -111,8 +115,9 @@ def test_env_knob_reaches_the_program(fake_gpu, monkeypatch):
     m = open_model("tiny")
     monkeypatch.delenv("MPK_FUSE_ATTN_PREP", raising=False)
     monkeypatch.delenv("MPK_FUSE_ATTN_MERGE", raising=False)
+    monkeypatch.delenv("MPK_FUSE_SILU_EPI", raising=False)
     b = fake_gpu.MegakernelBackend(m.config, m.weights, device="cpu", max_seq_len=16, sms=4)
-    assert b.fuse == frozenset(WITH + ["attn_merge"])  # the backend's default (fuse=True) has both
+    assert b.fuse == frozenset(WITH + ["attn_merge", "silu_epi"])  # the backend's default (fuse=True) has both
     kinds = {o["kind"] for o in b.session(1).cg.meta["ops"]}
     assert "attention_prep" in kinds and not kinds & {"qkv_prep", "attention"}
     monkeypatch.setenv("MPK_FUSE_ATTN_PREP", "0")

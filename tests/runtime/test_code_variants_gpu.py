@@ -19,8 +19,8 @@ the arithmetic, so the logits must equal the default build's bit for bit and sta
 - ``-DMPK_MMA_X_AHEAD=0`` under MPK_LINEAR_MMA=1, batch 8: the tensor-core tile loads each x vector inside its
   mma loop (the default loads a round's x vectors right after its weights; csrc/tasks/linear_mma.cuh mma_unit).
 
-- ``MPK_FUSE_SILU_EPI=1``: silu_mul as the gate|up projection's epilogue (another program on the same kernel: the
-  opt-in fusion 'silu_epi'), batch 1 and 2.
+- ``MPK_FUSE_SILU_EPI=0``: silu_mul in the down projection's prologue instead of the gate|up projection's epilogue
+  (another program and kernel: the default fusion 'silu_epi' off), batch 1 and 2.
 
 qwen3-0.6b (default fusions, split-KV attention), 200-token prompt, batch 1 and 4 (batch 4 on tensor cores, the
 default from 4 rows a tile; the MMA variants: batch 8).
@@ -89,10 +89,12 @@ def test_switch_leaves_the_logits_bitwise(env, gpu_results):
 
 @pytest.mark.parametrize("batch", [1, 2])
 def test_silu_epilogue_leaves_the_logits_bitwise(batch, gpu_results):
-    """MPK_FUSE_SILU_EPI=1 (silu_mul as the gate|up projection's epilogue, norm_linear_silu tiles; another program,
-    the same kernel) rounds where the gate|up linear and silu_mul round: the default program's logits bit for bit."""
-    variant, default = megakernel_with_env(NAME, {"MPK_FUSE_SILU_EPI": "1"}), megakernel_with_env(NAME, {})
-    kinds = {o["kind"] for o in variant.session(batch).cg.meta["ops"]}
+    """The default program's silu_mul as the gate|up projection's epilogue (norm_linear_silu tiles) rounds where the
+    gate|up linear and silu_mul round: MPK_FUSE_SILU_EPI=0's program (silu in the down tiles' prologue, a kernel
+    with silu_linear instead) gives the same logits bit for bit."""
+    epi, prologue = megakernel_with_env(NAME, {}), megakernel_with_env(NAME, {"MPK_FUSE_SILU_EPI": "0"})
+    kinds = {o["kind"] for o in epi.session(batch).cg.meta["ops"]}
     assert "norm_linear_silu" in kinds and "silu_linear" not in kinds, sorted(kinds)
-    check_bitwise(f"MPK_FUSE_SILU_EPI=1 vs default, {NAME} b{batch} prompt {PROMPT}", NAME, variant, default,
+    assert "silu_linear" in {o["kind"] for o in prologue.session(batch).cg.meta["ops"]}
+    check_bitwise(f"MPK_FUSE_SILU_EPI=0 vs default, {NAME} b{batch} prompt {PROMPT}", NAME, prologue, epi,
                   forced_request(NAME, PROMPT, STEPS, batch, 70), gpu_results)

@@ -38,7 +38,7 @@ def test_every_fused_kind_is_dispatched_and_prefetched():
     prefetch = text[text.index("__device__ void prefetch_task("):]
     for k in FUSED:
         op = f"OP_{k.upper()}"
-        assert re.search(rf"case {op}: return run_{k}\(", run_task), f"{op} has no dispatch case"
+        assert re.search(rf"case {op}: return (MPK_\w+_KIND && )?run_{k}\(", run_task), f"{op} has no dispatch case"
         assert op in prefetch and f"{k.upper()}_ARG_W" in prefetch, f"{op}: weights not prefetched"
         assert BY_NAME[k].opcode >= 16, "fused opcodes are appended after the existing ones"
 
@@ -58,6 +58,7 @@ def test_linear_fusion_knobs_drop_one_fusion(fake_gpu, monkeypatch):
     for var in ("MPK_FUSE_NORM", "MPK_FUSE_SILU", "MPK_FUSE_RESIDUAL", "MPK_FUSE_ATTN_PREP", "MPK_FUSE_ATTN_MERGE"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("MPK_FUSE_SILU", "0")
+    monkeypatch.setenv("MPK_FUSE_SILU_EPI", "0")
     b = fake_gpu.MegakernelBackend(m.config, m.weights, device="cpu", max_seq_len=16, sms=4)
     assert b.fuse == frozenset({"norm", "residual", "attn_prep", "attn_merge"})
     kinds = {o["kind"] for o in b.session(1).cg.meta["ops"]}
@@ -78,6 +79,7 @@ def test_silu_fusion_stops_above_its_batch(fake_gpu, monkeypatch):
     m = open_model("tiny")
     for var in ("MPK_FUSE_NORM", "MPK_FUSE_SILU", "MPK_FUSE_RESIDUAL"):
         monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("MPK_FUSE_SILU_EPI", "0")  # (the default epilogue takes silu_mul at scalar batches)
     b = fake_gpu.MegakernelBackend(m.config, m.weights, device="cpu", max_seq_len=16, sms=4)
     kinds = lambda batch: {o["kind"] for o in b.group(batch).sessions[0].cg.meta["ops"]}  # noqa: E731
     assert "silu_linear" in kinds(SILU_FUSE_MAX_BATCH) and "silu_mul" not in kinds(SILU_FUSE_MAX_BATCH)
@@ -107,8 +109,9 @@ def test_pair_align_matches_the_python_side():
 
 
 def test_silu_epilogue_switch_and_its_batches(fake_gpu, monkeypatch):
-    """MPK_FUSE_SILU_EPI=1 adds the opt-in 'silu_epi': a batch-1 program's gate|up tiles write the activation
-    (norm_linear_silu, no silu_linear); programs whose linears run on tensor cores keep the default fusions."""
+    """'silu_epi' is in the backend's default (MPK_FUSE_SILU_EPI=0 takes it out): a batch-1 program's gate|up tiles
+    write the activation (norm_linear_silu, no silu_linear); programs whose linears run on tensor cores keep the
+    other fusions."""
     from mpk_dist.model_source import open_model
     from mpk_dist.runtime.megakernel_backend import fusions_for_batch
     from mpk_dist.runtime.tables import MMA_MIN_BATCH
@@ -116,8 +119,9 @@ def test_silu_epilogue_switch_and_its_batches(fake_gpu, monkeypatch):
     m = open_model("tiny")
     for var in ("MPK_FUSE_NORM", "MPK_FUSE_SILU", "MPK_FUSE_RESIDUAL", "MPK_LINEAR_MMA"):
         monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("MPK_FUSE_SILU_EPI", "0")
     assert "silu_epi" not in fake_gpu.MegakernelBackend(m.config, m.weights, device="cpu", max_seq_len=16, sms=4).fuse
-    monkeypatch.setenv("MPK_FUSE_SILU_EPI", "1")
+    monkeypatch.delenv("MPK_FUSE_SILU_EPI")
     b = fake_gpu.MegakernelBackend(m.config, m.weights, device="cpu", max_seq_len=16, sms=4)
     assert "silu_epi" in b.fuse
     kinds = {o["kind"] for o in b.group(1).sessions[0].cg.meta["ops"]}
@@ -126,3 +130,16 @@ def test_silu_epilogue_switch_and_its_batches(fake_gpu, monkeypatch):
     assert "silu_epi" in fusions_for_batch(b.fuse, MMA_MIN_BATCH, {"MPK_LINEAR_MMA": "0"})
     assert "silu_epi" not in fusions_for_batch(b.fuse, 2, {"MPK_LINEAR_MMA": "1"})
     assert "silu_epi" in fusions_for_batch(b.fuse, MMA_MIN_BATCH - 1, {})
+
+
+def test_kernel_leaves_out_the_silu_kind_its_program_does_not_run():
+    """kind_defines: a program with norm_linear_silu tiles builds without silu_linear and the other way round (a
+    kernel that can reach both has a larger entry frame); a program with neither leaves both out."""
+    from mpk_dist.runtime.kernel import kind_defines
+    from mpk_dist.taskgraph.testing import fp32, programs
+
+    epi = programs(fp32("tiny"), 1, fuse="norm,silu,residual,silu_epi")[0]
+    pro = programs(fp32("tiny"), 1, fuse=True)[0]
+    assert kind_defines(epi) == {"MPK_SILU_LINEAR_KIND": 0}
+    assert kind_defines(pro) == {"MPK_SILU_EPI_KIND": 0}
+    assert kind_defines(programs(fp32("tiny"), 1, fuse=False)[0]) == {"MPK_SILU_LINEAR_KIND": 0, "MPK_SILU_EPI_KIND": 0}
