@@ -370,8 +370,8 @@ interpreter's ``fuse=True`` keep the unfused attention."""
 
 
 DEFAULT_SILU_EPI = True
-"""``fuse=True`` includes 'silu_epi' (silu_mul as the gate|up projection's epilogue, norm_linear_silu tiles) wherever
-the program's linears run scalar (``fusions_for_batch``). GPU-checked bit-identical to the 'silu' prologue program
+"""``fuse=True`` includes 'silu_epi' (silu_mul as the gate|up projection's epilogue, norm_linear_silu tiles); the
+programs take it at batch 1 (``fusions_for_batch``, ``SILU_EPI_MAX_BATCH``). GPU-checked bit-identical to the 'silu' prologue program
 (qwen3-0.6b b1 and b2) and faster on every batch-1 model at context ~512 (docs/PERF.md v0.20, ms, one process each):
 qwen3-8b 4.837 / 4.834 vs 4.908 / 4.906, llama3-8b 4.626 / 4.630 vs 4.727 / 4.731, qwen3-1.7b 1.694 / 1.690 vs
 1.725 / 1.725, qwen3-0.6b 1.143 / 1.141 vs 1.151 / 1.152. Not in ``fusion.FUSIONS`` (the interpreter's and
@@ -417,13 +417,24 @@ batch 2 6.40 vs 6.49, batch 1 4.97 vs 4.91 (qwen3-0.6b 1.26 vs 1.31, qwen3-1.7b 
 two rows; batch 3 is not measured."""
 
 
+SILU_EPI_MAX_BATCH = 1
+"""Largest kernel batch whose programs take silu_mul as the gate|up projection's epilogue (fusion 'silu_epi')
+unless MPK_FUSE_SILU_EPI=1 asks for it. Measured on an H200 (docs/PERF.md v0.20, qwen3-8b, context ~512, ms, one
+process each): batch 1 4.837 / 4.834 with it vs 4.908 / 4.906 (and every other batch-1 model faster), but batch 2
+6.618 / 6.627 vs 6.384 / 6.365 (silu in the down tiles' prologue) and batch 3 7.688 / 7.671 vs 7.525 / 7.517 (silu
+its own level)."""
+
+
 def fusions_for_batch(fuse: frozenset, batch: int, environ=None) -> frozenset:
     """The fusions of a program of ``batch`` rows: ``fuse`` without 'silu' above SILU_FUSE_MAX_BATCH, unless
-    MPK_FUSE_SILU=1 asks for it at every batch; without 'silu_epi' when the program's linear tiles run on
-    tensor cores (its gate|up halves run on the scalar tile only: csrc/tasks/fused_gemv.cuh gemv_pair)."""
+    MPK_FUSE_SILU=1 asks for it at every batch; without 'silu_epi' above SILU_EPI_MAX_BATCH unless
+    MPK_FUSE_SILU_EPI=1, and never when the program's linear tiles run on tensor cores (its gate|up halves run
+    on the scalar tile only: csrc/tasks/fused_gemv.cuh gemv_pair)."""
     out = set(fuse)
     if "silu" in out and batch > SILU_FUSE_MAX_BATCH and _fusion_switch("MPK_FUSE_SILU", environ) != "1":
         out.discard("silu")
+    if "silu_epi" in out and batch > SILU_EPI_MAX_BATCH and _fusion_switch("MPK_FUSE_SILU_EPI", environ) != "1":
+        out.discard("silu_epi")
     if "silu_epi" in out and _linear_mma_for_batch(batch, environ):
         out.discard("silu_epi")
     return frozenset(out)
