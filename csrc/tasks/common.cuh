@@ -113,8 +113,15 @@ __device__ __forceinline__ float warp_max(float v) {
 #ifndef MPK_ROPE_SINCOS
 #define MPK_ROPE_SINCOS 1
 #endif
+// MPK_ROPE_FAST 1 (an experiment, off; not exact): the hardware's approximate __sincosf, which has no slow path at
+// all, to measure what the trig code costs the prep bodies before replacing it with an exact table.
+#ifndef MPK_ROPE_FAST
+#define MPK_ROPE_FAST 0
+#endif
 __device__ __forceinline__ void rope_cos_sin(float ang, float& c, float& s) {
-#if MPK_ROPE_SINCOS
+#if MPK_ROPE_FAST
+  __sincosf(ang, &s, &c);
+#elif MPK_ROPE_SINCOS
   sincosf(ang, &s, &c);
 #else
   c = cosf(ang);
