@@ -612,9 +612,39 @@ __device__ __noinline__ void attention_prefetch(const TaskView& t, bool bulk, in
 // (a linear tile's weights, an attention tile's older cache rows) into L2, and prime the weight ring
 // (MPK_LINEAR_TMA). planned: the linear tiles' byte count (the host's plan, prefetch_plan.py, or -1: the
 // MPK_PREFETCH_KB cap); the aot worker also calls it for its NEXT task with REC_PREFETCH_NEXT.
+// MPK_PREFETCH_ONE_SITE 1: the linear kinds pick their weight block and the prefetch is issued from one place (a
+// second block for norm_linear_silu's up rows); 0: each kind's branch inlines its own copy of the prefetch loops
+// (the former code: four, then five copies in the kernel entry, whose worker loop this function is part of).
+#ifndef MPK_PREFETCH_ONE_SITE
+#define MPK_PREFETCH_ONE_SITE 1
+#endif
 __device__ void prefetch_task(const RuntimeParams& p, const int32_t* rec, int planned, int tid, int nt) {
   const TaskView t(p, rec);
   const bool bulk = (rec[REC_FLAGS] & REC_FLAG_BULK_PREFETCH) != 0;
+#if MPK_PREFETCH_ONE_SITE
+  const int op = t.opcode();
+  const bf16* w = nullptr;  // the weight block of a linear kind (its first when it has two)
+  int K = 0, n_tile = 0;
+  long long second = 0;  // elements from the first block to the second (norm_linear_silu's up rows), 0: one block
+  if (op == OP_LINEAR) {
+    w = t.arg<const bf16>(LINEAR_ARG_W), K = t.param(LINEAR_PARAM_K), n_tile = t.param(LINEAR_PARAM_N_TILE);
+  } else if (op == OP_NORM_LINEAR) {  // fused linears: the weight block is independent of the waits too
+    w = t.arg<const bf16>(NORM_LINEAR_ARG_W), K = t.param(NORM_LINEAR_PARAM_K), n_tile = t.param(NORM_LINEAR_PARAM_N_TILE);
+  } else if (op == OP_LINEAR_RESIDUAL) {
+    w = t.arg<const bf16>(LINEAR_RESIDUAL_ARG_W), K = t.param(LINEAR_RESIDUAL_PARAM_K);
+    n_tile = t.param(LINEAR_RESIDUAL_PARAM_N_TILE);
+  } else if (op == OP_SILU_LINEAR) {
+    w = t.arg<const bf16>(SILU_LINEAR_ARG_W), K = t.param(SILU_LINEAR_PARAM_K), n_tile = t.param(SILU_LINEAR_PARAM_N_TILE);
+  } else if (op == OP_NORM_LINEAR_SILU) {  // half of the planned bytes from each weight block
+    w = t.arg<const bf16>(NORM_LINEAR_SILU_ARG_W), K = t.param(NORM_LINEAR_SILU_PARAM_K);
+    n_tile = t.param(NORM_LINEAR_SILU_PARAM_N_TILE);
+    second = (long long)t.param(NORM_LINEAR_SILU_PARAM_UP_ROWS) * K;
+  }
+  if (w != nullptr) {
+    linear_blocks_prefetch(w, K, n_tile, second, planned, bulk, tid, nt);
+    return;
+  }
+#else
   if (t.opcode() == OP_LINEAR)
     linear_prefetch(t.arg<const bf16>(LINEAR_ARG_W), t.param(LINEAR_PARAM_K), t.param(LINEAR_PARAM_N_TILE), planned,
                     bulk, tid, nt);
@@ -630,9 +660,10 @@ __device__ void prefetch_task(const RuntimeParams& p, const int32_t* rec, int pl
   else if (t.opcode() == OP_SILU_LINEAR)
     linear_prefetch(t.arg<const bf16>(SILU_LINEAR_ARG_W), t.param(SILU_LINEAR_PARAM_K),
                     t.param(SILU_LINEAR_PARAM_N_TILE), planned, bulk, tid, nt);
+#endif
 #if MPK_ATTN_PREFETCH
-  else if (t.opcode() == OP_ATTENTION || t.opcode() == OP_ATTENTION_SPLIT || t.opcode() == OP_ATTENTION_PREP ||
-           t.opcode() == OP_ATTENTION_SPLIT_PREP)
+  if (t.opcode() == OP_ATTENTION || t.opcode() == OP_ATTENTION_SPLIT || t.opcode() == OP_ATTENTION_PREP ||
+      t.opcode() == OP_ATTENTION_SPLIT_PREP)
     attention_prefetch(t, bulk, tid, nt);
 #endif
 }
