@@ -236,7 +236,7 @@ __device__ __forceinline__ void gemv_fused(const XS& xs, const bf16* __restrict_
 // second (the up rows), each warp whole rows as gemv_tile always does: the same sums as the unfused gate|up tile,
 // with as many rows per warp (the unfused projection's tiles hold n_tile rows of one half for all the warps).
 // Under MPK_LINEAR_TMA the weight ring's producer and barriers span the block, so the halves run one after the
-// other there.
+// other there. (In a -DMPK_GEMV_MARKS=1 build both halves' first threads set the tile's marks: the later one stays.)
 template <int B, class XS>
 __device__ __forceinline__ void gemv_pair(const XS& xs, const bf16* __restrict__ w, int K, int n_tile, const Epi& epi,
                                           int tid, int nt) {
