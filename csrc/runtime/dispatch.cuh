@@ -477,34 +477,32 @@ __device__ __noinline__ bool run_attention_split_prep(const TaskView& t, float* 
   return true;
 }
 
-// Run task `task` of step `step` on the worker threads (tid < nt). Returns false for an unknown
-// opcode (the caller raises kErrBadTask).
-__device__ bool run_task(const RuntimeParams& p, const int32_t* rec, int step, float* smem, int tid, int nt) {
-  const TaskView t(p, rec);
-  const int op = t.opcode();
+// MPK_SMALL_KINDS_OUTLINED 1: the kinds whose bodies run_task used to inline (step_begin, silu_mul, the argmax and
+// nucleus kinds: each runs once a step, or once a layer only in unfused programs) run in one non-inlined function,
+// so the kernel entry, whose worker loop runs every task, holds only the dispatch (docs/PERF.md v0.20: removing
+// the entry's inlined prefetch copies made every model 0.6-1.4% faster). 0: inlined into the entry as before.
+#ifndef MPK_SMALL_KINDS_OUTLINED
+#define MPK_SMALL_KINDS_OUTLINED 0
+#endif
+#if MPK_SMALL_KINDS_OUTLINED
+#define MPK_SMALL_KINDS_INLINE __noinline__
+#else
+#define MPK_SMALL_KINDS_INLINE __forceinline__
+#endif
+
+// The kinds without a run_* function of their own; false for an opcode that is none of them.
+__device__ MPK_SMALL_KINDS_INLINE bool run_small_kind(const TaskView& t, int op, int step, float* smem, int tid, int nt) {
   switch (op) {
     case OP_STEP_BEGIN:
       step_begin(t.arg<const int32_t>(STEP_BEGIN_ARG_FORCED), t.arg<const int32_t>(STEP_BEGIN_ARG_START_POS),
                  t.arg<const int32_t>(STEP_BEGIN_ARG_NEXT_TOKEN), t.arg<int32_t>(STEP_BEGIN_ARG_TOKENS),
                  t.arg<int32_t>(STEP_BEGIN_ARG_POSITIONS), t.param(STEP_BEGIN_PARAM_BATCH), step, tid, nt);
       return true;
-    case OP_EMBEDDING:
-      if (t.dtype(EMBEDDING_ARG_OUT) == DTYPE_F32) run_embedding_as<float>(t, tid, nt);
-      else run_embedding_as<bf16>(t, tid, nt);
-      return true;
-    case OP_RMS_NORM: run_rms_norm(t, smem, tid, nt); return true;
-    case OP_LINEAR: run_linear(t, tid, nt); return true;
-    case OP_QKV_PREP: run_qkv_prep(t, tid, nt); return true;
-    case OP_ATTENTION: run_attention(t, smem, tid, nt); return true;
     case OP_SILU_MUL:
       silu_mul(t.arg<const bf16>(SILU_MUL_ARG_GU), t.arg<bf16>(SILU_MUL_ARG_OUT), t.param(SILU_MUL_PARAM_BATCH),
                t.param(SILU_MUL_PARAM_COLS), t.param(SILU_MUL_PARAM_GU_STRIDE), t.param(SILU_MUL_PARAM_UP_OFFSET),
                t.param(SILU_MUL_PARAM_OUT_STRIDE), tid, nt);
       return true;
-    case OP_ADD: run_add(t, tid, nt); return true;
-    case OP_ALLREDUCE_PUSH:
-    case OP_ALLGATHER_PUSH: run_comm_push(t, op, tid, nt); return true;
-    case OP_ALLREDUCE_REDUCE: run_allreduce_reduce(t, tid, nt); return true;
     case OP_ARGMAX_PARTIAL:
       argmax_partial(t.arg<const float>(ARGMAX_PARTIAL_ARG_LOGITS), t.arg<float>(ARGMAX_PARTIAL_ARG_OUT),
                      t.arg<const int32_t>(ARGMAX_PARTIAL_ARG_SAMPLING), t.arg<const float>(ARGMAX_PARTIAL_ARG_CUT),
@@ -537,6 +535,28 @@ __device__ bool run_task(const RuntimeParams& p, const int32_t* rec, int step, f
                          t.arg<int32_t>(ARGMAX_NUCLEUS_CUT_ARG_HIST), t.param(ARGMAX_NUCLEUS_CUT_PARAM_BATCH),
                          t.param(ARGMAX_NUCLEUS_CUT_PARAM_WORLD), smem, tid, nt);
       return true;
+    default: return false;
+  }
+}
+
+// Run task `task` of step `step` on the worker threads (tid < nt). Returns false for an unknown
+// opcode (the caller raises kErrBadTask).
+__device__ bool run_task(const RuntimeParams& p, const int32_t* rec, int step, float* smem, int tid, int nt) {
+  const TaskView t(p, rec);
+  const int op = t.opcode();
+  switch (op) {
+    case OP_EMBEDDING:
+      if (t.dtype(EMBEDDING_ARG_OUT) == DTYPE_F32) run_embedding_as<float>(t, tid, nt);
+      else run_embedding_as<bf16>(t, tid, nt);
+      return true;
+    case OP_RMS_NORM: run_rms_norm(t, smem, tid, nt); return true;
+    case OP_LINEAR: run_linear(t, tid, nt); return true;
+    case OP_QKV_PREP: run_qkv_prep(t, tid, nt); return true;
+    case OP_ATTENTION: run_attention(t, smem, tid, nt); return true;
+    case OP_ADD: run_add(t, tid, nt); return true;
+    case OP_ALLREDUCE_PUSH:
+    case OP_ALLGATHER_PUSH: run_comm_push(t, op, tid, nt); return true;
+    case OP_ALLREDUCE_REDUCE: run_allreduce_reduce(t, tid, nt); return true;
     case OP_NORM_LINEAR: return run_norm_linear(t, smem, tid, nt);
     case OP_NORM_LINEAR_SILU: return run_norm_linear(t, smem, tid, nt);  // the gate|up projection + silu epilogue
     case OP_LINEAR_RESIDUAL: return run_linear_residual(t, tid, nt);
@@ -549,7 +569,7 @@ __device__ bool run_task(const RuntimeParams& p, const int32_t* rec, int step, f
     case OP_PAGE_ALLOC: return run_page_alloc(p, t, step, smem, tid, nt);
     case OP_ATTENTION_PREP: return run_attention_prep(t, smem, tid, nt);
     case OP_ATTENTION_SPLIT_PREP: return run_attention_split_prep(t, smem, tid, nt);
-    default: return false;
+    default: return run_small_kind(t, op, step, smem, tid, nt);
   }
 }
 
