@@ -479,10 +479,11 @@ __device__ __noinline__ bool run_attention_split_prep(const TaskView& t, float* 
 
 // MPK_SMALL_KINDS_OUTLINED 1: the kinds whose bodies run_task used to inline (step_begin, silu_mul, the argmax and
 // nucleus kinds: each runs once a step, or once a layer only in unfused programs) run in one non-inlined function,
-// so the kernel entry, whose worker loop runs every task, holds only the dispatch (docs/PERF.md v0.20: removing
-// the entry's inlined prefetch copies made every model 0.6-1.4% faster). 0: inlined into the entry as before.
+// so the kernel entry, whose worker loop runs every task, holds only the dispatch: 2,450 instead of 6,580 SASS
+// instructions, qwen3-0.6b 1.143 / 1.145 vs 1.146 / 1.148 ms, qwen3-8b 4.820 / 4.810 vs 4.832 / 4.833 (docs/PERF.md
+// v0.20; bitwise equal). 0: inlined into the entry as before.
 #ifndef MPK_SMALL_KINDS_OUTLINED
-#define MPK_SMALL_KINDS_OUTLINED 0
+#define MPK_SMALL_KINDS_OUTLINED 1
 #endif
 #if MPK_SMALL_KINDS_OUTLINED
 #define MPK_SMALL_KINDS_INLINE __noinline__

@@ -18,8 +18,9 @@ the arithmetic, so the logits must equal the default build's bit for bit and sta
   csrc/tasks/common.cuh rope_cos_sin).
 - ``-DMPK_PREFETCH_ONE_SITE=0``: each linear kind's L2 weight prefetch inlined in its own branch of prefetch_task
   (the default issues it from one non-inlined function; csrc/runtime/dispatch.cuh).
-- ``-DMPK_SMALL_KINDS_OUTLINED=1``: the kinds run_task inlines (step_begin, silu_mul, argmax, nucleus) in one
-  non-inlined function instead (csrc/runtime/dispatch.cuh run_small_kind).
+- ``-DMPK_SMALL_KINDS_OUTLINED=0``: the kinds without a run_* function of their own (step_begin, silu_mul, argmax,
+  nucleus) inlined into the kernel entry (the default runs them in one non-inlined function, csrc/runtime/dispatch.cuh
+  run_small_kind).
 - ``-DMPK_MMA_X_AHEAD=0`` under MPK_LINEAR_MMA=1, batch 8: the tensor-core tile loads each x vector inside its
   mma loop (the default loads a round's x vectors right after its weights; csrc/tasks/linear_mma.cuh mma_unit).
 
@@ -48,7 +49,7 @@ PROMPT = 200
 STEPS = 48
 VARIANTS = ["-DMPK_ATTN_GUARD_HEADS=1", "-DMPK_PARAMS_SMEM=0", "-DMPK_ROPE_EXACT_PAIRS=0 -DMPK_PREP_ONE_SITE=0",
             "-DMPK_PREP_POS_LATE=0", "-DMPK_STAGE_ROWS_TOGETHER=0", "-DMPK_ROPE_SINCOS=0", "-DMPK_PREFETCH_ONE_SITE=0",
-            "-DMPK_SMALL_KINDS_OUTLINED=1"]
+            "-DMPK_SMALL_KINDS_OUTLINED=0"]
 SWITCHES = [{"MPK_WEIGHT_EVICT_FIRST": "1"}]  # kernel switches of the same kind (environment, not -D)
 MMA_VARIANTS = ["-DMPK_MMA_X_AHEAD=0", "-DMPK_STAGE_ROWS_TOGETHER=0"]
 
