@@ -145,6 +145,9 @@ def test_matches_from_r_parts_first_is_the_full_test(name, shape, monkeypatch):
         for names in (lay.inputs, lay.inputs[::-1]):
             leaves = tuple(fp31.of_expr(infos[n].expr) for n in names)
             vp, vr = sv.values(leaves)
+            # the r parts alone, in int32 (half the bytes of ``values``'s int64), equal
+            r32 = sv.values_r(leaves)
+            assert r32.dtype == np.int32 and r32.tolist() == vr.tolist()
             wants = [fp31.of_expr(target.out_expr)] + \
                 [(vp[r], vr[r]) for r in sv.roots[::max(1, len(sv.roots) // 5)].tolist()]
             for want in wants:
