@@ -358,18 +358,11 @@ class KernelSearch:
         infos = [tensors[n] for n in names]
         seen = {i.expr for i in infos}
         fresh = f"t{len(ops)}"
-        chains = [p for p, _ in self.ctx.target.chains]
-        for kind, args, attrs, akey in candidate_ops(infos, chains):
+        for kind, args, attrs, akey in self._library_ops(infos, last):
             arg_names = tuple(names[i] for i in args)
             key = ("p", kind, arg_names, akey)
             if not _canonical(key, arg_names, prev):
                 continue
-            if last:
-                # the last op's result must have the target's shape: checked before the
-                # expression is built (the new tensors of each move miss infer's memo)
-                shape = infer(kind, [infos[i] for i in args], attrs, exprs=False)
-                if shape is None or shape.shape != self.out_shape:
-                    continue
             info = infer(kind, [infos[i] for i in args], attrs)
             if info is None or info.expr in seen or (last and not self._is_output(info)):
                 continue
@@ -393,6 +386,34 @@ class KernelSearch:
                     if move is None:
                         continue
                 yield move
+
+    def _library_ops(self, infos: list, last: bool):
+        """The pre-defined ops (``inference.candidate_ops``: (kind, arg indices, attrs, attr
+        key)) on the tensors ``infos``, in its order; for the last op only those whose result
+        has the target's shape (the shape-only ``infer``; the expression is built later only for
+        them).
+
+        For the last op that list is a function of the tensors' shapes and symbols (the ops
+        ``candidate_ops`` yields depend on how many tensors there are and their symbols, the
+        shape-only ``infer`` on shapes, symbols and attrs), so it is kept per those
+        (``_last_library``, at most ``LIBRARY_MEMO`` entries). NOTE: the unpruned search's lanes
+        run the last op once per first op, and ~1 ms of the ~2.3 ms a first op took there
+        (qk_norm_rope, 6 tensors: 134 candidate ops, each shape-inferred, for the one or two
+        whose shape is the target's) went to this filter (twentieth session)."""
+        chains = [p for p, _ in self.ctx.target.chains]
+        if not last:
+            return candidate_ops(infos, chains)
+        memo = self.__dict__.setdefault("_last_library", {})
+        types = tuple((i.shape, i.syms) for i in infos)
+        hit = memo.get(types)
+        if hit is None:
+            if len(memo) >= LIBRARY_MEMO:
+                memo.clear()
+            hit = memo[types] = [
+                (kind, args, attrs, akey) for kind, args, attrs, akey in candidate_ops(infos, chains)
+                if (r := infer(kind, [infos[i] for i in args], attrs, exprs=False)) is not None
+                and r.shape == self.out_shape]
+        return hit
 
     def _subsets(self, tensors: dict, names: list, prev, last: bool, must_read: set,
                  spent: float):
@@ -488,6 +509,10 @@ class KernelSearch:
         if self.verify is not None and cost < self.bound and self.verify(ug):
             self.bound = cost  # branch and bound inside the depth
 
+
+LIBRARY_MEMO = 4096
+"""How many tensor-type tuples ``KernelSearch._library_ops`` keeps the last op's library ops for
+(cleared when full; a cleared entry is computed again, identically)."""
 
 TIE_US = 1e-9
 """Costs closer than this (µs) count as equal: the cost model sums per-op floats, and equal sums in another

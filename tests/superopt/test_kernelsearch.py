@@ -215,3 +215,76 @@ def test_unpruned_depth_prefetches_the_next_depths_first_listing(monkeypatch):
     assert two and n == 1 and early == set(first)  # the one depth 2 listed first
     for off in (depths(False, 2), depths(True, 1)):
         assert off[:2] == (one, two) and off[4] == 0
+
+
+def test_last_op_library_ops_kept_per_tensor_types():
+    """The last op's pre-defined ops after first ops of qk_norm_rope (H=4, D=16: its library
+    first ops and custom ones over G) and of silu_mul_linear (custom first ops over (A, B),
+    after which matmul(t0, W) completes the graph), unpruned: the same candidate ops, the same
+    moves (ops, new tensors, keys, costs) in the same order and the same ``explored`` count as
+    the former filter (every candidate op shape-inferred after each first op, kept here as
+    ``_EveryLibraryOp``), with the shape-only inference run once per tuple of tensor types
+    instead of once per first op."""
+    from mpk_dist.superopt import kernelsearch as K
+    from mpk_dist.superopt.catalog import BlockCatalog
+    from mpk_dist.superopt.inference import candidate_ops
+
+    class _EveryLibraryOp(K.KernelSearch):
+        def _library_ops(self, infos, last):
+            chains = [p for p, _ in self.ctx.target.chains]
+            for kind, args, attrs, akey in candidate_ops(infos, chains):
+                if last:
+                    shape = K.infer(kind, [infos[i] for i in args], attrs, exprs=False)
+                    if shape is None or shape.shape != self.out_shape:
+                        continue
+                yield kind, args, attrs, akey
+
+    real, calls = K.infer, [0]
+
+    def counted(kind, args, attrs, exprs=True):
+        calls[0] += not exprs
+        return real(kind, args, attrs, exprs)
+
+    cases = [("qk_norm_rope", {"H": 4, "D": 16}, True, ("G",)),
+             ("silu_mul_linear", {"M": 2, "I": 64, "N": 32}, False, ("A", "B"))]
+    completed = firsts_n = 0
+    for name, shape, library_firsts, subset in cases:
+        target = analyze(build(name, shape))
+        config = SearchConfig(max_kernel_ops=2, max_block_ops=3, prune=False)
+        results = []
+        for cls in (K.KernelSearch, _EveryLibraryOp):
+            ctx = Context(target, config, time.monotonic() + 120)
+            ks = cls(ctx, BlockCatalog(ctx, 1))
+            tensors = dict(ks.inputs)
+            firsts = list(ks._moves(tensors, [], None, False, set(), 0.0, custom=False)) \
+                if library_firsts else []
+            for k in range(len(ks.catalog.layouts(subset, tensors))):
+                opts = list(ks._options(tensors, subset, None, False, 0, k))
+                # a sample, and every one-output two-op structure (silu(A) * B among them)
+                firsts += [m for j, m in enumerate(opts) if not j % 50 or
+                           len(m[4].outputs) == 1 and len(m[4].body) + len(m[4].post) == 2]
+            K.infer, calls[0] = counted, 0
+            try:
+                got = []
+                for m in firsts:
+                    built = ks._build(tensors, 0, False, m)
+                    if built is None:
+                        continue  # its result repeats an input's expression
+                    op, new, key, cost = built
+                    t2 = {**tensors, **new}
+                    dangling = {n for n in t2 if n not in op.inputs}
+                    cands = [(kd, a, sorted(at.items()), ak)
+                             for kd, a, at, ak in ks._library_ops(list(t2.values()), True)]
+                    moves = [(o.kind, o.inputs, o.outputs, o.attrs, o.origin, n, k, c)
+                             for o, n, k, c in ks._moves(t2, [op], (key, set(new)), True,
+                                                         dangling, cost, custom=False)]
+                    got.append((cands, moves))
+            finally:
+                K.infer = real
+            results.append((got, ctx.counts["explored"], calls[0], len(firsts)))
+        (new, e_new, c_new, n), (ref, e_ref, c_ref, _) = results
+        assert new == ref and e_new == e_ref, name
+        assert c_new * 10 < c_ref, (name, c_new, c_ref)
+        completed += sum(len(m) for _, m in new)
+        firsts_n += n
+    assert firsts_n > 100 and completed > 0, (firsts_n, completed)
