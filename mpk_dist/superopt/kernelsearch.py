@@ -36,6 +36,10 @@ class KernelSearch:
     # unpruned, with a pool: a depth that is not the last starts the next depth's first
     # first-op listings on the pool (``_prefetch_next_depth``; False: as before, for the test)
     prefetch_next = True
+    # unpruned canonical phase with a pool: a layout item whose listing is not back yet lets a
+    # later layout item whose listing is back go first (``_ready_layout``; False: in order, as
+    # before the twentieth session, for the test)
+    ready_first = True
 
     def __init__(self, ctx: Context, catalog: BlockCatalog, bound: float = math.inf,
                  verify=None, lanes=None) -> None:
@@ -139,6 +143,9 @@ class KernelSearch:
                     self._options(tensors, item[1], prev, False, len(ops)))))
                 self._release(ops, budget, item[1], tensors)
             elif item[0] == "L":
+                if by_layout and self.ready_first:
+                    item = self._ready_layout(item, pending, tensors)
+                    self._prefetch_subsets(tensors, upcoming)  # a worker may be free now
                 # one layout's moves, cheapest first (as ``options`` orders a whole subset)
                 moves = sorted(self._options(tensors, item[1], prev, False, len(ops), item[2]),
                                key=lambda m: m[3])
@@ -148,6 +155,36 @@ class KernelSearch:
                 yield item
         if pending and self.bound < math.inf:
             yield from self._best_first(tensors, ops, prev, dangling, budget, spent, pending)
+
+    def _ready_layout(self, item: tuple, pending, tensors: dict) -> tuple:
+        """The layout item to take now in the unpruned canonical phase: ``item`` (``("L",
+        subset, k)``, just taken from the front of ``pending``) when its listing is back from the
+        pool (``BlockCatalog.ready``), else the first layout item of ``pending`` whose listing is
+        back, ``item`` going back to the front; ``item`` again when none is.
+
+        Why nothing changes but the order: every layout item is still taken once, before the
+        switch to best-first or (not taken yet) as an item of ``_best_first``, with the same
+        moves (keys (layout, position), the canonical test between moves does not look at the
+        order they are taken in), as ``by_layout`` argued for the layouts of one subset.
+        NOTE: qk_norm_rope's first subset is Q, whose layout 0 ("none") lists 1.9 M first ops
+        in ~190 s of a core, while its layouts 1-6 come back within ~30-90 s; the canonical
+        phase waited for layout 0 first, and no custom first op reached the lanes within 240 s
+        (nineteenth session: 70 hand-offs, the library first ops)."""
+        cat = self.catalog
+        while True:
+            if cat.ready(item[1], item[2], tensors, False):
+                return item
+            for j, other in enumerate(pending):
+                if other[0] == "L" and cat.ready(other[1], other[2], tensors, False):
+                    del pending[j]
+                    pending.appendleft(item)
+                    self.ctx.counts["layouts_ready_first"] = \
+                        self.ctx.counts.get("layouts_ready_first", 0) + 1
+                    return other
+            task = cat.pending_task(item[1], item[2], tensors, False)
+            if task is None or self.ctx.timed_out():
+                return item  # not on the pool (listed here), or past the deadline: as before
+            task.wait(0.02)  # until it, or another one, is back
 
     def _prefetch_next_depth(self, max_ops: int) -> None:
         """Unpruned, with a pool, before a depth that is not the last: start the listings the

@@ -288,3 +288,46 @@ def test_last_op_library_ops_kept_per_tensor_types():
         completed += sum(len(m) for _, m in new)
         firsts_n += n
     assert firsts_n > 100 and completed > 0, (firsts_n, completed)
+
+
+def test_unpruned_canonical_phase_takes_ready_layouts_first(monkeypatch):
+    """Unpruned depth 2's first ops in canonical order (no bound) with a pool, the first
+    subset's layout 0 listed slowly (a pool worker sleeps 2 s in it): with ``ready_first`` the
+    moves of that subset's other layouts come while layout 0 is still on the pool (before:
+    layout 0 first, the main process waiting), and the same moves come, in another order, as
+    in order with two processes and with one (so the search below them is the same)."""
+    from mpk_dist.superopt import catalog as C
+    from mpk_dist.superopt.kernelsearch import KernelSearch
+
+    target = analyze(build("silu_mul_linear", {"M": 2, "I": 64, "N": 32}))
+    config = SearchConfig(max_kernel_ops=2, max_block_ops=2, prune=False)
+    listing = C.layout_options
+    first = ("A",)
+
+    def slow(ctx, layout, infos, final, limit=None):
+        if not final and tuple(infos) == first and \
+                layout == next(iter(C.B.layouts(first, infos, 1))):
+            time.sleep(2.0)  # runs in the pool worker (forked after the patch)
+        return listing(ctx, layout, infos, final, limit)
+
+    def first_ops(ready_first: bool, procs: int):
+        with monkeypatch.context() as m:
+            m.setattr(C, "layout_options", slow)
+            m.setattr(KernelSearch, "ready_first", ready_first)
+            ctx = Context(target, config, time.monotonic() + 120)
+            with C.BlockCatalog(ctx, procs) as cat:
+                ks = KernelSearch(ctx, cat)
+                tensors = dict(ks.inputs)
+                moves = list(ks._ordered(tensors, [], None, set(tensors), 2, 0.0))
+        assert not ctx.timed_out()
+        keys = [mv[6] if mv[0] == "c" else mv[2] for mv in moves]
+        layouts = [k[2] for k in keys if k[0] == "c" and k[1] == first]
+        return keys, layouts, ctx.counts.get("layouts_ready_first", 0)
+
+    old, old_layouts, n_old = first_ops(False, 2)
+    new, new_layouts, n_new = first_ops(True, 2)
+    assert len(old) > 1000 and n_old == 0 and old_layouts[0] == 0
+    assert new_layouts[0] != 0 and n_new > 0 and new != old
+    assert sorted(new) == sorted(old)  # the same moves, in another order
+    one, _, n_one = first_ops(True, 1)
+    assert one == old and n_one == 0  # without a pool: in order, as before
