@@ -128,6 +128,13 @@ class KernelSearch:
                        self._subsets(tensors, list(tensors), prev, False, set(), spent))
         upcoming = deque(item[1] for item in pending if item[0] == "s")
         by_layout = self.by_layout and not self.ctx.config.prune
+        if by_layout and self.ready_first:
+            # NOTE: the pool lists the first subsets' layouts while the library moves are handed
+            # over (a prefetch: the same listings, only earlier). qk_norm_rope's 70 library first
+            # ops kept the main process in ``Lanes._collect`` for ~100 s while a pool worker sat
+            # idle, and Q's layouts 1-6 were only submitted when Q's subset came up, ~200 s in
+            # (twentieth session), so no ready layout could go first.
+            self._prefetch_subsets(tensors, upcoming)
         while pending and self.bound == math.inf and not self.ctx.timed_out():
             item = pending.popleft()
             if item[0] == "s" and by_layout:

@@ -331,3 +331,30 @@ def test_unpruned_canonical_phase_takes_ready_layouts_first(monkeypatch):
     assert sorted(new) == sorted(old)  # the same moves, in another order
     one, _, n_one = first_ops(True, 1)
     assert one == old and n_one == 0  # without a pool: in order, as before
+
+
+def test_unpruned_canonical_phase_prefetches_before_the_library_moves():
+    """Unpruned depth 2 with a pool: when the canonical phase hands over its first (library)
+    move, the first subset's layouts are already on the pool (before: only once the subset came
+    up, after every library move), and the moves are the same as without a pool."""
+    from mpk_dist.superopt.catalog import BlockCatalog, _listing_key
+    from mpk_dist.superopt.kernelsearch import KernelSearch
+
+    target = analyze(build("silu_mul_linear", {"M": 2, "I": 64, "N": 32}))
+    config = SearchConfig(max_kernel_ops=2, max_block_ops=2, prune=False)
+    got = []
+    for procs in (2, 1):
+        ctx = Context(target, config, time.monotonic() + 120)
+        with BlockCatalog(ctx, procs) as cat:
+            ks = KernelSearch(ctx, cat)
+            tensors = dict(ks.inputs)
+            moves = ks._ordered(tensors, [], None, set(tensors), 2, 0.0)
+            first = next(moves)
+            assert first[0] == "p"  # a library move
+            early = {key for key in cat.pending
+                     if key[:2] == _listing_key(False, ("A",), tensors)}
+            got.append(([first] + list(moves), early))
+    (two, early), (one, none) = got
+    assert len(early) >= 2 and not none
+    key = lambda m: m[6] if m[0] == "c" else m[2]  # noqa: E731
+    assert sorted(map(key, two)) == sorted(map(key, one))
