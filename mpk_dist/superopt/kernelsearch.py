@@ -189,8 +189,10 @@ class KernelSearch:
                         self.ctx.counts.get("layouts_ready_first", 0) + 1
                     return other
             task = cat.pending_task(item[1], item[2], tensors, False)
-            if task is None or self.ctx.timed_out():
-                return item  # not on the pool (listed here), or past the deadline: as before
+            if task is None or task.ready() or self.ctx.timed_out():
+                # not on the pool (listed here), back under a limit that does not cover this
+                # request (listed again), or past the deadline: as before
+                return item
             task.wait(0.02)  # until it, or another one, is back
 
     def _prefetch_next_depth(self, max_ops: int) -> None:
