@@ -439,6 +439,31 @@ class BlockCatalog:
             self.keyed.pop(key, None)
         self.ctx.counts["listings_released"] = self.ctx.counts.get("listings_released", 0) + 1
 
+    def ready(self, subset: tuple, k: int, infos: dict, final: bool, limit=None) -> bool:
+        """Would ``layout_options(subset, k, infos, final, limit)`` answer without waiting: its
+        listing (or, for a renamed member, its representative's) is memoized under a covering
+        limit, or its pool task is done? False when it would wait for the pool or list in this
+        process."""
+        key = _listing_key(final, subset, infos, k)
+        if key in self.per_layout and _covers(self.limits.get(key), limit):
+            return True
+        rep = self._rep(final, subset, infos)
+        if rep is not None and rep[0] != subset:
+            held = self.held.get(_listing_key(final, rep[0], rep[1], k))
+            if held is not None and _covers(held[1], limit):
+                return True
+            return self.ready(rep[0], k, rep[1], final, limit)
+        task = self.pending.get(key)
+        return task is not None and _covers(self.limits.get(key), limit) and task.ready()
+
+    def pending_task(self, subset: tuple, k: int, infos: dict, final: bool):
+        """The pool task that lists layout ``k`` of ``subset`` (its representative's for a
+        renamed member), or None when none is in flight."""
+        rep = self._rep(final, subset, infos)
+        if rep is not None and rep[0] != subset:
+            subset, infos = rep[0], rep[1]
+        return self.pending.get(_listing_key(final, subset, infos, k))
+
     def in_flight(self) -> int:
         """Layouts prefetched on the pool and not finished yet (0 without a pool)."""
         done = [key for key, task in self.pending.items() if task.ready()]

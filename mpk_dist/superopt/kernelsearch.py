@@ -36,6 +36,10 @@ class KernelSearch:
     # unpruned, with a pool: a depth that is not the last starts the next depth's first
     # first-op listings on the pool (``_prefetch_next_depth``; False: as before, for the test)
     prefetch_next = True
+    # unpruned canonical phase with a pool: a layout item whose listing is not back yet lets a
+    # later layout item whose listing is back go first (``_ready_layout``; False: in order, as
+    # before the twentieth session, for the test)
+    ready_first = True
 
     def __init__(self, ctx: Context, catalog: BlockCatalog, bound: float = math.inf,
                  verify=None, lanes=None) -> None:
@@ -124,6 +128,13 @@ class KernelSearch:
                        self._subsets(tensors, list(tensors), prev, False, set(), spent))
         upcoming = deque(item[1] for item in pending if item[0] == "s")
         by_layout = self.by_layout and not self.ctx.config.prune
+        if by_layout and self.ready_first:
+            # NOTE: the pool lists the first subsets' layouts while the library moves are handed
+            # over (a prefetch: the same listings, only earlier). qk_norm_rope's 70 library first
+            # ops kept the main process in ``Lanes._collect`` for ~100 s while a pool worker sat
+            # idle, and Q's layouts 1-6 were only submitted when Q's subset came up, ~200 s in
+            # (twentieth session), so no ready layout could go first.
+            self._prefetch_subsets(tensors, upcoming)
         while pending and self.bound == math.inf and not self.ctx.timed_out():
             item = pending.popleft()
             if item[0] == "s" and by_layout:
@@ -139,6 +150,9 @@ class KernelSearch:
                     self._options(tensors, item[1], prev, False, len(ops)))))
                 self._release(ops, budget, item[1], tensors)
             elif item[0] == "L":
+                if by_layout and self.ready_first:
+                    item = self._ready_layout(item, pending, tensors)
+                    self._prefetch_subsets(tensors, upcoming)  # a worker may be free now
                 # one layout's moves, cheapest first (as ``options`` orders a whole subset)
                 moves = sorted(self._options(tensors, item[1], prev, False, len(ops), item[2]),
                                key=lambda m: m[3])
@@ -148,6 +162,38 @@ class KernelSearch:
                 yield item
         if pending and self.bound < math.inf:
             yield from self._best_first(tensors, ops, prev, dangling, budget, spent, pending)
+
+    def _ready_layout(self, item: tuple, pending, tensors: dict) -> tuple:
+        """The layout item to take now in the unpruned canonical phase: ``item`` (``("L",
+        subset, k)``, just taken from the front of ``pending``) when its listing is back from the
+        pool (``BlockCatalog.ready``), else the first layout item of ``pending`` whose listing is
+        back, ``item`` going back to the front; ``item`` again when none is.
+
+        Why nothing changes but the order: every layout item is still taken once, before the
+        switch to best-first or (not taken yet) as an item of ``_best_first``, with the same
+        moves (keys (layout, position), the canonical test between moves does not look at the
+        order they are taken in), as ``by_layout`` argued for the layouts of one subset.
+        NOTE: qk_norm_rope's first subset is Q, whose layout 0 ("none") lists 1.9 M first ops
+        in ~190 s of a core, while its layouts 1-6 come back within ~30-90 s; the canonical
+        phase waited for layout 0 first, and no custom first op reached the lanes within 240 s
+        (nineteenth session: 70 hand-offs, the library first ops)."""
+        cat = self.catalog
+        while True:
+            if cat.ready(item[1], item[2], tensors, False):
+                return item
+            for j, other in enumerate(pending):
+                if other[0] == "L" and cat.ready(other[1], other[2], tensors, False):
+                    del pending[j]
+                    pending.appendleft(item)
+                    self.ctx.counts["layouts_ready_first"] = \
+                        self.ctx.counts.get("layouts_ready_first", 0) + 1
+                    return other
+            task = cat.pending_task(item[1], item[2], tensors, False)
+            if task is None or task.ready() or self.ctx.timed_out():
+                # not on the pool (listed here), back under a limit that does not cover this
+                # request (listed again), or past the deadline: as before
+                return item
+            task.wait(0.02)  # until it, or another one, is back
 
     def _prefetch_next_depth(self, max_ops: int) -> None:
         """Unpruned, with a pool, before a depth that is not the last: start the listings the
@@ -358,18 +404,11 @@ class KernelSearch:
         infos = [tensors[n] for n in names]
         seen = {i.expr for i in infos}
         fresh = f"t{len(ops)}"
-        chains = [p for p, _ in self.ctx.target.chains]
-        for kind, args, attrs, akey in candidate_ops(infos, chains):
+        for kind, args, attrs, akey in self._library_ops(infos, last):
             arg_names = tuple(names[i] for i in args)
             key = ("p", kind, arg_names, akey)
             if not _canonical(key, arg_names, prev):
                 continue
-            if last:
-                # the last op's result must have the target's shape: checked before the
-                # expression is built (the new tensors of each move miss infer's memo)
-                shape = infer(kind, [infos[i] for i in args], attrs, exprs=False)
-                if shape is None or shape.shape != self.out_shape:
-                    continue
             info = infer(kind, [infos[i] for i in args], attrs)
             if info is None or info.expr in seen or (last and not self._is_output(info)):
                 continue
@@ -393,6 +432,34 @@ class KernelSearch:
                     if move is None:
                         continue
                 yield move
+
+    def _library_ops(self, infos: list, last: bool):
+        """The pre-defined ops (``inference.candidate_ops``: (kind, arg indices, attrs, attr
+        key)) on the tensors ``infos``, in its order; for the last op only those whose result
+        has the target's shape (the shape-only ``infer``; the expression is built later only for
+        them).
+
+        For the last op that list is a function of the tensors' shapes and symbols (the ops
+        ``candidate_ops`` yields depend on how many tensors there are and their symbols, the
+        shape-only ``infer`` on shapes, symbols and attrs), so it is kept per those
+        (``_last_library``, at most ``LIBRARY_MEMO`` entries). NOTE: the unpruned search's lanes
+        run the last op once per first op, and ~1 ms of the ~2.3 ms a first op took there
+        (qk_norm_rope, 6 tensors: 134 candidate ops, each shape-inferred, for the one or two
+        whose shape is the target's) went to this filter (twentieth session)."""
+        chains = [p for p, _ in self.ctx.target.chains]
+        if not last:
+            return candidate_ops(infos, chains)
+        memo = self.__dict__.setdefault("_last_library", {})
+        types = tuple((i.shape, i.syms) for i in infos)
+        hit = memo.get(types)
+        if hit is None:
+            if len(memo) >= LIBRARY_MEMO:
+                memo.clear()
+            hit = memo[types] = [
+                (kind, args, attrs, akey) for kind, args, attrs, akey in candidate_ops(infos, chains)
+                if (r := infer(kind, [infos[i] for i in args], attrs, exprs=False)) is not None
+                and r.shape == self.out_shape]
+        return hit
 
     def _subsets(self, tensors: dict, names: list, prev, last: bool, must_read: set,
                  spent: float):
@@ -488,6 +555,10 @@ class KernelSearch:
         if self.verify is not None and cost < self.bound and self.verify(ug):
             self.bound = cost  # branch and bound inside the depth
 
+
+LIBRARY_MEMO = 4096
+"""How many tensor-type tuples ``KernelSearch._library_ops`` keeps the last op's library ops for
+(cleared when full; a cleared entry is computed again, identically)."""
 
 TIE_US = 1e-9
 """Costs closer than this (µs) count as equal: the cost model sums per-op floats, and equal sums in another

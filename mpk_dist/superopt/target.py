@@ -134,7 +134,24 @@ class Target:
         not under its sizeless form, because two expressions with one sizeless form (a full sum
         and a partial one) can get different fallback answers, and the first one asked would
         otherwise answer for both, so one graph could print different origins in two processes
-        (docs/SUPEROPT.md, fourteenth and fifteenth sessions)."""
+        (docs/SUPEROPT.md, fourteenth and fifteenth sessions).
+
+        Answers are also kept by the identity of ``e`` (``_origin_ids``, the entry keeping ``e``
+        alive so its id stays unique; at most 200,000, then cleared): an unpruned search's lanes
+        instantiate every first op with its expressions, mostly the same interned objects from
+        one first op to the next, and ``_sizeless`` (a walk that sorts operands by ``repr``) was
+        ~12% of a lane's time per first op (twentieth session)."""
+        ids = self.__dict__.setdefault("_origin_ids", {})
+        hit = ids.get(id(e))
+        if hit is not None and hit[0] is e:
+            return hit[1]
+        if len(ids) > 200_000:
+            ids.clear()
+        out = ids[id(e)] = (e, self._origin_of(e))
+        return out[1]
+
+    def _origin_of(self, e: tuple) -> str:
+        """``origin_of`` without the identity memo."""
         hit = self.origins.get(_sizeless(e))
         if hit is not None:
             return hit

@@ -215,3 +215,146 @@ def test_unpruned_depth_prefetches_the_next_depths_first_listing(monkeypatch):
     assert two and n == 1 and early == set(first)  # the one depth 2 listed first
     for off in (depths(False, 2), depths(True, 1)):
         assert off[:2] == (one, two) and off[4] == 0
+
+
+def test_last_op_library_ops_kept_per_tensor_types():
+    """The last op's pre-defined ops after first ops of qk_norm_rope (H=4, D=16: its library
+    first ops and custom ones over G) and of silu_mul_linear (custom first ops over (A, B),
+    after which matmul(t0, W) completes the graph), unpruned: the same candidate ops, the same
+    moves (ops, new tensors, keys, costs) in the same order and the same ``explored`` count as
+    the former filter (every candidate op shape-inferred after each first op, kept here as
+    ``_EveryLibraryOp``), with the shape-only inference run once per tuple of tensor types
+    instead of once per first op."""
+    from mpk_dist.superopt import kernelsearch as K
+    from mpk_dist.superopt.catalog import BlockCatalog
+    from mpk_dist.superopt.inference import candidate_ops
+
+    class _EveryLibraryOp(K.KernelSearch):
+        def _library_ops(self, infos, last):
+            chains = [p for p, _ in self.ctx.target.chains]
+            for kind, args, attrs, akey in candidate_ops(infos, chains):
+                if last:
+                    shape = K.infer(kind, [infos[i] for i in args], attrs, exprs=False)
+                    if shape is None or shape.shape != self.out_shape:
+                        continue
+                yield kind, args, attrs, akey
+
+    real, calls = K.infer, [0]
+
+    def counted(kind, args, attrs, exprs=True):
+        calls[0] += not exprs
+        return real(kind, args, attrs, exprs)
+
+    cases = [("qk_norm_rope", {"H": 4, "D": 16}, True, ("G",)),
+             ("silu_mul_linear", {"M": 2, "I": 64, "N": 32}, False, ("A", "B"))]
+    completed = firsts_n = 0
+    for name, shape, library_firsts, subset in cases:
+        target = analyze(build(name, shape))
+        config = SearchConfig(max_kernel_ops=2, max_block_ops=3, prune=False)
+        results = []
+        for cls in (K.KernelSearch, _EveryLibraryOp):
+            ctx = Context(target, config, time.monotonic() + 120)
+            ks = cls(ctx, BlockCatalog(ctx, 1))
+            tensors = dict(ks.inputs)
+            firsts = list(ks._moves(tensors, [], None, False, set(), 0.0, custom=False)) \
+                if library_firsts else []
+            for k in range(len(ks.catalog.layouts(subset, tensors))):
+                opts = list(ks._options(tensors, subset, None, False, 0, k))
+                # a sample, and every one-output two-op structure (silu(A) * B among them)
+                firsts += [m for j, m in enumerate(opts) if not j % 50 or
+                           len(m[4].outputs) == 1 and len(m[4].body) + len(m[4].post) == 2]
+            K.infer, calls[0] = counted, 0
+            try:
+                got = []
+                for m in firsts:
+                    built = ks._build(tensors, 0, False, m)
+                    if built is None:
+                        continue  # its result repeats an input's expression
+                    op, new, key, cost = built
+                    t2 = {**tensors, **new}
+                    dangling = {n for n in t2 if n not in op.inputs}
+                    cands = [(kd, a, sorted(at.items()), ak)
+                             for kd, a, at, ak in ks._library_ops(list(t2.values()), True)]
+                    moves = [(o.kind, o.inputs, o.outputs, o.attrs, o.origin, n, k, c)
+                             for o, n, k, c in ks._moves(t2, [op], (key, set(new)), True,
+                                                         dangling, cost, custom=False)]
+                    got.append((cands, moves))
+            finally:
+                K.infer = real
+            results.append((got, ctx.counts["explored"], calls[0], len(firsts)))
+        (new, e_new, c_new, n), (ref, e_ref, c_ref, _) = results
+        assert new == ref and e_new == e_ref, name
+        assert c_new * 10 < c_ref, (name, c_new, c_ref)
+        completed += sum(len(m) for _, m in new)
+        firsts_n += n
+    assert firsts_n > 100 and completed > 0, (firsts_n, completed)
+
+
+def test_unpruned_canonical_phase_takes_ready_layouts_first(monkeypatch):
+    """Unpruned depth 2's first ops in canonical order (no bound) with a pool, the first
+    subset's layout 0 listed slowly (a pool worker sleeps 2 s in it): with ``ready_first`` the
+    moves of that subset's other layouts come while layout 0 is still on the pool (before:
+    layout 0 first, the main process waiting), and the same moves come, in another order, as
+    in order with two processes and with one (so the search below them is the same)."""
+    from mpk_dist.superopt import catalog as C
+    from mpk_dist.superopt.kernelsearch import KernelSearch
+
+    target = analyze(build("silu_mul_linear", {"M": 2, "I": 64, "N": 32}))
+    config = SearchConfig(max_kernel_ops=2, max_block_ops=2, prune=False)
+    listing = C.layout_options
+    first = ("A",)
+
+    def slow(ctx, layout, infos, final, limit=None):
+        if not final and tuple(infos) == first and \
+                layout == next(iter(C.B.layouts(first, infos, 1))):
+            time.sleep(2.0)  # runs in the pool worker (forked after the patch)
+        return listing(ctx, layout, infos, final, limit)
+
+    def first_ops(ready_first: bool, procs: int):
+        with monkeypatch.context() as m:
+            m.setattr(C, "layout_options", slow)
+            m.setattr(KernelSearch, "ready_first", ready_first)
+            ctx = Context(target, config, time.monotonic() + 120)
+            with C.BlockCatalog(ctx, procs) as cat:
+                ks = KernelSearch(ctx, cat)
+                tensors = dict(ks.inputs)
+                moves = list(ks._ordered(tensors, [], None, set(tensors), 2, 0.0))
+        assert not ctx.timed_out()
+        keys = [mv[6] if mv[0] == "c" else mv[2] for mv in moves]
+        layouts = [k[2] for k in keys if k[0] == "c" and k[1] == first]
+        return keys, layouts, ctx.counts.get("layouts_ready_first", 0)
+
+    old, old_layouts, n_old = first_ops(False, 2)
+    new, new_layouts, n_new = first_ops(True, 2)
+    assert len(old) > 1000 and n_old == 0 and old_layouts[0] == 0
+    assert new_layouts[0] != 0 and n_new > 0 and new != old
+    assert sorted(new) == sorted(old)  # the same moves, in another order
+    one, _, n_one = first_ops(True, 1)
+    assert one == old and n_one == 0  # without a pool: in order, as before
+
+
+def test_unpruned_canonical_phase_prefetches_before_the_library_moves():
+    """Unpruned depth 2 with a pool: when the canonical phase hands over its first (library)
+    move, the first subset's layouts are already on the pool (before: only once the subset came
+    up, after every library move), and the moves are the same as without a pool."""
+    from mpk_dist.superopt.catalog import BlockCatalog, _listing_key
+    from mpk_dist.superopt.kernelsearch import KernelSearch
+
+    target = analyze(build("silu_mul_linear", {"M": 2, "I": 64, "N": 32}))
+    config = SearchConfig(max_kernel_ops=2, max_block_ops=2, prune=False)
+    got = []
+    for procs in (2, 1):
+        ctx = Context(target, config, time.monotonic() + 120)
+        with BlockCatalog(ctx, procs) as cat:
+            ks = KernelSearch(ctx, cat)
+            tensors = dict(ks.inputs)
+            moves = ks._ordered(tensors, [], None, set(tensors), 2, 0.0)
+            first = next(moves)
+            assert first[0] == "p"  # a library move
+            early = {key for key in cat.pending
+                     if key[:2] == _listing_key(False, ("A",), tensors)}
+            got.append(([first] + list(moves), early))
+    (two, early), (one, none) = got
+    assert len(early) >= 2 and not none
+    key = lambda m: m[6] if m[0] == "c" else m[2]  # noqa: E731
+    assert sorted(map(key, two)) == sorted(map(key, one))

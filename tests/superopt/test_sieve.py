@@ -110,3 +110,55 @@ def test_the_sieve_on_a_hand_made_table():
     assert list(zip(vp[r].tolist(), vr[r].tolist())) == [c, d, fp.mul(x, y)]
     assert sieve.matches((x, y), d).tolist() == [False, True, False]
     assert np.all(vp < FIELD31[0]) and np.all(vr < FIELD31[1])
+
+
+@pytest.mark.parametrize("name,shape", CASES)
+def test_matches_from_r_parts_first_is_the_full_test(name, shape, monkeypatch):
+    """``matches`` (r parts of every structure, p parts only under the roots whose r part is the
+    wanted one) gives the same array as ``matches_full`` (every structure's whole value, the former
+    ``matches``) for the target's value and for values some roots have; and it computes far fewer
+    p parts: the elements that go through x**K (``_pow_k``, the p part of inv) are counted."""
+    target = analyze(build(name, shape))
+    infos = dict(input_infos(target))
+    first = next(iter(infos))
+    infos["t0"] = TensorInfo(infos[first].shape, infos[first].syms,
+                             ("mul", (infos[first].expr, infos[first].expr)))
+    config = SearchConfig(max_kernel_ops=2, max_block_ops=4, prune=False)
+    ctx = Context(target, config, time.monotonic() + 120)
+    fp31 = Fingerprint(sized=False, field=FIELD31)
+    powed = [0]
+    real = StructureSieve._pow_k
+
+    def counted(self, x):
+        powed[0] += x.size
+        return real(self, x)
+
+    monkeypatch.setattr(StructureSieve, "_pow_k", counted)
+    full_pow = new_pow = compared = matched = 0
+    for lay, sym_size in _layouts(target, infos, 12):
+        sizes = B.representative_sizes(lay, infos, sym_size, config)
+        if sizes is None:
+            continue
+        sv = SharedFinal(ctx, lay, infos, sizes, sym_size).sieve
+        if not len(sv.roots):
+            continue
+        for names in (lay.inputs, lay.inputs[::-1]):
+            leaves = tuple(fp31.of_expr(infos[n].expr) for n in names)
+            vp, vr = sv.values(leaves)
+            # the r parts alone, in int32 (half the bytes of ``values``'s int64), equal
+            r32 = sv.values_r(leaves)
+            assert r32.dtype == np.int32 and r32.tolist() == vr.tolist()
+            wants = [fp31.of_expr(target.out_expr)] + \
+                [(vp[r], vr[r]) for r in sv.roots[::max(1, len(sv.roots) // 5)].tolist()]
+            for want in wants:
+                powed[0] = 0
+                ref = sv.matches_full(leaves, want)
+                full_pow += powed[0]
+                powed[0] = 0
+                got = sv.matches(leaves, want)
+                new_pow += powed[0]
+                assert got.tolist() == ref.tolist(), lay
+                compared += len(ref)
+                matched += int(ref.sum())
+    assert compared > 1000 and matched > 10
+    assert full_pow > 0 and new_pow * 4 < full_pow, (new_pow, full_pow)

@@ -37,3 +37,49 @@ def test_a_target_op_is_matched_with_sum_sizes_ignored():
     t = analyze(g)
     assert t.origin_of(E.mk_sum(32, E.mk_mul([E.var("Q"), E.var("Kt")]))) == "matmul#0"
     assert t.origin_of(E.mk_sum(D, E.mk_mul([E.var("Q"), E.var("Kt")]))) == "matmul#0"
+
+
+def test_origin_of_kept_by_identity_answers_as_computed(monkeypatch):
+    """qk_norm_rope (H=4, D=16), first ops over (G,) and (Q,) instantiated one after the other
+    as the lanes do (every expression of their block graphs asked for its origin): the answers of
+    ``origin_of`` (kept by the identity of the expression) equal ``_origin_of`` (the former
+    computation) asked every time, and ``_sizeless`` walks far fewer nodes."""
+    import time
+
+    from mpk_dist.superopt import blocksearch as B
+    from mpk_dist.superopt import target as T
+    from mpk_dist.superopt.bounds import input_infos
+    from mpk_dist.superopt.catalog import BlockCatalog
+    from mpk_dist.superopt.context import Context, SearchConfig
+
+    walked = [0]
+    real = T._sizeless
+
+    def counted(t):
+        walked[0] += 1
+        return real(t)
+
+    monkeypatch.setattr(T, "_sizeless", counted)
+    got = []
+    for memo in (True, False):
+        target = analyze(build("qk_norm_rope", {"H": 4, "D": 16}))
+        ctx = Context(target, SearchConfig(max_kernel_ops=2, max_block_ops=3, prune=False),
+                      time.monotonic() + 120)
+        cat = BlockCatalog(ctx, 1)
+        infos = input_infos(target)
+        ask = target.origin_of if memo else target._origin_of
+        answers = []
+
+        def origin(e):
+            answers.append(ask(e))
+            return answers[-1]
+
+        walked[0] = 0
+        for subset in (("G",), ("Q",)):
+            for k in range(len(cat.layouts(subset, infos))):
+                for st, sizes, _, _ in cat.layout_options(subset, k, infos, False)[:300]:
+                    B.instantiate(st, sizes, infos, ("t0", "t1"), origin)
+        got.append((answers, walked[0]))
+    (new, w_new), (ref, w_ref) = got
+    assert new == ref and len(new) > 1000 and any(new)
+    assert w_new * 2 < w_ref, (w_new, w_ref)
