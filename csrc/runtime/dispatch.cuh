@@ -673,8 +673,10 @@ __device__ void prefetch_task(const RuntimeParams& p, const int32_t* rec, int pl
     linear_prefetch(t.arg<const bf16>(NORM_LINEAR_ARG_W), t.param(NORM_LINEAR_PARAM_K),
                     t.param(NORM_LINEAR_PARAM_N_TILE), planned, bulk, tid, nt);
   else if (t.opcode() == OP_NORM_LINEAR_SILU)  // half of the planned bytes from each weight block
-    pair_prefetch(t.arg<const bf16>(NORM_LINEAR_SILU_ARG_W), t.param(NORM_LINEAR_SILU_PARAM_UP_ROWS),
-                  t.param(NORM_LINEAR_SILU_PARAM_K), t.param(NORM_LINEAR_SILU_PARAM_N_TILE), planned, bulk, tid, nt);
+    linear_blocks_prefetch(t.arg<const bf16>(NORM_LINEAR_SILU_ARG_W), t.param(NORM_LINEAR_SILU_PARAM_K),
+                           t.param(NORM_LINEAR_SILU_PARAM_N_TILE),
+                           (long long)t.param(NORM_LINEAR_SILU_PARAM_UP_ROWS) * t.param(NORM_LINEAR_SILU_PARAM_K),
+                           planned, bulk, tid, nt);
   else if (t.opcode() == OP_LINEAR_RESIDUAL)
     linear_prefetch(t.arg<const bf16>(LINEAR_RESIDUAL_ARG_W), t.param(LINEAR_RESIDUAL_PARAM_K),
                     t.param(LINEAR_RESIDUAL_PARAM_N_TILE), planned, bulk, tid, nt);

@@ -216,20 +216,4 @@ __device__ __noinline__ void linear_blocks_prefetch(const bf16* w, int K, int n_
   }
 }
 
-// A tile whose n_tile weight rows are two blocks of n_tile / 2 (norm_linear_silu: gate rows at w, up rows
-// up_rows rows later): the bytes linear_prefetch would give it, half from the head of each block (each half
-// of the block's warps starts there). No ring priming: the pair tile streams through registers.
-__device__ __forceinline__ void pair_prefetch(const bf16* w, int up_rows, int K, int n_tile, int planned, bool bulk,
-                                              int tid, int nt) {
-  const uint64_t bytes = linear_prefetch_bytes(K, n_tile, planned) / 2;
-  const bf16* w2 = w + (size_t)up_rows * K;
-  if (bulk) {
-    prefetch_l2_bulk(w, bytes, tid, nt);
-    prefetch_l2_bulk(w2, bytes, tid, nt);
-  } else {
-    prefetch_l2(w, bytes, tid, nt);
-    prefetch_l2(w2, bytes, tid, nt);
-  }
-}
-
 }  // namespace mpk

@@ -99,7 +99,7 @@ def test_silu_epilogue_kind_is_dispatched_and_prefetched():
     body = text[text.index("__device__ __noinline__ bool run_norm_linear("):]
     assert "OP_NORM_LINEAR_SILU) return MPK_SILU_EPI_KIND && run_norm_linear_silu(" in body[:600]
     prefetch = text[text.index("__device__ void prefetch_task("):]
-    assert "pair_prefetch(t.arg<const bf16>(NORM_LINEAR_SILU_ARG_W), t.param(NORM_LINEAR_SILU_PARAM_UP_ROWS)" in prefetch
+    assert "second = (long long)t.param(NORM_LINEAR_SILU_PARAM_UP_ROWS) * K;" in prefetch  # its up rows' block too
     assert BY_NAME["norm_linear_silu"].opcode == len(BY_NAME) - 1, "appended after the existing opcodes"
 
 
