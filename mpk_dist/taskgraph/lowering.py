@@ -201,20 +201,21 @@ class Lowerer:
         t.reads = [_rows_fp(x, grid, K_)]
         t.writes = [_grid_fp(y, grid)]
 
-    def _rope_table(self, attrs: dict, rows: int | None = None) -> tuple[int, int, int]:
-        """The rope table's argument (buffer, 0, count): [rows, D/2, 2] bf16 (rows: max_seq_len unless given),
-        row p = (cos, sin) of position p's angles (mpk_dist.taskgraph.const_recipes; remade on the session's
-        device). The kernels clamp the row they read to the table, so a bad position reads no other memory."""
-        name, rows = "rope_table", rows or self.g.max_seq_len
-        inv = T.rope_attrs_inv_freq(attrs)
-        recipe = const_recipes.rope_table_recipe(inv.numpy(), rows)
+    def _rope_table(self, op: Op, rows: int | None = None) -> tuple[int, int, int]:
+        """The rope table's argument (buffer, 0, count) for q/k prep op ``op``: [rows, D/2, 2] in its qkv's dtype
+        (rows: max_seq_len unless given), row p = (cos, sin) of position p's angles (mpk_dist.taskgraph.
+        const_recipes; remade on the session's device). The kernels clamp the row they read to the table, so a bad
+        position reads no other memory."""
+        name, rows, dtype = "rope_table", rows or self.g.max_seq_len, self.g.tensors[op.inputs[0]].dtype
+        inv = T.rope_attrs_inv_freq(op.attrs)
+        recipe = const_recipes.rope_table_recipe(inv.numpy(), rows, dtype)
         if name in self.p.by_name:
             if self.p.by_name[name].recipe != recipe:
                 raise ValueError("qkv_prep: layers with different rope parameters are not supported")
         else:
-            data = T.rope_table(inv, rows).float().numpy()  # bf16 values, exact in fp32
-            self.p.buffer(name, data.shape, "bf16", "const", data=data, recipe=recipe)
-        return (self.p.id(name), 0, rows * attrs["head_dim"])
+            data = const_recipes.make(recipe, "cpu").float().numpy()  # the dtype's values, exact in fp32
+            self.p.buffer(name, data.shape, dtype, "const", data=data, recipe=recipe)
+        return (self.p.id(name), 0, rows * op.attrs["head_dim"])
 
     def qkv_prep(self, op: Op) -> None:
         """One tile per q head, then one per kv head (which also appends to the KV cache)."""
@@ -224,7 +225,7 @@ class Lowerer:
         qn, kn = (p.id(op.inputs[2]), p.id(op.inputs[3])) if a.get("qk_norm") else (None, None)
         q, kc, vc = (p.id(n) for n in op.outputs)
         S, QS = self.g.max_seq_len, (hq + 2 * hkv) * D
-        rope = self._rope_table(a)
+        rope = self._rope_table(op)
         t = self._new(op, "qkv_prep")
         common = {"BATCH": B, "HEAD_DIM": D, "QKV_STRIDE": QS, "EPS": a["eps"]}
         for h in range(hq):
@@ -315,7 +316,7 @@ class Lowerer:
         QS, pool_n = (hq + 2 * hkv) * D, p.buffers[kp].numel
         pages = self._page_params(op.outputs[1])
         MB, MP = self.g.tensors["page_table"].shape
-        rope = self._rope_table(a, MP * pages["PAGE_SIZE"])  # a sequence's positions: its pages' rows
+        rope = self._rope_table(op, MP * pages["PAGE_SIZE"])  # a sequence's positions: its pages' rows
         t = self._new(op, "qkv_prep_paged")
         common = {"BATCH": B, "HEAD_DIM": D, "QKV_STRIDE": QS, "EPS": a["eps"], **pages}
         ins = {"POSITIONS": (pos, 0, B), "SLOTS": (slots, 0, B), "PAGE_TABLE": (table, 0, MB * MP),

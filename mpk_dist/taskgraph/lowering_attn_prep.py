@@ -50,7 +50,7 @@ def _lower_fused_split(lw: Lowerer, f: FusedAttention, splits: int, merge_last: 
     qkv, pos = p.id(f.prep.inputs[0]), p.id(f.prep.inputs[1])
     qn, kn = (p.id(f.prep.inputs[2]), p.id(f.prep.inputs[3])) if a.get("qk_norm") else (None, None)
     _, kc, vc = (p.id(n) for n in f.prep.outputs)
-    S, G, QS, rope = lw.g.max_seq_len, hq // hkv, (hq + 2 * hkv) * D, lw._rope_table(a)
+    S, G, QS, rope = lw.g.max_seq_len, hq // hkv, (hq + 2 * hkv) * D, lw._rope_table(f.prep)
     ranges, P, E, part = split_scratch(lw, att, splits)
     tiles = split_tiles(hkv, B, P)
     ticket = merge_ticket(lw, att, tiles) if merge_last else None
@@ -91,7 +91,7 @@ def _lower_fused(lw: Lowerer, f: FusedAttention) -> None:
     qn, kn = (p.id(f.prep.inputs[2]), p.id(f.prep.inputs[3])) if a.get("qk_norm") else (None, None)
     q, kc, vc = (p.id(n) for n in f.prep.outputs)
     o = p.id(att.outputs[0])
-    S, G, QS, rope = lw.g.max_seq_len, hq // hkv, (hq + 2 * hkv) * D, lw._rope_table(a)
+    S, G, QS, rope = lw.g.max_seq_len, hq // hkv, (hq + 2 * hkv) * D, lw._rope_table(f.prep)
     t = p.op(att.name, BY_NAME["attention_prep"], att.layer, att.name)
     pairs = [(j, b) for j in range(hkv) for b in range(B)]
     cache_count = (S - 1) * hkv * D + D
