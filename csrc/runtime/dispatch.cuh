@@ -73,14 +73,17 @@ __device__ __noinline__ void run_linear(const TaskView& t, int tid, int nt) {
     linear<bf16>(B, x, xs, w, t.arg<bf16>(LINEAR_ARG_Y), ys, K, n, false, tid, nt);
 }
 
-// A prep task's rope table argument: its element count is rows * D bf16 values (rows pairs of D/2 (cos, sin)).
-__device__ __forceinline__ RopeTable rope_table_arg(const TaskView& t, int arg, int D) {
-  return RopeTable{reinterpret_cast<const __nv_bfloat162*>(t.arg<const bf16>(arg)), t.arg_row(arg)[ARG_COL_COUNT] / D};
+// A prep task's rope table argument; `rows` from the task's parameters (the lowering makes the table max_seq_len
+// rows, or a paged sequence's page rows). Why not the argument's count: that is in the ABI tables in global
+// memory (TaskView::arg_row), two dependent loads on the prep's critical path (measured: qwen3-0.6b 2% slower).
+__device__ __forceinline__ RopeTable rope_table_arg(const TaskView& t, int arg, int rows) {
+  return RopeTable{reinterpret_cast<const __nv_bfloat162*>(t.arg<const bf16>(arg)), rows};
 }
 
 __device__ __noinline__ void run_qkv_prep(const TaskView& t, int tid, int nt) {
   qkv_prep(t.arg<const bf16>(QKV_PREP_ARG_QKV), t.arg<const int32_t>(QKV_PREP_ARG_POSITIONS),
-           t.arg<const bf16>(QKV_PREP_ARG_NORM_W), rope_table_arg(t, QKV_PREP_ARG_ROPE, t.param(QKV_PREP_PARAM_HEAD_DIM)),
+           t.arg<const bf16>(QKV_PREP_ARG_NORM_W),
+           rope_table_arg(t, QKV_PREP_ARG_ROPE, t.param(QKV_PREP_PARAM_MAX_SEQ)),
            t.arg<bf16>(QKV_PREP_ARG_DST), t.arg<bf16>(QKV_PREP_ARG_DST_V), t.param(QKV_PREP_PARAM_BATCH),
            t.param(QKV_PREP_PARAM_HEAD_DIM), t.param(QKV_PREP_PARAM_QKV_STRIDE), t.param(QKV_PREP_PARAM_V_OFFSET),
            t.param(QKV_PREP_PARAM_DST_BATCH_STRIDE), t.param(QKV_PREP_PARAM_DST_POS_STRIDE),
@@ -304,7 +307,8 @@ __device__ __noinline__ bool run_qkv_prep_paged(const TaskView& t, int tid, int 
                    t.param(QKV_PREP_PAGED_PARAM_MAX_PAGES), t.param(QKV_PREP_PAGED_PARAM_NUM_PAGES)};
   return qkv_prep_paged(t.arg<const bf16>(QKV_PREP_PAGED_ARG_QKV), t.arg<const int32_t>(QKV_PREP_PAGED_ARG_POSITIONS),
                         t.arg<const int32_t>(QKV_PREP_PAGED_ARG_SLOTS), kv, t.arg<const bf16>(QKV_PREP_PAGED_ARG_NORM_W),
-                        rope_table_arg(t, QKV_PREP_PAGED_ARG_ROPE, t.param(QKV_PREP_PAGED_PARAM_HEAD_DIM)), t.arg<bf16>(QKV_PREP_PAGED_ARG_DST),
+                        rope_table_arg(t, QKV_PREP_PAGED_ARG_ROPE, kv.max_pages * kv.page_size),
+                        t.arg<bf16>(QKV_PREP_PAGED_ARG_DST),
                         t.arg<bf16>(QKV_PREP_PAGED_ARG_DST_V), t.param(QKV_PREP_PAGED_PARAM_BATCH),
                         t.param(QKV_PREP_PAGED_PARAM_HEAD_DIM), t.param(QKV_PREP_PAGED_PARAM_QKV_STRIDE),
                         t.param(QKV_PREP_PAGED_PARAM_V_OFFSET), t.param(QKV_PREP_PAGED_PARAM_Q_STRIDE),
@@ -384,7 +388,8 @@ __device__ __noinline__ bool run_attention_prep(const TaskView& t, float* smem, 
   const int p = *t.arg<const int32_t>(ATTENTION_PREP_ARG_POSITIONS);
   if (!attention_prep_ok(D, G, p, t.param(ATTENTION_PREP_PARAM_MAX_SEQ), nt)) return false;
   attention_prep_heads(t.arg<const bf16>(ATTENTION_PREP_ARG_QKV), t.arg<const bf16>(ATTENTION_PREP_ARG_Q_NORM_W),
-                       t.arg<const bf16>(ATTENTION_PREP_ARG_K_NORM_W), rope_table_arg(t, ATTENTION_PREP_ARG_ROPE, D),
+                       t.arg<const bf16>(ATTENTION_PREP_ARG_K_NORM_W),
+                       rope_table_arg(t, ATTENTION_PREP_ARG_ROPE, t.param(ATTENTION_PREP_PARAM_MAX_SEQ)),
                        t.arg<bf16>(ATTENTION_PREP_ARG_Q), t.arg<bf16>(ATTENTION_PREP_ARG_K_CACHE),
                        t.arg<bf16>(ATTENTION_PREP_ARG_V_CACHE), t.arg<const int32_t>(ATTENTION_PREP_ARG_POSITIONS), 0,
                        t.param(ATTENTION_PREP_PARAM_MAX_SEQ), D, G, t.param(ATTENTION_PREP_PARAM_K_OFFSET),
@@ -454,7 +459,7 @@ __device__ __noinline__ bool run_attention_split_prep(const TaskView& t, float* 
     attention_prep_heads(t.arg<const bf16>(ATTENTION_SPLIT_PREP_ARG_QKV) + (size_t)b * qs_stride,
                          t.arg<const bf16>(ATTENTION_SPLIT_PREP_ARG_Q_NORM_W),
                          t.arg<const bf16>(ATTENTION_SPLIT_PREP_ARG_K_NORM_W),
-                         rope_table_arg(t, ATTENTION_SPLIT_PREP_ARG_ROPE, D), qs,
+                         rope_table_arg(t, ATTENTION_SPLIT_PREP_ARG_ROPE, S), qs,
                          t.arg<bf16>(ATTENTION_SPLIT_PREP_ARG_K_CACHE) + (size_t)b * kbs,
                          t.arg<bf16>(ATTENTION_SPLIT_PREP_ARG_V_CACHE) + (size_t)b * kbs, pos + b, s0, min(s1, S), D,
                          G, t.param(ATTENTION_SPLIT_PREP_PARAM_K_OFFSET), t.param(ATTENTION_SPLIT_PREP_PARAM_V_OFFSET),
@@ -597,7 +602,7 @@ __device__ __noinline__ void attention_prefetch(const TaskView& t, bool bulk, in
   if (op == OP_ATTENTION_PREP) {  // one tile = (kv head, one sequence)
     const int D = t.param(ATTENTION_PREP_PARAM_HEAD_DIM);
     prep_constants_prefetch(t.arg<const bf16>(ATTENTION_PREP_ARG_Q_NORM_W), t.arg<const bf16>(ATTENTION_PREP_ARG_K_NORM_W),
-                            rope_table_arg(t, ATTENTION_PREP_ARG_ROPE, D),
+                            rope_table_arg(t, ATTENTION_PREP_ARG_ROPE, t.param(ATTENTION_PREP_PARAM_MAX_SEQ)),
                             *t.arg<const int32_t>(ATTENTION_PREP_ARG_POSITIONS), D, tid, nt);
     attn_prefetch_rows(t.arg<const bf16>(ATTENTION_PREP_ARG_K_CACHE), t.arg<const bf16>(ATTENTION_PREP_ARG_V_CACHE),
                        t.param(ATTENTION_PREP_PARAM_HEAD_DIM), (size_t)t.param(ATTENTION_PREP_PARAM_KV_POS_STRIDE), 0,
@@ -609,7 +614,8 @@ __device__ __noinline__ void attention_prefetch(const TaskView& t, bool bulk, in
     const int D = t.param(ATTENTION_SPLIT_PREP_PARAM_HEAD_DIM);
     prep_constants_prefetch(t.arg<const bf16>(ATTENTION_SPLIT_PREP_ARG_Q_NORM_W),
                             t.arg<const bf16>(ATTENTION_SPLIT_PREP_ARG_K_NORM_W),
-                            rope_table_arg(t, ATTENTION_SPLIT_PREP_ARG_ROPE, D),
+                            rope_table_arg(t, ATTENTION_SPLIT_PREP_ARG_ROPE,
+                                           t.param(ATTENTION_SPLIT_PREP_PARAM_MAX_SEQ)),
                             *t.arg<const int32_t>(ATTENTION_SPLIT_PREP_ARG_POSITIONS), D, tid, nt);
     const int B = t.param(ATTENTION_SPLIT_PREP_PARAM_BATCH), ps = t.param(ATTENTION_SPLIT_PREP_PARAM_KV_POS_STRIDE);
     const int bs = t.param(ATTENTION_SPLIT_PREP_PARAM_KV_BATCH_STRIDE);

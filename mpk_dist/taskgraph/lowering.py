@@ -232,7 +232,7 @@ class Lowerer:
             t.add_tile({"QKV": (qkv, h * D, (B - 1) * QS + D), "POSITIONS": (pos, 0, B),
                         "NORM_W": None if qn is None else (qn, 0, D), "ROPE": rope,
                         "DST": (q, h * D, (B - 1) * hq * D + D), "DST_V": None},
-                       {**common, "V_OFFSET": 0, "DST_BATCH_STRIDE": hq * D, "DST_POS_STRIDE": 0, "MAX_SEQ": 1, "IS_KV": 0})
+                       {**common, "V_OFFSET": 0, "DST_BATCH_STRIDE": hq * D, "DST_POS_STRIDE": 0, "MAX_SEQ": S, "IS_KV": 0})
         cache_count = (B - 1) * S * hkv * D + (S - 1) * hkv * D + D
         for j in range(hkv):
             t.add_tile({"QKV": (qkv, (hq + j) * D, (B - 1) * QS + hkv * D + D), "POSITIONS": (pos, 0, B),

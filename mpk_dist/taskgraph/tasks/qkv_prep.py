@@ -38,7 +38,7 @@ class QkvPrep(TaskKind):
         ParamSpec("V_OFFSET", "elements from this k head's columns to its v columns (Hkv D); 0 for q tiles"),
         ParamSpec("DST_BATCH_STRIDE", "elements between sequences of DST (q: Hq D; cache: S Hkv D)"),
         ParamSpec("DST_POS_STRIDE", "elements between positions of DST (q: 0; cache: Hkv D)"),
-        ParamSpec("MAX_SEQ", "S, positions the cache holds (q tiles: 1)"),
+        ParamSpec("MAX_SEQ", "S, positions the cache and the rope table hold (the kernel's rope table rows)"),
         ParamSpec("IS_KV", "0: q head, 1: kv head"),
         ParamSpec("EPS", "q/k norm epsilon", is_float=True),
     )
