@@ -41,7 +41,7 @@ __device__ __forceinline__ void attn_prep_head(const bf16* src, const bf16* norm
 // on the attention's critical path). Not inlined: its per-lane arrays get their own register allocation, apart
 // from the attention's (as qkv_prep and attention are apart).
 __device__ __noinline__ void attention_prep_heads(const bf16* qkv, const bf16* q_norm, const bf16* k_norm,
-                                                  RopeTable rope, bf16* q, bf16* kc, bf16* vc,
+                                                  const RopeTable& rope, bf16* q, bf16* kc, bf16* vc,
                                                   const int32_t* pos, int append_begin, int append_end, int D, int G,
                                                   int k_off, int v_off, int kv_ps, float eps, int tid, int nt) {
   const int warp = tid >> 5, lane = tid & 31, nwarps = nt >> 5;

@@ -23,11 +23,14 @@ __device__ __forceinline__ void qk_norm_rope_pairs(const bf16* src, const bf16* 
   // Every load first (the head, the norm weights, cos / sin): issued together, one memory round trip
   // instead of three in a row behind the warp sum (the prep time did not move: docs/PERF.md v0.9). Same
   // values, same arithmetic below.
-  float lo[kMaxPairs], hi[kMaxPairs], wlo[kMaxPairs], whi[kMaxPairs], c[kMaxPairs], s[kMaxPairs], ss = 0.f;
+  // cs: (cos, sin), already bf16 as torch rounds them; kept packed (one register a pair, not two).
+  float lo[kMaxPairs], hi[kMaxPairs], wlo[kMaxPairs], whi[kMaxPairs], ss = 0.f;
+  __nv_bfloat162 cs[kMaxPairs];
 #pragma unroll
   for (int i = 0; i < kMaxPairs; ++i) {
     const int d = lane + 32 * i;
-    lo[i] = hi[i] = wlo[i] = whi[i] = c[i] = s[i] = 0.f;
+    lo[i] = hi[i] = wlo[i] = whi[i] = 0.f;
+    cs[i] = __floats2bfloat162_rn(0.f, 0.f);
     if (d < half) {
       lo[i] = bf2f(src[d]);
       hi[i] = bf2f(src[d + half]);
@@ -35,9 +38,7 @@ __device__ __forceinline__ void qk_norm_rope_pairs(const bf16* src, const bf16* 
         wlo[i] = bf2f(norm_w[d]);
         whi[i] = bf2f(norm_w[d + half]);
       }
-      const __nv_bfloat162 cs = rope[d];  // (cos, sin), already bf16 as torch rounds them
-      c[i] = __low2float(cs);
-      s[i] = __high2float(cs);
+      cs[i] = rope[d];
     }
   }
 #pragma unroll
@@ -59,8 +60,9 @@ __device__ __forceinline__ void qk_norm_rope_pairs(const bf16* src, const bf16* 
     const int d = lane + 32 * i;
     if (d < half) {
       // rotate-half: out[d] = x[d] c - x[d+h] s ; out[d+h] = x[d+h] c + x[d] s
-      dst[d] = f2bf(round_bf(lo[i] * c[i]) + round_bf(-hi[i] * s[i]));
-      dst[d + half] = f2bf(round_bf(hi[i] * c[i]) + round_bf(lo[i] * s[i]));
+      const float c = __low2float(cs[i]), s = __high2float(cs[i]);
+      dst[d] = f2bf(round_bf(lo[i] * c) + round_bf(-hi[i] * s));
+      dst[d + half] = f2bf(round_bf(hi[i] * c) + round_bf(lo[i] * s));
     }
   }
 }

@@ -31,7 +31,8 @@ SIGNATURE = ("const bf16* src, const bf16* norm_w, const __nv_bfloat162* rope, b
 CALL_ARGS = "src, norm_w, rope, dst, D, eps, lane"
 """The hook's arguments, forwarded to the instance with the head size's pair count."""
 
-VEC = {"G": ("bf2f(norm_w[d])", "bf2f(norm_w[d + half])"), "C": ("c[i]", "c[i]"), "S": ("s[i]", "s[i]")}
+VEC = {"G": ("bf2f(norm_w[d])", "bf2f(norm_w[d + half])"), "C": ("__low2float(cs[i])", "__low2float(cs[i])"),
+       "S": ("__high2float(cs[i])", "__high2float(cs[i])")}
 
 
 def _op_comment(tname: str, op: dict) -> str:
@@ -102,15 +103,17 @@ def _stat_lines(p: RopePlan, consts, vecs: set) -> list:
     from mpk_dist.superopt.codegen import _prog
 
     trig = bool(vecs & {"C", "S"})
-    lines = ["  float q_lo[kMaxPairs], q_hi[kMaxPairs];"] + (["  float c[kMaxPairs], s[kMaxPairs];"] if trig else [])
+    lines = ["  float q_lo[kMaxPairs], q_hi[kMaxPairs];"]
+    if trig:  # packed: one register a pair, not two
+        lines.append("  __nv_bfloat162 cs[kMaxPairs];  // µGraph inputs C, S: the rope table's (cos, sin) of pair d")
     if p.factor is not None:
         lines.append("  float ss = 0.f;")
     lines += ["#pragma unroll", "  for (int i = 0; i < kMaxPairs; ++i) {", "    const int d = lane + 32 * i;",
-              "    q_lo[i] = q_hi[i] = 0.f;" + (" c[i] = s[i] = 0.f;" if trig else ""), "    if (d < half) {",
+              "    q_lo[i] = q_hi[i] = 0.f;" + (" cs[i] = __floats2bfloat162_rn(0.f, 0.f);" if trig else ""),
+              "    if (d < half) {",
               "      q_lo[i] = bf2f(src[d]);  // µGraph input Q", "      q_hi[i] = bf2f(src[d + half]);"]
     if trig:  # loaded with the head row: one memory round trip
-        lines += ["      const __nv_bfloat162 cs = rope[d];  // µGraph inputs C, S: the rope table's (cos, sin)",
-                  "      c[i] = __low2float(cs);", "      s[i] = __high2float(cs);"]
+        lines += ["      cs[i] = rope[d];"]
     if p.factor is not None:
         stat = p.factor[3]
         lines += [f"      // {_op_comment(t, o)}" for t, o in stat[1]]
