@@ -14,7 +14,7 @@ scalar linear tiles only) ('base' = defaults).
 NOTE: m1 changes the summation order of linear tiles, so its tokens may differ from the base's
 (DIFFERS then means "check with compare_logits", not a bug by itself).
 A part -D<NAME>=<value> adds that compile-time define to the variant's build (MPK_NVCC_EXTRA_FLAGS, part of the
-kernel's cache key), e.g. "base;-DMPK_PREP_POS_LATE=0" for the code variants designed to leave every sum as it is.
+kernel's cache key), e.g. "base;-DMPK_ROPE_SINCOS=0" for the code variants designed to leave every sum as it is.
 k<N> / kauto splits each attention tile into N (or 'auto') KV ranges with a merge (--attn-splits; another
 summation order, so DIFFERS is possible). f0/f1 turns --fuse off/on (fused and unfused programs are bit-identical on the GPU); s0/s1 turns the
 superoptimizer-generated task bodies off/on (--no-superopt; designed bit-identical). Every variant
@@ -55,7 +55,7 @@ def parse_variant(text: str) -> tuple[dict[str, str], dict]:
         if part == "kauto" or (part[0] == "k" and part[1:].isdigit() and int(part[1:]) >= 1):
             opts["attn_splits"] = "auto" if part == "kauto" else int(part[1:])  # split-KV ranges per kv head
             continue
-        if part.startswith("-D") and len(part) > 2:  # a compile-time define, e.g. -DMPK_PREP_POS_LATE=0
+        if part.startswith("-D") and len(part) > 2:  # a compile-time define, e.g. -DMPK_ROPE_SINCOS=0
             env[EXTRA_FLAGS] = f"{env.get(EXTRA_FLAGS, '')} {part}".strip()
             continue
         if part[0] not in KNOBS or not part[1:].lstrip("-").isdigit():

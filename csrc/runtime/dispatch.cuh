@@ -73,17 +73,9 @@ __device__ __noinline__ void run_linear(const TaskView& t, int tid, int nt) {
     linear<bf16>(B, x, xs, w, t.arg<bf16>(LINEAR_ARG_Y), ys, K, n, false, tid, nt);
 }
 
-// A prep task's rope table argument; `rows` from the task's parameters (the lowering makes the table max_seq_len
-// rows, or a paged sequence's page rows). Why not the argument's count: that is in the ABI tables in global
-// memory (TaskView::arg_row), two dependent loads on the prep's critical path (measured: qwen3-0.6b 2% slower).
-__device__ __forceinline__ RopeTable rope_table_arg(const TaskView& t, int arg, int rows) {
-  return RopeTable{reinterpret_cast<const __nv_bfloat162*>(t.arg<const bf16>(arg)), rows};
-}
-
 __device__ __noinline__ void run_qkv_prep(const TaskView& t, int tid, int nt) {
   qkv_prep(t.arg<const bf16>(QKV_PREP_ARG_QKV), t.arg<const int32_t>(QKV_PREP_ARG_POSITIONS),
-           t.arg<const bf16>(QKV_PREP_ARG_NORM_W),
-           rope_table_arg(t, QKV_PREP_ARG_ROPE, t.param(QKV_PREP_PARAM_MAX_SEQ)),
+           t.arg<const bf16>(QKV_PREP_ARG_NORM_W), t.arg<const float>(QKV_PREP_ARG_INV_FREQ),
            t.arg<bf16>(QKV_PREP_ARG_DST), t.arg<bf16>(QKV_PREP_ARG_DST_V), t.param(QKV_PREP_PARAM_BATCH),
            t.param(QKV_PREP_PARAM_HEAD_DIM), t.param(QKV_PREP_PARAM_QKV_STRIDE), t.param(QKV_PREP_PARAM_V_OFFSET),
            t.param(QKV_PREP_PARAM_DST_BATCH_STRIDE), t.param(QKV_PREP_PARAM_DST_POS_STRIDE),
@@ -307,8 +299,7 @@ __device__ __noinline__ bool run_qkv_prep_paged(const TaskView& t, int tid, int 
                    t.param(QKV_PREP_PAGED_PARAM_MAX_PAGES), t.param(QKV_PREP_PAGED_PARAM_NUM_PAGES)};
   return qkv_prep_paged(t.arg<const bf16>(QKV_PREP_PAGED_ARG_QKV), t.arg<const int32_t>(QKV_PREP_PAGED_ARG_POSITIONS),
                         t.arg<const int32_t>(QKV_PREP_PAGED_ARG_SLOTS), kv, t.arg<const bf16>(QKV_PREP_PAGED_ARG_NORM_W),
-                        rope_table_arg(t, QKV_PREP_PAGED_ARG_ROPE, kv.max_pages * kv.page_size),
-                        t.arg<bf16>(QKV_PREP_PAGED_ARG_DST),
+                        t.arg<const float>(QKV_PREP_PAGED_ARG_INV_FREQ), t.arg<bf16>(QKV_PREP_PAGED_ARG_DST),
                         t.arg<bf16>(QKV_PREP_PAGED_ARG_DST_V), t.param(QKV_PREP_PAGED_PARAM_BATCH),
                         t.param(QKV_PREP_PAGED_PARAM_HEAD_DIM), t.param(QKV_PREP_PAGED_PARAM_QKV_STRIDE),
                         t.param(QKV_PREP_PAGED_PARAM_V_OFFSET), t.param(QKV_PREP_PAGED_PARAM_Q_STRIDE),
@@ -388,8 +379,7 @@ __device__ __noinline__ bool run_attention_prep(const TaskView& t, float* smem, 
   const int p = *t.arg<const int32_t>(ATTENTION_PREP_ARG_POSITIONS);
   if (!attention_prep_ok(D, G, p, t.param(ATTENTION_PREP_PARAM_MAX_SEQ), nt)) return false;
   attention_prep_heads(t.arg<const bf16>(ATTENTION_PREP_ARG_QKV), t.arg<const bf16>(ATTENTION_PREP_ARG_Q_NORM_W),
-                       t.arg<const bf16>(ATTENTION_PREP_ARG_K_NORM_W),
-                       rope_table_arg(t, ATTENTION_PREP_ARG_ROPE, t.param(ATTENTION_PREP_PARAM_MAX_SEQ)),
+                       t.arg<const bf16>(ATTENTION_PREP_ARG_K_NORM_W), t.arg<const float>(ATTENTION_PREP_ARG_INV_FREQ),
                        t.arg<bf16>(ATTENTION_PREP_ARG_Q), t.arg<bf16>(ATTENTION_PREP_ARG_K_CACHE),
                        t.arg<bf16>(ATTENTION_PREP_ARG_V_CACHE), t.arg<const int32_t>(ATTENTION_PREP_ARG_POSITIONS), 0,
                        t.param(ATTENTION_PREP_PARAM_MAX_SEQ), D, G, t.param(ATTENTION_PREP_PARAM_K_OFFSET),
@@ -459,7 +449,7 @@ __device__ __noinline__ bool run_attention_split_prep(const TaskView& t, float* 
     attention_prep_heads(t.arg<const bf16>(ATTENTION_SPLIT_PREP_ARG_QKV) + (size_t)b * qs_stride,
                          t.arg<const bf16>(ATTENTION_SPLIT_PREP_ARG_Q_NORM_W),
                          t.arg<const bf16>(ATTENTION_SPLIT_PREP_ARG_K_NORM_W),
-                         rope_table_arg(t, ATTENTION_SPLIT_PREP_ARG_ROPE, S), qs,
+                         t.arg<const float>(ATTENTION_SPLIT_PREP_ARG_INV_FREQ), qs,
                          t.arg<bf16>(ATTENTION_SPLIT_PREP_ARG_K_CACHE) + (size_t)b * kbs,
                          t.arg<bf16>(ATTENTION_SPLIT_PREP_ARG_V_CACHE) + (size_t)b * kbs, pos + b, s0, min(s1, S), D,
                          G, t.param(ATTENTION_SPLIT_PREP_PARAM_K_OFFSET), t.param(ATTENTION_SPLIT_PREP_PARAM_V_OFFSET),
@@ -584,14 +574,12 @@ __device__ bool run_task(const RuntimeParams& p, const int32_t* rec, int step, f
   }
 }
 
-// The q/k norm weights and the rope table's rows a prep tile reads first (constants: safe before the wait):
-// rows p and p + 1 for the position p read now, which may be one short of this step's.
-__device__ __forceinline__ void prep_constants_prefetch(const bf16* q_norm, const bf16* k_norm, const RopeTable& rope,
-                                                        int p, int D, int tid, int nt) {
+// The q/k norm weights and rope frequencies a prep tile reads first (constants: safe before the wait).
+__device__ __forceinline__ void prep_constants_prefetch(const bf16* q_norm, const bf16* k_norm, const float* inv_freq,
+                                                        int D, int tid, int nt) {
   if (q_norm != nullptr) prefetch_l2(q_norm, (uint64_t)D * sizeof(bf16), tid, nt);
   if (k_norm != nullptr) prefetch_l2(k_norm, (uint64_t)D * sizeof(bf16), tid, nt);
-  const int rows = p + 1 < rope.rows ? 2 : 1;
-  prefetch_l2(rope_row(rope, p, D / 2), (uint64_t)rows * (D / 2) * sizeof(__nv_bfloat162), tid, nt);
+  prefetch_l2(inv_freq, (uint64_t)(D / 2) * sizeof(float), tid, nt);
 }
 
 // The cache rows an attention tile will read, into L2 before its wait (attn_prefetch_rows,
@@ -600,10 +588,9 @@ __device__ __forceinline__ void prep_constants_prefetch(const bf16* q_norm, cons
 __device__ __noinline__ void attention_prefetch(const TaskView& t, bool bulk, int tid, int nt) {
   const int op = t.opcode();
   if (op == OP_ATTENTION_PREP) {  // one tile = (kv head, one sequence)
-    const int D = t.param(ATTENTION_PREP_PARAM_HEAD_DIM);
     prep_constants_prefetch(t.arg<const bf16>(ATTENTION_PREP_ARG_Q_NORM_W), t.arg<const bf16>(ATTENTION_PREP_ARG_K_NORM_W),
-                            rope_table_arg(t, ATTENTION_PREP_ARG_ROPE, t.param(ATTENTION_PREP_PARAM_MAX_SEQ)),
-                            *t.arg<const int32_t>(ATTENTION_PREP_ARG_POSITIONS), D, tid, nt);
+                            t.arg<const float>(ATTENTION_PREP_ARG_INV_FREQ), t.param(ATTENTION_PREP_PARAM_HEAD_DIM), tid,
+                            nt);
     attn_prefetch_rows(t.arg<const bf16>(ATTENTION_PREP_ARG_K_CACHE), t.arg<const bf16>(ATTENTION_PREP_ARG_V_CACHE),
                        t.param(ATTENTION_PREP_PARAM_HEAD_DIM), (size_t)t.param(ATTENTION_PREP_PARAM_KV_POS_STRIDE), 0,
                        *t.arg<const int32_t>(ATTENTION_PREP_ARG_POSITIONS) + 1, t.param(ATTENTION_PREP_PARAM_MAX_SEQ),
@@ -611,12 +598,10 @@ __device__ __noinline__ void attention_prefetch(const TaskView& t, bool bulk, in
     return;
   }
   if (op == OP_ATTENTION_SPLIT_PREP) {  // all sequences, one KV range
-    const int D = t.param(ATTENTION_SPLIT_PREP_PARAM_HEAD_DIM);
     prep_constants_prefetch(t.arg<const bf16>(ATTENTION_SPLIT_PREP_ARG_Q_NORM_W),
                             t.arg<const bf16>(ATTENTION_SPLIT_PREP_ARG_K_NORM_W),
-                            rope_table_arg(t, ATTENTION_SPLIT_PREP_ARG_ROPE,
-                                           t.param(ATTENTION_SPLIT_PREP_PARAM_MAX_SEQ)),
-                            *t.arg<const int32_t>(ATTENTION_SPLIT_PREP_ARG_POSITIONS), D, tid, nt);
+                            t.arg<const float>(ATTENTION_SPLIT_PREP_ARG_INV_FREQ),
+                            t.param(ATTENTION_SPLIT_PREP_PARAM_HEAD_DIM), tid, nt);
     const int B = t.param(ATTENTION_SPLIT_PREP_PARAM_BATCH), ps = t.param(ATTENTION_SPLIT_PREP_PARAM_KV_POS_STRIDE);
     const int bs = t.param(ATTENTION_SPLIT_PREP_PARAM_KV_BATCH_STRIDE);
     const int32_t* pos = t.arg<const int32_t>(ATTENTION_SPLIT_PREP_ARG_POSITIONS);

@@ -24,14 +24,14 @@
 namespace mpk {
 
 // One head of one sequence, one warp: the body qkv_prep runs for it (same hook, same choice).
-__device__ __forceinline__ void attn_prep_head(const bf16* src, const bf16* norm_w, const __nv_bfloat162* rope,
+__device__ __forceinline__ void attn_prep_head(const bf16* src, const bf16* norm_w, const float* inv_freq, int pos,
                                                bf16* dst, int D, float eps, int lane) {
 #if MPK_SUPEROPT_QK_NORM_ROPE
   if (norm_w != nullptr)  // the generated body is the qk_norm_rope µGraph's: norm, then rope
-    gen::qk_norm_rope(src, norm_w, rope, dst, D, eps, lane);
+    gen::qk_norm_rope(src, norm_w, inv_freq, pos, dst, D, eps, lane);
   else
 #endif
-    qk_norm_rope(src, norm_w, rope, dst, D, eps, lane);
+    qk_norm_rope(src, norm_w, inv_freq, pos, dst, D, eps, lane);
 }
 
 // The prep half: warps 0..G-1 take the q heads of the group, warp G the kv head (k roped into the cache
@@ -41,29 +41,28 @@ __device__ __forceinline__ void attn_prep_head(const bf16* src, const bf16* norm
 // on the attention's critical path). Not inlined: its per-lane arrays get their own register allocation, apart
 // from the attention's (as qkv_prep and attention are apart).
 __device__ __noinline__ void attention_prep_heads(const bf16* qkv, const bf16* q_norm, const bf16* k_norm,
-                                                  const RopeTable& rope, bf16* q, bf16* kc, bf16* vc,
+                                                  const float* inv_freq, bf16* q, bf16* kc, bf16* vc,
                                                   const int32_t* pos, int append_begin, int append_end, int D, int G,
                                                   int k_off, int v_off, int kv_ps, float eps, int tid, int nt) {
   const int warp = tid >> 5, lane = tid & 31, nwarps = nt >> 5;
   const int p = *pos;
   const bool append = append_begin <= p && p < append_end;
   const size_t o = (size_t)p * kv_ps;
-  const __nv_bfloat162* cs = rope_row(rope, p, D / 2);  // clamped: a bad p is reported by the caller
   for (int h = warp; h < G + (append ? 1 : 0); h += nwarps) {
 #if MPK_PREP_ONE_SITE
     // One inlined body for the q heads and the k head: the code is fetched cold every layer, so the k warp
     // running its own copy doubled the bytes the tile fetched (same arguments as the two sites below).
     const bool is_k = h >= G;
     const bf16* src = is_k ? qkv + k_off : qkv + (size_t)h * D;
-    attn_prep_head(src, is_k ? k_norm : q_norm, cs, is_k ? kc + o : q + (size_t)h * D, D, eps, lane);
+    attn_prep_head(src, is_k ? k_norm : q_norm, inv_freq, p, is_k ? kc + o : q + (size_t)h * D, D, eps, lane);
     if (is_k)
       for (int d = lane; d < D; d += 32) vc[o + d] = src[v_off + d];
 #else
     if (h < G) {
-      attn_prep_head(qkv + (size_t)h * D, q_norm, cs, q + (size_t)h * D, D, eps, lane);
+      attn_prep_head(qkv + (size_t)h * D, q_norm, inv_freq, p, q + (size_t)h * D, D, eps, lane);
     } else {
       const bf16* src = qkv + k_off;
-      attn_prep_head(src, k_norm, cs, kc + o, D, eps, lane);
+      attn_prep_head(src, k_norm, inv_freq, p, kc + o, D, eps, lane);
       for (int d = lane; d < D; d += 32) vc[o + d] = src[v_off + d];
     }
 #endif

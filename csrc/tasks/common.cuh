@@ -105,20 +105,28 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 
-// The rope table (the q/k prep kinds' ROPE argument; mpk_dist/taskgraph/const_recipes.py): row p holds D/2
-// pairs (cos, sin) of position p's angles, rounded to bf16 as torch rounds them, made once per session on the
-// GPU with torch's fp32 angle and cos / sin (CUDA's cosf / sinf). Why a table and not the trig: each trig call
-// inlines a large-argument slow path (local-memory tables, double-precision code) into the prep bodies, which
-// run once a layer per SM with their instructions fetched cold (docs/PERF.md v0.19-v0.21).
-struct RopeTable {
-  const __nv_bfloat162* cs;  // [rows][D/2]
-  int rows;
-};
-
-// Position p's row of D/2 (cos, sin) pairs, p clamped into the table: a bad position (which the caller reports
-// as a bad task) reads no memory outside it.
-__device__ __forceinline__ const __nv_bfloat162* rope_row(const RopeTable& tab, int p, int half) {
-  return tab.cs + (size_t)min(max(p, 0), tab.rows - 1) * half;
+// MPK_ROPE_SINCOS 1: a rope angle's cosine and sine from one sincosf (one argument reduction, one copy of its
+// rarely taken large-argument path, which inlined per call holds local-memory tables and double-precision code)
+// instead of cosf and sinf. Why: the prep bodies are straight-line code fetched cold every layer (see below), and
+// each trig call inlines that slow path. CUDA's sincosf gives the values of sinf and cosf; the GPU test
+// (tests/runtime/test_code_variants_gpu.py, -DMPK_ROPE_SINCOS=0) checks the logits bit for bit.
+#ifndef MPK_ROPE_SINCOS
+#define MPK_ROPE_SINCOS 1
+#endif
+// MPK_ROPE_FAST 1 (an experiment, off; not exact): the hardware's approximate __sincosf, which has no slow path at
+// all, to measure what the trig code costs the prep bodies before replacing it with an exact table.
+#ifndef MPK_ROPE_FAST
+#define MPK_ROPE_FAST 0
+#endif
+__device__ __forceinline__ void rope_cos_sin(float ang, float& c, float& s) {
+#if MPK_ROPE_FAST
+  __sincosf(ang, &s, &c);
+#elif MPK_ROPE_SINCOS
+  sincosf(ang, &s, &c);
+#else
+  c = cosf(ang);
+  s = sinf(ang);
+#endif
 }
 
 // The per-head q/k norm + rope bodies (qkv_prep.cuh, generated/qk_norm_rope.cuh) hold a head's pairs

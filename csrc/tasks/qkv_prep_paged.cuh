@@ -63,7 +63,7 @@ __device__ bool paged_tokens_ok(const PagedKv& kv, const int32_t* pos, const int
 
 // Returns false (on every thread) when a kv tile meets a bad page-table entry.
 __device__ bool qkv_prep_paged(const bf16* qkv, const int32_t* pos, const int32_t* slots, const PagedKv& kv,
-                               const bf16* norm_w, const RopeTable& rope, bf16* dst, bf16* dst_v, int B, int D,
+                               const bf16* norm_w, const float* inv_freq, bf16* dst, bf16* dst_v, int B, int D,
                                int qkv_stride, int v_offset, int q_stride, int is_kv, float eps, int tid, int nt) {
   if (is_kv && !paged_tokens_ok(kv, pos, slots, B, false, tid, nt)) return false;
   const int warp = tid >> 5, lane = tid & 31, nwarps = nt >> 5;
@@ -72,14 +72,14 @@ __device__ bool qkv_prep_paged(const bf16* qkv, const int32_t* pos, const int32_
     // qkv_prep for one token on this warp alone (tid = lane, nt = 32): destination row given, so
     // its batch and position strides are 0.
     if (!is_kv) {
-      qkv_prep(src, pos + b, norm_w, rope, dst + (size_t)b * q_stride, nullptr, 1, D, qkv_stride, 0, 0, 0, 0, eps,
+      qkv_prep(src, pos + b, norm_w, inv_freq, dst + (size_t)b * q_stride, nullptr, 1, D, qkv_stride, 0, 0, 0, 0, eps,
                lane, 32);
       continue;
     }
     const int s = slots[b];
     if (s < 0) continue;  // padding: writes nothing
     const size_t o = kv.row(kv.page(s, pos[b] / kv.page_size), pos[b]);
-    qkv_prep(src, pos + b, norm_w, rope, dst + o, dst_v + o, 1, D, qkv_stride, v_offset, 0, 0, 1, eps, lane, 32);
+    qkv_prep(src, pos + b, norm_w, inv_freq, dst + o, dst_v + o, 1, D, qkv_stride, v_offset, 0, 0, 1, eps, lane, 32);
   }
   return true;
 }

@@ -95,31 +95,14 @@ def rope_attrs_inv_freq(attrs: dict, device: torch.device | str = "cpu") -> torc
     return _INV_FREQ_CACHE[key]
 
 
-def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin [..., D/2] of the rope angles at positions [...], rounded to ``dtype`` (HF: the fp32 angle
-    ``position * inv_freq``, cos / sin in fp32 on ``inv_freq``'s device, then the activation dtype)."""
-    freqs = positions.float().unsqueeze(-1) * inv_freq  # [..., D/2]
-    return freqs.cos().to(dtype), freqs.sin().to(dtype)
-
-
-def rope_table(inv_freq: torch.Tensor, rows: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """[rows, D/2, 2]: (cos, sin) of ``rope_cos_sin`` at positions 0 .. rows-1, on ``inv_freq``'s device (the
-    mega-kernel's rope reads row pos instead of evaluating the trig; see mpk_dist.taskgraph.const_recipes)."""
-    pos = torch.arange(rows, dtype=torch.int64, device=inv_freq.device)
-    return torch.stack(rope_cos_sin(pos, inv_freq, dtype), dim=-1).contiguous()
-
-
-def apply_rope_cos_sin(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half rope (HF convention) of x [..., heads, D] with cos / sin [..., D/2] in x's dtype."""
-    cos, sin = torch.cat([cos, cos], dim=-1).unsqueeze(-2), torch.cat([sin, sin], dim=-1).unsqueeze(-2)
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Rotate-half rope (HF convention) of x [..., heads, D] at positions [...]."""
+    freqs = positions.float().unsqueeze(-1) * inv_freq  # [..., D/2]; inv_freq is on x's device
+    emb = torch.cat([freqs, freqs], dim=-1)
+    cos, sin = emb.cos().to(x.dtype).unsqueeze(-2), emb.sin().to(x.dtype).unsqueeze(-2)
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin
-
-
-def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-    """Rotate-half rope (HF convention) of x [..., heads, D] at positions [...] (inv_freq on x's device)."""
-    return apply_rope_cos_sin(x, *rope_cos_sin(positions, inv_freq, x.dtype))
 
 
 def qkv_prep(qkv: torch.Tensor, positions: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None,

@@ -27,7 +27,6 @@ from mpk_dist.runtime.loader import LoadedKernel, host_device_pointer
 from mpk_dist.runtime.params import TRACE_DTYPE, ErrorRecord, RuntimeParams, to_bytes
 from mpk_dist.runtime.task_records import build_records
 from mpk_dist.taskgraph.abi import ABI_VERSION
-from mpk_dist.taskgraph.const_recipes import const_tensor
 
 _TORCH = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32, "i32": torch.int32}
 QUEUE_SLOT_WORDS = 4
@@ -160,7 +159,7 @@ class Session:
                                      f"{None if w is None else (tuple(w.shape), w.dtype)}")
                 t = w.contiguous()
             elif b["kind"] == "const":
-                t = const_tensor(b, cg.consts[b["name"]], dev, dt)  # a recipe's (the rope table) made on this GPU
+                t = torch.from_numpy(np.ascontiguousarray(cg.consts[b["name"]])).to(dev, dt).reshape(shape)
             elif b["kind"] == "comm":  # a view into the symmetric region, where peers write it
                 t = self._region_view(self.layout.buffer_offsets[i], self.layout.buffer_bytes[i], dt).reshape(shape)
             elif i == special["token_out"]:

@@ -9,8 +9,8 @@ matmul by the rotate-half matrix R) is a swap within a lane: rot(e)[d] = -e[d + 
 rot(e)[d + D/2] = e[d].
 
 How the µGraph's inputs bind to the task's ABI: Q -> the head row ``src`` (bf16), G -> ``norm_w``,
-C / S -> the rope table row's cos / sin of pair d (``rope[d]``, already rounded to bf16 as torch rounds them; both
-halves share d's angle; csrc/tasks/common.cuh RopeTable), R -> rotate-half. Constants of the search's shapes
+C / S -> ``round_bf(cos(a))`` / ``round_bf(sin(a))`` (one ``sincosf`` when both are used) with the fp32 angle ``a = (float)pos *
+inv_freq[d]`` (both halves share d's frequency), R -> rotate-half. Constants of the search's shapes
 are bound to run-time values: 1/D (the search's D) -> ``/ (float)D``, the target's eps -> ``eps``.
 
 Rounding follows the task's reference (torch on bf16): the row statistic in fp32 (a warp sum of
@@ -24,15 +24,14 @@ from __future__ import annotations
 from mpk_dist.superopt.codegen_plan import CodegenError
 from mpk_dist.superopt.codegen_rope_plan import RopePlan, plan_rope
 
-SIGNATURE = ("const bf16* src, const bf16* norm_w, const __nv_bfloat162* rope, bf16* dst, int D, "
+SIGNATURE = ("const bf16* src, const bf16* norm_w, const float* inv_freq, int pos, bf16* dst, int D, "
              "float eps, int lane")
 """The hook's C parameter list (csrc/tasks/qkv_prep.cuh, mpk::qk_norm_rope)."""
 
-CALL_ARGS = "src, norm_w, rope, dst, D, eps, lane"
+CALL_ARGS = "src, norm_w, inv_freq, pos, dst, D, eps, lane"
 """The hook's arguments, forwarded to the instance with the head size's pair count."""
 
-VEC = {"G": ("bf2f(norm_w[d])", "bf2f(norm_w[d + half])"), "C": ("__low2float(cs[i])", "__low2float(cs[i])"),
-       "S": ("__high2float(cs[i])", "__high2float(cs[i])")}
+VEC = {"G": ("bf2f(norm_w[d])", "bf2f(norm_w[d + half])"), "C": ("c", "c"), "S": ("s", "s")}
 
 
 def _op_comment(tname: str, op: dict) -> str:
@@ -97,23 +96,16 @@ class _Emitter:
         return (f"{name}_lo", f"{name}_hi")
 
 
-def _stat_lines(p: RopePlan, consts, vecs: set) -> list:
-    """Loading the head row and (when the µGraph reads C or S) the rope table's cos / sin beside it, and with a
-    row factor the row's statistic and r."""
+def _stat_lines(p: RopePlan, consts) -> list:
+    """Loading the head row, and with a row factor its statistic and r."""
     from mpk_dist.superopt.codegen import _prog
 
-    trig = bool(vecs & {"C", "S"})
     lines = ["  float q_lo[kMaxPairs], q_hi[kMaxPairs];"]
-    if trig:  # packed: one register a pair, not two
-        lines.append("  __nv_bfloat162 cs[kMaxPairs];  // µGraph inputs C, S: the rope table's (cos, sin) of pair d")
     if p.factor is not None:
         lines.append("  float ss = 0.f;")
     lines += ["#pragma unroll", "  for (int i = 0; i < kMaxPairs; ++i) {", "    const int d = lane + 32 * i;",
-              "    q_lo[i] = q_hi[i] = 0.f;" + (" cs[i] = __floats2bfloat162_rn(0.f, 0.f);" if trig else ""),
-              "    if (d < half) {",
-              "      q_lo[i] = bf2f(src[d]);  // µGraph input Q", "      q_hi[i] = bf2f(src[d + half]);"]
-    if trig:  # loaded with the head row: one memory round trip
-        lines += ["      cs[i] = rope[d];"]
+              "    q_lo[i] = q_hi[i] = 0.f;", "    if (d < half) {", "      q_lo[i] = bf2f(src[d]);  // µGraph input Q",
+              "      q_hi[i] = bf2f(src[d + half]);"]
     if p.factor is not None:
         stat = p.factor[3]
         lines += [f"      // {_op_comment(t, o)}" for t, o in stat[1]]
@@ -127,14 +119,23 @@ def _stat_lines(p: RopePlan, consts, vecs: set) -> list:
     return lines
 
 
-def _loop_lines(p: RopePlan, consts) -> tuple[list, set]:
-    """The per-pair loop, and the µGraph's vector inputs it reads (G, C, S)."""
+def _loop_lines(p: RopePlan, consts) -> list:
     em = _Emitter(consts)
     lo, hi = em.val(p.root)
     head = ["#pragma unroll", "  for (int i = 0; i < kMaxPairs; ++i) {", "    const int d = lane + 32 * i;",
             "    if (d < half) {"]
+    if em.vecs & {"C", "S"}:
+        head += ["      const float ang = (float)pos * inv_freq[d];  // fp32 product, as torch forms the angles"]
+        if {"C", "S"} <= em.vecs:  # both from one sincosf (common.cuh rope_cos_sin: the values of cosf, sinf)
+            head += ["      float cr, sr;", "      rope_cos_sin(ang, cr, sr);",
+                     "      const float c = round_bf(cr);  // µGraph input C",
+                     "      const float s = round_bf(sr);  // µGraph input S"]
+        elif "C" in em.vecs:
+            head.append("      const float c = round_bf(cosf(ang));  // µGraph input C")
+        else:
+            head.append("      const float s = round_bf(sinf(ang));  // µGraph input S")
     tail = [f"      dst[d] = f2bf({lo});", f"      dst[d + half] = f2bf({hi});", "    }", "  }"]
-    return head + em.lines + tail, em.vecs
+    return head + em.lines + tail
 
 
 def render_rope(ug, eps: float = 1e-6) -> str:
@@ -159,8 +160,7 @@ def render_rope(ug, eps: float = 1e-6) -> str:
              "template <int kMaxPairs>",
              f"__device__ __forceinline__ void qk_norm_rope_pairs({SIGNATURE}) {{",
              "  const int half = D / 2;"]
-    loop, vecs = _loop_lines(p, consts)
-    body = _stat_lines(p, consts, vecs) + loop
+    body = _stat_lines(p, consts) + _loop_lines(p, consts)
     tail = ["}", "", f"__device__ __forceinline__ void qk_norm_rope({SIGNATURE}) {{",
             f"  MPK_ROPE_PAIRS(D, (qk_norm_rope_pairs<kPairs>({CALL_ARGS})));", "}", "",
             "}  // namespace gen", "}  // namespace mpk", ""]

@@ -26,7 +26,7 @@ signal entry adds 1 to the counter on its target rank(s) per step.
 
 from __future__ import annotations
 
-ABI_VERSION = 3
+ABI_VERSION = 2
 """Bumped whenever a column, code, opcode or argument order changes; the runtime checks it."""
 
 
@@ -96,7 +96,7 @@ BUFFER_KINDS = {
     "input": 3,       # written by the host before a launch (forced tokens, start positions)
     "output": 4,      # read by the host (logits, next token, token output)
     "comm": 5,        # symmetric: allocated on every rank at the same size, peers write it
-    "const": 6,       # constant data shipped with the program (the rope table; see const_recipes)
+    "const": 6,       # compile-time constant data shipped with the program (rope inverse frequencies)
     "ticket": 7,      # per-launch group counters (zeroed before every launch): tiles add to them atomically,
                       # the last of a group takes the follow-up work and resets its word (TaskKind.ticket)
 }

@@ -22,7 +22,6 @@ import torch
 
 from mpk_dist.errors import DeviceTimeout, InputError
 from mpk_dist.taskgraph.abi import EVENT_COLS, NULL_BUFFER, SIG_ALL_RANKS, TASK_COLS
-from mpk_dist.taskgraph.const_recipes import const_tensor
 from mpk_dist.taskgraph.race import Race, RaceError, Shadow
 from mpk_dist.taskgraph.serialize import CompiledGraph
 from mpk_dist.taskgraph.tasks import BY_OPCODE
@@ -90,7 +89,7 @@ class Interpreter:
                     raise InputError(f"weight {info['name']}: expected shape {info['shape']}, got {got}")
                 out.append(w.to(dt).contiguous().reshape(-1))
             elif info["kind"] == "const":
-                out.append(const_tensor(info, cg.consts[info["name"]], "cpu", dt).reshape(-1).clone())
+                out.append(torch.from_numpy(np.asarray(cg.consts[info["name"]])).to(dt).reshape(-1).clone())
             else:
                 out.append(torch.zeros(numel, dtype=dt))
         return out

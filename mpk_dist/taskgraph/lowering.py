@@ -14,7 +14,6 @@ from __future__ import annotations
 import numpy as np
 
 from mpk_dist.backends import torch_ops as T
-from mpk_dist.taskgraph import const_recipes
 from mpk_dist.graph import Graph, Op
 from mpk_dist.taskgraph.program import EMPTY, Footprint, Program, TaskOp
 from mpk_dist.taskgraph.tasks import BY_NAME as K
@@ -201,21 +200,14 @@ class Lowerer:
         t.reads = [_rows_fp(x, grid, K_)]
         t.writes = [_grid_fp(y, grid)]
 
-    def _rope_table(self, op: Op, rows: int | None = None) -> tuple[int, int, int]:
-        """The rope table's argument (buffer, 0, count) for q/k prep op ``op``: [rows, D/2, 2] in its qkv's dtype
-        (rows: max_seq_len unless given), row p = (cos, sin) of position p's angles (mpk_dist.taskgraph.
-        const_recipes; remade on the session's device). The kernels clamp the row they read to the table, so a bad
-        position reads no other memory."""
-        name, rows, dtype = "rope_table", rows or self.g.max_seq_len, self.g.tensors[op.inputs[0]].dtype
-        inv = T.rope_attrs_inv_freq(op.attrs)
-        recipe = const_recipes.rope_table_recipe(inv.numpy(), rows, dtype)
+    def _inv_freq(self, attrs: dict) -> int:
+        name = "rope_inv_freq"
+        data = T.rope_attrs_inv_freq(attrs).numpy().astype(np.float32)
         if name in self.p.by_name:
-            if self.p.by_name[name].recipe != recipe:
+            if not np.array_equal(self.p.by_name[name].data, data):
                 raise ValueError("qkv_prep: layers with different rope parameters are not supported")
-        else:
-            data = const_recipes.make(recipe, "cpu").float().numpy()  # the dtype's values, exact in fp32
-            self.p.buffer(name, data.shape, dtype, "const", data=data, recipe=recipe)
-        return (self.p.id(name), 0, rows * op.attrs["head_dim"])
+            return self.p.id(name)
+        return self.p.buffer(name, data.shape, "f32", "const", data=data)
 
     def qkv_prep(self, op: Op) -> None:
         """One tile per q head, then one per kv head (which also appends to the KV cache)."""
@@ -225,18 +217,18 @@ class Lowerer:
         qn, kn = (p.id(op.inputs[2]), p.id(op.inputs[3])) if a.get("qk_norm") else (None, None)
         q, kc, vc = (p.id(n) for n in op.outputs)
         S, QS = self.g.max_seq_len, (hq + 2 * hkv) * D
-        rope = self._rope_table(op)
+        inv = self._inv_freq(a)
         t = self._new(op, "qkv_prep")
         common = {"BATCH": B, "HEAD_DIM": D, "QKV_STRIDE": QS, "EPS": a["eps"]}
         for h in range(hq):
             t.add_tile({"QKV": (qkv, h * D, (B - 1) * QS + D), "POSITIONS": (pos, 0, B),
-                        "NORM_W": None if qn is None else (qn, 0, D), "ROPE": rope,
+                        "NORM_W": None if qn is None else (qn, 0, D), "INV_FREQ": (inv, 0, D // 2),
                         "DST": (q, h * D, (B - 1) * hq * D + D), "DST_V": None},
-                       {**common, "V_OFFSET": 0, "DST_BATCH_STRIDE": hq * D, "DST_POS_STRIDE": 0, "MAX_SEQ": S, "IS_KV": 0})
+                       {**common, "V_OFFSET": 0, "DST_BATCH_STRIDE": hq * D, "DST_POS_STRIDE": 0, "MAX_SEQ": 1, "IS_KV": 0})
         cache_count = (B - 1) * S * hkv * D + (S - 1) * hkv * D + D
         for j in range(hkv):
             t.add_tile({"QKV": (qkv, (hq + j) * D, (B - 1) * QS + hkv * D + D), "POSITIONS": (pos, 0, B),
-                        "NORM_W": None if kn is None else (kn, 0, D), "ROPE": rope,
+                        "NORM_W": None if kn is None else (kn, 0, D), "INV_FREQ": (inv, 0, D // 2),
                         "DST": (kc, j * D, cache_count), "DST_V": (vc, j * D, cache_count)},
                        {**common, "V_OFFSET": hkv * D, "DST_BATCH_STRIDE": S * hkv * D, "DST_POS_STRIDE": hkv * D,
                         "MAX_SEQ": S, "IS_KV": 1})
@@ -314,13 +306,12 @@ class Lowerer:
         qn, kn = (p.id(op.inputs[4]), p.id(op.inputs[5])) if a.get("qk_norm") else (None, None)
         q, kp, vp = (p.id(n) for n in op.outputs)
         QS, pool_n = (hq + 2 * hkv) * D, p.buffers[kp].numel
-        pages = self._page_params(op.outputs[1])
+        inv, pages = self._inv_freq(a), self._page_params(op.outputs[1])
         MB, MP = self.g.tensors["page_table"].shape
-        rope = self._rope_table(op, MP * pages["PAGE_SIZE"])  # a sequence's positions: its pages' rows
         t = self._new(op, "qkv_prep_paged")
         common = {"BATCH": B, "HEAD_DIM": D, "QKV_STRIDE": QS, "EPS": a["eps"], **pages}
         ins = {"POSITIONS": (pos, 0, B), "SLOTS": (slots, 0, B), "PAGE_TABLE": (table, 0, MB * MP),
-               "ROPE": rope}
+               "INV_FREQ": (inv, 0, D // 2)}
         for h in range(hq):
             t.add_tile({**ins, "QKV": (qkv, h * D, (B - 1) * QS + D), "NORM_W": None if qn is None else (qn, 0, D),
                         "DST": (q, h * D, (B - 1) * hq * D + D), "DST_V": None},

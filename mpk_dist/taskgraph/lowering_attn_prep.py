@@ -50,7 +50,7 @@ def _lower_fused_split(lw: Lowerer, f: FusedAttention, splits: int, merge_last: 
     qkv, pos = p.id(f.prep.inputs[0]), p.id(f.prep.inputs[1])
     qn, kn = (p.id(f.prep.inputs[2]), p.id(f.prep.inputs[3])) if a.get("qk_norm") else (None, None)
     _, kc, vc = (p.id(n) for n in f.prep.outputs)
-    S, G, QS, rope = lw.g.max_seq_len, hq // hkv, (hq + 2 * hkv) * D, lw._rope_table(f.prep)
+    S, G, QS, inv = lw.g.max_seq_len, hq // hkv, (hq + 2 * hkv) * D, lw._inv_freq(a)
     ranges, P, E, part = split_scratch(lw, att, splits)
     tiles = split_tiles(hkv, B, P)
     ticket = merge_ticket(lw, att, tiles) if merge_last else None
@@ -63,7 +63,7 @@ def _lower_fused_split(lw: Lowerer, f: FusedAttention, splits: int, merge_last: 
         sp.add_tile({"QKV": (qkv, t.b0 * QS + t.j * G * D, (t.nb - 1) * QS + k_off + hkv * D + D),
                      "POSITIONS": (pos, t.b0, t.nb),
                      "Q_NORM_W": None if qn is None else (qn, 0, D), "K_NORM_W": None if kn is None else (kn, 0, D),
-                     "ROPE": rope, "K_CACHE": (kc, kv_at, cache_count),
+                     "INV_FREQ": (inv, 0, D // 2), "K_CACHE": (kc, kv_at, cache_count),
                      "V_CACHE": (vc, kv_at, cache_count),
                      "OUT": (part, ((t.j * B + t.b0) * P + t.i) * E, (t.nb - 1) * P * E + E),
                      **merge_last_args(lw, att, ticket, t)},
@@ -91,7 +91,7 @@ def _lower_fused(lw: Lowerer, f: FusedAttention) -> None:
     qn, kn = (p.id(f.prep.inputs[2]), p.id(f.prep.inputs[3])) if a.get("qk_norm") else (None, None)
     q, kc, vc = (p.id(n) for n in f.prep.outputs)
     o = p.id(att.outputs[0])
-    S, G, QS, rope = lw.g.max_seq_len, hq // hkv, (hq + 2 * hkv) * D, lw._rope_table(f.prep)
+    S, G, QS, inv = lw.g.max_seq_len, hq // hkv, (hq + 2 * hkv) * D, lw._inv_freq(a)
     t = p.op(att.name, BY_NAME["attention_prep"], att.layer, att.name)
     pairs = [(j, b) for j in range(hkv) for b in range(B)]
     cache_count = (S - 1) * hkv * D + D
@@ -101,7 +101,7 @@ def _lower_fused(lw: Lowerer, f: FusedAttention) -> None:
         kva = (b * S * hkv * D + j * D, cache_count)
         t.add_tile({"QKV": (qkv, b * QS + j * G * D, k_off + hkv * D + D), "POSITIONS": (pos, b, 1),
                     "Q_NORM_W": None if qn is None else (qn, 0, D), "K_NORM_W": None if kn is None else (kn, 0, D),
-                    "ROPE": rope, "Q": (q, *qa), "K_CACHE": (kc, *kva), "V_CACHE": (vc, *kva),
+                    "INV_FREQ": (inv, 0, D // 2), "Q": (q, *qa), "K_CACHE": (kc, *kva), "V_CACHE": (vc, *kva),
                     "OUT": (o, *qa)},
                    {"HEAD_DIM": D, "GROUP": G, "K_OFFSET": k_off, "V_OFFSET": hkv * D, "KV_POS_STRIDE": hkv * D,
                     "MAX_SEQ": S, "EPS": a["eps"], "SCALE": att.attrs["scale"]})

@@ -29,7 +29,6 @@ class Buffer:
     kind: str
     view: tuple[int, int]  # (rows, cols) of the 2-D view footprints use
     data: np.ndarray | None = None  # const buffers only
-    recipe: dict | None = None  # const buffers made on the run's device (mpk_dist.taskgraph.const_recipes)
 
     @property
     def numel(self) -> int:
@@ -91,9 +90,8 @@ class Program:
         self.special: dict[str, int] = {}
 
     def buffer(self, name: str, shape, dtype: str, kind: str, view: tuple[int, int] | None = None,
-               data: np.ndarray | None = None, recipe: dict | None = None) -> int:
-        """Declare a buffer; ``view`` defaults to (numel / last dim, last dim). A const buffer holds ``data``
-        (host values), and with a ``recipe`` the session remakes it on its device from the recipe instead."""
+               data: np.ndarray | None = None) -> int:
+        """Declare a buffer; ``view`` defaults to (numel / last dim, last dim)."""
         if name in self.by_name:
             raise ValueError(f"buffer {name!r} declared twice")
         if dtype not in DTYPES or kind not in BUFFER_KINDS:
@@ -101,7 +99,7 @@ class Program:
         shape = tuple(int(s) for s in shape)
         numel = int(np.prod(shape)) if shape else 1
         last = shape[-1] if shape else 1
-        b = Buffer(len(self.buffers), name, shape, dtype, kind, view or (numel // last, last), data, recipe)
+        b = Buffer(len(self.buffers), name, shape, dtype, kind, view or (numel // last, last), data)
         self.buffers.append(b)
         self.by_name[name] = b
         return b.id

@@ -121,8 +121,7 @@ def serialize(prog: Program, eg: EventGraph, graph_info: dict, workers: int) -> 
         "ops": [{"name": op.name, "kind": op.kind.name, "layer": op.layer, "graph_op": op.graph_op, "tiles": op.tiles}
                 for op in prog.ops],
         "events": list(eg.names),
-        "buffers": [{"name": b.name, "shape": list(b.shape), "dtype": b.dtype, "kind": b.kind,
-                     **({"recipe": b.recipe} if b.recipe else {})} for b in prog.buffers],
+        "buffers": [{"name": b.name, "shape": list(b.shape), "dtype": b.dtype, "kind": b.kind} for b in prog.buffers],
         "special": dict(prog.special),
     }
     consts = {b.name: b.data for b in prog.buffers if b.kind == "const"}

@@ -14,6 +14,8 @@ the arithmetic, so the logits must equal the default build's bit for bit and sta
 - ``-DMPK_STAGE_ROWS_TOGETHER=0``: the generated fused bodies' staged path row by row (the default computes every
   batch row's norm statistic in one block reduction and issues several rows' operand loads before their stores;
   csrc/tasks/tile_primitives.cuh rows_sum_sq, stage_rows). Also at batch 8 under MPK_LINEAR_MMA=1.
+- ``-DMPK_ROPE_SINCOS=0``: the rope angle's cosine and sine from cosf and sinf (the default calls sincosf once;
+  csrc/tasks/common.cuh rope_cos_sin).
 - ``-DMPK_PREFETCH_ONE_SITE=0``: each linear kind's L2 weight prefetch inlined in its own branch of prefetch_task
   (the default issues it from one non-inlined function; csrc/runtime/dispatch.cuh).
 - ``-DMPK_SMALL_KINDS_OUTLINED=0``: the kinds without a run_* function of their own (step_begin, silu_mul, argmax,
@@ -46,7 +48,7 @@ NAME = "qwen3-0.6b"
 PROMPT = 200
 STEPS = 48
 VARIANTS = ["-DMPK_ATTN_GUARD_HEADS=1", "-DMPK_PARAMS_SMEM=0", "-DMPK_ROPE_EXACT_PAIRS=0 -DMPK_PREP_ONE_SITE=0",
-            "-DMPK_PREP_POS_LATE=0", "-DMPK_STAGE_ROWS_TOGETHER=0", "-DMPK_PREFETCH_ONE_SITE=0",
+            "-DMPK_PREP_POS_LATE=0", "-DMPK_STAGE_ROWS_TOGETHER=0", "-DMPK_ROPE_SINCOS=0", "-DMPK_PREFETCH_ONE_SITE=0",
             "-DMPK_SMALL_KINDS_OUTLINED=0"]
 SWITCHES = [{"MPK_WEIGHT_EVICT_FIRST": "1"}]  # kernel switches of the same kind (environment, not -D)
 MMA_VARIANTS = ["-DMPK_MMA_X_AHEAD=0", "-DMPK_STAGE_ROWS_TOGETHER=0"]

@@ -113,8 +113,8 @@ def test_tune_sweep_has_the_attention_split_token(tune_sweep):
 
 def test_tune_sweep_has_compile_time_defines(tune_sweep):
     """scripts/tune_sweep.py: -D parts become the variant's MPK_NVCC_EXTRA_FLAGS, space-joined in order."""
-    assert tune_sweep.parse_variant("-DMPK_PREFETCH_ONE_SITE=0,v0,-DMPK_PREP_POS_LATE=0") == (
-        {"MPK_NVCC_EXTRA_FLAGS": "-DMPK_PREFETCH_ONE_SITE=0 -DMPK_PREP_POS_LATE=0", "MPK_ATTN_PREFETCH": "0"}, {})
+    assert tune_sweep.parse_variant("-DMPK_ROPE_SINCOS=0,v0,-DMPK_PREP_POS_LATE=0") == (
+        {"MPK_NVCC_EXTRA_FLAGS": "-DMPK_ROPE_SINCOS=0 -DMPK_PREP_POS_LATE=0", "MPK_ATTN_PREFETCH": "0"}, {})
     with pytest.raises(SystemExit, match="-D<NAME>"):
         tune_sweep.parse_variant("-D")
 

@@ -171,17 +171,14 @@ def _kv_row(p, x, s: int, pos: int) -> int:
 def _qkv_prep_paged(p, x, mpk_batch: int) -> dict:
     """csrc/tasks/qkv_prep_paged.cuh (the per-token math of qkv_prep.cuh)."""
     B, D = p["BATCH"], p["HEAD_DIM"]
-    d, out = np.arange(D), {"POSITIONS": np.arange(B), "SLOTS": np.arange(B)}
-    rope = lambda toks: _rows_cols([x["POSITIONS"][b] for b in toks], D, d)  # noqa: E731 - the rope table's rows
+    d, out = np.arange(D), {"POSITIONS": np.arange(B), "SLOTS": np.arange(B), "INV_FREQ": np.arange(D // 2)}
     if "NORM_W" not in x["NULL"]:  # the per-head norm only when the model has one (norm_w != nullptr)
         out["NORM_W"] = d
     if not p["IS_KV"]:
-        return {**out, "QKV": _rows_cols(range(B), p["QKV_STRIDE"], d), "DST": _rows_cols(range(B), p["Q_STRIDE"], d),
-                "ROPE": rope(range(B))}
+        return {**out, "QKV": _rows_cols(range(B), p["QKV_STRIDE"], d), "DST": _rows_cols(range(B), p["Q_STRIDE"], d)}
     if not _tokens_ok(p, x, prefix=False):
         return out  # the body reports a bad task before any write
     live = [b for b in range(B) if x["SLOTS"][b] >= 0]
-    out["ROPE"] = rope(live)
     rows = [_kv_row(p, x, x["SLOTS"][b], x["POSITIONS"][b]) for b in live]
     dst = _rows_cols(rows, 1, d)
     src = _rows_cols(live, p["QKV_STRIDE"], d)

@@ -146,10 +146,9 @@ TU = """
 #include "qkv_prep.cuh"
 static_assert(std::is_same<decltype(&mpk::qk_norm_rope), decltype(&mpk::gen::qk_norm_rope)>::value,
               "generated qk_norm_rope must have the hand-written hook's type");
-extern "C" __global__ void probe(const mpk::bf16* qkv, const int* pos, const mpk::bf16* nw, const __nv_bfloat162* rope,
-                                 int rows, mpk::bf16* dst, int B, int D) {
-  mpk::qkv_prep(qkv, pos, nw, mpk::RopeTable{rope, rows}, dst, nullptr, B, D, D, 0, D, 0, 0, 1e-6f, threadIdx.x,
-                blockDim.x);
+extern "C" __global__ void probe(const mpk::bf16* qkv, const int* pos, const mpk::bf16* nw, const float* inv,
+                                 mpk::bf16* dst, int B, int D) {
+  mpk::qkv_prep(qkv, pos, nw, inv, dst, nullptr, B, D, D, 0, D, 0, 0, 1e-6f, threadIdx.x, blockDim.x);
 }
 """
 

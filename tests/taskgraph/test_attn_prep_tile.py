@@ -23,7 +23,7 @@ def _buffers(norm: bool, seed: int = 0) -> dict[str, torch.Tensor]:
     bf = lambda n: torch.randn(n, generator=g).to(torch.bfloat16)  # noqa: E731
     return {"qkv": bf(B * QS), "pos": torch.tensor([5, 0, S - 1], dtype=torch.int32),
             "qn": bf(D) if norm else None, "kn": bf(D) if norm else None,
-            "rope": T.rope_table(T.rope_inv_freq(D, 10000.0).float(), S).reshape(-1),
+            "inv": T.rope_inv_freq(D, 10000.0).float(),
             "q": bf(B * HQ * D), "kc": bf(B * S * HKV * D), "vc": bf(B * S * HKV * D), "o": bf(B * HQ * D)}
 
 
@@ -39,7 +39,7 @@ def _fused(bufs: dict, j: int, b: int) -> TileContext:
     k_off = (HQ + j) * D - j * G * D
     qa, kva = (b * HQ * D + j * G * D, G * D), (b * S * HKV * D + j * D, (S - 1) * HKV * D + D)
     return _ctx(KIND, bufs, {"QKV": ("qkv", b * QS + j * G * D, k_off + HKV * D + D), "POSITIONS": ("pos", b, 1),
-                             "Q_NORM_W": ("qn", 0, D), "K_NORM_W": ("kn", 0, D), "ROPE": ("rope", 0, S * D),
+                             "Q_NORM_W": ("qn", 0, D), "K_NORM_W": ("kn", 0, D), "INV_FREQ": ("inv", 0, D // 2),
                              "Q": ("q", *qa), "K_CACHE": ("kc", *kva), "V_CACHE": ("vc", *kva), "OUT": ("o", *qa)},
                 {"HEAD_DIM": D, "GROUP": G, "K_OFFSET": k_off, "V_OFFSET": HKV * D, "KV_POS_STRIDE": HKV * D,
                  "MAX_SEQ": S, "EPS": 1e-6, "SCALE": D ** -0.5})
@@ -51,11 +51,11 @@ def _unfused(bufs: dict, j: int) -> None:
     common = {"BATCH": B, "HEAD_DIM": D, "QKV_STRIDE": QS, "EPS": 1e-6}
     for h in range(j * G, (j + 1) * G):
         prep.run_tile(_ctx(prep, bufs, {"QKV": ("qkv", h * D, 0), "POSITIONS": ("pos", 0, B), "NORM_W": ("qn", 0, D),
-                                        "ROPE": ("rope", 0, S * D), "DST": ("q", h * D, 0), "DST_V": None},
+                                        "INV_FREQ": ("inv", 0, D // 2), "DST": ("q", h * D, 0), "DST_V": None},
                            {**common, "V_OFFSET": 0, "DST_BATCH_STRIDE": HQ * D, "DST_POS_STRIDE": 0, "MAX_SEQ": 1,
                             "IS_KV": 0}))
     prep.run_tile(_ctx(prep, bufs, {"QKV": ("qkv", (HQ + j) * D, 0), "POSITIONS": ("pos", 0, B), "NORM_W": ("kn", 0, D),
-                                    "ROPE": ("rope", 0, S * D), "DST": ("kc", j * D, 0), "DST_V": ("vc", j * D, 0)},
+                                    "INV_FREQ": ("inv", 0, D // 2), "DST": ("kc", j * D, 0), "DST_V": ("vc", j * D, 0)},
                        {**common, "V_OFFSET": HKV * D, "DST_BATCH_STRIDE": S * HKV * D, "DST_POS_STRIDE": HKV * D,
                         "MAX_SEQ": S, "IS_KV": 1}))
     for b in range(B):
@@ -86,7 +86,7 @@ def _declared(ctx: TileContext, mode: str) -> dict[int, set[int]]:
     return out
 
 
-ARG_BUF = {0: "qkv", 1: "pos", 2: "qn", 3: "kn", 4: "rope", 5: "q", 6: "kc", 7: "vc", 8: "o"}
+ARG_BUF = {0: "qkv", 1: "pos", 2: "qn", 3: "kn", 4: "inv", 5: "q", 6: "kc", 7: "vc", 8: "o"}
 
 
 @pytest.mark.parametrize("j,b", [(0, 0), (1, 2), (1, 1)])
@@ -138,7 +138,7 @@ def test_traffic_is_the_footprint_at_a_full_cache():
     bufs = _buffers(True)
     bufs["pos"][2] = S - 1
     ctx = _fused(bufs, 1, 2)
-    nbytes = {0: 2, 1: 4, 2: 2, 3: 2, 4: 2, 5: 2, 6: 2, 7: 2, 8: 2}
+    nbytes = {0: 2, 1: 4, 2: 2, 3: 2, 4: 4, 5: 2, 6: 2, 7: 2, 8: 2}
     rd = sum(len(v) * nbytes[a] for a, v in _declared(ctx, "r").items())
     wr = sum(len(v) * nbytes[a] for a, v in _declared(ctx, "w").items())
     counts = [0] * len(KIND.args)

@@ -14,19 +14,17 @@ namespace gen {
 // One head row of one sequence, one warp: lane l holds the pairs (d, d + D/2), d = l, l + 32, ...
 // kMaxPairs: the per-lane pair slots (common.cuh MPK_ROPE_PAIRS picks the instance for D).
 template <int kMaxPairs>
-__device__ __forceinline__ void qk_norm_rope_pairs(const bf16* src, const bf16* norm_w, const __nv_bfloat162* rope, bf16* dst, int D, float eps, int lane) {
+__device__ __forceinline__ void qk_norm_rope_pairs(const bf16* src, const bf16* norm_w, const float* inv_freq, int pos, bf16* dst, int D, float eps, int lane) {
   const int half = D / 2;
   float q_lo[kMaxPairs], q_hi[kMaxPairs];
-  __nv_bfloat162 cs[kMaxPairs];  // µGraph inputs C, S: the rope table's (cos, sin) of pair d
   float ss = 0.f;
 #pragma unroll
   for (int i = 0; i < kMaxPairs; ++i) {
     const int d = lane + 32 * i;
-    q_lo[i] = q_hi[i] = 0.f; cs[i] = __floats2bfloat162_rn(0.f, 0.f);
+    q_lo[i] = q_hi[i] = 0.f;
     if (d < half) {
       q_lo[i] = bf2f(src[d]);  // µGraph input Q
       q_hi[i] = bf2f(src[d + half]);
-      cs[i] = rope[d];
       // t0.p0 = chain[(x*x)](i0) (1, 128)  # rms_norm#0
       // t0.p2 = sum[dim=1](p0) (1, 1)  # rms_norm#0
       ss += q_lo[i] * q_lo[i] + q_hi[i] * q_hi[i];
@@ -40,18 +38,23 @@ __device__ __forceinline__ void qk_norm_rope_pairs(const bf16* src, const bf16* 
   for (int i = 0; i < kMaxPairs; ++i) {
     const int d = lane + 32 * i;
     if (d < half) {
+      const float ang = (float)pos * inv_freq[d];  // fp32 product, as torch forms the angles
+      float cr, sr;
+      rope_cos_sin(ang, cr, sr);
+      const float c = round_bf(cr);  // µGraph input C
+      const float s = round_bf(sr);  // µGraph input S
       // t0.p4 = div(p1, p3) (1, 128)  # rms_norm#0
       // the head row times the row factor r, rounded (reference rounding)
       const float t0_xr_lo = round_bf(q_lo[i] * r), t0_xr_hi = round_bf(q_hi[i] * r);
       // t1.p0 = mul(i0, i4) (1, 128)  # rms_norm#0
       const float t1_p0_lo = round_bf(bf2f(norm_w[d]) * t0_xr_lo), t1_p0_hi = round_bf(bf2f(norm_w[d + half]) * t0_xr_hi);
       // t1.p2 = mul(i1, p0) (1, 128)  # mul#0
-      const float t1_p2_lo = round_bf(__low2float(cs[i]) * t1_p0_lo), t1_p2_hi = round_bf(__low2float(cs[i]) * t1_p0_hi);
+      const float t1_p2_lo = round_bf(c * t1_p0_lo), t1_p2_hi = round_bf(c * t1_p0_hi);
       // t1.p1 = matmul(p0, i3) (1, 128)  # matmul#0
       // rotate-half: a swap within the lane, exact
       const float t1_rot_lo = -t1_p0_hi, t1_rot_hi = t1_p0_lo;
       // t1.p3 = mul(i2, p1) (1, 128)  # mul#1
-      const float t1_p3_lo = round_bf(__high2float(cs[i]) * t1_rot_lo), t1_p3_hi = round_bf(__high2float(cs[i]) * t1_rot_hi);
+      const float t1_p3_lo = round_bf(s * t1_rot_lo), t1_p3_hi = round_bf(s * t1_rot_hi);
       // t1.p4 = add(p2, p3) (1, 128)  # add#0
       const float t1_p4_lo = round_bf(t1_p2_lo + t1_p3_lo), t1_p4_hi = round_bf(t1_p2_hi + t1_p3_hi);
       dst[d] = f2bf(t1_p4_lo);
@@ -60,8 +63,8 @@ __device__ __forceinline__ void qk_norm_rope_pairs(const bf16* src, const bf16* 
   }
 }
 
-__device__ __forceinline__ void qk_norm_rope(const bf16* src, const bf16* norm_w, const __nv_bfloat162* rope, bf16* dst, int D, float eps, int lane) {
-  MPK_ROPE_PAIRS(D, (qk_norm_rope_pairs<kPairs>(src, norm_w, rope, dst, D, eps, lane)));
+__device__ __forceinline__ void qk_norm_rope(const bf16* src, const bf16* norm_w, const float* inv_freq, int pos, bf16* dst, int D, float eps, int lane) {
+  MPK_ROPE_PAIRS(D, (qk_norm_rope_pairs<kPairs>(src, norm_w, inv_freq, pos, dst, D, eps, lane)));
 }
 
 }  // namespace gen

@@ -25,7 +25,6 @@ from mpk_dist.errors import InputError
 from mpk_dist.taskgraph.tasks import attention as _attention
 from mpk_dist.taskgraph.tasks import qkv_prep as _qkv_prep
 from mpk_dist.taskgraph.tasks.base import Access, ArgSpec, ParamSpec, TaskKind, TileContext, rect, sub_tile
-from mpk_dist.taskgraph.tasks.rope_args import ROPE_ARG, rope_access
 
 
 class AttentionPrep(TaskKind):
@@ -40,7 +39,7 @@ class AttentionPrep(TaskKind):
         ArgSpec("POSITIONS", "r", "i32 [B]; offset = b (one element)"),
         ArgSpec("Q_NORM_W", "r", "[D] q_norm weight; NULL when the model has no q/k norm", optional=True),
         ArgSpec("K_NORM_W", "r", "[D] k_norm weight; NULL when the model has no q/k norm", optional=True),
-        ROPE_ARG,
+        ArgSpec("INV_FREQ", "r", "f32 [D/2] rope inverse frequencies (constant buffer)"),
         ArgSpec("Q", "rw", "[B, Hq D]; offset = row b, query head j*GROUP: written (roped q), then read"),
         ArgSpec("K_CACHE", "rw", "[B, S, Hkv, D]; offset = sequence b, position 0, head j"),
         ArgSpec("V_CACHE", "rw", "[B, S, Hkv, D]; offset as K_CACHE"),
@@ -65,7 +64,7 @@ class AttentionPrep(TaskKind):
 
     def _sub(self, t: TileContext, kind: TaskKind, args: dict, params: dict) -> TileContext:
         """A one-sequence tile of another kind over this tile's buffers (name -> (my arg, extra offset))."""
-        mine = {k: None if v is None else (t.buf(v[0]), t.off(v[0]) + v[1], t.count(v[0])) for k, v in args.items()}
+        mine = {k: None if v is None else (t.buf(v[0]), t.off(v[0]) + v[1]) for k, v in args.items()}
         return sub_tile(t, kind, mine, params)
 
     def run_tile(self, t: TileContext) -> None:
@@ -77,13 +76,13 @@ class AttentionPrep(TaskKind):
         prep = _qkv_prep.KIND
         # the kv head, then the q heads: they write disjoint elements, so the order is immaterial
         prep.run_tile(self._sub(t, prep, {"QKV": ("QKV", t.p("K_OFFSET")), "POSITIONS": ("POSITIONS", 0),
-                                          "NORM_W": kn, "ROPE": ("ROPE", 0), "DST": ("K_CACHE", 0),
+                                          "NORM_W": kn, "INV_FREQ": ("INV_FREQ", 0), "DST": ("K_CACHE", 0),
                                           "DST_V": ("V_CACHE", 0)},
                                 {**common, "V_OFFSET": t.p("V_OFFSET"), "DST_BATCH_STRIDE": S * kps,
                                  "DST_POS_STRIDE": kps, "MAX_SEQ": S, "IS_KV": 1}))
         for g in range(G):
             prep.run_tile(self._sub(t, prep, {"QKV": ("QKV", g * D), "POSITIONS": ("POSITIONS", 0), "NORM_W": qn,
-                                              "ROPE": ("ROPE", 0), "DST": ("Q", g * D), "DST_V": None},
+                                              "INV_FREQ": ("INV_FREQ", 0), "DST": ("Q", g * D), "DST_V": None},
                                     {**common, "V_OFFSET": 0, "DST_BATCH_STRIDE": G * D, "DST_POS_STRIDE": 0,
                                      "MAX_SEQ": 1, "IS_KV": 0}))
         att = _attention.KIND
@@ -100,7 +99,7 @@ class AttentionPrep(TaskKind):
         out = [Access(0, "r", q0 + np.arange(G * D)), Access(0, "r", k0 + np.arange(D)),
                Access(0, "r", k0 + t.p("V_OFFSET") + np.arange(D)),
                Access(1, "r", t.off("POSITIONS") + np.arange(1)),
-               rope_access(t, 4, [p], D),
+               Access(4, "r", t.off("INV_FREQ") + np.arange(D // 2)),
                Access(5, "w", qrow), Access(5, "r", qrow)]
         for i, name in ((2, "Q_NORM_W"), (3, "K_NORM_W")):
             if t.buf(name) is not None:
@@ -115,7 +114,7 @@ class AttentionPrep(TaskKind):
         D, G, S = params[0], params[1], params[5]
         norms = D * (elem_bytes[2] + elem_bytes[3])
         # Worst case for the cache (every position live), as attention's; Q is written and read back.
-        rd = (G + 2) * D * elem_bytes[0] + 4 + norms + D * elem_bytes[4] + G * D * elem_bytes[5] + 2 * S * D * elem_bytes[6]
+        rd = (G + 2) * D * elem_bytes[0] + 4 + norms + D // 2 * 4 + G * D * elem_bytes[5] + 2 * S * D * elem_bytes[6]
         wr = G * D * elem_bytes[5] + 2 * D * elem_bytes[6] + G * D * elem_bytes[8]
         return rd, wr
 

@@ -32,7 +32,6 @@ from mpk_dist.errors import InputError
 from mpk_dist.taskgraph.tasks import attention_split as _split
 from mpk_dist.taskgraph.tasks import qkv_prep as _qkv_prep
 from mpk_dist.taskgraph.tasks.base import Access, ArgSpec, ParamSpec, TaskKind, TileContext, rect, sub_tile
-from mpk_dist.taskgraph.tasks.rope_args import ROPE_ARG, rope_access
 
 
 class AttentionSplitPrep(TaskKind):
@@ -47,7 +46,7 @@ class AttentionSplitPrep(TaskKind):
         ArgSpec("POSITIONS", "r", "i32 [B]"),
         ArgSpec("Q_NORM_W", "r", "[D] q_norm weight; NULL when the model has no q/k norm", optional=True),
         ArgSpec("K_NORM_W", "r", "[D] k_norm weight; NULL when the model has no q/k norm", optional=True),
-        ROPE_ARG,
+        ArgSpec("INV_FREQ", "r", "f32 [D/2] rope inverse frequencies (constant buffer)"),
         ArgSpec("K_CACHE", "rw", "[B, S, Hkv, D]; offset = sequence 0, position 0, head j"),
         ArgSpec("V_CACHE", "rw", "[B, S, Hkv, D]; offset as K_CACHE"),
         ArgSpec("OUT", "w", "f32 [Hkv, B, SPLITS, GROUP, D+2]; offset = entry (j, 0, range i, 0)"),
@@ -102,7 +101,6 @@ class AttentionSplitPrep(TaskKind):
         qkv, pos_buf = t.buf("QKV"), t.buf("POSITIONS")
         arg = lambda name, extra=0: None if t.buf(name) is None else (t.buf(name), t.off(name) + extra)  # noqa: E731
         common = {"BATCH": 1, "HEAD_DIM": D, "QKV_STRIDE": 0, "EPS": t.f("EPS")}
-        rope = (t.buf("ROPE"), t.off("ROPE"), t.count("ROPE"))
         prep = _qkv_prep.KIND
         for b, p in enumerate(self._positions(t)):
             row = t.off("QKV") + b * qs
@@ -110,13 +108,13 @@ class AttentionSplitPrep(TaskKind):
             q = torch.empty(G * D, dtype=qkv.dtype)  # the tile's q (shared memory on the GPU)
             for g in range(G):
                 prep.run_tile(sub_tile(t, prep, {"QKV": (qkv, row + g * D), "POSITIONS": pos_b,
-                                                  "NORM_W": arg("Q_NORM_W"), "ROPE": rope,
+                                                  "NORM_W": arg("Q_NORM_W"), "INV_FREQ": arg("INV_FREQ"),
                                                   "DST": (q, g * D), "DST_V": None},
                                         {**common, "V_OFFSET": 0, "DST_BATCH_STRIDE": G * D, "DST_POS_STRIDE": 0,
                                          "MAX_SEQ": 1, "IS_KV": 0}))
             if self._owns(t, p):
                 prep.run_tile(sub_tile(t, prep, {"QKV": (qkv, row + t.p("K_OFFSET")), "POSITIONS": pos_b,
-                                                  "NORM_W": arg("K_NORM_W"), "ROPE": rope,
+                                                  "NORM_W": arg("K_NORM_W"), "INV_FREQ": arg("INV_FREQ"),
                                                   "DST": arg("K_CACHE", b * kbs), "DST_V": arg("V_CACHE", b * kbs)},
                                         {**common, "V_OFFSET": t.p("V_OFFSET"), "DST_BATCH_STRIDE": S * kps,
                                          "DST_POS_STRIDE": kps, "MAX_SEQ": S, "IS_KV": 1}))
@@ -135,7 +133,7 @@ class AttentionSplitPrep(TaskKind):
         pos = self._positions(t)
         q0, k0 = t.off("QKV"), t.off("QKV") + t.p("K_OFFSET")
         out = [Access(0, "r", rect(q0, B, G * D, qs)), Access(1, "r", t.off("POSITIONS") + np.arange(B)),
-               rope_access(t, 4, pos, D),
+               Access(4, "r", t.off("INV_FREQ") + np.arange(D // 2)),
                Access(7, "w", rect(t.off("OUT"), B, G * (D + 2), t.p("OUT_STRIDE")))]
         for i, name in ((2, "Q_NORM_W"), (3, "K_NORM_W")):
             if t.buf(name) is not None:
@@ -156,7 +154,7 @@ class AttentionSplitPrep(TaskKind):
         n = params[10] - params[9]
         norms = D * (elem_bytes[2] + elem_bytes[3])
         # Worst case: this range appends for every sequence and the whole range is below every position.
-        rd = B * (G + 2) * D * elem_bytes[0] + B * 4 + norms + B * D * elem_bytes[4] + 2 * B * n * D * elem_bytes[5]
+        rd = B * (G + 2) * D * elem_bytes[0] + B * 4 + norms + D // 2 * 4 + 2 * B * n * D * elem_bytes[5]
         wr = 2 * B * D * elem_bytes[5] + B * G * (D + 2) * elem_bytes[7]
         return rd, wr
 

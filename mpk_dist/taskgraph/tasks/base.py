@@ -188,10 +188,9 @@ class TaskKind:
 
 def sub_tile(t: TileContext, kind: TaskKind, args: dict, params: dict) -> TileContext:
     """A tile of another kind run inside ``t`` (fused kinds' CPU references reuse the unfused ones):
-    ``args`` maps that kind's argument names to (flat tensor, element offset[, element count]), absent ones to
-    None. The references index by parameters, not by counts, except a table argument (ROPE) that passes its count."""
+    ``args`` maps that kind's argument names to (flat tensor, element offset), absent ones to None."""
     bufs = [None if args.get(a.name) is None else args[a.name][0] for a in kind.args]
     offs = [0 if args.get(a.name) is None else args[a.name][1] for a in kind.args]
-    counts = [0 if args.get(a.name) is None or len(args[a.name]) < 3 else args[a.name][2] for a in kind.args]
+    counts = [0] * len(kind.args)  # the references index by parameters, not by counts
     return TileContext(kind, bufs, offs, counts, kind.pack_params(params), t.step, t.rank, t.world,
                        lambda k: [bufs[k]])

@@ -3,8 +3,9 @@ KV-cache append.
 
 A q tile (IS_KV = 0) reads its head's columns of qkv and writes q. A kv tile (IS_KV = 1) reads the
 k columns (and the v columns V_OFFSET further), normalises and ropes k, and writes k and v at
-position pos[b] of the caches. Rope reads cos / sin of pos[b] from the ROPE table (rope_args.py: the
-fp32 angles' cos / sin rounded to bf16, as mpk_dist.backends.torch_ops.apply_rope forms them).
+position pos[b] of the caches. Rope uses the INV_FREQ constant buffer ([HEAD_DIM/2] fp32, computed
+at compile time from the model's rope parameters); cos/sin are evaluated in fp32 and cast to the
+activation dtype (HF convention, mpk_dist.backends.torch_ops.apply_rope).
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import numpy as np
 from mpk_dist.backends import torch_ops as T
 from mpk_dist.errors import InputError
 from mpk_dist.taskgraph.tasks.base import Access, ArgSpec, ParamSpec, TaskKind, TileContext, rect, view2d
-from mpk_dist.taskgraph.tasks.rope_args import ROPE_ARG, apply_rope_rows, rope_access
 
 
 class QkvPrep(TaskKind):
@@ -27,7 +27,7 @@ class QkvPrep(TaskKind):
         ArgSpec("QKV", "r", "[B, (Hq+2Hkv)D]; offset = first column of this head (q head or k head)"),
         ArgSpec("POSITIONS", "r", "i32 [B]"),
         ArgSpec("NORM_W", "r", "[D] q_norm or k_norm weight; NULL when the model has no q/k norm", optional=True),
-        ROPE_ARG,
+        ArgSpec("INV_FREQ", "r", "f32 [D/2] rope inverse frequencies (constant buffer)"),
         ArgSpec("DST", "w", "q tile: [B, Hq D] at this head's column; kv tile: k_cache [B, S, Hkv, D] at head h"),
         ArgSpec("DST_V", "w", "kv tile: v_cache [B, S, Hkv, D] at head h; NULL for q tiles", optional=True),
     )
@@ -38,7 +38,7 @@ class QkvPrep(TaskKind):
         ParamSpec("V_OFFSET", "elements from this k head's columns to its v columns (Hkv D); 0 for q tiles"),
         ParamSpec("DST_BATCH_STRIDE", "elements between sequences of DST (q: Hq D; cache: S Hkv D)"),
         ParamSpec("DST_POS_STRIDE", "elements between positions of DST (q: 0; cache: Hkv D)"),
-        ParamSpec("MAX_SEQ", "S, positions the cache and the rope table hold (the kernel's rope table rows)"),
+        ParamSpec("MAX_SEQ", "S, positions the cache holds (q tiles: 1)"),
         ParamSpec("IS_KV", "0: q head, 1: kv head"),
         ParamSpec("EPS", "q/k norm epsilon", is_float=True),
     )
@@ -61,7 +61,8 @@ class QkvPrep(TaskKind):
         norm = t.buf("NORM_W")
         if norm is not None:
             x = T.rms_norm(x, norm[t.off("NORM_W"): t.off("NORM_W") + D], t.f("EPS"))
-        x = apply_rope_rows(t, x, pos, D)[:, 0]  # [B, D]
+        inv = t.buf("INV_FREQ")[t.off("INV_FREQ"): t.off("INV_FREQ") + D // 2]
+        x = T.apply_rope(x, pos, inv)[:, 0]  # [B, D]
         dst = t.buf("DST")
         dst[self._dst_index(t, "DST", pos)] = x.reshape(-1).to(dst.dtype)
         if t.p("IS_KV"):
@@ -73,7 +74,7 @@ class QkvPrep(TaskKind):
         B, D, st = t.p("BATCH"), t.p("HEAD_DIM"), t.p("QKV_STRIDE")
         pos = self._positions(t)
         out = [Access(0, "r", rect(t.off("QKV"), B, D, st)), Access(1, "r", t.off("POSITIONS") + np.arange(B)),
-               rope_access(t, 3, pos, D), Access(4, "w", self._dst_index(t, "DST", pos))]
+               Access(3, "r", t.off("INV_FREQ") + np.arange(D // 2)), Access(4, "w", self._dst_index(t, "DST", pos))]
         if t.buf("NORM_W") is not None:
             out.append(Access(2, "r", t.off("NORM_W") + np.arange(D)))
         if t.p("IS_KV"):
@@ -84,7 +85,7 @@ class QkvPrep(TaskKind):
     def traffic(self, counts, elem_bytes, params, world):
         B, D, is_kv = params[0], params[1], params[7]
         n = B * D * (2 if is_kv else 1)
-        return n * elem_bytes[0] + B * 4 + D * elem_bytes[2] + B * D * elem_bytes[3], n * elem_bytes[4]
+        return n * elem_bytes[0] + B * 4 + D * (elem_bytes[2] + 2), n * elem_bytes[4]
 
 
 KIND = QkvPrep()

@@ -14,7 +14,6 @@ from mpk_dist.backends import torch_ops as T
 from mpk_dist.errors import InputError
 from mpk_dist.taskgraph.tasks.base import Access, ArgSpec, ParamSpec, TaskKind, TileContext, rect, view2d
 from mpk_dist.taskgraph.tasks.paged import PAGE_PARAMS, page_rows, table_reads, token_inputs
-from mpk_dist.taskgraph.tasks.rope_args import ROPE_ARG, apply_rope_rows, rope_access
 
 
 class QkvPrepPaged(TaskKind):
@@ -29,7 +28,7 @@ class QkvPrepPaged(TaskKind):
         ArgSpec("SLOTS", "r", "i32 [N] page-table row of each token; -1 = padding"),
         ArgSpec("PAGE_TABLE", "r", "i32 [MB, MP] page ids"),
         ArgSpec("NORM_W", "r", "[D] q_norm or k_norm weight; NULL when the model has no q/k norm", optional=True),
-        ROPE_ARG,
+        ArgSpec("INV_FREQ", "r", "f32 [D/2] rope inverse frequencies (constant buffer)"),
         ArgSpec("DST", "w", "q tile: [N, Hq D] at this head's column; kv tile: k pool [NP, P, Hkv, D] at head h"),
         ArgSpec("DST_V", "w", "kv tile: v pool [NP, P, Hkv, D] at head h; NULL for q tiles", optional=True),
     )
@@ -69,7 +68,8 @@ class QkvPrepPaged(TaskKind):
         norm = t.buf("NORM_W")
         if norm is not None:
             x = T.rms_norm(x, norm[t.off("NORM_W"): t.off("NORM_W") + D], t.f("EPS"))
-        x = apply_rope_rows(t, x, pos, D, valid=[s >= 0 for s in slots])[:, 0]  # [N, D]; padding: any row
+        inv = t.buf("INV_FREQ")[t.off("INV_FREQ"): t.off("INV_FREQ") + D // 2]
+        x = T.apply_rope(x, torch.tensor(pos, dtype=torch.int32), inv)[:, 0]  # [N, D]
         rows, idx = self._dst(t, "DST", pos, slots)
         sel = torch.from_numpy(rows)
         dst = t.buf("DST")
@@ -84,7 +84,7 @@ class QkvPrepPaged(TaskKind):
         pos, slots = token_inputs(t)
         ar = np.arange(B)
         out = [Access(0, "r", rect(t.off("QKV"), B, D, st)), Access(1, "r", t.off("POSITIONS") + ar),
-               Access(2, "r", t.off("SLOTS") + ar), rope_access(t, 5, pos, D),
+               Access(2, "r", t.off("SLOTS") + ar), Access(5, "r", t.off("INV_FREQ") + np.arange(D // 2)),
                Access(6, "w", self._dst_declared(t, "DST", pos, slots))]
         if t.buf("NORM_W") is not None:
             out.append(Access(4, "r", t.off("NORM_W") + np.arange(D)))
@@ -97,7 +97,7 @@ class QkvPrepPaged(TaskKind):
     def traffic(self, counts, elem_bytes, params, world):
         B, D, is_kv = params[0], params[1], params[5]
         n = B * D * (2 if is_kv else 1)
-        return n * elem_bytes[0] + 2 * B * 4 + D * elem_bytes[4] + B * D * elem_bytes[5], n * elem_bytes[6]
+        return n * elem_bytes[0] + 2 * B * 4 + D * (elem_bytes[4] + 2), n * elem_bytes[6]
 
 
 KIND = QkvPrepPaged()
