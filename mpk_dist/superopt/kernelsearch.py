@@ -408,12 +408,13 @@ class KernelSearch:
         infos = [tensors[n] for n in names]
         seen = {i.expr for i in infos}
         fresh = f"t{len(ops)}"
+        gate = self._may_be_output(infos) if last and self.output_gate else None
         for kind, args, attrs, akey in self._library_ops(infos, last):
             arg_names = tuple(names[i] for i in args)
             key = ("p", kind, arg_names, akey)
             if not _canonical(key, arg_names, prev):
                 continue
-            if last and self.output_gate and not self._may_be_output(kind, args, attrs, infos):
+            if gate is not None and not gate(kind, args, attrs):
                 continue
             info = infer(kind, [infos[i] for i in args], attrs)
             if info is None or info.expr in seen or (last and not self._is_output(info)):
@@ -439,11 +440,12 @@ class KernelSearch:
                         continue
                 yield move
 
-    def _may_be_output(self, kind: str, args: tuple, attrs: dict, infos: list) -> bool:
-        """False only when the library op ``kind`` on ``infos[i] for i in args`` cannot have the
-        target's abstract expression: its stripped fingerprint (``blockshare``'s
-        ``Fingerprint(sized=False)``, computed from the operands' by ``Fingerprint.op``) is not
-        the target's output's.
+    def _may_be_output(self, infos: list):
+        """A test ``(kind, args, attrs) -> bool`` of library ops on ``infos``: False only when
+        the op ``kind`` on ``infos[i] for i in args`` cannot have the target's abstract
+        expression: its stripped fingerprint (``blockshare``'s ``Fingerprint(sized=False)``,
+        computed from the operands' by ``Fingerprint.op``) is not the target's output's. The
+        operands' fingerprints are looked up once per tensor.
 
         Why exact: every rewrite the expression constructors apply holds for fingerprints
         (``blockmemo.Fingerprint``), so the result's fingerprint is that of the expression
@@ -460,8 +462,16 @@ class KernelSearch:
         want = self.__dict__.get("_want_sfp")
         if want is None or want[0] is not fp:
             want = self._want_sfp = (fp, fp.of_expr(self.ctx.target.out_expr))
-        vals = [fp.of_expr(infos[i].expr) for i in args]
-        return fp.op(kind, attrs, vals, 1) == want[1]  # stripped: reduction sizes do not count
+        vals = [None] * len(infos)
+
+        def test(kind: str, args: tuple, attrs: dict) -> bool:
+            for i in args:
+                if vals[i] is None:
+                    vals[i] = fp.of_expr(infos[i].expr)
+            # stripped: reduction sizes do not count (the extent is not read)
+            return fp.op(kind, attrs, [vals[i] for i in args], 1) == want[1]
+
+        return test
 
     def _library_ops(self, infos: list, last: bool):
         """The pre-defined ops (``inference.candidate_ops``: (kind, arg indices, attrs, attr

@@ -119,7 +119,13 @@ class StructureSieve:
         new input set, 73% of a lane's time per first op, twentieth session)."""
         vr = self.values_r(leaves)
         roots = self.roots
-        cand = np.flatnonzero(vr[roots] == want[1])
+        lib = native.library()
+        if lib is None:
+            cand = np.flatnonzero(vr[roots] == want[1])
+        else:  # the same ascending positions, without the gathered copy and the bool array
+            cand = np.empty(len(roots), np.int64)
+            cand = cand[:lib.sieve_find(vr.ctypes.data, roots.ctypes.data, len(roots),
+                                        want[1], cand.ctypes.data)]
         out = np.zeros(len(roots), bool)
         if cand.size:
             vp = self.values_p(leaves, vr, roots[cand])

@@ -101,3 +101,32 @@ def test_without_the_library_values_r_is_numpys(fresh, monkeypatch):
     sv, leaves = next(_sieves())
     assert sv.values_r(leaves).tolist() == sv.values_r_numpy(leaves).tolist()
     assert sv.r_native == 0
+
+
+@needs_cc
+def test_find_is_flatnonzero(fresh):
+    """``sieve_find``: the ascending positions of the roots whose value is the wanted one."""
+    rng = np.random.default_rng(5)
+    lib = native.library()
+    v = rng.integers(0, 7, 4000).astype(np.int32)
+    roots = rng.integers(0, 4000, 3000).astype(np.int32)
+    for want in range(8):
+        cand = np.empty(len(roots), np.int64)
+        k = lib.sieve_find(v.ctypes.data, roots.ctypes.data, len(roots), want, cand.ctypes.data)
+        assert cand[:k].tolist() == np.flatnonzero(v[roots] == want).tolist()
+
+
+@needs_cc
+def test_matches_in_c_is_the_full_test(fresh):
+    """``matches`` with the C loops gives ``matches_full``'s array for the target's value and
+    for values some roots have."""
+    compared = matched = 0
+    for sv, leaves in _sieves():
+        vp, vr = sv.values(leaves)
+        wants = [(vp[r], vr[r]) for r in sv.roots[::max(1, len(sv.roots) // 5)].tolist()]
+        for want in wants + [(1, 1)]:
+            got = sv.matches(leaves, want)
+            assert got.tolist() == sv.matches_full(leaves, want).tolist()
+            compared += len(got)
+            matched += int(got.sum())
+    assert compared > 10_000 and matched > 10
