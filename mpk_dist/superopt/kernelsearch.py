@@ -44,6 +44,9 @@ class KernelSearch:
     # dropped before its expression is built (``_may_be_output``; False: every one built, as
     # before the twenty-first session, for the test)
     output_gate = True
+    # the least layout bound of a subset kept per its tensor types (``_least_layout``; False:
+    # computed every time, as before the twenty-first session, for the test)
+    least_memo = True
 
     def __init__(self, ctx: Context, catalog: BlockCatalog, bound: float = math.inf,
                  verify=None, lanes=None) -> None:
@@ -513,11 +516,31 @@ class KernelSearch:
                     continue  # the last op must read every tensor nobody read yet
                 if not _canonical(("c", subset, math.inf), subset, prev):
                     continue  # no option of this subset can be canonical here: do not build
-                lays = B.layouts(subset, tensors, self.ctx.config.max_grid_dims)
-                least = min((self.lower.layout(lay, tensors, last) for lay in lays),
-                            default=math.inf)
+                least = self._least_layout(subset, tensors, last)
                 if spent + least <= self.bound:
                     yield subset, least
+
+    def _least_layout(self, subset: tuple, tensors: dict, last: bool) -> float:
+        """The least ``RestBound.layout`` over the layouts of a custom op over ``subset``.
+
+        A function of the subset's tensor types (shape and symbols, position by position) and
+        ``last``: ``blocksearch.layouts`` picks grid and loop symbols from the symbols alone, and
+        ``RestBound.layout`` reads the layout's symbols and its inputs' shapes and symbols. So
+        it is kept per those (``_least_memo``, at most ``LIBRARY_MEMO`` entries; ``least_memo``
+        False: computed every time, as before the twenty-first session, for the test). NOTE:
+        a lane asks it for every subset after every first op (qk_norm_rope: ~6 subsets per
+        first op, ~8% of a lane's time on (G,)'s first ops, twenty-first session)."""
+        memo = self.__dict__.setdefault("_least_memo", {}) if self.least_memo else None
+        key = (tuple((tensors[n].shape, tensors[n].syms) for n in subset), last)
+        hit = memo.get(key) if memo is not None else None
+        if hit is None:
+            lays = B.layouts(subset, tensors, self.ctx.config.max_grid_dims)
+            hit = min((self.lower.layout(lay, tensors, last) for lay in lays), default=math.inf)
+            if memo is not None:
+                if len(memo) >= LIBRARY_MEMO:
+                    memo.clear()
+                memo[key] = hit
+        return hit
 
     def _last_options(self, tensors: dict, subset: tuple, prev, n_ops: int, spent: float):
         """The last op's custom-op moves over ``subset``, layout by layout, only from layouts
