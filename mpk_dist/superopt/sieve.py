@@ -24,6 +24,10 @@ and a graph it drops would have failed the exact test. It only lets through more
 Since the twentieth session ``matches`` computes the r parts of every structure first (no p part
 enters an r part) and the p parts only under the roots whose r part is the wanted one: the same
 array, without x**K and W**b for almost every structure (``StructureSieve.matches``).
+
+Since the twenty-first session the r parts' add / mul / div groups and the search for the roots
+with the wanted r part run in C when a compiler is at hand (``native``), with the numpy code
+kept as the fallback and as the tests' reference.
 """
 
 from __future__ import annotations
