@@ -130,3 +130,28 @@ def test_matches_in_c_is_the_full_test(fresh):
             compared += len(got)
             matched += int(got.sum())
     assert compared > 10_000 and matched > 10
+
+
+@needs_cc
+def test_chain_groups_by_table(fresh, monkeypatch):
+    """With the C loops, chain groups are read from one table per program (``_chain_table``):
+    the same r parts as ``values_r_numpy``, with ``_chain_r`` (its recursion counted) run once
+    per program and sieve instead of for every chain group of every call."""
+    from mpk_dist.superopt.sieve import StructureSieve
+
+    real, calls = StructureSieve._chain_r, [0]
+
+    def counted(self, prog, x):
+        calls[0] += 1
+        return real(self, prog, x)
+
+    monkeypatch.setattr(StructureSieve, "_chain_r", counted)
+    c_new = c_ref = 0
+    for sv, leaves in _sieves():
+        calls[0] = 0
+        refs = [sv.values_r_numpy(leaves) for _ in range(3)]
+        c_ref, calls[0] = c_ref + calls[0], 0
+        got = [sv.values_r(leaves) for _ in range(3)]
+        c_new += calls[0]
+        assert all(g.tolist() == refs[0].tolist() for g in got)
+    assert c_ref > 0 and c_new * 3 < c_ref, (c_new, c_ref)
