@@ -10,7 +10,8 @@ tests compare the C loops with (tests/superopt/test_native.py).
 What is here: ``sieve_bin_r``, the r parts of one binary group of ``sieve.StructureSieve``
 (``values_r``): per element, the operands' r parts gathered, added or multiplied modulo r, and
 scattered to the result's position; ``sieve_find``, the roots whose r part is the wanted one
-(``StructureSieve.matches``' ``np.flatnonzero(vr[roots] == want)`` in one pass). NOTE: numpy runs that as five passes over the group (two
+(``StructureSieve.matches``' ``np.flatnonzero(vr[roots] == want)`` in one pass); ``sieve_need``,
+``values_p``' marking of the structures under the matching roots, group by group. NOTE: numpy runs that as five passes over the group (two
 gathers, the operation, the remainder, the scatter) with int32 temporaries; for qk_norm_rope's
 lanes (360,405 structures in 25 groups) ``values_r`` took 3.5 ms per new input set, ~30% of a
 lane's time per first op (twentieth and twenty-first sessions).
@@ -40,6 +41,17 @@ SOURCE = r"""
 void sieve_bin_r(int32_t *v, const int32_t *out, const int32_t *a, const int32_t *b,
                  int64_t n, int32_t add, int32_t r) {
     if (r == 32749) { LOOP(32749) } else { LOOP(r) }
+}
+
+/* One group of values_p's marking, results before operands: for every i < n (ascending) whose
+   result is needed (need[out[i]] != 0) its operands become needed and i is written to pick;
+   returns the number of such i. */
+int64_t sieve_need(uint8_t *need, const int32_t *out, const int32_t *a, const int32_t *b,
+                   int64_t n, int64_t *pick) {
+    int64_t k = 0;
+    for (int64_t i = 0; i < n; i++)
+        if (need[out[i]]) { need[a[i]] = 1; need[b[i]] = 1; pick[k++] = i; }
+    return k;
 }
 
 /* The positions i < n (ascending) with v[roots[i]] == want, written to cand; their number. */
@@ -98,5 +110,7 @@ def library():
     lib.sieve_bin_r.restype = None
     lib.sieve_find.argtypes = [ptr, ptr, ctypes.c_int64, ctypes.c_int32, ptr]
     lib.sieve_find.restype = ctypes.c_int64
+    lib.sieve_need.argtypes = [ptr, ptr, ptr, ptr, ctypes.c_int64, ptr]
+    lib.sieve_need.restype = ctypes.c_int64
     _STATE["lib"] = lib
     return lib

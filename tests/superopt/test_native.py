@@ -155,3 +155,31 @@ def test_chain_groups_by_table(fresh, monkeypatch):
         c_new += calls[0]
         assert all(g.tolist() == refs[0].tolist() for g in got)
     assert c_ref > 0 and c_new * 3 < c_ref, (c_new, c_ref)
+
+
+@needs_cc
+def test_needed_in_c_marks_what_numpy_marks(fresh):
+    """``values_p``' marking in C (``_needed``) picks, per group, the positions numpy's masks
+    (``_needed_numpy``) hold, and ``values_p`` then gives ``values``' p parts at the marked
+    nodes and 0 elsewhere."""
+    compared = 0
+    for sv, leaves in _sieves():
+        vp_all, vr_all = sv.values(leaves)
+        vr = sv.values_r(leaves)
+        for nodes in (sv.roots[:3], sv.roots[::7], sv.roots[-1:]):
+            before = sv.p_native
+            got = sv._needed(nodes)
+            assert sv.p_native == before + 1
+            ref = sv._needed_numpy(nodes)
+            assert [None if m is None else np.flatnonzero(m).tolist() for m in ref] == \
+                [None if m is None else m.tolist() for m in got]
+            vp = sv.values_p(leaves, vr, nodes)
+            marked = np.zeros(sv.n, bool)
+            for (_, _, out, _, _), m in zip(sv.groups, got):
+                if m is not None:
+                    marked[out[m]] = True
+            assert marked[nodes].all()
+            assert vp[marked].tolist() == vp_all[marked].tolist()
+            assert not vp[~marked & ~np.isin(np.arange(sv.n), sv.in_pos)].any()
+            compared += int(marked.sum())
+    assert compared > 1000
