@@ -40,6 +40,13 @@ class KernelSearch:
     # later layout item whose listing is back go first (``_ready_layout``; False: in order, as
     # before the twentieth session, for the test)
     ready_first = True
+    # the last op's library ops: a result whose stripped fingerprint is not the target's is
+    # dropped before its expression is built (``_may_be_output``; False: every one built, as
+    # before the twenty-first session, for the test)
+    output_gate = True
+    # the least layout bound of a subset kept per its tensor types (``_least_layout``; False:
+    # computed every time, as before the twenty-first session, for the test)
+    least_memo = True
 
     def __init__(self, ctx: Context, catalog: BlockCatalog, bound: float = math.inf,
                  verify=None, lanes=None) -> None:
@@ -404,10 +411,13 @@ class KernelSearch:
         infos = [tensors[n] for n in names]
         seen = {i.expr for i in infos}
         fresh = f"t{len(ops)}"
+        gate = self._may_be_output(infos) if last and self.output_gate else None
         for kind, args, attrs, akey in self._library_ops(infos, last):
             arg_names = tuple(names[i] for i in args)
             key = ("p", kind, arg_names, akey)
             if not _canonical(key, arg_names, prev):
+                continue
+            if gate is not None and not gate(kind, args, attrs):
                 continue
             info = infer(kind, [infos[i] for i in args], attrs)
             if info is None or info.expr in seen or (last and not self._is_output(info)):
@@ -432,6 +442,39 @@ class KernelSearch:
                     if move is None:
                         continue
                 yield move
+
+    def _may_be_output(self, infos: list):
+        """A test ``(kind, args, attrs) -> bool`` of library ops on ``infos``: False only when
+        the op ``kind`` on ``infos[i] for i in args`` cannot have the target's abstract
+        expression: its stripped fingerprint (``blockshare``'s ``Fingerprint(sized=False)``,
+        computed from the operands' by ``Fingerprint.op``) is not the target's output's. The
+        operands' fingerprints are looked up once per tensor.
+
+        Why exact: every rewrite the expression constructors apply holds for fingerprints
+        (``blockmemo.Fingerprint``), so the result's fingerprint is that of the expression
+        ``infer`` would build, and equal expressions have equal fingerprints. A last op whose
+        expression is not the target's is dropped by ``_moves`` whatever else holds (before
+        anything is counted or asked of the oracle), so dropping it earlier changes nothing.
+        NOTE: without it the lanes built the expression of every last library op whose shape is
+        the target's (~22 per qk_norm_rope first op, most of them new products distributed over
+        sums: ~2.0 s of 7.6 s for 3,000 first ops, twenty-first session) to compare it and drop
+        it."""
+        from mpk_dist.superopt.blockshare import _stripped_fp
+
+        fp = _stripped_fp(self.ctx)
+        want = self.__dict__.get("_want_sfp")
+        if want is None or want[0] is not fp:
+            want = self._want_sfp = (fp, fp.of_expr(self.ctx.target.out_expr))
+        vals = [None] * len(infos)
+
+        def test(kind: str, args: tuple, attrs: dict) -> bool:
+            for i in args:
+                if vals[i] is None:
+                    vals[i] = fp.of_expr(infos[i].expr)
+            # stripped: reduction sizes do not count (the extent is not read)
+            return fp.op(kind, attrs, [vals[i] for i in args], 1) == want[1]
+
+        return test
 
     def _library_ops(self, infos: list, last: bool):
         """The pre-defined ops (``inference.candidate_ops``: (kind, arg indices, attrs, attr
@@ -473,11 +516,31 @@ class KernelSearch:
                     continue  # the last op must read every tensor nobody read yet
                 if not _canonical(("c", subset, math.inf), subset, prev):
                     continue  # no option of this subset can be canonical here: do not build
-                lays = B.layouts(subset, tensors, self.ctx.config.max_grid_dims)
-                least = min((self.lower.layout(lay, tensors, last) for lay in lays),
-                            default=math.inf)
+                least = self._least_layout(subset, tensors, last)
                 if spent + least <= self.bound:
                     yield subset, least
+
+    def _least_layout(self, subset: tuple, tensors: dict, last: bool) -> float:
+        """The least ``RestBound.layout`` over the layouts of a custom op over ``subset``.
+
+        A function of the subset's tensor types (shape and symbols, position by position) and
+        ``last``: ``blocksearch.layouts`` picks grid and loop symbols from the symbols alone, and
+        ``RestBound.layout`` reads the layout's symbols and its inputs' shapes and symbols. So
+        it is kept per those (``_least_memo``, at most ``LIBRARY_MEMO`` entries; ``least_memo``
+        False: computed every time, as before the twenty-first session, for the test). NOTE:
+        a lane asks it for every subset after every first op (qk_norm_rope: ~6 subsets per
+        first op, ~8% of a lane's time on (G,)'s first ops, twenty-first session)."""
+        memo = self.__dict__.setdefault("_least_memo", {}) if self.least_memo else None
+        key = (tuple((tensors[n].shape, tensors[n].syms) for n in subset), last)
+        hit = memo.get(key) if memo is not None else None
+        if hit is None:
+            lays = B.layouts(subset, tensors, self.ctx.config.max_grid_dims)
+            hit = min((self.lower.layout(lay, tensors, last) for lay in lays), default=math.inf)
+            if memo is not None:
+                if len(memo) >= LIBRARY_MEMO:
+                    memo.clear()
+                memo[key] = hit
+        return hit
 
     def _last_options(self, tensors: dict, subset: tuple, prev, n_ops: int, spent: float):
         """The last op's custom-op moves over ``subset``, layout by layout, only from layouts

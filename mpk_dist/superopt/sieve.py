@@ -24,6 +24,10 @@ and a graph it drops would have failed the exact test. It only lets through more
 Since the twentieth session ``matches`` computes the r parts of every structure first (no p part
 enters an r part) and the p parts only under the roots whose r part is the wanted one: the same
 array, without x**K and W**b for almost every structure (``StructureSieve.matches``).
+
+Since the twenty-first session the r parts' add / mul / div groups and the search for the roots
+with the wanted r part run in C when a compiler is at hand (``native``), with the numpy code
+kept as the fallback and as the tests' reference.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from __future__ import annotations
 import numpy as np
 
 from mpk_dist.superopt import expr as E
+from mpk_dist.superopt import native
 from mpk_dist.superopt.field import _vpow
 
 # p = 2*R*Q + 1 (prime, 31 bits; R = 32749 and Q = 32609 primes), W of order R in Z_p*, K with
@@ -83,6 +88,9 @@ class StructureSieve:
         self.roots = np.array([local[r] for r in roots], np.int32)
         self.nbytes = sum(x.nbytes for g in self.groups for x in g[2:]) + self.roots.nbytes
         self.p_computed = 0  # structures whose p part ``values_p`` computed, over all calls
+        self.r_native = 0    # ``values_r`` calls that ran in C
+        self.chain_tables: dict = {}  # id(prog) -> (prog, ``_chain_table``)
+        self.p_native = 0    # ``_needed`` calls that ran in C
 
     def values(self, leaves: tuple) -> tuple:
         """(p parts, r parts) of every compiled structure's fingerprint for ``leaves``."""
@@ -117,7 +125,13 @@ class StructureSieve:
         new input set, 73% of a lane's time per first op, twentieth session)."""
         vr = self.values_r(leaves)
         roots = self.roots
-        cand = np.flatnonzero(vr[roots] == want[1])
+        lib = native.library()
+        if lib is None:
+            cand = np.flatnonzero(vr[roots] == want[1])
+        else:  # the same ascending positions, without the gathered copy and the bool array
+            cand = np.empty(len(roots), np.int64)
+            cand = cand[:lib.sieve_find(vr.ctypes.data, roots.ctypes.data, len(roots),
+                                        want[1], cand.ctypes.data)]
         out = np.zeros(len(roots), bool)
         if cand.size:
             vp = self.values_p(leaves, vr, roots[cand])
@@ -134,7 +148,33 @@ class StructureSieve:
         """The r parts of every compiled structure's fingerprint for ``leaves`` (``values``'s
         second array), as int32: r parts are below R15 < 2^15, so a product of two (and the
         cubic's Horner steps) stays below 2^31 (1.7x faster than int64 in a micro-benchmark of
-        one gather, product and remainder)."""
+        one gather, product and remainder).
+
+        The add, mul and div groups run in C (``native.library``'s ``sieve_bin_r``: the same
+        sums and products modulo r, element by element, in the groups' order) when it is
+        available, else in numpy (``values_r_numpy``, the reference of
+        tests/superopt/test_native.py); chain groups (a few thousand structures) stay in numpy.
+        NOTE: 3.5 ms -> ~0.6 ms per call on qk_norm_rope's lane signature (360,405 structures;
+        twenty-first session)."""
+        lib = native.library()
+        if lib is None:
+            return self.values_r_numpy(leaves)
+        r = self.fp.q
+        assert (r - 1) ** 2 + r < 2 ** 31
+        vr = np.zeros(self.n, np.int32)
+        vr[self.in_pos] = np.array([x[1] for x in leaves], np.int32)[self.in_k]
+        at = vr.ctypes.data
+        for code, prog, out, a, b in self.groups:
+            if code == "chain":
+                vr[out] = self._chain_table(prog)[vr[a]]
+            else:  # div as mul: inv is the identity on the r part
+                lib.sieve_bin_r(at, out.ctypes.data, a.ctypes.data, b.ctypes.data, len(out),
+                                code == "add", r)
+        self.r_native += 1
+        return vr
+
+    def values_r_numpy(self, leaves: tuple) -> np.ndarray:
+        """``values_r`` in numpy alone (the path without the C library, and its reference)."""
         r = self.fp.q
         assert (r - 1) ** 2 + r < 2 ** 31
         vr = np.zeros(self.n, np.int32)
@@ -152,17 +192,8 @@ class StructureSieve:
         """The p parts of the structures at positions ``nodes`` and of every structure under
         them, for ``leaves`` whose r parts are ``vr`` (``values_r``); other positions hold 0.
         Each group computes its needed elements as ``values`` does (``_chain`` / ``_binary`` on
-        the operands' p and r parts)."""
-        need = np.zeros(self.n, bool)
-        need[nodes] = True
-        picks = [None] * len(self.groups)
-        for g in range(len(self.groups) - 1, -1, -1):  # operands sit in lower groups
-            _, _, out, a, b = self.groups[g]
-            m = need[out]
-            if m.any():
-                picks[g] = m
-                need[a[m]] = True
-                need[b[m]] = True
+        the operands' p and r parts). The groups' needed elements come from ``_needed``."""
+        picks = self._needed(nodes)
         vp = np.zeros(self.n, np.int64)
         lp = np.array([x[0] for x in leaves], np.int64)
         vp[self.in_pos] = lp[self.in_k]
@@ -177,6 +208,43 @@ class StructureSieve:
             vp[out[m]] = y[0]
             self.p_computed += len(a)
         return vp
+
+    def _needed(self, nodes: np.ndarray) -> list:
+        """Per group, the positions in the group (ascending; None: none) of the structures at
+        ``nodes`` and of every structure under them: results marked before their operands, the
+        groups from the highest down (operands sit in lower groups). In C when the library is
+        there (``native``'s ``sieve_need``: the same marks in one pass per group), else numpy
+        (``_needed_numpy``). NOTE: the marking was ~0.7 of a ~1.4 ms ``values_p`` on the
+        qk_norm_rope lane signature (twenty-first session)."""
+        lib = native.library()
+        if lib is None:
+            return self._needed_numpy(nodes)
+        need = np.zeros(self.n, np.uint8)
+        need[nodes] = 1
+        picks = [None] * len(self.groups)
+        buf = np.empty(max((len(g[2]) for g in self.groups), default=0), np.int64)
+        for g in range(len(self.groups) - 1, -1, -1):
+            _, _, out, a, b = self.groups[g]
+            k = lib.sieve_need(need.ctypes.data, out.ctypes.data, a.ctypes.data, b.ctypes.data,
+                               len(out), buf.ctypes.data)
+            if k:
+                picks[g] = buf[:k].copy()
+        self.p_native += 1
+        return picks
+
+    def _needed_numpy(self, nodes: np.ndarray) -> list:
+        """``_needed`` in numpy (the reference), as bool masks over each group."""
+        need = np.zeros(self.n, bool)
+        need[nodes] = True
+        picks = [None] * len(self.groups)
+        for g in range(len(self.groups) - 1, -1, -1):  # operands sit in lower groups
+            _, _, out, a, b = self.groups[g]
+            m = need[out]
+            if m.any():
+                picks[g] = m
+                need[a[m]] = True
+                need[b[m]] = True
+        return picks
 
     def _binary(self, code: str, x: tuple, y: tuple) -> tuple:
         p, r = self.fp.p, self.fp.q
@@ -208,6 +276,18 @@ class StructureSieve:
                 acc = (acc * v % m + coef) % m
             out.append(acc)
         return tuple(out)
+
+    def _chain_table(self, prog) -> np.ndarray:
+        """``_chain_r(prog, x)`` for every r part x in [0, r), as a table (built once per
+        program). Exact: a chain program acts element by element (constants, sums, products,
+        exp's 1 and the cubic), and every r part is in [0, r), so ``table[x]`` is
+        ``_chain_r(prog, x)``. NOTE: the chain groups' recursion over small arrays was ~0.23 ms
+        of a 0.9 ms ``values_r`` (twenty-first session)."""
+        hit = self.chain_tables.get(id(prog))
+        if hit is None or hit[0] is not prog:
+            x = np.arange(self.fp.q, dtype=np.int32)
+            hit = self.chain_tables[id(prog)] = (prog, self._chain_r(prog, x))  # keeps prog alive
+        return hit[1]
 
     def _chain_r(self, prog, x: np.ndarray) -> np.ndarray:
         """The r part of a chain program on arrays (``_chain``'s second array, from r parts

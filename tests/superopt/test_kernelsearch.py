@@ -1,5 +1,6 @@
 """Kernel-graph search: the early shape check of last custom ops drops only impossible ones."""
 
+import math
 import time
 
 from mpk_dist.superopt import blocksearch as B
@@ -358,3 +359,109 @@ def test_unpruned_canonical_phase_prefetches_before_the_library_moves():
     assert len(early) >= 2 and not none
     key = lambda m: m[6] if m[0] == "c" else m[2]  # noqa: E731
     assert sorted(map(key, two)) == sorted(map(key, one))
+
+
+def test_last_op_library_ops_gated_by_stripped_fingerprint():
+    """The last op's pre-defined ops after first ops of qk_norm_rope (H=4, D=16: its library
+    first ops and a sample of custom ones over G) and of silu_mul_linear (custom first ops over
+    (A, B), after which matmul(t0, W) completes the graph), unpruned: with the fingerprint gate
+    (``KernelSearch._may_be_output``) the same moves in the same order and the same ``explored``
+    as with every expression built (``output_gate = False``), with at least 10x fewer
+    expressions built, and some graphs completed (the gate lets the target through)."""
+    from mpk_dist.superopt import kernelsearch as K
+    from mpk_dist.superopt.catalog import BlockCatalog
+
+    real, calls = K.infer, [0]
+
+    def counted(kind, args, attrs, exprs=True):
+        calls[0] += exprs
+        return real(kind, args, attrs, exprs)
+
+    class _Ungated(K.KernelSearch):
+        output_gate = False
+
+    cases = [("qk_norm_rope", {"H": 4, "D": 16}, True, ("G",)),
+             ("silu_mul_linear", {"M": 2, "I": 64, "N": 32}, False, ("A", "B"))]
+    completed = 0
+    for name, shape, library_firsts, subset in cases:
+        target = analyze(build(name, shape))
+        config = SearchConfig(max_kernel_ops=2, max_block_ops=3, prune=False)
+        results = []
+        for cls in (K.KernelSearch, _Ungated):
+            ctx = Context(target, config, time.monotonic() + 120)
+            ks = cls(ctx, BlockCatalog(ctx, 1))
+            tensors = dict(ks.inputs)
+            firsts = list(ks._moves(tensors, [], None, False, set(), 0.0, custom=False)) \
+                if library_firsts else []
+            for k in range(len(ks.catalog.layouts(subset, tensors))):
+                opts = list(ks._options(tensors, subset, None, False, 0, k))
+                firsts += [m for j, m in enumerate(opts) if not j % 40 or
+                           len(m[4].outputs) == 1 and len(m[4].body) + len(m[4].post) == 2]
+            built = [b for m in firsts if (b := ks._build(tensors, 0, False, m)) is not None]
+            K.infer, calls[0] = counted, 0
+            try:
+                got = []
+                for op, new, key, cost in built:
+                    t2 = {**tensors, **new}
+                    dangling = {n for n in t2 if n not in op.inputs}
+                    got.append([(o.kind, o.inputs, o.outputs, o.attrs, o.origin, n, k, c)
+                                for o, n, k, c in ks._moves(t2, [op], (key, set(new)), True,
+                                                            dangling, cost, custom=False)])
+            finally:
+                K.infer = real
+            results.append((got, ctx.counts["explored"], calls[0]))
+        (new, e_new, c_new), (ref, e_ref, c_ref) = results
+        assert new == ref and e_new == e_ref, name
+        assert c_new * 10 < c_ref, (name, c_new, c_ref)
+        completed += sum(map(len, new))
+    assert completed > 0
+
+
+def test_least_layout_bound_kept_per_tensor_types():
+    """``_subsets`` after first ops of qk_norm_rope (H=4, D=16: library first ops and a sample
+    of custom ones over G) with the last op next: the same subsets and least layout bounds, in
+    the same order, under a bound that cuts some of them, as with the bound computed every
+    time (``least_memo = False``), with at least 5x fewer ``blocksearch.layouts`` calls."""
+    from mpk_dist.superopt import kernelsearch as K
+    from mpk_dist.superopt.catalog import BlockCatalog
+
+    real, calls = B.layouts, [0]
+
+    def counted(*a):
+        calls[0] += 1
+        return real(*a)
+
+    class _EveryTime(K.KernelSearch):
+        least_memo = False
+
+    target = analyze(build("qk_norm_rope", {"H": 4, "D": 16}))
+    config = SearchConfig(max_kernel_ops=2, max_block_ops=3, prune=False)
+    results = []
+    for cls in (K.KernelSearch, _EveryTime):
+        ctx = Context(target, config, time.monotonic() + 120)
+        ks = cls(ctx, BlockCatalog(ctx, 1))
+        tensors = dict(ks.inputs)
+        firsts = list(ks._moves(tensors, [], None, False, set(), 0.0, custom=False))
+        for k in range(len(ks.catalog.layouts(("G",), tensors))):
+            firsts += list(ks._options(tensors, ("G",), None, False, 0, k))[::40]
+        built = [b for m in firsts if (b := ks._build(tensors, 0, False, m)) is not None]
+        B.layouts, calls[0] = counted, 0
+        try:
+            got, bound = [], math.inf
+            for _ in range(2):  # no bound, then the median of what the first pass yielded
+                ks.bound = bound
+                for op, new, key, cost in built:
+                    t2 = {**tensors, **new}
+                    must = {n for n in t2 if n not in op.inputs}
+                    got.append(list(ks._subsets(t2, list(t2), (key, set(new)), True, must,
+                                                cost)))
+                totals = sorted(c + least for (_, _, _, c), subs in zip(built, got)
+                                for _, least in subs)
+                bound = totals[len(totals) // 2]
+        finally:
+            B.layouts = real
+        results.append((got, calls[0]))
+    (new, c_new), (ref, c_ref) = results
+    assert new == ref
+    assert sum(map(len, ref[:len(ref) // 2])) > sum(map(len, ref[len(ref) // 2:])) > 0
+    assert c_new * 5 < c_ref, (c_new, c_ref)

@@ -60,6 +60,9 @@ def test_origin_of_kept_by_identity_answers_as_computed(monkeypatch):
         return real(t)
 
     monkeypatch.setattr(T, "_sizeless", counted)
+    # every call walks (the sizeless forms' own memo, shared by both runs, would hide the
+    # difference: test_sizeless_kept_by_identity_gives_the_walks_answers checks that one)
+    monkeypatch.setattr(T, "SIZELESS_MEMO", False)
     got = []
     for memo in (True, False):
         target = analyze(build("qk_norm_rope", {"H": 4, "D": 16}))
@@ -83,3 +86,50 @@ def test_origin_of_kept_by_identity_answers_as_computed(monkeypatch):
     (new, w_new), (ref, w_ref) = got
     assert new == ref and len(new) > 1000 and any(new)
     assert w_new * 2 < w_ref, (w_new, w_ref)
+
+
+def test_sizeless_kept_by_identity_gives_the_walks_answers(monkeypatch):
+    """qk_norm_rope (H=4, D=16), every expression of first ops over (G,) and (Q,) as the lanes
+    instantiate them: ``_origin_of`` (no origin memo) answers the same with ``_sizeless`` kept by
+    the identity of each term as with the whole term walked every time (``SIZELESS_MEMO =
+    False``), and the same sizeless forms, with at least 5x fewer nodes walked."""
+    import time
+
+    from mpk_dist.superopt import blocksearch as B
+    from mpk_dist.superopt import target as T
+    from mpk_dist.superopt.bounds import input_infos
+    from mpk_dist.superopt.catalog import BlockCatalog
+    from mpk_dist.superopt.context import Context, SearchConfig
+
+    walked = [0]
+    real = T._sizeless_walk
+
+    def counted(t):
+        walked[0] += 1
+        return real(t)
+
+    monkeypatch.setattr(T, "_sizeless_walk", counted)
+    monkeypatch.setattr(T, "_SIZELESS", {})
+    got = []
+    for memo in (True, False):
+        monkeypatch.setattr(T, "SIZELESS_MEMO", memo)
+        target = analyze(build("qk_norm_rope", {"H": 4, "D": 16}))
+        ctx = Context(target, SearchConfig(max_kernel_ops=2, max_block_ops=3, prune=False),
+                      time.monotonic() + 120)
+        cat = BlockCatalog(ctx, 1)
+        infos = input_infos(target)
+        answers = []
+
+        def origin(e):
+            answers.append((target._origin_of(e), T._sizeless(e)))
+            return answers[-1][0]
+
+        walked[0] = 0
+        for subset in (("G",), ("Q",)):
+            for k in range(len(cat.layouts(subset, infos))):
+                for st, sizes, _, _ in cat.layout_options(subset, k, infos, False)[:300]:
+                    B.instantiate(st, sizes, infos, ("t0", "t1"), origin)
+        got.append((answers, walked[0]))
+    (new, w_new), (ref, w_ref) = got
+    assert new == ref and len(new) > 1000 and any(o for o, _ in new)
+    assert w_new * 5 < w_ref, (w_new, w_ref)
