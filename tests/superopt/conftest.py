@@ -47,3 +47,26 @@ def count_calls(monkeypatch):
         return calls, real
 
     return wrap
+
+
+@pytest.fixture
+def t0_signature():
+    """``t0_signature(name, shape)``: (target, input infos plus a made first-op output t0 = mul(x, x) of the first
+    input, the unpruned search config at 2 kernel ops / 4 block ops, its context): the setup of the sieve tests'
+    last-op signatures."""
+    import time
+
+    from mpk_dist.superopt.bounds import input_infos
+    from mpk_dist.superopt.context import Context, SearchConfig
+    from mpk_dist.superopt.target import analyze
+    from mpk_dist.superopt.ugraph import TensorInfo
+
+    def make(name: str, shape: dict):
+        target = analyze(build(name, shape))
+        infos = dict(input_infos(target))
+        first = next(iter(infos))
+        infos["t0"] = TensorInfo(infos[first].shape, infos[first].syms, ("mul", (infos[first].expr, infos[first].expr)))
+        config = SearchConfig(max_kernel_ops=2, max_block_ops=4, prune=False)
+        return target, infos, config, Context(target, config, time.monotonic() + 120)
+
+    return make

@@ -218,6 +218,22 @@ def test_unpruned_depth_prefetches_the_next_depths_first_listing(monkeypatch):
         assert off[:2] == (one, two) and off[4] == 0
 
 
+FIRST_OP_CASES = [("qk_norm_rope", {"H": 4, "D": 16}, True, ("G",)),
+                  ("silu_mul_linear", {"M": 2, "I": 64, "N": 32}, False, ("A", "B"))]
+"""(pattern, shape, whether its library first ops are taken, the subset whose custom first ops are sampled)."""
+
+
+def _sampled_first_ops(ks, tensors: dict, subset: tuple, library_firsts: bool, every: int) -> list:
+    """First-op moves of ``ks``: its library ops (when ``library_firsts``), every ``every``-th custom op of each
+    layout of ``subset``, and every one-output two-op structure (silu(A) * B among them)."""
+    firsts = list(ks._moves(tensors, [], None, False, set(), 0.0, custom=False)) if library_firsts else []
+    for k in range(len(ks.catalog.layouts(subset, tensors))):
+        opts = list(ks._options(tensors, subset, None, False, 0, k))
+        firsts += [m for j, m in enumerate(opts) if not j % every or
+                   len(m[4].outputs) == 1 and len(m[4].body) + len(m[4].post) == 2]
+    return firsts
+
+
 def test_last_op_library_ops_kept_per_tensor_types():
     """The last op's pre-defined ops after first ops of qk_norm_rope (H=4, D=16: its library
     first ops and custom ones over G) and of silu_mul_linear (custom first ops over (A, B),
@@ -246,10 +262,8 @@ def test_last_op_library_ops_kept_per_tensor_types():
         calls[0] += not exprs
         return real(kind, args, attrs, exprs)
 
-    cases = [("qk_norm_rope", {"H": 4, "D": 16}, True, ("G",)),
-             ("silu_mul_linear", {"M": 2, "I": 64, "N": 32}, False, ("A", "B"))]
     completed = firsts_n = 0
-    for name, shape, library_firsts, subset in cases:
+    for name, shape, library_firsts, subset in FIRST_OP_CASES:
         target = analyze(build(name, shape))
         config = SearchConfig(max_kernel_ops=2, max_block_ops=3, prune=False)
         results = []
@@ -257,13 +271,7 @@ def test_last_op_library_ops_kept_per_tensor_types():
             ctx = Context(target, config, time.monotonic() + 120)
             ks = cls(ctx, BlockCatalog(ctx, 1))
             tensors = dict(ks.inputs)
-            firsts = list(ks._moves(tensors, [], None, False, set(), 0.0, custom=False)) \
-                if library_firsts else []
-            for k in range(len(ks.catalog.layouts(subset, tensors))):
-                opts = list(ks._options(tensors, subset, None, False, 0, k))
-                # a sample, and every one-output two-op structure (silu(A) * B among them)
-                firsts += [m for j, m in enumerate(opts) if not j % 50 or
-                           len(m[4].outputs) == 1 and len(m[4].body) + len(m[4].post) == 2]
+            firsts = _sampled_first_ops(ks, tensors, subset, library_firsts, 50)
             K.infer, calls[0] = counted, 0
             try:
                 got = []
@@ -380,10 +388,8 @@ def test_last_op_library_ops_gated_by_stripped_fingerprint():
     class _Ungated(K.KernelSearch):
         output_gate = False
 
-    cases = [("qk_norm_rope", {"H": 4, "D": 16}, True, ("G",)),
-             ("silu_mul_linear", {"M": 2, "I": 64, "N": 32}, False, ("A", "B"))]
     completed = 0
-    for name, shape, library_firsts, subset in cases:
+    for name, shape, library_firsts, subset in FIRST_OP_CASES:
         target = analyze(build(name, shape))
         config = SearchConfig(max_kernel_ops=2, max_block_ops=3, prune=False)
         results = []
@@ -391,12 +397,7 @@ def test_last_op_library_ops_gated_by_stripped_fingerprint():
             ctx = Context(target, config, time.monotonic() + 120)
             ks = cls(ctx, BlockCatalog(ctx, 1))
             tensors = dict(ks.inputs)
-            firsts = list(ks._moves(tensors, [], None, False, set(), 0.0, custom=False)) \
-                if library_firsts else []
-            for k in range(len(ks.catalog.layouts(subset, tensors))):
-                opts = list(ks._options(tensors, subset, None, False, 0, k))
-                firsts += [m for j, m in enumerate(opts) if not j % 40 or
-                           len(m[4].outputs) == 1 and len(m[4].body) + len(m[4].post) == 2]
+            firsts = _sampled_first_ops(ks, tensors, subset, library_firsts, 40)
             built = [b for m in firsts if (b := ks._build(tensors, 0, False, m)) is not None]
             K.infer, calls[0] = counted, 0
             try:

@@ -1,8 +1,6 @@
 """native: the C loop of ``StructureSieve.values_r`` gives numpy's values (its reference), the
 library builds into the cache dir, and without it the numpy path runs."""
 
-import shutil
-import time
 
 import numpy as np
 import pytest
@@ -11,12 +9,7 @@ from mpk_dist.superopt import blocksearch as B
 from mpk_dist.superopt import native
 from mpk_dist.superopt.blockmemo import Fingerprint
 from mpk_dist.superopt.blockshare import SharedFinal
-from mpk_dist.superopt.bounds import input_infos
-from mpk_dist.superopt.context import Context, SearchConfig
-from mpk_dist.superopt.patterns import build
 from mpk_dist.superopt.sieve import FIELD31
-from mpk_dist.superopt.target import analyze
-from mpk_dist.superopt.ugraph import TensorInfo
 
 needs_cc = pytest.mark.skipif(native._compiler() is None, reason="no C compiler")
 
@@ -55,19 +48,13 @@ def test_bin_r_is_numpys_sum_and_product_modulo_r(fresh, r):
         assert v.tolist() == want.tolist()
 
 
-def _sieves():
+def _sieves(t0_signature):
     """Sieves of last-op signatures with a made first-op output t0 (attention: exp chains and
     div; rms_norm -> matmul: the x*x and sqrt chains), with leaves for two input orders."""
     fp31 = Fingerprint(sized=False, field=FIELD31)
     for name, shape in [("attention_decode", {"H": 4, "D": 64, "S": 256}),
                         ("rmsnorm_linear", {"M": 2, "K": 64, "N": 32})]:
-        target = analyze(build(name, shape))
-        infos = dict(input_infos(target))
-        first = next(iter(infos))
-        infos["t0"] = TensorInfo(infos[first].shape, infos[first].syms,
-                                 ("mul", (infos[first].expr, infos[first].expr)))
-        config = SearchConfig(max_kernel_ops=2, max_block_ops=4, prune=False)
-        ctx = Context(target, config, time.monotonic() + 120)
+        target, infos, config, ctx = t0_signature(name, shape)
         for lay in list(B.layouts(tuple(infos), infos, 1))[:8]:
             sym_size = {s: x for k in lay.inputs
                         for s, x in zip(infos[k].syms, infos[k].shape) if s}
@@ -80,11 +67,11 @@ def _sieves():
 
 
 @needs_cc
-def test_values_r_in_c_equals_numpy(fresh):
+def test_values_r_in_c_equals_numpy(fresh, t0_signature):
     """``values_r`` runs its add / mul / div groups in C and gives ``values_r_numpy``'s array
     (and ``values``'s r parts) for every structure of real signatures."""
     compared = calls = 0
-    for sv, leaves in _sieves():
+    for sv, leaves in _sieves(t0_signature):
         before = sv.r_native
         got = sv.values_r(leaves)
         calls += sv.r_native - before
@@ -95,10 +82,10 @@ def test_values_r_in_c_equals_numpy(fresh):
     assert compared > 10_000 and calls > 10, (compared, calls)
 
 
-def test_without_the_library_values_r_is_numpys(fresh, monkeypatch):
+def test_without_the_library_values_r_is_numpys(fresh, monkeypatch, t0_signature):
     monkeypatch.setenv("MPK_SUPEROPT_NATIVE", "0")
     assert native.library() is None
-    sv, leaves = next(_sieves())
+    sv, leaves = next(_sieves(t0_signature))
     assert sv.values_r(leaves).tolist() == sv.values_r_numpy(leaves).tolist()
     assert sv.r_native == 0
 
@@ -117,11 +104,11 @@ def test_find_is_flatnonzero(fresh):
 
 
 @needs_cc
-def test_matches_in_c_is_the_full_test(fresh):
+def test_matches_in_c_is_the_full_test(fresh, t0_signature):
     """``matches`` with the C loops gives ``matches_full``'s array for the target's value and
     for values some roots have."""
     compared = matched = 0
-    for sv, leaves in _sieves():
+    for sv, leaves in _sieves(t0_signature):
         vp, vr = sv.values(leaves)
         wants = [(vp[r], vr[r]) for r in sv.roots[::max(1, len(sv.roots) // 5)].tolist()]
         for want in wants + [(1, 1)]:
@@ -133,7 +120,7 @@ def test_matches_in_c_is_the_full_test(fresh):
 
 
 @needs_cc
-def test_chain_groups_by_table(fresh, monkeypatch):
+def test_chain_groups_by_table(fresh, monkeypatch, t0_signature):
     """With the C loops, chain groups are read from one table per program (``_chain_table``):
     the same r parts as ``values_r_numpy``, with ``_chain_r`` (its recursion counted) run once
     per program and sieve instead of for every chain group of every call."""
@@ -147,7 +134,7 @@ def test_chain_groups_by_table(fresh, monkeypatch):
 
     monkeypatch.setattr(StructureSieve, "_chain_r", counted)
     c_new = c_ref = 0
-    for sv, leaves in _sieves():
+    for sv, leaves in _sieves(t0_signature):
         calls[0] = 0
         refs = [sv.values_r_numpy(leaves) for _ in range(3)]
         c_ref, calls[0] = c_ref + calls[0], 0
@@ -158,12 +145,12 @@ def test_chain_groups_by_table(fresh, monkeypatch):
 
 
 @needs_cc
-def test_needed_in_c_marks_what_numpy_marks(fresh):
+def test_needed_in_c_marks_what_numpy_marks(fresh, t0_signature):
     """``values_p``' marking in C (``_needed``) picks, per group, the positions numpy's masks
     (``_needed_numpy``) hold, and ``values_p`` then gives ``values``' p parts at the marked
     nodes and 0 elsewhere."""
     compared = 0
-    for sv, leaves in _sieves():
+    for sv, leaves in _sieves(t0_signature):
         vp_all, vr_all = sv.values(leaves)
         vr = sv.values_r(leaves)
         for nodes in (sv.roots[:3], sv.roots[::7], sv.roots[-1:]):

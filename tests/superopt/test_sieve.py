@@ -113,18 +113,12 @@ def test_the_sieve_on_a_hand_made_table():
 
 
 @pytest.mark.parametrize("name,shape", CASES)
-def test_matches_from_r_parts_first_is_the_full_test(name, shape, monkeypatch):
+def test_matches_from_r_parts_first_is_the_full_test(name, shape, monkeypatch, t0_signature):
     """``matches`` (r parts of every structure, p parts only under the roots whose r part is the
     wanted one) gives the same array as ``matches_full`` (every structure's whole value, the former
     ``matches``) for the target's value and for values some roots have; and it computes far fewer
     p parts: the elements that go through x**K (``_pow_k``, the p part of inv) are counted."""
-    target = analyze(build(name, shape))
-    infos = dict(input_infos(target))
-    first = next(iter(infos))
-    infos["t0"] = TensorInfo(infos[first].shape, infos[first].syms,
-                             ("mul", (infos[first].expr, infos[first].expr)))
-    config = SearchConfig(max_kernel_ops=2, max_block_ops=4, prune=False)
-    ctx = Context(target, config, time.monotonic() + 120)
+    target, infos, config, ctx = t0_signature(name, shape)
     fp31 = Fingerprint(sized=False, field=FIELD31)
     powed = [0]
     real = StructureSieve._pow_k

@@ -39,96 +39,76 @@ def test_a_target_op_is_matched_with_sum_sizes_ignored():
     assert t.origin_of(E.mk_sum(D, E.mk_mul([E.var("Q"), E.var("Kt")]))) == "matmul#0"
 
 
-def test_origin_of_kept_by_identity_answers_as_computed(monkeypatch):
-    """qk_norm_rope (H=4, D=16), first ops over (G,) and (Q,) instantiated one after the other
-    as the lanes do (every expression of their block graphs asked for its origin): the answers of
-    ``origin_of`` (kept by the identity of the expression) equal ``_origin_of`` (the former
-    computation) asked every time, and ``_sizeless`` walks far fewer nodes."""
+def _instantiate_qk_first_ops(origin_for) -> None:
+    """qk_norm_rope (H=4, D=16): 300 first ops of every layout over (G,) and (Q,) instantiated one after the
+    other as the lanes do, every expression of their block graphs through ``origin_for(target)``."""
     import time
 
     from mpk_dist.superopt import blocksearch as B
-    from mpk_dist.superopt import target as T
     from mpk_dist.superopt.bounds import input_infos
     from mpk_dist.superopt.catalog import BlockCatalog
     from mpk_dist.superopt.context import Context, SearchConfig
 
-    walked = [0]
-    real = T._sizeless
+    target = analyze(build("qk_norm_rope", {"H": 4, "D": 16}))
+    ctx = Context(target, SearchConfig(max_kernel_ops=2, max_block_ops=3, prune=False), time.monotonic() + 120)
+    cat, infos, origin = BlockCatalog(ctx, 1), input_infos(target), origin_for(target)
+    for subset in (("G",), ("Q",)):
+        for k in range(len(cat.layouts(subset, infos))):
+            for st, sizes, _, _ in cat.layout_options(subset, k, infos, False)[:300]:
+                B.instantiate(st, sizes, infos, ("t0", "t1"), origin)
 
-    def counted(t):
-        walked[0] += 1
-        return real(t)
 
-    monkeypatch.setattr(T, "_sizeless", counted)
+def test_origin_of_kept_by_identity_answers_as_computed(monkeypatch, count_calls):
+    """First ops as the lanes instantiate them (``_instantiate_qk_first_ops``): the answers of ``origin_of``
+    (kept by the identity of the expression) equal ``_origin_of`` (the former computation) asked every time,
+    and ``_sizeless`` walks far fewer nodes."""
+    from mpk_dist.superopt import target as T
+
+    walked, _ = count_calls(T, "_sizeless")
     # every call walks (the sizeless forms' own memo, shared by both runs, would hide the
     # difference: test_sizeless_kept_by_identity_gives_the_walks_answers checks that one)
     monkeypatch.setattr(T, "SIZELESS_MEMO", False)
     got = []
     for memo in (True, False):
-        target = analyze(build("qk_norm_rope", {"H": 4, "D": 16}))
-        ctx = Context(target, SearchConfig(max_kernel_ops=2, max_block_ops=3, prune=False),
-                      time.monotonic() + 120)
-        cat = BlockCatalog(ctx, 1)
-        infos = input_infos(target)
-        ask = target.origin_of if memo else target._origin_of
         answers = []
 
-        def origin(e):
-            answers.append(ask(e))
-            return answers[-1]
+        def origin_for(target, memo=memo, answers=answers):
+            ask = target.origin_of if memo else target._origin_of
+
+            def origin(e):
+                answers.append(ask(e))
+                return answers[-1]
+            return origin
 
         walked[0] = 0
-        for subset in (("G",), ("Q",)):
-            for k in range(len(cat.layouts(subset, infos))):
-                for st, sizes, _, _ in cat.layout_options(subset, k, infos, False)[:300]:
-                    B.instantiate(st, sizes, infos, ("t0", "t1"), origin)
+        _instantiate_qk_first_ops(origin_for)
         got.append((answers, walked[0]))
     (new, w_new), (ref, w_ref) = got
     assert new == ref and len(new) > 1000 and any(new)
     assert w_new * 2 < w_ref, (w_new, w_ref)
 
 
-def test_sizeless_kept_by_identity_gives_the_walks_answers(monkeypatch):
-    """qk_norm_rope (H=4, D=16), every expression of first ops over (G,) and (Q,) as the lanes
-    instantiate them: ``_origin_of`` (no origin memo) answers the same with ``_sizeless`` kept by
-    the identity of each term as with the whole term walked every time (``SIZELESS_MEMO =
+def test_sizeless_kept_by_identity_gives_the_walks_answers(monkeypatch, count_calls):
+    """First ops as the lanes instantiate them: ``_origin_of`` (no origin memo) answers the same with
+    ``_sizeless`` kept by the identity of each term as with the whole term walked every time (``SIZELESS_MEMO =
     False``), and the same sizeless forms, with at least 5x fewer nodes walked."""
-    import time
-
-    from mpk_dist.superopt import blocksearch as B
     from mpk_dist.superopt import target as T
-    from mpk_dist.superopt.bounds import input_infos
-    from mpk_dist.superopt.catalog import BlockCatalog
-    from mpk_dist.superopt.context import Context, SearchConfig
 
-    walked = [0]
-    real = T._sizeless_walk
-
-    def counted(t):
-        walked[0] += 1
-        return real(t)
-
-    monkeypatch.setattr(T, "_sizeless_walk", counted)
+    walked, _ = count_calls(T, "_sizeless_walk")
     monkeypatch.setattr(T, "_SIZELESS", {})
     got = []
     for memo in (True, False):
         monkeypatch.setattr(T, "SIZELESS_MEMO", memo)
-        target = analyze(build("qk_norm_rope", {"H": 4, "D": 16}))
-        ctx = Context(target, SearchConfig(max_kernel_ops=2, max_block_ops=3, prune=False),
-                      time.monotonic() + 120)
-        cat = BlockCatalog(ctx, 1)
-        infos = input_infos(target)
         answers = []
 
-        def origin(e):
-            answers.append((target._origin_of(e), T._sizeless(e)))
-            return answers[-1][0]
+        def origin_for(target, answers=answers):
+            def origin(e):
+                answers.append((target._origin_of(e), T._sizeless(e)))
+                return answers[-1][0]
+            return origin
 
         walked[0] = 0
-        for subset in (("G",), ("Q",)):
-            for k in range(len(cat.layouts(subset, infos))):
-                for st, sizes, _, _ in cat.layout_options(subset, k, infos, False)[:300]:
-                    B.instantiate(st, sizes, infos, ("t0", "t1"), origin)
+        _instantiate_qk_first_ops(origin_for)
         got.append((answers, walked[0]))
     (new, w_new), (ref, w_ref) = got
     assert new == ref and len(new) > 1000 and any(o for o, _ in new)
