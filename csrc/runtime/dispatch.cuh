@@ -225,13 +225,13 @@ __device__ __noinline__ bool run_norm_linear(const TaskView& t, float* smem, int
   return true;
 }
 
-__device__ __noinline__ bool run_linear_residual(const TaskView& t, int tid, int nt) {
+__device__ __noinline__ bool run_linear_residual(const TaskView& t, float* smem, int tid, int nt) {
   if (t.dtype(LINEAR_RESIDUAL_ARG_Y) != DTYPE_F32 || t.dtype(LINEAR_RESIDUAL_ARG_RESIDUAL) != DTYPE_F32) return false;
   linear_residual(t.param(LINEAR_RESIDUAL_PARAM_BATCH), t.arg<const bf16>(LINEAR_RESIDUAL_ARG_X),
                   t.param(LINEAR_RESIDUAL_PARAM_X_STRIDE), t.arg<const bf16>(LINEAR_RESIDUAL_ARG_W),
                   t.arg<const float>(LINEAR_RESIDUAL_ARG_RESIDUAL), t.arg<float>(LINEAR_RESIDUAL_ARG_Y),
                   t.param(LINEAR_RESIDUAL_PARAM_Y_STRIDE), t.param(LINEAR_RESIDUAL_PARAM_K),
-                  t.param(LINEAR_RESIDUAL_PARAM_N_TILE), tid, nt);
+                  t.param(LINEAR_RESIDUAL_PARAM_N_TILE), smem, tid, nt);
   return true;
 }
 
@@ -560,7 +560,7 @@ __device__ bool run_task(const RuntimeParams& p, const int32_t* rec, int step, f
     case OP_ALLREDUCE_REDUCE: run_allreduce_reduce(t, tid, nt); return true;
     case OP_NORM_LINEAR: return run_norm_linear(t, smem, tid, nt);
     case OP_NORM_LINEAR_SILU: return run_norm_linear(t, smem, tid, nt);  // the gate|up projection + silu epilogue
-    case OP_LINEAR_RESIDUAL: return run_linear_residual(t, tid, nt);
+    case OP_LINEAR_RESIDUAL: return run_linear_residual(t, smem, tid, nt);
     case OP_SILU_LINEAR: return MPK_SILU_LINEAR_KIND && run_silu_linear(t, smem, tid, nt);
     case OP_ATTENTION_SPLIT: return run_attention_split(t, smem, tid, nt);
     case OP_ATTENTION_MERGE: return run_attention_merge(t, tid, nt);

@@ -2,14 +2,40 @@
 // (mpk_dist/taskgraph/tasks/linear_residual.py): the tp-1 residual add as the linear's epilogue.
 // The product is rounded once to bf16 (what the unfused linear stores) and added to the fp32
 // residual in fp32 (what the unfused add computes). GEMV: fused_gemv.cuh; x is a bf16 activation.
+//
+// MPK_LINEAR_RESIDUAL_STAGE 1 (a measurement variant, off; docs/PERF.md v0.21): with B >= 2 rows the tile first
+// copies its x rows into shared memory (stage_row, as silu_linear stages its prologue) and sums from there. Why:
+// at batch 2 qwen3-8b's down level ran ~5 us slower as linear_residual (x read from global memory inside the weight
+// loop) than as silu_linear (x staged). Same values, same sums: the logits must not change.
 #pragma once
 #include "fused_gemv.cuh"
 
+#ifndef MPK_LINEAR_RESIDUAL_STAGE
+#define MPK_LINEAR_RESIDUAL_STAGE 0
+#endif
+
 namespace mpk {
 
+// One bf16 activation row as stage_row reads it.
+struct ActRow {
+  const bf16* x;
+  __device__ __forceinline__ uint4 load8(int k) const { return ld_act_v4(x + k); }
+};
+
 __device__ void linear_residual(int B, const bf16* x, int ldx, const bf16* w, const float* res, float* y, int ldy,
-                                int K, int n_tile, int tid, int nt) {
+                                int K, int n_tile, float* smem, int tid, int nt) {
   const Epi epi{y, res, ldy, kEpiResidual};
+#if MPK_LINEAR_RESIDUAL_STAGE
+  if (B >= 2 && stage_fits(B, K)) {
+    bf16* st = stage_base(smem);  // [B, K] copies of the x rows
+    for (int b = 0; b < B; ++b) stage_row(st + (size_t)b * K, K, ActRow{x + (size_t)b * ldx}, tid, nt);
+    worker_barrier(nt);  // the staged rows are complete before any warp reads them
+    MPK_FUSED_WITH_BATCH(B, (gemv_fused<kB>(XRows{st, K}, w, K, n_tile, epi, staged_bytes(kB, K), tid, nt)));
+    return;
+  }
+#else
+  (void)smem;
+#endif
   MPK_FUSED_WITH_BATCH(B, (gemv_fused<kB>(XRows{x, ldx}, w, K, n_tile, epi, 0u, tid, nt)));
 }
 

@@ -24,6 +24,9 @@ the arithmetic, so the logits must equal the default build's bit for bit and sta
 - ``-DMPK_MMA_X_AHEAD=0`` under MPK_LINEAR_MMA=1, batch 8: the tensor-core tile loads each x vector inside its
   mma loop (the default loads a round's x vectors right after its weights; csrc/tasks/linear_mma.cuh mma_unit).
 
+- ``-DMPK_LINEAR_RESIDUAL_STAGE=1`` (off; a measurement variant): linear_residual tiles with 2-3 rows copy their x rows
+  into shared memory before summing (csrc/tasks/linear_residual.cuh), batch 2 and 3 (batch 4 runs tensor-core tiles),
+  with the silu epilogue asked for so that the down projection is a linear_residual too.
 - ``MPK_FUSE_SILU_EPI=0``: silu_mul in the down projection's prologue instead of the gate|up projection's epilogue
   (another program and kernel: fusion 'silu_epi' off), batch 1 (the epilogue is the default there) and 2 (asked for
   with MPK_FUSE_SILU_EPI=1).
@@ -105,4 +108,17 @@ def test_silu_epilogue_leaves_the_logits_bitwise(batch, gpu_results):
     assert "norm_linear_silu" in kinds and "silu_linear" not in kinds, sorted(kinds)
     assert "silu_linear" in {o["kind"] for o in prologue.session(batch).cg.meta["ops"]}
     check_bitwise(f"MPK_FUSE_SILU_EPI=0 vs default, {NAME} b{batch} prompt {PROMPT}", NAME, prologue, epi,
+                  forced_request(NAME, PROMPT, STEPS, batch, 70), gpu_results)
+
+
+@pytest.mark.parametrize("batch", [2, 3])
+def test_staged_linear_residual_leaves_the_logits_bitwise(batch, gpu_results):
+    """-DMPK_LINEAR_RESIDUAL_STAGE=1: the x rows staged in shared memory (o_proj, and down under the silu epilogue)
+    give the default build's logits bit for bit."""
+    flags, epi = "-DMPK_LINEAR_RESIDUAL_STAGE=1", {"MPK_FUSE_SILU_EPI": "1"}
+    variant, default = megakernel_with_env(NAME, {**epi, "MPK_NVCC_EXTRA_FLAGS": flags}), megakernel_with_env(NAME, epi)
+    assert session_with_flags(variant, batch, flags).build.path != session_with_flags(default, batch, "").build.path, \
+        f"{flags} did not make another binary"
+    assert "linear_residual" in {o["kind"] for o in default.session(batch).cg.meta["ops"]}
+    check_bitwise(f"{flags} vs default, MPK_FUSE_SILU_EPI=1, {NAME} b{batch} prompt {PROMPT}", NAME, variant, default,
                   forced_request(NAME, PROMPT, STEPS, batch, 70), gpu_results)
