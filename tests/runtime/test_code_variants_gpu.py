@@ -23,10 +23,10 @@ the arithmetic, so the logits must equal the default build's bit for bit and sta
   run_small_kind).
 - ``-DMPK_MMA_X_AHEAD=0`` under MPK_LINEAR_MMA=1, batch 8: the tensor-core tile loads each x vector inside its
   mma loop (the default loads a round's x vectors right after its weights; csrc/tasks/linear_mma.cuh mma_unit).
-
 - ``-DMPK_LINEAR_RESIDUAL_STAGE=1`` (off; a measurement variant): linear_residual tiles with 2-3 rows copy their x rows
   into shared memory before summing (csrc/tasks/linear_residual.cuh), batch 2 and 3 (batch 4 runs tensor-core tiles),
   with the silu epilogue asked for so that the down projection is a linear_residual too.
+
 - ``MPK_FUSE_SILU_EPI=0``: silu_mul in the down projection's prologue instead of the gate|up projection's epilogue
   (another program and kernel: fusion 'silu_epi' off), batch 1 (the epilogue is the default there) and 2 (asked for
   with MPK_FUSE_SILU_EPI=1).
