@@ -118,9 +118,26 @@ __device__ __forceinline__ float warp_max(float v) {
 #ifndef MPK_ROPE_FAST
 #define MPK_ROPE_FAST 0
 #endif
+// MPK_ROPE_CALL 1 (an experiment, off): sincosf behind one non-inlined function, so the prep bodies hold a call
+// instead of an inlined copy of its code per pair slot and per pair-count instance (the same function: the same
+// bits). Measures whether the trig's cost in the prep is its code (size, the slow path's local memory) or its math.
+#ifndef MPK_ROPE_CALL
+#define MPK_ROPE_CALL 0
+#endif
+#if MPK_ROPE_CALL
+__device__ __noinline__ float2 rope_sincos_call(float ang) {
+  float s, c;
+  sincosf(ang, &s, &c);
+  return make_float2(c, s);
+}
+#endif
 __device__ __forceinline__ void rope_cos_sin(float ang, float& c, float& s) {
 #if MPK_ROPE_FAST
   __sincosf(ang, &s, &c);
+#elif MPK_ROPE_CALL
+  const float2 cs = rope_sincos_call(ang);
+  c = cs.x;
+  s = cs.y;
 #elif MPK_ROPE_SINCOS
   sincosf(ang, &s, &c);
 #else
