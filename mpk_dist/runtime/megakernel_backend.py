@@ -441,13 +441,12 @@ def fusions_for_batch(fuse: frozenset, batch: int, environ=None) -> frozenset:
 
 
 def _linear_mma_for_batch(batch: int, environ=None) -> bool:
-    """Whether a program of ``batch`` rows runs its linear tiles on tensor cores: MPK_LINEAR_MMA=1 from 2 rows a
-    tile, unset from ``tables.MMA_MIN_BATCH`` (``tables.default_linear_mma``), 0 never."""
-    from mpk_dist.runtime.tables import MMA_MIN_BATCH, ROW_BLOCK
+    """Whether a program of ``batch`` rows runs its linear tiles on tensor cores under MPK_LINEAR_MMA as
+    ``environ`` (default os.environ) sets it: ``tables.linear_mma_for_rows`` of the kernel's rows."""
+    from mpk_dist.runtime.tables import ROW_BLOCK, linear_mma_for_rows
 
     knob = (os.environ if environ is None else environ).get("MPK_LINEAR_MMA", "")
-    rows = min(batch, ROW_BLOCK)
-    return rows >= 2 if knob == "1" else (knob == "" and rows >= MMA_MIN_BATCH)
+    return linear_mma_for_rows(min(batch, ROW_BLOCK), None if knob == "" else knob == "1")
 
 
 def superopt_from_env(superopt=None) -> bool:
