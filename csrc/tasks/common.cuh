@@ -198,6 +198,14 @@ __device__ __forceinline__ void prefetch_l2(const void* p, uint64_t bytes, int t
     asm volatile("prefetch.global.L2 [%0];" ::"l"(c + off));
 }
 
+// Prefetch [p, p + bytes) into this SM's L1, one line per lane of the calling warp (data already current in L2,
+// e.g. after the task's acquire: a later plain load of it is an L1 hit instead of an L2 round trip). Best effort.
+__device__ __forceinline__ void prefetch_l1_warp(const void* p, uint32_t bytes, int lane) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (uint32_t off = (uint32_t)lane * kL2LineBytes; off < bytes; off += 32u * kL2LineBytes)
+    asm volatile("prefetch.L1 [%0];" ::"l"(c + off));
+}
+
 // One bulk prefetch of [p, p + bytes) into L2 (p 16-byte aligned, bytes a multiple of 16).
 __device__ __forceinline__ void bulk_prefetch_l2(const void* p, uint32_t bytes) {
   asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
