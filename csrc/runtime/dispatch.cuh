@@ -376,8 +376,16 @@ __device__ __noinline__ bool run_attention_prep(const TaskView& t, float* smem, 
       t.dtype(ATTENTION_PREP_ARG_OUT) != DTYPE_BF16)
     return false;
   const int D = t.param(ATTENTION_PREP_PARAM_HEAD_DIM), G = t.param(ATTENTION_PREP_PARAM_GROUP);
-  const int p = *t.arg<const int32_t>(ATTENTION_PREP_ARG_POSITIONS);
-  if (!attention_prep_ok(D, G, p, t.param(ATTENTION_PREP_PARAM_MAX_SEQ), nt)) return false;
+#if MPK_PREP_POS_INSIDE
+  // The shape first; the position after the prep, which reads it beside its loads and appends no row outside
+  // [0, MAX_SEQ) (a position there is still a bad task, reported before the attention reads anything).
+  if (!attention_prep_ok(D, G, 0, t.param(ATTENTION_PREP_PARAM_MAX_SEQ), nt)) return false;
+  const int p =
+#else
+  const int p_first = *t.arg<const int32_t>(ATTENTION_PREP_ARG_POSITIONS);
+  if (!attention_prep_ok(D, G, p_first, t.param(ATTENTION_PREP_PARAM_MAX_SEQ), nt)) return false;
+  const int p = p_first;
+#endif
   attention_prep_heads(t.arg<const bf16>(ATTENTION_PREP_ARG_QKV), t.arg<const bf16>(ATTENTION_PREP_ARG_Q_NORM_W),
                        t.arg<const bf16>(ATTENTION_PREP_ARG_K_NORM_W), t.arg<const float>(ATTENTION_PREP_ARG_INV_FREQ),
                        t.arg<bf16>(ATTENTION_PREP_ARG_Q), t.arg<bf16>(ATTENTION_PREP_ARG_K_CACHE),
@@ -385,6 +393,9 @@ __device__ __noinline__ bool run_attention_prep(const TaskView& t, float* smem, 
                        t.param(ATTENTION_PREP_PARAM_MAX_SEQ), D, G, t.param(ATTENTION_PREP_PARAM_K_OFFSET),
                        t.param(ATTENTION_PREP_PARAM_V_OFFSET), t.param(ATTENTION_PREP_PARAM_KV_POS_STRIDE),
                        t.fparam(ATTENTION_PREP_PARAM_EPS), reinterpret_cast<bf16*>(smem), tid, nt);
+#if MPK_PREP_POS_INSIDE
+  if (p < 0 || p >= t.param(ATTENTION_PREP_PARAM_MAX_SEQ)) return false;  // a bad task: its prep wrote no cache row
+#endif
   worker_barrier(nt);  // the q rows and this position's k, v are written before any warp reads them
   // The attention half, as run_attention's body for one sequence. One call per (MG, ME) instance, each
   // with 5 operands (the wrapper reads the rest from the task): 12 attention_seq call sites here, each
