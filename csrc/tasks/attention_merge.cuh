@@ -12,15 +12,45 @@
 
 namespace mpk {
 
+// MPK_MERGE_LOADS_AHEAD 1 (a measurement variant, off): the sums' loads do not wait for the range's m test (acc and l
+// are read and summed for an empty range too, whose scratch entry exists, and the sum not taken), and both loops are unrolled by
+// kMergeUnroll, so a thread has that many ranges' loads in flight at once. Why: the loop's loads wait behind each
+// other (each group's acc and l behind its m test): about ten dependent L2 round trips in the last tile of a head.
+// Same operations in the same order: the same bits.
+#ifndef MPK_MERGE_LOADS_AHEAD
+#define MPK_MERGE_LOADS_AHEAD 0
+#endif
+#ifndef MPK_MERGE_UNROLL
+#define MPK_MERGE_UNROLL 16  // ranges a thread has in flight (the batch-1 programs here split a head into 16)
+#endif
+constexpr int kMergeUnroll = MPK_MERGE_UNROLL;
+
 __device__ void attention_merge(const float* part, bf16* out, int D, int G, int splits, int tid, int nt) {
   const int entry = D + 2, per_split = G * entry;
   for (int idx = tid; idx < G * D; idx += nt) {
     const int j = idx / D, d = idx % D;
     const float* p = part + (size_t)j * entry;
     float M = -INFINITY;
+#if MPK_MERGE_LOADS_AHEAD
+#pragma unroll kMergeUnroll
+#endif
     for (int i = 0; i < splits; ++i) M = fmaxf(M, p[(size_t)i * per_split + D]);
     float num = 0.f, den = 0.f;
     if (M != -INFINITY) {
+#if MPK_MERGE_LOADS_AHEAD
+#pragma unroll kMergeUnroll
+      for (int i = 0; i < splits; ++i) {
+        const float* pi = p + (size_t)i * per_split;
+        const float m = pi[D], acc = pi[d], l = pi[D + 1];
+        // Computed for an empty range too (m = -inf: w = 0, acc maybe never written) and then not taken, so the
+        // loads do not wait for the test; a taken range's sums are the loop's below.
+        const float w = expf(m - M);
+        const float num_i = fmaf(w, acc, num), den_i = fmaf(w, l, den);
+        const bool empty = m == -INFINITY;  // empty range: weight 0, acc never read into the sum
+        num = empty ? num : num_i;
+        den = empty ? den : den_i;
+      }
+#else
       for (int i = 0; i < splits; ++i) {
         const float* pi = p + (size_t)i * per_split;
         const float m = pi[D];
@@ -29,6 +59,7 @@ __device__ void attention_merge(const float* part, bf16* out, int D, int G, int 
         num = fmaf(w, pi[d], num);
         den = fmaf(w, pi[D + 1], den);
       }
+#endif
     }
     out[idx] = f2bf(den > 0.f ? num / den : 0.f);
   }
