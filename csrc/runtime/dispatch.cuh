@@ -376,26 +376,15 @@ __device__ __noinline__ bool run_attention_prep(const TaskView& t, float* smem, 
       t.dtype(ATTENTION_PREP_ARG_OUT) != DTYPE_BF16)
     return false;
   const int D = t.param(ATTENTION_PREP_PARAM_HEAD_DIM), G = t.param(ATTENTION_PREP_PARAM_GROUP);
-#if MPK_PREP_POS_INSIDE
-  // The shape first; the position after the prep, which reads it beside its loads and appends no row outside
-  // [0, MAX_SEQ) (a position there is still a bad task, reported before the attention reads anything).
-  if (!attention_prep_ok(D, G, 0, t.param(ATTENTION_PREP_PARAM_MAX_SEQ), nt)) return false;
-  const int p =
-#else
-  const int p_first = *t.arg<const int32_t>(ATTENTION_PREP_ARG_POSITIONS);
-  if (!attention_prep_ok(D, G, p_first, t.param(ATTENTION_PREP_PARAM_MAX_SEQ), nt)) return false;
-  const int p = p_first;
-#endif
+  const int p = *t.arg<const int32_t>(ATTENTION_PREP_ARG_POSITIONS);
+  if (!attention_prep_ok(D, G, p, t.param(ATTENTION_PREP_PARAM_MAX_SEQ), nt)) return false;
   attention_prep_heads(t.arg<const bf16>(ATTENTION_PREP_ARG_QKV), t.arg<const bf16>(ATTENTION_PREP_ARG_Q_NORM_W),
                        t.arg<const bf16>(ATTENTION_PREP_ARG_K_NORM_W), t.arg<const float>(ATTENTION_PREP_ARG_INV_FREQ),
                        t.arg<bf16>(ATTENTION_PREP_ARG_Q), t.arg<bf16>(ATTENTION_PREP_ARG_K_CACHE),
                        t.arg<bf16>(ATTENTION_PREP_ARG_V_CACHE), t.arg<const int32_t>(ATTENTION_PREP_ARG_POSITIONS), 0,
                        t.param(ATTENTION_PREP_PARAM_MAX_SEQ), D, G, t.param(ATTENTION_PREP_PARAM_K_OFFSET),
                        t.param(ATTENTION_PREP_PARAM_V_OFFSET), t.param(ATTENTION_PREP_PARAM_KV_POS_STRIDE),
-                       t.fparam(ATTENTION_PREP_PARAM_EPS), reinterpret_cast<bf16*>(smem), tid, nt);
-#if MPK_PREP_POS_INSIDE
-  if (p < 0 || p >= t.param(ATTENTION_PREP_PARAM_MAX_SEQ)) return false;  // a bad task: its prep wrote no cache row
-#endif
+                       t.fparam(ATTENTION_PREP_PARAM_EPS), tid, nt);
   worker_barrier(nt);  // the q rows and this position's k, v are written before any warp reads them
   // The attention half, as run_attention's body for one sequence. One call per (MG, ME) instance, each
   // with 5 operands (the wrapper reads the rest from the task): 12 attention_seq call sites here, each
@@ -457,7 +446,7 @@ __device__ __noinline__ bool run_attention_split_prep(const TaskView& t, float* 
                    kv_stage_ok(kc, vc, D, kps, (int)kbs, stage_at + kv_stage_bytes(B, s1 - s0, D));
   if (use) kv_stage_issue(kc, vc, pos, B, D, kps, (int)kbs, s0, s1, 0, stage, tid, nt);
   for (int b = 0; b < B; ++b) {
-    const int p_read = attention_prep_heads(t.arg<const bf16>(ATTENTION_SPLIT_PREP_ARG_QKV) + (size_t)b * qs_stride,
+    attention_prep_heads(t.arg<const bf16>(ATTENTION_SPLIT_PREP_ARG_QKV) + (size_t)b * qs_stride,
                          t.arg<const bf16>(ATTENTION_SPLIT_PREP_ARG_Q_NORM_W),
                          t.arg<const bf16>(ATTENTION_SPLIT_PREP_ARG_K_NORM_W),
                          t.arg<const float>(ATTENTION_SPLIT_PREP_ARG_INV_FREQ), qs,
@@ -465,9 +454,8 @@ __device__ __noinline__ bool run_attention_split_prep(const TaskView& t, float* 
                          t.arg<bf16>(ATTENTION_SPLIT_PREP_ARG_V_CACHE) + (size_t)b * kbs, pos + b, s0, min(s1, S), D,
                          G, t.param(ATTENTION_SPLIT_PREP_PARAM_K_OFFSET), t.param(ATTENTION_SPLIT_PREP_PARAM_V_OFFSET),
                          t.param(ATTENTION_SPLIT_PREP_PARAM_KV_POS_STRIDE), t.fparam(ATTENTION_SPLIT_PREP_PARAM_EPS),
-                         reinterpret_cast<bf16*>(smem), tid, nt);  // scratch: the merge's floats, free until the walk
-    // MPK_PREP_POS_INSIDE: the position the prep read (no second load of it after the prep's loads)
-    const int p = MPK_PREP_POS_INSIDE ? p_read : pos[b];
+                         tid, nt);
+    const int p = pos[b];
     if (p < 0 || p >= S) return false;  // a bad task: its prep wrote no cache row
     if (b == 0) trace_mark(5, tid);  // trace: thread 0's warp prepared its q head (before the block barrier)
     if (use) cp_async_wait_all();  // this thread's staged rows (all sequences' copies: issued above)

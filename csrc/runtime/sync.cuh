@@ -55,22 +55,6 @@ __device__ __forceinline__ int32_t ld_relaxed_gpu(const int32_t* p) {
   return (int32_t)ld_relaxed_gpu((const uint32_t*)p);
 }
 
-// A weak load (the ordinary kind, ordered by an earlier acquire like any other) that the compiler keeps where it is
-// written. Why: a plain load of a pointer argument of a non-inlined function can be moved into every caller (the
-// argument becomes the loaded value), where the call then waits for it. Generic address, as the bodies' own loads.
-__device__ __forceinline__ int32_t ld_opaque(const int32_t* p) {
-  int32_t v;
-  asm volatile("ld.b32 %0, [%1];" : "=r"(v) : "l"(p));
-  return v;
-}
-
-// v itself, as a value the compiler cannot see through: what is computed from the result is not hoisted above this
-// point (e.g. out of a loop, to where its first use would wait for a load still in flight). Emits no instruction.
-__device__ __forceinline__ int opaque(int v) {
-  asm volatile("" : "+r"(v));
-  return v;
-}
-
 // Relaxed load at system scope: a fresh value of a word that a peer GPU (or another process on
 // this GPU) writes; no ordering. Used only by the watchdog to read peers' signal tallies.
 __device__ __forceinline__ uint32_t ld_relaxed_sys(const uint32_t* p) {

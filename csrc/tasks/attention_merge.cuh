@@ -12,13 +12,14 @@
 
 namespace mpk {
 
-// MPK_MERGE_LOADS_AHEAD 1 (a measurement variant, off): the sums' loads do not wait for the range's m test (acc and l
-// are read and summed for an empty range too, whose scratch entry exists, and the sum not taken), and both loops are unrolled by
-// kMergeUnroll, so a thread has that many ranges' loads in flight at once. Why: the loop's loads wait behind each
-// other (each group's acc and l behind its m test): about ten dependent L2 round trips in the last tile of a head.
-// Same operations in the same order: the same bits.
+// MPK_MERGE_LOADS_AHEAD 1 (the default): the sums' loads do not wait for the range's m test (acc and l are read and
+// summed for an empty range too, whose scratch entry exists, and the sum is not taken), and both loops are unrolled by
+// kMergeUnroll, so a thread has that many ranges' loads in flight at once. Why: in the plain loop (0) each group of
+// ranges' acc and l loads waited behind its m test, about ten dependent L2 round trips in the last tile of a head;
+// measured 1.1% faster on qwen3-0.6b, 0.7% on qwen3-1.7b, no change on qwen3-8b (docs/PERF.md v0.22). Same
+// operations in the same order: the same bits (tests/runtime/test_code_variants_gpu.py).
 #ifndef MPK_MERGE_LOADS_AHEAD
-#define MPK_MERGE_LOADS_AHEAD 0
+#define MPK_MERGE_LOADS_AHEAD 1
 #endif
 #ifndef MPK_MERGE_UNROLL
 #define MPK_MERGE_UNROLL 16  // ranges a thread has in flight (the batch-1 programs here split a head into 16)

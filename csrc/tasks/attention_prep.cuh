@@ -34,54 +34,17 @@ __device__ __forceinline__ void attn_prep_head(const bf16* src, const bf16* norm
     qk_norm_rope(src, norm_w, inv_freq, pos, dst, D, eps, lane);
 }
 
-// MPK_PREP_POS_INSIDE 1 (a measurement variant, off): no warp waits for the position before it issues its head's
-// loads. Why: with the plain `*pos` below, the compiler turns the pointer argument into a value (the load moves into
-// the caller, which waits for it before the call) and the loop bound depends on it (the k warp's append test), so
-// every warp waits one memory round trip for the position first. Here the position is loaded inside by a load the
-// compiler keeps there, the loop runs the q heads and the k head whatever the position, and the position reaches
-// only data and the k warp's stores: the k warp ropes its row into `scratch` (D bf16 of shared memory nobody reads
-// before the caller's barrier), pulls its v row into L1, and stores both into the cache after the position came.
-#ifndef MPK_PREP_POS_INSIDE
-#define MPK_PREP_POS_INSIDE 0
-#endif
-
 // The prep half: warps 0..G-1 take the q heads of the group, warp G the kv head (k roped into the cache
 // at position p = *pos, v copied) when append_begin <= p < append_end (attention_split_prep: only the range
 // holding p appends; a position outside writes no cache row), looping when there are fewer warps. The position
-// is read here so that a caller need not wait for it first (by default the compiler still moves that read into the
-// caller: see MPK_PREP_POS_INSIDE above). `scratch`: D bf16 of shared memory free until the caller's barrier
-// (MPK_PREP_POS_INSIDE: the k row before its store). Not inlined: its per-lane arrays get their own register allocation, apart
-// from the attention's (as qkv_prep and attention are apart). Returns the position it read.
-__device__ __noinline__ int attention_prep_heads(const bf16* qkv, const bf16* q_norm, const bf16* k_norm,
-                                                 const float* inv_freq, bf16* q, bf16* kc, bf16* vc,
-                                                 const int32_t* pos, int append_begin, int append_end, int D, int G,
-                                                 int k_off, int v_off, int kv_ps, float eps, bf16* scratch, int tid,
-                                                 int nt) {
+// is read here, beside the head's loads, so a caller need not wait for it first (one memory round trip fewer
+// on the attention's critical path). Not inlined: its per-lane arrays get their own register allocation, apart
+// from the attention's (as qkv_prep and attention are apart).
+__device__ __noinline__ void attention_prep_heads(const bf16* qkv, const bf16* q_norm, const bf16* k_norm,
+                                                  const float* inv_freq, bf16* q, bf16* kc, bf16* vc,
+                                                  const int32_t* pos, int append_begin, int append_end, int D, int G,
+                                                  int k_off, int v_off, int kv_ps, float eps, int tid, int nt) {
   const int warp = tid >> 5, lane = tid & 31, nwarps = nt >> 5;
-#if MPK_PREP_POS_INSIDE
-  const int p = ld_opaque(pos);
-  for (int h = warp; h <= G; h += nwarps) {
-    const bool is_k = h >= G;
-    const bf16* src = is_k ? qkv + k_off : qkv + (size_t)h * D;
-    // The k warp's v row: into L1 beside its k row's loads, stored with k once the position is known.
-    if (is_k) prefetch_l1_warp(src + v_off, (uint32_t)D * sizeof(bf16), lane);
-    // The k warp ropes its row into scratch, so that nothing before its stores depends on the position.
-    attn_prep_head(src, is_k ? k_norm : q_norm, inv_freq, opaque(p), is_k ? scratch : q + (size_t)h * D, D, eps,
-                   lane);
-    if (is_k) {
-      __syncwarp();  // the warp's scratch row, written by its lanes, read below by others
-      const int pk = opaque(p);
-      if (append_begin <= pk && pk < append_end) {
-        const size_t o = (size_t)pk * kv_ps;
-        for (int d = lane; d < D; d += 32) {
-          kc[o + d] = scratch[d];
-          vc[o + d] = src[v_off + d];
-        }
-      }
-    }
-  }
-  return p;
-#else
   const int p = *pos;
   const bool append = append_begin <= p && p < append_end;
   const size_t o = (size_t)p * kv_ps;
@@ -104,8 +67,6 @@ __device__ __noinline__ int attention_prep_heads(const bf16* qkv, const bf16* q_
     }
 #endif
   }
-  return p;
-#endif
 }
 
 // Whether a tile's shape, position and the launch's shared memory are ones the bodies handle (else the

@@ -118,26 +118,9 @@ __device__ __forceinline__ float warp_max(float v) {
 #ifndef MPK_ROPE_FAST
 #define MPK_ROPE_FAST 0
 #endif
-// MPK_ROPE_CALL 1 (an experiment, off): sincosf behind one non-inlined function, so the prep bodies hold a call
-// instead of an inlined copy of its code per pair slot and per pair-count instance (the same function: the same
-// bits). Measures whether the trig's cost in the prep is its code (size, the slow path's local memory) or its math.
-#ifndef MPK_ROPE_CALL
-#define MPK_ROPE_CALL 0
-#endif
-#if MPK_ROPE_CALL
-__device__ __noinline__ float2 rope_sincos_call(float ang) {
-  float s, c;
-  sincosf(ang, &s, &c);
-  return make_float2(c, s);
-}
-#endif
 __device__ __forceinline__ void rope_cos_sin(float ang, float& c, float& s) {
 #if MPK_ROPE_FAST
   __sincosf(ang, &s, &c);
-#elif MPK_ROPE_CALL
-  const float2 cs = rope_sincos_call(ang);
-  c = cs.x;
-  s = cs.y;
 #elif MPK_ROPE_SINCOS
   sincosf(ang, &s, &c);
 #else
@@ -196,14 +179,6 @@ __device__ __forceinline__ void prefetch_l2(const void* p, uint64_t bytes, int t
   const char* c = reinterpret_cast<const char*>(p);
   for (uint64_t off = (uint64_t)tid * kL2LineBytes; off < bytes; off += (uint64_t)nt * kL2LineBytes)
     asm volatile("prefetch.global.L2 [%0];" ::"l"(c + off));
-}
-
-// Prefetch [p, p + bytes) into this SM's L1, one line per lane of the calling warp (data already current in L2,
-// e.g. after the task's acquire: a later plain load of it is an L1 hit instead of an L2 round trip). Best effort.
-__device__ __forceinline__ void prefetch_l1_warp(const void* p, uint32_t bytes, int lane) {
-  const char* c = reinterpret_cast<const char*>(p);
-  for (uint32_t off = (uint32_t)lane * kL2LineBytes; off < bytes; off += 32u * kL2LineBytes)
-    asm volatile("prefetch.L1 [%0];" ::"l"(c + off));
 }
 
 // One bulk prefetch of [p, p + bytes) into L2 (p 16-byte aligned, bytes a multiple of 16).

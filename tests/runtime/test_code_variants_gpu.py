@@ -16,12 +16,8 @@ the arithmetic, so the logits must equal the default build's bit for bit and sta
   csrc/tasks/tile_primitives.cuh rows_sum_sq, stage_rows). Also at batch 8 under MPK_LINEAR_MMA=1.
 - ``-DMPK_ROPE_SINCOS=0``: the rope angle's cosine and sine from cosf and sinf (the default calls sincosf once;
   csrc/tasks/common.cuh rope_cos_sin).
-- ``-DMPK_ROPE_CALL=1`` (off; a measurement variant): that sincosf behind one non-inlined function, called from the
-  prep bodies instead of inlined per pair slot (csrc/tasks/common.cuh rope_sincos_call).
-- ``-DMPK_PREP_POS_INSIDE=1`` (off; a measurement variant): the prep loads the position beside its heads' loads and
-  the k warp ropes its row into shared memory before storing it at the position (csrc/tasks/attention_prep.cuh).
-- ``-DMPK_MERGE_LOADS_AHEAD=1`` (off; a measurement variant): the split-KV head merge loads 16 ranges' partials at
-  once and drops an empty range's sum by a select instead of a branch (csrc/tasks/attention_merge.cuh).
+- ``-DMPK_MERGE_LOADS_AHEAD=0``: the split-KV head merge's loop as it was, each range's acc and l loads behind its m
+  test (the default unrolls 16 ranges and drops an empty range's sum by a select; csrc/tasks/attention_merge.cuh).
 - ``-DMPK_PREFETCH_ONE_SITE=0``: each linear kind's L2 weight prefetch inlined in its own branch of prefetch_task
   (the default issues it from one non-inlined function; csrc/runtime/dispatch.cuh).
 - ``-DMPK_SMALL_KINDS_OUTLINED=0``: the kinds without a run_* function of their own (step_begin, silu_mul, argmax,
@@ -58,8 +54,7 @@ PROMPT = 200
 STEPS = 48
 VARIANTS = ["-DMPK_ATTN_GUARD_HEADS=1", "-DMPK_PARAMS_SMEM=0", "-DMPK_ROPE_EXACT_PAIRS=0 -DMPK_PREP_ONE_SITE=0",
             "-DMPK_PREP_POS_LATE=0", "-DMPK_STAGE_ROWS_TOGETHER=0", "-DMPK_ROPE_SINCOS=0", "-DMPK_PREFETCH_ONE_SITE=0",
-            "-DMPK_SMALL_KINDS_OUTLINED=0", "-DMPK_ROPE_CALL=1",
-            "-DMPK_PREP_POS_INSIDE=1", "-DMPK_MERGE_LOADS_AHEAD=1"]
+            "-DMPK_SMALL_KINDS_OUTLINED=0", "-DMPK_MERGE_LOADS_AHEAD=0"]
 SWITCHES = [{"MPK_WEIGHT_EVICT_FIRST": "1"}]  # kernel switches of the same kind (environment, not -D)
 MMA_VARIANTS = ["-DMPK_MMA_X_AHEAD=0", "-DMPK_STAGE_ROWS_TOGETHER=0"]
 
