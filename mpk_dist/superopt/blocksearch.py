@@ -312,10 +312,13 @@ def enumerate_layout(ctx: Context, layout: Layout, infos: dict, final: bool = Fa
     if dedup:
         from mpk_dist.superopt.blockmemo import FinalFilter, MemoEnumerator
 
+        explored = ctx.counts["explored"]
         enum = MemoEnumerator(ctx, layout, infos, sizes, outs,
                               FinalFilter(ctx.target, layout, sym_size) if final else None)
         # compact completions, expanded one graph at a time (blockmemo.MemoEnumerator.__init__)
         graphs = map(enum.ops_of, enum.completions())
+        if part is not None and part[0] != 0:
+            ctx.counts["explored"] = explored  # part 0 counts the enumeration (``part``)
         for key, n in (("deduplicated", enum.deduplicated), ("states", enum.states),
                        ("mismatched", enum.mismatched)):
             if part is None or part[0] == 0:

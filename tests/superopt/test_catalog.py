@@ -392,9 +392,12 @@ def test_split_listing_merges_to_the_whole_listing(monkeypatch):
     assert len(whole) > 1000 and keys is not None and len(keys) == len(whole)
 
     monkeypatch.setattr(C, "_WORKER_CTX", ctx)
+    one = C._layout_task((lays[k], {"Q": infos["Q"]}, False, None, 2, None))[1]
     for n in (2, 3):
-        parts = [C._layout_task((lays[k], {"Q": infos["Q"]}, False, None, 2, (j, n)))[0]
-                 for j in range(n)]
+        tasks = [C._layout_task((lays[k], {"Q": infos["Q"]}, False, None, 2, (j, n))) for j in range(n)]
+        parts = [r for r, _ in tasks]
+        for key in ("explored", "states", "deduplicated"):  # the enumeration counted once
+            assert sum(d.get(key, 0) for _, d in tasks) == one[key] > 0, key
         assert sum(len(p[0]) for p in parts) == len(whole)
         assert all(0 < len(p[0]) < len(whole) for p in parts)
         assert C.merge_parts(parts) == (whole, (2, keys))
