@@ -137,7 +137,13 @@ def layout_options(ctx: Context, layout, infos: dict, final: bool, limit=None, p
     for item in B.enumerate_layout(ctx, layout, infos, final, keep=keep, part=part):
         st, at = (item, None) if part is None else item
         if ctx.timed_out():
-            break
+            # NOTE: nothing of a listing that the deadline stops is kept, as nothing of an
+            # enumeration it stops (``blocksearch.enumerate_layout``): no caller takes a move
+            # after the deadline, and a partial listing was pickled, unpickled and merged past
+            # it (qk_norm_rope's Q, "none" in 2 parts: 963,667 options, 28 s in the main
+            # process's call, the 240 s run ended at 274 s; each part reaches this loop sooner
+            # than one whole listing did, twenty-second session)
+            return [] if part is None else ([], [])
         if final and not _may_have_shape(st, infos, out_shape, ctx.config, rep):
             ctx.counts["shape_skipped"] = ctx.counts.get("shape_skipped", 0) + 1
             continue
