@@ -48,7 +48,8 @@ def _layout_task(args):
     layout, infos, final, limit, keyed, part = args
     ctx = _WORKER_CTX
     before = ctx.stats()
-    listed = layout_options(ctx, layout, infos, final, limit, part)
+    listed = layout_options(ctx, layout, infos, final, limit) if part is None else \
+        layout_options(ctx, layout, infos, final, limit, part)
     options = listed if part is None else listed[0]
     keys = None
     if keyed is not None:
