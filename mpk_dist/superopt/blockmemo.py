@@ -40,6 +40,7 @@ ops fail.
 
 from __future__ import annotations
 
+import itertools
 import random
 import zlib
 
@@ -363,12 +364,20 @@ class MemoEnumerator:
         descs = self.descs
         return tuple(descs[i] for i in key)
 
-    def structures(self, graphs, keep=None) -> list:
+    def structures(self, graphs, keep=None, part=None) -> list:
         """``Structure`` s of the op sets ``graphs``, each in its canonical order, sorted;
         ``keep``: None, or a callable on a graph's outputs ((shape, syms) of each output tile):
-        the graphs it returns False for are left out before their canonical order is built."""
+        the graphs it returns False for are left out before their canonical order is built.
+
+        ``part``: None, or (j, n): only the graphs at positions j, j + n, j + 2n, ... of
+        ``graphs`` (``catalog.BlockCatalog``'s split listings), as ``(Structure, position)``
+        pairs sorted by (structure, position). The whole list is sorted by structure, stably, so
+        its order is that of (structure, position) too: merging the n parts by that pair gives
+        the whole list (``catalog.merge_parts``)."""
         from mpk_dist.superopt.blocksearch import Structure
 
+        if part is not None:
+            return self._part(graphs, keep, part)
         if keep is not None:
             graphs = [ops for ops in graphs if keep(self._output_tiles(ops))]
         out = []
@@ -378,6 +387,22 @@ class MemoEnumerator:
                 return []  # (``_deadline``) qk_norm_rope's Q, layout "none": 1.9 M graphs
             out.append(Structure(self.layout, *canonical_order(ops)))
         out.sort(key=lambda s: (s.body, s.post, s.outputs))
+        return out
+
+    def _part(self, graphs, keep, part: tuple) -> list:
+        """``structures``' part (j, n): [(Structure, position in ``graphs``)] sorted."""
+        from mpk_dist.superopt.blocksearch import Structure
+
+        pairs = itertools.islice(zip(graphs, itertools.count()), part[0], None, part[1])
+        if keep is not None:
+            pairs = [(ops, i) for ops, i in pairs if keep(self._output_tiles(ops))]
+        out = []
+        timed_out = self.ctx.timed_out
+        for n, (ops, i) in enumerate(pairs):
+            if not n & 4095 and timed_out():
+                return []  # as ``structures``
+            out.append((Structure(self.layout, *canonical_order(ops)), i))
+        out.sort(key=lambda x: (x[0].body, x[0].post, x[0].outputs, x[1]))
         return out
 
     def _output_tiles(self, ops) -> list:

@@ -269,7 +269,7 @@ def representative_sizes(layout: Layout, infos: dict, sym_size: dict, config) ->
 
 def enumerate_layout(ctx: Context, layout: Layout, infos: dict, final: bool = False,
                      early_bound: bool = True, dedup: bool | None = None,
-                     share: bool | None = None, keep=None) -> list:
+                     share: bool | None = None, keep=None, part=None) -> list:
     """All complete structures of one layout (see module docstring).
 
     ``final``: the op will be the last kernel op, so it has exactly one output (the target);
@@ -286,6 +286,10 @@ def enumerate_layout(ctx: Context, layout: Layout, infos: dict, final: bool = Fa
     at the representative counts, as ``catalog.cost_key`` has them) that may drop the
     structures it returns False for before they are put in canonical order (the deduplicating
     enumerator of a non-last op only; the other paths return everything).
+    ``part``: None, or (j, n): the deduplicating enumerator of a non-last op lists only its
+    j-th of n parts, as (Structure, position) pairs (``blockmemo.MemoEnumerator.structures``);
+    the enumeration itself is the whole one, and its counters are added by part 0 only, so
+    that the n parts together count what the whole listing counts.
     """
     sym_size = {}
     for n in layout.inputs:
@@ -299,6 +303,8 @@ def enumerate_layout(ctx: Context, layout: Layout, infos: dict, final: bool = Fa
     dedup = ctx.config.dedup if dedup is None else dedup
     if share is None:
         share = final and dedup and not ctx.config.prune
+    if part is not None and (final or share or not dedup):
+        raise ValueError("enumerate_layout: part is for the deduplicating enumerator of a non-last op")
     if share:
         from mpk_dist.superopt.blockshare import shared_final_structures
 
@@ -306,13 +312,17 @@ def enumerate_layout(ctx: Context, layout: Layout, infos: dict, final: bool = Fa
     if dedup:
         from mpk_dist.superopt.blockmemo import FinalFilter, MemoEnumerator
 
+        explored = ctx.counts["explored"]
         enum = MemoEnumerator(ctx, layout, infos, sizes, outs,
                               FinalFilter(ctx.target, layout, sym_size) if final else None)
         # compact completions, expanded one graph at a time (blockmemo.MemoEnumerator.__init__)
         graphs = map(enum.ops_of, enum.completions())
+        if part is not None and part[0] != 0:
+            ctx.counts["explored"] = explored  # part 0 counts the enumeration (``part``)
         for key, n in (("deduplicated", enum.deduplicated), ("states", enum.states),
                        ("mismatched", enum.mismatched)):
-            ctx.counts[key] = ctx.counts.get(key, 0) + n
+            if part is None or part[0] == 0:
+                ctx.counts[key] = ctx.counts.get(key, 0) + n
         if ctx.timed_out():
             # NOTE: the only caller (``catalog.layout_options``) checks the deadline before it
             # takes the first structure, so it lists nothing from a layout that ran into the
@@ -322,9 +332,11 @@ def enumerate_layout(ctx: Context, layout: Layout, infos: dict, final: bool = Fa
             return []
         if keep is not None and not final:
             grid = tuple((s, sizes[s]) for s in layout.grid_syms)
-            return enum.structures(graphs, lambda outs: keep(tuple(
-                kernel_output(shape, syms, grid)[1:] for shape, syms in outs)))
-        return enum.structures(graphs)
+            keep_tiles = lambda outs: keep(tuple(  # noqa: E731
+                kernel_output(shape, syms, grid)[1:] for shape, syms in outs))
+            return enum.structures(graphs, keep_tiles) if part is None else \
+                enum.structures(graphs, keep_tiles, part)
+        return enum.structures(graphs) if part is None else enum.structures(graphs, None, part)
     return _Builder(ctx, layout, infos, sizes, outs, early_bound).run()
 
 

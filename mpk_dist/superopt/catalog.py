@@ -10,8 +10,11 @@ once (``options``) or only the ones the kernel search asks for (``prefetch`` the
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import math
 import multiprocessing
+import time
 from collections import OrderedDict
 from dataclasses import replace
 
@@ -40,18 +43,68 @@ def _init_worker(target, config, deadline) -> None:
 
 
 def _layout_task(args):
-    layout, infos, final, limit, keyed = args
+    """A layout's listing on a pool worker: ((options, keys), the worker's counters); with a
+    ``part``, ((options, keys, positions), counters) of that part (``merge_parts``)."""
+    layout, infos, final, limit, keyed, part = args
     ctx = _WORKER_CTX
     before = ctx.stats()
-    options = layout_options(ctx, layout, infos, final, limit)
+    listed = layout_options(ctx, layout, infos, final, limit) if part is None else \
+        layout_options(ctx, layout, infos, final, limit, part)
+    options = listed if part is None else listed[0]
     keys = None
     if keyed is not None:
         keys = (keyed, first_op_keys(ctx, tuple(infos), options, keyed, _WORKER_KEYS))
     after = ctx.stats()
-    return (options, keys), {k: after[k] - before.get(k, 0) for k in after}
+    delta = {k: after[k] - before.get(k, 0) for k in after}
+    return ((options, keys) if part is None else (options, keys, listed[1])), delta
 
 
-def layout_options(ctx: Context, layout, infos: dict, final: bool, limit=None) -> list:
+def merge_parts(results: list) -> tuple:
+    """(options, keys) of a whole listing from its parts' (options, keys, positions), part 0
+    first (``BlockCatalog``'s split listings). Each part is sorted by (structure, position in
+    the enumeration) and the whole listing is in that order (``MemoEnumerator.structures``), so
+    a merge by that pair gives every option of the whole listing at its place; keys (``None``
+    or (budget, one per option)) follow their options."""
+    def stream(p: int, options: list, keyed, positions: list):
+        keys = keyed[1] if keyed is not None else itertools.repeat(None)
+        for o, key, i in zip(options, keys, positions):
+            st = o[0]
+            yield (st.body, st.post, st.outputs, i), o, key
+
+    merged = list(heapq.merge(*(stream(p, *r) for p, r in enumerate(results)), key=lambda x: x[0]))
+    options = [o for _, o, _ in merged]
+    keyed = results[0][1] if results else None
+    keys = None if keyed is None else (keyed[0], [k for _, _, k in merged])
+    return options, keys
+
+
+class _Split:
+    """The pool tasks of one listing's parts, answering as one task (``ready``, ``wait``,
+    ``get``) with the merged listing (``merge_parts``) and the sum of the parts' counters."""
+
+    def __init__(self, tasks: list) -> None:
+        self.tasks = tasks
+
+    def ready(self) -> bool:
+        return all(t.ready() for t in self.tasks)
+
+    def wait(self, timeout: float | None = None) -> None:
+        for t in self.tasks:
+            if not t.ready():
+                t.wait(timeout)
+                return
+
+    def get(self, timeout: float | None = None):
+        end = None if timeout is None else time.monotonic() + timeout
+        got = [t.get(None if end is None else max(0.0, end - time.monotonic())) for t in self.tasks]
+        delta: dict = {}
+        for _, d in got:
+            for k, v in d.items():
+                delta[k] = delta.get(k, 0) + v
+        return merge_parts([r for r, _ in got]), delta
+
+
+def layout_options(ctx: Context, layout, infos: dict, final: bool, limit=None, part=None):
     """[(Structure, sizes, cost_us, ((shape, syms) of each output))] of one layout over ``infos``,
     in enumeration order: its structures (``blocksearch.enumerate_layout``), each at its cheapest
     counts (``best_counts``; computed once per ``cost_key``); as the last kernel op (``final``) only those whose output can have the
@@ -59,8 +112,14 @@ def layout_options(ctx: Context, layout, infos: dict, final: bool, limit=None) -
     spread over the cores with the enumeration (it took as long as the enumeration).
     ``limit``: None, or (µs, output reads) from ``KernelSearch``: structures whose
     ``bytes_lower_bound`` exceeds the µs are neither costed nor listed (``list_limit`` says why
-    none of them can be part of a graph that beats or ties the verified one)."""
+    none of them can be part of a graph that beats or ties the verified one).
+    ``part``: None, or (j, n) (a non-last op; ``BlockCatalog``'s split listings): the options
+    of the j-th of n parts of the enumeration (``blocksearch.enumerate_layout``) and the
+    enumeration position of each, as (options, positions), for ``merge_parts``. Every option is
+    costed alone (``best_counts`` through ``cost_key``'s memo gives every structure of a key
+    the same counts), so a part lists exactly the whole listing's options of its structures."""
     options = []
+    positions = None if part is None else []
     out_shape = ctx.target.graph.nodes[ctx.target.out_node].shape
     rep = _rep_sizes(layout, infos, ctx.config)
     table = None if rep is None else KeyTable(layout, infos, rep)
@@ -76,9 +135,16 @@ def layout_options(ctx: Context, layout, infos: dict, final: bool, limit=None) -
             ok = bytes_lower_bound(layout, in_bytes, outs, limit[1]) <= limit[0]
             early[0] += not ok
             return ok
-    for st in B.enumerate_layout(ctx, layout, infos, final, keep=keep):
+    for item in B.enumerate_layout(ctx, layout, infos, final, keep=keep, part=part):
+        st, at = (item, None) if part is None else item
         if ctx.timed_out():
-            break
+            # NOTE: nothing of a listing that the deadline stops is kept, as nothing of an
+            # enumeration it stops (``blocksearch.enumerate_layout``): no caller takes a move
+            # after the deadline, and a partial listing was pickled, unpickled and merged past
+            # it (qk_norm_rope's Q, "none" in 2 parts: 963,667 options, 28 s in the main
+            # process's call, the 240 s run ended at 274 s; each part reaches this loop sooner
+            # than one whole listing did, twenty-second session)
+            return [] if part is None else ([], [])
         if final and not _may_have_shape(st, infos, out_shape, ctx.config, rep):
             ctx.counts["shape_skipped"] = ctx.counts.get("shape_skipped", 0) + 1
             continue
@@ -98,9 +164,11 @@ def layout_options(ctx: Context, layout, infos: dict, final: bool, limit=None) -
             ctx.counts["costs_shared"] = ctx.counts.get("costs_shared", 0) + 1
         if best is not None and best[1] != math.inf:
             options.append((st, *best))
+            if positions is not None:
+                positions.append(at)
     if early[0]:
         ctx.counts["over_limit"] = ctx.counts.get("over_limit", 0) + early[0]
-    return options
+    return options if part is None else (options, positions)
 
 
 def bytes_lower_bound(layout, in_bytes: int, outs: tuple, out_reads: int, m=H200) -> float:
@@ -346,6 +414,10 @@ class BlockCatalog:
         self.held: dict = {}       # representative's listing key -> options kept for members
         self.pool = None
 
+    # unpruned first-op layouts without grid or loop symbol are listed in parts on the pool
+    # (``parts``; False: one task each, as before the twenty-second session, for the test)
+    split = True
+
     def __enter__(self):
         if self.processes > 1:
             mp = multiprocessing.get_context("fork")
@@ -411,9 +483,36 @@ class BlockCatalog:
         for k in ks:
             key = _listing_key(final, subset, infos, k)
             if key not in self.per_layout and key not in self.pending:
-                self.pending[key] = self.pool.apply_async(
-                    _layout_task, ((lays[k], sub, final, limit, keyed),))
+                args = (lays[k], sub, final, limit, keyed)
+                n = self.parts(lays[k], final, limit)
+                if n == 1:
+                    self.pending[key] = self.pool.apply_async(_layout_task, ((*args, None),))
+                else:
+                    self.pending[key] = _Split([self.pool.apply_async(_layout_task, ((*args, (j, n)),))
+                                                for j in range(n)])
+                    self.ctx.counts["listings_split"] = self.ctx.counts.get("listings_split", 0) + 1
                 self.limits[key] = limit
+
+    def parts(self, layout, final: bool, limit) -> int:
+        """How many pool tasks list ``layout`` (``prefetch``): one per pool process for a first
+        op's layout without grid or loop symbol in an unpruned search's canonical phase (no
+        ``limit``), else 1 (and always 1 with ``split`` False, as before the twenty-second
+        session). Each task enumerates the whole layout and puts only its part of the block
+        graphs in canonical order and costs them (``layout_options``' ``part``); the main process
+        merges the parts (``merge_parts``), so the listing is the one a single task makes.
+
+        NOTE: such a layout (every block op sees whole tensors) lists the most block graphs:
+        qk_norm_rope's Q, layout "none", 1.9 M first ops in ~190 s of one pool worker, then
+        ~35 s to pickle and unpickle, while Q's six other layouts came back within ~30-90 s
+        (nineteenth to twenty-first sessions); the main process waited for it alone. Its
+        enumeration (the part every task repeats) was ~60-70 s of the ~190 s; canonical orders,
+        sorting, costing and pickling are spread over the parts. The pruned search and the
+        last op's listings are not split."""
+        config = self.ctx.config
+        if not self.split or self.pool is None or final or limit is not None or config.prune \
+                or not config.dedup or layout.grid_syms or layout.loop_sym is not None:
+            return 1
+        return self.processes
 
     def keys(self, subset: tuple, k: int, infos: dict, budget: int):
         """The first-op keys the pool computed for layout ``k`` of ``subset`` at ``budget``
@@ -465,9 +564,10 @@ class BlockCatalog:
         return self.pending.get(_listing_key(final, subset, infos, k))
 
     def in_flight(self) -> int:
-        """Layouts prefetched on the pool and not finished yet (0 without a pool)."""
-        done = [key for key, task in self.pending.items() if task.ready()]
-        return len(self.pending) - len(done)
+        """Pool tasks of prefetched layouts not finished yet (0 without a pool): one per layout,
+        one per part of a split one (``parts``), so that the callers' limits count workers."""
+        return sum(sum(not t.ready() for t in task.tasks) if isinstance(task, _Split)
+                   else not task.ready() for task in self.pending.values())
 
     def layout_options(self, subset: tuple, k: int, infos: dict, final: bool,
                        limit=None) -> list:

@@ -221,9 +221,9 @@ class KernelSearch:
         # the next depth's subsets: the same ``_subsets`` call as its ``_ordered`` at the root
         upcoming = deque(subset for subset, _ in
                          self._subsets(tensors, list(tensors), None, False, set(), 0.0))
-        before = self.catalog.in_flight()
+        before = len(self.catalog.pending)  # listings (a split one is several pool tasks)
         self._prefetch_subsets(tensors, upcoming, self.catalog.processes - 1)
-        n = self.catalog.in_flight() - before
+        n = len(self.catalog.pending) - before
         self.ctx.counts["next_depth_prefetched"] = \
             self.ctx.counts.get("next_depth_prefetched", 0) + n
 

@@ -171,12 +171,17 @@ class Target:
 
 _SIZELESS: dict = {}  # id(t) -> (t, _sizeless(t)); the entry keeps t alive, so its id stays unique
 SIZELESS_MEMO = True  # False: every call walks the whole term (as before the twenty-first session)
+SIZELESS_ENTRIES = 200_000
+"""How many terms ``_sizeless`` keeps (then the memo is cleared; a cleared entry is walked again,
+identically). Each entry keeps its term alive, so without a cap a lane that runs millions of first
+ops would keep every expression it ever built; the cap bounds that memory, and is large enough to
+hold the subterms that one first op's block graph shares with the next ones."""
 
 
 def _sizeless(t: tuple) -> tuple:
     """``t`` with every reduction size set to 0 and the operands of sums and products sorted by
-    ``repr``. Kept by the identity of ``t`` (a pure function of it; at most 200,000 entries, then
-    cleared): the expressions of one first op's block graph share most subterms with those of
+    ``repr``. Kept by the identity of ``t`` (a pure function of it; at most ``SIZELESS_ENTRIES``
+    entries, then cleared): the expressions of one first op's block graph share most subterms with those of
     the previous first ops (interned tensors), and the walk over whole terms was ~7% of a lane's
     time per first op (twenty-first session)."""
     if not SIZELESS_MEMO:
@@ -184,7 +189,7 @@ def _sizeless(t: tuple) -> tuple:
     hit = _SIZELESS.get(id(t))
     if hit is not None and hit[0] is t:
         return hit[1]
-    if len(_SIZELESS) > 200_000:
+    if len(_SIZELESS) > SIZELESS_ENTRIES:
         _SIZELESS.clear()
     out = _sizeless_walk(t)
     _SIZELESS[id(t)] = (t, out)

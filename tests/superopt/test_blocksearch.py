@@ -175,3 +175,26 @@ def test_a_finished_enumeration_is_not_put_in_order_past_the_deadline(monkeypatc
     monkeypatch.setattr(blockmemo, "canonical_order", lambda ops: ordered.append(1) or order(ops))
     assert B.enumerate_layout(late, lay, infos, False) == []
     assert late.counts["states"] == full.counts["states"] and not ordered
+
+
+def test_a_listing_the_deadline_stops_while_costing_lists_nothing():
+    """The deadline passing after the structures are in order, in ``catalog.layout_options``'
+    costing loop, lists nothing (whole or a part), instead of the options costed so far, which a
+    pool worker pickled and the main process unpickled and merged past the deadline
+    (qk_norm_rope's Q, "none" in 2 parts: 963,667 options, 28 s in the call, twenty-second
+    session)."""
+    from mpk_dist.superopt.catalog import layout_options
+
+    target = analyze(build("rmsnorm_linear", {"M": 4, "K": 512, "N": 256}))
+    infos = input_infos(target)
+    config = SearchConfig(max_kernel_ops=2, max_block_ops=3, prune=False)
+    lay = next(lay for lay in B.layouts(("X", "G"), infos, 1) if lay.loop_sym == "k")
+    for part in (None, (0, 2)):
+        full = _LateContext(target, config, 0.0)
+        listed = layout_options(full, lay, infos, False, part=part)
+        n = len(B.enumerate_layout(_LateContext(target, config, 0.0), lay, infos, False, part=part))
+        assert len(listed if part is None else listed[0]) > 10
+        late = _LateContext(target, config, 0.0)
+        late.after = full.calls - n // 2  # in the costing loop (one call per structure), halfway
+        got = layout_options(late, lay, infos, False, part=part)
+        assert got == ([] if part is None else ([], [])) and late.calls > late.after

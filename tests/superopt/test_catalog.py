@@ -358,3 +358,46 @@ def test_listed_structures_share_their_ops_and_pickle_small():
         back = pickle.loads(blob)
         assert len(opts) > 2000 and back == opts and shared(opts) and shared(back)
         assert len(blob) < 56 * len(opts), len(blob) / len(opts)
+
+
+def test_split_listing_merges_to_the_whole_listing(monkeypatch):
+    """An unpruned first op's layout without grid or loop symbol (qk_norm_rope's Q, layout
+    "none") listed in parts on a pool of 2 (``BlockCatalog.parts``) gives the listing and the
+    best-first keys of one task (``split = False``): the same options in the same order; each
+    part lists a proper share of them (in-process, with 3 parts too: ``merge_parts``)."""
+    from mpk_dist.superopt import catalog as C
+
+    target = analyze(build("qk_norm_rope", {"H": 4, "D": 16}))
+    ctx = Context(target, SearchConfig(max_kernel_ops=2, max_block_ops=3, prune=False),
+                  time.monotonic() + 120)
+    infos = input_infos(target)
+    subset = ("Q",)
+    got = {}
+    for split in (True, False):
+        monkeypatch.setattr(BlockCatalog, "split", split)
+        with BlockCatalog(ctx, 2) as cat:
+            lays = cat.layouts(subset, infos)
+            k = next(i for i, lay in enumerate(lays) if not lay.grid_syms and lay.loop_sym is None)
+            assert [cat.parts(lay, False, None) for lay in lays].count(2) == (1 if split else 0)
+            # the other layouts first: the parts run on workers that listed other things before
+            others = [i for i in range(len(lays)) if i != k]
+            cat.prefetch(subset, others, infos, False)
+            before = ctx.counts.get("listings_split", 0)
+            cat.prefetch(subset, [k], infos, False, keyed=2)
+            assert ctx.counts.get("listings_split", 0) - before == split
+            got[split] = (cat.layout_options(subset, k, infos, False), cat.keys(subset, k, infos, 2),
+                          [cat.layout_options(subset, i, infos, False) for i in others])
+    assert got[True] == got[False]
+    whole, keys, _ = got[False]
+    assert len(whole) > 1000 and keys is not None and len(keys) == len(whole)
+
+    monkeypatch.setattr(C, "_WORKER_CTX", ctx)
+    one = C._layout_task((lays[k], {"Q": infos["Q"]}, False, None, 2, None))[1]
+    for n in (2, 3):
+        tasks = [C._layout_task((lays[k], {"Q": infos["Q"]}, False, None, 2, (j, n))) for j in range(n)]
+        parts = [r for r, _ in tasks]
+        for key in ("explored", "states", "deduplicated"):  # the enumeration counted once
+            assert sum(d.get(key, 0) for _, d in tasks) == one[key] > 0, key
+        assert sum(len(p[0]) for p in parts) == len(whole)
+        assert all(0 < len(p[0]) < len(whole) for p in parts)
+        assert C.merge_parts(parts) == (whole, (2, keys))

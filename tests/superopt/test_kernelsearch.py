@@ -313,16 +313,19 @@ def test_unpruned_canonical_phase_takes_ready_layouts_first(monkeypatch):
     listing = C.layout_options
     first = ("A",)
 
-    def slow(ctx, layout, infos, final, limit=None):
+    def slow(ctx, layout, infos, final, limit=None, *part):
         if not final and tuple(infos) == first and \
                 layout == next(iter(C.B.layouts(first, infos, 1))):
             time.sleep(2.0)  # runs in the pool worker (forked after the patch)
-        return listing(ctx, layout, infos, final, limit)
+        return listing(ctx, layout, infos, final, limit, *part)
 
     def first_ops(ready_first: bool, procs: int):
         with monkeypatch.context() as m:
             m.setattr(C, "layout_options", slow)
             m.setattr(KernelSearch, "ready_first", ready_first)
+            # layout 0 has no grid or loop symbol: split (``BlockCatalog.parts``), its two slow
+            # parts would hold both workers and the other layouts could not be back first
+            m.setattr(C.BlockCatalog, "split", False)
             ctx = Context(target, config, time.monotonic() + 120)
             with C.BlockCatalog(ctx, procs) as cat:
                 ks = KernelSearch(ctx, cat)

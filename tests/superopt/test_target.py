@@ -113,3 +113,28 @@ def test_sizeless_kept_by_identity_gives_the_walks_answers(monkeypatch, count_ca
     (new, w_new), (ref, w_ref) = got
     assert new == ref and len(new) > 1000 and any(o for o, _ in new)
     assert w_new * 5 < w_ref, (w_new, w_ref)
+
+
+def test_sizeless_memo_capped_by_sizeless_entries(monkeypatch, count_calls):
+    """``_sizeless`` clears its memo once it holds more than ``SIZELESS_ENTRIES`` terms, and answers
+    as the walk does on both sides of a clearing: with the cap at 7 the memo never holds all the
+    subterms of these terms, so a second pass walks again; with no cap reached it walks nothing."""
+    from mpk_dist.superopt import target as T
+
+    walked, _ = count_calls(T, "_sizeless_walk")
+    monkeypatch.setattr(T, "SIZELESS_MEMO", True)
+    terms = [_weighted_v(i, o) for i in (4, 8, 16, 64) for o in (2, 3, 5)]
+    got = {}
+    for cap in (7, 10**6):
+        monkeypatch.setattr(T, "_SIZELESS", {})
+        monkeypatch.setattr(T, "SIZELESS_ENTRIES", cap)
+        passes = []
+        for _ in range(2):
+            walked[0] = 0
+            assert [T._sizeless(t) for t in terms] == [T._sizeless_walk(t) for t in terms]
+            passes.append(walked[0] - len(terms))  # less the reference walks' top calls
+        got[cap] = (passes, len(T._SIZELESS))
+    (first, second), held = got[10**6]
+    assert second == 0 and held > 8, got
+    (first7, second7), held7 = got[7]
+    assert second7 > 0 and held7 <= 8, got
