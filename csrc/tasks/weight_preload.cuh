@@ -29,12 +29,6 @@
 #define MPK_PRELOAD_BATCH MPK_BATCH
 #endif
 
-// Measurement only: -DMPK_PRELOAD_DRY=1 keeps the region (the launch's shared memory as with the preload) but copies
-// nothing, so a run tells what the larger shared-memory carveout alone costs.
-#ifndef MPK_PRELOAD_DRY
-#define MPK_PRELOAD_DRY 0
-#endif
-
 namespace mpk {
 
 // Preloading is compiled in only for batch-1 kernels (the scalar GEMV tile; batch >= 2 reads each weight vector
@@ -69,7 +63,7 @@ __device__ __forceinline__ void preload_clear(int tid) {
 // the head of each block (the L2 prefetch takes over after them).
 __device__ __forceinline__ uint64_t preload_weights(const bf16* w, int K, int n_tile, long long second, int tid,
                                                     int nt) {
-  if (kPreloadBytes == 0 || MPK_PRELOAD_DRY) return 0;
+  if (kPreloadBytes == 0) return 0;
   const int nblocks = second != 0 ? 2 : 1;
   const uint64_t block = (uint64_t)(second != 0 ? n_tile / 2 : n_tile) * K * sizeof(bf16);
   const uint64_t cap = (kPreloadBytes / nblocks) / kPreloadChunk * kPreloadChunk;
