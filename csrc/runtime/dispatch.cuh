@@ -632,18 +632,16 @@ __device__ __noinline__ void attention_prefetch(const TaskView& t, bool bulk, in
 // Issued before a task waits on its events: start streaming the bytes that do not depend on them
 // (a linear tile's weights, an attention tile's older cache rows) into L2, and prime the weight ring
 // (MPK_LINEAR_TMA). planned: the linear tiles' byte count (the host's plan, prefetch_plan.py, or -1: the
-// MPK_PREFETCH_KB cap); the aot worker also calls it for its NEXT task with REC_PREFETCH_NEXT (current false: only
-// the task about to wait owns the weight preload window, weight_preload.cuh).
+// MPK_PREFETCH_KB cap); the aot worker also calls it for its NEXT task with REC_PREFETCH_NEXT.
 // MPK_PREFETCH_ONE_SITE 1: the linear kinds pick their weight block and the prefetch is issued from one place (a
 // second block for norm_linear_silu's up rows); 0: each kind's branch inlines its own copy of the prefetch loops
 // (the former code: four, then five copies in the kernel entry, whose worker loop this function is part of).
 #ifndef MPK_PREFETCH_ONE_SITE
 #define MPK_PREFETCH_ONE_SITE 1
 #endif
-__device__ void prefetch_task(const RuntimeParams& p, const int32_t* rec, int planned, bool current, int tid, int nt) {
+__device__ void prefetch_task(const RuntimeParams& p, const int32_t* rec, int planned, int tid, int nt) {
   const TaskView t(p, rec);
   const bool bulk = (rec[REC_FLAGS] & REC_FLAG_BULK_PREFETCH) != 0;
-  if (current) preload_clear(tid);  // the window is this task's only (weight_preload.cuh)
 #if MPK_PREFETCH_ONE_SITE
   const int op = t.opcode();
   const bf16* w = nullptr;  // the weight block of a linear kind (its first when it has two)
@@ -664,8 +662,7 @@ __device__ void prefetch_task(const RuntimeParams& p, const int32_t* rec, int pl
     second = (long long)t.param(NORM_LINEAR_SILU_PARAM_UP_ROWS) * K;
   }
   if (w != nullptr) {
-    // The task about to wait copies its weights' head into shared memory (fused kinds: their GEMV reads it).
-    linear_blocks_prefetch(w, K, n_tile, second, planned, bulk, current && op != OP_LINEAR, tid, nt);
+    linear_blocks_prefetch(w, K, n_tile, second, planned, bulk, tid, nt);
     return;
   }
 #else
@@ -679,7 +676,7 @@ __device__ void prefetch_task(const RuntimeParams& p, const int32_t* rec, int pl
     linear_blocks_prefetch(t.arg<const bf16>(NORM_LINEAR_SILU_ARG_W), t.param(NORM_LINEAR_SILU_PARAM_K),
                            t.param(NORM_LINEAR_SILU_PARAM_N_TILE),
                            (long long)t.param(NORM_LINEAR_SILU_PARAM_UP_ROWS) * t.param(NORM_LINEAR_SILU_PARAM_K),
-                           planned, bulk, false, tid, nt);
+                           planned, bulk, tid, nt);
   else if (t.opcode() == OP_LINEAR_RESIDUAL)
     linear_prefetch(t.arg<const bf16>(LINEAR_RESIDUAL_ARG_W), t.param(LINEAR_RESIDUAL_PARAM_K),
                     t.param(LINEAR_RESIDUAL_PARAM_N_TILE), planned, bulk, tid, nt);

@@ -141,9 +141,6 @@ template <int B, int R, class XS, class EpiT>
 __device__ __noinline__ void gemv_tile(const XS xs, const bf16* __restrict__ w, int K, int n_tile, const EpiT epi,
                                        int tid, int nt) {
   constexpr int U = kLinUnroll / R > 0 ? kLinUnroll / R : 1;
-  // The weights copied before the wait have landed (after any prologue, which overlapped them). Every thread of the
-  // block calls gemv_tile once a tile (gemv_pair: both halves at once), so the barrier inside is the block's.
-  preload_ready(nt);
   if (R == 1 && stream_fits(K, nt)) {  // MPK_LINEAR_TMA: same sums, weights through shared memory
     gemv_streamed<B>(xs, w, K, n_tile, epi, tid, nt);
     return;
@@ -153,7 +150,6 @@ __device__ __noinline__ void gemv_tile(const XS xs, const bf16* __restrict__ w, 
     return;
   }
   const int warp = tid >> 5, lane = tid & 31, nwarps = nt >> 5;
-  const PreloadView pre = preload_view(w);  // the head of w already in shared memory (MPK_WEIGHT_PRELOAD_KB)
   if constexpr (B == 1 && MPK_GEMV_MARKS) trace_mark(kMarkGemvStart, tid);  // trace: the weight loop starts
   constexpr bool kAhead = B == 1 && MPK_LOAD_AHEAD;  // x before its use (same bits)
   for (int n0 = warp * R; n0 < n_tile; n0 += nwarps * R) {
@@ -162,28 +158,15 @@ __device__ __noinline__ void gemv_tile(const XS xs, const bf16* __restrict__ w, 
     for (int r = 0; r < R; ++r)
 #pragma unroll
       for (int b = 0; b < B; ++b) acc[r][b] = 0.f;
-    // Rows wholly inside the preloaded head read shared memory (the same bytes); one test per row group, uniform
-    // over the warp (a choice per load made ptxas spill in this loop).
-    const bool preloaded = preload_covers(pre, (size_t)(n0 + R < n_tile ? n0 + R : n_tile) * K);
     for (int kb = 0; kb < K; kb += U * 256) {
       uint4 wv[R][U];
-      if (preloaded) {
 #pragma unroll
-        for (int r = 0; r < R; ++r)
+      for (int r = 0; r < R; ++r)
 #pragma unroll
-          for (int u = 0; u < U; ++u) {
-            const int k = kb + u * 256 + lane * 8;
-            wv[r][u] = (k < K && n0 + r < n_tile) ? ld_preloaded(pre, (uint32_t)((n0 + r) * K + k)) : make_uint4(0, 0, 0, 0);
-          }
-      } else {
-#pragma unroll
-        for (int r = 0; r < R; ++r)
-#pragma unroll
-          for (int u = 0; u < U; ++u) {  // every weight load of the R rows before any use
-            const int k = kb + u * 256 + lane * 8;
-            wv[r][u] = (k < K && n0 + r < n_tile) ? ld_weight_v4(w + (size_t)(n0 + r) * K + k) : make_uint4(0, 0, 0, 0);
-          }
-      }
+        for (int u = 0; u < U; ++u) {  // every weight load of the R rows before any use
+          const int k = kb + u * 256 + lane * 8;
+          wv[r][u] = (k < K && n0 + r < n_tile) ? ld_weight_v4(w + (size_t)(n0 + r) * K + k) : make_uint4(0, 0, 0, 0);
+        }
       if constexpr (kAhead) {  // x before any use, as the weights (linear.cuh load_x_round)
         uint4 xv[U];
         load_x_round<U>(xv, [&](int k) { return xs.load8(0, k); }, kb, K, lane);

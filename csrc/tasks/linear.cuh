@@ -204,19 +204,15 @@ __device__ __forceinline__ void linear_prefetch(const bf16* w, int K, int n_tile
 // linear_prefetch for any linear kind from one call site (prefetch_task): one weight block, or (second != 0) the
 // two blocks of n_tile / 2 rows each of norm_linear_silu, `second` elements apart, with half the bytes from the
 // head of each (each half of the tile's warps starts there; no ring priming: that tile streams through registers).
-// preload (the task about to wait, a fused kind: weight_preload.cuh): the head of each block goes into shared
-// memory instead, and the L2 prefetch keeps only the planned bytes after it.
 __device__ __noinline__ void linear_blocks_prefetch(const bf16* w, int K, int n_tile, long long second, int planned,
-                                                       bool bulk, bool preload, int tid, int nt) {
+                                                       bool bulk, int tid, int nt) {
   uint64_t bytes = linear_prefetch_bytes(K, n_tile, planned);
   if (second != 0) bytes /= 2;
   else if (tid == 0) stream_prime(w, K, n_tile, nt);  // MPK_LINEAR_TMA: the first stages into shared memory
-  const uint64_t pre = preload ? preload_weights(w, K, n_tile, second, tid, nt) : 0;
-  if (bytes <= pre) return;
   for (int b = 0; b < (second != 0 ? 2 : 1); ++b) {
-    const char* head = reinterpret_cast<const char*>(w + b * second) + pre;
-    if (bulk) prefetch_l2_bulk(head, bytes - pre, tid, nt);
-    else prefetch_l2(head, bytes - pre, tid, nt);
+    const bf16* head = w + b * second;
+    if (bulk) prefetch_l2_bulk(head, bytes, tid, nt);
+    else prefetch_l2(head, bytes, tid, nt);
   }
 }
 

@@ -53,10 +53,7 @@ def kernel_shape(cg, worker_threads: int, schedule: str, **knobs) -> KernelShape
     if knobs.get("linear_unroll") is None:
         knobs["linear_unroll"] = tables.default_linear_unroll(cg, worker_threads)
     # MPK_BATCH: the rows of a linear tile (row blocks of 16 above 16 rows), not the program's batch
-    kb = tables.kernel_batch(cg)
-    if kb != 1:  # the weight preload is the scalar batch-1 tile's (weight_preload.cuh): other batches build without
-        knobs["weight_preload_kb"] = 0
-    return KernelShape(kb, worker_threads, schedule, **knobs)
+    return KernelShape(tables.kernel_batch(cg), worker_threads, schedule, **knobs)
 
 
 TRACE_BYTES_CAP = 256 << 20
@@ -81,7 +78,7 @@ class Session:
                  prefetch_plan: bool = True, linear_tma: bool = False, linear_pipe: bool = False,
                  attn_prefetch: bool = True, bulk_prefetch: bool = False, prefetch_ahead: bool = False,
                  attn_stage_kv: bool = False, load_ahead: bool = True, min_carveout: bool = False,
-                 weight_evict_first: bool = False, weight_preload_kb: int = 0,
+                 weight_evict_first: bool = False,
                  prefetch_level_kb: int | None = None):
         if cg.meta["abi_version"] != ABI_VERSION:
             raise InputError(f"task graph ABI: expected version {ABI_VERSION}, got {cg.meta['abi_version']}")
@@ -104,7 +101,7 @@ class Session:
                              prefetch_kb=prefetch_kb, superopt=superopt,
                              linear_mma=linear_mma, linear_tma=linear_tma, linear_pipe=linear_pipe,
                              attn_prefetch=attn_prefetch, load_ahead=load_ahead,
-                             weight_evict_first=weight_evict_first, weight_preload_kb=weight_preload_kb)
+                             weight_evict_first=weight_evict_first)
         self.source, self.build = build_kernel(shape, model=model,
                                                rank=self.rank, world=self.world, input_hash=tables_hash(cg.arrays),
                                                compiler=compiler, program=cg)
@@ -112,8 +109,7 @@ class Session:
         self.block_threads = worker_threads + (32 if schedule == "jit" else 0)
         # Record-level: split-KV tiles stage their cache rows in shared memory when the stage fits.
         self.stage_kv = attn_stage_kv and tables.kv_stage_fits(cg, worker_threads, weight_ring=linear_tma)
-        self.smem = tables.smem_bytes(cg, worker_threads, weight_ring=linear_tma, stage_kv=self.stage_kv,
-                                      preload_bytes=shape.weight_preload_kb * 1024)
+        self.smem = tables.smem_bytes(cg, worker_threads, weight_ring=linear_tma, stage_kv=self.stage_kv)
         if shape.linear_mma:  # room for the MMA linear tiles' split-K partials (csrc/tasks/linear_mma.cuh), below the ring
             ring = tables.WEIGHT_RING_BYTES if linear_tma else 0
             self.smem = max(self.smem, MMA_PARTIAL_BYTES_PER_WARP * (worker_threads // 32) + 128 + ring)

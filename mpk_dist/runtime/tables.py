@@ -221,14 +221,11 @@ def kv_stage_fits(cg, worker_threads: int, weight_ring: bool = False) -> bool:
     return 0 < need <= HOPPER_MAX_DYNAMIC_SMEM - SMEM_RESERVE - ring
 
 
-def smem_bytes(cg, worker_threads: int, weight_ring: bool = False, stage_kv: bool = False,
-               preload_bytes: int = 0) -> int:
+def smem_bytes(cg, worker_threads: int, weight_ring: bool = False, stage_kv: bool = False) -> int:
     """Dynamic shared memory per worker block: the largest need over the task bodies, plus the weight
     ring at the end when ``weight_ring`` (MPK_LINEAR_TMA; the staging budget shrinks by as much);
-    ``stage_kv``: room for the split-KV tiles' cache-row stage when it fits (``kv_stage_fits``);
-    ``preload_bytes``: the weight preload region at the end (MPK_WEIGHT_PRELOAD_KB, csrc/tasks/weight_preload.cuh;
-    refused when it leaves the bodies too little)."""
-    ring = (WEIGHT_RING_BYTES if weight_ring else 0) + preload_bytes
+    ``stage_kv``: room for the split-KV tiles' cache-row stage when it fits (``kv_stage_fits``)."""
+    ring = WEIGHT_RING_BYTES if weight_ring else 0
     from mpk_dist.taskgraph.fusion import staging_bytes
     from mpk_dist.taskgraph.lowering_attention import attention_staging_bytes
     from mpk_dist.taskgraph.lowering_attn_prep import split_prep_smem_bytes
@@ -247,12 +244,7 @@ def smem_bytes(cg, worker_threads: int, weight_ring: bool = False, stage_kv: boo
         from mpk_dist.taskgraph.lowering_attention import kv_stage_smem_bytes
 
         need = max(need, kv_stage_smem_bytes(cg, worker_threads))
-    total = (need + 127) // 128 * 128 + ring
-    if preload_bytes and total > HOPPER_MAX_DYNAMIC_SMEM - SMEM_RESERVE:
-        raise InputError(f"MPK_WEIGHT_PRELOAD_KB={preload_bytes // 1024}: the block needs {need} bytes of shared "
-                         f"memory besides the preload, so at most "
-                         f"{(HOPPER_MAX_DYNAMIC_SMEM - SMEM_RESERVE - need) // 1024 // 16 * 16} KB fit; use that or less")
-    return total
+    return (need + 127) // 128 * 128 + ring
 
 
 def max_tasks_per_worker(cg) -> int:

@@ -29,10 +29,6 @@ the arithmetic, so the logits must equal the default build's bit for bit and sta
   into shared memory before summing (csrc/tasks/linear_residual.cuh), batch 2 and 3 (batch 4 runs tensor-core tiles),
   with the silu epilogue asked for so that the down projection is a linear_residual too.
 
-- ``MPK_WEIGHT_EVICT_FIRST=1`` and ``MPK_WEIGHT_PRELOAD_KB=96`` / ``32`` (environment switches, batch 1): the weight
-  loads' L2 policy; the batch-1 GEMV tiles' weights copied into shared memory before their wait
-  (csrc/tasks/weight_preload.cuh), whole tiles at 96 KB, heads only at 32.
-
 - ``MPK_FUSE_SILU_EPI=0``: silu_mul in the down projection's prologue instead of the gate|up projection's epilogue
   (another program and kernel: fusion 'silu_epi' off), batch 1 (the epilogue is the default there) and 2 (asked for
   with MPK_FUSE_SILU_EPI=1).
@@ -59,9 +55,7 @@ STEPS = 48
 VARIANTS = ["-DMPK_ATTN_GUARD_HEADS=1", "-DMPK_PARAMS_SMEM=0", "-DMPK_ROPE_EXACT_PAIRS=0 -DMPK_PREP_ONE_SITE=0",
             "-DMPK_PREP_POS_LATE=0", "-DMPK_STAGE_ROWS_TOGETHER=0", "-DMPK_ROPE_SINCOS=0", "-DMPK_PREFETCH_ONE_SITE=0",
             "-DMPK_SMALL_KINDS_OUTLINED=0", "-DMPK_MERGE_LOADS_AHEAD=0"]
-# Kernel switches of the same kind (environment, not -D). MPK_WEIGHT_PRELOAD_KB: 96 holds every qwen3-0.6b GEMV tile
-# but lm_head's whole; 32 only the head of each (whole rows from shared memory, the rest from global memory).
-SWITCHES = [{"MPK_WEIGHT_EVICT_FIRST": "1"}, {"MPK_WEIGHT_PRELOAD_KB": "96"}, {"MPK_WEIGHT_PRELOAD_KB": "32"}]
+SWITCHES = [{"MPK_WEIGHT_EVICT_FIRST": "1"}]  # kernel switches of the same kind (environment, not -D)
 MMA_VARIANTS = ["-DMPK_MMA_X_AHEAD=0", "-DMPK_STAGE_ROWS_TOGETHER=0"]
 
 
@@ -97,9 +91,8 @@ def test_mma_variant_leaves_the_logits_bitwise(flags, gpu_results):
 
 @pytest.mark.parametrize("env", SWITCHES, ids=lambda e: ",".join(f"{k}={v}" for k, v in e.items()))
 def test_switch_leaves_the_logits_bitwise(env, gpu_results):
-    """A kernel switch that changes only how bytes move (MPK_WEIGHT_EVICT_FIRST: the weight loads' L2 policy;
-    MPK_WEIGHT_PRELOAD_KB: the GEMV tiles' weights copied into shared memory before their wait) gives the default
-    build's logits bit for bit, batch 1."""
+    """A kernel switch that changes only how bytes move (MPK_WEIGHT_EVICT_FIRST: the weight loads' L2 policy)
+    gives the default build's logits bit for bit, batch 1."""
     variant, default = megakernel_with_env(NAME, env), megakernel_with_env(NAME, {})
     assert variant.session(1).build.path != default.session(1).build.path, f"{env} did not make another binary"
     check_bitwise(f"{env} vs default, {NAME} b1 prompt {PROMPT}", NAME, variant, default,
