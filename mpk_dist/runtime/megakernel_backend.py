@@ -37,7 +37,7 @@ SCHEDULES = ("aot", "jit")
 # threads keep twice the weight bytes in flight per SM, and a 64 KB cap on the L2 prefetch of a
 # linear tile stops 132 whole-tile prefetches (> the 60 MB L2) evicting each other (qwen3-8b b1:
 # 8.36 -> 6.32 ms/token, same tokens). 1024 threads changed block-reduction order and tokens.
-DEFAULT_WORKER_THREADS = 512
+DEFAULT_WORKER_THREADS = 512  # the paged serving kernels' (a batch-1 decode program's: tables.default_worker_threads)
 DEFAULT_PREFETCH_KB = 64
 
 SWITCHES = (
@@ -104,7 +104,7 @@ class MegakernelBackend(StepBackend):
 
     def __init__(self, cfg, source, tp: int = 1, device: str | torch.device = "cuda", max_seq_len: int = 512,
                  schedule: str = "aot", trace: str | None = None, timeout_s: float = 5.0,
-                 worker_threads: int = DEFAULT_WORKER_THREADS,
+                 worker_threads: int | None = None,
                  sms: int | None = None, transport: str | None = None, compiler: str | None = None,
                  inject_hang_task: int = -1, on_token=None, linear_rows: int | None = None,
                  inject_hang_rank: int | None = None, comm_profile: bool | None = None, fuse=True,
@@ -480,11 +480,12 @@ def scoped_env(env: dict[str, str], keys=()):
                 os.environ[k] = v
 
 
-def tuning_from_env(worker_threads: int, environ=None) -> dict:
+def tuning_from_env(worker_threads: int | None, environ=None) -> dict:
     """Kernel knobs {linear_unroll, worker_threads, prefetch_kb[, linear_mma, linear_tma, linear_pipe,
     prefetch_plan, attn_prefetch]}: MPK_LINEAR_UNROLL, MPK_WORKER_THREADS, MPK_PREFETCH_KB and the
     SWITCHES override the defaults (loads in flight per lane: None, the program's choice,
-    tables.default_linear_unroll; ``worker_threads``; DEFAULT_PREFETCH_KB of a
+    tables.default_linear_unroll; ``worker_threads``, None: the program's choice, tables.default_worker_threads;
+    DEFAULT_PREFETCH_KB of a
     linear tile's weights into L2; each switch's default) so a GPU session can sweep them
     (scripts/tune_sweep.py); a bad value is refused with the allowed ones."""
     from mpk_dist.runtime.codegen import LINEAR_UNROLLS, WORKER_THREADS

@@ -46,7 +46,7 @@ def build_one(case: BuildCase) -> tuple[str, bool, float]:
     """Compile rank 0's program and build its kernel (cache hit or nvcc); (kernel file, was cached, seconds)."""
     from mpk_dist.models.presets import get_preset
     from mpk_dist.runtime.kernel import build_kernel
-    from mpk_dist.runtime.megakernel_backend import (DEFAULT_WORKER_THREADS, fusions_for_batch, fusions_from_env,
+    from mpk_dist.runtime.megakernel_backend import (fusions_for_batch, fusions_from_env,
                                                      linear_rows_from_env, superopt_from_env, tuning_from_env)
     from mpk_dist.runtime.session import kernel_shape
     from mpk_dist.runtime.tables import padded_batch
@@ -59,7 +59,7 @@ def build_one(case: BuildCase) -> tuple[str, bool, float]:
     batch = padded_batch(case.batch)
     cg = compile_rank_programs(cfg, tp=case.tp, batch=batch, ranks=[0], fuse=fusions_for_batch(fusions_from_env(), batch),
                                attn_splits=case.attn_splits)[0]
-    tuning = tuning_from_env(DEFAULT_WORKER_THREADS)  # the MPK_* knobs a run in this environment would use
+    tuning = tuning_from_env(None)  # the MPK_* knobs a run in this environment would use (None: the program's threads)
     for table_only in ("prefetch_plan", "bulk_prefetch", "prefetch_ahead", "attn_stage_kv", "min_carveout",
                        "prefetch_level_kb"):  # not the binary
         tuning.pop(table_only, None)

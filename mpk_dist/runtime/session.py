@@ -44,10 +44,13 @@ MMA_PARTIAL_BYTES_PER_WARP = 512
 """Shared memory per warp for the split-K partial sums of an MMA linear tile (a 16 x 8 fp32 fragment)."""
 
 
-def kernel_shape(cg, worker_threads: int, schedule: str, **knobs) -> KernelShape:
+def kernel_shape(cg, worker_threads: int | None, schedule: str, **knobs) -> KernelShape:
     """The KernelShape a Session of program ``cg`` builds (``knobs``: the other KernelShape fields; a
-    ``linear_unroll`` of None takes ``tables.default_linear_unroll``); the kernel prebuild
-    (mpk_dist.runtime.prebuild) asks the same function, so its cubins are the ones found."""
+    ``worker_threads`` of None takes ``tables.default_worker_threads``, a ``linear_unroll`` of None
+    ``tables.default_linear_unroll``); the kernel prebuild (mpk_dist.runtime.prebuild) asks the same function,
+    so its cubins are the ones found."""
+    if worker_threads is None:
+        worker_threads = tables.default_worker_threads(cg)
     if knobs.get("linear_mma") is None:
         knobs["linear_mma"] = tables.default_linear_mma(cg)
     if knobs.get("linear_unroll") is None:
@@ -71,7 +74,7 @@ class Session:
     """
 
     def __init__(self, cg, weights: dict[str, torch.Tensor], device: torch.device, schedule: str = "aot",
-                 worker_threads: int = 256, timeout_s: float = 5.0, trace: bool | int = False, num_sched: int = 4,
+                 worker_threads: int | None = 256, timeout_s: float = 5.0, trace: bool | int = False, num_sched: int = 4,
                  compiler: str | None = None, model: str = "-", linear_rows: int = 1, linear_unroll: int | None = None,
                  prefetch_kb: int = -1, region=None, stream=None,
                  cooperative: bool = True, superopt: bool = True, linear_mma: bool | None = None,
@@ -83,6 +86,8 @@ class Session:
         if cg.meta["abi_version"] != ABI_VERSION:
             raise InputError(f"task graph ABI: expected version {ABI_VERSION}, got {cg.meta['abi_version']}")
         tables.check_supported(cg)
+        if worker_threads is None:  # the program's choice (the same as kernel_shape's)
+            worker_threads = tables.default_worker_threads(cg)
         if schedule == "jit" and int(cg.meta["world_size"]) > 1:
             raise InputError("--schedule jit: expected tp 1 (jit scheduling of peer-signalled events comes with "
                              "the TP issue), got tp > 1; use --schedule aot")

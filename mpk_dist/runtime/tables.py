@@ -49,20 +49,45 @@ LOAD_BYTES = 16
 """Bytes of one weight load of a lane (the unroll counts these)."""
 
 
+def _linear_tile_bytes(cg) -> list[int]:
+    """Weight bytes of one tile of each linear op of ``cg``."""
+    tasks = cg.arrays["tasks"]
+    _, first = np.unique(tasks[:, TASK_COLS["OP_INDEX"]], return_index=True)  # one tile per op
+    linear = [BY_NAME[k].opcode for k in LINEAR_KINDS]
+    return [weight_block_bytes(cg, int(t)) for t in first if int(tasks[t, TASK_COLS["OPCODE"]]) in linear]
+
+
 def default_linear_unroll(cg, worker_threads: int) -> int:
     """MPK_LINEAR_UNROLL for program ``cg``: at batch 1 the widest of UNROLLS_BATCH1 whose rounds fit
     UNROLL_MIN_ROUNDS times into every linear tile (else the narrowest); 8 at batches >= 2 (not measured
     with others)."""
     if kernel_batch(cg) != 1:
         return 8
-    tasks = cg.arrays["tasks"]
-    _, first = np.unique(tasks[:, TASK_COLS["OP_INDEX"]], return_index=True)  # one tile per op
-    linear = [BY_NAME[k].opcode for k in LINEAR_KINDS]
-    sizes = [weight_block_bytes(cg, int(t)) for t in first if int(tasks[t, TASK_COLS["OPCODE"]]) in linear]
+    sizes = _linear_tile_bytes(cg)
     for u in UNROLLS_BATCH1:
         if sizes and min(sizes) >= UNROLL_MIN_ROUNDS * worker_threads * u * LOAD_BYTES:
             return u
     return UNROLLS_BATCH1[-1]
+
+
+WORKER_THREADS_WIDE, WORKER_THREADS_NARROW = 512, 256
+"""Worker threads a block: 512 keeps twice the weight bytes in flight per SM (qwen3-8b b1 8.36 -> 6.32 ms with the
+64 KB prefetch cap, docs/PERF.md v0.3); 256 for a batch-1 program whose smallest linear tile holds fewer than
+UNROLL_MIN_ROUNDS rounds of the narrowest unroll at 512 (``default_worker_threads``)."""
+
+
+def default_worker_threads(cg) -> int:
+    """MPK_WORKER_THREADS for program ``cg`` (unset): WORKER_THREADS_NARROW at batch 1 when even the narrowest
+    unroll's rounds at WORKER_THREADS_WIDE do not fit UNROLL_MIN_ROUNDS times into its smallest linear tile (the
+    loads past a short tile's end are wasted slots, as with the unroll), else WORKER_THREADS_WIDE. Measured on an
+    H200 at context ~512 (docs/PERF.md v0.23, one process per model, the same tokens): qwen3-0.6b (32 KB tiles)
+    1.090 / 1.091 / 1.089 ms at 256 threads vs 1.129 / 1.130 / 1.129 at 512; qwen3-1.7b (64 KB tiles) stays at 512
+    (1.683 / 1.684 vs 1.883 / 1.882 at 256 with 4 loads in flight, 1.826 with 8)."""
+    if kernel_batch(cg) != 1:
+        return WORKER_THREADS_WIDE
+    sizes = _linear_tile_bytes(cg)
+    narrowest = UNROLL_MIN_ROUNDS * WORKER_THREADS_WIDE * UNROLLS_BATCH1[-1] * LOAD_BYTES
+    return WORKER_THREADS_NARROW if sizes and min(sizes) < narrowest else WORKER_THREADS_WIDE
 
 
 MMA_MIN_BATCH = 4

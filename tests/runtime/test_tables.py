@@ -89,6 +89,31 @@ def test_default_unroll_follows_the_smallest_batch_1_tile(model, batch, tp, want
     assert kernel_shape(cg, wt, "aot", **tuning).linear_unroll == 8
 
 
+@pytest.mark.parametrize("model,batch,tp,want", [("qwen3-0.6b", 1, 1, 256), ("qwen3-1.7b", 1, 1, 512),
+                                                 ("qwen3-8b", 1, 1, 512), ("qwen3-0.6b", 4, 1, 512),
+                                                 ("qwen3-1.7b", 1, 2, 256)])
+def test_default_worker_threads_narrow_only_below_two_narrow_rounds(model, batch, tp, want):
+    """256 worker threads only for a batch-1 program whose smallest linear tile is below two rounds of 4 loads at
+    512 threads (64 KB): qwen3-0.6b's 32 KB tiles, qwen3-1.7b's at tp 2; 512 otherwise. The kernel shape takes it
+    (then the unroll for those threads: 4 for qwen3-0.6b) when MPK_WORKER_THREADS is unset, and the variable wins."""
+    from mpk_dist.models.presets import get_preset
+    from mpk_dist.runtime.megakernel_backend import fusions_for_batch, fusions_from_env, tuning_from_env
+    from mpk_dist.runtime.session import kernel_shape
+    from mpk_dist.runtime.tables import default_worker_threads
+    from mpk_dist.taskgraph.compiler import compile_rank_programs
+
+    cg = compile_rank_programs(get_preset(model), tp=tp, batch=batch, ranks=[0],
+                               fuse=fusions_for_batch(fusions_from_env(True), batch), attn_splits="auto")[0]
+    assert default_worker_threads(cg) == want
+    tuning = tuning_from_env(None, {})
+    shape = kernel_shape(cg, tuning.pop("worker_threads"), "aot", **tuning)
+    assert shape.worker_threads == want
+    if model == "qwen3-0.6b" and batch == 1:
+        assert shape.linear_unroll == 4
+    tuning = tuning_from_env(None, {"MPK_WORKER_THREADS": "512"})
+    assert kernel_shape(cg, tuning.pop("worker_threads"), "aot", **tuning).worker_threads == 512
+
+
 @pytest.mark.parametrize("batch,want", [(1, False), (2, False), (4, True), (8, True), (32, True)])
 def test_default_linear_mma_from_batch_4(batch, want):
     """Tensor-core linear tiles by default from MMA_MIN_BATCH rows a tile (batch 32 runs 16-row tiles); the kernel
