@@ -48,7 +48,7 @@ from mpk_dist.superopt.ugraph import TensorInfo
 
 SIGNATURE_CACHE_BYTES = 512 << 20
 """Bound on the bytes of one process's signatures (``SharedFinal.nbytes``: their arrays, their
-sieve's and their descriptor heads); past it the least recently used one is dropped.
+sieve's and their descriptor heads); past it signatures are dropped (``SignatureCache``).
 
 Why 512 MiB: on the 2-core machine (23 GB) the unpruned attention_decode search's two lanes grew
 ~0.3 GB a minute each until the run was stopped at 12 GB (fourteenth session: 3.6 and 3.9 GB per
@@ -59,11 +59,11 @@ stay a few GB in all, and 8 lanes on a 16-core, 128 GB machine ~10 GB. A dropped
 rebuilt identically when asked again (``signature_rebuilds``), so the bound trades CPU time for
 memory and changes no result (docs/SUPEROPT.md, fourteenth session, second part).
 
-NOTE: those ratios were measured when a signature kept dicts of op tuples (~186 bytes per graph
-by ``sys.getsizeof``, more in fact). With the arrays of ``SharedFinal._store`` (twenty-third
-session) the same bound holds 4-5x more graphs: qk_norm_rope's lanes had evicted and rebuilt
-signatures of 143-808 MB (218 MB for the depth-1 one) under it, asked again within the same
-first op (docs/SUPEROPT.md, twenty-third session)."""
+NOTE: those ratios were measured when a signature kept dicts of op tuples (~180-195 bytes per
+graph by ``sys.getsizeof``, more in fact). With the arrays of ``SharedFinal._store``
+(twenty-third session) the same bound holds 4.6x more graphs: qk_norm_rope's lanes had evicted
+signatures of 218 and 808 MB under it and rebuilt them (37 and 125 s of CPU each), asked for
+again 0.03 s and 18 s after the eviction (docs/SUPEROPT.md, twenty-third session)."""
 
 
 PASSING_MEMO = 16384
@@ -612,8 +612,17 @@ def _offsets(lengths) -> np.ndarray:
 
 
 class SignatureCache:
-    """A process's signatures (``SharedFinal`` by signature key), least recently used first,
-    holding at most ``SIGNATURE_CACHE_BYTES`` of ``nbytes`` (the newest one always stays).
+    """A process's signatures (``SharedFinal`` by signature key), holding at most
+    ``SIGNATURE_CACHE_BYTES`` of ``nbytes`` (the newest one always stays); past the bound the
+    signature that is cheapest to build again per byte it frees goes first (GreedyDual-Size:
+    each one has a credit, the clock at its last use plus its enumeration's states per byte; the
+    lowest credit is dropped and becomes the clock, so signatures not used for a while age out;
+    ties go least recently used first).
+
+    NOTE: until the twenty-third session the least recently used signature went first, whatever
+    its size and cost: a no-graph family of qk_norm_rope (311,725 states, ~19 s of CPU, 12 bytes)
+    was as likely to go as one of 176 MB, and freed nothing. A build's CPU time grows with its
+    states (0.06-0.47 ms per state measured), so states per byte is the rebuild cost per byte.
 
     Counters on ``ctx``: ``signature_evictions`` (signatures dropped) and ``signature_rebuilds``
     (signatures built again after being dropped). A rebuilt signature is the same enumeration of
@@ -622,27 +631,35 @@ class SignatureCache:
 
     def __init__(self, ctx) -> None:
         self.ctx = ctx
-        self.entries: OrderedDict = OrderedDict()
+        self.entries: OrderedDict = OrderedDict()  # least recently used first
         self.nbytes = 0
         self.evicted: set = set()  # keys dropped once: a later build of one is a rebuild
+        self.clock = 0.0           # the credit of the last signature dropped
+        self.credit: dict = {}     # key -> clock at its last use + its states per byte
+
+    def _use(self, key, entry: SharedFinal) -> None:
+        self.entries.move_to_end(key)
+        self.credit[key] = self.clock + entry.states / max(entry.nbytes, 1)
 
     def get(self, key):
         """The signature of ``key``, now the most recently used, or None."""
         entry = self.entries.get(key)
         if entry is not None:
-            self.entries.move_to_end(key)
+            self._use(key, entry)
         return entry
 
     def put(self, key, entry: SharedFinal) -> None:
-        """Keep ``entry``; drop the least recently used ones while over the bound."""
+        """Keep ``entry``; while over the bound, drop the others by lowest credit."""
         counts = self.ctx.counts
         if key in self.evicted:
             counts["signature_rebuilds"] = counts.get("signature_rebuilds", 0) + 1
         self.entries[key] = entry
+        self._use(key, entry)
         self.nbytes += entry.nbytes
         while self.nbytes > SIGNATURE_CACHE_BYTES and len(self.entries) > 1:
-            old, dropped = self.entries.popitem(last=False)
-            self.nbytes -= dropped.nbytes
+            old = min((k for k in self.entries if k != key), key=self.credit.__getitem__)
+            self.nbytes -= self.entries.pop(old).nbytes
+            self.clock = self.credit.pop(old)
             self.evicted.add(old)
             counts["signature_evictions"] = counts.get("signature_evictions", 0) + 1
 

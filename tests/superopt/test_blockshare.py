@@ -346,3 +346,29 @@ def test_a_signature_keeps_its_graphs_as_arrays_in_the_enumerations_order():
     tuples = sum(sys.getsizeof(d) for d in {id(d): d for ops in want for d in ops}.values())
     assert sf.desc_head.nbytes + sf.desc_ints.nbytes < tuples / 3
     assert len(sf.heads) < len(sf.desc_head) / 10
+
+
+def test_the_signature_cache_drops_the_cheapest_to_rebuild_per_byte(monkeypatch):
+    """``SignatureCache`` over the bound drops the signature with the lowest credit (its last
+    use's clock plus its states per byte), not the least recently used one: a 1-byte signature
+    whose enumeration had 300,000 states (a no-graph family) outlives two 60-byte ones of 1,000
+    states put after it, one of which goes; a later hit refreshes a credit, and an unreachable
+    signature (0 states) is the first to go."""
+    from types import SimpleNamespace
+
+    from mpk_dist.superopt import blockshare
+
+    monkeypatch.setattr(blockshare, "SIGNATURE_CACHE_BYTES", 100)
+    sig = lambda nbytes, states: SimpleNamespace(nbytes=nbytes, states=states)  # noqa: E731
+    cache = blockshare.SignatureCache(SimpleNamespace(counts={}))
+    cache.put("tiny", sig(1, 300_000))
+    cache.put("a", sig(60, 1_000))
+    cache.put("b", sig(60, 1_000))  # 121 bytes: "a" (lowest credit, older of the two) goes
+    assert list(cache.entries) == ["tiny", "b"] and cache.nbytes == 61
+    assert cache.ctx.counts["signature_evictions"] == 1
+    cache.get("b")
+    cache.put("u", sig(2, 0))  # unreachable: credit = clock
+    cache.put("c", sig(38, 600))  # 101 bytes: "u" (credit = clock) goes, 99 left
+    assert list(cache.entries) == ["tiny", "b", "c"] and cache.ctx.counts["signature_evictions"] == 2
+    cache.put("a", sig(60, 1_000))  # built again: a rebuild; "b" and "c" go, "tiny" stays
+    assert list(cache.entries) == ["tiny", "a"] and cache.ctx.counts["signature_rebuilds"] == 1
