@@ -38,6 +38,7 @@ With pruning the oracle judges every prefix's expression, so nothing is shared t
 from __future__ import annotations
 
 import sys
+from array import array
 from collections import OrderedDict
 
 import numpy as np
@@ -319,18 +320,30 @@ class SharedFinal:
         graphs use (``_store_descs``, ``desc``), in the same orders as those dicts: each graph's
         ops in its key's order, the graphs of a node and the nodes in the order of enumeration,
         the structures in the order of their first node."""
-        by_out: dict = {}  # output node -> its graphs' keys, in enumeration order
+        # output node -> (its graphs' descriptor indices, concatenated; their op counts), in
+        # enumeration order. Descriptors are indexed by identity (the enumerator's graphs share
+        # them: ``ops_of``), which needs nothing of the key's form; they are alive while
+        # ``graphs`` is, so their ids stay unique.
+        by_out: dict = {}
+        ids: dict = {}
+        descs: list = []
         for key in graphs:
-            by_out.setdefault(_output_node(enum.ops_of(key), enum.acc_of), []).append(key)
-        used = np.unique(np.fromiter((i for keys in by_out.values() for key in keys for i in key),
-                                     np.int64))
-        remap = np.full(len(enum.descs), -1, np.int32)
-        remap[used] = np.arange(len(used), dtype=np.int32)  # ascending: keys stay ascending
-        self._store_descs([enum.descs[i] for i in used.tolist()])
-        self.ops = remap[np.fromiter((i for keys in by_out.values() for key in keys for i in key),
-                                     np.int64)]
-        self.graph_at = _offsets(len(key) for keys in by_out.values() for key in keys)
-        self.node_at = _offsets(map(len, by_out.values()))
+            ops = enum.ops_of(key)
+            node = _output_node(ops, enum.acc_of)
+            slot = by_out.get(node)
+            if slot is None:
+                slot = by_out[node] = (array("i"), array("i"))
+            for d in ops:
+                i = ids.setdefault(id(d), len(descs))
+                if i == len(descs):
+                    descs.append(d)
+                slot[0].append(i)
+            slot[1].append(len(ops))
+        self._store_descs(descs)
+        self.ops = np.concatenate([np.frombuffer(a, np.intc) for a, _ in by_out.values()]
+                                  or [np.zeros(0, np.intc)]).astype(np.int32, copy=False)
+        self.graph_at = _offsets(n for _, lens in by_out.values() for n in lens)
+        self.node_at = _offsets(len(lens) for _, lens in by_out.values())
         # output node -> its (generic shape, syms) as an index into ``types``, and how many
         # graphs each type has
         types: dict = {}
