@@ -330,13 +330,12 @@ def enumerate_layout(ctx: Context, layout: Layout, infos: dict, final: bool = Fa
             # workers (and the main process waiting for them) up to ~75 s past the deadline
             # (qk_norm_rope's first-op layouts of Q, eighteenth session).
             return []
+        keep_tiles = None  # ``keep`` is for non-last ops only (docstring)
         if keep is not None and not final:
             grid = tuple((s, sizes[s]) for s in layout.grid_syms)
             keep_tiles = lambda outs: keep(tuple(  # noqa: E731
                 kernel_output(shape, syms, grid)[1:] for shape, syms in outs))
-            return enum.structures(graphs, keep_tiles) if part is None else \
-                enum.structures(graphs, keep_tiles, part)
-        return enum.structures(graphs) if part is None else enum.structures(graphs, None, part)
+        return enum.structures(graphs, keep_tiles, part)
     return _Builder(ctx, layout, infos, sizes, outs, early_bound).run()
 
 

@@ -38,6 +38,7 @@ With pruning the oracle judges every prefix's expression, so nothing is shared t
 from __future__ import annotations
 
 import sys
+from array import array
 from collections import OrderedDict
 
 import numpy as np
@@ -47,8 +48,8 @@ from mpk_dist.superopt.sieve import FIELD31, StructureSieve
 from mpk_dist.superopt.ugraph import TensorInfo
 
 SIGNATURE_CACHE_BYTES = 512 << 20
-"""Bound on the bytes of one process's signatures (``SharedFinal.nbytes``: their containers
-and op tuples as ``sys.getsizeof`` counts them); past it the least recently used one is dropped.
+"""Bound on the bytes of one process's signatures (``SharedFinal.nbytes``: their arrays, their
+sieve's and their descriptor heads); past it signatures are dropped (``SignatureCache``).
 
 Why 512 MiB: on the 2-core machine (23 GB) the unpruned attention_decode search's two lanes grew
 ~0.3 GB a minute each until the run was stopped at 12 GB (fourteenth session: 3.6 and 3.9 GB per
@@ -57,13 +58,19 @@ its signatures' ``nbytes`` (1,100 MB at 479 MB after 200 s: allocator overhead, 
 of the enumerations, the lane's other memos), so 512 MiB is ~1.2 GB of RSS per lane: 2 lanes here
 stay a few GB in all, and 8 lanes on a 16-core, 128 GB machine ~10 GB. A dropped signature is
 rebuilt identically when asked again (``signature_rebuilds``), so the bound trades CPU time for
-memory and changes no result (docs/SUPEROPT.md, fourteenth session, second part)."""
+memory and changes no result (docs/SUPEROPT.md, fourteenth session, second part).
+
+NOTE: those ratios were measured when a signature kept dicts of op tuples (~180-195 bytes per
+graph by ``sys.getsizeof``, more in fact). With the arrays of ``SharedFinal._store``
+(twenty-third session) the same bound holds 4.6x more graphs: qk_norm_rope's lanes had evicted
+signatures of 218 and 808 MB under it and rebuilt them (37 and 125 s of CPU each), asked for
+again 0.03 s and 18 s after the eviction (docs/SUPEROPT.md, twenty-third session)."""
 
 
 PASSING_MEMO = 16384
-"""How many concrete input sets' cheap-test results (``SharedFinal.passing``: a tuple of structure ids,
-mostly empty) one signature keeps before it forgets them all; a forgotten one is computed again,
-identically."""
+"""How many concrete input sets' cheap-test results (``SharedFinal.passing``: a tuple of
+positions of structures in ``SharedFinal.sids``, mostly empty) one signature keeps before it
+forgets them all; a forgotten one is computed again, identically."""
 
 
 class _ShapeOnly(FinalFilter):
@@ -289,35 +296,124 @@ class SharedFinal:
             # (and, as before, not cached).
             graphs = ()
         self.states, self.deduplicated = enum.states, enum.deduplicated
-        # op sets kept as tuples of descriptors (``MemoEnumerator.ops_of``): a signature may be
-        # kept for the whole search, and a tuple of five is 80 bytes, a frozenset 728
-        self.by_out: dict = {}
-        for ops in map(enum.ops_of, graphs):
-            self.by_out.setdefault(_output_node(ops, enum.acc_of), []).append(ops)
         self.n_graphs = len(graphs)
-        # output node -> its (generic shape, syms), and how many graphs each of those has
-        self.out_type = {node: (enum.shape[node], enum.syms[node]) for node in self.by_out}
-        self.type_graphs: dict = {}
-        for node, ops in self.by_out.items():
-            t = self.out_type[node]
-            self.type_graphs[t] = self.type_graphs.get(t, 0) + len(ops)
+        self._store(ctx, enum, graphs)
+        # per layout of the family: (a bool per output type: accepted by its shape test, its
+        # number of graphs)
+        self.views: dict = {}
+        # concrete inputs' stripped fingerprints (61 and 31 bits) -> the positions in ``sids``
+        # of the structures whose value is the target's (``structures``); cleared past
+        # ``PASSING_MEMO`` entries
+        self.passing: dict = {}
+
+    def _store(self, ctx, enum, graphs: tuple) -> None:
+        """Keep the completions ``graphs`` (``MemoEnumerator.completions``' keys) compactly,
+        grouped by output node and the nodes by stripped structure, and compile the sieve.
+
+        NOTE: until the twenty-third session a signature kept ``{output node: [op tuple]}`` and
+        ``{structure id: [output node]}``: ~186 bytes per graph (qk_norm_rope's depth-1
+        signature, 1,132,608 graphs: 218 MB of ``nbytes``), so two or three signatures filled
+        ``SIGNATURE_CACHE_BYTES`` and a lane whose first ops need more evicted and rebuilt them
+        for every first op (~30-50 s per build). Now the graphs are int32 arrays of descriptor
+        ids (``ops``, cut by ``graph_at``; a node's graphs are ``node_at[q]:node_at[q + 1]``,
+        a structure's nodes ``sid_nodes[sid_at[k]:sid_at[k + 1]]``) over the descriptors the
+        graphs use (``_store_descs``, ``desc``), in the same orders as those dicts: each graph's
+        ops in its key's order, the graphs of a node and the nodes in the order of enumeration,
+        the structures in the order of their first node."""
+        # output node -> (its graphs' descriptor indices, concatenated; their op counts), in
+        # enumeration order. Descriptors are indexed by identity (the enumerator's graphs share
+        # them: ``ops_of``), which needs nothing of the key's form; they are alive while
+        # ``graphs`` is, so their ids stay unique.
+        by_out: dict = {}
+        ids: dict = {}
+        descs: list = []
+        for key in graphs:
+            ops = enum.ops_of(key)
+            node = _output_node(ops, enum.acc_of)
+            slot = by_out.get(node)
+            if slot is None:
+                slot = by_out[node] = (array("i"), array("i"))
+            for d in ops:
+                i = ids.setdefault(id(d), len(descs))
+                if i == len(descs):
+                    descs.append(d)
+                slot[0].append(i)
+            slot[1].append(len(ops))
+        self._store_descs(descs)
+        self.ops = np.concatenate([np.frombuffer(a, np.intc) for a, _ in by_out.values()]
+                                  or [np.zeros(0, np.intc)]).astype(np.int32, copy=False)
+        self.graph_at = _offsets(n for _, lens in by_out.values() for n in lens)
+        self.node_at = _offsets(len(lens) for _, lens in by_out.values())
+        # output node -> its (generic shape, syms) as an index into ``types``, and how many
+        # graphs each type has
+        types: dict = {}
+        self.node_type = np.fromiter(
+            (types.setdefault((enum.shape[n], enum.syms[n]), len(types)) for n in by_out),
+            np.int32, len(by_out))
+        self.types = list(types)
+        self.type_graphs = np.bincount(self.node_type, np.diff(self.node_at),
+                                       len(types)).astype(np.int64)
         # output nodes grouped by their stripped structure (``StrippedTable``): one concrete
         # fingerprint per distinct structure, shared with every other signature of the process.
         # NOTE: the enumerator's recipes (one per node it made) are needed only here, so they are
         # not kept with the signature.
         table, memo = stripped_table(ctx), {}
-        self.by_sid: dict = {}
-        for node in self.by_out:
-            self.by_sid.setdefault(table.sid(enum.recipe, node, memo), []).append(node)
+        by_sid: dict = {}
+        for q, node in enumerate(by_out):
+            by_sid.setdefault(table.sid(enum.recipe, node, memo), []).append(q)
+        self.sids = np.fromiter(by_sid, np.int64, len(by_sid))
+        self.sid_at = _offsets(map(len, by_sid.values()))
+        self.sid_nodes = np.fromiter((q for qs in by_sid.values() for q in qs), np.int32,
+                                     len(by_out))
         # the cheap test of every output structure at once, in a 31-bit field (``sieve``)
-        self.sids = np.fromiter(self.by_sid, np.int64, len(self.by_sid))
-        self.sieve = StructureSieve(table, list(self.by_sid), _sieve_fp(ctx))
-        self.nbytes = _held_bytes(self.by_out, self.by_sid) + self.sieve.nbytes + self.sids.nbytes
-        # per layout of the family: (output types it accepts, its number of graphs)
-        self.views: dict = {}
-        # concrete inputs' stripped fingerprints (61 and 31 bits) -> the structure ids whose
-        # value is the target's (``structures``); cleared past ``PASSING_MEMO`` entries
-        self.passing: dict = {}
+        self.sieve = StructureSieve(table, list(by_sid), _sieve_fp(ctx))
+        arrays = (self.ops, self.graph_at, self.node_at, self.node_type, self.type_graphs,
+                  self.sids, self.sid_at, self.sid_nodes, self.desc_head, self.desc_ints)
+        self.nbytes = (sum(a.nbytes for a in arrays) + self.sieve.nbytes
+                       + sum(map(sys.getsizeof, self.heads)))
+
+    def _store_descs(self, descs: list) -> None:
+        """Keep the op descriptors ``descs`` (``MemoEnumerator._desc``: (phase, kind, attrs,
+        operand refs, (phase, result node)), each ref a (letter, int) pair) as a head per
+        descriptor (phase, kind, attrs and the refs' letters: few distinct ones, in ``heads``)
+        and a row of ints (the refs' ints, then the result node) in ``desc_ints``.
+
+        NOTE: as tuples, qk_norm_rope's depth-1 signature's descriptors were about half of its
+        ``nbytes`` after the graphs became arrays (twenty-third session), and more of its real
+        memory (``sys.getsizeof`` does not count the nested tuples: ~300 bytes each)."""
+        heads: dict = {}
+        width = max((len(d[3]) for d in descs), default=0) + 1
+        pad = (0,) * width
+        rows = []
+        head = np.fromiter((heads.setdefault((d[0], d[1], d[2], tuple(r[0] for r in d[3])),
+                                             len(heads)) for d in descs), np.int32, len(descs))
+        for d in descs:
+            rows.append((*(r[1] for r in d[3]), *pad[len(d[3]) + 1:], d[4][1]))
+        self.desc_head, self.heads = head, list(heads)
+        self.desc_ints = np.array(rows, np.int32).reshape(len(descs), width)
+
+    def desc(self, i: int) -> tuple:
+        """Op descriptor ``i`` as ``MemoEnumerator`` made it (an equal tuple, a new object)."""
+        phase, kind, attrs, letters = self.heads[self.desc_head[i]]
+        row = self.desc_ints[i].tolist()
+        return (phase, kind, attrs, tuple(zip(letters, row)), (phase, row[-1]))
+
+    @property
+    def n_outputs(self) -> int:
+        """How many distinct output nodes the graphs have."""
+        return len(self.node_type)
+
+    def graphs_of(self, q: int):
+        """The op descriptor tuples of output node ``q``'s graphs (``q``: its position in
+        ``node_at``), in the order of enumeration."""
+        ops, at, desc = self.ops, self.graph_at, self.desc
+        for g in range(int(self.node_at[q]), int(self.node_at[q + 1])):
+            yield tuple(desc(i) for i in ops[at[g]:at[g + 1]].tolist())
+
+    def graphs(self):
+        """Every graph's op descriptor tuple, node by node (as ``graphs_of``)."""
+        for q in range(self.n_outputs):
+            yield from self.graphs_of(q)
 
     def _view(self, ctx, layout, sym_size: dict, fam: "Family") -> tuple:
         """(the output types whose graphs ``layout``'s own enumeration would keep by shape, the
@@ -327,9 +423,9 @@ class SharedFinal:
         if hit is None:
             back = fam.members[lkey]
             test = _ShapeOnly(ctx.target, layout, sym_size)
-            ok = {t for t in self.type_graphs
-                  if test.shape_ok(tuple(back.get(d, d) for d in t[0]), t[1])}
-            hit = self.views[lkey] = (ok, sum(self.type_graphs[t] for t in ok))
+            ok = [test.shape_ok(tuple(back.get(d, d) for d in t[0]), t[1]) for t in self.types]
+            hit = self.views[lkey] = (ok, int(self.type_graphs[np.array(ok, bool)].sum())
+                                      if ok else 0)
         return hit
 
     def structures(self, ctx, layout, infos: dict, sizes: dict, sym_size: dict,
@@ -363,8 +459,9 @@ class SharedFinal:
             table = stripped_table(ctx)
             table.set_leaves(leaves)
             want = sfp.of_expr(ctx.target.out_expr)
-            sieved = self.sids[keep].tolist()  # in ``by_sid``'s order, as before
-            passing = tuple(sid for sid in sieved if table.value(sid) == want)
+            sieved = np.flatnonzero(keep).tolist()  # positions in ``sids``, in its order
+            sids = self.sids[sieved].tolist()
+            passing = tuple(k for k, sid in zip(sieved, sids) if table.value(sid) == want)
             if len(self.passing) >= PASSING_MEMO:
                 self.passing.clear()
             self.passing[(leaves, leaves31)] = passing
@@ -373,8 +470,9 @@ class SharedFinal:
         else:
             counts["stripped_reused"] = counts.get("stripped_reused", 0) + 1
         out, repeats, filt = [], 0, None
-        graphs = [ops for sid in passing for node in self.by_sid[sid]
-                  if self.out_type[node] in ok for ops in self.by_out[node]]
+        at, nodes, types = self.sid_at, self.sid_nodes, self.node_type
+        graphs = [ops for k in passing for q in nodes[at[k]:at[k + 1]].tolist()
+                  if ok[types[q]] for ops in self.graphs_of(q)]
         failed = n_grouped - len(graphs)
         if graphs:
             filt = FinalFilter(ctx.target, layout, sym_size)
@@ -519,24 +617,25 @@ def _concrete_verdict(st, sizes: dict, infos: dict, filt: FinalFilter) -> str:
     return "ok" if filt.exact(info) else "mismatched"
 
 
-def _held_bytes(by_out: dict, by_sid: dict) -> int:
-    """Bytes a signature holds, as ``sys.getsizeof`` counts them: both dicts, their lists and
-    each op tuple once (the descriptors inside are shared with other graphs and counted once)."""
-    size = sys.getsizeof(by_out) + sys.getsizeof(by_sid)
-    descs: dict = {}
-    for graphs in by_out.values():
-        size += sys.getsizeof(graphs)
-        for ops in graphs:
-            size += sys.getsizeof(ops)
-            for d in ops:
-                descs[id(d)] = d
-    size += sum(sys.getsizeof(g) for g in by_sid.values())
-    return size + sum(map(sys.getsizeof, descs.values()))
+def _offsets(lengths) -> np.ndarray:
+    """[0, l0, l0 + l1, ...]: where each of the runs of ``lengths`` starts in their concatenation,
+    and the end; int32 when the end fits (half the bytes of int64)."""
+    out = np.concatenate(([0], np.cumsum(np.fromiter(lengths, np.int64))))
+    return out.astype(np.int32) if out[-1] < 2**31 else out
 
 
 class SignatureCache:
-    """A process's signatures (``SharedFinal`` by signature key), least recently used first,
-    holding at most ``SIGNATURE_CACHE_BYTES`` of ``nbytes`` (the newest one always stays).
+    """A process's signatures (``SharedFinal`` by signature key), holding at most
+    ``SIGNATURE_CACHE_BYTES`` of ``nbytes`` (the newest one always stays); past the bound the
+    signature that is cheapest to build again per byte it frees goes first (GreedyDual-Size:
+    each one has a credit, the clock at its last use plus its enumeration's states per byte; the
+    lowest credit is dropped and becomes the clock, so signatures not used for a while age out;
+    ties go least recently used first).
+
+    NOTE: until the twenty-third session the least recently used signature went first, whatever
+    its size and cost: a no-graph family of qk_norm_rope (311,725 states, ~19 s of CPU, 12 bytes)
+    was as likely to go as one of 176 MB, and freed nothing. A build's CPU time grows with its
+    states (0.06-0.47 ms per state measured), so states per byte is the rebuild cost per byte.
 
     Counters on ``ctx``: ``signature_evictions`` (signatures dropped) and ``signature_rebuilds``
     (signatures built again after being dropped). A rebuilt signature is the same enumeration of
@@ -545,27 +644,35 @@ class SignatureCache:
 
     def __init__(self, ctx) -> None:
         self.ctx = ctx
-        self.entries: OrderedDict = OrderedDict()
+        self.entries: OrderedDict = OrderedDict()  # least recently used first
         self.nbytes = 0
         self.evicted: set = set()  # keys dropped once: a later build of one is a rebuild
+        self.clock = 0.0           # the credit of the last signature dropped
+        self.credit: dict = {}     # key -> clock at its last use + its states per byte
+
+    def _use(self, key, entry: SharedFinal) -> None:
+        self.entries.move_to_end(key)
+        self.credit[key] = self.clock + entry.states / max(entry.nbytes, 1)
 
     def get(self, key):
         """The signature of ``key``, now the most recently used, or None."""
         entry = self.entries.get(key)
         if entry is not None:
-            self.entries.move_to_end(key)
+            self._use(key, entry)
         return entry
 
     def put(self, key, entry: SharedFinal) -> None:
-        """Keep ``entry``; drop the least recently used ones while over the bound."""
+        """Keep ``entry``; while over the bound, drop the others by lowest credit."""
         counts = self.ctx.counts
         if key in self.evicted:
             counts["signature_rebuilds"] = counts.get("signature_rebuilds", 0) + 1
         self.entries[key] = entry
+        self._use(key, entry)
         self.nbytes += entry.nbytes
         while self.nbytes > SIGNATURE_CACHE_BYTES and len(self.entries) > 1:
-            old, dropped = self.entries.popitem(last=False)
-            self.nbytes -= dropped.nbytes
+            old = min((k for k in self.entries if k != key), key=self.credit.__getitem__)
+            self.nbytes -= self.entries.pop(old).nbytes
+            self.clock = self.credit.pop(old)
             self.evicted.add(old)
             counts["signature_evictions"] = counts.get("signature_evictions", 0) + 1
 

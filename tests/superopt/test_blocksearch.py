@@ -198,3 +198,30 @@ def test_a_listing_the_deadline_stops_while_costing_lists_nothing():
         late.after = full.calls - n // 2  # in the costing loop (one call per structure), halfway
         got = layout_options(late, lay, infos, False, part=part)
         assert got == ([] if part is None else ([], [])) and late.calls > late.after
+
+
+def test_enumerate_layout_asks_structures_once_with_keep_and_part(monkeypatch):
+    """``enumerate_layout`` makes one ``MemoEnumerator.structures(graphs, keep, part)`` call
+    whatever ``keep`` and ``part`` are (None passed through: ``structures`` takes both as None),
+    instead of four call forms chosen by branches; a stand-in that requires both parameters
+    sees the same arguments in every case, and ``keep`` reaches it only for a non-last op."""
+    from mpk_dist.superopt.blockmemo import MemoEnumerator
+
+    target = analyze(build("rmsnorm_linear", {"M": 4, "K": 512, "N": 256}))
+    infos = input_infos(target)
+    config = SearchConfig(max_kernel_ops=2, max_block_ops=3, prune=False)
+    lay = next(lay for lay in B.layouts(("X", "G"), infos, 1) if lay.loop_sym == "k")
+    seen, real = [], MemoEnumerator.structures
+
+    def strict(self, graphs, keep, part):  # no defaults: every call names both
+        seen.append((keep is not None, part))
+        return real(self, graphs, keep, part)
+
+    monkeypatch.setattr(MemoEnumerator, "structures", strict)
+    every = lambda outs: True  # noqa: E731
+    for keep, part in ((None, None), (every, None), (None, (1, 2)), (every, (0, 2))):
+        ctx = Context(target, config, time.monotonic() + 60)
+        assert B.enumerate_layout(ctx, lay, infos, False, keep=keep, part=part)
+    ctx = Context(target, config, time.monotonic() + 60)
+    B.enumerate_layout(ctx, lay, infos, True, share=False, keep=every)
+    assert seen == [(False, None), (True, None), (False, (1, 2)), (True, (0, 2)), (False, None)]

@@ -4,6 +4,8 @@ the inputs include tensors a first kernel op made (issue 7, item 4)."""
 
 import time
 
+import numpy as np
+
 from mpk_dist.superopt import blocksearch as B
 from mpk_dist.superopt.blockmemo import FinalFilter
 from mpk_dist.superopt.blockshare import _concrete_verdict
@@ -91,7 +93,7 @@ def test_last_op_results_by_recipe_give_the_same_graphs(monkeypatch):
     def build(lay, sizes, sym_size):
         ctx = Context(target, config, time.monotonic() + 60)
         sf = SharedFinal(ctx, lay, infos, sizes, sym_size)
-        graphs = sorted(canonical_order(ops) for g in sf.by_out.values() for ops in g)
+        graphs = sorted(canonical_order(ops) for ops in sf.graphs())
         return sf, graphs, sf.structures(ctx, lay, infos, sizes, sym_size)
 
     merged = compared = 0
@@ -108,7 +110,7 @@ def test_last_op_results_by_recipe_give_the_same_graphs(monkeypatch):
         assert new_graphs == old_graphs and new.n_graphs == old.n_graphs, lay
         assert new_st == old_st, lay
         assert (new.states, new.deduplicated) == (old.states, old.deduplicated)
-        merged += len(new.by_out) - len(old.by_out)
+        merged += new.n_outputs - old.n_outputs
         compared += len(new_graphs)
     assert compared > 100 and merged > 0
 
@@ -298,7 +300,75 @@ def test_a_signature_that_runs_into_the_deadline_keeps_nothing():
     late.after = full.calls // 2
     part = SharedFinal(late, lay, infos, sizes, sym_size)
     assert not part.complete and part.states > 0
-    assert part.n_graphs == 0 and not part.by_out and not part.by_sid
+    assert part.n_graphs == 0 and not part.n_outputs and not len(part.sids)
     ctx = Late(target, config, 0.0)
     ctx.after = full.calls // 2
     assert layout_options(ctx, lay, infos, True) == []  # the shared path (unpruned last op)
+
+
+def test_a_signature_keeps_its_graphs_as_arrays_in_the_enumerations_order():
+    """``SharedFinal`` keeps its graphs as int32 arrays of descriptor ids (``_store``), not as
+    ``{output node: [op tuple]}``: qk_norm_rope (H=4, D=16), 4 block ops, (Q, G, C, S, R) without a
+    grid (6,720 graphs): ``graphs()`` gives the enumerator's op tuples grouped by output node, each
+    group and the groups in the order of enumeration, the nodes grouped by stripped structure
+    (``sid_nodes``) are a permutation of them, and the graphs' arrays take less than a quarter of
+    the bytes of the dict, its lists and op tuples (``sys.getsizeof``), and the descriptors'
+    heads and rows of ints less than a third of the descriptor tuples' (outer tuples only)."""
+    import sys
+
+    from mpk_dist.superopt.blockmemo import MemoEnumerator
+    from mpk_dist.superopt.blockshare import Family, SharedFinal, _output_node
+
+    target = analyze(build("qk_norm_rope", {"H": 4, "D": 16}))
+    infos = dict(input_infos(target))
+    config = SearchConfig(max_kernel_ops=2, max_block_ops=4, prune=False)
+    lay = next(lay for lay in B.layouts(("Q", "G", "C", "S", "R"), infos, 1) if not lay.grid_syms
+               and lay.loop_sym is None)
+    sym_size = {s: x for n in lay.inputs for s, x in zip(infos[n].syms, infos[n].shape) if s}
+    sizes = B.representative_sizes(lay, infos, sym_size, config)
+    ctx = Context(target, config, time.monotonic() + 60)
+    sf = SharedFinal(ctx, lay, infos, sizes, sym_size)
+    fam = Family(ctx, lay, infos, sizes, sym_size)
+    enum = MemoEnumerator(ctx, fam.alay, fam.ainfos, fam.asizes, 1, fam.accept(target))
+    by_out: dict = {}
+    for ops in map(enum.ops_of, enum.completions()):
+        by_out.setdefault(_output_node(ops, enum.acc_of), []).append(ops)
+    want = [ops for group in by_out.values() for ops in group]
+    assert list(sf.graphs()) == want and sf.n_graphs == len(want) == 6720
+    assert sf.n_outputs == len(by_out) and sorted(sf.sid_nodes.tolist()) == list(range(len(by_out)))
+    assert sf.ops.dtype == np.int32 and sf.graph_at.dtype == np.int32
+    assert len(sf.desc_head) == len({id(d) for ops in want for d in ops})  # the used ones only
+    dicts = sys.getsizeof(by_out) + sum(sys.getsizeof(g) + sum(map(sys.getsizeof, g))
+                                        for g in by_out.values())
+    arrays = sf.ops.nbytes + sf.graph_at.nbytes + sf.node_at.nbytes
+    assert arrays < dicts / 4, (arrays, dicts)
+    # the descriptors as heads and rows of ints: fewer bytes than their tuples' outer objects
+    tuples = sum(sys.getsizeof(d) for d in {id(d): d for ops in want for d in ops}.values())
+    assert sf.desc_head.nbytes + sf.desc_ints.nbytes < tuples / 3
+    assert len(sf.heads) < len(sf.desc_head) / 10
+
+
+def test_the_signature_cache_drops_the_cheapest_to_rebuild_per_byte(monkeypatch):
+    """``SignatureCache`` over the bound drops the signature with the lowest credit (its last
+    use's clock plus its states per byte), not the least recently used one: a 1-byte signature
+    whose enumeration had 300,000 states (a no-graph family) outlives two 60-byte ones of 1,000
+    states put after it, one of which goes; a later hit refreshes a credit, and an unreachable
+    signature (0 states) is the first to go."""
+    from types import SimpleNamespace
+
+    from mpk_dist.superopt import blockshare
+
+    monkeypatch.setattr(blockshare, "SIGNATURE_CACHE_BYTES", 100)
+    sig = lambda nbytes, states: SimpleNamespace(nbytes=nbytes, states=states)  # noqa: E731
+    cache = blockshare.SignatureCache(SimpleNamespace(counts={}))
+    cache.put("tiny", sig(1, 300_000))
+    cache.put("a", sig(60, 1_000))
+    cache.put("b", sig(60, 1_000))  # 121 bytes: "a" (lowest credit, older of the two) goes
+    assert list(cache.entries) == ["tiny", "b"] and cache.nbytes == 61
+    assert cache.ctx.counts["signature_evictions"] == 1
+    cache.get("b")
+    cache.put("u", sig(2, 0))  # unreachable: credit = clock
+    cache.put("c", sig(38, 600))  # 101 bytes: "u" (credit = clock) goes, 99 left
+    assert list(cache.entries) == ["tiny", "b", "c"] and cache.ctx.counts["signature_evictions"] == 2
+    cache.put("a", sig(60, 1_000))  # built again: a rebuild; "b" and "c" go, "tiny" stays
+    assert list(cache.entries) == ["tiny", "a"] and cache.ctx.counts["signature_rebuilds"] == 1
