@@ -28,7 +28,7 @@ import torch
 from mpk_dist.backends.base import GenerateRequest, GenerateResult, StepBackend
 from mpk_dist.errors import BackendUnavailable, InputError
 from mpk_dist.models import build_graph
-from mpk_dist.runtime.tables import padded_batch
+from mpk_dist.runtime.tables import WORKER_THREADS_WIDE, padded_batch
 from mpk_dist.runtime.transport import IpcTransport, LocalTransport, check_options
 from mpk_dist.taskgraph.sampling_rng import check_device_sampling, sampling_words
 
@@ -37,7 +37,7 @@ SCHEDULES = ("aot", "jit")
 # threads keep twice the weight bytes in flight per SM, and a 64 KB cap on the L2 prefetch of a
 # linear tile stops 132 whole-tile prefetches (> the 60 MB L2) evicting each other (qwen3-8b b1:
 # 8.36 -> 6.32 ms/token, same tokens). 1024 threads changed block-reduction order and tokens.
-DEFAULT_WORKER_THREADS = 512  # the paged serving kernels' (a batch-1 decode program's: tables.default_worker_threads)
+DEFAULT_WORKER_THREADS = WORKER_THREADS_WIDE  # the paged serving kernels' (decode programs: tables.default_worker_threads)
 DEFAULT_PREFETCH_KB = 64
 
 SWITCHES = (

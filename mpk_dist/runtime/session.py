@@ -86,8 +86,6 @@ class Session:
         if cg.meta["abi_version"] != ABI_VERSION:
             raise InputError(f"task graph ABI: expected version {ABI_VERSION}, got {cg.meta['abi_version']}")
         tables.check_supported(cg)
-        if worker_threads is None:  # the program's choice (the same as kernel_shape's)
-            worker_threads = tables.default_worker_threads(cg)
         if schedule == "jit" and int(cg.meta["world_size"]) > 1:
             raise InputError("--schedule jit: expected tp 1 (jit scheduling of peer-signalled events comes with "
                              "the TP issue), got tp > 1; use --schedule aot")
@@ -111,6 +109,7 @@ class Session:
                                                rank=self.rank, world=self.world, input_hash=tables_hash(cg.arrays),
                                                compiler=compiler, program=cg)
         self.build_s = time.perf_counter() - t0
+        worker_threads = shape.worker_threads  # None above: the program's choice, resolved once by kernel_shape
         self.block_threads = worker_threads + (32 if schedule == "jit" else 0)
         # Record-level: split-KV tiles stage their cache rows in shared memory when the stage fits.
         self.stage_kv = attn_stage_kv and tables.kv_stage_fits(cg, worker_threads, weight_ring=linear_tma)
