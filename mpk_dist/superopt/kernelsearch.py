@@ -40,6 +40,10 @@ class KernelSearch:
     # later layout item whose listing is back go first (``_ready_layout``; False: in order, as
     # before the twentieth session, for the test)
     ready_first = True
+    # ... and a later subset whose layout listing is back is expanded into layout items early
+    # (``_ready_layout``; False: only the layout items already in ``pending``, as before the
+    # twenty-fifth session, for the test)
+    ready_subsets = True
     # the last op's library ops: a result whose stripped fingerprint is not the target's is
     # dropped before its expression is built (``_may_be_output``; False: every one built, as
     # before the twenty-first session, for the test)
@@ -158,7 +162,7 @@ class KernelSearch:
                 self._release(ops, budget, item[1], tensors)
             elif item[0] == "L":
                 if by_layout and self.ready_first:
-                    item = self._ready_layout(item, pending, tensors)
+                    item = self._ready_layout(item, pending, tensors, upcoming)
                     self._prefetch_subsets(tensors, upcoming)  # a worker may be free now
                 # one layout's moves, cheapest first (as ``options`` orders a whole subset)
                 moves = sorted(self._options(tensors, item[1], prev, False, len(ops), item[2]),
@@ -170,20 +174,27 @@ class KernelSearch:
         if pending and self.bound < math.inf:
             yield from self._best_first(tensors, ops, prev, dangling, budget, spent, pending)
 
-    def _ready_layout(self, item: tuple, pending, tensors: dict) -> tuple:
+    def _ready_layout(self, item: tuple, pending, tensors: dict, upcoming=None) -> tuple:
         """The layout item to take now in the unpruned canonical phase: ``item`` (``("L",
         subset, k)``, just taken from the front of ``pending``) when its listing is back from the
         pool (``BlockCatalog.ready``), else the first layout item of ``pending`` whose listing is
-        back, ``item`` going back to the front; ``item`` again when none is.
+        back, ``item`` going back to the front; else (``ready_subsets``) the first subset item
+        (``("s", subset, least)``) of ``pending`` with a layout whose listing is back becomes its
+        layout items in place (and leaves ``upcoming``), and that layout goes first; ``item``
+        again when none is. While it waits, the lanes get their work and their results are
+        recorded (``Lanes.service``).
 
         Why nothing changes but the order: every layout item is still taken once, before the
         switch to best-first or (not taken yet) as an item of ``_best_first``, with the same
         moves (keys (layout, position), the canonical test between moves does not look at the
-        order they are taken in), as ``by_layout`` argued for the layouts of one subset.
+        order they are taken in), as ``by_layout`` argued for the layouts of one subset; a
+        subset item expanded early makes the layout items its turn would have made.
         NOTE: qk_norm_rope's first subset is Q, whose layout 0 ("none") lists 1.9 M first ops
         in ~190 s of a core, while its layouts 1-6 come back within ~30-90 s; the canonical
         phase waited for layout 0 first, and no custom first op reached the lanes within 240 s
-        (nineteenth session: 70 hand-offs, the library first ops)."""
+        (nineteenth session: 70 hand-offs, the library first ops). Once Q's other layouts were
+        taken, the main process still waited 182 s for layout 0 with the next subsets' listings
+        back and the lanes idle with partial batches (twenty-fourth session, 2 cores)."""
         cat = self.catalog
         while True:
             if cat.ready(item[1], item[2], tensors, False):
@@ -200,7 +211,34 @@ class KernelSearch:
                 # not on the pool (listed here), back under a limit that does not cover this
                 # request (listed again), or past the deadline: as before
                 return item
+            if self.ready_subsets and upcoming is not None and \
+                    self._expand_ready_subset(pending, tensors, upcoming):
+                continue  # its ready layout is a layout item of ``pending`` now
+            if self.lanes is not None:
+                self.lanes.service(self)
+            self.ctx.tick()
             task.wait(0.02)  # until it, or another one, is back
+
+    def _expand_ready_subset(self, pending, tensors: dict, upcoming) -> bool:
+        """Replace the first subset item of ``pending`` that has a layout whose listing is back by
+        its layout items, in place (what its turn in ``_ordered`` does), and drop the subset from
+        ``upcoming``; False when there is none."""
+        cat = self.catalog
+        for j, other in enumerate(pending):
+            if other[0] != "s":
+                continue
+            ks = range(len(cat.layouts(other[1], tensors)))
+            if not any(cat.ready(other[1], k, tensors, False) for k in ks):
+                continue
+            del pending[j]
+            upcoming.remove(other[1])
+            cat.prefetch(other[1], ks, tensors, False)
+            for k in reversed(ks):
+                pending.insert(j, ("L", other[1], k))
+            self.ctx.counts["subsets_ready_first"] = \
+                self.ctx.counts.get("subsets_ready_first", 0) + 1
+            return True
+        return False
 
     def _prefetch_next_depth(self, max_ops: int) -> None:
         """Unpruned, with a pool, before a depth that is not the last: start the listings the

@@ -37,7 +37,14 @@ batches before the caller may wait for something else (a first-op listing).
 from __future__ import annotations
 
 import multiprocessing
+import time
 from collections import deque
+
+from mpk_dist.superopt.context import POOL_GRACE_S
+
+WAIT_POLL_S = 0.05
+"""How long one wait on the oldest lane task lasts before every task in flight is looked at again
+(``Lanes._wait_any``): short beside a batch (seconds), long beside a ``ready()`` test."""
 
 _LANE = None  # the lane process's KernelSearch
 _SEED: dict = {}  # the caller's last-op signatures at fork time, for the lanes' contexts
@@ -200,20 +207,50 @@ class Lanes:
         self.sent.append((k, task, [(t, o) for t, o, *_ in batch]))
 
     def _collect(self, ks, block: bool) -> None:
-        """Record the graphs of finished hand-offs, in the order they were sent (all of them
-        when ``block``; else the finished ones, waiting for the oldest while too many are in
-        flight). Lanes finish out of order, so every finished one is looked at, not only the
-        oldest."""
+        """Record the graphs of finished hand-offs (all of them when ``block``; else the finished
+        ones, waiting for one more while too many are in flight). Lanes finish out of order, so
+        every finished one is looked at, and a wait ends at the first task of ANY lane that
+        finishes (``_wait_any``).
+
+        NOTE: until the twenty-fifth session a wait over the window was for the oldest task:
+        qk_norm_rope unpruned, the main process sat 136 s and then 227 s on one lane's batch
+        (a lane building a last-op signature) while the other lanes had finished theirs and
+        waited for work (2 cores); on the H200 host (12 lanes) no progress line came for 288 s."""
         while self.sent:
             done = [item for item in self.sent if item[1].ready()]
             if not done and (block or len(self.sent) > self.window * len(self.pools)):
                 self.flush()  # idle lanes get their partial batches while this waits
-                done = [self.sent[0]]
+                done = self._wait_any()
             if not done:
                 return
             for item in done:
                 self.sent.remove(item)
                 self._record(ks, *item)
+
+    def _wait_any(self) -> list:
+        """The tasks in flight that are finished, waiting until one is. Bounded like
+        ``Context.pool_result``: past the deadline plus ``POOL_GRACE_S`` the oldest task is
+        returned as it is, and recording it raises the clear error of a lost lane."""
+        limit = max(self.ctx.deadline, time.monotonic()) + POOL_GRACE_S
+        while True:
+            self.sent[0][1].wait(WAIT_POLL_S)
+            done = [item for item in self.sent if item[1].ready()]
+            if done:
+                return done
+            if time.monotonic() > limit:
+                return [self.sent[0]]
+            self.ctx.tick()  # the progress line goes on while the main process waits
+
+    def service(self, ks) -> None:
+        """Without waiting: send every partial batch and record what the lanes have finished
+        (called by a caller that waits for something else, e.g. a first-op listing, so that idle
+        lanes get their work and verified graphs lower the bound meanwhile)."""
+        if self.pools is None:
+            return
+        self.flush()
+        for item in [item for item in self.sent if item[1].ready()]:
+            self.sent.remove(item)
+            self._record(ks, *item)
 
     def _record(self, ks, lane: int, task, items: list) -> None:
         found, delta = self.ctx.pool_result(task, f"lane {lane}'s last ops")

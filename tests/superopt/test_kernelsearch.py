@@ -2,6 +2,7 @@
 
 import math
 import time
+from collections import deque
 
 from mpk_dist.superopt import blocksearch as B
 from mpk_dist.superopt.context import Context, SearchConfig
@@ -323,6 +324,7 @@ def test_unpruned_canonical_phase_takes_ready_layouts_first(monkeypatch):
         with monkeypatch.context() as m:
             m.setattr(C, "layout_options", slow)
             m.setattr(KernelSearch, "ready_first", ready_first)
+            m.setattr(KernelSearch, "ready_subsets", ready_first)
             # layout 0 has no grid or loop symbol: split (``BlockCatalog.parts``), its two slow
             # parts would hold both workers and the other layouts could not be back first
             m.setattr(C.BlockCatalog, "split", False)
@@ -334,15 +336,20 @@ def test_unpruned_canonical_phase_takes_ready_layouts_first(monkeypatch):
         assert not ctx.timed_out()
         keys = [mv[6] if mv[0] == "c" else mv[2] for mv in moves]
         layouts = [k[2] for k in keys if k[0] == "c" and k[1] == first]
-        return keys, layouts, ctx.counts.get("layouts_ready_first", 0)
+        return keys, layouts, ctx.counts.get("layouts_ready_first", 0), \
+            ctx.counts.get("subsets_ready_first", 0)
 
-    old, old_layouts, n_old = first_ops(False, 2)
-    new, new_layouts, n_new = first_ops(True, 2)
-    assert len(old) > 1000 and n_old == 0 and old_layouts[0] == 0
+    old, old_layouts, n_old, s_old = first_ops(False, 2)
+    new, new_layouts, n_new, s_new = first_ops(True, 2)
+    assert len(old) > 1000 and n_old == s_old == 0 and old_layouts[0] == 0
     assert new_layouts[0] != 0 and n_new > 0 and new != old
+    # while layout 0 is still on the pool, later subsets' listings are back and go first
+    # (``ready_subsets``): their moves come before layout 0's
+    assert s_new > 0 and new.index(next(k for k in new if k[0] == "c" and k[1] != first)) < \
+        new.index(next(k for k in new if k[0] == "c" and k[1] == first and k[2] == 0))
     assert sorted(new) == sorted(old)  # the same moves, in another order
-    one, _, n_one = first_ops(True, 1)
-    assert one == old and n_one == 0  # without a pool: in order, as before
+    one, _, n_one, s_one = first_ops(True, 1)
+    assert one == old and n_one == s_one == 0  # without a pool: in order, as before
 
 
 def test_unpruned_canonical_phase_prefetches_before_the_library_moves():
@@ -469,3 +476,68 @@ def test_least_layout_bound_kept_per_tensor_types():
     assert new == ref
     assert sum(map(len, ref[:len(ref) // 2])) > sum(map(len, ref[len(ref) // 2:])) > 0
     assert c_new * 5 < c_ref, (c_new, c_ref)
+
+
+class _LateTask:
+    """A pool task that comes back ``after`` seconds from now."""
+
+    def __init__(self, after: float) -> None:
+        self.at = time.monotonic() + after
+
+    def ready(self) -> bool:
+        return time.monotonic() >= self.at
+
+    def wait(self, timeout: float) -> None:
+        time.sleep(max(0.0, min(timeout, self.at - time.monotonic())))
+
+
+class _Catalog:
+    """The catalog calls ``_ready_layout`` makes: subsets with ``n`` layouts, the listings in
+    ``back`` ready, every other one on the pool until ``late`` comes back."""
+
+    def __init__(self, n: dict, back: set, late: _LateTask) -> None:
+        self.n, self.back, self.late, self.prefetched = n, back, late, []
+
+    def layouts(self, subset, tensors):
+        return list(range(self.n[subset]))
+
+    def ready(self, subset, k, tensors, final):
+        return (subset, k) in self.back or self.late.ready()
+
+    def pending_task(self, subset, k, tensors, final):
+        return self.late
+
+    def prefetch(self, subset, ks, tensors, final):
+        self.prefetched.append((subset, list(ks)))
+
+
+def test_ready_layout_expands_a_later_subset_whose_listing_is_back(monkeypatch):
+    """Unpruned canonical phase: the front layout item's listing is on the pool and no other
+    layout item is ready, but a later subset's layout is back: that subset becomes its layout
+    items in place (as its own turn would make them, and it leaves ``upcoming``) and its ready
+    layout goes first, the waiting item back at the front (before: the main process waited for
+    the front listing, 182 s for qk_norm_rope's Q "none" on 2 cores)."""
+    from mpk_dist.superopt.kernelsearch import KernelSearch
+
+    def take(ready_subsets: bool):
+        late = _LateTask(2.0)
+        cat = _Catalog({("Q",): 2, ("Q", "G"): 3, ("G",): 2}, {(("Q", "G"), 1)}, late)
+        ks = KernelSearch.__new__(KernelSearch)
+        ks.catalog, ks.lanes, ks.ready_subsets = cat, None, ready_subsets
+        ks.ctx = Context(analyze(build("silu_mul_linear", {"M": 2, "I": 64, "N": 32})),
+                         SearchConfig(prune=False), time.monotonic() + 60)
+        pending = deque([("s", ("G",), 0.0), ("s", ("Q", "G"), 0.0)])
+        upcoming = deque([("G",), ("Q", "G")])
+        t0 = time.monotonic()
+        item = ks._ready_layout(("L", ("Q",), 0), pending, {}, upcoming)
+        return item, list(pending), list(upcoming), cat.prefetched, time.monotonic() - t0, \
+            ks.ctx.counts.get("subsets_ready_first", 0)
+
+    item, pending, upcoming, prefetched, took, n = take(True)
+    assert item == ("L", ("Q", "G"), 1) and took < 1.0 and n == 1
+    assert pending == [("L", ("Q",), 0), ("s", ("G",), 0.0),
+                       ("L", ("Q", "G"), 0), ("L", ("Q", "G"), 2)]
+    assert upcoming == [("G",)] and prefetched == [(("Q", "G"), [0, 1, 2])]
+    item, pending, upcoming, _, took, n = take(False)
+    assert item == ("L", ("Q",), 0) and took > 1.5 and n == 0   # as before: it waited
+    assert pending == [("s", ("G",), 0.0), ("s", ("Q", "G"), 0.0)] and len(upcoming) == 2

@@ -1,5 +1,12 @@
 """lanes: which lane a first op goes to (home lanes per route, spilling to the least loaded)."""
 
+import multiprocessing
+import time
+from collections import deque
+
+import pytest
+
+from mpk_dist.superopt.context import Context
 from mpk_dist.superopt.lanes import Lanes
 
 
@@ -106,3 +113,99 @@ def test_first_ops_of_one_route_need_the_same_signatures():
         assert len({keys for keys, _ in items}) == 1, route  # one route, one set of signatures
     shared = [items for items in by_route.values() if len({reads for _, reads in items}) > 1]
     assert len(shared) >= 3  # e.g. sum(G), sum(C), sum(S): one route
+
+
+class _Task:
+    """A lane task that finishes ``after`` seconds from now (an AsyncResult's interface)."""
+
+    def __init__(self, after: float, value=None) -> None:
+        self.at, self.value = time.monotonic() + after, value
+
+    def ready(self) -> bool:
+        return time.monotonic() >= self.at
+
+    def wait(self, timeout: float) -> None:
+        time.sleep(max(0.0, min(timeout, self.at - time.monotonic())))
+
+    def get(self, timeout: float):
+        self.wait(timeout)
+        if not self.ready():
+            raise multiprocessing.TimeoutError
+        return self.value
+
+
+class _WaitCtx(_Ctx):
+    def __init__(self, deadline: float) -> None:
+        super().__init__()
+        self.deadline, self.remote, self.ticks = deadline, {}, 0
+
+    def tick(self) -> None:
+        self.ticks += 1
+
+    def add_remote(self, delta: dict) -> None:
+        pass
+
+    def pool_result(self, task, what: str):
+        return Context.pool_result(self, task, what)
+
+
+def _waiting_lanes(tasks: list, window: int, deadline: float) -> Lanes:
+    """Two lanes with ``tasks`` in flight (each one batch of one first op that found nothing)."""
+    lanes = Lanes.__new__(Lanes)
+    lanes.ctx, lanes.pools, lanes.window = _WaitCtx(deadline), [None, None], window
+    lanes.open, lanes.load, lanes.busy = [[], []], [0, 0], [0, 0]
+    lanes.sent = deque()
+    for i, task in enumerate(tasks):
+        lanes.sent.append((i % 2, task, [({}, [])]))
+        lanes.load[i % 2] += 1
+        lanes.busy[i % 2] += 1
+    return lanes
+
+
+def test_collect_over_the_window_waits_for_any_lane_not_the_oldest():
+    """Over the window the main process waits until ANY lane's task is back, records it and
+    goes on (hands more first ops over), instead of waiting for the oldest task (a lane building
+    a last-op signature held the main process 136 s and 227 s while the other lanes were idle);
+    the wait keeps the progress line going."""
+    slow, fast = _Task(3.0, ([[]], {})), _Task(0.2, ([[]], {}))
+    lanes = _waiting_lanes([slow, fast, _Task(3.0, ([[]], {}))], window=1,
+                           deadline=time.monotonic() + 60)
+    t0 = time.monotonic()
+    lanes._collect(None, block=False)         # 3 in flight > window 1 x 2 lanes
+    took = time.monotonic() - t0
+    assert took < 1.5, took                   # before: ~3 s, the oldest task
+    left = [item[1] for item in lanes.sent]
+    assert len(left) == 2 and slow in left and fast not in left
+    assert lanes.busy == [2, 0] and lanes.load == [2, 0]
+    assert lanes.ctx.ticks > 0
+
+
+def test_collect_of_a_lost_lane_ends_with_a_clear_error(monkeypatch):
+    """A lane task that never comes back (the lane died) still ends the wait: after the search
+    deadline plus ``POOL_GRACE_S`` recording it raises the error naming the lane."""
+    from mpk_dist import errors
+    from mpk_dist.superopt import context, lanes as L
+
+    monkeypatch.setattr(L, "POOL_GRACE_S", 0.3)
+    monkeypatch.setattr(context, "POOL_GRACE_S", 0.3)
+    lanes = _waiting_lanes([_Task(1e9), _Task(1e9)], window=0, deadline=time.monotonic())
+    t0 = time.monotonic()
+    with pytest.raises(errors.MpkError, match="lane 0's last ops"):
+        lanes._collect(None, block=True)
+    assert time.monotonic() - t0 < 5
+
+
+def test_service_sends_partial_batches_and_records_finished_tasks_without_waiting():
+    """``service`` (the main process waits for a first-op listing): every partial batch goes
+    to its lane, every finished task is recorded, and nothing waits for a running one."""
+    done, running = _Task(0.0, ([[]], {})), _Task(60.0)
+    lanes = _waiting_lanes([running, done], window=4, deadline=time.monotonic() + 60)
+    sent = []
+    lanes._send = lambda k: sent.append(k) or lanes.open[k].clear()
+    lanes.open[1] = [("first op",)]
+    t0 = time.monotonic()
+    lanes.service(None)
+    assert time.monotonic() - t0 < 0.5
+    assert sent == [1]
+    assert [item[1] for item in lanes.sent] == [running]
+    assert lanes.busy == [1, 0]
