@@ -51,15 +51,23 @@ class KernelSearch:
     # the least layout bound of a subset kept per its tensor types (``_least_layout``; False:
     # computed every time, as before the twenty-first session, for the test)
     least_memo = True
+    # unpruned best-first phase with a pool: a layout item whose listing is still on the pool
+    # is put aside and the items after it go on; it is listed when it is back (``_best_first``;
+    # False: the main process waits for it, as before the twenty-sixth session, for the test)
+    defer_listings = True
 
     def __init__(self, ctx: Context, catalog: BlockCatalog, bound: float = math.inf,
-                 verify=None, lanes=None) -> None:
+                 verify=None, lanes=None, shorter_searched: bool = False) -> None:
         """``bound``: cost of the best verified graph so far; ``verify``: optional callable
         (UGraph -> bool); a complete graph cheaper than ``bound`` is verified as soon as it is
         found, and if it passes, its cost becomes the bound for the rest of the depth.
         ``lanes``: optional ``lanes.Lanes``; the last kernel op after each first op is then
-        searched on a lane process (unpruned searches, see lanes.py)."""
+        searched on a lane process (unpruned searches, see lanes.py).
+        ``shorter_searched``: every depth below this one was searched to its end (iterative
+        deepening, ``search._depths``), so a graph that completes before its last op adds
+        nothing new here; the best-first keys use it (``_item_rest``)."""
         self.ctx = ctx
+        self.shorter_searched = shorter_searched
         self.catalog = catalog
         self.bound = bound  # branch and bound: cost of the best verified graph so far
         self.verify = verify
@@ -150,10 +158,9 @@ class KernelSearch:
             item = pending.popleft()
             if item[0] == "s" and by_layout:
                 upcoming.popleft()  # this subset: the "s" items come in the same order
-                ks = range(len(self.catalog.layouts(item[1], tensors)))
-                self.catalog.prefetch(item[1], ks, tensors, False)
+                items = self._layout_items(item[1], tensors)
                 self._prefetch_subsets(tensors, upcoming)
-                pending.extendleft(reversed([("L", item[1], k) for k in ks]))
+                pending.extendleft(reversed(items))
             elif item[0] == "s":
                 upcoming.popleft()
                 self._prefetch_subsets(tensors, upcoming)
@@ -227,18 +234,24 @@ class KernelSearch:
         for j, other in enumerate(pending):
             if other[0] != "s":
                 continue
-            ks = range(len(cat.layouts(other[1], tensors)))
-            if not any(cat.ready(other[1], k, tensors, False) for k in ks):
+            if not any(cat.ready(other[1], k, tensors, False)
+                       for k in range(len(cat.layouts(other[1], tensors)))):
                 continue
             del pending[j]
             upcoming.remove(other[1])
-            cat.prefetch(other[1], ks, tensors, False)
-            for k in reversed(ks):
-                pending.insert(j, ("L", other[1], k))
+            for layout_item in reversed(self._layout_items(other[1], tensors)):
+                pending.insert(j, layout_item)
             self.ctx.counts["subsets_ready_first"] = \
                 self.ctx.counts.get("subsets_ready_first", 0) + 1
             return True
         return False
+
+    def _layout_items(self, subset: tuple, tensors: dict) -> list:
+        """A subset item's layout items (``("L", subset, k)`` for each of its layouts), their
+        listings started on the pool (unpruned canonical phase, ``by_layout``)."""
+        ks = range(len(self.catalog.layouts(subset, tensors)))
+        self.catalog.prefetch(subset, ks, tensors, False)
+        return [("L", subset, k) for k in ks]
 
     def _prefetch_next_depth(self, max_ops: int) -> None:
         """Unpruned, with a pool, before a depth that is not the last: start the listings the
@@ -295,7 +308,18 @@ class KernelSearch:
         cheapest layout plus the rest bound of the tensors it leaves unread, before its outputs)
         comes up, and then only the layouts whose own bound can still beat ``self.bound``.
         NOTE: moves are listed without building their block graphs' expressions (``_build`` does
-        that for the moves taken): unpruned searches list ~10^6."""
+        that for the moves taken): unpruned searches list ~10^6.
+
+        Unpruned with a pool (``defer_listings``), a layout item whose listing is still on the
+        pool is put aside (``deferred``) and the items after it go on; it is listed once back
+        (its moves join the heap), and the phase ends only when the heap's top exceeds the
+        verified cost and nothing deferred is left. Nothing changes but the order: every item
+        whose key does not exceed the verified cost is still taken, and the cost only falls.
+        NOTE: qk_norm_rope's three layouts over all five inputs have the smallest keys (~2.85 us:
+        a first op that reads every input may complete the graph, so no rest bound is added);
+        the main process waited for their listing (more than 149 s of a core each, unfinished)
+        until the deadline, with the cheaper graphs' first ops not taken (twenty-fifth
+        session)."""
         heap: list = []
         order = itertools.count()
         memo: dict = {}
@@ -303,9 +327,7 @@ class KernelSearch:
         for item in items:
             if item[0] in ("s", "L"):
                 subset = item[1]
-                # an op that completes the graph reads every unread tensor (else _record drops it)
-                rest = 0.0 if dangling <= set(subset) else \
-                    self.lower.rest(tensors, dangling - set(subset), budget - 1)
+                rest = self._item_rest(tensors, subset, dangling, budget)
                 if item[0] == "s":
                     key, item = spent + item[2] + rest, ("s", subset, rest)
                 else:  # a layout the canonical phase had not listed yet (``_push_layouts``)
@@ -316,33 +338,130 @@ class KernelSearch:
             else:
                 key = self._move_bound(tensors, item, dangling, budget, spent, memo)
             heapq.heappush(heap, (key, next(order), item))
-        while heap:
+        deferred: list = []  # (key, "l" item) whose listing is still on the pool
+        defer = self.defer_listings and not self.ctx.config.prune and self.catalog.pool is not None
+        while heap or deferred:
+            if deferred:
+                # one listing a turn: taking one (merging a split listing, pushing ~10^5 moves)
+                # can take tens of seconds, and the moves it pushed go to the lanes meanwhile
+                item = self._deferred_ready(deferred, tensors)
+                if item is not None:
+                    self._list_layout(heap, order, tensors, ops, prev, dangling, budget, spent,
+                                      memo, item)
+            if not heap or heap[0][0] > self.bound or self.ctx.timed_out():
+                # every later item's bound is at least the top one's; a deferred layout may
+                # still add moves under the bound, so wait for it (``_deferred_ready``)
+                if not deferred or self.ctx.timed_out():
+                    return
+                self._wait_deferred(deferred, tensors)
+                continue
             bound, _, item = heapq.heappop(heap)
-            if bound > self.bound or self.ctx.timed_out():
-                return  # every later item's bound is at least this one
             keyed = None if ops else budget  # the pool keys first ops (``bounds.first_op_keys``)
             if item[0] == "s":
                 self._push_layouts(heap, order, tensors, item[1], item[2], spent, ahead)
                 self._prefetch_ahead(tensors, ahead, dangling, spent, keyed)
             elif item[0] == "l":
                 self._prefetch_ahead(tensors, ahead, dangling, spent, keyed)
-                limit = self._list_limit(tensors, item[1], dangling, spent)
-                moves = list(self._options(tensors, item[1], prev, False, len(ops), item[2],
-                                           limit))  # listed (and keyed) before the keys are read
-                keys = self.catalog.keys(item[1], item[2], tensors, budget) if not ops else None
-                if keys is not None:
-                    self.ctx.counts["pool_keys"] = self.ctx.counts.get("pool_keys", 0) + len(moves)
-                for move in moves:
-                    # the key the pool worker computed, the same function on the same values
-                    key = keys[move[6][3]] if keys is not None else \
-                        self._move_bound(tensors, move, dangling, budget, spent, memo)
-                    if key <= self.bound:
-                        # NOTE: a move above the bound would only end the loop when popped, as
-                        # the next item (whose key is at least its own) does: not kept
-                        heapq.heappush(heap, (key, next(order), move))
-                self._release(ops, budget, item[1], tensors, item[2])
+                if defer and self._to_pool(tensors, item, dangling, spent, keyed):
+                    deferred.append((bound, item))
+                    self.ctx.counts["layouts_deferred"] = \
+                        self.ctx.counts.get("layouts_deferred", 0) + 1
+                    continue
+                self._list_layout(heap, order, tensors, ops, prev, dangling, budget, spent,
+                                  memo, item)
             else:
                 yield item
+
+    def _item_rest(self, tensors: dict, subset: tuple, dangling: set, budget: int) -> float:
+        """The rest bound of a subset or layout item of ``_best_first``: what the ops after a
+        custom op over ``subset`` cost at least (its outputs are not known yet).
+
+        An op that completes the graph reads every unread tensor (else ``_record`` drops it),
+        so an op over a subset holding all of ``dangling`` may be the last one: rest 0. Not when
+        ``budget`` >= 2 and the shorter depths were searched (``shorter_searched``): a graph that
+        completes there has fewer ops than this depth, and a shorter depth has it already, or,
+        when the op has a second output nobody reads, a graph without that output (and the
+        block ops only it needs) that costs no more (fewer bytes written, the same reads or
+        fewer). So every new graph through the op has another op after it: a sync point plus
+        writing the target's output at least (``RestBound.floor``).
+        NOTE: with rest 0, qk_norm_rope's three layouts over all five inputs had the smallest
+        keys at depth 2 (~2.85-3.05 us), so the best-first phase asked for their listings first
+        (each more than 149 s of a core, unfinished, twenty-fifth session); with this bound
+        they come at ~4.86-5.06 us, after most first ops of the best graphs (~4.87 us). Unpruned
+        only: the pruned search (the one production runs, under a time limit that can end it
+        with the best graph so far) keeps its order."""
+        if not dangling <= set(subset):
+            return self.lower.rest(tensors, dangling - set(subset), budget - 1)
+        if budget >= 2 and self.shorter_searched and not self.ctx.config.prune:
+            return self.lower.floor(tensors, set())
+        return 0.0
+
+    def _list_layout(self, heap: list, order, tensors: dict, ops: list, prev, dangling: set,
+                     budget: int, spent: float, memo: dict, item: tuple) -> None:
+        """``_best_first``'s layout item ``("l", subset, k)``: list the layout (under the
+        verified cost's limit) and push its moves whose keys do not exceed that cost."""
+        limit = self._list_limit(tensors, item[1], dangling, spent)
+        moves = list(self._options(tensors, item[1], prev, False, len(ops), item[2],
+                                   limit))  # listed (and keyed) before the keys are read
+        keys = self.catalog.keys(item[1], item[2], tensors, budget) if not ops else None
+        if keys is not None:
+            self.ctx.counts["pool_keys"] = self.ctx.counts.get("pool_keys", 0) + len(moves)
+        timed_out = self.ctx.timed_out
+        for i, move in enumerate(moves):
+            if not i & 4095 and timed_out():
+                break  # nothing is taken past the deadline (qk_norm_rope: ~5 x 10^5 moves)
+            # the key the pool worker computed, the same function on the same values
+            key = keys[move[6][3]] if keys is not None else \
+                self._move_bound(tensors, move, dangling, budget, spent, memo)
+            if key <= self.bound:
+                # NOTE: a move above the bound would only end the loop when popped, as
+                # the next item (whose key is at least its own) does: not kept
+                heapq.heappush(heap, (key, next(order), move))
+        self._release(ops, budget, item[1], tensors, item[2])
+
+    def _to_pool(self, tensors: dict, item: tuple, dangling: set, spent: float,
+                 keyed: int | None) -> bool:
+        """``_best_first``'s layout item ``("l", subset, k)`` with a pool: True when its listing
+        is a pool task that is not back yet; a listing that is neither back nor on the pool is
+        put there first (past ``_prefetch_ahead``'s limit of tasks in flight).
+        NOTE: with tasks that do not come back for minutes in flight (qk_norm_rope's listings
+        over all five inputs), ``_prefetch_ahead`` put nothing more on the pool and the next
+        layouts were listed in the main process, one at a time, with the lanes idle (twenty-sixth
+        session: no hand-off in the last 160 s)."""
+        cat = self.catalog
+        limit = self._list_limit(tensors, item[1], dangling, spent)
+        if cat.ready(item[1], item[2], tensors, False, limit):
+            return False
+        if cat.pending_task(item[1], item[2], tensors, False) is None:
+            cat.prefetch(item[1], [item[2]], tensors, False, limit, keyed)
+        return self._on_pool(tensors, item)
+
+    def _on_pool(self, tensors: dict, item: tuple) -> bool:
+        """Is the listing of layout item ``("l", subset, k)`` a pool task that is not back yet
+        (so that ``_options`` would wait for it)?"""
+        task = self.catalog.pending_task(item[1], item[2], tensors, False)
+        return task is not None and not task.ready()
+
+    def _deferred_ready(self, deferred: list, tensors: dict):
+        """Take out of ``deferred`` the oldest layout item whose listing is back (returned; None
+        when there is none) and those whose key now exceeds the verified cost (dropped:
+        ``_best_first`` would stop before them)."""
+        deferred[:] = [(key, item) for key, item in deferred if key <= self.bound]
+        for j, (_, item) in enumerate(deferred):
+            if not self._on_pool(tensors, item):
+                del deferred[j]
+                return item
+        return None
+
+    def _wait_deferred(self, deferred: list, tensors: dict) -> None:
+        """Wait a little for the oldest deferred listing while the lanes get their work and
+        their results are recorded (``Lanes.service``); the deadline ends it as every wait."""
+        if self.lanes is not None:
+            self.lanes.service(self)
+        self.ctx.tick()
+        task = self.catalog.pending_task(deferred[0][1][1], deferred[0][1][2], tensors, False)
+        if task is not None:
+            task.wait(0.02)
 
     def _release(self, ops: list, budget: int, subset: tuple, tensors: dict,
                  layout: int | None = None) -> None:

@@ -37,10 +37,7 @@ batches before the caller may wait for something else (a first-op listing).
 from __future__ import annotations
 
 import multiprocessing
-import time
 from collections import deque
-
-from mpk_dist.superopt.context import POOL_GRACE_S
 
 WAIT_POLL_S = 0.05
 """How long one wait on the oldest lane task lasts before every task in flight is looked at again
@@ -217,27 +214,29 @@ class Lanes:
         (a lane building a last-op signature) while the other lanes had finished theirs and
         waited for work (2 cores); on the H200 host (12 lanes) no progress line came for 288 s."""
         while self.sent:
-            done = [item for item in self.sent if item[1].ready()]
+            done = self._finished()
             if not done and (block or len(self.sent) > self.window * len(self.pools)):
                 self.flush()  # idle lanes get their partial batches while this waits
                 done = self._wait_any()
             if not done:
                 return
-            for item in done:
-                self.sent.remove(item)
-                self._record(ks, *item)
+            self._record_all(ks, done)
+
+    def _finished(self) -> list:
+        """The tasks in flight that are back, oldest first."""
+        return [item for item in self.sent if item[1].ready()]
 
     def _wait_any(self) -> list:
-        """The tasks in flight that are finished, waiting until one is. Bounded like
-        ``Context.pool_result``: past the deadline plus ``POOL_GRACE_S`` the oldest task is
-        returned as it is, and recording it raises the clear error of a lost lane."""
-        limit = max(self.ctx.deadline, time.monotonic()) + POOL_GRACE_S
+        """The tasks in flight that are back, waiting until one is, but not past the search's
+        deadline: then the oldest task is returned as it is, and recording it waits for it as
+        every pool wait does (``Context.pool_result``: at most ``POOL_GRACE_S`` more, then the
+        clear error of a lost lane)."""
         while True:
             self.sent[0][1].wait(WAIT_POLL_S)
-            done = [item for item in self.sent if item[1].ready()]
+            done = self._finished()
             if done:
                 return done
-            if time.monotonic() > limit:
+            if self.ctx.timed_out():
                 return [self.sent[0]]
             self.ctx.tick()  # the progress line goes on while the main process waits
 
@@ -248,7 +247,11 @@ class Lanes:
         if self.pools is None:
             return
         self.flush()
-        for item in [item for item in self.sent if item[1].ready()]:
+        self._record_all(ks, self._finished())
+
+    def _record_all(self, ks, done: list) -> None:
+        """Take the tasks ``done`` out of flight and record them (``_record``)."""
+        for item in done:
             self.sent.remove(item)
             self._record(ks, *item)
 

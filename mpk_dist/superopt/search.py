@@ -188,7 +188,8 @@ def _depths(g: Graph, ctx: Context, catalog: BlockCatalog, lanes, check, found: 
     for depth in range(1, config.max_kernel_ops + 1):
         if depth_lower_bound(target, depth) >= bound:
             return config.max_kernel_ops - depth + 1  # every such graph costs more than a verified one
-        found.update(KernelSearch(ctx, catalog, bound, verify=check, lanes=lanes).run(depth))
+        found.update(KernelSearch(ctx, catalog, bound, verify=check, lanes=lanes,
+                                  shorter_searched=depth > 1).run(depth))
         ctx.tick(force=True)
         _verify_ranked(g, found, status, config)
         costs = [found[k].cost["time_us"] for k, ok in status.items() if ok]

@@ -123,8 +123,7 @@ class _Probe(KernelSearch):
             lay = -math.inf  # library ops are not listed under a layout
             if move[0] == "c":
                 subset, st = move[1], move[4]
-                rest = 0.0 if dangling <= set(subset) else \
-                    self.lower.rest(tensors, dangling - set(subset), 1)
+                rest = self._item_rest(tensors, subset, dangling, 2)
                 lay = self.lower.layout(st.layout, tensors, False) + rest
             self.first = (key, lay)
         return super()._build(tensors, n_ops, last, move)
@@ -149,32 +148,40 @@ def test_best_first_keys_are_below_every_complete_graph():
     """Unpruned depth 2 (every graph of up to two ops, canonical order): the key a first op gets
     in the best-first order (its cost plus the rest bound, or its cost alone when it may
     complete the graph, which needs every input read) and the key of its layout's item are at
-    most the cost of every complete graph through it."""
-    _, ctx = _small_unpruned()
-    with BlockCatalog(ctx, 1) as cat:
-        probe = _Probe(ctx, cat)
-        probe.run(2)
-    assert not ctx.timed_out()
-    assert len(probe.pairs) > 5
-    assert any(lay > -math.inf for _, lay, _ in probe.pairs)  # custom first ops checked
-    for key, lay, ug in probe.pairs:
-        assert key <= ug.cost["time_us"] + EPS, ug
-        assert lay <= ug.cost["time_us"] + EPS, ug
+    most the cost of every complete graph through it.
+    With ``shorter_searched`` (depth 1 searched first, as ``search._depths`` runs it) a layout
+    over every input gets a sync point and the output's bytes as its rest instead of 0 (a graph
+    that completes after it alone is a depth-1 graph); still at most every two-op graph's cost."""
+    for shorter in (False, True):
+        _, ctx = _small_unpruned()
+        with BlockCatalog(ctx, 1) as cat:
+            probe = _Probe(ctx, cat, shorter_searched=shorter)
+            probe.run(2)
+        assert not ctx.timed_out()
+        assert len(probe.pairs) > 5
+        assert any(lay > -math.inf for _, lay, _ in probe.pairs)  # custom first ops checked
+        for key, lay, ug in probe.pairs:
+            assert key <= ug.cost["time_us"] + EPS, ug
+            assert lay <= ug.cost["time_us"] + EPS, ug
+        whole = probe._item_rest(dict(probe.inputs), tuple(probe.inputs), set(probe.inputs), 2)
+        assert whole == (probe.lower.floor({}, set()) if shorter else 0.0) and \
+            (whole > 2.0) == shorter
 
 
 def test_unpruned_switch_to_best_first_keeps_the_best():
     """Unpruned depth 2: the search starts without a bound (canonical order), verifies its first
     graph in the middle of the level, then lists the remaining moves best-first, layout by
     layout, and cuts; it returns the cheapest verifying graph of the uncut space (the plain
-    enumeration, no verification, no cuts). With a process pool as well."""
+    enumeration, no verification, no cuts). With a process pool as well, and with the keys of
+    ``shorter_searched`` (this space has no one-op graph: it needs 3 block ops).""" 
     g, ctx = _small_unpruned()
     check = _memo_verify(g)
     with BlockCatalog(ctx, 1) as cat:
         everything = KernelSearch(ctx, cat).run(2)
     best = next(u for u in _rank(everything) if check(u))
-    for procs in (1, 2):
+    for procs, shorter in ((1, False), (2, False), (1, True), (2, True)):
         with BlockCatalog(ctx, procs) as cat:
-            bnb = KernelSearch(ctx, cat, verify=check)
+            bnb = KernelSearch(ctx, cat, verify=check, shorter_searched=shorter)
             cut = bnb.run(2)
         assert not ctx.timed_out()
         assert bnb.bound == best.cost["time_us"] < math.inf
@@ -268,3 +275,28 @@ def test_first_op_keys_from_the_pool_equal_the_main_process_keys():
                                                                   0.0)
                         checked += 1
     assert checked > 1000
+
+
+def test_first_op_keys_drop_another_searchs_state():
+    """``bounds.first_op_keys`` keeps its ``RestBound`` and memos in a per-process state (a pool
+    worker's, forked from its parent): keys computed after another search's (another target)
+    are the keys computed with a fresh state, not the other target's bounds."""
+    from mpk_dist.superopt.bounds import first_op_keys
+    from mpk_dist.superopt.catalog import layout_options
+
+    def keys_of(target, state):
+        ctx = Context(target, SearchConfig(max_kernel_ops=2, max_block_ops=2, prune=False),
+                      time.monotonic() + 60)
+        infos = input_infos(target)
+        subset = tuple(infos)[:1]
+        lay = next(iter(B.layouts(subset, infos, 1)))
+        options = layout_options(ctx, lay, {n: infos[n] for n in subset}, False)
+        return first_op_keys(ctx, subset, options, 2, state)
+
+    silu = analyze(build("silu_mul_linear", {"M": 2, "I": 64, "N": 32}))
+    other = analyze(build("qk_norm_rope", {"H": 4, "D": 16}))
+    state: dict = {}
+    keys_of(other, state)
+    after_other = keys_of(silu, state)
+    fresh = keys_of(silu, {})
+    assert len(fresh) > 10 and after_other == fresh

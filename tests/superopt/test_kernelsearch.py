@@ -352,6 +352,63 @@ def test_unpruned_canonical_phase_takes_ready_layouts_first(monkeypatch):
     assert one == old and n_one == s_one == 0  # without a pool: in order, as before
 
 
+def test_unpruned_best_first_phase_defers_a_layout_still_on_the_pool(monkeypatch):
+    """Unpruned depth 2's first ops best-first (a verified cost set, so no canonical phase) with
+    a pool, the first subset's layout 0 listed slowly (a pool worker sleeps 2 s in it): with
+    ``defer_listings`` that layout is put aside while the items after it go on, and its moves
+    come later than in key order (before: the main process waited for it); the same moves come
+    as without deferral and as with one process (in key order, nothing deferred). A layout
+    that is neither listed nor on the pool when its turn comes (past ``_prefetch_ahead``'s limit
+    of tasks in flight) goes to the pool too: with deferral the main process lists nothing
+    itself (before: every such layout, one at a time)."""
+    import os
+
+    from mpk_dist.superopt import catalog as C
+    from mpk_dist.superopt.kernelsearch import KernelSearch
+
+    target = analyze(build("silu_mul_linear", {"M": 2, "I": 64, "N": 32}))
+    config = SearchConfig(max_kernel_ops=2, max_block_ops=2, prune=False)
+    listing = C.layout_options
+    first = ("A",)
+    main, in_main = os.getpid(), []
+
+    def slow(ctx, layout, infos, final, limit=None, *part):
+        if os.getpid() == main:
+            in_main.append(layout)
+        if not final and tuple(infos) == first and \
+                layout == next(iter(C.B.layouts(first, infos, 1))):
+            time.sleep(2.0)  # runs in the pool worker (forked after the patch)
+        return listing(ctx, layout, infos, final, limit, *part)
+
+    def first_ops(defer: bool, procs: int):
+        with monkeypatch.context() as m:
+            m.setattr(C, "layout_options", slow)
+            m.setattr(KernelSearch, "defer_listings", defer)
+            m.setattr(C.BlockCatalog, "split", False)  # as the test above
+            ctx = Context(target, config, time.monotonic() + 120)
+            with C.BlockCatalog(ctx, procs) as cat:
+                ks = KernelSearch(ctx, cat)
+                ks.bound = 100.0  # a verified graph far above every key: nothing is cut
+                tensors = dict(ks.inputs)
+                moves = list(ks._ordered(tensors, [], None, set(tensors), 2, 0.0))
+        assert not ctx.timed_out()
+        keys = [mv[6] if mv[0] == "c" else mv[2] for mv in moves]
+        slow_at = next(i for i, k in enumerate(keys) if k[0] == "c" and k[1] == first and
+                       k[2] == 0)
+        listed_here = len(in_main)
+        in_main.clear()
+        return keys, slow_at, ctx.counts.get("layouts_deferred", 0), listed_here
+
+    old, old_at, n_old, here_old = first_ops(False, 2)
+    new, new_at, n_new, here_new = first_ops(True, 2)
+    assert len(old) > 1000 and n_old == 0
+    assert n_new > 0 and new_at > old_at + 100, (n_new, new_at, old_at)
+    assert here_old > 0 and here_new == 0, (here_old, here_new)
+    assert sorted(new) == sorted(old)  # the same moves, in another order
+    one, one_at, n_one, _ = first_ops(True, 1)
+    assert one == old and n_one == 0  # without a pool: in key order, as before
+
+
 def test_unpruned_canonical_phase_prefetches_before_the_library_moves():
     """Unpruned depth 2 with a pool: when the canonical phase hands over its first (library)
     move, the first subset's layouts are already on the pool (before: only once the subset came
@@ -511,7 +568,7 @@ class _Catalog:
         self.prefetched.append((subset, list(ks)))
 
 
-def test_ready_layout_expands_a_later_subset_whose_listing_is_back(monkeypatch):
+def test_ready_layout_expands_a_later_subset_whose_listing_is_back():
     """Unpruned canonical phase: the front layout item's listing is on the pool and no other
     layout item is ready, but a later subset's layout is back: that subset becomes its layout
     items in place (as its own turn would make them, and it leaves ``upcoming``) and its ready

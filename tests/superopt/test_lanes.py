@@ -142,6 +142,9 @@ class _WaitCtx(_Ctx):
     def tick(self) -> None:
         self.ticks += 1
 
+    def timed_out(self) -> bool:
+        return Context.timed_out(self)
+
     def add_remote(self, delta: dict) -> None:
         pass
 
@@ -184,9 +187,8 @@ def test_collect_of_a_lost_lane_ends_with_a_clear_error(monkeypatch):
     """A lane task that never comes back (the lane died) still ends the wait: after the search
     deadline plus ``POOL_GRACE_S`` recording it raises the error naming the lane."""
     from mpk_dist import errors
-    from mpk_dist.superopt import context, lanes as L
+    from mpk_dist.superopt import context
 
-    monkeypatch.setattr(L, "POOL_GRACE_S", 0.3)
     monkeypatch.setattr(context, "POOL_GRACE_S", 0.3)
     lanes = _waiting_lanes([_Task(1e9), _Task(1e9)], window=0, deadline=time.monotonic())
     t0 = time.monotonic()
