@@ -300,6 +300,27 @@ def test_last_op_library_ops_kept_per_tensor_types():
     assert firsts_n > 100 and completed > 0, (firsts_n, completed)
 
 
+def _slowed_listing(first: tuple, in_main: list | None = None):
+    """``catalog.layout_options`` with the first layout of subset ``first`` (a non-last op)
+    taking 2 s more; ``in_main``: a list that gets each layout listed in this process (calls in
+    forked pool workers append to their own copy)."""
+    import os
+
+    from mpk_dist.superopt import catalog as C
+
+    listing, main = C.layout_options, os.getpid()
+
+    def slow(ctx, layout, infos, final, limit=None, *part):
+        if in_main is not None and os.getpid() == main:
+            in_main.append(layout)
+        if not final and tuple(infos) == first and \
+                layout == next(iter(C.B.layouts(first, infos, 1))):
+            time.sleep(2.0)  # runs in the pool worker (forked after the patch)
+        return listing(ctx, layout, infos, final, limit, *part)
+
+    return slow
+
+
 def test_unpruned_canonical_phase_takes_ready_layouts_first(monkeypatch):
     """Unpruned depth 2's first ops in canonical order (no bound) with a pool, the first
     subset's layout 0 listed slowly (a pool worker sleeps 2 s in it): with ``ready_first`` the
@@ -311,14 +332,8 @@ def test_unpruned_canonical_phase_takes_ready_layouts_first(monkeypatch):
 
     target = analyze(build("silu_mul_linear", {"M": 2, "I": 64, "N": 32}))
     config = SearchConfig(max_kernel_ops=2, max_block_ops=2, prune=False)
-    listing = C.layout_options
     first = ("A",)
-
-    def slow(ctx, layout, infos, final, limit=None, *part):
-        if not final and tuple(infos) == first and \
-                layout == next(iter(C.B.layouts(first, infos, 1))):
-            time.sleep(2.0)  # runs in the pool worker (forked after the patch)
-        return listing(ctx, layout, infos, final, limit, *part)
+    slow = _slowed_listing(first)
 
     def first_ops(ready_first: bool, procs: int):
         with monkeypatch.context() as m:
@@ -361,24 +376,14 @@ def test_unpruned_best_first_phase_defers_a_layout_still_on_the_pool(monkeypatch
     that is neither listed nor on the pool when its turn comes (past ``_prefetch_ahead``'s limit
     of tasks in flight) goes to the pool too: with deferral the main process lists nothing
     itself (before: every such layout, one at a time)."""
-    import os
-
     from mpk_dist.superopt import catalog as C
     from mpk_dist.superopt.kernelsearch import KernelSearch
 
     target = analyze(build("silu_mul_linear", {"M": 2, "I": 64, "N": 32}))
     config = SearchConfig(max_kernel_ops=2, max_block_ops=2, prune=False)
-    listing = C.layout_options
     first = ("A",)
-    main, in_main = os.getpid(), []
-
-    def slow(ctx, layout, infos, final, limit=None, *part):
-        if os.getpid() == main:
-            in_main.append(layout)
-        if not final and tuple(infos) == first and \
-                layout == next(iter(C.B.layouts(first, infos, 1))):
-            time.sleep(2.0)  # runs in the pool worker (forked after the patch)
-        return listing(ctx, layout, infos, final, limit, *part)
+    in_main: list = []
+    slow = _slowed_listing(first, in_main)
 
     def first_ops(defer: bool, procs: int):
         with monkeypatch.context() as m:
