@@ -15,6 +15,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+import time
 from collections import deque
 from itertools import combinations
 
@@ -25,6 +26,11 @@ from mpk_dist.superopt.context import Context
 from mpk_dist.superopt.cost import H200, graph_cost, prim_op_cost
 from mpk_dist.superopt.inference import candidate_ops, infer
 from mpk_dist.superopt.ugraph import DTYPE_BYTES, KernelOp, TensorInfo, UGraph, _numel
+
+LISTING_POLL_S = 0.02
+"""How long the main process waits on a pool listing at a time (``_wait_listing``) before it
+looks again at what else is ready, and how often the best-first phase looks at the listings it
+set aside while it has other items to take (``_best_first``)."""
 
 
 class KernelSearch:
@@ -221,10 +227,7 @@ class KernelSearch:
             if self.ready_subsets and upcoming is not None and \
                     self._expand_ready_subset(pending, tensors, upcoming):
                 continue  # its ready layout is a layout item of ``pending`` now
-            if self.lanes is not None:
-                self.lanes.service(self)
-            self.ctx.tick()
-            task.wait(0.02)  # until it, or another one, is back
+            self._wait_listing(task)  # until it, or another one, is back
 
     def _expand_ready_subset(self, pending, tensors: dict, upcoming) -> bool:
         """Replace the first subset item of ``pending`` that has a layout whose listing is back by
@@ -313,7 +316,7 @@ class KernelSearch:
         Unpruned with a pool (``defer_listings``), a layout item whose listing is still on the
         pool is put aside (``deferred``) and the items after it go on; it is listed once back
         (its moves join the heap), and the phase ends only when the heap's top exceeds the
-        verified cost and nothing deferred is left. Nothing changes but the order: every item
+        verified cost and nothing deferred is left (``_wait_listing`` meanwhile). Nothing changes but the order: every item
         whose key does not exceed the verified cost is still taken, and the cost only falls.
         NOTE: qk_norm_rope's three layouts over all five inputs have the smallest keys (~2.85 us:
         a first op that reads every input may complete the graph, so no rest bound is added);
@@ -340,20 +343,28 @@ class KernelSearch:
             heapq.heappush(heap, (key, next(order), item))
         deferred: list = []  # (key, "l" item) whose listing is still on the pool
         defer = self.defer_listings and not self.ctx.config.prune and self.catalog.pool is not None
+        look = 0.0  # when the set-aside listings are looked at next
         while heap or deferred:
-            if deferred:
+            # every later item's bound is at least the top one's; a deferred layout may still
+            # add moves under the bound, so the phase waits for it (``_deferred_ready``)
+            stuck = not heap or heap[0][0] > self.bound or self.ctx.timed_out()
+            if deferred and (stuck or time.monotonic() >= look):
+                # NOTE: looked at every LISTING_POLL_S, not before every item: each look asks
+                # the catalog about every set-aside listing (56 in the twenty-sixth session's
+                # run), and the phase pops ~10^5 moves
+                look = time.monotonic() + LISTING_POLL_S
                 # one listing a turn: taking one (merging a split listing, pushing ~10^5 moves)
                 # can take tens of seconds, and the moves it pushed go to the lanes meanwhile
                 item = self._deferred_ready(deferred, tensors)
                 if item is not None:
                     self._list_layout(heap, order, tensors, ops, prev, dangling, budget, spent,
                                       memo, item)
-            if not heap or heap[0][0] > self.bound or self.ctx.timed_out():
-                # every later item's bound is at least the top one's; a deferred layout may
-                # still add moves under the bound, so wait for it (``_deferred_ready``)
+                    continue
+            if stuck:
                 if not deferred or self.ctx.timed_out():
                     return
-                self._wait_deferred(deferred, tensors)
+                first = deferred[0][1]
+                self._wait_listing(self.catalog.pending_task(first[1], first[2], tensors, False))
                 continue
             bound, _, item = heapq.heappop(heap)
             keyed = None if ops else budget  # the pool keys first ops (``bounds.first_op_keys``)
@@ -453,15 +464,15 @@ class KernelSearch:
                 return item
         return None
 
-    def _wait_deferred(self, deferred: list, tensors: dict) -> None:
-        """Wait a little for the oldest deferred listing while the lanes get their work and
-        their results are recorded (``Lanes.service``); the deadline ends it as every wait."""
+    def _wait_listing(self, task) -> None:
+        """Wait up to ``LISTING_POLL_S`` for the pool listing ``task`` (None: not at all) while
+        the lanes get their work and their results are recorded (``Lanes.service``) and the
+        progress line goes on; the callers look again and stop at the deadline."""
         if self.lanes is not None:
             self.lanes.service(self)
         self.ctx.tick()
-        task = self.catalog.pending_task(deferred[0][1][1], deferred[0][1][2], tensors, False)
         if task is not None:
-            task.wait(0.02)
+            task.wait(LISTING_POLL_S)
 
     def _release(self, ops: list, budget: int, subset: tuple, tensors: dict,
                  layout: int | None = None) -> None:
