@@ -264,10 +264,8 @@ __device__ __noinline__ bool run_attention_split(const TaskView& t, float* smem,
                   t.arg<float>(ATTENTION_SPLIT_ARG_OUT), t.param(ATTENTION_SPLIT_PARAM_BATCH),
                   t.param(ATTENTION_SPLIT_PARAM_HEAD_DIM), t.param(ATTENTION_SPLIT_PARAM_GROUP),
                   t.param(ATTENTION_SPLIT_PARAM_Q_STRIDE), t.param(ATTENTION_SPLIT_PARAM_KV_POS_STRIDE),
-                  t.param(ATTENTION_SPLIT_PARAM_KV_BATCH_STRIDE), t.param(ATTENTION_SPLIT_PARAM_SPLIT_INDEX),
-                  split_count(t.param(ATTENTION_SPLIT_PARAM_OUT_STRIDE), t.param(ATTENTION_SPLIT_PARAM_GROUP),
-                              t.param(ATTENTION_SPLIT_PARAM_HEAD_DIM)),
-                  t.param(ATTENTION_SPLIT_PARAM_OUT_STRIDE),
+                  t.param(ATTENTION_SPLIT_PARAM_KV_BATCH_STRIDE), t.param(ATTENTION_SPLIT_PARAM_POS_BEGIN),
+                  t.param(ATTENTION_SPLIT_PARAM_POS_END), t.param(ATTENTION_SPLIT_PARAM_OUT_STRIDE),
                   t.fparam(ATTENTION_SPLIT_PARAM_SCALE), smem, tid, nt, t.flag(REC_FLAG_STAGE_KV));
   if (t.dtype(ATTENTION_SPLIT_ARG_TICKET) >= 0)  // fusion 'attn_merge': the head's last range merges it
     attention_merge_last(t.arg<uint32_t>(ATTENTION_SPLIT_ARG_TICKET),
@@ -383,7 +381,7 @@ __device__ __noinline__ bool run_attention_prep(const TaskView& t, float* smem, 
   attention_prep_heads(t.arg<const bf16>(ATTENTION_PREP_ARG_QKV), t.arg<const bf16>(ATTENTION_PREP_ARG_Q_NORM_W),
                        t.arg<const bf16>(ATTENTION_PREP_ARG_K_NORM_W), t.arg<const float>(ATTENTION_PREP_ARG_INV_FREQ),
                        t.arg<bf16>(ATTENTION_PREP_ARG_Q), t.arg<bf16>(ATTENTION_PREP_ARG_K_CACHE),
-                       t.arg<bf16>(ATTENTION_PREP_ARG_V_CACHE), t.arg<const int32_t>(ATTENTION_PREP_ARG_POSITIONS), 0, 1,
+                       t.arg<bf16>(ATTENTION_PREP_ARG_V_CACHE), t.arg<const int32_t>(ATTENTION_PREP_ARG_POSITIONS), 0,
                        t.param(ATTENTION_PREP_PARAM_MAX_SEQ), D, G, t.param(ATTENTION_PREP_PARAM_K_OFFSET),
                        t.param(ATTENTION_PREP_PARAM_V_OFFSET), t.param(ATTENTION_PREP_PARAM_KV_POS_STRIDE),
                        t.fparam(ATTENTION_PREP_PARAM_EPS), tid, nt);
@@ -401,8 +399,8 @@ __device__ __noinline__ bool run_attention_prep(const TaskView& t, float* smem, 
 // little shared memory is a bad task. Per sequence: the prep into shared memory (and the append where
 // this range holds the position), a block barrier, then attention_split's staged body on that q.
 template <int MG, int ME>
-__device__ __noinline__ void run_split_prep_attend(const TaskView& t, int b, KvRange rg, const bf16* qs, float* smem,
-                                                   int tid, int nt, KvStage stage) {
+__device__ __noinline__ void run_split_prep_attend(const TaskView& t, int b, int e, const bf16* qs, float* smem, int tid,
+                                                   int nt, KvStage stage) {
   const size_t bs = (size_t)b * t.param(ATTENTION_SPLIT_PREP_PARAM_KV_BATCH_STRIDE);
   attention_split_seq<MG, ME>(qs, t.arg<const bf16>(ATTENTION_SPLIT_PREP_ARG_K_CACHE) + bs,
                               t.arg<const bf16>(ATTENTION_SPLIT_PREP_ARG_V_CACHE) + bs,
@@ -410,7 +408,7 @@ __device__ __noinline__ void run_split_prep_attend(const TaskView& t, int b, KvR
                                   (size_t)b * t.param(ATTENTION_SPLIT_PREP_PARAM_OUT_STRIDE),
                               t.param(ATTENTION_SPLIT_PREP_PARAM_HEAD_DIM), t.param(ATTENTION_SPLIT_PREP_PARAM_GROUP),
                               t.param(ATTENTION_SPLIT_PREP_PARAM_KV_POS_STRIDE),
-                              rg.begin, rg.end,
+                              t.param(ATTENTION_SPLIT_PREP_PARAM_POS_BEGIN), e,
                               t.fparam(ATTENTION_SPLIT_PREP_PARAM_SCALE), smem, tid, nt, stage);
 }
 
@@ -426,8 +424,7 @@ __device__ __noinline__ bool run_attention_split_prep(const TaskView& t, float* 
     return false;
   const int B = t.param(ATTENTION_SPLIT_PREP_PARAM_BATCH), D = t.param(ATTENTION_SPLIT_PREP_PARAM_HEAD_DIM);
   const int G = t.param(ATTENTION_SPLIT_PREP_PARAM_GROUP), S = t.param(ATTENTION_SPLIT_PREP_PARAM_MAX_SEQ);
-  const int split = t.param(ATTENTION_SPLIT_PREP_PARAM_SPLIT_INDEX);
-  const int splits = split_count(t.param(ATTENTION_SPLIT_PREP_PARAM_OUT_STRIDE), G, D);
+  const int s0 = t.param(ATTENTION_SPLIT_PREP_PARAM_POS_BEGIN), s1 = t.param(ATTENTION_SPLIT_PREP_PARAM_POS_END);
   const int qs_stride = t.param(ATTENTION_SPLIT_PREP_PARAM_QKV_STRIDE);
   const size_t kbs = (size_t)t.param(ATTENTION_SPLIT_PREP_PARAM_KV_BATCH_STRIDE);
   if (!split_prep_ok(D, G, nt)) return false;
@@ -445,19 +442,17 @@ __device__ __noinline__ bool run_attention_split_prep(const TaskView& t, float* 
   const int stage_at = split_prep_stage_at(nt >> 5, G, D), kps = t.param(ATTENTION_SPLIT_PREP_PARAM_KV_POS_STRIDE);
   bf16* stage = reinterpret_cast<bf16*>(reinterpret_cast<char*>(smem) + stage_at);
   const bf16 *kc = t.arg<const bf16>(ATTENTION_SPLIT_PREP_ARG_K_CACHE), *vc = t.arg<const bf16>(ATTENTION_SPLIT_PREP_ARG_V_CACHE);
-  // Stage rows: computed again where used, so no more values live across the loop than the static
-  // range's two did (one more callee-saved register took the kernel entry's cumulative frame past 592 bytes).
   const bool use = t.flag(REC_FLAG_STAGE_KV) &&
-                   kv_stage_ok(kc, vc, D, kps, (int)kbs, stage_at + kv_stage_bytes(B, range_rows(splits, S), D));
-  if (use) kv_stage_issue(kc, vc, pos, B, D, kps, (int)kbs, split, splits, range_rows(splits, S), 0, stage, tid, nt);
+                   kv_stage_ok(kc, vc, D, kps, (int)kbs, stage_at + kv_stage_bytes(B, s1 - s0, D));
+  if (use) kv_stage_issue(kc, vc, pos, B, D, kps, (int)kbs, s0, s1, 0, stage, tid, nt);
   for (int b = 0; b < B; ++b) {
     attention_prep_heads(t.arg<const bf16>(ATTENTION_SPLIT_PREP_ARG_QKV) + (size_t)b * qs_stride,
                          t.arg<const bf16>(ATTENTION_SPLIT_PREP_ARG_Q_NORM_W),
                          t.arg<const bf16>(ATTENTION_SPLIT_PREP_ARG_K_NORM_W),
                          t.arg<const float>(ATTENTION_SPLIT_PREP_ARG_INV_FREQ), qs,
                          t.arg<bf16>(ATTENTION_SPLIT_PREP_ARG_K_CACHE) + (size_t)b * kbs,
-                         t.arg<bf16>(ATTENTION_SPLIT_PREP_ARG_V_CACHE) + (size_t)b * kbs, pos + b, split, splits, S,
-                         D, G, t.param(ATTENTION_SPLIT_PREP_PARAM_K_OFFSET), t.param(ATTENTION_SPLIT_PREP_PARAM_V_OFFSET),
+                         t.arg<bf16>(ATTENTION_SPLIT_PREP_ARG_V_CACHE) + (size_t)b * kbs, pos + b, s0, min(s1, S), D,
+                         G, t.param(ATTENTION_SPLIT_PREP_PARAM_K_OFFSET), t.param(ATTENTION_SPLIT_PREP_PARAM_V_OFFSET),
                          t.param(ATTENTION_SPLIT_PREP_PARAM_KV_POS_STRIDE), t.fparam(ATTENTION_SPLIT_PREP_PARAM_EPS),
                          tid, nt);
     const int p = pos[b];
@@ -466,16 +461,17 @@ __device__ __noinline__ bool run_attention_split_prep(const TaskView& t, float* 
     if (use) cp_async_wait_all();  // this thread's staged rows (all sequences' copies: issued above)
     worker_barrier(nt);  // q in shared memory, this position's k and v, before any warp reads them
     if (b == 0) trace_mark(0, tid);  // trace: the prep is done (sequence 0)
-    const KvRange rg = split_range(split, splits, p);
-    const KvStage st = use ? kv_stage_of(stage, b, range_rows(splits, S), D, rg.begin, min(rg.end, p)) : KvStage();
-    MPK_ATTN_BOUNDS(G, epl, (run_split_prep_attend<kMG, kME>(t, b, rg, qs, smem, tid, nt, st)));  // ends in a barrier
+    const int e = min(s1, p + 1);
+    const KvStage st = use ? kv_stage_of(stage, b, s1 - s0, D, s0, min(s1, p)) : KvStage();
+    MPK_ATTN_BOUNDS(G, epl, (run_split_prep_attend<kMG, kME>(t, b, e, qs, smem, tid, nt, st)));  // ends in a barrier
   }
   trace_mark(2, tid);  // trace: the walk and the block merge are done (the ticket and the head merge follow)
   if (t.dtype(ATTENTION_SPLIT_PREP_ARG_TICKET) >= 0) {  // fusion 'attn_merge': the head's last range merges it
     const int out_stride = t.param(ATTENTION_SPLIT_PREP_PARAM_OUT_STRIDE);
     attention_merge_last(t.arg<uint32_t>(ATTENTION_SPLIT_PREP_ARG_TICKET),
-                         split_head_partials(t.arg<const float>(ATTENTION_SPLIT_PREP_ARG_OUT), split, G, D),
-                         t.arg<bf16>(ATTENTION_SPLIT_PREP_ARG_MERGED), B, D, G, splits, out_stride,
+                         split_head_partials(t.arg<const float>(ATTENTION_SPLIT_PREP_ARG_OUT),
+                                             t.param(ATTENTION_SPLIT_PREP_PARAM_SPLIT_INDEX), G, D),
+                         t.arg<bf16>(ATTENTION_SPLIT_PREP_ARG_MERGED), B, D, G, split_count(out_stride, G, D), out_stride,
                          qs_stride - 2 * t.param(ATTENTION_SPLIT_PREP_PARAM_V_OFFSET), tid, nt);
   }
   return true;
@@ -607,16 +603,15 @@ __device__ __noinline__ void attention_prefetch(const TaskView& t, bool bulk, in
                             t.arg<const float>(ATTENTION_SPLIT_PREP_ARG_INV_FREQ),
                             t.param(ATTENTION_SPLIT_PREP_PARAM_HEAD_DIM), tid, nt);
     const int B = t.param(ATTENTION_SPLIT_PREP_PARAM_BATCH), ps = t.param(ATTENTION_SPLIT_PREP_PARAM_KV_POS_STRIDE);
-    const int bs = t.param(ATTENTION_SPLIT_PREP_PARAM_KV_BATCH_STRIDE), D = t.param(ATTENTION_SPLIT_PREP_PARAM_HEAD_DIM);
-    const int split = t.param(ATTENTION_SPLIT_PREP_PARAM_SPLIT_INDEX);
-    const int splits = split_count(t.param(ATTENTION_SPLIT_PREP_PARAM_OUT_STRIDE), t.param(ATTENTION_SPLIT_PREP_PARAM_GROUP), D);
+    const int bs = t.param(ATTENTION_SPLIT_PREP_PARAM_KV_BATCH_STRIDE);
     const int32_t* pos = t.arg<const int32_t>(ATTENTION_SPLIT_PREP_ARG_POSITIONS);
-    for (int b = 0; b < B; ++b) {
-      const KvRange rg = split_range(split, splits, pos[b]);
+    for (int b = 0; b < B; ++b)
       attn_prefetch_rows(t.arg<const bf16>(ATTENTION_SPLIT_PREP_ARG_K_CACHE) + (size_t)b * bs,
-                         t.arg<const bf16>(ATTENTION_SPLIT_PREP_ARG_V_CACHE) + (size_t)b * bs, D, (size_t)ps, rg.begin,
-                         rg.end, t.param(ATTENTION_SPLIT_PREP_PARAM_MAX_SEQ), bulk, tid, nt);
-    }
+                         t.arg<const bf16>(ATTENTION_SPLIT_PREP_ARG_V_CACHE) + (size_t)b * bs,
+                         t.param(ATTENTION_SPLIT_PREP_PARAM_HEAD_DIM), (size_t)ps,
+                         t.param(ATTENTION_SPLIT_PREP_PARAM_POS_BEGIN),
+                         min(t.param(ATTENTION_SPLIT_PREP_PARAM_POS_END), pos[b] + 1),
+                         t.param(ATTENTION_SPLIT_PREP_PARAM_MAX_SEQ), bulk, tid, nt);
     return;
   }
   const bool split = op == OP_ATTENTION_SPLIT;
@@ -627,15 +622,11 @@ __device__ __noinline__ void attention_prefetch(const TaskView& t, bool bulk, in
   const int D = t.param(split ? ATTENTION_SPLIT_PARAM_HEAD_DIM : ATTENTION_PARAM_HEAD_DIM);
   const int ps = t.param(split ? ATTENTION_SPLIT_PARAM_KV_POS_STRIDE : ATTENTION_PARAM_KV_POS_STRIDE);
   const int bs = t.param(split ? ATTENTION_SPLIT_PARAM_KV_BATCH_STRIDE : ATTENTION_PARAM_KV_BATCH_STRIDE);
-  // The unsplit tile walks positions 0..pos[b]: range 0 of 1.
-  const int index = split ? t.param(ATTENTION_SPLIT_PARAM_SPLIT_INDEX) : 0;
-  const int splits = split ? split_count(t.param(ATTENTION_SPLIT_PARAM_OUT_STRIDE), t.param(ATTENTION_SPLIT_PARAM_GROUP), D)
-                           : 1;
-  for (int b = 0; b < B; ++b) {
-    const KvRange rg = split_range(index, splits, pos[b]);
-    attn_prefetch_rows(kc + (size_t)b * bs, vc + (size_t)b * bs, D, (size_t)ps, rg.begin, rg.end, bs / max(ps, 1), bulk,
-                       tid, nt);
-  }
+  const int s0 = split ? t.param(ATTENTION_SPLIT_PARAM_POS_BEGIN) : 0;
+  const int s1 = split ? t.param(ATTENTION_SPLIT_PARAM_POS_END) : bs / max(ps, 1);
+  for (int b = 0; b < B; ++b)
+    attn_prefetch_rows(kc + (size_t)b * bs, vc + (size_t)b * bs, D, (size_t)ps, s0, min(s1, pos[b] + 1),
+                       bs / max(ps, 1), bulk, tid, nt);
 }
 
 // Issued before a task waits on its events: start streaming the bytes that do not depend on them

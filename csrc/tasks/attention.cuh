@@ -170,23 +170,6 @@ __device__ __forceinline__ void attn_prefetch_rows(const bf16* kc, const bf16* v
   }
 }
 
-// ---- split-KV: the range a split tile walks (attention_split.cuh, attention_prep.cuh's append) ----
-struct KvRange {
-  int begin, end;  // positions [begin, end); end <= begin: empty
-};
-
-// Range `split` of `splits` for a sequence at position p: [split * per, min((split + 1) * per, p + 1)) with
-// per = ceil((p + 1) / splits). The same cut as tasks/attention_split.py split_range (the CPU reference and
-// the race model); the last non-empty range holds p (attention_split_prep's append).
-__host__ __device__ __forceinline__ KvRange split_range(int split, int splits, int p) {
-  const int per = (p + splits) / splits;
-  const int begin = split * per;
-  return KvRange{begin, min(begin + per, p + 1)};
-}
-
-// The most positions a range holds (a sequence at the cache's last position max_seq - 1): the stage's rows.
-__host__ __device__ __forceinline__ int range_rows(int splits, int max_seq) { return (max_seq + splits - 1) / splits; }
-
 __host__ __device__ inline int attention_smem_bytes(int nwarps, int G, int D) { return nwarps * G * (D + 2) * 4; }
 
 // MG, ME: compile-time bounds (>= G, >= epl) of the per-lane register arrays. One instance per (MG, ME)

@@ -35,21 +35,18 @@ __device__ __forceinline__ void attn_prep_head(const bf16* src, const bf16* norm
 }
 
 // The prep half: warps 0..G-1 take the q heads of the group, warp G the kv head (k roped into the cache
-// at position p = *pos, v copied) when range `split` of `splits` holds p and p < max_seq (attention_split_prep:
-// only the range holding p appends; a position outside writes no cache row), looping when there are fewer warps. The position
+// at position p = *pos, v copied) when append_begin <= p < append_end (attention_split_prep: only the range
+// holding p appends; a position outside writes no cache row), looping when there are fewer warps. The position
 // is read here, beside the head's loads, so a caller need not wait for it first (one memory round trip fewer
 // on the attention's critical path). Not inlined: its per-lane arrays get their own register allocation, apart
 // from the attention's (as qkv_prep and attention are apart).
 __device__ __noinline__ void attention_prep_heads(const bf16* qkv, const bf16* q_norm, const bf16* k_norm,
                                                   const float* inv_freq, bf16* q, bf16* kc, bf16* vc,
-                                                  const int32_t* pos, int split, int splits, int max_seq, int D,
-                                                  int G, int k_off, int v_off, int kv_ps, float eps, int tid, int nt) {
+                                                  const int32_t* pos, int append_begin, int append_end, int D, int G,
+                                                  int k_off, int v_off, int kv_ps, float eps, int tid, int nt) {
   const int warp = tid >> 5, lane = tid & 31, nwarps = nt >> 5;
   const int p = *pos;
-  // The k / v append at p: by the range holding p (split_range; the unsplit prep is range 0 of 1), and only
-  // inside the cache (the caller reports a position outside it as a bad task after this returns).
-  const KvRange rg = split_range(split, splits, p);
-  const bool append = p >= 0 && p < max_seq && rg.begin <= p && p < rg.end;
+  const bool append = append_begin <= p && p < append_end;
   const size_t o = (size_t)p * kv_ps;
   for (int h = warp; h < G + (append ? 1 : 0); h += nwarps) {
 #if MPK_PREP_ONE_SITE

@@ -1,8 +1,6 @@
 // attention_split (split-KV decode attention; mpk_dist/taskgraph/tasks/attention_split.py): for the
-// GROUP query heads of one kv head and every sequence b, the softmax partial over range `split` of the
-// positions 0..pos[b] cut into `splits` ranges of equal length (split_range below: the cut follows the
-// current position, not the cache's length, so every tile walks ceil((pos + 1) / splits) positions at most):
-// unnormalised fp32 acc[d] = sum_t exp(s_t - m) v[t, d], m = max_t s_t,
+// GROUP query heads of one kv head and every sequence b, the softmax partial over cache positions
+// [s0, s1) ∩ [0, pos[b]]: unnormalised fp32 acc[d] = sum_t exp(s_t - m) v[t, d], m = max_t s_t,
 // l = sum_t exp(s_t - m), written as one (D + 2)-float entry per (b, g): acc[0..D), m, l.
 // An empty range writes acc = 0, m = -inf, l = 0 (attention_merge gives it weight 0).
 // Pointers: q at the first column of query head h*GROUP; k/v cache at head h, position 0,
@@ -63,21 +61,19 @@ __device__ __forceinline__ KvStage kv_stage_of(bf16* stage, int b, int rows, int
   return st;
 }
 
-// Issue the copies of sequence b's rows [r.begin, min(r.end, pos[b] + written)) of k and v, r = its range
-// `split` of `splits` (written: 1 when row pos[b] is in the cache already, 0 when this tile appends it), into
-// `rows` (range_rows) slots per sequence. Each thread waits for its own copies (cp_async_wait_all) and a block
-// barrier publishes them.
+// Issue the copies of rows [s0, min(s1, pos[b] + written)) of k and v of every sequence (written: 1 when
+// row pos[b] is in the cache already, 0 when this tile appends it). Each thread waits for its own
+// copies (cp_async_wait_all) and a block barrier publishes them.
 __device__ __forceinline__ void kv_stage_issue(const bf16* kc, const bf16* vc, const int32_t* pos, int B, int D,
-                                               int kv_ps, int kv_bs, int split, int splits, int rows, int written,
-                                               bf16* stage, int tid, int nt) {
-  const int per_row = D / kStageChunk, per_seq = 2 * rows * per_row;
+                                               int kv_ps, int kv_bs, int s0, int s1, int written, bf16* stage,
+                                               int tid, int nt) {
+  const int rows = s1 - s0, per_row = D / kStageChunk, per_seq = 2 * rows * per_row;
   for (int i = tid; i < B * per_seq; i += nt) {
     const int b = i / per_seq, j = i % per_seq;
     const bool is_v = j >= rows * per_row;
     const int r = (is_v ? j - rows * per_row : j) / per_row, c = j % per_row;
-    const KvRange rg = split_range(split, splits, pos[b]);
-    if (rg.begin + r >= min(rg.end, pos[b] + written)) continue;
-    const size_t src = (size_t)b * kv_bs + (size_t)(rg.begin + r) * kv_ps + (size_t)c * kStageChunk;
+    if (s0 + r >= min(s1, pos[b] + written)) continue;
+    const size_t src = (size_t)b * kv_bs + (size_t)(s0 + r) * kv_ps + (size_t)c * kStageChunk;
     cp_async16(stage + ((size_t)b * 2 + (is_v ? 1 : 0)) * rows * D + (size_t)r * D + (size_t)c * kStageChunk,
                (is_v ? vc : kc) + src);
   }
@@ -139,20 +135,19 @@ __device__ __noinline__ void attention_split_seq(const bf16* q, const bf16* kc, 
 template <int MG, int ME>
 __device__ __noinline__ void attention_split_per_warp(const bf16* q, const bf16* kc, const bf16* vc, const int32_t* pos,
                                                       float* out, int B, int D, int G, int q_stride, int kv_ps,
-                                                      int kv_bs, int split, int splits, int out_stride, float scale,
-                                                      int tid, int nt) {
+                                                      int kv_bs, int s0, int s1, int out_stride, float scale, int tid,
+                                                      int nt) {
   const int warp = tid >> 5, lane = tid & 31, nwarps = nt >> 5;
   for (int b = warp; b < B; b += nwarps) {
     SplitWarpState<MG, ME> st;
-    const KvRange rg = split_range(split, splits, pos[b]);
     split_warp_partial<MG, ME>(q + (size_t)b * q_stride, kc + (size_t)b * kv_bs, vc + (size_t)b * kv_bs, D, G, kv_ps,
-                               rg.begin, rg.end, 1, scale, st, lane);
+                               s0, min(s1, pos[b] + 1), 1, scale, st, lane);
     attn_warp_store<MG, ME>(st.acc, st.m, st.l, out + (size_t)b * out_stride, D, G, D + 2, lane);
   }
 }
 
 __device__ void attention_split(const bf16* q, const bf16* kc, const bf16* vc, const int32_t* pos, float* out, int B,
-                                int D, int G, int q_stride, int kv_ps, int kv_bs, int split, int splits, int out_stride,
+                                int D, int G, int q_stride, int kv_ps, int kv_bs, int s0, int s1, int out_stride,
                                 float scale, float* smem, int tid, int nt, bool stage_kv) {
   const int nwarps = nt >> 5;
   const bool staged = (uint32_t)attention_smem_bytes(nwarps, G, D) <= dynamic_smem_bytes();
@@ -160,25 +155,24 @@ __device__ void attention_split(const bf16* q, const bf16* kc, const bf16* vc, c
     // The cache rows after the merge scratch; rows <= pos[b] are all written (qkv_prep ran before this tile).
     const int stage_at = align16(attention_smem_bytes(nwarps, G, D));
     bf16* stage = reinterpret_cast<bf16*>(reinterpret_cast<char*>(smem) + stage_at);
-    const int rows = range_rows(splits, kv_bs / max(kv_ps, 1));
-    const bool use = stage_kv && kv_stage_ok(kc, vc, D, kv_ps, kv_bs, stage_at + kv_stage_bytes(B, rows, D));
+    const bool use = stage_kv && kv_stage_ok(kc, vc, D, kv_ps, kv_bs, stage_at + kv_stage_bytes(B, s1 - s0, D));
     if (use) {
-      kv_stage_issue(kc, vc, pos, B, D, kv_ps, kv_bs, split, splits, rows, 1, stage, tid, nt);
+      kv_stage_issue(kc, vc, pos, B, D, kv_ps, kv_bs, s0, s1, 1, stage, tid, nt);
       cp_async_wait_all();
       worker_barrier(nt);
     }
     for (int b = 0; b < B; ++b) {  // e <= s0: no position; the loops below see none and store (0, -inf, 0)
       const bf16 *qb = q + (size_t)b * q_stride, *kb = kc + (size_t)b * kv_bs, *vb = vc + (size_t)b * kv_bs;
       float* ob = out + (size_t)b * out_stride;
-      const KvRange rg = split_range(split, splits, pos[b]);
-      const KvStage st = use ? kv_stage_of(stage, b, rows, D, rg.begin, rg.end) : KvStage();
-      MPK_ATTN_BOUNDS(G, (D + 31) / 32, (attention_split_seq<kMG, kME>(qb, kb, vb, ob, D, G, kv_ps, rg.begin, rg.end,
-                                                                      scale, smem, tid, nt, st)));
+      const int e = min(s1, pos[b] + 1);
+      const KvStage st = use ? kv_stage_of(stage, b, s1 - s0, D, s0, e) : KvStage();
+      MPK_ATTN_BOUNDS(G, (D + 31) / 32,
+                      (attention_split_seq<kMG, kME>(qb, kb, vb, ob, D, G, kv_ps, s0, e, scale, smem, tid, nt, st)));
     }
     return;
   }
   MPK_ATTN_BOUNDS(G, (D + 31) / 32, (attention_split_per_warp<kMG, kME>(q, kc, vc, pos, out, B, D, G, q_stride, kv_ps,
-                                                                      kv_bs, split, splits, out_stride, scale, tid, nt)));
+                                                                      kv_bs, s0, s1, out_stride, scale, tid, nt)));
 }
 
 }  // namespace mpk

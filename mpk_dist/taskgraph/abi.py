@@ -26,9 +26,8 @@ signal entry adds 1 to the counter on its target rank(s) per step.
 
 from __future__ import annotations
 
-ABI_VERSION = 3
-"""Bumped whenever a column, code, opcode, argument or parameter order changes; the runtime checks it (3: the
-split-KV kinds lost POS_BEGIN / POS_END, their ranges follow the position)."""
+ABI_VERSION = 2
+"""Bumped whenever a column, code, opcode or argument order changes; the runtime checks it."""
 
 
 def _columns(*names: str) -> dict[str, int]:

@@ -75,9 +75,8 @@ def resolve_splits(attn_splits, sms: int, kv_heads: int, max_seq_len: int, batch
 
 
 def split_ranges(max_seq_len: int, splits: int) -> list[tuple[int, int]]:
-    """[(s0, s1), ...]: ``splits`` requested ranges of equal length over the whole cache (the last may be
-    shorter; a request that would leave trailing ranges empty gets fewer ranges). Their count is the
-    program's SPLITS; the tiles walk ranges of the current length (``tasks.attention_split.split_range``)."""
+    """[(s0, s1), ...]: ``splits`` requested ranges of equal length (the last may be shorter; a
+    request that would leave trailing ranges empty gets fewer ranges)."""
     per = -(-max_seq_len // splits)
     return [(s0, min(s0 + per, max_seq_len)) for s0 in range(0, max_seq_len, per)]
 
@@ -117,11 +116,12 @@ def lower_split_attention(lw: Lowerer, op: Op, splits: int, merge_last: bool = F
     hq, hkv, D = a["q_heads"], a["kv_heads"], a["head_dim"]
     q, kc, vc, pos = (p.id(n) for n in op.inputs)
     S, G = lw.g.max_seq_len, hq // hkv
-    _, P, E, part = split_scratch(lw, op, splits)
+    ranges, P, E, part = split_scratch(lw, op, splits)
     tiles = split_tiles(hkv, B, P)
     ticket = merge_ticket(lw, op, tiles) if merge_last else None
     sp = p.op(op.name + "/split", BY_NAME["attention_split"], op.layer, op.name)
     for t in tiles:
+        s0, s1 = ranges[t.i]
         cache_count = (t.nb - 1) * S * hkv * D + (S - 1) * hkv * D + D
         kv_at = t.b0 * S * hkv * D + t.j * D
         sp.add_tile({"Q": (q, t.b0 * hq * D + t.j * G * D, (t.nb - 1) * hq * D + G * D),
@@ -130,7 +130,7 @@ def lower_split_attention(lw: Lowerer, op: Op, splits: int, merge_last: bool = F
                      "OUT": (part, ((t.j * B + t.b0) * P + t.i) * E, (t.nb - 1) * P * E + E),
                      **merge_last_args(lw, op, ticket, t)},
                     {"BATCH": t.nb, "HEAD_DIM": D, "GROUP": G, "Q_STRIDE": hq * D, "KV_POS_STRIDE": hkv * D,
-                     "KV_BATCH_STRIDE": S * hkv * D, "OUT_STRIDE": P * E,
+                     "KV_BATCH_STRIDE": S * hkv * D, "POS_BEGIN": s0, "POS_END": s1, "OUT_STRIDE": P * E,
                      "SCALE": a["scale"], "SPLIT_INDEX": t.i})
     qrect = split_tile_rects(tiles, 1, lambda j: j * G * D, G * D)
     # NOTE: the whole head's cache rows, not just the range: qkv_prep's kv tile writes them all, so
@@ -236,20 +236,17 @@ def _align16(n: np.ndarray) -> np.ndarray:
 def kv_stage_smem_bytes(cg, worker_threads: int) -> int:
     """Dynamic shared memory the split-KV tiles need to stage their range's k and v rows (csrc/tasks/
     attention_split.cuh ``KvStage``): their scratch (the staged merge's nwarps x GROUP x (D + 2) floats, and
-    for attention_split_prep the GROUP x D bf16 of q), 16-byte aligned, then BATCH x rows x 2 x D bf16 with rows
-    the longest range (``range_rows``: ceil(S / SPLITS)); the largest over the program's tiles of
-    KV_STAGE_KINDS, 0 without them. The kernel checks the same sum against the launch's shared memory and
-    reads the cache directly when it is short (same bits)."""
+    for attention_split_prep the GROUP x D bf16 of q), 16-byte aligned, then BATCH x range x 2 x D bf16; the
+    largest over the program's tiles of KV_STAGE_KINDS, 0 without them. The kernel checks the same sum
+    against the launch's shared memory and reads the cache directly when it is short (same bits)."""
     need = 0
     for name in KV_STAGE_KINDS:
-        p = kind_params(cg, name, "GROUP", "HEAD_DIM", "BATCH", "OUT_STRIDE", "KV_POS_STRIDE", "KV_BATCH_STRIDE")
+        p = kind_params(cg, name, "GROUP", "HEAD_DIM", "BATCH", "POS_BEGIN", "POS_END")
         if p is None:
             continue
-        G, D, B, out_stride, kps, kbs = p
+        G, D, B, s0, s1 = p
         scratch = (worker_threads // 32) * G * (D + 2) * 4
         if name == "attention_split_prep":
             scratch = scratch + G * D * 2
-        splits, seq = out_stride // (G * (D + 2)), kbs // np.maximum(kps, 1)
-        rows = -(-seq // splits)  # tasks.attention_split.range_rows, over arrays
-        need = max(need, int((_align16(scratch) + B * rows * 2 * D * 2).max()))
+        need = max(need, int((_align16(scratch) + B * (s1 - s0) * 2 * D * 2).max()))
     return need

@@ -51,11 +51,12 @@ def _lower_fused_split(lw: Lowerer, f: FusedAttention, splits: int, merge_last: 
     qn, kn = (p.id(f.prep.inputs[2]), p.id(f.prep.inputs[3])) if a.get("qk_norm") else (None, None)
     _, kc, vc = (p.id(n) for n in f.prep.outputs)
     S, G, QS, inv = lw.g.max_seq_len, hq // hkv, (hq + 2 * hkv) * D, lw._inv_freq(a)
-    _, P, E, part = split_scratch(lw, att, splits)
+    ranges, P, E, part = split_scratch(lw, att, splits)
     tiles = split_tiles(hkv, B, P)
     ticket = merge_ticket(lw, att, tiles) if merge_last else None
     sp = p.op(att.name + "/split", BY_NAME["attention_split_prep"], att.layer, att.name)
     for t in tiles:
+        s0, s1 = ranges[t.i]
         k_off = (hq + t.j) * D - t.j * G * D
         cache_count = (t.nb - 1) * S * hkv * D + (S - 1) * hkv * D + D
         kv_at = t.b0 * S * hkv * D + t.j * D
@@ -67,8 +68,8 @@ def _lower_fused_split(lw: Lowerer, f: FusedAttention, splits: int, merge_last: 
                      "OUT": (part, ((t.j * B + t.b0) * P + t.i) * E, (t.nb - 1) * P * E + E),
                      **merge_last_args(lw, att, ticket, t)},
                     {"BATCH": t.nb, "HEAD_DIM": D, "GROUP": G, "QKV_STRIDE": QS, "K_OFFSET": k_off, "V_OFFSET": hkv * D,
-                     "KV_POS_STRIDE": hkv * D, "KV_BATCH_STRIDE": S * hkv * D, "MAX_SEQ": S,
-                     "OUT_STRIDE": P * E, "EPS": a["eps"], "SCALE": att.attrs["scale"],
+                     "KV_POS_STRIDE": hkv * D, "KV_BATCH_STRIDE": S * hkv * D, "MAX_SEQ": S, "POS_BEGIN": s0,
+                     "POS_END": s1, "OUT_STRIDE": P * E, "EPS": a["eps"], "SCALE": att.attrs["scale"],
                      "SPLIT_INDEX": t.i})
     # The whole head's cache rows (the appended position is a run-time value); no other op touches the
     # caches, so the rectangles add no events: rows below the position come from earlier steps, ordered

@@ -35,8 +35,8 @@ def _tiles(cg, kind: str) -> list[dict]:
     out = []
     for row in tasks[tasks[:, TASK_COLS["OPCODE"]] == k.opcode]:
         p0 = int(row[TASK_COLS["PARAM_BEGIN"]])
-        out.append({n: int(params[p0 + k.param_index(n)]) for n in ("GROUP", "HEAD_DIM", "BATCH", "OUT_STRIDE",
-                                                                     "KV_POS_STRIDE", "KV_BATCH_STRIDE")})
+        out.append({n: int(params[p0 + k.param_index(n)]) for n in ("GROUP", "HEAD_DIM", "BATCH", "POS_BEGIN",
+                                                                     "POS_END")})
     return out
 
 
@@ -44,8 +44,7 @@ def _tiles(cg, kind: str) -> list[dict]:
 @pytest.mark.parametrize("batch", [1, 4])
 def test_stage_bytes_follow_the_kernel_layout(fuse, kind, batch):
     """Per tile: merge scratch (nwarps x G x (D + 2) floats) [+ G x D bf16 of q], aligned to 16, then
-    B x ceil(S / SPLITS) x 2 x D bf16 (the longest range a tile can walk) -- the offsets attention_split.cuh /
-    attention_split_prep.cuh use."""
+    B x (POS_END - POS_BEGIN) x 2 x D bf16 -- the offsets attention_split.cuh / attention_split_prep.cuh use."""
     cg = _program(batch, fuse)
     tiles = _tiles(cg, kind)
     assert tiles, f"the program has no {kind} tiles"
@@ -55,9 +54,7 @@ def test_stage_bytes_follow_the_kernel_layout(fuse, kind, batch):
         if kind == "attention_split_prep":
             scratch += t["GROUP"] * t["HEAD_DIM"] * 2
         at = -(-scratch // 16) * 16
-        splits = t["OUT_STRIDE"] // (t["GROUP"] * (t["HEAD_DIM"] + 2))
-        rows = -(-(t["KV_BATCH_STRIDE"] // t["KV_POS_STRIDE"]) // splits)
-        want = max(want, at + t["BATCH"] * rows * 2 * t["HEAD_DIM"] * 2)
+        want = max(want, at + t["BATCH"] * (t["POS_END"] - t["POS_BEGIN"]) * 2 * t["HEAD_DIM"] * 2)
     assert kv_stage_smem_bytes(cg, THREADS) == want
     # qwen3-0.6b at 256 positions: 4 ranges of 64 per kv head, so the stage is 64 rows of 128 bf16, k and v
     assert want >= batch * 64 * 2 * 128 * 2

@@ -1,19 +1,13 @@
 """attention_split: one KV range of decode attention for the GROUP query heads of one KV head.
 
-Split-KV decode attention (docs/TASKGRAPH.md, "Split-KV attention"): the positions 0..pos[b] a sequence
-has in the cache are cut into SPLITS ranges of equal length at run time (``split_range``: range i is
-[i per, min((i + 1) per, pos[b] + 1)) with per = ceil((pos[b] + 1) / SPLITS)); tile (h, i) handles range i
-of KV head h for all B sequences and writes, per (sequence b, query head g), the UNNORMALISED fp32 partial
-output and its softmax statistics
+Split-KV decode attention (docs/TASKGRAPH.md, "Split-KV attention"): the cache positions are cut
+into ranges [s0, s1); tile (h, i) handles range i of KV head h for all B sequences and writes, per
+(sequence b, query head g), the UNNORMALISED fp32 partial output and its softmax statistics
 
     m = max_t s_t,  l = sum_t exp(s_t - m),  acc[d] = sum_t exp(s_t - m) v[t, d]
 
-over t in its range (s_t = q . k_t * SCALE, fp32). An empty range (i per > pos[b]: only when
-pos[b] + 1 < SPLITS) writes m = -inf, l = 0, acc = 0, so it contributes nothing to ``attention_merge``.
-Why ranges of the current length and not of the cache's: the tile's walk is a chain of per-position steps
-(csrc/tasks/attention_split.cuh), so its latency follows the longest range; with ranges cut from
-max_seq_len, a sequence at position 600 of a 4096-position cache had two tiles walking 256 positions each
-and the rest idle.
+over t in [s0, s1) ∩ [0, pos[b]] (s_t = q . k_t * SCALE, fp32). An empty range (s0 > pos[b])
+writes m = -inf, l = 0, acc = 0, so it contributes nothing to ``attention_merge``.
 
 Scratch layout (fp32, one row per (kv head, sequence)): [Hkv, B, SPLITS, GROUP, D + 2], each
 (g) entry = acc[0..D), m, l. The tile's OUT offset is the (h, b=0, split i, g=0) entry.
@@ -38,30 +32,11 @@ MERGED_DOC = "[B, Hq D] attention output (with TICKET); offset = row 0, first co
 SPLIT_INDEX_DOC = "i: this tile's range (its partial is entry i of the head's SPLITS)"
 
 
-def split_range(i: int, splits: int, p: int) -> tuple[int, int]:
-    """[s0, e): the positions range ``i`` of ``splits`` walks for a sequence at position ``p`` (e <= s0:
-    empty). Ranges of equal length ceil((p + 1) / splits) from position 0; the last non-empty one holds p.
-    csrc/tasks/attention_split.cuh ``split_range`` computes the same."""
-    per = -(-(p + 1) // splits)
-    s0 = i * per
-    return s0, min(s0 + per, p + 1)
-
-
-def split_count(t: TileContext) -> int:
-    """SPLITS of a split tile's head, from its scratch stride (OUT_STRIDE = SPLITS GROUP (D + 2))."""
-    return t.p("OUT_STRIDE") // (t.p("GROUP") * (t.p("HEAD_DIM") + 2))
-
-
-def range_rows(splits: int, max_seq: int) -> int:
-    """The most positions one range can hold: ceil(max_seq / splits) (a sequence at position max_seq - 1)."""
-    return -(-max_seq // splits)
-
-
 def merge_last_ticket(t: TileContext) -> tuple[str, int] | None:
     """The ticket of a split tile that may merge its head (TICKET present): ('TICKET', SPLITS)."""
     if t.buf("TICKET") is None:
         return None
-    return "TICKET", split_count(t)
+    return "TICKET", t.p("OUT_STRIDE") // (t.p("GROUP") * (t.p("HEAD_DIM") + 2))
 
 
 def _merge_rows(t: TileContext, merged_stride: int) -> list[tuple[int, int]]:
@@ -93,7 +68,7 @@ class AttentionSplit(TaskKind):
 
     name = "attention_split"
     opcode = 19
-    doc = "per (kv head h, KV range i): fp32 acc, max, sum-exp of each (b, g) over range i of positions 0..pos[b]"
+    doc = "per (kv head h, KV range [s0, s1)): fp32 acc, max, sum-exp of each (b, g) over [s0, min(s1, pos[b] + 1))"
     args = (
         ArgSpec("Q", "r", "[B, Hq D]; offset = first column of query head h*GROUP"),
         ArgSpec("K_CACHE", "r", "[B, S, Hkv, D]; offset = head h of position 0 of sequence 0"),
@@ -110,6 +85,8 @@ class AttentionSplit(TaskKind):
         ParamSpec("Q_STRIDE", "elements between rows of Q (Hq D)"),
         ParamSpec("KV_POS_STRIDE", "elements between cache positions (Hkv D)"),
         ParamSpec("KV_BATCH_STRIDE", "elements between cache sequences (S Hkv D)"),
+        ParamSpec("POS_BEGIN", "s0: first cache position of the range"),
+        ParamSpec("POS_END", "s1: one past the last cache position of the range"),
         ParamSpec("OUT_STRIDE", "elements between sequences in OUT (SPLITS GROUP (D+2))"),
         ParamSpec("SCALE", "softmax scale (D^-0.5)", is_float=True),
         ParamSpec("SPLIT_INDEX", SPLIT_INDEX_DOC),
@@ -129,8 +106,9 @@ class AttentionSplit(TaskKind):
         return t.buf("POSITIONS")[t.off("POSITIONS"): t.off("POSITIONS") + B].tolist()
 
     def _range(self, t: TileContext, p: int) -> tuple[int, int]:
-        """[s0, e) = this tile's range of positions 0..p (``split_range``); e <= s0 when empty."""
-        return split_range(t.p("SPLIT_INDEX"), split_count(t), p)
+        """[s0, e) = the range clipped to positions 0..p; e <= s0 when empty."""
+        s0 = t.p("POS_BEGIN")
+        return s0, min(t.p("POS_END"), p + 1)
 
     def run_tile(self, t: TileContext) -> None:
         B, D, G, qs = t.p("BATCH"), t.p("HEAD_DIM"), t.p("GROUP"), t.p("Q_STRIDE")
@@ -167,8 +145,8 @@ class AttentionSplit(TaskKind):
 
     def traffic(self, counts, elem_bytes, params, world):
         B, D, G = params[0], params[1], params[2]
-        n = range_rows(params[6] // (G * (D + 2)), params[5] // max(1, params[4]))  # SPLITS, S
-        # Worst case (a sequence at the cache's last position: the longest range).
+        n = params[7] - params[6]
+        # Worst case (the whole range is below every position).
         return (B * G * D * elem_bytes[0] + 2 * B * n * D * elem_bytes[1] + B * 4,
                 B * G * (D + 2) * elem_bytes[4])
 

@@ -5,11 +5,10 @@ Tile (kv head j, KV range i) covers all B sequences, as attention_split's tile d
 
 1. the q heads j*GROUP .. (j+1)*GROUP-1: q = rope(norm(q head)) at pos[b], kept in the tile (shared memory
    on the GPU), not written to a q buffer: every range of head j needs the same q, and each computes it;
-2. only the tile whose range holds pos[b] (the last non-empty one of ``attention_split.split_range``):
-   k = rope(norm(k head j)) -> K_CACHE at pos[b], v -> V_CACHE; the other ranges read rows below pos[b]
-   only, written by earlier steps;
+2. only the tile whose range holds pos[b]: k = rope(norm(k head j)) -> K_CACHE at pos[b], v -> V_CACHE;
+   the other ranges read rows below pos[b] only, written by earlier steps;
 3. a block barrier, then exactly attention_split's partial for (b, range i): fp32 acc, max, sum-exp over
-   range i of positions 0..pos[b] -> OUT.
+   [s0, min(s1, pos[b] + 1)) -> OUT.
 
 Same arithmetic and rounding points as qkv_prep + attention_split (the CPU reference below runs their
 ``run_tile`` on one-sequence sub-tiles; csrc/tasks/attention_split_prep.cuh calls their device functions),
@@ -64,6 +63,8 @@ class AttentionSplitPrep(TaskKind):
         ParamSpec("KV_POS_STRIDE", "elements between cache positions (Hkv D)"),
         ParamSpec("KV_BATCH_STRIDE", "elements between cache sequences (S Hkv D)"),
         ParamSpec("MAX_SEQ", "S, positions the cache holds"),
+        ParamSpec("POS_BEGIN", "s0: first cache position of the range"),
+        ParamSpec("POS_END", "s1: one past the last cache position of the range"),
         ParamSpec("OUT_STRIDE", "elements between sequences in OUT (SPLITS GROUP (D+2))"),
         ParamSpec("EPS", "q/k norm epsilon", is_float=True),
         ParamSpec("SCALE", "softmax scale (D^-0.5)", is_float=True),
@@ -90,14 +91,9 @@ class AttentionSplitPrep(TaskKind):
                 raise InputError(f"position: expected 0 <= pos < {S} (max_seq_len), got {pos}")
         return pos
 
-    def _range(self, t: TileContext, p: int) -> tuple[int, int]:
-        """[s0, e): this tile's range of positions 0..p (``attention_split.split_range``)."""
-        return _split.split_range(t.p("SPLIT_INDEX"), _split.split_count(t), p)
-
     def _owns(self, t: TileContext, p: int) -> bool:
         """Whether this range holds position p (its tile appends that position's k and v)."""
-        s0, e = self._range(t, p)
-        return s0 <= p < e
+        return t.p("POS_BEGIN") <= p < t.p("POS_END")
 
     def run_tile(self, t: TileContext) -> None:
         D, G, S = t.p("HEAD_DIM"), t.p("GROUP"), t.p("MAX_SEQ")
@@ -127,12 +123,13 @@ class AttentionSplitPrep(TaskKind):
                                           "V_CACHE": arg("V_CACHE", b * kbs), "POSITIONS": pos_b,
                                           "OUT": arg("OUT", b * t.p("OUT_STRIDE"))},
                                   {"BATCH": 1, "HEAD_DIM": D, "GROUP": G, "Q_STRIDE": G * D, "KV_POS_STRIDE": kps,
-                                   "KV_BATCH_STRIDE": kbs, "OUT_STRIDE": t.p("OUT_STRIDE"), "SCALE": t.f("SCALE"),
+                                   "KV_BATCH_STRIDE": kbs, "POS_BEGIN": t.p("POS_BEGIN"), "POS_END": t.p("POS_END"),
+                                   "OUT_STRIDE": t.p("OUT_STRIDE"), "SCALE": t.f("SCALE"),
                                    "SPLIT_INDEX": t.p("SPLIT_INDEX")}))
 
     def accesses(self, t: TileContext) -> list[Access]:
         B, D, G, qs = t.p("BATCH"), t.p("HEAD_DIM"), t.p("GROUP"), t.p("QKV_STRIDE")
-        kps, kbs = t.p("KV_POS_STRIDE"), t.p("KV_BATCH_STRIDE")
+        kps, kbs, s0, s1 = t.p("KV_POS_STRIDE"), t.p("KV_BATCH_STRIDE"), t.p("POS_BEGIN"), t.p("POS_END")
         pos = self._positions(t)
         q0, k0 = t.off("QKV"), t.off("QKV") + t.p("K_OFFSET")
         out = [Access(0, "r", rect(q0, B, G * D, qs)), Access(1, "r", t.off("POSITIONS") + np.arange(B)),
@@ -147,14 +144,14 @@ class AttentionSplitPrep(TaskKind):
                                                                          + np.arange(D))]
                 out += [Access(i, "w", t.off(n) + b * kbs + p * kps + np.arange(D))
                         for i, n in ((5, "K_CACHE"), (6, "V_CACHE"))]
-            s0, e = self._range(t, p)
+            e = min(s1, p + 1)
             out += [Access(i, "r", t.off(n) + b * kbs + rect(s0 * kps, max(0, e - s0), D, kps))
                     for i, n in ((5, "K_CACHE"), (6, "V_CACHE"))]
         return out
 
     def traffic(self, counts, elem_bytes, params, world):
         B, D, G = params[0], params[1], params[2]
-        n = _split.range_rows(params[9] // (G * (D + 2)), params[8])  # SPLITS from OUT_STRIDE, MAX_SEQ
+        n = params[10] - params[9]
         norms = D * (elem_bytes[2] + elem_bytes[3])
         # Worst case: this range appends for every sequence and the whole range is below every position.
         rd = B * (G + 2) * D * elem_bytes[0] + B * 4 + norms + D // 2 * 4 + 2 * B * n * D * elem_bytes[5]
