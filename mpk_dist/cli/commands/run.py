@@ -19,7 +19,9 @@ def add_model_args(p) -> None:
     p.add_argument("--transport", default="local", choices=["local", "ipc"], help="how TP ranks reach each other (megakernel)")
     p.add_argument("--batch", type=int, default=1, help="sequences decoded together (the prompt is repeated)")
     p.add_argument("--max-seq-len", type=int, default=None,
-                   help="KV-cache length per sequence (default: min(1024, the model's max_position_embeddings))")
+                   help="KV-cache length per sequence (default: min(1024, the model's max_position_embeddings)); "
+                        "split-KV attention cuts its ranges from it, so a cache far longer than the context "
+                        "decodes slower (docs/TASKGRAPH.md)")
     p.add_argument("--device", default=None, help="torch device (default: cuda if present, else cpu)")
     p.add_argument("--seed", type=int, default=0, help="seed for preset weights, sampling and interpreter schedules")
     p.add_argument("--schedule", default=None, choices=["jit", "aot"], help="mega-kernel task dispatch (default aot: static per-SM lists; jit: in-kernel scheduler)")
