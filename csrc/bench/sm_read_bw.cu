@@ -1,0 +1,98 @@
+// What one SM can read from HBM, and what N SMs read together (docs/PERF.md v0.24).
+//
+// N blocks, one per SM, each stream their own chunk of a 4 GiB buffer with 16-byte non-allocating loads
+// (as the linear tiles' weight loads), LOADS_IN_FLIGHT loads issued per thread before any is used. Launches
+// rotate through the buffer so every one reads from HBM, not L2. Prints GB/s in total and per block for
+// N in kBlockCounts, per-block chunk sizes kChunkBytes and 256 / 512 threads; the time of an empty launch
+// measured the same way is subtracted (back-to-back launches: a lower bound of the kernel's own time).
+//
+// Standalone (not built by the package): nvcc -O3 -arch=sm_90a -o sm_read_bw csrc/bench/sm_read_bw.cu && ./sm_read_bw
+#include <cstdio>
+#include <cuda_runtime.h>
+
+namespace {
+
+constexpr size_t kBufferBytes = size_t(4) << 30;  // several times the L2
+constexpr int kTimedLaunches = 40;
+constexpr int kWarmLaunches = 3;
+constexpr int kBlockCounts[] = {1, 2, 4, 8, 16, 32, 64, 96, 128, 132};
+constexpr size_t kChunkBytes[] = {size_t(256) << 10, size_t(1) << 20, size_t(4) << 20};
+constexpr int kThreadCounts[] = {256, 512};
+constexpr int kVec = 16;  // bytes per load
+
+template <int LOADS_IN_FLIGHT>
+__global__ void stream_chunks(const int4* __restrict__ src, size_t vec_per_block, int4* sink) {
+  const int4* p = src + blockIdx.x * vec_per_block;
+  int4 acc = make_int4(0, 0, 0, 0);
+  for (size_t i = threadIdx.x; i < vec_per_block; i += (size_t)blockDim.x * LOADS_IN_FLIGHT) {
+    int4 v[LOADS_IN_FLIGHT];
+#pragma unroll
+    for (int u = 0; u < LOADS_IN_FLIGHT; ++u) {
+      const size_t j = i + (size_t)u * blockDim.x;
+      if (j < vec_per_block)
+        asm volatile("ld.global.nc.L1::no_allocate.v4.s32 {%0,%1,%2,%3}, [%4];"
+                     : "=r"(v[u].x), "=r"(v[u].y), "=r"(v[u].z), "=r"(v[u].w)
+                     : "l"(p + j));
+      else
+        v[u] = make_int4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int u = 0; u < LOADS_IN_FLIGHT; ++u) {
+      acc.x ^= v[u].x;
+      acc.y ^= v[u].y;
+      acc.z ^= v[u].z;
+      acc.w ^= v[u].w;
+    }
+  }
+  if (acc.x == 0x12345678) sink[threadIdx.x] = acc;  // keeps the loads; (almost) never true
+}
+
+// Milliseconds per launch of `blocks` blocks reading `chunk` bytes each.
+template <int LOADS_IN_FLIGHT>
+float time_launch(const int4* buf, int blocks, size_t chunk, int threads, int4* sink) {
+  const size_t vec = chunk / kVec, span = vec * blocks;
+  const size_t rotations = (kBufferBytes / kVec) / span;
+  cudaEvent_t a, b;
+  cudaEventCreate(&a);
+  cudaEventCreate(&b);
+  for (int w = 0; w < kWarmLaunches; ++w) stream_chunks<LOADS_IN_FLIGHT><<<blocks, threads>>>(buf + (w % rotations) * span, vec, sink);
+  cudaEventRecord(a);
+  for (int r = 0; r < kTimedLaunches; ++r)
+    stream_chunks<LOADS_IN_FLIGHT><<<blocks, threads>>>(buf + (r % rotations) * span, vec, sink);
+  cudaEventRecord(b);
+  cudaEventSynchronize(b);
+  float ms = 0.f;
+  cudaEventElapsedTime(&ms, a, b);
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  return ms / kTimedLaunches;
+}
+
+}  // namespace
+
+int main() {
+  int4* buf = nullptr;
+  int4* sink = nullptr;
+  if (cudaMalloc(&buf, kBufferBytes) != cudaSuccess || cudaMalloc(&sink, 1 << 16) != cudaSuccess) {
+    std::printf("error: could not allocate %zu bytes on the GPU\n", kBufferBytes);
+    return 1;
+  }
+  cudaMemset(buf, 1, kBufferBytes);
+  const float empty = time_launch<1>(buf, 1, kVec, 32, sink);
+  std::printf("empty launch %.2f us (subtracted below)\n", empty * 1e3f);
+  for (size_t chunk : kChunkBytes)
+    for (int threads : kThreadCounts) {
+      std::printf("per block %zu KB, %d threads\n  N   4 loads: GB/s (total, per block) | 8 | 16   [us at 16]\n", chunk >> 10,
+                  threads);
+      for (int n : kBlockCounts) {
+        const float t4 = time_launch<4>(buf, n, chunk, threads, sink), t8 = time_launch<8>(buf, n, chunk, threads, sink),
+                    t16 = time_launch<16>(buf, n, chunk, threads, sink);
+        auto gbs = [&](float t) { return (double)chunk * n / ((t - empty) * 1e-3) / 1e9; };
+        std::printf("%4d  %7.0f %6.1f | %7.0f %6.1f | %7.0f %6.1f  [%.2f]\n", n, gbs(t4), gbs(t4) / n, gbs(t8),
+                    gbs(t8) / n, gbs(t16), gbs(t16) / n, (t16 - empty) * 1e3f);
+      }
+    }
+  const cudaError_t e = cudaDeviceSynchronize();
+  std::printf("status %s\n", cudaGetErrorString(e));
+  return e == cudaSuccess ? 0 : 1;
+}
