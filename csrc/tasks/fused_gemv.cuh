@@ -35,38 +35,6 @@ struct XRows {
   __device__ __forceinline__ uint4 load8(int b, int k) const { return ld_act_v4(x + (size_t)b * ld + k); }
 };
 
-// An input policy whose rows a prologue writes (the generated bodies' staged path, tile::gemv_acc_staged): every
-// worker thread calls stage() once (it holds block barriers) before any load8; then the rows read as `rows`.
-// Passed by value into the non-inlined gemv_tile, so `stage` must capture by value.
-template <class XS, class Stage>
-struct XStagedBy {
-  XS rows;
-  Stage stage;
-  __device__ __forceinline__ uint4 load8(int b, int k) const { return rows.load8(b, k); }
-};
-
-// Runs an input policy's prologue (XStagedBy); nothing for the others, whose rows are there already.
-template <class XS>
-__device__ __forceinline__ void x_prepare(const XS&) {}
-template <class XS, class Stage>
-__device__ __forceinline__ void x_prepare(const XStagedBy<XS, Stage>& xs) {
-  xs.stage();
-}
-template <class XS>
-constexpr bool kHasPrologue = false;
-template <class XS, class Stage>
-constexpr bool kHasPrologue<XStagedBy<XS, Stage>> = true;
-
-// MPK_WEIGHTS_BEFORE_PROLOGUE N: a batch-1 fused tile with a prologue (XStagedBy: norm_linear, silu_linear and the
-// gate|up pair's generated bodies) issues its warps' first weight rounds, up to N 16-byte loads a lane, before the
-// prologue, and sums them after it (gemv_tile_overlapped). Why: the trace's phase marks (docs/PERF.md v0.18) put the
-// weight loop's start 1.6-1.8 us (qwen3-0.6b) and 1.7-4.1 us (qwen3-8b) after the tile's inputs are ready, and
-// nothing of the tile streams meanwhile beyond the L2 prefetch issued before the wait; the weights do not depend on
-// the prologue. Same loads, same sums in the same order: the same bits. 0: the prologue first.
-#ifndef MPK_WEIGHTS_BEFORE_PROLOGUE
-#define MPK_WEIGHTS_BEFORE_PROLOGUE 16
-#endif
-
 // The 8 normalised values w[k+i] * bf16(x[k+i] * r) of one fp32 row, each rounded to bf16 (rms_norm.cuh).
 __device__ __forceinline__ uint4 norm8(const float* xr, const bf16* nw, float r, int k) {
   const float4 a = *reinterpret_cast<const float4*>(xr + k), c = *reinterpret_cast<const float4*>(xr + k + 4);
@@ -167,102 +135,12 @@ __device__ __forceinline__ long long epi_pair_jump(const EpiT&) { return 0; }
 constexpr int kMarkGemvStart = kMarkMmaStart;
 constexpr int kMarkGemvWarp0Done = kMarkMmaStreamed;
 
-// A compile-time int as a value (a generic lambda's loop bounds; no <type_traits> under NVRTC).
-template <int V>
-struct IntConst {
-  static constexpr int value = V;
-};
-
-// gemv_tile's batch-1 loop for an input with a prologue (MPK_WEIGHTS_BEFORE_PROLOGUE = N loads a lane): each warp
-// issues the first N weight loads of its loop before the prologue (P whole rounds of its rows in the loop's order
-// when a round of R * U loads fits N, else the first N / R loads of each row of its first round, the rest of that
-// round right after the prologue), then sums them and streams the rest as gemv_tile does. Every row's sum takes its
-// rounds in increasing k and a round's terms in gemv_tile's order, so the sums have gemv_tile's bits.
-template <int R, int U, class XS, class EpiT>
-__device__ __forceinline__ void gemv_tile_overlapped(const XS& xs, const bf16* __restrict__ w, int K, int n_tile,
-                                                     const EpiT& epi, int tid, int nt) {
-  constexpr int kEarly = MPK_WEIGHTS_BEFORE_PROLOGUE;
-  constexpr int kRoundK = U * kLaneStride;                          // k values one round of a warp covers
-  constexpr int P = kEarly / (R * U) > 0 ? kEarly / (R * U) : 1;    // rounds issued (or begun) before the prologue
-  constexpr int UEarly = kEarly >= R * U ? U : (kEarly / R > 0 ? kEarly / R : 1);  // round 0's loads issued before
-  const int warp = tid >> 5, lane = tid & 31, row_step = (nt >> 5) * R;
-  // loads u in [u0, u1) of the round at (n0, kb); zero past K and past the tile's rows
-  auto load_round = [&](uint4(&wv)[R][U], int n0, int kb, auto u0, auto u1) {
-#pragma unroll
-    for (int r = 0; r < R; ++r)
-#pragma unroll
-      for (int u = decltype(u0)::value; u < decltype(u1)::value; ++u) {
-        const int k = kb + u * kLaneStride + lane * 8;
-        wv[r][u] = (k < K && n0 + r < n_tile) ? ld_weight_v4(w + (size_t)(n0 + r) * K + k) : make_uint4(0, 0, 0, 0);
-      }
-  };
-  using All0 = IntConst<0>;
-  using AllU = IntConst<U>;
-  auto sum_round = [&](const uint4(&wv)[R][U], int kb, float(&acc)[R]) {  // as gemv_tile's kAhead round
-    uint4 xv[U];
-    load_x_round<U>(xv, [&](int k) { return xs.load8(0, k); }, kb, K, lane);
-#pragma unroll
-    for (int u = 0; u < U; ++u)
-#pragma unroll
-      for (int r = 0; r < R; ++r) acc[r] += dot8(wv[r][u], xv[u]);  // past K: + (+0), see load_x_round
-  };
-  auto finish_rows = [&](int n0, float(&acc)[R]) {
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      const float s = warp_sum(acc[r]);
-      if (lane == 0 && n0 + r < n_tile) epi(0, n0 + r, s);
-      acc[r] = 0.f;
-    }
-  };
-  uint4 pre[P][R][U];
-  int n0 = warp * R, kb = 0;
-  load_round(pre[0], n0, kb, All0{}, IntConst<UEarly>{});
-#pragma unroll
-  for (int p = 1; p < P; ++p) {  // the next whole rounds, in the loop's order
-    kb += kRoundK;
-    if (kb >= K) kb = 0, n0 += row_step;
-    load_round(pre[p], n0, kb, All0{}, AllU{});
-  }
-  x_prepare(xs);  // the prologue (block barriers inside) while those loads fly
-  if constexpr (MPK_GEMV_MARKS) trace_mark(kMarkGemvStart, tid);
-  n0 = warp * R, kb = 0;
-  if constexpr (UEarly < U) load_round(pre[0], n0, kb, IntConst<UEarly>{}, AllU{});
-  float acc[R];
-#pragma unroll
-  for (int r = 0; r < R; ++r) acc[r] = 0.f;
-#pragma unroll
-  for (int p = 0; p < P; ++p) {
-    if (n0 < n_tile) {
-      sum_round(pre[p], kb, acc);
-      kb += kRoundK;
-      if (kb >= K) finish_rows(n0, acc), kb = 0, n0 += row_step;
-    }
-  }
-  for (; n0 < n_tile; n0 += row_step, kb = 0) {  // the rest of the current row, then the warp's next rows
-    for (; kb < K; kb += kRoundK) {
-      uint4 wv[R][U];
-      load_round(wv, n0, kb, All0{}, AllU{});
-      sum_round(wv, kb, acc);
-    }
-    finish_rows(n0, acc);
-  }
-  if constexpr (MPK_GEMV_MARKS) trace_mark(kMarkGemvWarp0Done, tid);
-}
-
 // NOTE: not inlined: one copy per batch serves all three fused kinds (inlined at each call site it
 // tripled the batch-16 kernel's build time); the call costs nothing next to a tile's weight stream.
-// An input with a prologue (XStagedBy) adds one instance per kind that has one.
 template <int B, int R, class XS, class EpiT>
 __device__ __noinline__ void gemv_tile(const XS xs, const bf16* __restrict__ w, int K, int n_tile, const EpiT epi,
                                        int tid, int nt) {
   constexpr int U = kLinUnroll / R > 0 ? kLinUnroll / R : 1;
-  if constexpr (B == 1 && MPK_LOAD_AHEAD && MPK_WEIGHTS_BEFORE_PROLOGUE > 0 && kHasPrologue<XS>) {
-    if (!(R == 1 && stream_fits(K, nt)) && !(R == 1 && MPK_LINEAR_PIPE)) {
-      gemv_tile_overlapped<R, U>(xs, w, K, n_tile, epi, tid, nt);
-      return;
-    }
-  }
-  x_prepare(xs);  // an input with a prologue on the other paths: the prologue first
   if (R == 1 && stream_fits(K, nt)) {  // MPK_LINEAR_TMA: same sums, weights through shared memory
     gemv_streamed<B>(xs, w, K, n_tile, epi, tid, nt);
     return;

@@ -7,7 +7,6 @@
 //   stage_rows         flight together, one block reduction for every row's statistic
 //   gemv_acc           the matmul accumulated over the K loop for the tile's N_TILE weight rows
 //                      (tensor cores for batch >= 2 under MPK_LINEAR_MMA=1: linear_mma.cuh's order)
-//   gemv_acc_staged    the same with the staging prologue run inside it (batch 1: after the first weight loads)
 // The reduction and GEMV keep the hand-written kinds' loops and summation orders (rms_norm.cuh's
 // fmaf over tid-strided k, fused_gemv.cuh's per-lane order), so a generated body that rounds as
 // its reference gives the same bits as the hand-written task.
@@ -155,20 +154,6 @@ template <int B, class XS, class EpiT>
 __device__ __forceinline__ void gemv_acc(const XS& xs, const bf16* __restrict__ w, int K, int n_tile, const EpiT& epi,
                                          int tid, int nt) {
   gemv_fused<B>(xs, w, K, n_tile, epi, staged_bytes(B, K), tid, nt);  // xs: the B rows staged in shared memory
-}
-
-// gemv_acc with the operand rows staged by `stage` (every worker thread calls it once: the prologue's statistics,
-// stage_rows, the barrier after them). At batch 1 the GEMV runs it after issuing the tile's first weight loads
-// (fused_gemv.cuh MPK_WEIGHTS_BEFORE_PROLOGUE); otherwise first. `stage` captures by value (see XStagedBy).
-template <int B, class XS, class EpiT, class Stage>
-__device__ __forceinline__ void gemv_acc_staged(const XS& xs, const bf16* __restrict__ w, int K, int n_tile,
-                                                const EpiT& epi, int tid, int nt, const Stage& stage) {
-  if constexpr (B == 1 && MPK_WEIGHTS_BEFORE_PROLOGUE > 0) {
-    gemv_fused<B>(XStagedBy<XS, Stage>{xs, stage}, w, K, n_tile, epi, staged_bytes(B, K), tid, nt);
-  } else {
-    stage();
-    gemv_fused<B>(xs, w, K, n_tile, epi, staged_bytes(B, K), tid, nt);
-  }
 }
 
 // The same for one operand row computed per element (when the staged rows do not fit).

@@ -177,37 +177,32 @@ def _param_names(signature: str) -> list:
 def _staged(p: GemvPlan, abi: KindAbi, consts: _Consts, struct: str) -> list:
     """The staged path for kB rows (the kernel's compile-time batch): every row's statistic in one block
     reduction (tile::rows_sum_sq), every row's operand staged with several vectors' loads in flight
-    (tile::stage_rows), then the GEMV over the tile. The same values as row by row, so the same bits.
-    The staging is a prologue the GEMV runs (tile::gemv_acc_staged): at batch 1 after the tile's first
-    weight loads are issued, which do not depend on it."""
+    (tile::stage_rows), then the GEMV over the tile. The same values as row by row, so the same bits."""
     lines = ["// The staged path for the kernel's kB batch rows: the rows' statistics and operands computed together",
-             "// (tile::rows_sum_sq, tile::stage_rows: a few memory round trips a tile, not a few a row), as the",
-             "// prologue of the GEMV (tile::gemv_acc_staged: at batch 1 after the tile's first weight loads).",
+             "// (tile::rows_sum_sq, tile::stage_rows: a few memory round trips a tile, not a few a row).",
              "template <int kB>",
              f"__device__ __forceinline__ void {abi.name}_staged({abi.signature}) {{",
-             "  bf16* st = stage_base(smem);  // [kB, K] operand rows after the reduction scratch",
-             "  auto stage = [=]() {  // by value: the GEMV holds it (tile::gemv_acc_staged)"]
+             "  bf16* st = stage_base(smem);  // [kB, K] operand rows after the reduction scratch"]
     r = ""
     if p.factor is not None:
         stat = p.factor.stat
         x = abi.rows[p.inputs[stat.src_input]["name"]][1]
-        lines += [f"    // acc {stat.acc} = sum over the loop of:"]
-        lines += [f"    //   {op_text(o)}" for o in stat.ops]
-        lines += [f"    float {stat.acc}[kB];",
-                  f"    tile::rows_sum_sq<kB>([&](int b) {{ return {x}; }}, K, smem, {stat.acc}, tid, nt);"]
-        lines += ["    // post ops, as a row factor r = 1 / p applied before the matmul (reference rounding):"]
-        lines += [f"    //   {op_text(o)}" for o in p.factor.ops]
-        lines += ["    float r[kB];", "#pragma unroll",
-                  f"    for (int b = 0; b < kB; ++b) r[b] = rsqrtf({_prog(p.factor.inner_prog, f'{stat.acc}[b]', consts)});"]
+        lines += [f"  // acc {stat.acc} = sum over the loop of:"]
+        lines += [f"  //   {op_text(o)}" for o in stat.ops]
+        lines += [f"  float {stat.acc}[kB];",
+                  f"  tile::rows_sum_sq<kB>([&](int b) {{ return {x}; }}, K, smem, {stat.acc}, tid, nt);"]
+        lines += ["  // post ops, as a row factor r = 1 / p applied before the matmul (reference rounding):"]
+        lines += [f"  //   {op_text(o)}" for o in p.factor.ops]
+        lines += ["  float r[kB];", "#pragma unroll",
+                  f"  for (int b = 0; b < kB; ++b) r[b] = rsqrtf({_prog(p.factor.inner_prog, f'{stat.acc}[b]', consts)});"]
         r = "[b]"
     init = _row_init(p, abi) + r
-    lines += [f"    tile::stage_rows<kB>(st, K, [&](int b) {{ return {struct}{{{init}}}; }}, tid, nt);",
-              "    worker_barrier(nt);  // the staged rows are complete before any warp reads them",
-              "  };",
+    lines += [f"  tile::stage_rows<kB>(st, K, [&](int b) {{ return {struct}{{{init}}}; }}, tid, nt);",
+              "  worker_barrier(nt);  // the staged rows are complete before any warp reads them",
               f"  // {op_text(p.matmul)}",
               f"  // acc {p.acc['out']} = sum({p.acc['src']}); out {p.output['src']} -> {p.output['name']} "
               f"omap={_map(p.output['omap'])} through the ABI's epilogue",
-              f"  tile::gemv_acc_staged<kB>(XRows{{st, K}}, {abi.weight}, K, n_tile, epi, tid, nt, stage);",
+              f"  tile::gemv_acc<kB>(XRows{{st, K}}, {abi.weight}, K, n_tile, epi, tid, nt);",
               "}", ""]
     return lines
 

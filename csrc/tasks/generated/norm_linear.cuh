@@ -28,29 +28,26 @@ struct NormLinearOperand {
 };
 
 // The staged path for the kernel's kB batch rows: the rows' statistics and operands computed together
-// (tile::rows_sum_sq, tile::stage_rows: a few memory round trips a tile, not a few a row), as the
-// prologue of the GEMV (tile::gemv_acc_staged: at batch 1 after the tile's first weight loads).
+// (tile::rows_sum_sq, tile::stage_rows: a few memory round trips a tile, not a few a row).
 template <int kB>
 __device__ __forceinline__ void norm_linear_staged(int B, const float* x, int ldx, const bf16* nw, const bf16* w, const Epi& epi, int K, int n_tile, float eps, float* smem, int tid, int nt) {
   bf16* st = stage_base(smem);  // [kB, K] operand rows after the reduction scratch
-  auto stage = [=]() {  // by value: the GEMV holds it (tile::gemv_acc_staged)
-    // acc a3 = sum over the loop of:
-    //   b0 = chain[(x*x)](i0) (8, 256)  # rms_norm#0
-    //   b3 = sum[dim=1](b0) (8, 1)  # rms_norm#0
-    float a3[kB];
-    tile::rows_sum_sq<kB>([&](int b) { return x + (size_t)b * ldx; }, K, smem, a3, tid, nt);
-    // post ops, as a row factor r = 1 / p applied before the matmul (reference rounding):
-    //   p0 = chain[sqrt(((x*0.000244140625)+1e-06))](a3) (8, 1)  # rms_norm#0
-    //   p1 = div(a2, p0) (8, 8)  # matmul#0
-    float r[kB];
+  // acc a3 = sum over the loop of:
+  //   b0 = chain[(x*x)](i0) (8, 256)  # rms_norm#0
+  //   b3 = sum[dim=1](b0) (8, 1)  # rms_norm#0
+  float a3[kB];
+  tile::rows_sum_sq<kB>([&](int b) { return x + (size_t)b * ldx; }, K, smem, a3, tid, nt);
+  // post ops, as a row factor r = 1 / p applied before the matmul (reference rounding):
+  //   p0 = chain[sqrt(((x*0.000244140625)+1e-06))](a3) (8, 1)  # rms_norm#0
+  //   p1 = div(a2, p0) (8, 8)  # matmul#0
+  float r[kB];
 #pragma unroll
-    for (int b = 0; b < kB; ++b) r[b] = rsqrtf(((a3[b] / (float)K) + eps));
-    tile::stage_rows<kB>(st, K, [&](int b) { return NormLinearOperand{x + (size_t)b * ldx, nw, r[b]}; }, tid, nt);
-    worker_barrier(nt);  // the staged rows are complete before any warp reads them
-  };
+  for (int b = 0; b < kB; ++b) r[b] = rsqrtf(((a3[b] / (float)K) + eps));
+  tile::stage_rows<kB>(st, K, [&](int b) { return NormLinearOperand{x + (size_t)b * ldx, nw, r[b]}; }, tid, nt);
+  worker_barrier(nt);  // the staged rows are complete before any warp reads them
   // b2 = matmul(b1, i2) (8, 8)  # matmul#0
   // acc a2 = sum(b2); out p1 -> t0 omap=[1] through the ABI's epilogue
-  tile::gemv_acc_staged<kB>(XRows{st, K}, w, K, n_tile, epi, tid, nt, stage);
+  tile::gemv_acc<kB>(XRows{st, K}, w, K, n_tile, epi, tid, nt);
 }
 
 __device__ void norm_linear(int B, const float* x, int ldx, const bf16* nw, const bf16* w, const Epi& epi, int K, int n_tile, float eps, float* smem, int tid, int nt) {

@@ -27,18 +27,15 @@ struct SiluLinearOperand {
 };
 
 // The staged path for the kernel's kB batch rows: the rows' statistics and operands computed together
-// (tile::rows_sum_sq, tile::stage_rows: a few memory round trips a tile, not a few a row), as the
-// prologue of the GEMV (tile::gemv_acc_staged: at batch 1 after the tile's first weight loads).
+// (tile::rows_sum_sq, tile::stage_rows: a few memory round trips a tile, not a few a row).
 template <int kB>
 __device__ __forceinline__ void silu_linear_staged(int B, const bf16* gu, int ldg, int up, const bf16* w, const Epi& epi, int K, int n_tile, float* smem, int tid, int nt) {
   bf16* st = stage_base(smem);  // [kB, K] operand rows after the reduction scratch
-  auto stage = [=]() {  // by value: the GEMV holds it (tile::gemv_acc_staged)
-    tile::stage_rows<kB>(st, K, [&](int b) { return SiluLinearOperand{gu + (size_t)b * ldg, gu + (size_t)b * ldg + up}; }, tid, nt);
-    worker_barrier(nt);  // the staged rows are complete before any warp reads them
-  };
+  tile::stage_rows<kB>(st, K, [&](int b) { return SiluLinearOperand{gu + (size_t)b * ldg, gu + (size_t)b * ldg + up}; }, tid, nt);
+  worker_barrier(nt);  // the staged rows are complete before any warp reads them
   // b2 = matmul(b1, i2) (8, 8)  # matmul#0
   // acc a2 = sum(b2); out a2 -> t0 omap=[1] through the ABI's epilogue
-  tile::gemv_acc_staged<kB>(XRows{st, K}, w, K, n_tile, epi, tid, nt, stage);
+  tile::gemv_acc<kB>(XRows{st, K}, w, K, n_tile, epi, tid, nt);
 }
 
 __device__ void silu_linear(int B, const bf16* gu, int ldg, int up, const bf16* w, const Epi& epi, int K, int n_tile, float* smem, int tid, int nt) {
