@@ -47,6 +47,27 @@ def check_ids(ids: list[int], vocab: int, flag: str) -> None:
         raise InputError(f"{flag}: token id {bad[0]} out of range; expected 0 <= id < vocab_size={vocab}")
 
 
+SEQ_LEN_ALIGN = 64
+"""A KV-cache length sized from the context is rounded up to a multiple of this, so nearby prompt lengths share one
+compiled program (the program's tables depend on max_seq_len; the kernel binary does not)."""
+
+
+def context_max_seq_len(prompt_len: int, max_new_tokens: int, max_positions: int) -> int:
+    """The KV-cache length a run sizes when --max-seq-len is not given: the prompt plus the new tokens, rounded up to
+    SEQ_LEN_ALIGN and capped at the model's ``max_positions``. Why not a fixed length: split-KV attention cuts its
+    ranges from max_seq_len, so a cache far longer than the context leaves most ranges empty and the rest long
+    (qwen3-0.6b at context ~512: 1.092 ms a token with a 576-position cache, 1.239 ms with 2048; docs/PERF.md v0.24).
+    An error names the limit when the sequence does not fit the model."""
+    if max_new_tokens < 1:
+        raise InputError(f"--max-new-tokens: expected >= 1, got {max_new_tokens}")
+    need = prompt_len + max_new_tokens
+    if need > max_positions:
+        raise InputError(
+            f"sequence length: prompt ({prompt_len} tokens) + --max-new-tokens ({max_new_tokens}) = {need}, expected "
+            f"at most the model's max_position_embeddings={max_positions}; shorten the prompt or the generation")
+    return min(max_positions, -(-need // SEQ_LEN_ALIGN) * SEQ_LEN_ALIGN)
+
+
 def check_length(prompt_len: int, max_new_tokens: int, max_seq_len: int) -> None:
     """The prompt plus the generated tokens must fit the KV cache."""
     if max_new_tokens < 1:

@@ -28,6 +28,7 @@ def test_json_contract_and_logits_dump(capsys, tmp_path, hf_models):
     for key in ("tokens", "text", "per_token_ms", "prefill_ms", "backend", "tp"):
         assert key in res
     assert len(res["tokens"]) == 5 and len(res["per_token_ms"]) == 4 and res["tp"] == 2
+    assert res["max_seq_len"] == 64  # sized from the context: 3 + 5 tokens, rounded up to 64
     logits = np.load(dump)
     assert logits.shape == (5, 256) and logits.dtype == np.float32
     assert logits.argmax(-1).tolist() == res["tokens"]
@@ -48,7 +49,8 @@ def test_force_tokens_changes_the_inputs(capsys, hf_models):
     (["--model", "/nonexistent/dir/x"], "not a readable checkpoint"),
     (["--prompt-ids", "1,x"], "comma-separated integers"),
     (["--prompt-ids", "1,100000"], "out of range"),
-    (["--max-new-tokens", "5000"], "expected at most --max-seq-len"),
+    (["--max-new-tokens", "50000"], "expected at most the model's max_position_embeddings=40960"),
+    (["--max-seq-len", "8", "--max-new-tokens", "16"], "expected at most --max-seq-len=8"),
     (["--tp", "3"], "tp values that work"),
     (["--backend", "tensorrt"], "--backend: expected one of"),
     (["--batch", "0"], "--batch: expected >= 1"),

@@ -19,9 +19,9 @@ def add_model_args(p) -> None:
     p.add_argument("--transport", default="local", choices=["local", "ipc"], help="how TP ranks reach each other (megakernel)")
     p.add_argument("--batch", type=int, default=1, help="sequences decoded together (the prompt is repeated)")
     p.add_argument("--max-seq-len", type=int, default=None,
-                   help="KV-cache length per sequence (default: min(1024, the model's max_position_embeddings)); "
-                        "split-KV attention cuts its ranges from it, so a cache far longer than the context "
-                        "decodes slower (docs/TASKGRAPH.md)")
+                   help="KV-cache length per sequence (default: the prompt plus the tokens to generate; run "
+                        "rounds it up to a multiple of 64); split-KV attention cuts its ranges from it, so a cache far longer than "
+                        "the context decodes slower (docs/TASKGRAPH.md)")
     p.add_argument("--device", default=None, help="torch device (default: cuda if present, else cpu)")
     p.add_argument("--seed", type=int, default=0, help="seed for preset weights, sampling and interpreter schedules")
     p.add_argument("--schedule", default=None, choices=["jit", "aot"], help="mega-kernel task dispatch (default aot: static per-SM lists; jit: in-kernel scheduler)")
@@ -83,17 +83,18 @@ def main(args) -> int:
 
     from mpk_dist.backends.base import SamplingParams
     from mpk_dist.dist.env import rank_info
-    from mpk_dist.engine import (RunSpec, build_backend, check_ids, check_length, latency_summary, make_request,
-                                 parse_id_list, prompt_ids)
+    from mpk_dist.engine import (RunSpec, build_backend, check_ids, check_length, context_max_seq_len, latency_summary,
+                                 make_request, parse_id_list, prompt_ids)
     from mpk_dist.model_source import open_model
 
     name = resolve_backend(args.backend)
     model = open_model(args.model, seed=args.seed, device=args.device or default_device(name))
-    max_seq_len = args.max_seq_len or min(1024, model.config.max_position_embeddings)
+    ids = prompt_ids(model, args.prompt, args.prompt_ids)
+    max_seq_len = args.max_seq_len or context_max_seq_len(len(ids), args.max_new_tokens,
+                                                          model.config.max_position_embeddings)
     spec = RunSpec(model=args.model, backend=args.backend, tp=args.tp, batch=args.batch,
                    max_new_tokens=args.max_new_tokens, max_seq_len=max_seq_len, device=args.device,
                    seed=args.seed, backend_opts=backend_opts(args))
-    ids = prompt_ids(model, args.prompt, args.prompt_ids)
     check_length(len(ids), args.max_new_tokens, max_seq_len)
     force = parse_id_list(args.force_tokens, "--force-tokens") if args.force_tokens else None
     if force:
@@ -114,12 +115,13 @@ def main(args) -> int:
     text = model.tokenizer.decode(res.tokens[0])
     if args.json:
         print(json.dumps({"model": args.model, "backend": backend.name, "tp": args.tp, "batch": args.batch,
-                          "prompt_ids": ids, "tokens": res.tokens[0] if args.batch == 1 else res.tokens,
+                          "max_seq_len": max_seq_len, "prompt_ids": ids, "tokens": res.tokens[0] if args.batch == 1 else res.tokens,
                           "text": text, "prefill_ms": res.prefill_ms, "per_token_ms": res.per_token_ms,
                           "latency_ms": lat, **res.extra}))
         return 0
     out = sys.stdout
-    print(f"model {args.model} | backend {backend.name} | tp {args.tp} | batch {args.batch} | prompt {len(ids)} tokens", file=out)
+    print(f"model {args.model} | backend {backend.name} | tp {args.tp} | batch {args.batch} | prompt {len(ids)} tokens | "
+          f"max_seq_len {max_seq_len}", file=out)
     print(f"tokens: {res.tokens[0]}", file=out)
     print(f"text:   {text!r}", file=out)
     print(f"prefill {res.prefill_ms:.2f} ms | per token p50 {lat['p50']:.3f} ms  p90 {lat['p90']:.3f}  "
