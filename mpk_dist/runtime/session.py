@@ -110,6 +110,7 @@ class Session:
                                                compiler=compiler, program=cg)
         self.build_s = time.perf_counter() - t0
         worker_threads = shape.worker_threads  # None above: the program's choice, resolved once by kernel_shape
+        self.worker_threads = worker_threads
         self.block_threads = worker_threads + (32 if schedule == "jit" else 0)
         # Record-level: split-KV tiles stage their cache rows in shared memory when the stage fits.
         self.stage_kv = attn_stage_kv and tables.kv_stage_fits(cg, worker_threads, weight_ring=linear_tma)
