@@ -135,13 +135,6 @@ __device__ __forceinline__ long long epi_pair_jump(const EpiT&) { return 0; }
 constexpr int kMarkGemvStart = kMarkMmaStart;
 constexpr int kMarkGemvWarp0Done = kMarkMmaStreamed;
 
-// MPK_X_BEFORE_WEIGHTS 1 (a measurement variant): each batch-1 round issues its x loads before its weight loads
-// instead of after. Why: a global x (o_proj, the batch-1 down projection) misses L1 on a warp's first row, and a
-// load issued behind a round of HBM weight loads waits about as long as they take (docs/PERF.md v0.25).
-#ifndef MPK_X_BEFORE_WEIGHTS
-#define MPK_X_BEFORE_WEIGHTS 0
-#endif
-
 // NOTE: not inlined: one copy per batch serves all three fused kinds (inlined at each call site it
 // tripled the batch-16 kernel's build time); the call costs nothing next to a tile's weight stream.
 template <int B, int R, class XS, class EpiT>
@@ -167,11 +160,6 @@ __device__ __noinline__ void gemv_tile(const XS xs, const bf16* __restrict__ w, 
       for (int b = 0; b < B; ++b) acc[r][b] = 0.f;
     for (int kb = 0; kb < K; kb += U * 256) {
       uint4 wv[R][U];
-      uint4 xv[U];
-      if constexpr (kAhead && MPK_X_BEFORE_WEIGHTS) {  // the round's x loads issued first (same values)
-        load_x_round<U>(xv, [&](int k) { return xs.load8(0, k); }, kb, K, lane);
-        asm volatile("" ::: "memory");  // keeps them ahead of the weight loads
-      }
 #pragma unroll
       for (int r = 0; r < R; ++r)
 #pragma unroll
@@ -180,7 +168,8 @@ __device__ __noinline__ void gemv_tile(const XS xs, const bf16* __restrict__ w, 
           wv[r][u] = (k < K && n0 + r < n_tile) ? ld_weight_v4(w + (size_t)(n0 + r) * K + k) : make_uint4(0, 0, 0, 0);
         }
       if constexpr (kAhead) {  // x before any use, as the weights (linear.cuh load_x_round)
-        if constexpr (!MPK_X_BEFORE_WEIGHTS) load_x_round<U>(xv, [&](int k) { return xs.load8(0, k); }, kb, K, lane);
+        uint4 xv[U];
+        load_x_round<U>(xv, [&](int k) { return xs.load8(0, k); }, kb, K, lane);
 #pragma unroll
         for (int u = 0; u < U; ++u)
 #pragma unroll

@@ -23,8 +23,6 @@ the arithmetic, so the logits must equal the default build's bit for bit and sta
 - ``-DMPK_SMALL_KINDS_OUTLINED=0``: the kinds without a run_* function of their own (step_begin, silu_mul, argmax,
   nucleus) inlined into the kernel entry (the default runs them in one non-inlined function, csrc/runtime/dispatch.cuh
   run_small_kind).
-- ``-DMPK_X_BEFORE_WEIGHTS=1`` (a measurement variant): each batch-1 GEMV round issues its x loads before its weight
-  loads (the default issues them after; csrc/tasks/fused_gemv.cuh gemv_tile).
 - ``-DMPK_MMA_X_AHEAD=0`` under MPK_LINEAR_MMA=1, batch 8: the tensor-core tile loads each x vector inside its
   mma loop (the default loads a round's x vectors right after its weights; csrc/tasks/linear_mma.cuh mma_unit).
 - ``-DMPK_LINEAR_RESIDUAL_STAGE=1`` (off; a measurement variant): linear_residual tiles with 2-3 rows copy their x rows
@@ -56,7 +54,7 @@ PROMPT = 200
 STEPS = 48
 VARIANTS = ["-DMPK_ATTN_GUARD_HEADS=1", "-DMPK_PARAMS_SMEM=0", "-DMPK_ROPE_EXACT_PAIRS=0 -DMPK_PREP_ONE_SITE=0",
             "-DMPK_PREP_POS_LATE=0", "-DMPK_STAGE_ROWS_TOGETHER=0", "-DMPK_ROPE_SINCOS=0", "-DMPK_PREFETCH_ONE_SITE=0",
-            "-DMPK_SMALL_KINDS_OUTLINED=0", "-DMPK_MERGE_LOADS_AHEAD=0", "-DMPK_X_BEFORE_WEIGHTS=1"]
+            "-DMPK_SMALL_KINDS_OUTLINED=0", "-DMPK_MERGE_LOADS_AHEAD=0"]
 SWITCHES = [{"MPK_WEIGHT_EVICT_FIRST": "1"}]  # kernel switches of the same kind (environment, not -D)
 MMA_VARIANTS = ["-DMPK_MMA_X_AHEAD=0", "-DMPK_STAGE_ROWS_TOGETHER=0"]
 
