@@ -98,9 +98,7 @@ def build_events(prog: Program) -> EventGraph:
     eg = EventGraph(waits=[[] for _ in range(T)], signals=[[] for _ in range(T)], world=prog.world)
     index: dict[tuple, int] = {}
     for (c, pr, off, remote), m in sorted(_op_deps(prog).items()):
-        groups, inverse = np.unique(m.T, axis=0, return_inverse=True)
-        inverse = np.asarray(inverse).reshape(-1)
-        for g, row in enumerate(groups):
+        for row, consumers in _producer_sets(m):
             producers = tuple(int(x) for x in np.nonzero(row)[0])
             if not producers:
                 continue
@@ -116,9 +114,22 @@ def build_events(prog: Program) -> EventGraph:
                 eg.names.append(f"{prog.ops[pr].name}[{span}]" + (" (all ranks)" if remote else ""))
                 for t in producers:
                     eg.signals[bases[pr] + t].append(e)
-            for t in np.nonzero(inverse == g)[0]:
-                eg.waits[bases[c] + int(t)].append((e, off))
+            for t in consumers:
+                eg.waits[bases[c] + t].append((e, off))
     return eg
+
+
+def _producer_sets(m: np.ndarray) -> list[tuple[np.ndarray, list[int]]]:
+    """The distinct producer sets of ``m`` ([producer tiles, consumer tiles] bool) with the consumer tiles of each:
+    (the set as a bool row over producers, [consumer tiles]), in np.unique(m.T, axis=0)'s order (rows compared
+    lexicographically, False < True), so events keep their numbering. Rows are packed to bytes first: np.unique over
+    bool rows sorted them as structured values, 0.5 s of qwen3-8b's 2.3 s compile."""
+    packed = np.packbits(m.T, axis=1)  # the first producer in the high bit: byte order is the rows' order
+    keys = [r.tobytes() for r in packed]
+    groups: dict[bytes, list[int]] = {}
+    for t, k in enumerate(keys):
+        groups.setdefault(k, []).append(t)
+    return [(m[:, ts[0]], ts) for _, ts in sorted(groups.items())]
 
 
 def reduce_events(eg: EventGraph) -> EventGraph:

@@ -152,35 +152,49 @@ def _topo(cg: CompiledGraph, sig_by_event, waits) -> list[int]:
     return order
 
 
-def _reach(start: list[int], nxt) -> set[int]:
-    seen, todo = set(start), list(start)
+def _reach(start: list[int], nxt, n: int) -> bytearray:
+    """A 0/1 mark per node of the ``n`` nodes reachable from ``start`` along ``nxt``."""
+    seen = bytearray(n)
+    for u in start:
+        seen[u] = 1
+    todo = list(start)
     while todo:
         for u in nxt(todo.pop()):
-            if u not in seen:
-                seen.add(u)
+            if not seen[u]:
+                seen[u] = 1
                 todo.append(u)
     return seen
 
 
 def _check_reach(cg: CompiledGraph, sig_by_event, waits) -> None:
-    """Every task is after step_begin and before argmax_select in the step (offset-0 edges)."""
+    """Every task is after step_begin and before argmax_select in the step (offset-0 edges).
+
+    Walked on the task-event graph (a task to the events it signals, an event to its offset-0 waiters, and back),
+    which orders the same tasks as the task-to-task edges (p before c when c waits at offset 0 on an event p
+    signals) in time linear in the waits and signals; the task-to-task edges of an event with many signallers and
+    many waiters are their product (qwen3-8b: 5.5 M, 1.3 s of a 2.3 s compile)."""
+    T = cg.num_tasks
     kinds = cg.arrays["tasks"][:, TASK_COLS["OPCODE"]]
-    first = [t for t in range(cg.num_tasks) if BY_OPCODE[int(kinds[t])].name == "step_begin"]
-    last = [t for t in range(cg.num_tasks) if BY_OPCODE[int(kinds[t])].name == "argmax_select"]
-    succ: list[list[int]] = [[] for _ in range(cg.num_tasks)]
-    pred: list[list[int]] = [[] for _ in range(cg.num_tasks)]
+    first = [t for t in range(T) if BY_OPCODE[int(kinds[t])].name == "step_begin"]
+    last = [t for t in range(T) if BY_OPCODE[int(kinds[t])].name == "argmax_select"]
+    waiters: list[list[int]] = [[] for _ in range(cg.num_events)]  # offset-0 waiters of each event
+    waited: list[list[int]] = [[] for _ in range(T)]  # node ids of the events each task waits on at offset 0
     for c, ws in enumerate(waits):
         for e, off in ws:
             if off == 0:
-                for p in sig_by_event[e]:
-                    succ[p].append(c)
-                    pred[c].append(p)
-    fwd = _reach(first, lambda t: succ[t])
-    bwd = _reach(last, lambda t: pred[t])
-    for t in range(cg.num_tasks):
-        if t not in fwd:
+                waiters[e].append(c)
+                waited[c].append(T + e)
+    signalled: list[list[int]] = [[] for _ in range(T)]  # node ids of the events each task signals
+    for e, ts in enumerate(sig_by_event):
+        for t in ts:
+            signalled[t].append(T + e)
+    n = T + cg.num_events  # node ids: tasks 0..T-1, events T..T+E-1
+    fwd = _reach(first, lambda u: signalled[u] if u < T else waiters[u - T], n)
+    bwd = _reach(last, lambda u: waited[u] if u < T else sig_by_event[u - T], n)
+    for t in range(T):
+        if not fwd[t]:
             _fail(cg, t, "not reachable from step_begin: nothing orders it after the step's input")
-        if t not in bwd:
+        if not bwd[t]:
             _fail(cg, t, "not ordered before argmax_select: the next step could overwrite what it reads")
 
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from mpk_dist.taskgraph.abi import EVENT_COLS, TASK_COLS
-from mpk_dist.taskgraph.testing import drop_signal, fp32, programs
+from mpk_dist.taskgraph.testing import drop_signal, drop_wait, fp32, programs
 from mpk_dist.taskgraph.validate import GraphValidationError, validate
 
 
@@ -57,6 +57,68 @@ def test_unordered_task_is_named(cg):
                                                  TASK_COLS["SIGNAL_BEGIN"]]))
     with pytest.raises(GraphValidationError, match=r"L1.down_proj \(linear\), layer 1, tile 1: not ordered before argmax_select"):
         validate(bad)
+
+
+def test_task_without_waits_is_named(cg):
+    t = _task(cg, "L1.down_proj (linear), layer 1, tile 1")
+    row = cg.arrays["tasks"][t]
+    bad = cg
+    for k in reversed(range(int(row[TASK_COLS["WAIT_BEGIN"]]), int(row[TASK_COLS["WAIT_END"]]))):
+        bad = drop_wait(bad, k)
+    with pytest.raises(GraphValidationError, match=r"L1.down_proj \(linear\), layer 1, tile 1: not reachable from step_begin"):
+        validate(bad)
+
+
+def _pairwise_order_ok(cg) -> bool:
+    """The reference for validate's order check: every task after a step_begin and before an argmax_select along
+    task-to-task edges (p -> c when c waits at offset 0 on an event p signals), built pair by pair."""
+    t, w, sg = cg.arrays["tasks"], cg.arrays["waits"], cg.arrays["signals"]
+    signallers = {}
+    for p in range(cg.num_tasks):
+        for k in range(int(t[p, TASK_COLS["SIGNAL_BEGIN"]]), int(t[p, TASK_COLS["SIGNAL_END"]])):
+            signallers.setdefault(int(sg[k, 0]), []).append(p)
+    succ, pred = {i: set() for i in range(cg.num_tasks)}, {i: set() for i in range(cg.num_tasks)}
+    for c in range(cg.num_tasks):
+        for k in range(int(t[c, TASK_COLS["WAIT_BEGIN"]]), int(t[c, TASK_COLS["WAIT_END"]])):
+            if int(w[k, 1]) == 0:
+                for p in signallers.get(int(w[k, 0]), []):
+                    succ[p].add(c)
+                    pred[c].add(p)
+
+    def reach(start, nxt):
+        seen, todo = set(start), list(start)
+        while todo:
+            for u in nxt[todo.pop()] - seen:
+                seen.add(u)
+                todo.append(u)
+        return seen
+
+    kind = [cg.task_label(i) for i in range(cg.num_tasks)]
+    first = [i for i, k in enumerate(kind) if "(step_begin)" in k]
+    last = [i for i, k in enumerate(kind) if "(argmax_select)" in k]
+    return len(reach(first, succ)) == cg.num_tasks and len(reach(last, pred)) == cg.num_tasks
+
+
+def test_order_check_matches_the_pairwise_reference(cg):
+    # validate walks task -> event -> task; its verdict must be the pairwise edges' for the program and for every
+    # dropped wait and dropped signal of a layer (each orphans a task one way or the other)
+    t = cg.arrays["tasks"]
+    layer = [i for i in range(cg.num_tasks) if t[i, TASK_COLS["LAYER"]] == 1]
+    mutants = [cg] + [drop_wait(cg, k) for i in layer
+                      for k in range(int(t[i, TASK_COLS["WAIT_BEGIN"]]), int(t[i, TASK_COLS["WAIT_END"]]))]
+    mutants += [drop_signal(cg, k) for i in layer
+                for k in range(int(t[i, TASK_COLS["SIGNAL_BEGIN"]]), int(t[i, TASK_COLS["SIGNAL_END"]]))]
+    verdicts = []
+    for bad in mutants:
+        try:
+            validate(bad)
+            ok = True
+        except GraphValidationError as err:
+            assert "step_begin" in str(err) or "argmax_select" in str(err), err
+            ok = False
+        assert ok == _pairwise_order_ok(bad), (len(verdicts), ok)
+        verdicts.append(ok)
+    assert verdicts[0] and verdicts.count(False) > 20, verdicts
 
 
 def test_bad_opcode_and_table_shape(cg):
