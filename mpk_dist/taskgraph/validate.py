@@ -116,20 +116,28 @@ def _check_triggers(cg: CompiledGraph, sig_by_event: list[list[int]]) -> None:
         _fail(cg, sig_by_event[e][0], f"event {cg.meta['events'][e]}: signalled by peers, expected scope SYSTEM")
 
 
-def _topo(cg: CompiledGraph, sig_by_event, waits) -> list[int]:
-    """Kahn's order of the offset-0 graph; raises naming a task on a cycle."""
-    T, E = cg.num_tasks, cg.num_events
-    ev_left = [len(s) for s in sig_by_event]
-    task_left = [sum(1 for _, off in ws if off == 0) for ws in waits]
-    waiters: list[list[int]] = [[] for _ in range(E)]
+def _step_edges(cg: CompiledGraph, sig_by_event, waits):
+    """The offset-0 (within the step) graph between tasks and events, both ways: per task the events it signals,
+    per event its offset-0 waiters, per task the events it waits on at offset 0."""
+    signals_of: list[list[int]] = [[] for _ in range(cg.num_tasks)]
+    for e, ts in enumerate(sig_by_event):
+        for t in ts:
+            signals_of[t].append(e)
+    waiters: list[list[int]] = [[] for _ in range(cg.num_events)]
+    waited: list[list[int]] = [[] for _ in range(cg.num_tasks)]
     for t, ws in enumerate(waits):
         for e, off in ws:
             if off == 0:
                 waiters[e].append(t)
-    signals_of: list[list[int]] = [[] for _ in range(T)]
-    for e, ts in enumerate(sig_by_event):
-        for t in ts:
-            signals_of[t].append(e)
+                waited[t].append(e)
+    return signals_of, waiters, waited
+
+
+def _topo(cg: CompiledGraph, sig_by_event, signals_of, waiters, waited) -> list[int]:
+    """Kahn's order of the offset-0 graph; raises naming a task on a cycle."""
+    T, E = cg.num_tasks, cg.num_events
+    ev_left = [len(s) for s in sig_by_event]
+    task_left = [len(ws) for ws in waited]
     for e in range(E):  # an event nobody signals is complete at once (threshold 0)
         if ev_left[e] == 0:
             for c in waiters[e]:
@@ -152,21 +160,24 @@ def _topo(cg: CompiledGraph, sig_by_event, waits) -> list[int]:
     return order
 
 
-def _reach(start: list[int], nxt, n: int) -> bytearray:
-    """A 0/1 mark per node of the ``n`` nodes reachable from ``start`` along ``nxt``."""
-    seen = bytearray(n)
-    for u in start:
-        seen[u] = 1
+def _reach(start: list[int], task_events: list[list[int]], event_tasks: list[list[int]], num_events: int) -> bytearray:
+    """A 0/1 mark per task: reachable from ``start`` going task -> its ``task_events`` -> their ``event_tasks``."""
+    seen, seen_event = bytearray(len(task_events)), bytearray(num_events)
+    for t in start:
+        seen[t] = 1
     todo = list(start)
     while todo:
-        for u in nxt(todo.pop()):
-            if not seen[u]:
-                seen[u] = 1
-                todo.append(u)
+        for e in task_events[todo.pop()]:
+            if not seen_event[e]:
+                seen_event[e] = 1
+                for c in event_tasks[e]:
+                    if not seen[c]:
+                        seen[c] = 1
+                        todo.append(c)
     return seen
 
 
-def _check_reach(cg: CompiledGraph, sig_by_event, waits) -> None:
+def _check_reach(cg: CompiledGraph, sig_by_event, signals_of, waiters, waited) -> None:
     """Every task is after step_begin and before argmax_select in the step (offset-0 edges).
 
     Walked on the task-event graph (a task to the events it signals, an event to its offset-0 waiters, and back),
@@ -177,20 +188,8 @@ def _check_reach(cg: CompiledGraph, sig_by_event, waits) -> None:
     kinds = cg.arrays["tasks"][:, TASK_COLS["OPCODE"]]
     first = [t for t in range(T) if BY_OPCODE[int(kinds[t])].name == "step_begin"]
     last = [t for t in range(T) if BY_OPCODE[int(kinds[t])].name == "argmax_select"]
-    waiters: list[list[int]] = [[] for _ in range(cg.num_events)]  # offset-0 waiters of each event
-    waited: list[list[int]] = [[] for _ in range(T)]  # node ids of the events each task waits on at offset 0
-    for c, ws in enumerate(waits):
-        for e, off in ws:
-            if off == 0:
-                waiters[e].append(c)
-                waited[c].append(T + e)
-    signalled: list[list[int]] = [[] for _ in range(T)]  # node ids of the events each task signals
-    for e, ts in enumerate(sig_by_event):
-        for t in ts:
-            signalled[t].append(T + e)
-    n = T + cg.num_events  # node ids: tasks 0..T-1, events T..T+E-1
-    fwd = _reach(first, lambda u: signalled[u] if u < T else waiters[u - T], n)
-    bwd = _reach(last, lambda u: waited[u] if u < T else sig_by_event[u - T], n)
+    fwd = _reach(first, signals_of, waiters, cg.num_events)
+    bwd = _reach(last, waited, sig_by_event, cg.num_events)
     for t in range(T):
         if not fwd[t]:
             _fail(cg, t, "not reachable from step_begin: nothing orders it after the step's input")
@@ -232,6 +231,7 @@ def validate(cg: CompiledGraph, structure: bool = True) -> None:
         return
     sig_by_event, waits = _edges(cg)
     _check_triggers(cg, sig_by_event)
-    _topo(cg, sig_by_event, waits)
-    _check_reach(cg, sig_by_event, waits)
+    step = _step_edges(cg, sig_by_event, waits)
+    _topo(cg, sig_by_event, *step)
+    _check_reach(cg, sig_by_event, *step)
     _check_order(cg, sig_by_event, waits)
