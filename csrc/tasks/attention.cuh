@@ -2,11 +2,13 @@
 // kv head, for every sequence b, over cache positions 0..pos[b]. fp32 scores, softmax and
 // products like the torch reference; output rounded once to bf16.
 // Pointers: q/out at the first column of query head h*GROUP; k/v cache at head h, position 0,
-// sequence 0. Warp w takes positions w, w + nwarps, ... with an online softmax per query head;
+// sequence 0. Warp w takes positions w, w + nwarps, ... with an online softmax per query head (8 at a
+// time in attention_block_walk.cuh where the shape allows it, else one at a time in attn_warp_step);
 // the warps' (m, l, acc) are merged through shared memory (nwarps * G * (D + 2) floats).
 // Limits (checked on the host): GROUP <= 8, D <= 256.
 #pragma once
 #include "common.cuh"
+#include "attention_block_walk.cuh"
 
 namespace mpk {
 
@@ -182,8 +184,18 @@ __device__ __noinline__ void attention_seq(const bf16* q, const bf16* kc, const 
   const int warp = tid >> 5, lane = tid & 31, nwarps = nt >> 5;
   float qv[MG][ME], acc[MG][ME], m[MG], l[MG];
   attn_warp_init<MG, ME>(q, D, G, lane, qv, acc, m, l);
-  for (int t = warp; t < n_pos; t += nwarps)
-    attn_warp_step<MG, ME>(qv, kc + (size_t)t * kv_ps, vc + (size_t)t * kv_ps, D, G, scale, lane, acc, m, l);
+  bool walked = false;
+  if constexpr (MPK_ATTN_BLOCK_WALK && kAttnBlockWalkFits<MG, ME>) {
+    float* qs = smem + (size_t)warp * G * (D + 2);  // this warp's merge entries: its q rows during the walk
+    if (attn_block_walk_ok<MG, ME>(kc, vc, D, kv_ps, qs)) {
+      attn_block_q_to_smem<MG, ME>(qv, qs, D, G, lane);
+      attn_block_walk<MG, ME>(qs, kc, vc, D, G, kv_ps, warp, n_pos, nwarps, scale, lane, acc, m, l);
+      walked = true;
+    }
+  }
+  if (!walked)
+    for (int t = warp; t < n_pos; t += nwarps)
+      attn_warp_step<MG, ME>(qv, kc + (size_t)t * kv_ps, vc + (size_t)t * kv_ps, D, G, scale, lane, acc, m, l);
   attn_warp_store<MG, ME>(acc, m, l, smem + (size_t)warp * G * (D + 2), D, G, D + 2, lane);
   worker_barrier(nt);
   for (int idx = tid; idx < G * D; idx += nt) {
