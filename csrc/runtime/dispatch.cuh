@@ -378,6 +378,7 @@ __device__ __noinline__ bool run_attention_prep(const TaskView& t, float* smem, 
   const int D = t.param(ATTENTION_PREP_PARAM_HEAD_DIM), G = t.param(ATTENTION_PREP_PARAM_GROUP);
   const int p = *t.arg<const int32_t>(ATTENTION_PREP_ARG_POSITIONS);
   if (!attention_prep_ok(D, G, p, t.param(ATTENTION_PREP_PARAM_MAX_SEQ), nt)) return false;
+  trace_mark(4, tid);  // trace: the body started (thread 0), as in run_attention_split_prep
   attention_prep_heads(t.arg<const bf16>(ATTENTION_PREP_ARG_QKV), t.arg<const bf16>(ATTENTION_PREP_ARG_Q_NORM_W),
                        t.arg<const bf16>(ATTENTION_PREP_ARG_K_NORM_W), t.arg<const float>(ATTENTION_PREP_ARG_INV_FREQ),
                        t.arg<bf16>(ATTENTION_PREP_ARG_Q), t.arg<bf16>(ATTENTION_PREP_ARG_K_CACHE),
@@ -385,7 +386,9 @@ __device__ __noinline__ bool run_attention_prep(const TaskView& t, float* smem, 
                        t.param(ATTENTION_PREP_PARAM_MAX_SEQ), D, G, t.param(ATTENTION_PREP_PARAM_K_OFFSET),
                        t.param(ATTENTION_PREP_PARAM_V_OFFSET), t.param(ATTENTION_PREP_PARAM_KV_POS_STRIDE),
                        t.fparam(ATTENTION_PREP_PARAM_EPS), tid, nt);
+  trace_mark(5, tid);  // trace: thread 0's warp prepared its q head (before the block barrier)
   worker_barrier(nt);  // the q rows and this position's k, v are written before any warp reads them
+  trace_mark(0, tid);  // trace: the prep is done; attention_seq marks 1 when the walk is
   // The attention half, as run_attention's body for one sequence. One call per (MG, ME) instance, each
   // with 5 operands (the wrapper reads the rest from the task): 12 attention_seq call sites here, each
   // with all 12 operands live, made ptxas store 44 bytes to local memory in this function.

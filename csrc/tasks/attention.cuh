@@ -9,6 +9,7 @@
 #pragma once
 #include "common.cuh"
 #include "attention_block_walk.cuh"
+#include "trace_marks.cuh"
 
 namespace mpk {
 
@@ -198,6 +199,7 @@ __device__ __noinline__ void attention_seq(const bf16* q, const bf16* kc, const 
       attn_warp_step<MG, ME>(qv, kc + (size_t)t * kv_ps, vc + (size_t)t * kv_ps, D, G, scale, lane, acc, m, l);
   attn_warp_store<MG, ME>(acc, m, l, smem + (size_t)warp * G * (D + 2), D, G, D + 2, lane);
   worker_barrier(nt);
+  trace_mark(1, tid);  // trace: every warp's walk is done (the block merge follows)
   for (int idx = tid; idx < G * D; idx += nt) {
     const int j = idx / D, d = idx % D;
     float M = -INFINITY;
