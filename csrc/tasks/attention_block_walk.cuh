@@ -18,7 +18,9 @@
 // Measured on an H200 (docs/PERF.md v0.26, `bench --prompt-len 480 --output-len 64 --max-seq-len 576`, one
 // process each, alternating):
 //  * MPK_ATTN_BLOCK_WALK (the unsplit attention of programs above 4 sequences, and --attn-splits 1), default 1:
-//    qwen3-8b batch 8 6.327 / 6.339 ms vs 6.450 / 6.448 with attn_warp_step (-1.9%).
+//    qwen3-8b batch 8 6.327 / 6.339 ms vs 6.450 / 6.448 with attn_warp_step (-1.9%). Far less than the walk's
+//    share above predicted: with it a batch-8 attention tile still runs 25-28 us (the v0.26 trace), so most of
+//    that tile's time is not the per-position chain (its phase marks say where, next).
 //  * MPK_ATTN_SPLIT_BLOCK_WALK (the split tiles of batch 1-4 programs, 2-3 positions a warp at context 512),
 //    default 0: qwen3-0.6b 1.111 / 1.116 vs 1.091 / 1.093, qwen3-8b 4.891 vs 4.811 (+1.7-1.9%): one block
 //    with 5-6 of its 8 slots empty costs more (and is more code to fetch cold) than 2-3 short steps.
@@ -63,22 +65,16 @@ __device__ __forceinline__ void bf16x2_to_f(uint32_t w, float& lo, float& hi) {
   hi = __uint_as_float(w & 0xffff0000u);
 }
 
-// ME contiguous bf16 at p (2 * ME-byte aligned) as floats.
+// ME (2 or 4) contiguous bf16 at p (2 * ME-byte aligned) as floats.
 template <int ME>
 __device__ __forceinline__ void load_bf16_row_part(const bf16* p, float (&out)[ME]) {
   if constexpr (ME == 2) {
     bf16x2_to_f(*reinterpret_cast<const uint32_t*>(p), out[0], out[1]);
-  } else if constexpr (ME == 4) {
+  } else {
+    static_assert(ME == 4, "block walk: 2 or 4 elements a lane (kWalkMaxMe)");
     const uint2 w = *reinterpret_cast<const uint2*>(p);
     bf16x2_to_f(w.x, out[0], out[1]);
     bf16x2_to_f(w.y, out[2], out[3]);
-  } else {
-    static_assert(ME == 8, "block walk: 2, 4 or 8 elements a lane");
-    const uint4 w = *reinterpret_cast<const uint4*>(p);
-    bf16x2_to_f(w.x, out[0], out[1]);
-    bf16x2_to_f(w.y, out[2], out[3]);
-    bf16x2_to_f(w.z, out[4], out[5]);
-    bf16x2_to_f(w.w, out[6], out[7]);
   }
 }
 
