@@ -48,7 +48,8 @@ def _spills(log: str) -> dict[str, tuple[int, int]]:
 @pytest.mark.parametrize("unroll", [4, 8, 16])
 def test_kernel_builds_without_spills_in_the_new_functions(unroll, tmp_path, monkeypatch):
     """The batch-1 kernel at each unroll a batch-1 default may take (tables.default_linear_unroll): no spills in
-    the attention_prep functions nor in the fused linear bodies, and the entry's stack frame no larger than
+    the attention_prep functions, the unsplit attention walk (attention_seq) nor the fused linear bodies, and the
+    entry's stack frame no larger than
     ENTRY_FRAME_BYTES_MAX. A program's kernel leaves out the silu kind it does not run (kernel.kind_defines): the
     default batch-1 programs run norm_linear_silu (unroll 4 and 16 here), those with MPK_FUSE_SILU_EPI=0
     silu_linear (unroll 8 here)."""
@@ -71,6 +72,12 @@ def test_kernel_builds_without_spills_in_the_new_functions(unroll, tmp_path, mon
     assert len(dispatch) == 1 and len(heads) == 1 and len(small) == 6, sorted(mine)
     for k in dispatch + heads + small:
         assert mine[k] == (0, 0), f"{k}: ptxas spills (stores, loads) = {mine[k]}"
+    # attention_seq<MG, ME> holds the unsplit tiles' block walk (csrc/tasks/attention_block_walk.cuh, default on):
+    # the instances the presets run (G <= 4, D = 128) and their smaller siblings keep every value in registers
+    walk = [k for k in spills if re.search(r"13attention_seqILi[124]ELi[24]E", k)]
+    assert len(walk) == 6, sorted(k for k in spills if "attention_seq" in k)
+    for k in walk:
+        assert spills[k] == (0, 0), f"{k}: ptxas spills (stores, loads) = {spills[k]}"
     fused = {k: v for k, v in spills.items() if re.search(r"run_(norm|silu)_linear", k)}  # + run_norm_linear_silu
     assert len(fused) == 2 and all(v == (0, 0) for v in fused.values()), f"fused linear bodies spill: {fused}"
     assert any("run_norm_linear_silu" in k for k in fused) == (left_out == "MPK_SILU_LINEAR_KIND"), sorted(fused)
