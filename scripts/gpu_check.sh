@@ -28,8 +28,8 @@
 #                   epilogue (MPK_FUSE_SILU_EPI=0), 8 loads in flight per lane instead of the program's 16 (MPK_LINEAR_UNROLL),
 #                   9 KV ranges instead of 16 (v0.13's split), the batch-1 x vectors loaded in the sum loop (MPK_LOAD_AHEAD=0), the
 #                   split tiles' cache rows staged in shared memory (MPK_ATTN_STAGE_KV=1), the smallest
-#                   shared-memory carveout (MPK_MIN_CARVEOUT=1), split-KV attention off), a traced qwen3-8b run at
-#                   context ~480's trace-summary, and with NCU=1 an ncu profile per source line (scripts/ncu_lines.py).
+#                   shared-memory carveout (MPK_MIN_CARVEOUT=1), split-KV attention off), traced qwen3-8b runs at
+#                   context ~480 (batch 1 and batch 8) with their trace-summary, and with NCU=1 an ncu profile per source line (scripts/ncu_lines.py).
 #                   Limit per step: PERF_LIMIT
 # Two GPUs: GPU_SPLIT=K/N splits one check's steps over N copies of this script (see below; not for --tp,
 # whose ipc step wants both GPUs), or run two copies side by side, e.g. CUDA_VISIBLE_DEVICES=0 ... --runtime-only and
@@ -178,6 +178,13 @@ if [ $PERF -eq 1 ]; then
     --trace $OUT/trace_qwen3_8b.json > /dev/null \
     && python3 -m mpk_dist trace-summary $OUT/trace_qwen3_8b.json | head -16 \
     && python3 -m mpk_dist trace-summary --levels 484 $OUT/trace_qwen3_8b.json | sed -n '1,9p' && gzip -f $OUT/trace_qwen3_8b.json"
+  # Batch 8 the same way: its unsplit attention_prep tiles (25-28 us, docs/PERF.md v0.26) set marks 0 (prep done)
+  # and 1 (walk done), shown in the --levels table's mark columns.
+  step perf_trace_b8 "${PERF_LIMIT:-150}" bash -c "python3 -m mpk_dist bench --model qwen3-8b --batch 8 --backend megakernel \
+    --prompt-len 480 --output-len 8 --max-seq-len 576 --iters 1 --warmup 0 --no-progress \
+    --trace $OUT/trace_qwen3_8b_b8.json > /dev/null \
+    && python3 -m mpk_dist trace-summary --levels 484 $OUT/trace_qwen3_8b_b8.json | sed -n '1,10p' \
+    && gzip -f $OUT/trace_qwen3_8b_b8.json"
   echo
   echo "==================== gpu_check --perf summary ===================="
   python3 - "$OUT" <<'PY'
