@@ -185,19 +185,13 @@ __device__ __noinline__ void attention_seq(const bf16* q, const bf16* kc, const 
   const int warp = tid >> 5, lane = tid & 31, nwarps = nt >> 5;
   float qv[MG][ME], acc[MG][ME], m[MG], l[MG];
   attn_warp_init<MG, ME>(q, D, G, lane, qv, acc, m, l);
-  bool walked = false;
-  if constexpr (MPK_ATTN_BLOCK_WALK && kAttnBlockWalkFits<MG, ME>) {
-    float* qs = smem + (size_t)warp * G * (D + 2);  // this warp's merge entries: its q rows during the walk
-    if (attn_block_walk_ok<MG, ME>(kc, vc, D, kv_ps, qs)) {
-      attn_block_q_to_smem<MG, ME>(qv, qs, D, G, lane);
-      attn_block_walk<MG, ME>(qs, kc, vc, D, G, kv_ps, warp, n_pos, nwarps, scale, lane, acc, m, l);
-      walked = true;
-    }
-  }
-  if (!walked)
+  float* mine = smem + (size_t)warp * G * (D + 2);  // this warp's merge entries
+  if (MPK_ATTN_BLOCK_WALK && attn_block_walk_ok<MG, ME>(kc, vc, D, kv_ps, mine))
+    attn_block_walk<MG, ME>(qv, mine, kc, vc, D, G, kv_ps, warp, n_pos, nwarps, scale, lane, acc, m, l);
+  else
     for (int t = warp; t < n_pos; t += nwarps)
       attn_warp_step<MG, ME>(qv, kc + (size_t)t * kv_ps, vc + (size_t)t * kv_ps, D, G, scale, lane, acc, m, l);
-  attn_warp_store<MG, ME>(acc, m, l, smem + (size_t)warp * G * (D + 2), D, G, D + 2, lane);
+  attn_warp_store<MG, ME>(acc, m, l, mine, D, G, D + 2, lane);
   worker_barrier(nt);
   trace_mark(1, tid);  // trace: every warp's walk is done (the block merge follows)
   for (int idx = tid; idx < G * D; idx += nt) {

@@ -52,14 +52,16 @@ template <int MG, int ME>
 constexpr bool kAttnBlockWalkFits = MG * ME <= kWalkMaxAcc && ME <= kWalkMaxMe;
 
 // Whether the block walk handles the shape: an instance that fits, exactly ME elements a lane (D == 32 * ME:
-// 64 or 128), 16-byte aligned rows and this warp's q rows (qs, fp32 [G][D]) 16-byte aligned.
+// 64 or 128), 16-byte aligned rows and this warp's merge entries (qs, where the walk keeps q) 16-byte aligned.
 template <int MG, int ME>
 __device__ __forceinline__ bool attn_block_walk_ok(const bf16* kc, const bf16* vc, int D, int kv_ps, const float* qs) {
   return kAttnBlockWalkFits<MG, ME> && D == 32 * ME && kv_ps % kWalkChunk == 0 &&
          ((reinterpret_cast<uintptr_t>(kc) | reinterpret_cast<uintptr_t>(vc) | reinterpret_cast<uintptr_t>(qs)) & 15) == 0;
 }
 
-// The two bf16 of a 32-bit word as floats (the lower address is the low half), exactly as bf2f.
+// The two bf16 of a 32-bit word as floats (the lower address is the low half), exactly as bf2f. Not unpack8
+// (common.cuh): its __bfloat1622float2 compiled to ~100 more instructions in attention_seq<4, 4> (a PRMT and an
+// IMAD.U32 per pair instead of a shift or a mask; nvdisasm of the batch-8 kernel).
 __device__ __forceinline__ void bf16x2_to_f(uint32_t w, float& lo, float& hi) {
   lo = __uint_as_float(w << 16);
   hi = __uint_as_float(w & 0xffff0000u);
@@ -78,103 +80,101 @@ __device__ __forceinline__ void load_bf16_row_part(const bf16* p, float (&out)[M
   }
 }
 
-// This warp's q of the G heads (qv, as attn_warp_init loaded it) into qs as fp32 [G][D], for the block walk's
-// broadcast reads. qs is the warp's own merge entries (G * (D + 2) floats), free until attn_warp_store.
-template <int MG, int ME>
-__device__ __forceinline__ void attn_block_q_to_smem(const float (&qv)[MG][ME], float* qs, int D, int G, int lane) {
-#pragma unroll
-  for (int j = 0; j < MG; ++j)
-    if (j < G) {
-#pragma unroll
-      for (int i = 0; i < ME; ++i) qs[(size_t)j * D + lane * ME + i] = qv[j][i];
-    }
-  __syncwarp();
-}
-
 // One warp's online softmax over positions first, first + stride, ... < end (G heads; acc / m / l as
-// attn_warp_init left them or a previous call updated them), kWalkSlots positions a block. qs: the q rows
-// from attn_block_q_to_smem. The caller checked attn_block_walk_ok. Ends with __syncwarp (qs may be
-// overwritten after it). The block loop stays a loop: the body is fetched cold once a layer (a fully
-// unrolled 32-position block, ~1,500 instructions, was 4.6-6.5% slower on every model measured; docs/PERF.md v0.26).
+// attn_warp_init left them, qv its q rows), kWalkSlots positions a block. qs: this warp's merge entries
+// (G * (D + 2) floats, free until attn_warp_store), which hold q as fp32 [G][D] during the walk for its
+// broadcast reads. The caller checked attn_block_walk_ok (false for an instance that does not fit, which
+// compiles no walk). Ends with __syncwarp (qs may be overwritten after it). The block loop stays a loop: the
+// body is fetched cold once a layer (a fully unrolled 32-position block, ~1,500 instructions, was 4.6-6.5%
+// slower on every model measured; docs/PERF.md v0.26).
 template <int MG, int ME>
-__device__ __forceinline__ void attn_block_walk(const float* qs, const bf16* kc, const bf16* vc, int D, int G,
-                                                int kv_ps, int first, int end, int stride, float scale, int lane,
-                                                float (&acc)[MG][ME], float (&m)[MG], float (&l)[MG]) {
-  const int slot = lane / kWalkLanesPerPos, quarter = lane % kWalkLanesPerPos;
-  const int n = end > first ? (end - first + stride - 1) / stride : 0;  // this warp's positions
-#pragma unroll 1
-  for (int b0 = 0; b0 < n; b0 += kWalkSlots) {
-    // Scores: lane (slot, quarter) holds the score of position b0 + slot: its elements c * 32 + quarter * 8 + e
-    // (c < ME, e < 8) summed in order, then the quarters' sums added.
-    const int k = b0 + slot;
-    const bool valid = k < n;
-    const uint4* kr = reinterpret_cast<const uint4*>(kc + (size_t)(first + (valid ? k : 0) * stride) * kv_ps);
-    uint4 raw[ME];
+__device__ __forceinline__ void attn_block_walk(const float (&qv)[MG][ME], float* qs, const bf16* kc, const bf16* vc,
+                                                int D, int G, int kv_ps, int first, int end, int stride, float scale,
+                                                int lane, float (&acc)[MG][ME], float (&m)[MG], float (&l)[MG]) {
+  if constexpr (kAttnBlockWalkFits<MG, ME>) {
 #pragma unroll
-    for (int c = 0; c < ME; ++c) raw[c] = kr[c * kWalkLanesPerPos + quarter];
-    // The block's value rows, loaded now so they fly during the scores: lane holds elements lane * ME .. + ME.
-    const int cnt = min(kWalkSlots, n - b0);
-    float vv[kWalkSlots][ME];
-#pragma unroll
-    for (int u = 0; u < kWalkSlots; ++u) {
-      if (u < cnt) {
-        load_bf16_row_part<ME>(vc + (size_t)(first + (b0 + u) * stride) * kv_ps + lane * ME, vv[u]);
-      } else {
-#pragma unroll
-        for (int i = 0; i < ME; ++i) vv[u][i] = 0.f;
-      }
-    }
-    float p[MG];
-#pragma unroll
-    for (int j = 0; j < MG; ++j) {
-      float s = 0.f;
+    for (int j = 0; j < MG; ++j)
       if (j < G) {
 #pragma unroll
-        for (int c = 0; c < ME; ++c) {
-          const float4* qa = reinterpret_cast<const float4*>(qs + (size_t)j * D + c * 32 + quarter * kWalkChunk);
-          const float4 x = qa[0], y = qa[1];
-          float k0, k1, k2, k3, k4, k5, k6, k7;
-          bf16x2_to_f(raw[c].x, k0, k1);
-          bf16x2_to_f(raw[c].y, k2, k3);
-          bf16x2_to_f(raw[c].z, k4, k5);
-          bf16x2_to_f(raw[c].w, k6, k7);
-          s = fmaf(x.x, k0, s); s = fmaf(x.y, k1, s); s = fmaf(x.z, k2, s); s = fmaf(x.w, k3, s);
-          s = fmaf(y.x, k4, s); s = fmaf(y.y, k5, s); s = fmaf(y.z, k6, s); s = fmaf(y.w, k7, s);
+        for (int i = 0; i < ME; ++i) qs[(size_t)j * D + lane * ME + i] = qv[j][i];
+      }
+    __syncwarp();
+    const int slot = lane / kWalkLanesPerPos, quarter = lane % kWalkLanesPerPos;
+    const int n = end > first ? (end - first + stride - 1) / stride : 0;  // this warp's positions
+#pragma unroll 1
+    for (int b0 = 0; b0 < n; b0 += kWalkSlots) {
+      // Scores: lane (slot, quarter) holds the score of position b0 + slot: its elements c * 32 + quarter * 8 + e
+      // (c < ME, e < 8) summed in order, then the quarters' sums added.
+      const int k = b0 + slot;
+      const bool valid = k < n;
+      const bf16* kr = kc + (size_t)(first + (valid ? k : 0) * stride) * kv_ps;
+      uint4 raw[ME];
+#pragma unroll
+      for (int c = 0; c < ME; ++c) raw[c] = ld_act_v4(kr + (c * kWalkLanesPerPos + quarter) * kWalkChunk);
+      // The block's value rows, loaded now so they fly during the scores: lane holds elements lane * ME .. + ME.
+      const int cnt = min(kWalkSlots, n - b0);
+      float vv[kWalkSlots][ME];
+#pragma unroll
+      for (int u = 0; u < kWalkSlots; ++u) {
+        if (u < cnt) {
+          load_bf16_row_part<ME>(vc + (size_t)(first + (b0 + u) * stride) * kv_ps + lane * ME, vv[u]);
+        } else {
+#pragma unroll
+          for (int i = 0; i < ME; ++i) vv[u][i] = 0.f;
         }
       }
-      s += __shfl_xor_sync(kFullWarp, s, 1);
-      s += __shfl_xor_sync(kFullWarp, s, 2);
-      p[j] = valid ? s * scale : -INFINITY;
-    }
-    // One softmax update for the block: the slots' max and sum (the lanes of a slot hold equal values).
+      float p[MG];
 #pragma unroll
-    for (int j = 0; j < MG; ++j) {
-      float bm = p[j];
-#pragma unroll
-      for (int o = kWalkLanesPerPos; o < 32; o <<= 1) bm = fmaxf(bm, __shfl_xor_sync(kFullWarp, bm, o));
-      const float mn = fmaxf(m[j], bm);  // finite: position b0 (slot 0) is in every block
-      const float corr = expf(m[j] - mn);
-      p[j] = expf(p[j] - mn);  // -inf (no position): 0
-      float ps = p[j];
-#pragma unroll
-      for (int o = kWalkLanesPerPos; o < 32; o <<= 1) ps += __shfl_xor_sync(kFullWarp, ps, o);
-      l[j] = l[j] * corr + ps;
-#pragma unroll
-      for (int i = 0; i < ME; ++i) acc[j][i] *= corr;
-      m[j] = mn;
-    }
-    // Values: each position's weight from its slot (one shuffle a head); rows past cnt are 0 with weight 0.
-#pragma unroll
-    for (int u = 0; u < kWalkSlots; ++u)
-#pragma unroll
-      for (int j = 0; j < MG; ++j)
+      for (int j = 0; j < MG; ++j) {
+        float s = 0.f;
         if (j < G) {
-          const float w = __shfl_sync(kFullWarp, p[j], u * kWalkLanesPerPos);
 #pragma unroll
-          for (int i = 0; i < ME; ++i) acc[j][i] = fmaf(w, vv[u][i], acc[j][i]);
+          for (int c = 0; c < ME; ++c) {
+            const float4* qa = reinterpret_cast<const float4*>(qs + (size_t)j * D + c * 32 + quarter * kWalkChunk);
+            const float4 x = qa[0], y = qa[1];
+            float k0, k1, k2, k3, k4, k5, k6, k7;
+            bf16x2_to_f(raw[c].x, k0, k1);
+            bf16x2_to_f(raw[c].y, k2, k3);
+            bf16x2_to_f(raw[c].z, k4, k5);
+            bf16x2_to_f(raw[c].w, k6, k7);
+            s = fmaf(x.x, k0, s); s = fmaf(x.y, k1, s); s = fmaf(x.z, k2, s); s = fmaf(x.w, k3, s);
+            s = fmaf(y.x, k4, s); s = fmaf(y.y, k5, s); s = fmaf(y.z, k6, s); s = fmaf(y.w, k7, s);
+          }
         }
+        s += __shfl_xor_sync(kFullWarp, s, 1);
+        s += __shfl_xor_sync(kFullWarp, s, 2);
+        p[j] = valid ? s * scale : -INFINITY;
+      }
+      // One softmax update for the block: the slots' max and sum (the lanes of a slot hold equal values).
+#pragma unroll
+      for (int j = 0; j < MG; ++j) {
+        float bm = p[j];
+#pragma unroll
+        for (int o = kWalkLanesPerPos; o < 32; o <<= 1) bm = fmaxf(bm, __shfl_xor_sync(kFullWarp, bm, o));
+        const float mn = fmaxf(m[j], bm);  // finite: position b0 (slot 0) is in every block
+        const float corr = expf(m[j] - mn);
+        p[j] = expf(p[j] - mn);  // -inf (no position): 0
+        float ps = p[j];
+#pragma unroll
+        for (int o = kWalkLanesPerPos; o < 32; o <<= 1) ps += __shfl_xor_sync(kFullWarp, ps, o);
+        l[j] = l[j] * corr + ps;
+#pragma unroll
+        for (int i = 0; i < ME; ++i) acc[j][i] *= corr;
+        m[j] = mn;
+      }
+      // Values: each position's weight from its slot (one shuffle a head); rows past cnt are 0 with weight 0.
+#pragma unroll
+      for (int u = 0; u < kWalkSlots; ++u)
+#pragma unroll
+        for (int j = 0; j < MG; ++j)
+          if (j < G) {
+            const float w = __shfl_sync(kFullWarp, p[j], u * kWalkLanesPerPos);
+#pragma unroll
+            for (int i = 0; i < ME; ++i) acc[j][i] = fmaf(w, vv[u][i], acc[j][i]);
+          }
+    }
+    __syncwarp();
   }
-  __syncwarp();
 }
 
 }  // namespace mpk

@@ -111,19 +111,15 @@ __device__ __noinline__ void attention_split_seq(const bf16* q, const bf16* kc, 
                                     const KvStage& stage = KvStage()) {
   const int warp = tid >> 5, lane = tid & 31, nwarps = nt >> 5;
   SplitWarpState<MG, ME> st;
-  bool walked = false;
-  if constexpr (MPK_ATTN_SPLIT_BLOCK_WALK && kAttnBlockWalkFits<MG, ME>) {
-    float* qs = smem + (size_t)warp * G * (D + 2);  // this warp's merge entries: its q rows during the walk
-    if (stage.end <= stage.begin && attn_block_walk_ok<MG, ME>(kc, vc, D, kv_ps, qs)) {
-      float qv[MG][ME];
-      attn_warp_init<MG, ME>(q, D, G, lane, qv, st.acc, st.m, st.l);
-      attn_block_q_to_smem<MG, ME>(qv, qs, D, G, lane);
-      attn_block_walk<MG, ME>(qs, kc, vc, D, G, kv_ps, s0 + warp, e, nwarps, scale, lane, st.acc, st.m, st.l);
-      walked = true;
-    }
+  float* mine = smem + (size_t)warp * G * (D + 2);  // this warp's merge entries
+  if (MPK_ATTN_SPLIT_BLOCK_WALK && stage.end <= stage.begin && attn_block_walk_ok<MG, ME>(kc, vc, D, kv_ps, mine)) {
+    float qv[MG][ME];
+    attn_warp_init<MG, ME>(q, D, G, lane, qv, st.acc, st.m, st.l);
+    attn_block_walk<MG, ME>(qv, mine, kc, vc, D, G, kv_ps, s0 + warp, e, nwarps, scale, lane, st.acc, st.m, st.l);
+  } else {
+    split_warp_partial<MG, ME>(q, kc, vc, D, G, kv_ps, s0 + warp, e, nwarps, scale, st, lane, stage);
   }
-  if (!walked) split_warp_partial<MG, ME>(q, kc, vc, D, G, kv_ps, s0 + warp, e, nwarps, scale, st, lane, stage);
-  attn_warp_store<MG, ME>(st.acc, st.m, st.l, smem + (size_t)warp * G * (D + 2), D, G, D + 2, lane);
+  attn_warp_store<MG, ME>(st.acc, st.m, st.l, mine, D, G, D + 2, lane);
   worker_barrier(nt);
   trace_mark(1, tid);  // trace: every warp's walk is done (the block merge follows)
   for (int idx = tid; idx < G * (D + 2); idx += nt) {
