@@ -9,6 +9,7 @@
 #pragma once
 #include "common.cuh"
 #include "attention_block_walk.cuh"
+#include "attention_mma_walk.cuh"
 #include "trace_marks.cuh"
 
 namespace mpk {
@@ -183,15 +184,21 @@ template <int MG, int ME>
 __device__ __noinline__ void attention_seq(const bf16* q, const bf16* kc, const bf16* vc, bf16* out, int D, int G,
                                            int kv_ps, int n_pos, float scale, float* smem, int tid, int nt) {
   const int warp = tid >> 5, lane = tid & 31, nwarps = nt >> 5;
-  float qv[MG][ME], acc[MG][ME], m[MG], l[MG];
-  attn_warp_init<MG, ME>(q, D, G, lane, qv, acc, m, l);
   float* mine = smem + (size_t)warp * G * (D + 2);  // this warp's merge entries
-  if (MPK_ATTN_BLOCK_WALK && attn_block_walk_ok<MG, ME>(kc, vc, D, kv_ps, mine))
-    attn_block_walk<MG, ME>(qv, mine, kc, vc, D, G, kv_ps, warp, n_pos, nwarps, scale, lane, acc, m, l);
-  else
-    for (int t = warp; t < n_pos; t += nwarps)
-      attn_warp_step<MG, ME>(qv, kc + (size_t)t * kv_ps, vc + (size_t)t * kv_ps, D, G, scale, lane, acc, m, l);
-  attn_warp_store<MG, ME>(acc, m, l, mine, D, G, D + 2, lane);
+  if (MPK_ATTN_MMA_WALK && attn_mma_walk_ok<MG, ME>(q, kc, vc, D, G, kv_ps)) {
+    attn_mma_walk<MG, ME>(q, kc, vc, D, G, kv_ps, warp, n_pos, nwarps, scale, lane, mine, D + 2);
+  } else {
+    float qv[MG][ME], acc[MG][ME], m[MG], l[MG];
+    attn_warp_init<MG, ME>(q, D, G, lane, qv, acc, m, l);
+    // The block walk only as the tensor-core walk's stand-in (MPK_ATTN_MMA_WALK=0): compiled beside it, its
+    // registers made attention_seq's callers pass their arguments through local memory.
+    if (!MPK_ATTN_MMA_WALK && MPK_ATTN_BLOCK_WALK && attn_block_walk_ok<MG, ME>(kc, vc, D, kv_ps, mine))
+      attn_block_walk<MG, ME>(qv, mine, kc, vc, D, G, kv_ps, warp, n_pos, nwarps, scale, lane, acc, m, l);
+    else
+      for (int t = warp; t < n_pos; t += nwarps)
+        attn_warp_step<MG, ME>(qv, kc + (size_t)t * kv_ps, vc + (size_t)t * kv_ps, D, G, scale, lane, acc, m, l);
+    attn_warp_store<MG, ME>(acc, m, l, mine, D, G, D + 2, lane);
+  }
   worker_barrier(nt);
   trace_mark(1, tid);  // trace: every warp's walk is done (the block merge follows)
   for (int idx = tid; idx < G * D; idx += nt) {

@@ -1,4 +1,5 @@
-// The decode attention walk, 8 positions of a warp at a time (MPK_ATTN_BLOCK_WALK for attention_seq,
+// The scalar decode attention walk, 8 positions of a warp at a time (MPK_ATTN_BLOCK_WALK for attention_seq, only
+// in builds with MPK_ATTN_MMA_WALK=0: the tensor-core walk of attention_mma_walk.cuh replaced it there;
 // MPK_ATTN_SPLIT_BLOCK_WALK for attention_split_seq): used by attention, attention_prep, attention_split and
 // attention_split_prep when their shapes allow it (attn_block_walk_ok), else attn_warp_step per position.
 //
@@ -20,10 +21,15 @@
 //  * MPK_ATTN_BLOCK_WALK (the unsplit attention of programs above 4 sequences, and --attn-splits 1), default 1:
 //    qwen3-8b batch 8 6.327 / 6.339 ms vs 6.450 / 6.448 with attn_warp_step (-1.9%). Far less than the walk's
 //    share above predicted: with it a batch-8 attention tile still runs 25-28 us (the v0.26 trace), so most of
-//    that tile's time is not the per-position chain (its phase marks say where, next).
+//    that tile's time is not the per-position chain. v0.27's marks: the walk was ~19 us of it, bound by its
+//    ~1,000 instructions per warp and block, not by memory (value rows loaded unpredicated and raw, all 12
+//    loads of a block in flight together instead of in two waves: no change, 6.286 / 6.309 ms); the
+//    tensor-core walk took its place (5.92 ms).
 //  * MPK_ATTN_SPLIT_BLOCK_WALK (the split tiles of batch 1-4 programs, 2-3 positions a warp at context 512),
 //    default 0: qwen3-0.6b 1.111 / 1.116 vs 1.091 / 1.093, qwen3-8b 4.891 vs 4.811 (+1.7-1.9%): one block
 //    with 5-6 of its 8 slots empty costs more (and is more code to fetch cold) than 2-3 short steps.
+//    Again with the raw value loads (v0.27): qwen3-0.6b 1.100 / 1.099 vs 1.097 / 1.093, qwen3-8b 4.834 / 4.829 vs
+//    4.752 / 4.757.
 #pragma once
 #include "common.cuh"
 
@@ -39,7 +45,6 @@ namespace mpk {
 constexpr int kWalkLanesPerPos = 4;                    // lanes that share one position's score
 constexpr int kWalkSlots = 32 / kWalkLanesPerPos;      // positions a block (one softmax update)
 constexpr int kWalkChunk = 8;                          // bf16 a 16-byte load
-constexpr unsigned kFullWarp = 0xffffffffu;
 
 // Instances with more than kWalkMaxAcc accumulators a lane (MG * ME) or more than kWalkMaxMe elements keep
 // attn_warp_step: the block walk's registers (the block's value rows and the k pieces besides acc) spilled
@@ -67,14 +72,22 @@ __device__ __forceinline__ void bf16x2_to_f(uint32_t w, float& lo, float& hi) {
   hi = __uint_as_float(w & 0xffff0000u);
 }
 
-// ME (2 or 4) contiguous bf16 at p (2 * ME-byte aligned) as floats.
+// ME (2 or 4) contiguous bf16 of a row part, raw: one 4- or 8-byte load.
 template <int ME>
-__device__ __forceinline__ void load_bf16_row_part(const bf16* p, float (&out)[ME]) {
+using WalkRawPart = std::conditional_t<ME == 2, uint32_t, uint2>;
+
+template <int ME>
+__device__ __forceinline__ WalkRawPart<ME> load_walk_part(const bf16* p) {
+  static_assert(ME == 2 || ME == 4, "block walk: 2 or 4 elements a lane (kWalkMaxMe)");
+  return *reinterpret_cast<const WalkRawPart<ME>*>(p);
+}
+
+// A raw row part as ME floats, exactly as bf2f.
+template <int ME>
+__device__ __forceinline__ void walk_part_to_f(const WalkRawPart<ME>& w, float (&out)[ME]) {
   if constexpr (ME == 2) {
-    bf16x2_to_f(*reinterpret_cast<const uint32_t*>(p), out[0], out[1]);
+    bf16x2_to_f(w, out[0], out[1]);
   } else {
-    static_assert(ME == 4, "block walk: 2 or 4 elements a lane (kWalkMaxMe)");
-    const uint2 w = *reinterpret_cast<const uint2*>(p);
     bf16x2_to_f(w.x, out[0], out[1]);
     bf16x2_to_f(w.y, out[2], out[3]);
   }
@@ -111,18 +124,15 @@ __device__ __forceinline__ void attn_block_walk(const float (&qv)[MG][ME], float
       uint4 raw[ME];
 #pragma unroll
       for (int c = 0; c < ME; ++c) raw[c] = ld_act_v4(kr + (c * kWalkLanesPerPos + quarter) * kWalkChunk);
-      // The block's value rows, loaded now so they fly during the scores: lane holds elements lane * ME .. + ME.
+      // The block's value rows, loaded now so they fly during the scores: lane holds elements lane * ME .. + ME,
+      // kept as raw bf16 until the value loop. Every slot loads a row (slots past the warp's last position
+      // re-read that position's row; their weight is 0), so the loads carry no predicate: predicated loads
+      // converted on arrival made ptxas give all eight one register pair, i.e. eight round trips a block.
       const int cnt = min(kWalkSlots, n - b0);
-      float vv[kWalkSlots][ME];
+      WalkRawPart<ME> rv[kWalkSlots];
 #pragma unroll
-      for (int u = 0; u < kWalkSlots; ++u) {
-        if (u < cnt) {
-          load_bf16_row_part<ME>(vc + (size_t)(first + (b0 + u) * stride) * kv_ps + lane * ME, vv[u]);
-        } else {
-#pragma unroll
-          for (int i = 0; i < ME; ++i) vv[u][i] = 0.f;
-        }
-      }
+      for (int u = 0; u < kWalkSlots; ++u)
+        rv[u] = load_walk_part<ME>(vc + (size_t)(first + (b0 + min(u, cnt - 1)) * stride) * kv_ps + lane * ME);
       float p[MG];
 #pragma unroll
       for (int j = 0; j < MG; ++j) {
@@ -169,8 +179,10 @@ __device__ __forceinline__ void attn_block_walk(const float (&qv)[MG][ME], float
         for (int j = 0; j < MG; ++j)
           if (j < G) {
             const float w = __shfl_sync(kFullWarp, p[j], u * kWalkLanesPerPos);
+            float vv[ME];
+            walk_part_to_f<ME>(rv[u], vv);
 #pragma unroll
-            for (int i = 0; i < ME; ++i) acc[j][i] = fmaf(w, vv[u][i], acc[j][i]);
+            for (int i = 0; i < ME; ++i) acc[j][i] = fmaf(w, vv[i], acc[j][i]);
           }
     }
     __syncwarp();

@@ -110,16 +110,21 @@ __device__ __noinline__ void attention_split_seq(const bf16* q, const bf16* kc, 
                                     int s0, int e, float scale, float* smem, int tid, int nt,
                                     const KvStage& stage = KvStage()) {
   const int warp = tid >> 5, lane = tid & 31, nwarps = nt >> 5;
-  SplitWarpState<MG, ME> st;
   float* mine = smem + (size_t)warp * G * (D + 2);  // this warp's merge entries
-  if (MPK_ATTN_SPLIT_BLOCK_WALK && stage.end <= stage.begin && attn_block_walk_ok<MG, ME>(kc, vc, D, kv_ps, mine)) {
-    float qv[MG][ME];
-    attn_warp_init<MG, ME>(q, D, G, lane, qv, st.acc, st.m, st.l);
-    attn_block_walk<MG, ME>(qv, mine, kc, vc, D, G, kv_ps, s0 + warp, e, nwarps, scale, lane, st.acc, st.m, st.l);
+  const bool unstaged = stage.end <= stage.begin;
+  if (MPK_ATTN_SPLIT_MMA_WALK && unstaged && attn_mma_walk_ok<MG, ME>(q, kc, vc, D, G, kv_ps)) {
+    attn_mma_walk<MG, ME>(q, kc, vc, D, G, kv_ps, s0 + warp, e, nwarps, scale, lane, mine, D + 2);
   } else {
-    split_warp_partial<MG, ME>(q, kc, vc, D, G, kv_ps, s0 + warp, e, nwarps, scale, st, lane, stage);
+    SplitWarpState<MG, ME> st;
+    if (MPK_ATTN_SPLIT_BLOCK_WALK && unstaged && attn_block_walk_ok<MG, ME>(kc, vc, D, kv_ps, mine)) {
+      float qv[MG][ME];
+      attn_warp_init<MG, ME>(q, D, G, lane, qv, st.acc, st.m, st.l);
+      attn_block_walk<MG, ME>(qv, mine, kc, vc, D, G, kv_ps, s0 + warp, e, nwarps, scale, lane, st.acc, st.m, st.l);
+    } else {
+      split_warp_partial<MG, ME>(q, kc, vc, D, G, kv_ps, s0 + warp, e, nwarps, scale, st, lane, stage);
+    }
+    attn_warp_store<MG, ME>(st.acc, st.m, st.l, mine, D, G, D + 2, lane);
   }
-  attn_warp_store<MG, ME>(st.acc, st.m, st.l, mine, D, G, D + 2, lane);
   worker_barrier(nt);
   trace_mark(1, tid);  // trace: every warp's walk is done (the block merge follows)
   for (int idx = tid; idx < G * (D + 2); idx += nt) {

@@ -27,6 +27,7 @@
 // scalar tile instead (mma_slices). Requires K % 8 == 0 and 16-byte aligned rows (host-checked).
 #pragma once
 #include "common.cuh"
+#include "mma_ops.cuh"
 #include "trace_marks.cuh"
 #include "weight_stream.cuh"  // smem_below_ring()
 
@@ -54,17 +55,6 @@ struct MmaStore {
     store_out(y + (size_t)b * ld + n, round_out_bf16 ? round_bf(s) : s);
   }
 };
-
-// D = A * B + D for one m16n8k16 bf16 tile with fp32 accumulators (sm_80+).
-__device__ __forceinline__ void mma_bf16_16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                               uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
 
 // MPK_MMA_X_AHEAD 1 (default): a round's x vectors are loaded right after its weight vectors, before the first
 // mma, instead of one x load per chunk inside the mma loop. Why: each in-loop load was consumed by the next mma,
