@@ -190,8 +190,8 @@ __device__ __noinline__ void attention_seq(const bf16* q, const bf16* kc, const 
   } else {
     float qv[MG][ME], acc[MG][ME], m[MG], l[MG];
     attn_warp_init<MG, ME>(q, D, G, lane, qv, acc, m, l);
-    // The block walk only as the tensor-core walk's stand-in (MPK_ATTN_MMA_WALK=0): compiled beside it, its
-    // registers made attention_seq's callers pass their arguments through local memory.
+    // The scalar block walk only in builds without the tensor-core walk (MPK_ATTN_MMA_WALK=0, its A/B baseline):
+    // beside it, it would run for no preset shape and only add code and registers to attention_seq.
     if (!MPK_ATTN_MMA_WALK && MPK_ATTN_BLOCK_WALK && attn_block_walk_ok<MG, ME>(kc, vc, D, kv_ps, mine))
       attn_block_walk<MG, ME>(qv, mine, kc, vc, D, G, kv_ps, warp, n_pos, nwarps, scale, lane, acc, m, l);
     else
