@@ -81,8 +81,8 @@ __device__ __forceinline__ void attn_mma_walk(const bf16* q, const bf16* kc, con
     const int g = lane >> 2, t = lane & 3;
     const int dims0 = g * (D / kMmaLaneGroups);  // this lane's value dims: dims0 .. dims0 + D/8 - 1
     // B operand of the scores: head g, dims c*32 + 8t .. +7, re-read each block (16 bytes a chunk, from L1)
-    // instead of held in 4 * ME registers: held, attention_seq needed all 128 registers at 512 threads and its
-    // callers passed their arguments through local memory. Heads g >= G read head 0: their columns are dropped.
+    // instead of held in 4 * ME registers, which the loop is short of (held or re-read, ptxas reported the same
+    // spills and frame; the measured build re-reads). Heads g >= G read head 0: their columns are dropped.
     const bf16* qrow = q + (size_t)(g < G ? g : 0) * D + kMmaWalkVec * t;
     float acc[kTiles][4];
 #pragma unroll
