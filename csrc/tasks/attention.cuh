@@ -185,7 +185,7 @@ __device__ __noinline__ void attention_seq(const bf16* q, const bf16* kc, const 
                                            int kv_ps, int n_pos, float scale, float* smem, int tid, int nt) {
   const int warp = tid >> 5, lane = tid & 31, nwarps = nt >> 5;
   float* mine = smem + (size_t)warp * G * (D + 2);  // this warp's merge entries
-  if (MPK_ATTN_MMA_WALK && attn_mma_walk_ok<MG, ME>(q, kc, vc, D, G, kv_ps)) {
+  if (MPK_ATTN_MMA_WALK && attn_mma_walk_ok<MG, ME>(q, kc, vc, D, G, kv_ps, n_pos)) {
     attn_mma_walk<MG, ME>(q, kc, vc, D, G, kv_ps, warp, n_pos, nwarps, scale, lane, mine, D + 2);
   } else {
     float qv[MG][ME], acc[MG][ME], m[MG], l[MG];

@@ -41,6 +41,9 @@
 #ifndef MPK_ATTN_MMA_WALK
 #define MPK_ATTN_MMA_WALK 1
 #endif
+#ifndef MPK_ATTN_MMA_WALK_INT_ROWS
+#define MPK_ATTN_MMA_WALK_INT_ROWS 1
+#endif
 #ifndef MPK_ATTN_SPLIT_MMA_WALK
 #define MPK_ATTN_SPLIT_MMA_WALK 0
 #endif
@@ -59,11 +62,13 @@ constexpr int kMmaWalkDimsPerTile = 16;  // value dims one m16n8k16 tile accumul
 template <int MG, int ME>
 constexpr bool kAttnMmaWalkFits = MG <= kMmaWalkMaxHeads && (ME == 2 || ME == 4);
 
-// Whether the walk handles the shape: an instance that fits, D == 32 * ME, G <= MG, rows and q 16-byte aligned.
+// Whether the walk handles the shape: an instance that fits, D == 32 * ME, G <= MG, rows and q 16-byte aligned,
+// and the element offset of row `end` within an int (the walk's row offsets are ints).
 template <int MG, int ME>
 __device__ __forceinline__ bool attn_mma_walk_ok(const bf16* q, const bf16* kc, const bf16* vc, int D, int G,
-                                                 int kv_ps) {
+                                                 int kv_ps, int end) {
   return kAttnMmaWalkFits<MG, ME> && D == 32 * ME && G >= 1 && G <= MG && kv_ps % kMmaWalkVec == 0 &&
+         (long long)end * kv_ps <= INT_MAX &&
          ((reinterpret_cast<uintptr_t>(q) | reinterpret_cast<uintptr_t>(kc) | reinterpret_cast<uintptr_t>(vc)) &
           15) == 0;
 }
@@ -93,7 +98,13 @@ __device__ __forceinline__ void attn_mma_walk(const bf16* q, const bf16* kc, con
     const int n = end > first ? (end - first + stride - 1) / stride : 0;  // this warp's positions
     const int last = n - 1;
     // Slots past the warp's last position re-read that position's rows (their weight is 0): no predicates.
+#if MPK_ATTN_MMA_WALK_INT_ROWS
+    // Element offsets as ints (attn_mma_walk_ok checked that they fit): 64-bit addresses for the six rows of a
+    // block cost the registers that made ptxas spill.
+    auto row = [&](const bf16* base, int k) { return base + (first + min(k, last) * stride) * kv_ps; };
+#else
     auto row = [&](const bf16* base, int k) { return base + (size_t)(first + min(k, last) * stride) * kv_ps; };
+#endif
 #pragma unroll 1
     for (int b0 = 0; b0 < n; b0 += kMmaWalkBlock) {
       const bf16* k_lo = row(kc, b0 + g) + kMmaWalkVec * t;  // score rows g and g + 8: positions b0 + g, + 8
@@ -104,6 +115,7 @@ __device__ __forceinline__ void attn_mma_walk(const bf16* q, const bf16* kc, con
         ka[c] = ld_act_v4(k_lo + c * kMmaWalkChunk);
         kb[c] = ld_act_v4(k_hi + c * kMmaWalkChunk);
       }
+#if !MPK_ATTN_MMA_WALK_INT_ROWS
       // Value rows of positions b0 + 2t, + 1, + 8, + 9 (the k slots of this lane), its dims only.
       uint4 vw[4][kVecs];
 #pragma unroll
@@ -112,6 +124,7 @@ __device__ __forceinline__ void attn_mma_walk(const bf16* q, const bf16* kc, con
 #pragma unroll
         for (int c = 0; c < kVecs; ++c) vw[r][c] = ld_act_v4(vr + kMmaWalkVec * c);
       }
+#endif
       float s[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
       for (int c = 0; c < ME; ++c) {
@@ -119,6 +132,16 @@ __device__ __forceinline__ void attn_mma_walk(const bf16* q, const bf16* kc, con
         mma_bf16_16816(s, ka[c].x, kb[c].x, ka[c].y, kb[c].y, qb.x, qb.y);
         mma_bf16_16816(s, ka[c].z, kb[c].z, ka[c].w, kb[c].w, qb.z, qb.w);
       }
+#if MPK_ATTN_MMA_WALK_INT_ROWS
+      // Value rows of positions b0 + 2t, + 1, + 8, + 9 (the k slots of this lane), its dims only.
+      uint4 vw[4][kVecs];
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const bf16* vr = row(vc, b0 + 2 * t + (r & 1) + (r >> 1) * kMmaWalkHalf) + dims0;
+#pragma unroll
+        for (int c = 0; c < kVecs; ++c) vw[r][c] = ld_act_v4(vr + kMmaWalkVec * c);
+      }
+#endif
       // s[0], s[1]: position b0 + g, heads 2t, 2t + 1; s[2], s[3]: position b0 + g + 8.
       const bool in_lo = b0 + g < n, in_hi = b0 + g + kMmaWalkHalf < n;
       const float x0 = in_lo ? s[0] * scale : -INFINITY, x1 = in_lo ? s[1] * scale : -INFINITY;

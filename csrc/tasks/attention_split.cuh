@@ -112,7 +112,7 @@ __device__ __noinline__ void attention_split_seq(const bf16* q, const bf16* kc, 
   const int warp = tid >> 5, lane = tid & 31, nwarps = nt >> 5;
   float* mine = smem + (size_t)warp * G * (D + 2);  // this warp's merge entries
   const bool unstaged = stage.end <= stage.begin;
-  if (MPK_ATTN_SPLIT_MMA_WALK && unstaged && attn_mma_walk_ok<MG, ME>(q, kc, vc, D, G, kv_ps)) {
+  if (MPK_ATTN_SPLIT_MMA_WALK && unstaged && attn_mma_walk_ok<MG, ME>(q, kc, vc, D, G, kv_ps, e)) {
     attn_mma_walk<MG, ME>(q, kc, vc, D, G, kv_ps, s0 + warp, e, nwarps, scale, lane, mine, D + 2);
   } else {
     SplitWarpState<MG, ME> st;

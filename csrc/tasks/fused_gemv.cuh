@@ -221,7 +221,7 @@ __device__ __forceinline__ void gemv_fused(const XS& xs, const bf16* __restrict_
   }
 #if MPK_LINEAR_MMA
   if constexpr (B >= 2) {
-    if (const int S = mma_slices(K, n_tile, nt)) {
+    if (const int S = mma_slices(K, n_tile, nt, reserved)) {
       gemv_mma_tile<B>(xs, w, K, n_tile, epi, S, reserved, tid, nt);
       return;
     }

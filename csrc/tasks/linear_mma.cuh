@@ -19,12 +19,13 @@
 // slice order 0, 1, ... S-1. For fixed (K, n_tile, worker threads, dynamic shared memory) the result is
 // deterministic. The output is rounded once, by the epilogue, as in the scalar path.
 //
-// Split-K: a tile of n_tile rows has ceil(n_tile / 8) warp units; when that is fewer than the worker
-// warps, K is split into S slices so ~every warp streams weights (a qwen3-8b tile of ~30 rows would
-// otherwise keep 4 of 16 warps busy). The partial accumulators (128 floats per warp) go to the top of
-// the dynamic shared memory, above `reserved` bytes the caller still uses (the fused kinds' staged
-// rows); when they do not fit, S = 1, and when that leaves most warps idle the caller takes the
-// scalar tile instead (mma_slices). Requires K % 8 == 0 and 16-byte aligned rows (host-checked).
+// Split-K: a tile of n_tile rows has ceil(n_tile / 8) warp units; K is split into S slices so that every
+// worker warp streams weights for about the same time (a qwen3-8b tile of ~30 rows would otherwise keep 4
+// of 16 warps busy; one of 192 rows, 24 units, would run 2 units on half the warps): warps take (unit,
+// slice) pairs round robin. The partial accumulators (128 floats per pair) go to the top of the dynamic
+// shared memory, above `reserved` bytes the caller still uses (the fused kinds' staged rows); when they do
+// not fit, fewer slices, and when that leaves most warps idle the caller takes the scalar tile instead
+// (mma_slices). Requires K % 8 == 0 and 16-byte aligned rows (host-checked).
 #pragma once
 #include "common.cuh"
 #include "mma_ops.cuh"
@@ -128,17 +129,40 @@ __device__ __forceinline__ uint32_t mma_partial_bytes(int units, int S) {
   return (uint32_t)(units * S) * kMmaPartialFloats * (uint32_t)sizeof(float);
 }
 
-// Split-K slices S for a tile (warp units x S <= worker warps, each slice >= one unroll of chunks), or 0
-// when the tensor-core tile would keep fewer than half the warps streaming (few rows and no room for
-// the partials): the caller runs the scalar tile then, which gives every warp a row. The partials go
-// above the operand rows the caller staged when they fit there, else over those rows once every warp has
-// read them (gemv_mma_tile waits for that: one more block barrier).
-__device__ __forceinline__ int mma_slices(int K, int n_tile, int nt) {
+// MPK_MMA_BALANCED_SLICES 1 (default): the split-K slices S give every warp the same number of (unit, slice)
+// pairs where a power of two allows it, dealt round robin (warp w takes pairs w, w + nwarps, ...). Why: with S
+// chosen so that units x S <= warps, qwen3-8b's batch-8 gate_up tiles (24 units on 16 warps, S = 1) ran 2 units
+// on half the warps and 1 on the rest, and its qkv tiles (6 units, S = 2) kept 12 of 16 warps streaming: both
+// levels at ~74% / ~55% of their weights' time (docs/PERF.md v0.27). 0: the old choice (the A/B baseline).
+#ifndef MPK_MMA_BALANCED_SLICES
+#define MPK_MMA_BALANCED_SLICES 1
+#endif
+constexpr int kMmaMaxSlices = 16;  // largest split-K tried (a power of two; slices stay >= one unroll of chunks)
+
+// Split-K slices S for a tile, or 0 when the tensor-core tile would keep fewer than half the warps streaming
+// (few rows and no room for the partials): the caller runs the scalar tile then, which gives every warp a
+// row. Balanced (above): the power of two S with the fewest chunks on the busiest warp (the smallest such S),
+// whose partials fit above the `reserved` operand bytes, or, with one pair a warp at most, anywhere below the
+// ring (gemv_mma_tile then writes them over the operand rows once every warp has read them).
+__device__ __forceinline__ int mma_slices(int K, int n_tile, int nt, uint32_t reserved) {
   const int nwarps = nt >> 5, units = (n_tile + 7) / 8, chunks = (K + 31) / 32;
-  int S = units >= nwarps ? 1 : nwarps / units;
+  const uint32_t dyn = smem_below_ring();
+  int S = 1;
+#if MPK_MMA_BALANCED_SLICES
+  int best = ((units + nwarps - 1) / nwarps) * chunks;  // S = 1: whole units, no partials
+  for (int s = 2; s <= kMmaMaxSlices && s <= nwarps && chunks / s >= MPK_LINEAR_UNROLL; s <<= 1) {
+    const uint32_t need = mma_partial_bytes(units, s) + kMmaPartialAlign;
+    if (need > dyn || (units * s > nwarps && reserved + need > dyn)) break;  // more slices need more room
+    const int cost = ((units * s + nwarps - 1) / nwarps) * ((chunks + s - 1) / s);
+    if (cost < best) best = cost, S = s;
+  }
+#else
+  (void)reserved;
+  S = units >= nwarps ? 1 : nwarps / units;
   S = max(1, min(S, chunks / MPK_LINEAR_UNROLL));
-  if (S > 1 && mma_partial_bytes(units, S) + kMmaPartialAlign > smem_below_ring()) S = 1;  // no room at all
-  return 2 * units * S >= nwarps ? S : 0;
+  if (S > 1 && mma_partial_bytes(units, S) + kMmaPartialAlign > dyn) S = 1;  // no room at all
+#endif
+  return 2 * min(units * S, nwarps) >= nwarps ? S : 0;
 }
 
 // NOTE: not inlined, as gemv_tile: one copy per batch serves the plain and the fused kinds.
@@ -160,29 +184,36 @@ __device__ __noinline__ void gemv_mma_tile(const XS xs, const bf16* __restrict__
     return;
   }
   // The partials sit at the top of the shared memory below the weight ring (all of it when the ring is off).
+  const int pairs = units * S;  // (unit, slice) pairs: pair p = unit p / S, slice p % S
   const uint32_t need = mma_partial_bytes(units, S), dyn = smem_below_ring();
   // Over the staged operand rows (silu_linear's 8 x 12288 bf16 at batch 8 leave no room above them): the
-  // rows are dead once every warp has finished its slice, so the partials wait for that.
+  // rows are dead once every warp has finished its slice, so the partials wait for that. mma_slices allows
+  // this only with one pair a warp at most, whose accumulators the warp holds until then.
   const bool over_operand = reserved + need + kMmaPartialAlign > dyn;
   extern __shared__ float4 mpk_mma_smem4[];  // the launch's dynamic shared memory (aliases the kernel's)
   float* part = reinterpret_cast<float*>(reinterpret_cast<char*>(mpk_mma_smem4) + ((dyn - need) & ~(kMmaPartialAlign - 1)));
   float d[4] = {0.f, 0.f, 0.f, 0.f};
-  const bool streams = warp < units * S;  // warp -> (unit, slice); slice s covers chunks [s*chunks/S, (s+1)*chunks/S)
-  if (streams) {
-    const int u = warp / S, s = warp % S;
+  for (int p = warp; p < pairs; p += nwarps) {  // slice s covers chunks [s*chunks/S, (s+1)*chunks/S)
+    const int u = p / S, s = p % S;
+    d[0] = d[1] = d[2] = d[3] = 0.f;
     mma_unit<B>(xs, w, K, n_tile, u * 8, s * chunks / S, (s + 1) * chunks / S, d, lane);
+    if (!over_operand)
+      *reinterpret_cast<float4*>(part + (size_t)p * kMmaPartialFloats + lane * 4) = make_float4(d[0], d[1], d[2], d[3]);
   }
-  if (over_operand) worker_barrier(nt);  // every warp is done with the operand rows the partials overwrite
-  if (streams) *reinterpret_cast<float4*>(part + (size_t)warp * kMmaPartialFloats + lane * 4) = make_float4(d[0], d[1], d[2], d[3]);
+  if (over_operand) {
+    worker_barrier(nt);  // every warp is done with the operand rows the partials overwrite
+    if (warp < pairs)
+      *reinterpret_cast<float4*>(part + (size_t)warp * kMmaPartialFloats + lane * 4) = make_float4(d[0], d[1], d[2], d[3]);
+  }
   worker_barrier(nt);  // every slice's partials are in shared memory before the sums read them
   trace_mark(kMarkMmaStreamed, tid);  // trace: every warp's slice is streamed (the partials' sums follow)
-  if (warp < units) {  // unit `warp`: its slices summed in slice order, then the epilogue
+  for (int u = warp; u < units; u += nwarps) {  // unit u: its slices summed in slice order, then the epilogue
     float r[4] = {0.f, 0.f, 0.f, 0.f};
     for (int s = 0; s < S; ++s) {
-      const float4 p = *reinterpret_cast<const float4*>(part + (size_t)(warp * S + s) * kMmaPartialFloats + lane * 4);
+      const float4 p = *reinterpret_cast<const float4*>(part + (size_t)(u * S + s) * kMmaPartialFloats + lane * 4);
       r[0] += p.x; r[1] += p.y; r[2] += p.z; r[3] += p.w;
     }
-    mma_store<B>(epi, r, warp * 8, n_tile, lane);
+    mma_store<B>(epi, r, u * 8, n_tile, lane);
   }
   worker_barrier(nt);  // the partials are read before the next task may reuse the shared memory
 }

@@ -40,10 +40,6 @@ def _pow2(n: int) -> int:
     return 1 << max(4, (int(n) - 1).bit_length())
 
 
-MMA_PARTIAL_BYTES_PER_WARP = 512
-"""Shared memory per warp for the split-K partial sums of an MMA linear tile (a 16 x 8 fp32 fragment)."""
-
-
 def kernel_shape(cg, worker_threads: int | None, schedule: str, **knobs) -> KernelShape:
     """The KernelShape a Session of program ``cg`` builds (``knobs``: the other KernelShape fields; a
     ``worker_threads`` of None takes ``tables.default_worker_threads``, a ``linear_unroll`` of None
@@ -114,10 +110,8 @@ class Session:
         self.block_threads = worker_threads + (32 if schedule == "jit" else 0)
         # Record-level: split-KV tiles stage their cache rows in shared memory when the stage fits.
         self.stage_kv = attn_stage_kv and tables.kv_stage_fits(cg, worker_threads, weight_ring=linear_tma)
-        self.smem = tables.smem_bytes(cg, worker_threads, weight_ring=linear_tma, stage_kv=self.stage_kv)
-        if shape.linear_mma:  # room for the MMA linear tiles' split-K partials (csrc/tasks/linear_mma.cuh), below the ring
-            ring = tables.WEIGHT_RING_BYTES if linear_tma else 0
-            self.smem = max(self.smem, MMA_PARTIAL_BYTES_PER_WARP * (worker_threads // 32) + 128 + ring)
+        self.smem = tables.smem_bytes(cg, worker_threads, weight_ring=linear_tma, stage_kv=self.stage_kv,
+                                      linear_mma=shape.linear_mma)
         t0 = time.perf_counter()
         self.kernel = LoadedKernel(self.build.cubin, device.index or 0, self.block_threads, self.smem,
                                    min_carveout=min_carveout)

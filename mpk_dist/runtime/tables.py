@@ -246,10 +246,34 @@ def kv_stage_fits(cg, worker_threads: int, weight_ring: bool = False) -> bool:
     return 0 < need <= HOPPER_MAX_DYNAMIC_SMEM - SMEM_RESERVE - ring
 
 
-def smem_bytes(cg, worker_threads: int, weight_ring: bool = False, stage_kv: bool = False) -> int:
+MMA_PARTIAL_BYTES = 512
+"""Shared memory of one split-K partial of an MMA linear tile (a 16 x 8 fp32 fragment: 32 lanes x 4 floats)."""
+MMA_PARTIAL_PAIRS_PER_WARP = 4
+"""(unit, slice) pairs a warp whose split-K partials the launch has room for above the largest staged operand.
+csrc/tasks/linear_mma.cuh (mma_slices) deals a tile's pairs evenly over the warps and takes fewer slices where
+the partials do not fit: qwen3-8b's batch-8 gate_up (24 units) and qkv (6 units) tiles take 3 pairs a warp, which
+the staged rows alone (64 KB at batch 8) left no room for."""
+MMA_PARTIAL_ALIGN = 128
+"""Slack for aligning the partials (csrc: 16-byte float4 stores)."""
+
+
+def mma_partial_room(cg, worker_threads: int, weight_ring: bool = False) -> int:
+    """Dynamic shared memory that gives the MMA linear tiles MMA_PARTIAL_PAIRS_PER_WARP split-K partials a warp
+    above the largest staged operand rows (the fused kinds' prologue), the weight ring after them."""
+    from mpk_dist.taskgraph.fusion import staging_bytes
+
+    ring = WEIGHT_RING_BYTES if weight_ring else 0
+    limit = HOPPER_MAX_DYNAMIC_SMEM - SMEM_RESERVE - ring
+    partials = MMA_PARTIAL_PAIRS_PER_WARP * MMA_PARTIAL_BYTES * (worker_threads // 32) + MMA_PARTIAL_ALIGN
+    return min(limit, staging_bytes(cg, limit) + partials)
+
+
+def smem_bytes(cg, worker_threads: int, weight_ring: bool = False, stage_kv: bool = False,
+               linear_mma: bool = False) -> int:
     """Dynamic shared memory per worker block: the largest need over the task bodies, plus the weight
     ring at the end when ``weight_ring`` (MPK_LINEAR_TMA; the staging budget shrinks by as much);
-    ``stage_kv``: room for the split-KV tiles' cache-row stage when it fits (``kv_stage_fits``)."""
+    ``stage_kv``: room for the split-KV tiles' cache-row stage when it fits (``kv_stage_fits``);
+    ``linear_mma``: the linear tiles run on tensor cores, room for their split-K partials (``mma_partial_room``)."""
     ring = WEIGHT_RING_BYTES if weight_ring else 0
     from mpk_dist.taskgraph.fusion import staging_bytes
     from mpk_dist.taskgraph.lowering_attention import attention_staging_bytes
@@ -269,6 +293,8 @@ def smem_bytes(cg, worker_threads: int, weight_ring: bool = False, stage_kv: boo
         from mpk_dist.taskgraph.lowering_attention import kv_stage_smem_bytes
 
         need = max(need, kv_stage_smem_bytes(cg, worker_threads))
+    if linear_mma:
+        need = max(need, mma_partial_room(cg, worker_threads, weight_ring))
     return (need + 127) // 128 * 128 + ring
 
 

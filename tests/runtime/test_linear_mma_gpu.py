@@ -3,7 +3,8 @@ summation order differs from the scalar tile's, so every check is tolerance-base
 
 - the tile alone (mpk_dist.bench.linear_alone.LinearTileKernel, one tile per block as the lowering
   tiles a linear) against torch's fp32 matmul for B in {2, 4, 8, 16} on qwen3-0.6b / qwen3-8b layer
-  shapes, with and without split-K, ragged tiles and K not a multiple of 32;
+  shapes, with and without split-K, with several (unit, slice) pairs a warp (192- and 48-row tiles),
+  ragged tiles and K not a multiple of 32;
 - qwen3-0.6b teacher-forced logits at batch 4 against torch (compare_logits), fused and unfused
   programs (every fused kind, hand-written or generated, reaches the MMA tile through fused_gemv.cuh's
   gemv_fused), and at batch 8 (fused: silu_linear's split-K partials over its dead staged rows, and
@@ -84,8 +85,13 @@ def test_mma_tile_matches_torch(batch, gpu_results):
         ref = x.float() @ w.float().T
         tiles = [(c, min(13, N - c)) for c in range(0, N, 13)] if label == "ragged" else col_tiles(N, 132)
         big = [(c, min(72, N - c)) for c in range(0, N, 72)]  # 9 units >= half of 16 warps: MMA without split
+        # 24 and 6 units (qwen3-8b batch-8 gate_up / qkv tiles): several (unit, slice) pairs a warp
+        wide = [(c, min(192, N - c)) for c in range(0, N, 192)]
+        narrow = [(c, min(48, N - c)) for c in range(0, N, 48)]
         outs = {"mma": run_tile(kernel(batch, True), x, w, tiles, dt),
                 "mma unsplit": run_tile(kernel(batch, True), x, w, big, dt, smem=0),
+                "mma 192-row": run_tile(kernel(batch, True), x, w, wide, dt),
+                "mma 48-row": run_tile(kernel(batch, True), x, w, narrow, dt),
                 "scalar": run_tile(kernel(batch, False), x, w, tiles, dt)}
         for variant, y in outs.items():
             assert torch.isfinite(y).all(), f"{label} b{batch} {variant}: unwritten or non-finite outputs"

@@ -53,6 +53,26 @@ def test_smem_covers_attention_merge(cg):
     assert tables.smem_bytes(cg, 256) % 128 == 0
 
 
+def test_smem_has_room_for_the_mma_partials_above_the_staged_rows():
+    """Tensor-core linears get MMA_PARTIAL_PAIRS_PER_WARP split-K partials a warp above the largest staged
+    operand rows (a norm_linear tile's normalised x), so linear_mma.cuh can deal several (unit, slice) pairs
+    to each warp; without tensor cores the launch is as before."""
+    from mpk_dist.taskgraph.fusion import staging_bytes
+
+    cg8 = compile_rank_programs(get_preset("tiny"), tp=1, batch=8, sms=8, max_seq_len=32,
+                                fuse=frozenset({"norm", "residual"}))[0]
+    limit = tables.HOPPER_MAX_DYNAMIC_SMEM - tables.SMEM_RESERVE
+    staged = staging_bytes(cg8, limit)
+    assert staged >= 8 * get_preset("tiny").hidden_size * 2  # the fused kinds stage B x K bf16
+    for threads in (256, 512):
+        partials = tables.MMA_PARTIAL_PAIRS_PER_WARP * tables.MMA_PARTIAL_BYTES * (threads // 32)
+        plain, mma = tables.smem_bytes(cg8, threads), tables.smem_bytes(cg8, threads, linear_mma=True)
+        assert mma >= staged + partials and mma % 128 == 0
+        assert plain < staged + partials  # the partials need the extra room: without it they overlap the rows
+        ring = tables.smem_bytes(cg8, threads, weight_ring=True, linear_mma=True)
+        assert ring == mma + tables.WEIGHT_RING_BYTES  # the ring stays after the partials
+
+
 def test_param_struct_layout_matches_the_cuda_rules():
     """Pointers and u64 fields are 8-aligned; the struct has no implicit tail padding surprises."""
     for name, ct in params.PARAM_FIELDS:
