@@ -122,6 +122,9 @@ __device__ __forceinline__ bool epi_is_pair(const EpiT&) { return false; }
 __device__ __forceinline__ long long epi_pair_jump(const Epi& e) { return e.pair_jump; }
 template <class EpiT>
 __device__ __forceinline__ long long epi_pair_jump(const EpiT&) { return 0; }
+__device__ __forceinline__ const void* epi_out(const Epi& e) { return e.y; }  // kEpiPair: the sums in shared memory
+template <class EpiT>
+__device__ __forceinline__ const void* epi_out(const EpiT&) { return nullptr; }
 
 // Phase marks of the batch-1 GEMV tile (trace_marks.cuh; the same slots as linear_mma.cuh's): the weight loop
 // starts (a fused kind's prologue is done and its operand rows staged), and thread 0's warp has summed its rows
@@ -215,20 +218,24 @@ __device__ __forceinline__ void gemv_pair(const XS&, const bf16* __restrict__, i
 template <int B, class XS, class EpiT>
 __device__ __forceinline__ void gemv_fused(const XS& xs, const bf16* __restrict__ w, int K, int n_tile, const EpiT& epi,
                                            uint32_t reserved, int tid, int nt) {
-  if (epi_is_pair(epi)) {
-    gemv_pair<B>(xs, w, K, n_tile, epi, tid, nt);
-    return;
-  }
+  const bool pair = epi_is_pair(epi);
 #if MPK_LINEAR_MMA
   if constexpr (B >= 2) {
+    // A pair tile's sums sit in shared memory after the staged rows: the split-K partials go above them.
+    if (pair) reserved = max(reserved, dyn_smem_offset(epi_out(epi)) + (uint32_t)(B * n_tile * sizeof(bf16)));
     if (const int S = mma_slices(K, n_tile, nt, reserved)) {
-      gemv_mma_tile<B>(xs, w, K, n_tile, epi, S, reserved, tid, nt);
+      gemv_mma_tile<B>(xs, w, K, n_tile, epi, S, reserved, MmaRowsAt{pair ? n_tile / 2 : n_tile, epi_pair_jump(epi)},
+                       tid, nt);
       return;
     }
   }
 #else
   (void)reserved;
 #endif
+  if (pair) {
+    gemv_pair<B>(xs, w, K, n_tile, epi, tid, nt);
+    return;
+  }
   gemv_tile<B, kFuseRows>(xs, w, K, n_tile, epi, tid, nt);
 }
 

@@ -157,7 +157,8 @@ __device__ void linear(int B, const bf16* x, int ldx, const bf16* w, OutT* y, in
 #if MPK_LINEAR_MMA && MPK_BATCH >= 2
   // Nothing else lives in the dynamic shared memory during a plain linear: reserved = 0.
   if (const int S = mma_slices(K, n_tile, nt, 0u)) {
-    gemv_mma_tile<MPK_BATCH>(MmaRows{x, ldx}, w, K, n_tile, MmaStore<OutT>{y, ldy, round_out_bf16}, S, 0u, tid, nt);
+    gemv_mma_tile<MPK_BATCH>(MmaRows{x, ldx}, w, K, n_tile, MmaStore<OutT>{y, ldy, round_out_bf16}, S, 0u,
+                             MmaRowsAt{n_tile, 0}, tid, nt);
     return;
   }
 #endif

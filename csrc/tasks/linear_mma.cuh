@@ -66,16 +66,26 @@ struct MmaStore {
 #define MPK_MMA_X_AHEAD 1
 #endif
 
+// Where a tile's weight rows are: rows [0, half) from w, rows [half, n_tile) from w + jump (the gate and up
+// halves of a kEpiPair tile, fused_gemv.cuh; half = n_tile for every other tile).
+struct MmaRowsAt {
+  int half;
+  long long jump;
+  __device__ __forceinline__ const bf16* row(const bf16* w, int r, int K) const {
+    return r < half ? w + (size_t)r * K : w + jump + (size_t)(r - half) * K;
+  }
+};
+
 // One warp's share: weight rows n0..n0+7 (lane row g), k over chunks [c0, c1) of 32, into d[4]
 // (d[0], d[1]: batch g, rows 2q, 2q+1; d[2], d[3]: batch g + 8, same rows).
 template <int B, class XS>
-__device__ __forceinline__ void mma_unit(const XS& xs, const bf16* __restrict__ w, int K, int n_tile, int n0, int c0,
-                                         int c1, float (&d)[4], int lane) {
+__device__ __forceinline__ void mma_unit(const XS& xs, const bf16* __restrict__ w, const MmaRowsAt& at, int K,
+                                         int n_tile, int n0, int c0, int c1, float (&d)[4], int lane) {
   constexpr int U = MPK_LINEAR_UNROLL;
   constexpr bool kXAhead = MPK_MMA_X_AHEAD != 0;
   const int g = lane >> 2, q = lane & 3;
   const bool row_ok = n0 + g < n_tile;
-  const bf16* wr = w + (size_t)(n0 + g) * K;
+  const bf16* wr = at.row(w, n0 + g, K);
   const int k_end = min(K, c1 * 32);
   const uint4 zero = make_uint4(0, 0, 0, 0);
   for (int cb = c0; cb < c1; cb += U) {
@@ -122,6 +132,12 @@ __device__ __forceinline__ void mma_store(const EpiT& epi, const float (&d)[4], 
 constexpr int kMarkMmaStart = 0;
 constexpr int kMarkMmaStreamed = 1;
 
+// Offset of shared-memory address p from the start of the launch's dynamic shared memory.
+__device__ __forceinline__ uint32_t dyn_smem_offset(const void* p) {
+  extern __shared__ float4 mpk_mma_smem4[];  // the launch's dynamic shared memory (aliases the kernel's)
+  return (uint32_t)(__cvta_generic_to_shared(p) - __cvta_generic_to_shared(mpk_mma_smem4));
+}
+
 // Bytes of the split-K partials of `units` warp units in S slices (one m16n8 fp32 accumulator tile per warp).
 constexpr uint32_t kMmaPartialFloats = 128;  // 32 lanes x d[4]
 constexpr uint32_t kMmaPartialAlign = 16;    // float4 stores
@@ -167,10 +183,11 @@ __device__ __forceinline__ int mma_slices(int K, int n_tile, int nt, uint32_t re
 
 // NOTE: not inlined, as gemv_tile: one copy per batch serves the plain and the fused kinds.
 // S: mma_slices(...) > 0 (the caller decided this tile runs here); reserved: bytes at the start of the dynamic
-// shared memory the operand XS reads (its staged rows; 0 when x comes from global memory).
+// shared memory the operand XS reads and the epilogue writes (its staged rows, a pair tile's sums; 0 when x
+// comes from global memory and the epilogue stores to it); at: where the weight rows are (MmaRowsAt).
 template <int B, class XS, class EpiT>
 __device__ __noinline__ void gemv_mma_tile(const XS xs, const bf16* __restrict__ w, int K, int n_tile, const EpiT epi,
-                                           int S, uint32_t reserved, int tid, int nt) {
+                                           int S, uint32_t reserved, MmaRowsAt at, int tid, int nt) {
   static_assert(B >= 1 && B <= 16, "gemv_mma_tile: batch 1..16");
   const int warp = tid >> 5, lane = tid & 31, nwarps = nt >> 5;
   const int units = (n_tile + 7) / 8, chunks = (K + 31) / 32;
@@ -178,7 +195,7 @@ __device__ __noinline__ void gemv_mma_tile(const XS xs, const bf16* __restrict__
   if (S == 1) {
     for (int u = warp; u < units; u += nwarps) {
       float d[4] = {0.f, 0.f, 0.f, 0.f};
-      mma_unit<B>(xs, w, K, n_tile, u * 8, 0, chunks, d, lane);
+      mma_unit<B>(xs, w, at, K, n_tile, u * 8, 0, chunks, d, lane);
       mma_store<B>(epi, d, u * 8, n_tile, lane);
     }
     return;
@@ -196,7 +213,7 @@ __device__ __noinline__ void gemv_mma_tile(const XS xs, const bf16* __restrict__
   for (int p = warp; p < pairs; p += nwarps) {  // slice s covers chunks [s*chunks/S, (s+1)*chunks/S)
     const int u = p / S, s = p % S;
     d[0] = d[1] = d[2] = d[3] = 0.f;
-    mma_unit<B>(xs, w, K, n_tile, u * 8, s * chunks / S, (s + 1) * chunks / S, d, lane);
+    mma_unit<B>(xs, w, at, K, n_tile, u * 8, s * chunks / S, (s + 1) * chunks / S, d, lane);
     if (!over_operand)
       *reinterpret_cast<float4*>(part + (size_t)p * kMmaPartialFloats + lane * 4) = make_float4(d[0], d[1], d[2], d[3]);
   }

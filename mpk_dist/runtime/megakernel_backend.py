@@ -428,25 +428,14 @@ its own level)."""
 def fusions_for_batch(fuse: frozenset, batch: int, environ=None) -> frozenset:
     """The fusions of a program of ``batch`` rows: ``fuse`` without 'silu' above SILU_FUSE_MAX_BATCH, unless
     MPK_FUSE_SILU=1 asks for it at every batch; without 'silu_epi' above SILU_EPI_MAX_BATCH unless
-    MPK_FUSE_SILU_EPI=1, and never when the program's linear tiles run on tensor cores (its gate|up halves run
-    on the scalar tile only: csrc/tasks/fused_gemv.cuh gemv_pair)."""
+    MPK_FUSE_SILU_EPI=1 (its gate|up tiles run on tensor cores too where the program's linears do:
+    csrc/tasks/fused_gemv.cuh gemv_fused)."""
     out = set(fuse)
     if "silu" in out and batch > SILU_FUSE_MAX_BATCH and _fusion_switch("MPK_FUSE_SILU", environ) != "1":
         out.discard("silu")
     if "silu_epi" in out and batch > SILU_EPI_MAX_BATCH and _fusion_switch("MPK_FUSE_SILU_EPI", environ) != "1":
         out.discard("silu_epi")
-    if "silu_epi" in out and _linear_mma_for_batch(batch, environ):
-        out.discard("silu_epi")
     return frozenset(out)
-
-
-def _linear_mma_for_batch(batch: int, environ=None) -> bool:
-    """Whether a program of ``batch`` rows runs its linear tiles on tensor cores under MPK_LINEAR_MMA as
-    ``environ`` (default os.environ) sets it: ``tables.linear_mma_for_rows`` of the kernel's rows."""
-    from mpk_dist.runtime.tables import ROW_BLOCK, linear_mma_for_rows
-
-    knob = (os.environ if environ is None else environ).get("MPK_LINEAR_MMA", "")
-    return linear_mma_for_rows(min(batch, ROW_BLOCK), None if knob == "" else knob == "1")
 
 
 def superopt_from_env(superopt=None) -> bool:

@@ -97,20 +97,11 @@ tensor-core tile is ahead on every matrix (b4: qkv 18.73 vs 24.81, gate_up 57.86
 391.95), at batch 2 behind on lm_head (353.06 vs 289.68); the batch-8 issue-6 figures are with it (v0.12-v0.14)."""
 
 
-def linear_mma_for_rows(rows: int, forced: bool | None = None) -> bool:
-    """Whether linear tiles of ``rows`` rows (``kernel_batch``) run on tensor cores. ``forced`` is MPK_LINEAR_MMA:
-    None (unset) from MMA_MIN_BATCH rows on; True from 2 rows (a 1-row kernel has no tensor-core tile:
-    csrc/tasks/linear.cuh compiles it for MPK_BATCH >= 2 only); False never. The one statement of the rule: the
-    session's kernel shape and the fusion choice made before a program exists (megakernel_backend) both ask it."""
-    if forced is None:
-        return rows >= MMA_MIN_BATCH
-    return bool(forced) and rows >= 2
-
-
 def default_linear_mma(cg) -> bool:
     """Whether program ``cg``'s linear tiles run on tensor cores when MPK_LINEAR_MMA is unset: from
-    MMA_MIN_BATCH rows a tile on."""
-    return linear_mma_for_rows(kernel_batch(cg))
+    MMA_MIN_BATCH rows a tile on (MPK_LINEAR_MMA=1 asks for them from 2 rows: csrc/tasks/linear.cuh compiles the
+    tensor-core tile for MPK_BATCH >= 2 only)."""
+    return kernel_batch(cg) >= MMA_MIN_BATCH
 
 
 def padded_batch(batch: int) -> int:

@@ -111,7 +111,7 @@ def test_pair_align_matches_the_python_side():
 def test_silu_epilogue_switch_and_its_batches(fake_gpu, monkeypatch):
     """'silu_epi' is in the backend's default (MPK_FUSE_SILU_EPI=0 takes it out): a batch-1 program's gate|up tiles
     write the activation (norm_linear_silu, no silu_linear); above SILU_EPI_MAX_BATCH rows only MPK_FUSE_SILU_EPI=1
-    keeps it, and never where the linears run on tensor cores."""
+    keeps it, on scalar and tensor-core linear tiles alike."""
     from mpk_dist.model_source import open_model
     from mpk_dist.runtime.megakernel_backend import SILU_EPI_MAX_BATCH, fusions_for_batch
     from mpk_dist.runtime.tables import MMA_MIN_BATCH
@@ -128,9 +128,11 @@ def test_silu_epilogue_switch_and_its_batches(fake_gpu, monkeypatch):
     assert "norm_linear_silu" in kinds and "silu_linear" not in kinds and "silu_mul" not in kinds
     assert "silu_epi" not in fusions_for_batch(b.fuse, SILU_EPI_MAX_BATCH + 1, {})  # measured slower at 2 and 3
     assert "silu_epi" in fusions_for_batch(b.fuse, SILU_EPI_MAX_BATCH + 1, {"MPK_FUSE_SILU_EPI": "1"})
-    assert "silu_epi" not in fusions_for_batch(b.fuse, MMA_MIN_BATCH, {"MPK_FUSE_SILU_EPI": "1"})
+    # tensor-core programs take it when asked (their gate|up pair tiles run on the MMA tile), as scalar ones do
+    assert "silu_epi" not in fusions_for_batch(b.fuse, MMA_MIN_BATCH, {})
+    assert "silu_epi" in fusions_for_batch(b.fuse, MMA_MIN_BATCH, {"MPK_FUSE_SILU_EPI": "1"})
     assert "silu_epi" in fusions_for_batch(b.fuse, MMA_MIN_BATCH, {"MPK_LINEAR_MMA": "0", "MPK_FUSE_SILU_EPI": "1"})
-    assert "silu_epi" not in fusions_for_batch(b.fuse, 2, {"MPK_LINEAR_MMA": "1", "MPK_FUSE_SILU_EPI": "1"})
+    assert "silu_epi" in fusions_for_batch(b.fuse, 2, {"MPK_LINEAR_MMA": "1", "MPK_FUSE_SILU_EPI": "1"})
 
 
 def test_kernel_leaves_out_the_silu_kind_its_program_does_not_run():

@@ -7,8 +7,8 @@ summation order differs from the scalar tile's, so every check is tolerance-base
   ragged tiles and K not a multiple of 32;
 - qwen3-0.6b teacher-forced logits at batch 4 against torch (compare_logits), fused and unfused
   programs (every fused kind, hand-written or generated, reaches the MMA tile through fused_gemv.cuh's
-  gemv_fused), and at batch 8 (fused: silu_linear's split-K partials over its dead staged rows, and
-  split-KV attention with one sequence per tile, lowering_attention.split_tiles);
+  gemv_fused), and at batch 8 (fused, and fused with silu_mul as the gate|up epilogue: the pair tiles'
+  halves and their sums in shared memory below the split-K partials);
 - greedy tokens at batch 4 and 8 equal to torch's for 32 steps.
 
     python3 -m pytest -q -m gpu tests/runtime/test_linear_mma_gpu.py
@@ -103,8 +103,10 @@ def test_mma_tile_matches_torch(batch, gpu_results):
     assert differs, "the MMA kernel gave the scalar tile's bits on every shape: is the MMA path taken?"
 
 
-def mk(fuse: bool):
-    """qwen3-0.6b mega-kernel with MPK_LINEAR_MMA=1 (cached; the env is read at construction)."""
+def mk(fuse):
+    """qwen3-0.6b mega-kernel with MPK_LINEAR_MMA=1 (cached; the env is read at construction). ``fuse``: True,
+    False, or "epi" (fused, and its programs keep silu_mul as the gate|up epilogue: the pair tiles on tensor
+    cores; the caller sets MPK_FUSE_SILU_EPI=1 while the programs are made)."""
     from mpk_dist.runtime.megakernel_backend import MegakernelBackend
 
     if fuse not in _BACKENDS:
@@ -112,20 +114,25 @@ def mk(fuse: bool):
         mp = pytest.MonkeyPatch()
         mp.setenv("MPK_LINEAR_MMA", "1")
         try:
-            _BACKENDS[fuse] = MegakernelBackend(m.config, m.weights, device="cuda", max_seq_len=MAX_SEQ, fuse=fuse)
+            _BACKENDS[fuse] = MegakernelBackend(m.config, m.weights, device="cuda", max_seq_len=MAX_SEQ,
+                                                fuse=bool(fuse))
         finally:
             mp.undo()
     return _BACKENDS[fuse]
 
 
-@pytest.mark.parametrize("batch,fuse", [(4, True), (4, False), (8, True)])
-def test_teacher_forced_logits(batch, fuse, gpu_results):
+@pytest.mark.parametrize("batch,fuse", [(4, True), (4, False), (8, True), (8, "epi")])
+def test_teacher_forced_logits(batch, fuse, gpu_results, monkeypatch):
     """128 teacher-forced steps: logits within 3% of their std of torch's, argmax >= 99%."""
     vocab = model("qwen3-0.6b").config.vocab_size
     req = GenerateRequest([rand_ids(4, vocab, 2)] * batch, 129, force_tokens=rand_ids(128, vocab, 3), want_logits=True)
+    if fuse == "epi":
+        monkeypatch.setenv("MPK_FUSE_SILU_EPI", "1")
     b = mk(fuse)
     got = b.generate(req)
     assert "#define MPK_LINEAR_MMA 1" in b.session(batch).source, "the kernel that ran is not the MMA variant"
+    kinds = {o["kind"] for o in b.group(batch).sessions[0].cg.meta["ops"]}
+    assert ("norm_linear_silu" in kinds) == (fuse == "epi"), sorted(kinds)  # the pair tiles ran, or did not
     want = ref("qwen3-0.6b").generate(req)
     err, agree = compare_logits(got.logits, want.logits)
     gpu_results.append({"case": f"mma forced qwen3-0.6b b{batch} fuse={fuse}", "steps": got.logits.shape[0],

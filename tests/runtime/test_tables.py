@@ -152,21 +152,3 @@ def test_default_linear_mma_from_batch_4(batch, want):
         assert kernel_shape(cg, wt, "aot", **tuning).linear_mma == mma, env
 
 
-@pytest.mark.parametrize("batch", [1, 2, 3, 4, 8, 32])
-@pytest.mark.parametrize("knob", ["", "0", "1"])
-def test_fusion_choice_and_kernel_agree_on_tensor_cores(batch, knob):
-    """The fusion choice made before a program exists (megakernel_backend._linear_mma_for_batch, which keeps the
-    scalar-only silu epilogue off tensor-core programs) says what the session's kernel then runs: its shape's
-    linear_mma on a kernel of 2 rows or more (the 1-row kernel has no tensor-core tile)."""
-    from mpk_dist.models.presets import get_preset
-    from mpk_dist.runtime.megakernel_backend import _linear_mma_for_batch, tuning_from_env
-    from mpk_dist.runtime.session import kernel_shape
-    from mpk_dist.runtime.tables import kernel_batch, padded_batch
-    from mpk_dist.taskgraph.compiler import compile_rank_programs
-
-    env = {"MPK_LINEAR_MMA": knob} if knob else {}
-    cg = compile_rank_programs(get_preset("tiny"), tp=1, batch=padded_batch(batch), ranks=[0])[0]
-    tuning = tuning_from_env(512, env)
-    wt = tuning.pop("worker_threads")
-    runs_mma = kernel_shape(cg, wt, "aot", **tuning).linear_mma and kernel_batch(cg) >= 2
-    assert _linear_mma_for_batch(batch, env) == runs_mma
