@@ -71,7 +71,13 @@ __device__ __forceinline__ void stage_row(bf16* st, int K, const Row& row, int t
 #define MPK_STAGE_ROWS_TOGETHER 1
 #endif
 constexpr int kStageVectors = 8;  // staged 16-byte vectors a thread loads before it stores the first
-constexpr int kSumLoads = 32;     // row elements a thread loads before it sums the first (rows_sum_sq)
+// MPK_STAGE_SUM_LOADS: row elements a thread loads before it sums the first (rows_sum_sq). 32 (default): a
+// qwen3-8b batch-8 tile (8 rows of 4096, 512 threads) takes two round trips to L2; 64: one (the A/B of the
+// prologue's 5.5 us in docs/PERF.md v0.28). Same values, same order: the same bits.
+#ifndef MPK_STAGE_SUM_LOADS
+#define MPK_STAGE_SUM_LOADS 32
+#endif
+constexpr int kSumLoads = MPK_STAGE_SUM_LOADS;
 
 // ss[b] = sum_k x_b[k]^2 for rows b < kB (row(b): row b's fp32 pointer) on every worker thread. Per row the
 // per-thread fmaf order of row_sum_sq (k = tid, tid + nt, ...), then its warp_sum and block_sum's warp order,
