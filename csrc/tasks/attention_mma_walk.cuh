@@ -32,8 +32,11 @@
 // it, argmax 100%. The split tiles of batch 1 (2-3 positions a warp: one block mostly empty) gain nothing:
 // qwen3-0.6b 1.100 / 1.096 ms vs 1.091 / 1.090 (forced logits with it 0.0198 at b1, 0.0185 at b4), so
 // MPK_ATTN_SPLIT_MMA_WALK stays off.
-// Registers: at 512 threads the D = 128 instances use all 128 and ptxas spills ~100 B (loop invariants refilled
-// each block; tests/runtime/test_attn_prep_build.py bounds it); the numbers above are with that spill.
+// Registers: at 512 threads the walk fits 128 without spills (tests/runtime/test_attn_prep_build.py checks it) with
+// its row offsets as ints and its value loads after the score mmas (MPK_ATTN_MMA_WALK_INT_ROWS, default 1). With
+// 64-bit row addresses and the value loads first (=0) the D = 128 instances spilled ~100 B (loop invariants
+// refilled each block) and the kernel entry's frame grew 592 -> 608 B; the numbers above are with that spill.
+// Without it (docs/PERF.md v0.28, one process): qwen3-8b batch 8 5.735 / 5.738 ms vs 5.823 / 5.832, same tokens.
 #pragma once
 #include "common.cuh"
 #include "mma_ops.cuh"
@@ -100,7 +103,7 @@ __device__ __forceinline__ void attn_mma_walk(const bf16* q, const bf16* kc, con
     // Slots past the warp's last position re-read that position's rows (their weight is 0): no predicates.
 #if MPK_ATTN_MMA_WALK_INT_ROWS
     // Element offsets as ints (attn_mma_walk_ok checked that they fit): 64-bit addresses for the six rows of a
-    // block cost the registers that made ptxas spill.
+    // block cost the registers that made ptxas spill (see "Registers" above).
     auto row = [&](const bf16* base, int k) { return base + (first + min(k, last) * stride) * kv_ps; };
 #else
     auto row = [&](const bf16* base, int k) { return base + (size_t)(first + min(k, last) * stride) * kv_ps; };

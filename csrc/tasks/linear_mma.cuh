@@ -150,6 +150,8 @@ __device__ __forceinline__ uint32_t mma_partial_bytes(int units, int S) {
 // chosen so that units x S <= warps, qwen3-8b's batch-8 gate_up tiles (24 units on 16 warps, S = 1) ran 2 units
 // on half the warps and 1 on the rest, and its qkv tiles (6 units, S = 2) kept 12 of 16 warps streaming: both
 // levels at ~74% / ~55% of their weights' time (docs/PERF.md v0.27). 0: the old choice (the A/B baseline).
+// Measured (docs/PERF.md v0.28, one process): qwen3-8b batch 8 5.735 / 5.738 ms vs 5.811 / 5.822 with 0; the gate_up
+// level 65 -> 60.5-62.2 us, its stream (mark 0 to mark 1) ~46 us for 201 MB.
 #ifndef MPK_MMA_BALANCED_SLICES
 #define MPK_MMA_BALANCED_SLICES 1
 #endif

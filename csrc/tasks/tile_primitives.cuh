@@ -72,8 +72,9 @@ __device__ __forceinline__ void stage_row(bf16* st, int K, const Row& row, int t
 #endif
 constexpr int kStageVectors = 8;  // staged 16-byte vectors a thread loads before it stores the first
 // MPK_STAGE_SUM_LOADS: row elements a thread loads before it sums the first (rows_sum_sq). 32 (default): a
-// qwen3-8b batch-8 tile (8 rows of 4096, 512 threads) takes two round trips to L2; 64: one (the A/B of the
-// prologue's 5.5 us in docs/PERF.md v0.28). Same values, same order: the same bits.
+// qwen3-8b batch-8 tile (8 rows of 4096, 512 threads) takes two round trips to L2, 64 one. Same values, same
+// order: the same bits. Measured (docs/PERF.md v0.28, one process): qwen3-8b batch 8 5.857 / 5.858 ms with 64 vs
+// 5.863 / 5.866: the prologue's ~5 us (trace mark 0) is not these loads, so 32 stays.
 #ifndef MPK_STAGE_SUM_LOADS
 #define MPK_STAGE_SUM_LOADS 32
 #endif

@@ -94,7 +94,7 @@ class MegakernelBackend(StepBackend):
     ``inject_hang_task`` / ``inject_hang_rank`` (that task never signals, on that rank or all),
     ``fuse`` (fused linears: True, False or names incl. the opt-in 'attn_prep'; MPK_FUSE_ATTN_PREP=1 adds
     'attn_prep'), ``attn_splits`` (split-KV attention: N or 'auto', the default: ~132 SMs / kv heads ranges
-    of >= 64 positions, unsplit above 4 sequences (lowering_attention.AUTO_SPLIT_MAX_BATCH); 1 = one
+    of >= 64 positions, unsplit above 3 sequences (lowering_attention.AUTO_SPLIT_MAX_BATCH); 1 = one
     attention tile per kv head),
     ``superopt`` (fused linears run superoptimizer-generated bodies; default on, --no-superopt or
     MPK_SUPEROPT=0 for off).
@@ -422,7 +422,7 @@ SILU_EPI_MAX_BATCH = 1
 unless MPK_FUSE_SILU_EPI=1 asks for it. Measured on an H200 (docs/PERF.md v0.20, qwen3-8b, context ~512, ms, one
 process each): batch 1 4.837 / 4.834 with it vs 4.908 / 4.906 (and every other batch-1 model faster), but batch 2
 6.618 / 6.627 vs 6.384 / 6.365 (silu in the down tiles' prologue) and batch 3 7.688 / 7.671 vs 7.525 / 7.517 (silu
-its own level)."""
+its own level); batch 8 with the pair tiles on tensor cores (v0.28, one process) 5.781 / 5.774 vs 5.735 / 5.738."""
 
 
 def fusions_for_batch(fuse: frozenset, batch: int, environ=None) -> frozenset:

@@ -6,8 +6,8 @@ One ``attention`` op becomes two task-ops: ``<op>/split`` with one tile per (kv 
 attention_merge), connected through an fp32 scratch buffer ``<op>.partial`` [Hkv, B, SPLITS, GROUP,
 D + 2] whose 2-D view has one row per (h, b), so split tile (h, i) writes one rectangle (rows of h,
 the columns of range i) and merge tile (h, b) reads one row: the merge of head h waits only for
-head h's splits. Above AUTO_SPLIT_MAX_BATCH sequences ('auto' does not split there; an explicit count
-does) a split tile takes one sequence: one tile per (h, b, i) (``split_tiles``). See docs/TASKGRAPH.md,
+head h's splits ('auto' splits up to AUTO_SPLIT_MAX_BATCH sequences). Above SPLIT_TILE_MAX_SEQS sequences
+(an explicit count) a split tile takes one sequence: one tile per (h, b, i) (``split_tiles``). See docs/TASKGRAPH.md,
 "Split-KV attention".
 """
 
@@ -33,14 +33,18 @@ MIN_SPLIT_POSITIONS_B1 = 32
 one process): 12 or 16 ranges per kv head instead of 64-position ranges (9) gave qwen3-8b 4.984 / 4.987 vs
 5.010 / 5.016 ms, qwen3-0.6b 1.251 / 1.252 vs 1.270 / 1.263, qwen3-1.7b 1.782 (12) vs 1.797 / 1.795: the walk
 shortens and the tiles (up to sms // kv_heads per head) still fit the workers."""
-AUTO_SPLIT_MAX_BATCH = 4
-"""'auto' splits only programs of at most this many sequences, and up to this many a split tile walks its
-range for every sequence; above it, an explicit split count gives each split tile one sequence
-(``split_tiles``). Measured on an H200 at context ~512, qwen3-8b batch 8 with MMA linears: all 8 sequences
-in each split tile 11.04 ms vs 9.71 unsplit (2026-11-30, v0.7: a tile walks its range once per sequence,
-with two block barriers and a shared-memory merge each time); one sequence per tile, 2 ranges (128 tiles)
-7.568 ms vs 7.374 unsplit (v0.12: the walk of 18 positions a warp is 17 us of the tile's 30, and the split
-tiles' prep and merge cost what the halved walk saves). Batches 2-4 are not measured."""
+SPLIT_TILE_MAX_SEQS = 4
+"""Up to this many sequences a split tile walks its range for every sequence; above it each split tile takes one
+sequence (``split_tiles``). Measured on an H200 at context ~512, qwen3-8b batch 8 with MMA linears: all 8
+sequences in each split tile 11.04 ms vs 9.71 unsplit (2026-11-30, v0.7: a tile walks its range once per
+sequence, with two block barriers and a shared-memory merge each time); one sequence per tile, 2 ranges (128
+tiles) 7.568 ms vs 7.374 unsplit (v0.12)."""
+AUTO_SPLIT_MAX_BATCH = 3
+"""'auto' splits only programs of at most this many sequences. Since the unsplit tiles walk on tensor cores
+(csrc/tasks/attention_mma_walk.cuh; the split tiles keep the scalar walk) batch 4 runs faster unsplit: qwen3-8b
+batch 4, context ~512, one process, 5.706 / 5.696 ms unsplit vs 7.084 / 7.085 split (docs/PERF.md v0.28; batch 8:
+unsplit since v0.7). Batches 2 and 3 are not measured with the tensor-core walk and still split; batch 1 splits
+(measured against the scalar unsplit walk, v0.27)."""
 
 
 def check_attn_splits(attn_splits) -> int | str:
@@ -82,8 +86,8 @@ def split_ranges(max_seq_len: int, splits: int) -> list[tuple[int, int]]:
 
 
 def seq_tiles(batch: int) -> bool:
-    """Whether each split tile takes one sequence (above AUTO_SPLIT_MAX_BATCH sequences) instead of all."""
-    return batch > AUTO_SPLIT_MAX_BATCH
+    """Whether each split tile takes one sequence (above SPLIT_TILE_MAX_SEQS sequences) instead of all."""
+    return batch > SPLIT_TILE_MAX_SEQS
 
 
 class SplitTile(NamedTuple):

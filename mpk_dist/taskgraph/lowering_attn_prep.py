@@ -39,7 +39,7 @@ def lower_attn_prep(lw: Lowerer, f: FusedAttention, attn_splits=1, merge_last: b
 
 def _lower_fused_split(lw: Lowerer, f: FusedAttention, splits: int, merge_last: bool) -> None:
     """qkv_prep folded into the split tiles: tile (j, i) norms and ropes the q heads of group j itself
-    (every range of head j, for its sequences: all B, or one above AUTO_SPLIT_MAX_BATCH), appends k/v of
+    (every range of head j, for its sequences: all B, or one above SPLIT_TILE_MAX_SEQS), appends k/v of
     head j where range i holds the position, and writes attention_split's partial; then the unchanged
     merge op (or the merge in the last tile)."""
     from mpk_dist.taskgraph.lowering_attention import (finish_split, merge_last_args, merge_ticket, partial_footprint,

@@ -16,6 +16,7 @@ pytestmark = pytest.mark.gpu
 
 from mpk_dist.backends.base import GenerateRequest  # noqa: E402
 from mpk_dist.runtime.megakernel_backend import MegakernelBackend  # noqa: E402
+from mpk_dist.taskgraph.lowering_attention import AUTO_SPLIT_MAX_BATCH  # noqa: E402
 from mpk_dist.runtime.testing import MAX_SEQ, compare_logits, median, model, rand_ids, ref  # noqa: E402
 from mpk_dist.taskgraph.fusion import FUSIONS  # noqa: E402
 
@@ -33,13 +34,23 @@ def _plain_env(monkeypatch):
     monkeypatch.delenv("MPK_FUSE_ATTN_MERGE", raising=False)
 
 
-def mk(extra: tuple[str, ...]) -> MegakernelBackend:
-    """qwen3-0.6b on one GPU, split-KV attention ('auto'), the default fused linears plus ``extra`` (cached)."""
-    if extra not in _CACHE:
+SPLITS_B4 = 5
+"""Ranges per kv head at batch 4: what 'auto' gave it at MAX_SEQ before v0.28 ('auto' leaves 4 sequences unsplit
+now: lowering_attention.AUTO_SPLIT_MAX_BATCH)."""
+
+
+def splits_for(batch: int):
+    """The split count of the tests' batch-``batch`` programs: 'auto' where it splits, else SPLITS_B4."""
+    return "auto" if batch <= AUTO_SPLIT_MAX_BATCH else SPLITS_B4
+
+
+def mk(extra: tuple[str, ...], splits="auto") -> MegakernelBackend:
+    """qwen3-0.6b on one GPU, split-KV attention (``splits``), the default fused linears plus ``extra`` (cached)."""
+    if (extra, splits) not in _CACHE:
         m = model(NAME)
-        _CACHE[extra] = MegakernelBackend(m.config, m.weights, device="cuda", max_seq_len=MAX_SEQ,
-                                          fuse=sorted(FUSIONS) + list(extra), attn_splits="auto")
-    return _CACHE[extra]
+        _CACHE[extra, splits] = MegakernelBackend(m.config, m.weights, device="cuda", max_seq_len=MAX_SEQ,
+                                                  fuse=sorted(FUSIONS) + list(extra), attn_splits=splits)
+    return _CACHE[extra, splits]
 
 
 def requests(batch: int) -> tuple[GenerateRequest, GenerateRequest]:
@@ -54,7 +65,7 @@ def requests(batch: int) -> tuple[GenerateRequest, GenerateRequest]:
 def test_merge_in_last_tile_equals_merge_tiles(batch, prep, gpu_results):
     assert PROMPT + STEPS < MAX_SEQ
     base = ("attn_prep",) if prep else ()
-    on, off = mk(base + ("attn_merge",)), mk(base)
+    on, off = mk(base + ("attn_merge",), splits_for(batch)), mk(base, splits_for(batch))
     kinds = {o["kind"] for o in on.session(batch).cg.meta["ops"]}
     assert "attention_merge" not in kinds and "attention_merge" in {o["kind"] for o in off.session(batch).cg.meta["ops"]}
     assert any(b["kind"] == "ticket" for b in on.session(batch).cg.meta["buffers"])

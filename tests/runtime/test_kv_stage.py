@@ -17,14 +17,18 @@ from mpk_dist.runtime.build import CSRC
 from mpk_dist.taskgraph.abi import ARG_COLS, TASK_COLS
 from mpk_dist.taskgraph.compiler import compile_rank_programs
 from mpk_dist.taskgraph.fusion import FUSIONS, OPT_IN_FUSIONS
-from mpk_dist.taskgraph.lowering_attention import KV_STAGE_KINDS, kv_stage_smem_bytes
+from mpk_dist.taskgraph.lowering_attention import AUTO_SPLIT_MAX_BATCH, KV_STAGE_KINDS, kv_stage_smem_bytes
 from mpk_dist.taskgraph.tasks import BY_NAME
 
 THREADS = 512
 BACKEND_FUSE = [*FUSIONS, *OPT_IN_FUSIONS]  # the megakernel backend's default: split tiles run the prep and merge
 
 
-def _program(batch: int = 1, fuse=BACKEND_FUSE, max_seq_len: int = 256, attn_splits="auto"):
+def _program(batch: int = 1, fuse=BACKEND_FUSE, max_seq_len: int = 256, attn_splits=None):
+    """qwen3-0.6b's split program; ``attn_splits`` None: 'auto', or at batch 4 (which 'auto' leaves unsplit since
+    v0.28) the 4 ranges it gave there before."""
+    if attn_splits is None:
+        attn_splits = "auto" if batch <= AUTO_SPLIT_MAX_BATCH else 4
     return compile_rank_programs(get_preset("qwen3-0.6b"), tp=1, batch=batch, sms=132, max_seq_len=max_seq_len,
                                  fuse=fuse, attn_splits=attn_splits)[0]
 

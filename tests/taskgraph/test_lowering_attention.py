@@ -49,18 +49,19 @@ def test_attn_splits_1_keeps_the_program_identical():
 def test_auto_fills_the_sms_with_ranges_of_at_least_32_positions_at_batch_1_else_64():
     assert resolve_splits("auto", 132, 8, 512) == 16  # batch 1: 132 // 8 (512 / 32 = 16 too)
     assert resolve_splits("auto", 132, 8, 288) == 9  # batch 1: 288 / 32
-    assert resolve_splits("auto", 132, 8, 512, batch=2) == 8  # 2..4 sequences: 512 / 64
+    assert resolve_splits("auto", 132, 8, 512, batch=2) == 8  # 2..3 sequences: 512 / 64
     assert resolve_splits("auto", 132, 8, 4096) == 16  # 132 // 8
     assert resolve_splits("auto", 132, 1, 40960) == 132
     assert resolve_splits("auto", 8, 2, 64) == 2  # batch 1: 64 / 32
     assert resolve_splits("auto", 8, 2, 32) == 1  # too short to split: the unsplit program
     assert resolve_splits("auto", 8, 2, 64, batch=2) == 1
-    assert resolve_splits("auto", 132, 8, 512, batch=4) == 8
+    assert resolve_splits("auto", 132, 8, 512, batch=3) == 8
+    assert resolve_splits("auto", 132, 8, 512, batch=4) == 1  # above AUTO_SPLIT_MAX_BATCH (tensor-core walk)
     assert resolve_splits("auto", 132, 8, 512, batch=8) == 1  # above AUTO_SPLIT_MAX_BATCH: unsplit
     assert resolve_splits(4, 132, 8, 512, batch=8) == 4  # an explicit count is kept at any batch
     kinds = {b: [o["kind"] for o in compile_rank_programs(fp32("tiny"), 1, batch=b, sms=132, max_seq_len=256,
-                                                          attn_splits="auto")[0].meta["ops"]] for b in (4, 8)}
-    assert "attention_split" in kinds[4] and "attention_split" not in kinds[8]
+                                                          attn_splits="auto")[0].meta["ops"]] for b in (3, 4, 8)}
+    assert "attention_split" in kinds[3] and "attention_split" not in kinds[4] and "attention_split" not in kinds[8]
     assert split_ranges(64, 5) == [(0, 13), (13, 26), (26, 39), (39, 52), (52, 64)]
     assert split_ranges(9, 4) == [(0, 3), (3, 6), (6, 9)]  # never an empty trailing range
     cfg = fp32("tiny")

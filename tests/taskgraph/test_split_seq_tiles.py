@@ -1,4 +1,4 @@
-"""Split-KV attention above AUTO_SPLIT_MAX_BATCH sequences (mpk_dist.taskgraph.lowering_attention.split_tiles):
+"""Split-KV attention above SPLIT_TILE_MAX_SEQS sequences (mpk_dist.taskgraph.lowering_attention.split_tiles):
 each split tile takes one sequence, so a batch-6 program with an explicit split count has kv heads x 6 x
 ranges split tiles of BATCH 1 ('auto' does not split there); the merge of (kv head, sequence) waits on that pair's
 ranges only; the program computes what the torch backend does (fp32, random schedules, unfused, merged in
@@ -15,12 +15,12 @@ from mpk_dist.taskgraph import fusion
 from mpk_dist.runtime.tables import task_params
 from mpk_dist.taskgraph.abi import SIGNAL_COLS, TASK_COLS, WAIT_COLS
 from mpk_dist.taskgraph.interpreter import Interpreter
-from mpk_dist.taskgraph.lowering_attention import AUTO_SPLIT_MAX_BATCH, resolve_splits
+from mpk_dist.taskgraph.lowering_attention import AUTO_SPLIT_MAX_BATCH, SPLIT_TILE_MAX_SEQS, resolve_splits
 from mpk_dist.taskgraph.testing import fp32, max_rel_err, preset_or_short, programs, reference, weights
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-B = AUTO_SPLIT_MAX_BATCH + 2  # 6 sequences: one split tile per (kv head, sequence, range)
+B = SPLIT_TILE_MAX_SEQS + 2  # 6 sequences: one split tile per (kv head, sequence, range)
 SPLITS = 3  # MAX_SEQ 64 -> ranges of 22 positions
 DEFAULT = sorted(fusion.FUSIONS)
 MERGE = DEFAULT + ["attn_merge"]
@@ -35,6 +35,7 @@ def _op_tasks(cg, name: str) -> np.ndarray:
 
 
 def test_auto_leaves_them_unsplit_and_an_explicit_count_splits():
+    assert B > AUTO_SPLIT_MAX_BATCH  # 'auto' splits fewer sequences than a split tile may hold
     assert resolve_splits("auto", 132, 8, 576, batch=B) == 1
     assert resolve_splits(SPLITS, 132, 8, 576, batch=B) == SPLITS
     kinds = [o["kind"] for o in programs(fp32("tiny"), 1, batch=B, attn_splits="auto")[0].meta["ops"]]
