@@ -642,6 +642,13 @@ __device__ __noinline__ void attention_prefetch(const TaskView& t, bool bulk, in
 #ifndef MPK_PREFETCH_ONE_SITE
 #define MPK_PREFETCH_ONE_SITE 1
 #endif
+// MPK_PREFETCH_NORM_W 1: the norm_linear kinds also put their norm weights (K bf16) in L2 before the wait. Why
+// try it: at batch 8 their weight stream starts ~5 us after the inputs are ready (docs/PERF.md v0.28, trace mark 0)
+// and one L2 round trip fewer for the statistic changed nothing, so the norm weights' first read (every tile of
+// the level at once, from HBM under the previous level's stream) is the candidate. Not yet measured: 0.
+#ifndef MPK_PREFETCH_NORM_W
+#define MPK_PREFETCH_NORM_W 0
+#endif
 __device__ void prefetch_task(const RuntimeParams& p, const int32_t* rec, int planned, int tid, int nt) {
   const TaskView t(p, rec);
   const bool bulk = (rec[REC_FLAGS] & REC_FLAG_BULK_PREFETCH) != 0;
@@ -650,10 +657,12 @@ __device__ void prefetch_task(const RuntimeParams& p, const int32_t* rec, int pl
   const bf16* w = nullptr;  // the weight block of a linear kind (its first when it has two)
   int K = 0, n_tile = 0;
   long long second = 0;  // elements from the first block to the second (norm_linear_silu's up rows), 0: one block
+  const bf16* norm_w = nullptr;  // the norm_linear kinds' norm weights (MPK_PREFETCH_NORM_W)
   if (op == OP_LINEAR) {
     w = t.arg<const bf16>(LINEAR_ARG_W), K = t.param(LINEAR_PARAM_K), n_tile = t.param(LINEAR_PARAM_N_TILE);
   } else if (op == OP_NORM_LINEAR) {  // fused linears: the weight block is independent of the waits too
     w = t.arg<const bf16>(NORM_LINEAR_ARG_W), K = t.param(NORM_LINEAR_PARAM_K), n_tile = t.param(NORM_LINEAR_PARAM_N_TILE);
+    norm_w = t.arg<const bf16>(NORM_LINEAR_ARG_NORM_W);
   } else if (op == OP_LINEAR_RESIDUAL) {
     w = t.arg<const bf16>(LINEAR_RESIDUAL_ARG_W), K = t.param(LINEAR_RESIDUAL_PARAM_K);
     n_tile = t.param(LINEAR_RESIDUAL_PARAM_N_TILE);
@@ -663,7 +672,9 @@ __device__ void prefetch_task(const RuntimeParams& p, const int32_t* rec, int pl
     w = t.arg<const bf16>(NORM_LINEAR_SILU_ARG_W), K = t.param(NORM_LINEAR_SILU_PARAM_K);
     n_tile = t.param(NORM_LINEAR_SILU_PARAM_N_TILE);
     second = (long long)t.param(NORM_LINEAR_SILU_PARAM_UP_ROWS) * K;
+    norm_w = t.arg<const bf16>(NORM_LINEAR_SILU_ARG_NORM_W);
   }
+  if (MPK_PREFETCH_NORM_W && norm_w != nullptr) prefetch_l2(norm_w, (uint64_t)K * sizeof(bf16), tid, nt);
   if (w != nullptr) {
     linear_blocks_prefetch(w, K, n_tile, second, planned, bulk, tid, nt);
     return;
