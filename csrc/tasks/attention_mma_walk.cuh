@@ -108,6 +108,17 @@ __device__ __forceinline__ void attn_mma_walk(const bf16* q, const bf16* kc, con
 #else
     auto row = [&](const bf16* base, int k) { return base + (size_t)(first + min(k, last) * stride) * kv_ps; };
 #endif
+    // Value rows of positions b0 + 2t, + 1, + 8, + 9 (the k slots of this lane), its dims only. Loaded after the
+    // score mmas (with the int row offsets, MPK_ATTN_MMA_WALK_INT_ROWS), so the key rows' registers are free.
+    constexpr bool kValuesAfterScores = MPK_ATTN_MMA_WALK_INT_ROWS != 0;
+    auto load_values = [&](uint4 (&vw)[4][kVecs], int b0) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const bf16* vr = row(vc, b0 + 2 * t + (r & 1) + (r >> 1) * kMmaWalkHalf) + dims0;
+#pragma unroll
+        for (int c = 0; c < kVecs; ++c) vw[r][c] = ld_act_v4(vr + kMmaWalkVec * c);
+      }
+    };
 #pragma unroll 1
     for (int b0 = 0; b0 < n; b0 += kMmaWalkBlock) {
       const bf16* k_lo = row(kc, b0 + g) + kMmaWalkVec * t;  // score rows g and g + 8: positions b0 + g, + 8
@@ -118,16 +129,8 @@ __device__ __forceinline__ void attn_mma_walk(const bf16* q, const bf16* kc, con
         ka[c] = ld_act_v4(k_lo + c * kMmaWalkChunk);
         kb[c] = ld_act_v4(k_hi + c * kMmaWalkChunk);
       }
-#if !MPK_ATTN_MMA_WALK_INT_ROWS
-      // Value rows of positions b0 + 2t, + 1, + 8, + 9 (the k slots of this lane), its dims only.
       uint4 vw[4][kVecs];
-#pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        const bf16* vr = row(vc, b0 + 2 * t + (r & 1) + (r >> 1) * kMmaWalkHalf) + dims0;
-#pragma unroll
-        for (int c = 0; c < kVecs; ++c) vw[r][c] = ld_act_v4(vr + kMmaWalkVec * c);
-      }
-#endif
+      if constexpr (!kValuesAfterScores) load_values(vw, b0);
       float s[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
       for (int c = 0; c < ME; ++c) {
@@ -135,16 +138,7 @@ __device__ __forceinline__ void attn_mma_walk(const bf16* q, const bf16* kc, con
         mma_bf16_16816(s, ka[c].x, kb[c].x, ka[c].y, kb[c].y, qb.x, qb.y);
         mma_bf16_16816(s, ka[c].z, kb[c].z, ka[c].w, kb[c].w, qb.z, qb.w);
       }
-#if MPK_ATTN_MMA_WALK_INT_ROWS
-      // Value rows of positions b0 + 2t, + 1, + 8, + 9 (the k slots of this lane), its dims only.
-      uint4 vw[4][kVecs];
-#pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        const bf16* vr = row(vc, b0 + 2 * t + (r & 1) + (r >> 1) * kMmaWalkHalf) + dims0;
-#pragma unroll
-        for (int c = 0; c < kVecs; ++c) vw[r][c] = ld_act_v4(vr + kMmaWalkVec * c);
-      }
-#endif
+      if constexpr (kValuesAfterScores) load_values(vw, b0);
       // s[0], s[1]: position b0 + g, heads 2t, 2t + 1; s[2], s[3]: position b0 + g + 8.
       const bool in_lo = b0 + g < n, in_hi = b0 + g + kMmaWalkHalf < n;
       const float x0 = in_lo ? s[0] * scale : -INFINITY, x1 = in_lo ? s[1] * scale : -INFINITY;
