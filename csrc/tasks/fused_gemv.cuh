@@ -221,9 +221,10 @@ __device__ __forceinline__ void gemv_fused(const XS& xs, const bf16* __restrict_
   const bool pair = epi_is_pair(epi);
 #if MPK_LINEAR_MMA
   if constexpr (B >= 2) {
-    // A pair tile's sums sit in shared memory after the staged rows: the split-K partials go above them.
+    // A pair tile's sums sit in shared memory after the staged rows: the split-K partials go above them, never
+    // over them (the epilogue writes the sums while other warps still read partials).
     if (pair) reserved = max(reserved, dyn_smem_offset(epi_out(epi)) + (uint32_t)(B * n_tile * sizeof(bf16)));
-    if (const int S = mma_slices(K, n_tile, nt, reserved)) {
+    if (const int S = mma_slices(K, n_tile, nt, reserved, !pair)) {
       gemv_mma_tile<B>(xs, w, K, n_tile, epi, S, reserved, MmaRowsAt{pair ? n_tile / 2 : n_tile, epi_pair_jump(epi)},
                        tid, nt);
       return;

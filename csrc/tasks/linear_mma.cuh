@@ -160,9 +160,10 @@ constexpr int kMmaMaxSlices = 16;  // largest split-K tried (a power of two; sli
 // Split-K slices S for a tile, or 0 when the tensor-core tile would keep fewer than half the warps streaming
 // (few rows and no room for the partials): the caller runs the scalar tile then, which gives every warp a
 // row. Balanced (above): the power of two S with the fewest chunks on the busiest warp (the smallest such S),
-// whose partials fit above the `reserved` operand bytes, or, with one pair a warp at most, anywhere below the
-// ring (gemv_mma_tile then writes them over the operand rows once every warp has read them).
-__device__ __forceinline__ int mma_slices(int K, int n_tile, int nt, uint32_t reserved) {
+// whose partials fit above the `reserved` operand bytes, or, with one pair a warp at most and `over_ok`,
+// anywhere below the ring (gemv_mma_tile then writes them over the operand rows once every warp has read them;
+// not where the epilogue writes into the reserved bytes: a pair tile's sums).
+__device__ __forceinline__ int mma_slices(int K, int n_tile, int nt, uint32_t reserved, bool over_ok = true) {
   const int nwarps = nt >> 5, units = (n_tile + 7) / 8, chunks = (K + 31) / 32;
   const uint32_t dyn = smem_below_ring();
   int S = 1;
@@ -170,15 +171,15 @@ __device__ __forceinline__ int mma_slices(int K, int n_tile, int nt, uint32_t re
   int best = ((units + nwarps - 1) / nwarps) * chunks;  // S = 1: whole units, no partials
   for (int s = 2; s <= kMmaMaxSlices && s <= nwarps && chunks / s >= MPK_LINEAR_UNROLL; s <<= 1) {
     const uint32_t need = mma_partial_bytes(units, s) + kMmaPartialAlign;
-    if (need > dyn || (units * s > nwarps && reserved + need > dyn)) break;  // more slices need more room
+    if (need > dyn || ((units * s > nwarps || !over_ok) && reserved + need > dyn)) break;  // more slices: more room
     const int cost = ((units * s + nwarps - 1) / nwarps) * ((chunks + s - 1) / s);
     if (cost < best) best = cost, S = s;
   }
 #else
-  (void)reserved;
   S = units >= nwarps ? 1 : nwarps / units;
   S = max(1, min(S, chunks / MPK_LINEAR_UNROLL));
-  if (S > 1 && mma_partial_bytes(units, S) + kMmaPartialAlign > dyn) S = 1;  // no room at all
+  const uint32_t need = mma_partial_bytes(units, S) + kMmaPartialAlign;
+  if (S > 1 && (need > dyn || (!over_ok && reserved + need > dyn))) S = 1;  // no room
 #endif
   return 2 * min(units * S, nwarps) >= nwarps ? S : 0;
 }
