@@ -11,10 +11,12 @@ import pytest
 from mpk_dist.errors import InputError
 from mpk_dist.model_source import open_model
 from mpk_dist.runtime import prebuild as PB
+from mpk_dist.taskgraph.lowering_attention import AUTO_SPLIT_MAX_BATCH
 
 
 @pytest.mark.parametrize("batch, schedule, tp, env, splits", [(1, "aot", 1, {}, "auto"), (1, "aot", 1, {}, 1),
-                                                              (4, "jit", 1, {"MPK_LINEAR_UNROLL": "4"}, "auto"),
+                                                              (3, "jit", 1, {"MPK_LINEAR_UNROLL": "4"}, "auto"),
+                                                              (4, "aot", 1, {}, "auto"),
                                                               (20, "aot", 2, {"MPK_LINEAR_MMA": "1"}, "auto")])
 def test_prebuild_shape_is_the_sessions(fake_gpu, monkeypatch, batch, schedule, tp, env, splits):
     from mpk_dist.runtime import kernel as K
@@ -40,7 +42,8 @@ def test_prebuild_shape_is_the_sessions(fake_gpu, monkeypatch, batch, schedule, 
     PB.build_one(PB.BuildCase("tiny", tp=tp, batch=batch, schedule=schedule, attn_splits=splits))
     assert seen["prebuild"][0] == seen["session"][0]
     assert seen["prebuild"][1] == seen["session"][1], "the same fused kinds (so the same generated bodies)"
-    assert ("attention_split_prep" if splits == "auto" and batch <= 4 else "attention_prep") in seen["session"][1]
+    split = splits == "auto" and batch <= AUTO_SPLIT_MAX_BATCH
+    assert ("attention_split_prep" if split else "attention_prep") in seen["session"][1]
 
 
 def test_cases_and_bad_jobs():
