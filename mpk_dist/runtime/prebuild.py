@@ -55,7 +55,7 @@ def build_one(case: BuildCase) -> tuple[str, bool, float]:
     t0 = time.perf_counter()
     cfg = get_preset(case.model)
     # A run's program at the compiler's default 132 SMs and max_seq_len 512 (an H200 and the CLI's default);
-    # 'auto' splits there at batch <= 4, as the backend does.
+    # 'auto' splits there up to lowering_attention.AUTO_SPLIT_MAX_BATCH sequences, as the backend does.
     batch = padded_batch(case.batch)
     cg = compile_rank_programs(cfg, tp=case.tp, batch=batch, ranks=[0], fuse=fusions_for_batch(fusions_from_env(), batch),
                                attn_splits=case.attn_splits)[0]
