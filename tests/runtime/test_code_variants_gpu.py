@@ -33,8 +33,8 @@ the arithmetic, so the logits must equal the default build's bit for bit and sta
   (another program and kernel: fusion 'silu_epi' off), batch 1 (the epilogue is the default there) and 2 (asked for
   with MPK_FUSE_SILU_EPI=1).
 
-qwen3-0.6b (default fusions, split-KV attention), 200-token prompt, batch 1 and 4 (batch 4 on tensor cores, the
-default from 4 rows a tile; the MMA variants: batch 8).
+qwen3-0.6b (default fusions and attention splits: split-KV at batch 1, unsplit at batch 4 since v0.28), 200-token
+prompt, batch 1 and 4 (batch 4 on tensor cores, the default from 4 rows a tile; the MMA variants: batch 8).
 Run: ``python -m pytest -q -m gpu tests/runtime/test_code_variants_gpu.py`` (about a minute on an H200 with the
 kernels prebuilt).
 """

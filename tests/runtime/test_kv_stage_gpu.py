@@ -16,6 +16,7 @@ import torch
 pytestmark = pytest.mark.gpu
 
 from mpk_dist.runtime.testing import check_bitwise, forced_request, megakernel_with_env  # noqa: E402
+from mpk_dist.taskgraph.lowering_attention import AUTO_SPLIT_MAX_BATCH  # noqa: E402
 
 torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
 NAME = "qwen3-0.6b"
@@ -23,10 +24,13 @@ PROMPT = 200
 STEPS = 48
 
 
-def mk(stage: int, attn_prep: int):
+def mk(stage: int, attn_prep: int, batch: int):
     """The qwen3-0.6b mega-kernel (default fusions and split-KV attention) with MPK_ATTN_STAGE_KV=stage and
-    MPK_FUSE_ATTN_PREP=attn_prep."""
-    return megakernel_with_env(NAME, {"MPK_ATTN_STAGE_KV": str(stage), "MPK_FUSE_ATTN_PREP": str(attn_prep)})
+    MPK_FUSE_ATTN_PREP=attn_prep; at batch 4, which 'auto' leaves unsplit since v0.28, the 5 ranges it gave there
+    before."""
+    splits = "auto" if batch <= AUTO_SPLIT_MAX_BATCH else 5
+    return megakernel_with_env(NAME, {"MPK_ATTN_STAGE_KV": str(stage), "MPK_FUSE_ATTN_PREP": str(attn_prep)},
+                               attn_splits=splits)
 
 
 @pytest.mark.parametrize("attn_prep", [1, 0])
@@ -36,7 +40,7 @@ def test_stage_leaves_the_logits_bitwise(batch, attn_prep, gpu_results):
     from mpk_dist.taskgraph.abi import TASK_COLS
     from mpk_dist.taskgraph.tasks import BY_NAME
 
-    on, off = mk(1, attn_prep), mk(0, attn_prep)
+    on, off = mk(1, attn_prep, batch), mk(0, attn_prep, batch)
     s_on, s_off = on.session(batch), off.session(batch)
     kind = BY_NAME["attention_split_prep" if attn_prep else "attention_split"]
     ops = s_on.cg.arrays["tasks"][:, TASK_COLS["OPCODE"]]
