@@ -77,8 +77,8 @@ def test_auto_program_is_split(monkeypatch):
 # The per-warp path runs only where the launch's shared memory can be withheld below the staged need:
 # at tiny-llama b16 and qwen3-0.6b b4 the fused linears' staged input rows already need more (5376 >= 2304,
 # 24832 >= 16640 bytes on the H200), so those run the staged path only. The per-warp batch-4 case runs scalar
-# linear tiles: tensor-core tiles (the default from MMA_MIN_BATCH rows) size the launch for their split-K partials,
-# above the staged need (tiny b4: 8320 >= 4352 bytes on the H200).
+# linear tiles: tensor-core tiles (the default from MMA_MIN_BATCH rows) size the launch for their split-K partials
+# above the staged rows (tables.mma_partial_room), above the split tiles' staged need.
 CASES = [("tiny", 1, "aot", False, "auto"), ("tiny", 1, "aot", True, "auto"), ("tiny", 4, "jit", False, 5),
          ("tiny", 4, "jit", True, 5), ("tiny-llama", 16, "aot", True, 3), ("qwen3-0.6b", 1, "aot", False, "auto"),
          ("qwen3-0.6b", 1, "aot", True, "auto"), ("qwen3-0.6b", 4, "jit", True, 5), ("tiny", 8, "jit", True, 4),
