@@ -213,17 +213,18 @@ __device__ __noinline__ void gemv_mma_tile(const XS xs, const bf16* __restrict__
   extern __shared__ float4 mpk_mma_smem4[];  // the launch's dynamic shared memory (aliases the kernel's)
   float* part = reinterpret_cast<float*>(reinterpret_cast<char*>(mpk_mma_smem4) + ((dyn - need) & ~(kMmaPartialAlign - 1)));
   float d[4] = {0.f, 0.f, 0.f, 0.f};
+  auto store_partial = [&](int p) {
+    *reinterpret_cast<float4*>(part + (size_t)p * kMmaPartialFloats + lane * 4) = make_float4(d[0], d[1], d[2], d[3]);
+  };
   for (int p = warp; p < pairs; p += nwarps) {  // slice s covers chunks [s*chunks/S, (s+1)*chunks/S)
     const int u = p / S, s = p % S;
     d[0] = d[1] = d[2] = d[3] = 0.f;
     mma_unit<B>(xs, w, at, K, n_tile, u * 8, s * chunks / S, (s + 1) * chunks / S, d, lane);
-    if (!over_operand)
-      *reinterpret_cast<float4*>(part + (size_t)p * kMmaPartialFloats + lane * 4) = make_float4(d[0], d[1], d[2], d[3]);
+    if (!over_operand) store_partial(p);
   }
   if (over_operand) {
     worker_barrier(nt);  // every warp is done with the operand rows the partials overwrite
-    if (warp < pairs)
-      *reinterpret_cast<float4*>(part + (size_t)warp * kMmaPartialFloats + lane * 4) = make_float4(d[0], d[1], d[2], d[3]);
+    if (warp < pairs) store_partial(warp);  // its one pair (mma_slices)
   }
   worker_barrier(nt);  // every slice's partials are in shared memory before the sums read them
   trace_mark(kMarkMmaStreamed, tid);  // trace: every warp's slice is streamed (the partials' sums follow)
