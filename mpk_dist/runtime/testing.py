@@ -43,6 +43,17 @@ def median(xs) -> float:
 
 # KV-cache length of every GPU test model: >= 256 teacher-forced steps plus a short prompt.
 MAX_SEQ = 320
+SPLITS_ABOVE_AUTO = 5
+"""KV ranges per kv head for a split test program above lowering_attention.AUTO_SPLIT_MAX_BATCH sequences: what
+'auto' gave batch 4 at MAX_SEQ before v0.28 (320 // MIN_SPLIT_POSITIONS, under 132 SMs // 8 kv heads)."""
+
+
+def split_attn_splits(batch: int):
+    """attn_splits that keep a GPU test's batch-``batch`` program split: 'auto' up to AUTO_SPLIT_MAX_BATCH
+    sequences, SPLITS_ABOVE_AUTO ranges above ('auto' leaves those unsplit)."""
+    from mpk_dist.taskgraph.lowering_attention import AUTO_SPLIT_MAX_BATCH
+
+    return "auto" if batch <= AUTO_SPLIT_MAX_BATCH else SPLITS_ABOVE_AUTO
 # Shared by all GPU test modules of one pytest process, so a preset's weights are made once.
 _MODELS: dict = {}
 _REFS: dict = {}

@@ -16,8 +16,8 @@ pytestmark = pytest.mark.gpu
 
 from mpk_dist.backends.base import GenerateRequest  # noqa: E402
 from mpk_dist.runtime.megakernel_backend import MegakernelBackend  # noqa: E402
-from mpk_dist.taskgraph.lowering_attention import AUTO_SPLIT_MAX_BATCH  # noqa: E402
-from mpk_dist.runtime.testing import MAX_SEQ, compare_logits, median, model, rand_ids, ref  # noqa: E402
+from mpk_dist.runtime.testing import (MAX_SEQ, compare_logits, median, model, rand_ids, ref,  # noqa: E402
+                                      split_attn_splits)
 from mpk_dist.taskgraph.fusion import FUSIONS  # noqa: E402
 
 torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
@@ -32,16 +32,6 @@ def _plain_env(monkeypatch):
     """The backends below name their fusions; the environment's opt-ins must not add to them."""
     monkeypatch.delenv("MPK_FUSE_ATTN_PREP", raising=False)
     monkeypatch.delenv("MPK_FUSE_ATTN_MERGE", raising=False)
-
-
-SPLITS_B4 = 5
-"""Ranges per kv head at batch 4: what 'auto' gave it at MAX_SEQ before v0.28 ('auto' leaves 4 sequences unsplit
-now: lowering_attention.AUTO_SPLIT_MAX_BATCH)."""
-
-
-def splits_for(batch: int):
-    """The split count of the tests' batch-``batch`` programs: 'auto' where it splits, else SPLITS_B4."""
-    return "auto" if batch <= AUTO_SPLIT_MAX_BATCH else SPLITS_B4
 
 
 def mk(extra: tuple[str, ...], splits="auto") -> MegakernelBackend:
@@ -65,7 +55,7 @@ def requests(batch: int) -> tuple[GenerateRequest, GenerateRequest]:
 def test_merge_in_last_tile_equals_merge_tiles(batch, prep, gpu_results):
     assert PROMPT + STEPS < MAX_SEQ
     base = ("attn_prep",) if prep else ()
-    on, off = mk(base + ("attn_merge",), splits_for(batch)), mk(base, splits_for(batch))
+    on, off = mk(base + ("attn_merge",), split_attn_splits(batch)), mk(base, split_attn_splits(batch))
     kinds = {o["kind"] for o in on.session(batch).cg.meta["ops"]}
     assert "attention_merge" not in kinds and "attention_merge" in {o["kind"] for o in off.session(batch).cg.meta["ops"]}
     assert any(b["kind"] == "ticket" for b in on.session(batch).cg.meta["buffers"])

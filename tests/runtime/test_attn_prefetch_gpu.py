@@ -15,9 +15,8 @@ import torch
 
 pytestmark = pytest.mark.gpu
 
-from mpk_dist.runtime.testing import check_bitwise, forced_request, megakernel_with_env  # noqa: E402
+from mpk_dist.runtime.testing import check_bitwise, forced_request, megakernel_with_env, split_attn_splits  # noqa: E402
 from mpk_dist.taskgraph.fusion import FUSIONS  # noqa: E402
-from mpk_dist.taskgraph.lowering_attention import AUTO_SPLIT_MAX_BATCH  # noqa: E402
 
 torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
 NAME = "qwen3-0.6b"
@@ -35,12 +34,6 @@ def mk(prefetch: int, splits, bulk: int = 0, ahead: int = 0):
                                       "MPK_PREFETCH_AHEAD": str(ahead)}, fuse=sorted(FUSIONS), attn_splits=splits)
 
 
-def split_arg(splits, batch: int):
-    """``splits`` for a batch-``batch`` program: 'auto' leaves 4 sequences unsplit since v0.28, so batch 4 takes the 5
-    ranges it gave there before (the split case stays split)."""
-    return 5 if splits == "auto" and batch > AUTO_SPLIT_MAX_BATCH else splits
-
-
 def request(batch: int, seed: int):
     """Teacher-forced: PROMPT-token prompts (one per sequence), then STEPS forced tokens, with logits."""
     return forced_request(NAME, PROMPT, STEPS, batch, seed)
@@ -49,7 +42,7 @@ def request(batch: int, seed: int):
 @pytest.mark.parametrize("splits", [1, "auto"])
 @pytest.mark.parametrize("batch", [1, 4])
 def test_prefetch_leaves_the_logits_bitwise(batch, splits, gpu_results):
-    splits = split_arg(splits, batch)
+    splits = split_attn_splits(batch) if splits == "auto" else splits
     assert "#define MPK_ATTN_PREFETCH 0" in mk(0, splits).session(batch).source, "the variant did not run"
     check_bitwise(f"attn prefetch on/off, splits {splits}, {NAME} b{batch} prompt {PROMPT}", NAME, mk(1, splits),
                   mk(0, splits), request(batch, 60), gpu_results)
@@ -62,7 +55,7 @@ def test_bulk_and_ahead_prefetch_leave_the_logits_bitwise(batch, splits, gpu_res
     the line prefetches issued at each task's own turn: the same logits, bit for bit."""
     from mpk_dist.runtime.task_records import FLAG_BULK_PREFETCH, REC_FLAGS, REC_PREFETCH_NEXT
 
-    splits = split_arg(splits, batch)
+    splits = split_attn_splits(batch) if splits == "auto" else splits
     on, off = mk(1, splits, bulk=1, ahead=1), mk(1, splits)
     rec = on.session(batch).records.cpu().numpy()
     assert (rec[:, REC_FLAGS] & FLAG_BULK_PREFETCH).all() and (rec[:, REC_PREFETCH_NEXT] > 0).any(), \

@@ -26,9 +26,9 @@ pytestmark = pytest.mark.gpu
 
 from mpk_dist.backends.base import GenerateRequest  # noqa: E402
 from mpk_dist.runtime.megakernel_backend import MegakernelBackend  # noqa: E402
-from mpk_dist.runtime.testing import MAX_SEQ, compare_logits, median, model, rand_ids, ref  # noqa: E402
+from mpk_dist.runtime.testing import (MAX_SEQ, compare_logits, median, model, rand_ids, ref,  # noqa: E402
+                                      split_attn_splits)
 from mpk_dist.taskgraph.fusion import FUSIONS  # noqa: E402
-from mpk_dist.taskgraph.lowering_attention import AUTO_SPLIT_MAX_BATCH  # noqa: E402
 
 torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
 
@@ -130,8 +130,7 @@ def test_fused_split_program_is_what_runs():
 def test_fused_split_equals_unfused_split_kernel(batch, gpu_results):
     """Teacher-forced logits bit for bit over 64 steps against the unfused split program, greedy tokens
     equal, and within tolerance of torch; ms/token of both."""
-    # batch 4: the 5 ranges 'auto' gave it at MAX_SEQ before v0.28 (it leaves 4 sequences unsplit now)
-    k = "auto" if batch <= AUTO_SPLIT_MAX_BATCH else 5
+    k = split_attn_splits(batch)  # batch 4: ranges as 'auto' gave them before v0.28 (it leaves 4 sequences unsplit)
     assert "attention_split_prep" in {o["kind"] for o in mk(ON, splits=k).session(batch).cg.meta["ops"]}
     on, off = mk(ON, splits=k).generate(forced(batch)), mk(OFF, splits=k).generate(forced(batch))
     same = bool(torch.equal(on.logits, off.logits))

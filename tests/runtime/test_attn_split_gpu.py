@@ -20,7 +20,8 @@ pytestmark = pytest.mark.gpu
 from mpk_dist.backends.base import GenerateRequest  # noqa: E402
 from mpk_dist.runtime.megakernel_backend import MegakernelBackend  # noqa: E402
 from mpk_dist.taskgraph import lowering_attention  # noqa: E402
-from mpk_dist.runtime.testing import MAX_SEQ, compare_logits, median, model, rand_ids, ref  # noqa: E402
+from mpk_dist.runtime.testing import (MAX_SEQ, SPLITS_ABOVE_AUTO, compare_logits, median, model, rand_ids,  # noqa: E402
+                                      ref)
 from mpk_dist.runtime.tables import MMA_MIN_BATCH, task_params  # noqa: E402
 from mpk_dist.taskgraph.abi import TASK_COLS  # noqa: E402
 from mpk_dist.taskgraph.fusion import FUSIONS  # noqa: E402
@@ -79,13 +80,13 @@ def test_auto_program_is_split(monkeypatch):
 # 24832 >= 16640 bytes on the H200), so those run the staged path only. The per-warp batch-4 case runs scalar
 # linear tiles: tensor-core tiles (the default from MMA_MIN_BATCH rows) size the launch for their split-K partials
 # above the staged rows (tables.mma_partial_room), above the split tiles' staged need.
-CASES = [("tiny", 1, "aot", False, "auto"), ("tiny", 1, "aot", True, "auto"), ("tiny", 4, "jit", False, 5),
-         ("tiny", 4, "jit", True, 5), ("tiny-llama", 16, "aot", True, 3), ("qwen3-0.6b", 1, "aot", False, "auto"),
-         ("qwen3-0.6b", 1, "aot", True, "auto"), ("qwen3-0.6b", 4, "jit", True, 5), ("tiny", 8, "jit", True, 4),
+CASES = [("tiny", 1, "aot", False, "auto"), ("tiny", 1, "aot", True, "auto"), ("tiny", 4, "jit", False, SPLITS_ABOVE_AUTO),
+         ("tiny", 4, "jit", True, SPLITS_ABOVE_AUTO), ("tiny-llama", 16, "aot", True, 3), ("qwen3-0.6b", 1, "aot", False, "auto"),
+         ("qwen3-0.6b", 1, "aot", True, "auto"), ("qwen3-0.6b", 4, "jit", True, SPLITS_ABOVE_AUTO), ("tiny", 8, "jit", True, 4),
          ("qwen3-0.6b", 8, "aot", True, 2)]
 """Above 3 sequences 'auto' does not split (lowering_attention.AUTO_SPLIT_MAX_BATCH): those cases name a count.
-Batch 4 takes the 5 ranges 'auto' gave it before v0.28 (split tiles of all 4 sequences); above 4 a split tile
-takes one sequence (lowering_attention.split_tiles)."""
+Batch 4 takes the ranges 'auto' gave it before v0.28 (testing.SPLITS_ABOVE_AUTO; split tiles of all 4 sequences);
+above 4 a split tile takes one sequence (lowering_attention.split_tiles)."""
 
 
 @pytest.mark.parametrize("name,batch,schedule,staged,splits", CASES)

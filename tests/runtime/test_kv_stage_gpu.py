@@ -15,8 +15,7 @@ import torch
 
 pytestmark = pytest.mark.gpu
 
-from mpk_dist.runtime.testing import check_bitwise, forced_request, megakernel_with_env  # noqa: E402
-from mpk_dist.taskgraph.lowering_attention import AUTO_SPLIT_MAX_BATCH  # noqa: E402
+from mpk_dist.runtime.testing import check_bitwise, forced_request, megakernel_with_env, split_attn_splits  # noqa: E402
 
 torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
 NAME = "qwen3-0.6b"
@@ -26,11 +25,9 @@ STEPS = 48
 
 def mk(stage: int, attn_prep: int, batch: int):
     """The qwen3-0.6b mega-kernel (default fusions and split-KV attention) with MPK_ATTN_STAGE_KV=stage and
-    MPK_FUSE_ATTN_PREP=attn_prep; at batch 4, which 'auto' leaves unsplit since v0.28, the 5 ranges it gave there
-    before."""
-    splits = "auto" if batch <= AUTO_SPLIT_MAX_BATCH else 5
+    MPK_FUSE_ATTN_PREP=attn_prep, split at every batch (testing.split_attn_splits)."""
     return megakernel_with_env(NAME, {"MPK_ATTN_STAGE_KV": str(stage), "MPK_FUSE_ATTN_PREP": str(attn_prep)},
-                               attn_splits=splits)
+                               attn_splits=split_attn_splits(batch))
 
 
 @pytest.mark.parametrize("attn_prep", [1, 0])

@@ -15,7 +15,8 @@ from mpk_dist.models.presets import get_preset
 from mpk_dist.taskgraph.abi import SIGNAL_COLS, TASK_COLS, WAIT_COLS
 from mpk_dist.taskgraph.interpreter import Interpreter
 from mpk_dist.taskgraph.compiler import compile_rank_programs
-from mpk_dist.taskgraph.lowering_attention import check_attn_splits, resolve_splits, split_ranges
+from mpk_dist.runtime import testing as gpu_testing
+from mpk_dist.taskgraph.lowering_attention import AUTO_SPLIT_MAX_BATCH, check_attn_splits, resolve_splits, split_ranges
 from mpk_dist.taskgraph.tasks import BY_NAME
 from mpk_dist.taskgraph.testing import (MAX_SEQ, fp32, max_rel_err, programs, reference,
                                         uncaught_edge_deletions, weights)
@@ -59,6 +60,10 @@ def test_auto_fills_the_sms_with_ranges_of_at_least_32_positions_at_batch_1_else
     assert resolve_splits("auto", 132, 8, 512, batch=4) == 1  # above AUTO_SPLIT_MAX_BATCH (tensor-core walk)
     assert resolve_splits("auto", 132, 8, 512, batch=8) == 1  # above AUTO_SPLIT_MAX_BATCH: unsplit
     assert resolve_splits(4, 132, 8, 512, batch=8) == 4  # an explicit count is kept at any batch
+    # the GPU tests' split count above 'auto' is what 'auto' gives its largest batch (8 kv heads, 132 SMs)
+    above = gpu_testing.SPLITS_ABOVE_AUTO
+    assert above == resolve_splits("auto", 132, 8, gpu_testing.MAX_SEQ, batch=AUTO_SPLIT_MAX_BATCH) > 1
+    assert gpu_testing.split_attn_splits(AUTO_SPLIT_MAX_BATCH) == "auto" and gpu_testing.split_attn_splits(4) == above
     kinds = {b: [o["kind"] for o in compile_rank_programs(fp32("tiny"), 1, batch=b, sms=132, max_seq_len=256,
                                                           attn_splits="auto")[0].meta["ops"]] for b in (3, 4, 8)}
     assert "attention_split" in kinds[3] and "attention_split" not in kinds[4] and "attention_split" not in kinds[8]
