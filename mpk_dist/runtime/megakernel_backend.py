@@ -93,9 +93,9 @@ class MegakernelBackend(StepBackend):
     (watchdog), ``comm_profile`` (default on at tp > 1; MPK_COMM_PROFILE=0 turns it off), test hooks
     ``inject_hang_task`` / ``inject_hang_rank`` (that task never signals, on that rank or all),
     ``fuse`` (fused linears: True, False or names incl. the opt-in 'attn_prep'; MPK_FUSE_ATTN_PREP=1 adds
-    'attn_prep'), ``attn_splits`` (split-KV attention: N or 'auto', the default: ~132 SMs / kv heads ranges
-    of >= 64 positions, unsplit above 3 sequences (lowering_attention.AUTO_SPLIT_MAX_BATCH); 1 = one
-    attention tile per kv head),
+    'attn_prep'), ``attn_splits`` (split-KV attention: N or 'auto', the default: one sequence in ~132 SMs / kv heads
+    ranges of >= 32 positions unless o_proj's weights outlast the walk, unsplit from 2 sequences
+    (lowering_attention.resolve_splits); 1 = one attention tile per kv head),
     ``superopt`` (fused linears run superoptimizer-generated bodies; default on, --no-superopt or
     MPK_SUPEROPT=0 for off).
     """

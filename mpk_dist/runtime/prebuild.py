@@ -55,7 +55,8 @@ def build_one(case: BuildCase) -> tuple[str, bool, float]:
     t0 = time.perf_counter()
     cfg = get_preset(case.model)
     # A run's program at the compiler's default 132 SMs and max_seq_len 512 (an H200 and the CLI's default);
-    # 'auto' splits there up to lowering_attention.AUTO_SPLIT_MAX_BATCH sequences, as the backend does.
+    # 'auto' resolves there as the backend's does (lowering_attention.resolve_splits: a run whose cache is long
+    # enough to flip its batch-1 choice builds its own kernel).
     batch = padded_batch(case.batch)
     cg = compile_rank_programs(cfg, tp=case.tp, batch=batch, ranks=[0], fuse=fusions_for_batch(fusions_from_env(), batch),
                                attn_splits=case.attn_splits)[0]

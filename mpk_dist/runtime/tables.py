@@ -90,11 +90,12 @@ def default_worker_threads(cg) -> int:
     return WORKER_THREADS_NARROW if sizes and min(sizes) < narrowest else WORKER_THREADS_WIDE
 
 
-MMA_MIN_BATCH = 4
+MMA_MIN_BATCH = 3
 """Kernel batches from which the linear tiles run on tensor cores by default (MPK_LINEAR_MMA unset;
-csrc/tasks/linear_mma.cuh). Measured on an H200 (docs/PERF.md v0.13, qwen3-8b tiles alone, us): from batch 4 the
-tensor-core tile is ahead on every matrix (b4: qkv 18.73 vs 24.81, gate_up 57.86 vs 75.49, lm_head 350.20 vs
-391.95), at batch 2 behind on lm_head (353.06 vs 289.68); the batch-8 issue-6 figures are with it (v0.12-v0.14)."""
+csrc/tasks/linear_mma.cuh). Measured on an H200: qwen3-8b tiles alone (docs/PERF.md v0.13, us) from batch 4 ahead
+on every matrix (b4: qkv 18.73 vs 24.81, gate_up 57.86 vs 75.49, lm_head 350.20 vs 391.95), at batch 2 behind on
+lm_head (353.06 vs 289.68); the whole qwen3-8b step at context ~512 (v0.29, one process, unsplit attention): batch 3
+5.491 / 5.500 ms on tensor cores vs 6.549 / 6.537 scalar, batch 2 5.782 / 5.766 vs 5.762 / 5.693 (scalar kept)."""
 
 
 def default_linear_mma(cg) -> bool:

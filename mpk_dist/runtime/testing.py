@@ -45,7 +45,7 @@ def median(xs) -> float:
 MAX_SEQ = 320
 SPLITS_ABOVE_AUTO = 5
 """KV ranges per kv head for a split test program above lowering_attention.AUTO_SPLIT_MAX_BATCH sequences: what
-'auto' gave batch 4 at MAX_SEQ before v0.28 (320 // MIN_SPLIT_POSITIONS, under 132 SMs // 8 kv heads)."""
+'auto' gave batches 2-4 at MAX_SEQ before v0.28 / v0.29 (ranges of 64 positions, under 132 SMs // 8 kv heads)."""
 
 
 def split_attn_splits(batch: int):

@@ -6,7 +6,8 @@ One ``attention`` op becomes two task-ops: ``<op>/split`` with one tile per (kv 
 attention_merge), connected through an fp32 scratch buffer ``<op>.partial`` [Hkv, B, SPLITS, GROUP,
 D + 2] whose 2-D view has one row per (h, b), so split tile (h, i) writes one rectangle (rows of h,
 the columns of range i) and merge tile (h, b) reads one row: the merge of head h waits only for
-head h's splits ('auto' splits up to AUTO_SPLIT_MAX_BATCH sequences). Above SPLIT_TILE_MAX_SEQS sequences
+head h's splits ('auto' splits only one sequence, and not when the next linear's weights outlast the walk:
+``resolve_splits``). Above SPLIT_TILE_MAX_SEQS sequences
 (an explicit count) a split tile takes one sequence: one tile per (h, b, i) (``split_tiles``). See docs/TASKGRAPH.md,
 "Split-KV attention".
 """
@@ -24,10 +25,6 @@ from mpk_dist.taskgraph.lowering import Lowerer, _all_fp
 from mpk_dist.taskgraph.program import Footprint
 from mpk_dist.taskgraph.tasks import BY_NAME, kind_params
 
-MIN_SPLIT_POSITIONS = 64
-"""'auto' never cuts the cache into ranges shorter than this (a split's fixed cost must stay small
-next to its KV reads) in programs of 2..AUTO_SPLIT_MAX_BATCH sequences, whose split tiles walk their range
-once per sequence."""
 MIN_SPLIT_POSITIONS_B1 = 32
 """The same floor for one sequence. Measured on an H200 at context ~512 (max_seq_len 544, docs/PERF.md v0.14,
 one process): 12 or 16 ranges per kv head instead of 64-position ranges (9) gave qwen3-8b 4.984 / 4.987 vs
@@ -39,12 +36,20 @@ sequence (``split_tiles``). Measured on an H200 at context ~512, qwen3-8b batch 
 sequences in each split tile 11.04 ms vs 9.71 unsplit (2026-11-30, v0.7: a tile walks its range once per
 sequence, with two block barriers and a shared-memory merge each time); one sequence per tile, 2 ranges (128
 tiles) 7.568 ms vs 7.374 unsplit (v0.12)."""
-AUTO_SPLIT_MAX_BATCH = 3
+AUTO_SPLIT_MAX_BATCH = 1
 """'auto' splits only programs of at most this many sequences. Since the unsplit tiles walk on tensor cores
-(csrc/tasks/attention_mma_walk.cuh; the split tiles keep the scalar walk) batch 4 runs faster unsplit: qwen3-8b
-batch 4, context ~512, one process, 5.706 / 5.696 ms unsplit vs 7.084 / 7.085 split (docs/PERF.md v0.28; batch 8:
-unsplit since v0.7). Batches 2 and 3 are not measured with the tensor-core walk and still split; batch 1 splits
-(measured against the scalar unsplit walk, v0.27)."""
+(csrc/tasks/attention_mma_walk.cuh; the split tiles keep the scalar walk) every batch from 2 runs faster unsplit:
+at context ~512, one process, qwen3-8b batch 2 5.744 / 5.741 ms unsplit vs 6.412 / 6.393 split, batch 3 6.548 /
+6.554 vs 7.590 / 7.602, batch 4 5.706 / 5.696 vs 7.084 / 7.085, qwen3-0.6b batch 2 1.456 / 1.456 vs 1.802 / 1.802
+(docs/PERF.md v0.28-v0.29; batch 8: unsplit since v0.7)."""
+UNSPLIT_B1_MIN_NEXT_BYTES_PER_POSITION = 32 * 1024
+"""At batch 1 'auto' leaves attention unsplit when the weights of the linear that reads its output (o_proj's
+shard) hold at least this many bytes per cache position. Measured on an H200 (docs/PERF.md v0.29, one process each,
+unsplit vs split, ms): max_seq_len 544: qwen3-8b (o_proj 32 MiB, 62 KB a position) 4.652 / 4.655 vs 4.794 / 4.797,
+llama3-8b (the same) 4.447 / 4.450 vs 4.618 / 4.614, qwen3-1.7b (8 MiB, 15 KB) 1.679 / 1.678 vs 1.670 / 1.670,
+qwen3-0.6b (4 MiB, 7.7 KB) 1.130 / 1.129 vs 1.101 / 1.100; max_seq_len 2048: qwen3-8b (16 KB) 5.163 / 5.157 vs
+5.045 / 5.046. The unsplit level keeps 8 tiles walking the cache while the other workers are free to prefetch the
+next weights; a long walk or a short next stream leaves that time exposed, which the split tiles shorten."""
 
 
 def check_attn_splits(attn_splits) -> int | str:
@@ -62,20 +67,38 @@ def check_attn_splits(attn_splits) -> int | str:
     return n
 
 
-def resolve_splits(attn_splits, sms: int, kv_heads: int, max_seq_len: int, batch: int = 1) -> int:
-    """Number of KV ranges per kv head. 'auto': 1 (no split) above AUTO_SPLIT_MAX_BATCH sequences, else
-    enough for kv_heads x splits to about fill ``sms`` workers, but no range shorter than
-    MIN_SPLIT_POSITIONS_B1 positions at batch 1 or MIN_SPLIT_POSITIONS above."""
+def resolve_splits(attn_splits, sms: int, kv_heads: int, max_seq_len: int, batch: int = 1,
+                   next_weight_bytes: int = 0) -> int:
+    """Number of KV ranges per kv head. 'auto': 1 (no split) above AUTO_SPLIT_MAX_BATCH sequences or when the
+    linear after the attention streams ``next_weight_bytes`` >= UNSPLIT_B1_MIN_NEXT_BYTES_PER_POSITION per cache
+    position, else enough for kv_heads x splits to about fill ``sms`` workers, but no range shorter than
+    MIN_SPLIT_POSITIONS_B1 positions."""
     n = check_attn_splits(attn_splits)
     if n == "auto":
         if batch > AUTO_SPLIT_MAX_BATCH:
             return 1
-        floor = MIN_SPLIT_POSITIONS_B1 if batch == 1 else MIN_SPLIT_POSITIONS
-        return max(1, min(sms // max(1, kv_heads), max_seq_len // floor))
+        if next_weight_bytes >= UNSPLIT_B1_MIN_NEXT_BYTES_PER_POSITION * max_seq_len:
+            return 1
+        return max(1, min(sms // max(1, kv_heads), max_seq_len // MIN_SPLIT_POSITIONS_B1))
     if n > max_seq_len:
         raise InputError(f"attn_splits: expected at most max_seq_len = {max_seq_len} ranges, got {n}; "
                          "use fewer splits or 'auto'")
     return n
+
+
+def next_weight_bytes(graph, op) -> int:
+    """Bytes of the weights read by the ops that consume ``op``'s first output (o_proj's shard after an attention;
+    0 when none reads weights)."""
+    out = op.outputs[0]
+    size = {"bf16": 2, "f16": 2, "f32": 4, "i32": 4}
+    total = 0
+    for user in graph.ops:
+        if out in user.inputs:
+            for name in user.inputs:
+                t = graph.tensors.get(name)
+                if t is not None and t.kind == "weight":
+                    total += t.numel * size[t.dtype]
+    return total
 
 
 def split_ranges(max_seq_len: int, splits: int) -> list[tuple[int, int]]:

@@ -27,10 +27,10 @@ from mpk_dist.taskgraph.tasks import BY_NAME, kind_params
 def lower_attn_prep(lw: Lowerer, f: FusedAttention, attn_splits=1, merge_last: bool = False) -> None:
     """Append the ``attention_prep`` task-op of ``f``, or in a split-KV program ``attention_split_prep`` +
     ``attention_merge`` (``_lower_fused_split``; ``merge_last``: the last split tile of a head merges it)."""
-    from mpk_dist.taskgraph.lowering_attention import resolve_splits
+    from mpk_dist.taskgraph.lowering_attention import next_weight_bytes, resolve_splits
 
     splits = 1 if attn_splits == 1 else resolve_splits(attn_splits, lw.sms, f.attention.attrs["kv_heads"],
-                                                       lw.g.max_seq_len, lw.B)
+                                                       lw.g.max_seq_len, lw.B, next_weight_bytes(lw.g, f.attention))
     if splits > 1:
         _lower_fused_split(lw, f, splits, merge_last)
     else:

@@ -130,7 +130,8 @@ def lower_graph(graph, sms: int, max_steps: int, fuse=False, attn_splits=1, nucl
     """
     from mpk_dist.taskgraph.fusion import FusedAttention, FusedLinear, dropped_tensors, plan
     from mpk_dist.taskgraph.lowering_attn_prep import lower_attn_prep
-    from mpk_dist.taskgraph.lowering_attention import check_attn_splits, lower_split_attention, resolve_splits
+    from mpk_dist.taskgraph.lowering_attention import (check_attn_splits, lower_split_attention, next_weight_bytes,
+                                                       resolve_splits)
     from mpk_dist.taskgraph.lowering_fused import lower_fused
     from mpk_dist.taskgraph.lowering_pages import declare_page_state, is_paged, page_alloc
     from mpk_dist.taskgraph.lowering_nucleus import lower_nucleus_head
@@ -158,7 +159,8 @@ def lower_graph(graph, sms: int, max_steps: int, fuse=False, attn_splits=1, nucl
             lower_attn_prep(lw, op, attn_splits, merge_last)
             continue
         if op.kind == "attention" and attn_splits != 1:
-            splits = resolve_splits(attn_splits, sms, op.attrs["kv_heads"], graph.max_seq_len, graph.batch)
+            splits = resolve_splits(attn_splits, sms, op.attrs["kv_heads"], graph.max_seq_len, graph.batch,
+                                    next_weight_bytes(graph, op))
             if splits > 1:
                 lower_split_attention(lw, op, splits, merge_last)
                 continue

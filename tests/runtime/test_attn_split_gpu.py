@@ -84,7 +84,7 @@ CASES = [("tiny", 1, "aot", False, "auto"), ("tiny", 1, "aot", True, "auto"), ("
          ("tiny", 4, "jit", True, SPLITS_ABOVE_AUTO), ("tiny-llama", 16, "aot", True, 3), ("qwen3-0.6b", 1, "aot", False, "auto"),
          ("qwen3-0.6b", 1, "aot", True, "auto"), ("qwen3-0.6b", 4, "jit", True, SPLITS_ABOVE_AUTO), ("tiny", 8, "jit", True, 4),
          ("qwen3-0.6b", 8, "aot", True, 2)]
-"""Above 3 sequences 'auto' does not split (lowering_attention.AUTO_SPLIT_MAX_BATCH): those cases name a count.
+"""Above 1 sequence 'auto' does not split (lowering_attention.AUTO_SPLIT_MAX_BATCH): those cases name a count.
 Batch 4 takes the ranges 'auto' gave it before v0.28 (testing.SPLITS_ABOVE_AUTO; split tiles of all 4 sequences);
 above 4 a split tile takes one sequence (lowering_attention.split_tiles)."""
 

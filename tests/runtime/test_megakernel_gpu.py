@@ -79,7 +79,9 @@ def test_first_step_buffers_match_torch(name, batch, schedule, gpu_results):
 
 FORCED_CASES = [("tiny", 1, "aot"), ("tiny", 1, "jit"), ("tiny", 4, "aot"), ("tiny-llama", 1, "aot"),
                 ("tiny-llama", 16, "aot"), ("qwen3-0.6b", 1, "aot"), ("qwen3-0.6b", 1, "jit"),
-                ("qwen3-0.6b", 4, "aot"), ("qwen3-0.6b", 16, "aot")]
+                ("qwen3-0.6b", 2, "aot"), ("qwen3-0.6b", 3, "aot"), ("qwen3-0.6b", 4, "aot"), ("qwen3-0.6b", 16, "aot")]
+"""Batches 2 and 3 run 'auto''s unsplit tensor-core walk with 4 and 6 rows a kv head; batch 3 the tensor-core
+linear tiles at their smallest batch (tables.MMA_MIN_BATCH)."""
 
 
 @pytest.mark.parametrize("name,batch,schedule", FORCED_CASES)

@@ -16,7 +16,9 @@ from mpk_dist.taskgraph.abi import SIGNAL_COLS, TASK_COLS, WAIT_COLS
 from mpk_dist.taskgraph.interpreter import Interpreter
 from mpk_dist.taskgraph.compiler import compile_rank_programs
 from mpk_dist.runtime import testing as gpu_testing
-from mpk_dist.taskgraph.lowering_attention import AUTO_SPLIT_MAX_BATCH, check_attn_splits, resolve_splits, split_ranges
+from mpk_dist.models import build_graph
+from mpk_dist.taskgraph.lowering_attention import (AUTO_SPLIT_MAX_BATCH, UNSPLIT_B1_MIN_NEXT_BYTES_PER_POSITION,
+                                                   check_attn_splits, next_weight_bytes, resolve_splits, split_ranges)
 from mpk_dist.taskgraph.tasks import BY_NAME
 from mpk_dist.taskgraph.testing import (MAX_SEQ, fp32, max_rel_err, programs, reference,
                                         uncaught_edge_deletions, weights)
@@ -39,6 +41,21 @@ def _signallers(cg) -> dict[int, set[int]]:
     return out
 
 
+def test_auto_leaves_one_sequence_unsplit_when_the_next_weights_outlast_the_walk():
+    per = UNSPLIT_B1_MIN_NEXT_BYTES_PER_POSITION
+    assert resolve_splits("auto", 132, 8, 544, next_weight_bytes=544 * per) == 1  # at the threshold: unsplit
+    assert resolve_splits("auto", 132, 8, 544, next_weight_bytes=544 * per - 1) == 16
+    assert resolve_splits("auto", 132, 8, 2048, next_weight_bytes=544 * per) == 16  # a longer walk: split
+    assert resolve_splits(4, 132, 8, 544, next_weight_bytes=10**12) == 4  # an explicit count is kept
+    # the bytes are o_proj's shard: qwen3-8b 4096 x 4096 bf16 at tp 1, half a rank at tp 2
+    cfg = get_preset("qwen3-8b")
+    for tp in (1, 2):
+        g = build_graph(cfg, tp=tp, rank=0, batch=1, max_seq_len=576)
+        att = [op for op in g.ops if op.kind == "attention"]
+        assert len(att) == cfg.num_layers
+        assert {next_weight_bytes(g, op) for op in att} == {4096 * 4096 * 2 // tp}
+
+
 def test_attn_splits_1_keeps_the_program_identical():
     cfg = fp32("tiny")
     for a, b in zip(programs(cfg, 2), programs(cfg, 2, attn_splits=1)):
@@ -47,26 +64,22 @@ def test_attn_splits_1_keeps_the_program_identical():
             np.testing.assert_array_equal(a.arrays[k], b.arrays[k])
 
 
-def test_auto_fills_the_sms_with_ranges_of_at_least_32_positions_at_batch_1_else_64():
+def test_auto_splits_one_sequence_into_ranges_of_at_least_32_positions_and_more_unsplit():
     assert resolve_splits("auto", 132, 8, 512) == 16  # batch 1: 132 // 8 (512 / 32 = 16 too)
     assert resolve_splits("auto", 132, 8, 288) == 9  # batch 1: 288 / 32
-    assert resolve_splits("auto", 132, 8, 512, batch=2) == 8  # 2..3 sequences: 512 / 64
     assert resolve_splits("auto", 132, 8, 4096) == 16  # 132 // 8
     assert resolve_splits("auto", 132, 1, 40960) == 132
     assert resolve_splits("auto", 8, 2, 64) == 2  # batch 1: 64 / 32
     assert resolve_splits("auto", 8, 2, 32) == 1  # too short to split: the unsplit program
-    assert resolve_splits("auto", 8, 2, 64, batch=2) == 1
-    assert resolve_splits("auto", 132, 8, 512, batch=3) == 8
-    assert resolve_splits("auto", 132, 8, 512, batch=4) == 1  # above AUTO_SPLIT_MAX_BATCH (tensor-core walk)
-    assert resolve_splits("auto", 132, 8, 512, batch=8) == 1  # above AUTO_SPLIT_MAX_BATCH: unsplit
+    for batch in (2, 3, 4, 8):  # above AUTO_SPLIT_MAX_BATCH: the tensor-core walk of the unsplit tiles
+        assert resolve_splits("auto", 132, 8, 512, batch=batch) == 1
     assert resolve_splits(4, 132, 8, 512, batch=8) == 4  # an explicit count is kept at any batch
-    # the GPU tests' split count above 'auto' is what 'auto' gives its largest batch (8 kv heads, 132 SMs)
-    above = gpu_testing.SPLITS_ABOVE_AUTO
-    assert above == resolve_splits("auto", 132, 8, gpu_testing.MAX_SEQ, batch=AUTO_SPLIT_MAX_BATCH) > 1
-    assert gpu_testing.split_attn_splits(AUTO_SPLIT_MAX_BATCH) == "auto" and gpu_testing.split_attn_splits(4) == above
+    # the GPU tests keep split coverage above 'auto' with an explicit count
+    assert gpu_testing.split_attn_splits(AUTO_SPLIT_MAX_BATCH) == "auto"
+    assert gpu_testing.split_attn_splits(AUTO_SPLIT_MAX_BATCH + 1) == gpu_testing.SPLITS_ABOVE_AUTO > 1
     kinds = {b: [o["kind"] for o in compile_rank_programs(fp32("tiny"), 1, batch=b, sms=132, max_seq_len=256,
-                                                          attn_splits="auto")[0].meta["ops"]] for b in (3, 4, 8)}
-    assert "attention_split" in kinds[3] and "attention_split" not in kinds[4] and "attention_split" not in kinds[8]
+                                                          attn_splits="auto")[0].meta["ops"]] for b in (1, 2, 4)}
+    assert "attention_split" in kinds[1] and "attention_split" not in kinds[2] and "attention_split" not in kinds[4]
     assert split_ranges(64, 5) == [(0, 13), (13, 26), (26, 39), (39, 52), (52, 64)]
     assert split_ranges(9, 4) == [(0, 3), (3, 6), (6, 9)]  # never an empty trailing range
     cfg = fp32("tiny")
