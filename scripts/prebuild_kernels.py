@@ -40,12 +40,17 @@ def main(argv=None) -> int:
     p.add_argument("--tp", default="1,2,4", help="tensor-parallel degrees (default 1,2,4)")
     p.add_argument("--attn-splits", default="auto,1",
                    help="attn_splits of the programs: auto (the backend's default) and/or 1 (unsplit); default both")
+    p.add_argument("--max-seq-len", type=int, default=512,
+                   help="KV cache length of the runs (default 512, the CLI's; 'auto' splits at batch 1 depend on it)")
     p.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1), help="build processes (default: cores, <= 16)")
     a = p.parse_args(argv)
     try:
+        if a.max_seq_len < 1:
+            raise InputError(f"--max-seq-len: expected a positive cache length, got {a.max_seq_len}")
         splits = tuple(k if k == "auto" else int(k) for k in parse_list(a.attn_splits, ("auto", "1"), "--attn-splits"))
         todo = cases(parse_list(a.models, tuple(PRESETS), "--models"), _ints(a.batches, "--batches"),
-                     parse_list(a.schedules, ("aot", "jit"), "--schedules"), _ints(a.tp, "--tp"), splits)
+                     parse_list(a.schedules, ("aot", "jit"), "--schedules"), _ints(a.tp, "--tp"), splits,
+                     a.max_seq_len)
         return 1 if prebuild(todo, a.jobs) else 0
     except InputError as exc:
         print(f"prebuild_kernels.py: {exc}", file=sys.stderr)

@@ -73,8 +73,13 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--iters", type=int, default=2)
+    ap.add_argument("--max-seq-len", type=int, help="KV cache length (default prompt + output; 'auto' splits at "
+                    "batch 1 depend on it)")
     ap.add_argument("--output-json")
     args = ap.parse_args(argv)
+    max_seq = args.max_seq_len or args.prompt_len + args.output_len
+    if max_seq < args.prompt_len + args.output_len:
+        ap.error(f"--max-seq-len {max_seq}: expected at least prompt + output = {args.prompt_len + args.output_len}")
     variants = [(text, parse_variant(text)) for text in args.variants.split(";")]
 
     import torch
@@ -95,7 +100,7 @@ def main(argv=None) -> int:
     for text, (env, opts) in variants:
         with scoped_env(env, keys=[*KNOBS.values(), EXTRA_FLAGS]):
             spec = RunSpec(model=args.model, backend="megakernel", tp=1, batch=args.batch,
-                           max_new_tokens=args.output_len, max_seq_len=args.prompt_len + args.output_len,
+                           max_new_tokens=args.output_len, max_seq_len=max_seq,
                            device="cuda", seed=0, backend_opts=opts)
             case = run_case(spec, model, prompt, args.output_len, args.iters, 1, False)
         floor_ms = nbytes / measure_read_bandwidth(torch.device("cuda")) * 1e3

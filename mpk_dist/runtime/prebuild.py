@@ -26,19 +26,21 @@ class BuildCase:
     schedule: str = "aot"
     superopt: bool = True
     attn_splits: int | str = "auto"  # the backend's default; 1 = the unsplit program (other fused attention kinds)
+    max_seq_len: int = 512  # the CLI's default; 'auto' may resolve otherwise at another cache length
 
     def label(self) -> str:
         """e.g. qwen3-0.6b tp1 b16 aot (attn_splits 1: ... aot k1)."""
         return (f"{self.model} tp{self.tp} b{self.batch} {self.schedule}{'' if self.superopt else ' no-superopt'}"
-                f"{'' if self.attn_splits == 'auto' else f' k{self.attn_splits}'}")
+                f"{'' if self.attn_splits == 'auto' else f' k{self.attn_splits}'}"
+                f"{'' if self.max_seq_len == 512 else f' s{self.max_seq_len}'}")
 
 
 def cases(models: list[str], batches: list[int], schedules: list[str], tps: list[int],
-          splits: tuple = ("auto",)) -> list[BuildCase]:
+          splits: tuple = ("auto",), max_seq_len: int = 512) -> list[BuildCase]:
     """Every combination; jit only at tp 1 (the runtime refuses jit above). ``splits``: attn_splits values
     (split and unsplit programs can differ in their generated bodies: the superoptimizer's qk_norm_rope
     applies to the unsplit attention_prep tiles, not to attention_split_prep's)."""
-    return [BuildCase(m, tp, b, sch, attn_splits=k) for k in splits for m in models for tp in tps for b in batches
+    return [BuildCase(m, tp, b, sch, attn_splits=k, max_seq_len=max_seq_len) for k in splits for m in models for tp in tps for b in batches
             for sch in schedules if sch == "aot" or tp == 1]
 
 
@@ -54,12 +56,11 @@ def build_one(case: BuildCase) -> tuple[str, bool, float]:
 
     t0 = time.perf_counter()
     cfg = get_preset(case.model)
-    # A run's program at the compiler's default 132 SMs and max_seq_len 512 (an H200 and the CLI's default);
-    # 'auto' resolves there as the backend's does (lowering_attention.resolve_splits: a run whose cache is long
-    # enough to flip its batch-1 choice builds its own kernel).
+    # A run's program at the compiler's default 132 SMs (an H200) and the case's max_seq_len: 'auto' resolves
+    # there as the backend's does (lowering_attention.resolve_splits: at batch 1 the cache length can decide).
     batch = padded_batch(case.batch)
     cg = compile_rank_programs(cfg, tp=case.tp, batch=batch, ranks=[0], fuse=fusions_for_batch(fusions_from_env(), batch),
-                               attn_splits=case.attn_splits)[0]
+                               attn_splits=case.attn_splits, max_seq_len=case.max_seq_len)[0]
     tuning = tuning_from_env(None)  # the MPK_* knobs a run in this environment would use (None: the program's threads)
     for table_only in ("prefetch_plan", "bulk_prefetch", "prefetch_ahead", "attn_stage_kv", "min_carveout",
                        "prefetch_level_kb"):  # not the binary

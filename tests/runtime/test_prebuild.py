@@ -46,8 +46,28 @@ def test_prebuild_shape_is_the_sessions(fake_gpu, monkeypatch, batch, schedule, 
     assert ("attention_split_prep" if split else "attention_prep") in seen["session"][1]
 
 
+def test_prebuild_compiles_at_the_runs_cache_length(monkeypatch):
+    """qwen3-8b at batch 1: 'auto' is unsplit at 512 positions and split at 2048 (o_proj's bytes per position,
+    lowering_attention.resolve_splits), and the prebuild's program follows the case's max_seq_len."""
+    from mpk_dist.runtime import kernel as K
+
+    seen = []
+
+    def build(shape, **kw):
+        seen.append([op["kind"] for op in kw["program"].meta["ops"]])
+        return "src", types.SimpleNamespace(cubin=b"", cached=True, compiler="fake", path=Path("x"))
+
+    monkeypatch.setattr(K, "build_kernel", build)
+    for n in (512, 2048):
+        PB.build_one(PB.BuildCase("qwen3-8b", max_seq_len=n))
+    assert "attention_split_prep" not in seen[0] and "attention_split_prep" in seen[1]
+
+
 def test_cases_and_bad_jobs():
     got = PB.cases(["tiny"], [1, 4], ["aot", "jit"], [1, 2])
     assert len(got) == 2 * 2 + 2 and all(c.schedule == "aot" for c in got if c.tp > 1)
+    assert {c.max_seq_len for c in got} == {512} and got[0].label() == "tiny tp1 b1 aot"
+    long = PB.cases(["tiny"], [1], ["aot"], [1], ("auto", 1), max_seq_len=2048)
+    assert [c.label() for c in long] == ["tiny tp1 b1 aot s2048", "tiny tp1 b1 aot k1 s2048"]
     with pytest.raises(InputError, match="--jobs: expected >= 1"):
         PB.prebuild(got, 0)
