@@ -21,6 +21,7 @@ import numpy as np
 
 from mpk_dist.errors import InputError
 from mpk_dist.graph import Op
+from mpk_dist.taskgraph.abi import DTYPE_BYTES
 from mpk_dist.taskgraph.lowering import Lowerer, _all_fp
 from mpk_dist.taskgraph.program import Footprint
 from mpk_dist.taskgraph.tasks import BY_NAME, kind_params
@@ -90,14 +91,13 @@ def next_weight_bytes(graph, op) -> int:
     """Bytes of the weights read by the ops that consume ``op``'s first output (o_proj's shard after an attention;
     0 when none reads weights)."""
     out = op.outputs[0]
-    size = {"bf16": 2, "f16": 2, "f32": 4, "i32": 4}
     total = 0
     for user in graph.ops:
         if out in user.inputs:
             for name in user.inputs:
                 t = graph.tensors.get(name)
                 if t is not None and t.kind == "weight":
-                    total += t.numel * size[t.dtype]
+                    total += t.numel * DTYPE_BYTES[t.dtype]
     return total
 
 
