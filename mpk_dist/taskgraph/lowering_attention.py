@@ -49,8 +49,9 @@ shard) hold at least this many bytes per cache position. Measured on an H200 (do
 unsplit vs split, ms): max_seq_len 544: qwen3-8b (o_proj 32 MiB, 62 KB a position) 4.652 / 4.655 vs 4.794 / 4.797,
 llama3-8b (the same) 4.447 / 4.450 vs 4.618 / 4.614, qwen3-1.7b (8 MiB, 15 KB) 1.679 / 1.678 vs 1.670 / 1.670,
 qwen3-0.6b (4 MiB, 7.7 KB) 1.130 / 1.129 vs 1.101 / 1.100; max_seq_len 2048: qwen3-8b (16 KB) 5.163 / 5.157 vs
-5.045 / 5.046. The unsplit level keeps 8 tiles walking the cache while the other workers are free to prefetch the
-next weights; a long walk or a short next stream leaves that time exposed, which the split tiles shorten."""
+5.045 / 5.046. The unsplit level keeps 8 tiles walking the cache while the other workers prefetch o_proj's whole
+tiles into L2 (a narrow op: runtime/prefetch_plan.py); a long walk or a short next stream leaves that time exposed,
+which the split tiles shorten."""
 
 
 def check_attn_splits(attn_splits) -> int | str:
