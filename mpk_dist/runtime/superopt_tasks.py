@@ -201,7 +201,23 @@ def _qk_problems_fused(cg) -> dict[Problem, int]:
 
 
 CHECKED_IN_QK = "csrc/tasks/generated/qk_norm_rope.cuh (rendered from qk_norm_rope.ugraph.json beside it)"
-"""The qk_norm_rope body a split-KV program compiles (see _split_prep_normed)."""
+"""The qk_norm_rope body split-KV and batch-1 programs compile (see _qk_checked_in)."""
+
+
+def _qk_checked_in(cg) -> str:
+    """Why the program's q/k norm + rope compiles the checked-in generated body unsearched, or '' when it searches:
+    split prep tiles (``_split_prep_normed``) and every batch-1 program with a q/k norm. Batch 1 is the cold start
+    issue 6 bounds (<= 60 s for qwen3-8b) and since 'auto' leaves the 8B presets' attention unsplit there (docs/PERF.md
+    v0.29) their qkv prep would search again: 25 s, and under a loaded build machine the search may end before it
+    verifies a graph (the hand-written body then: another kernel from the same request). The checked-in body is
+    rendered from the µGraph that search finds at H = 32, D = 128 when it completes (82cad1ded51e4860).
+    MPK_SUPEROPT_QK_SEARCH=1 searches batch-1 programs at build time again."""
+    if _split_prep_normed(cg):
+        return "in the split prep tiles"
+    if (int(cg.meta["batch"]) == 1 and os.environ.get("MPK_SUPEROPT_QK_SEARCH") != "1"
+            and (_qk_problems(cg) or _qk_problems_fused(cg))):
+        return "in a batch-1 program"
+    return ""
 
 
 def _split_prep_normed(cg) -> bool:
@@ -391,14 +407,17 @@ def prepare(cg, searcher=search, log=None) -> SuperoptBuild:
     log = log or _log
     out = SuperoptBuild()
     probs = problems_of(cg)
+    qk_fixed = _qk_checked_in(cg)
+    if qk_fixed:
+        probs = {p: w for p, w in probs.items() if p.kind != "qk_norm_rope"}
     search_side_by_side([p for kind in KIND_PATTERN for p in _searchable({q: w for q, w in probs.items()
                                                                            if q.kind == kind})[0]], searcher)
     for kind in KIND_PATTERN:
         mine = {p: w for p, w in probs.items() if p.kind == kind}
         if mine:  # else the kind does not run: whatever body is compiled, no tile calls it
             _kind_body(out, kind, mine, searcher, log)
-        elif kind == "qk_norm_rope" and _split_prep_normed(cg):
-            out.notes.append(f"superopt: qk_norm_rope in the split prep tiles: the checked-in generated body {CHECKED_IN_QK}; "
+        elif kind == "qk_norm_rope" and qk_fixed:
+            out.notes.append(f"superopt: qk_norm_rope {qk_fixed}: the checked-in generated body {CHECKED_IN_QK}; "
                              "not searched at build time")
         elif kind == "qk_norm_rope" and _has_qkv_prep(cg):  # rope only (no q/k norm): nothing to replace
             _hand_written(out, kind, "the model has no q/k norm (rope only; the qk_norm_rope pattern needs one)")

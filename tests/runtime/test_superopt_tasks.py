@@ -32,6 +32,9 @@ def env(tmp_path_factory):
     # qk_norm_rope's search always runs to its limit (25 s by default); it verifies graphs at the tiny
     # shapes within ~8 s on one process, and the GEMV patterns finish far below this
     mp.setenv("MPK_SUPEROPT_TIMEOUT", "15")
+    # the tiny batch-1 program is where these tests search qk_norm_rope; a run's batch-1 build compiles the
+    # checked-in body instead (test_batch1_and_split_prep_tiles_compile_the_checked_in_qk_body_without_a_search)
+    mp.setenv("MPK_SUPEROPT_QK_SEARCH", "1")
     ST._MEMO.clear()
     ST._NOTED.clear()
     yield mp
@@ -298,25 +301,27 @@ def test_attn_prep_fusion_asks_for_the_same_qk_norm_rope_problem():
     assert len(plain) == 1 and fused == plain and plain[0].batch == get_preset("qwen3-0.6b").num_heads
 
 
-def test_split_prep_tiles_compile_the_checked_in_qk_body_without_a_search(monkeypatch, tmp_path):
-    """A split-KV program (the batch-1 default: attention_split_prep tiles run the q/k norm + rope through the
-    hook) searches no qk_norm_rope problem (no 25 s on the cold start), defines nothing for it, so the hook
-    compiles the checked-in generated body, and says so; Llama (no q/k norm) keeps the hand-written body."""
+def test_batch1_and_split_prep_tiles_compile_the_checked_in_qk_body_without_a_search(monkeypatch, tmp_path):
+    """A split-KV program (attention_split_prep tiles run the q/k norm + rope through the hook) and any batch-1
+    program search no qk_norm_rope problem (no 25 s on the cold start), define nothing for it, so the hook
+    compiles the checked-in generated body, and say so; Llama (no q/k norm) keeps the hand-written body; a
+    batch-2 program still searches."""
     from mpk_dist.models.presets import get_preset
     from mpk_dist.runtime.megakernel_backend import DEFAULT_ATTN_FUSIONS
     from mpk_dist.taskgraph.abi import TASK_COLS
     from mpk_dist.taskgraph.compiler import compile_rank_programs
     from mpk_dist.taskgraph.tasks import BY_NAME
 
-    def program(model):  # the batch-1 program a run builds (the backend's default fusions)
-        return compile_rank_programs(get_preset(model), tp=1, batch=1, sms=132, max_seq_len=512, attn_splits="auto",
-                                     fuse=("norm", "silu", "residual", *DEFAULT_ATTN_FUSIONS))[0]
+    def program(model, batch=1):  # the program a run builds (the backend's default fusions)
+        return compile_rank_programs(get_preset(model), tp=1, batch=batch, sms=132, max_seq_len=512,
+                                     attn_splits="auto", fuse=("norm", "silu", "residual", *DEFAULT_ATTN_FUSIONS))[0]
 
     def nothing(problem):
         asked.append(problem)
         return ST.Choice(problem, None, {"seconds": 0.0}, "not searched (test)")
 
     monkeypatch.setenv("MPK_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("MPK_SUPEROPT_QK_SEARCH", raising=False)
     ST._MEMO.clear()
     ST._NOTED.clear()  # notes print once per process; this test reads them
     asked, log = [], []
@@ -328,6 +333,23 @@ def test_split_prep_tiles_compile_the_checked_in_qk_body_without_a_search(monkey
     assert any("split prep tiles: the checked-in generated body" in m for m in log), log
     llama = ST.prepare(program("llama3-8b"), nothing, log.append)
     assert llama.defines.get("MPK_SUPEROPT_QK_NORM_ROPE") == 0
+    # qwen3-8b's batch-1 attention is unsplit at 512 positions: still no qk_norm_rope search (the cold start)
+    asked.clear()
+    cg8 = program("qwen3-8b")
+    assert not (cg8.arrays["tasks"][:, TASK_COLS["OPCODE"]] == BY_NAME["attention_split_prep"].opcode).any()
+    assert any(p.kind == "qk_norm_rope" for p in ST.problems_of(cg8)), "the unsplit prep has a q/k norm problem"
+    so8 = ST.prepare(cg8, nothing, log.append)
+    assert asked and not any(p.kind == "qk_norm_rope" for p in asked)
+    assert "MPK_SUPEROPT_QK_NORM_ROPE" not in so8.defines and "qk_norm_rope" not in so8.choices
+    assert any("a batch-1 program: the checked-in generated body" in m for m in log), log
+    # above batch 1 the unsplit prep searches as before
+    asked.clear()
+    ST.prepare(program("qwen3-0.6b", batch=2), nothing, log.append)
+    assert any(p.kind == "qk_norm_rope" for p in asked)
+    asked.clear()  # and MPK_SUPEROPT_QK_SEARCH=1 searches the batch-1 unsplit prep too
+    monkeypatch.setenv("MPK_SUPEROPT_QK_SEARCH", "1")
+    ST.prepare(cg8, nothing, log.append)
+    assert any(p.kind == "qk_norm_rope" for p in asked)
     ST._MEMO.clear()
 
 
