@@ -221,10 +221,9 @@ def _qk_checked_in(cg) -> str:
 
 
 def _split_prep_normed(cg) -> bool:
-    """Whether the program's attention_split_prep tiles (the batch-1 default: the prep folded into split-KV
-    attention) run a q/k norm. They call the qk_norm_rope hook like qkv_prep, but are not searched at build
-    time: the per-head body does not depend on the head count, and a search would add its 25 s limit to every
-    batch-1 cold start (issue 6 asks for <= 60 s). Without a define the hook compiles the checked-in generated body."""
+    """Whether the program's attention_split_prep tiles (the prep folded into split-KV attention: 'auto' at batch 1
+    on the small presets, or an explicit count) run a q/k norm. They call the qk_norm_rope hook like qkv_prep, but
+    are not searched at build time (``_qk_checked_in``): without a define the hook compiles the checked-in body."""
     return bool(_normed_tiles(cg, "attention_split_prep", "Q_NORM_W")[0])
 
 
