@@ -645,7 +645,8 @@ __device__ __noinline__ void attention_prefetch(const TaskView& t, bool bulk, in
 // MPK_PREFETCH_NORM_W 1: the norm_linear kinds also put their norm weights (K bf16) in L2 before the wait. Why
 // try it: at batch 8 their weight stream starts ~5 us after the inputs are ready (docs/PERF.md v0.28, trace mark 0)
 // and one L2 round trip fewer for the statistic changed nothing, so the norm weights' first read (every tile of
-// the level at once, from HBM under the previous level's stream) is the candidate. Not yet measured: 0.
+// the level at once, from HBM under the previous level's stream) is the candidate. Measured (docs/PERF.md v0.29, one
+// process): qwen3-8b batch 8 5.762 / 5.730 ms with it vs 5.714 / 5.722: no gain, so 0.
 #ifndef MPK_PREFETCH_NORM_W
 #define MPK_PREFETCH_NORM_W 0
 #endif
