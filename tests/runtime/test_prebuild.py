@@ -14,6 +14,14 @@ from mpk_dist.runtime import prebuild as PB
 from mpk_dist.taskgraph.lowering_attention import AUTO_SPLIT_MAX_BATCH
 
 
+def _fake_build_kernel(keep):
+    """A build_kernel that builds nothing and hands ``keep`` the shape and the program's op kinds."""
+    def build(shape, **kw):
+        keep(shape, [op["kind"] for op in kw["program"].meta["ops"]])
+        return "src", types.SimpleNamespace(cubin=b"", cached=True, compiler="fake", path=Path("x"))
+    return build
+
+
 @pytest.mark.parametrize("batch, schedule, tp, env, splits", [(1, "aot", 1, {}, "auto"), (1, "aot", 1, {}, 1),
                                                               (3, "jit", 1, {"MPK_LINEAR_UNROLL": "4"}, "auto"),
                                                               (4, "aot", 1, {}, "auto"),
@@ -27,10 +35,7 @@ def test_prebuild_shape_is_the_sessions(fake_gpu, monkeypatch, batch, schedule, 
     seen = {}
 
     def record(who):
-        def build(shape, **kw):
-            seen[who] = (shape, [op["kind"] for op in kw["program"].meta["ops"]])
-            return "src", types.SimpleNamespace(cubin=b"", cached=True, compiler="fake", path=Path("x"))
-        return build
+        return _fake_build_kernel(lambda shape, kinds: seen.__setitem__(who, (shape, kinds)))
 
     monkeypatch.setattr(S, "build_kernel", record("session"))
     monkeypatch.setattr(K, "build_kernel", record("prebuild"))
@@ -52,12 +57,7 @@ def test_prebuild_compiles_at_the_runs_cache_length(monkeypatch):
     from mpk_dist.runtime import kernel as K
 
     seen = []
-
-    def build(shape, **kw):
-        seen.append([op["kind"] for op in kw["program"].meta["ops"]])
-        return "src", types.SimpleNamespace(cubin=b"", cached=True, compiler="fake", path=Path("x"))
-
-    monkeypatch.setattr(K, "build_kernel", build)
+    monkeypatch.setattr(K, "build_kernel", _fake_build_kernel(lambda shape, kinds: seen.append(kinds)))
     for n in (512, 2048):
         PB.build_one(PB.BuildCase("qwen3-8b", max_seq_len=n))
     assert "attention_split_prep" not in seen[0] and "attention_split_prep" in seen[1]
