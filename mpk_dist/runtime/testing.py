@@ -50,7 +50,8 @@ SPLITS_ABOVE_AUTO = 5
 
 def split_attn_splits(batch: int):
     """attn_splits that keep a GPU test's batch-``batch`` program split: 'auto' up to AUTO_SPLIT_MAX_BATCH
-    sequences, SPLITS_ABOVE_AUTO ranges above ('auto' leaves those unsplit)."""
+    sequences (the test presets' o_proj is below the batch-1 unsplit rule's bytes: 'auto' splits them),
+    SPLITS_ABOVE_AUTO ranges above ('auto' leaves those unsplit)."""
     from mpk_dist.taskgraph.lowering_attention import AUTO_SPLIT_MAX_BATCH
 
     return "auto" if batch <= AUTO_SPLIT_MAX_BATCH else SPLITS_ABOVE_AUTO
