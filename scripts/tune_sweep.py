@@ -10,8 +10,7 @@ copies: csrc/tasks/weight_stream.cuh), l<0|1> (software-pipelined linear loads: 
 rows into L2 before their wait: csrc/tasks/attention.cuh), e<KB> (the full-width linear tiles' L2 prefetch from the
 task records instead of the compiled p cap: the same binary), d<0|1> (linear weight loads marked first to leave L2:
 csrc/tasks/common.cuh ld_weight_v4), j<0|1> (silu_mul as the gate|up projection's epilogue: the silu_epi fusion,
-scalar linear tiles only), q<KB> (batch-1 tiles behind a narrow op copy up to KB of their weights into shared memory
-before their wait: csrc/tasks/weight_preload.cuh) ('base' = defaults).
+scalar linear tiles only) ('base' = defaults).
 NOTE: m1 changes the summation order of linear tiles, so its tokens may differ from the base's
 (DIFFERS then means "check with compare_logits", not a bug by itself).
 A part -D<NAME>=<value> adds that compile-time define to the variant's build (MPK_NVCC_EXTRA_FLAGS, part of the
@@ -35,7 +34,7 @@ KNOBS = {"u": "MPK_LINEAR_UNROLL", "t": "MPK_WORKER_THREADS", "p": "MPK_PREFETCH
          "w": "MPK_PREFETCH_PLAN", "l": "MPK_LINEAR_PIPE", "v": "MPK_ATTN_PREFETCH", "g": "MPK_BULK_PREFETCH",
          "h": "MPK_PREFETCH_AHEAD", "c": "MPK_FUSE_ATTN_MERGE", "x": "MPK_ATTN_STAGE_KV",
          "y": "MPK_LOAD_AHEAD", "z": "MPK_MIN_CARVEOUT", "e": "MPK_PREFETCH_LEVEL_KB",
-         "d": "MPK_WEIGHT_EVICT_FIRST", "j": "MPK_FUSE_SILU_EPI", "q": "MPK_WEIGHT_PRELOAD_KB"}
+         "d": "MPK_WEIGHT_EVICT_FIRST", "j": "MPK_FUSE_SILU_EPI"}
 
 EXTRA_FLAGS = "MPK_NVCC_EXTRA_FLAGS"  # defines of a variant's build (-D parts)
 
@@ -60,7 +59,7 @@ def parse_variant(text: str) -> tuple[dict[str, str], dict]:
             env[EXTRA_FLAGS] = f"{env.get(EXTRA_FLAGS, '')} {part}".strip()
             continue
         if part[0] not in KNOBS or not part[1:].lstrip("-").isdigit():
-            raise SystemExit(f"tune_sweep: variant part {part!r}: expected -D<NAME>=<value>, u<N>, t<N>, p<N>, e<KB>, r<N>, m<0|1>, w<0|1>, b<0|1>, l<0|1>, v<0|1>, g<0|1>, h<0|1>, c<0|1>, x<0|1>, y<0|1>, d<0|1>, j<0|1>, q<KB>, "
+            raise SystemExit(f"tune_sweep: variant part {part!r}: expected -D<NAME>=<value>, u<N>, t<N>, p<N>, e<KB>, r<N>, m<0|1>, w<0|1>, b<0|1>, l<0|1>, v<0|1>, g<0|1>, h<0|1>, c<0|1>, x<0|1>, y<0|1>, d<0|1>, j<0|1>, "
                              "a<0|1>, f<0|1> (--fuse), s<0|1> (--superopt), k<N>|kauto (--attn-splits), or 'base'")
         env[KNOBS[part[0]]] = part[1:]
     return env, opts

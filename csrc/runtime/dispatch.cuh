@@ -362,13 +362,12 @@ __device__ __noinline__ bool run_page_alloc(const RuntimeParams& p, const TaskVi
 // bf16 activations and caches only; anything else, a bad position or too little shared memory is a
 // bad task (kErrBadTask) instead of something wrong.
 template <int MG, int ME>
-__device__ __noinline__ void run_attention_prep_attend(const TaskView& t, int p, float* smem, int tid,
-                                                       int nt MPK_ATTN_KS_PARAMS) {
+__device__ __noinline__ void run_attention_prep_attend(const TaskView& t, int p, float* smem, int tid, int nt) {
   attention_seq<MG, ME>(t.arg<const bf16>(ATTENTION_PREP_ARG_Q), t.arg<const bf16>(ATTENTION_PREP_ARG_K_CACHE),
                         t.arg<const bf16>(ATTENTION_PREP_ARG_V_CACHE), t.arg<bf16>(ATTENTION_PREP_ARG_OUT),
                         t.param(ATTENTION_PREP_PARAM_HEAD_DIM), t.param(ATTENTION_PREP_PARAM_GROUP),
                         t.param(ATTENTION_PREP_PARAM_KV_POS_STRIDE), p + 1, t.fparam(ATTENTION_PREP_PARAM_SCALE), smem,
-                        tid, nt MPK_ATTN_KS_ARGS);
+                        tid, nt);
 }
 
 __device__ __noinline__ bool run_attention_prep(const TaskView& t, float* smem, int tid, int nt) {
@@ -388,17 +387,13 @@ __device__ __noinline__ bool run_attention_prep(const TaskView& t, float* smem, 
                        t.param(ATTENTION_PREP_PARAM_V_OFFSET), t.param(ATTENTION_PREP_PARAM_KV_POS_STRIDE),
                        t.fparam(ATTENTION_PREP_PARAM_EPS), tid, nt);
   trace_mark(5, tid);  // trace: thread 0's warp prepared its q head (before the block barrier)
-#if MPK_PRELOAD_ATTN_K
-  int ks_rows = 0;
-  const bf16* ks = preload_attn_keys_ready(ks_rows);  // this thread's key-row copies landed (weight_preload.cuh)
-#endif
   worker_barrier(nt);  // the q rows and this position's k, v are written before any warp reads them
   trace_mark(0, tid);  // trace: the prep is done; attention_seq marks 1 when the walk is
   // The attention half, as run_attention's body for one sequence. One call per (MG, ME) instance, each
   // with 5 operands (the wrapper reads the rest from the task): 12 attention_seq call sites here, each
   // with all 12 operands live, made ptxas store 44 bytes to local memory in this function.
   const int epl = (D + 31) / 32;
-  MPK_ATTN_BOUNDS(G, epl, (run_attention_prep_attend<kMG, kME>(t, p, smem, tid, nt MPK_ATTN_KS_ARGS)));
+  MPK_ATTN_BOUNDS(G, epl, (run_attention_prep_attend<kMG, kME>(t, p, smem, tid, nt)));
   return true;
 }
 
@@ -640,8 +635,7 @@ __device__ __noinline__ void attention_prefetch(const TaskView& t, bool bulk, in
 // Issued before a task waits on its events: start streaming the bytes that do not depend on them
 // (a linear tile's weights, an attention tile's older cache rows) into L2, and prime the weight ring
 // (MPK_LINEAR_TMA). planned: the linear tiles' byte count (the host's plan, prefetch_plan.py, or -1: the
-// MPK_PREFETCH_KB cap); the aot worker also calls it for its NEXT task with REC_PREFETCH_NEXT (current false: only
-// the task about to wait owns the weight preload window, weight_preload.cuh).
+// MPK_PREFETCH_KB cap); the aot worker also calls it for its NEXT task with REC_PREFETCH_NEXT.
 // MPK_PREFETCH_ONE_SITE 1: the linear kinds pick their weight block and the prefetch is issued from one place (a
 // second block for norm_linear_silu's up rows); 0: each kind's branch inlines its own copy of the prefetch loops
 // (the former code: four, then five copies in the kernel entry, whose worker loop this function is part of).
@@ -656,14 +650,9 @@ __device__ __noinline__ void attention_prefetch(const TaskView& t, bool bulk, in
 #ifndef MPK_PREFETCH_NORM_W
 #define MPK_PREFETCH_NORM_W 0
 #endif
-__device__ void prefetch_task(const RuntimeParams& p, const int32_t* rec, int planned, bool current, int tid, int nt) {
+__device__ void prefetch_task(const RuntimeParams& p, const int32_t* rec, int planned, int tid, int nt) {
   const TaskView t(p, rec);
   const bool bulk = (rec[REC_FLAGS] & REC_FLAG_BULK_PREFETCH) != 0;
-  if (current) preload_clear(tid);  // the preload window is the task about to wait's only (weight_preload.cuh)
-  if (MPK_PRELOAD_ATTN_K && current && t.opcode() == OP_ATTENTION_PREP)  // its key rows into shared memory
-    preload_attn_keys(t.arg<const bf16>(ATTENTION_PREP_ARG_K_CACHE), t.param(ATTENTION_PREP_PARAM_HEAD_DIM),
-                      t.param(ATTENTION_PREP_PARAM_KV_POS_STRIDE), *t.arg<const int32_t>(ATTENTION_PREP_ARG_POSITIONS),
-                      tid, nt);
 #if MPK_PREFETCH_ONE_SITE
   const int op = t.opcode();
   const bf16* w = nullptr;  // the weight block of a linear kind (its first when it has two)
@@ -688,9 +677,7 @@ __device__ void prefetch_task(const RuntimeParams& p, const int32_t* rec, int pl
   }
   if (MPK_PREFETCH_NORM_W && norm_w != nullptr) prefetch_l2(norm_w, (uint64_t)K * sizeof(bf16), tid, nt);
   if (w != nullptr) {
-    // A fused kind about to wait on a narrow op (planned whole-tile bytes) copies its block's last rows into shared
-    // memory, where its gemv_tile reads them (weight_preload.cuh; OP_LINEAR's tile does not read the window).
-    linear_blocks_prefetch(w, K, n_tile, second, planned, bulk, current && planned > 0 && op != OP_LINEAR, tid, nt);
+    linear_blocks_prefetch(w, K, n_tile, second, planned, bulk, tid, nt);
     return;
   }
 #else
@@ -704,7 +691,7 @@ __device__ void prefetch_task(const RuntimeParams& p, const int32_t* rec, int pl
     linear_blocks_prefetch(t.arg<const bf16>(NORM_LINEAR_SILU_ARG_W), t.param(NORM_LINEAR_SILU_PARAM_K),
                            t.param(NORM_LINEAR_SILU_PARAM_N_TILE),
                            (long long)t.param(NORM_LINEAR_SILU_PARAM_UP_ROWS) * t.param(NORM_LINEAR_SILU_PARAM_K),
-                           planned, bulk, false, tid, nt);
+                           planned, bulk, tid, nt);
   else if (t.opcode() == OP_LINEAR_RESIDUAL)
     linear_prefetch(t.arg<const bf16>(LINEAR_RESIDUAL_ARG_W), t.param(LINEAR_RESIDUAL_PARAM_K),
                     t.param(LINEAR_RESIDUAL_PARAM_N_TILE), planned, bulk, tid, nt);

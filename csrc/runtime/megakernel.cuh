@@ -43,7 +43,6 @@ mpk_megakernel(const mpk::RuntimeParams* __restrict__ params) {
     return;
   }
   mpk::stream_reset(tid);  // shared memory starts undefined: no weight ring is primed yet
-  mpk::preload_clear(tid);  // nor a weight preload window (the jit schedule never sets one)
 #if defined(MPK_ENTRY_PAD_BYTES) && MPK_ENTRY_PAD_BYTES > 0
   // Experiment only (docs/PERF.md v0.13): grows the entry's stack frame by this many bytes and changes nothing
   // else, to test whether the frame size alone slows the kernel. The volatile store keeps the array in local memory.

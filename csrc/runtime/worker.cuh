@@ -270,14 +270,14 @@ __device__ void worker_loop_aot(const RuntimeParams& p, BlockState& st, float* s
       const int32_t* rec = recs[slot];
       const int task = rec[REC_TASK];
       const uint64_t t0 = globaltimer_ns();
-      prefetch_task(p, rec, rec[REC_PREFETCH], true, tid, nt);  // weights stream in while we wait for the inputs
+      prefetch_task(p, rec, rec[REC_PREFETCH], tid, nt);  // weights stream in while we wait for the inputs
       record_fetch(p, i + 1 < end ? i + 1 : begin, recs[slot ^ 1], tid);  // the next task (next step: the first)
       if (rec[REC_PREFETCH_NEXT] != 0) {
         // The host planned the next task's weights here (prefetch_plan.py hoist_ahead): this task waits on
         // a narrow producer, so its wait is the idle time the next linear tile's bytes can use.
         record_fetch_wait(tid);
         worker_barrier(nt);  // the next record is visible to every thread
-        prefetch_task(p, recs[slot ^ 1], rec[REC_PREFETCH_NEXT], false, tid, nt);
+        prefetch_task(p, recs[slot ^ 1], rec[REC_PREFETCH_NEXT], tid, nt);
       }
       const uint64_t t_prep = globaltimer_ns();
       if (tid == 0) st.failed = wait_task_events(p, rec, s);
@@ -287,7 +287,6 @@ __device__ void worker_loop_aot(const RuntimeParams& p, BlockState& st, float* s
       uint64_t t_body = 0;
       if (!run_and_signal<false>(p, rec, s, smem, tid, nt, &t_body)) { stop = true; break; }
       if (tid == 0) stream_drain();  // a ring primed for this task but not streamed from (weight_stream.cuh)
-      preload_settle();  // this thread's weight copies (weight_preload.cuh) land before the next task's reuse the region
       if (tid == 0 && s >= p.trace_from) trace_record(p, ntrace, task, s, t0, t_prep, t_ready, t_body);
       record_fetch_wait(tid);  // the next record is in shared memory before the barrier publishes it
       worker_barrier(nt);  // st and this slot are rewritten for the next task

@@ -182,12 +182,11 @@ __host__ __device__ inline int attention_smem_bytes(int nwarps, int G, int D) { 
 // runtime guard (j < G, i < epl && d < D), so the arithmetic is the same for every instance.
 template <int MG, int ME>
 __device__ __noinline__ void attention_seq(const bf16* q, const bf16* kc, const bf16* vc, bf16* out, int D, int G,
-                                           int kv_ps, int n_pos, float scale, float* smem, int tid,
-                                           int nt MPK_ATTN_KS_PARAMS) {
+                                           int kv_ps, int n_pos, float scale, float* smem, int tid, int nt) {
   const int warp = tid >> 5, lane = tid & 31, nwarps = nt >> 5;
   float* mine = smem + (size_t)warp * G * (D + 2);  // this warp's merge entries
   if (MPK_ATTN_MMA_WALK && attn_mma_walk_ok<MG, ME>(q, kc, vc, D, G, kv_ps, n_pos)) {
-    attn_mma_walk<MG, ME>(q, kc, vc, D, G, kv_ps, warp, n_pos, nwarps, scale, lane, mine, D + 2 MPK_ATTN_KS_ARGS);
+    attn_mma_walk<MG, ME>(q, kc, vc, D, G, kv_ps, warp, n_pos, nwarps, scale, lane, mine, D + 2);
   } else {
     float qv[MG][ME], acc[MG][ME], m[MG], l[MG];
     attn_warp_init<MG, ME>(q, D, G, lane, qv, acc, m, l);

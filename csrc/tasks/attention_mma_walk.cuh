@@ -50,21 +50,6 @@
 #ifndef MPK_ATTN_SPLIT_MMA_WALK
 #define MPK_ATTN_SPLIT_MMA_WALK 0
 #endif
-// MPK_PRELOAD_ATTN_K 1 (a measurement variant, off): the unsplit attention_prep tile's key rows of positions
-// 0 .. ks_rows - 1 were copied into shared memory before its wait (csrc/tasks/weight_preload.cuh
-// preload_attn_keys), and the walk reads them there (generic loads: the same 16 bytes).
-#ifndef MPK_PRELOAD_ATTN_K
-#define MPK_PRELOAD_ATTN_K 0
-#endif
-// attention_seq's extra operands under it (none in other builds: a noinline function's operands cost its callers
-// registers, tests/runtime/test_attn_prep_build.py).
-#if MPK_PRELOAD_ATTN_K
-#define MPK_ATTN_KS_PARAMS , const bf16 *ks = nullptr, int ks_rows = 0
-#define MPK_ATTN_KS_ARGS , ks, ks_rows
-#else
-#define MPK_ATTN_KS_PARAMS
-#define MPK_ATTN_KS_ARGS
-#endif
 
 namespace mpk {
 
@@ -97,7 +82,7 @@ __device__ __forceinline__ bool attn_mma_walk_ok(const bf16* q, const bf16* kc, 
 template <int MG, int ME>
 __device__ __forceinline__ void attn_mma_walk(const bf16* q, const bf16* kc, const bf16* vc, int D, int G, int kv_ps,
                                               int first, int end, int stride, float scale, int lane, float* out,
-                                              int entry, const bf16* ks = nullptr, int ks_rows = 0) {
+                                              int entry) {
   if constexpr (kAttnMmaWalkFits<MG, ME>) {
     constexpr int kTiles = 32 * ME / kMmaWalkDimsPerTile;  // value tiles: D / 16
     constexpr int kVecs = ME / 2;                           // 16-byte pieces of a lane's D / 8 value dims
@@ -134,21 +119,10 @@ __device__ __forceinline__ void attn_mma_walk(const bf16* q, const bf16* kc, con
         for (int c = 0; c < kVecs; ++c) vw[r][c] = ld_act_v4(vr + kMmaWalkVec * c);
       }
     };
-#if MPK_PRELOAD_ATTN_K
-    // A key row from the shared-memory copy when its position is in it (row stride D), else from the cache.
-    auto key_row = [&](int k) -> const bf16* {
-      const int pos = first + min(k, last) * stride;
-      return pos < ks_rows ? ks + pos * D : kc + pos * kv_ps;
-    };
-#else
-    (void)ks;
-    (void)ks_rows;
-    auto key_row = [&](int k) { return row(kc, k); };
-#endif
 #pragma unroll 1
     for (int b0 = 0; b0 < n; b0 += kMmaWalkBlock) {
-      const bf16* k_lo = key_row(b0 + g) + kMmaWalkVec * t;  // score rows g and g + 8: positions b0 + g, + 8
-      const bf16* k_hi = key_row(b0 + g + kMmaWalkHalf) + kMmaWalkVec * t;
+      const bf16* k_lo = row(kc, b0 + g) + kMmaWalkVec * t;  // score rows g and g + 8: positions b0 + g, + 8
+      const bf16* k_hi = row(kc, b0 + g + kMmaWalkHalf) + kMmaWalkVec * t;
       uint4 ka[ME], kb[ME];
 #pragma unroll
       for (int c = 0; c < ME; ++c) {

@@ -15,7 +15,6 @@
 #include "linear.cuh"
 #include "silu_mul.cuh"
 #include "weight_stream.cuh"
-#include "weight_preload.cuh"
 
 namespace mpk {
 
@@ -139,77 +138,12 @@ __device__ __forceinline__ const void* epi_out(const EpiT&) { return nullptr; }
 constexpr int kMarkGemvStart = kMarkMmaStart;
 constexpr int kMarkGemvWarp0Done = kMarkMmaStreamed;
 
-// One row group of gemv_tile: rows n0 .. n0 + R - 1 of the tile, their weight vectors from load_w(n, k) (global
-// memory, or the shared-memory window of weight_preload.cuh: the same 16 bytes), summed by one warp.
-template <int B, int R, int U, class XS, class EpiT, class LoadW>
-__device__ __forceinline__ void gemv_row_group(const XS& xs, const LoadW& load_w, int K, int n0, int n_tile,
-                                               const EpiT& epi, int lane) {
-  constexpr bool kAhead = B == 1 && MPK_LOAD_AHEAD;  // x before its use (same bits)
-  float acc[R][B];
-#pragma unroll
-  for (int r = 0; r < R; ++r)
-#pragma unroll
-    for (int b = 0; b < B; ++b) acc[r][b] = 0.f;
-  for (int kb = 0; kb < K; kb += U * 256) {
-    uint4 wv[R][U];
-#pragma unroll
-    for (int r = 0; r < R; ++r)
-#pragma unroll
-      for (int u = 0; u < U; ++u) {  // every weight load of the R rows before any use
-        const int k = kb + u * 256 + lane * 8;
-        wv[r][u] = (k < K && n0 + r < n_tile) ? load_w(n0 + r, k) : make_uint4(0, 0, 0, 0);
-      }
-    if constexpr (kAhead) {  // x before any use, as the weights (linear.cuh load_x_round)
-      uint4 xv[U];
-      load_x_round<U>(xv, [&](int k) { return xs.load8(0, k); }, kb, K, lane);
-#pragma unroll
-      for (int u = 0; u < U; ++u)
-#pragma unroll
-        for (int r = 0; r < R; ++r) acc[r][0] += dot8(wv[r][u], xv[u]);  // past K: + (+0), see load_x_round
-    } else {
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const int k = kb + u * 256 + lane * 8;
-        if (k < K) {
-#pragma unroll
-          for (int b = 0; b < B; ++b) {
-            const uint4 xv = xs.load8(b, k);
-#pragma unroll
-            for (int r = 0; r < R; ++r) acc[r][b] += dot8(wv[r][u], xv);
-          }
-        }
-      }
-    }
-  }
-#pragma unroll
-  for (int r = 0; r < R; ++r)
-#pragma unroll
-    for (int b = 0; b < B; ++b) {
-      const float s = warp_sum(acc[r][b]);
-      if (lane == (b & 31) && n0 + r < n_tile) epi(b, n0 + r, s);
-    }
-}
-
-// A row group whose rows are all in the weight preload window. Not inlined: its own register allocation, apart
-// from the global-memory loop's (one loop choosing per load or per group between the two sources spilled at 16
-// loads a lane, docs/PERF.md v0.23).
-template <int B, int R, int U, class XS, class EpiT>
-__device__ __noinline__ void gemv_row_group_preloaded(const XS xs, const PreloadView pre, int K, int n0, int n_tile,
-                                                      const EpiT epi, int lane) {
-  gemv_row_group<B, R, U>(xs, [&](int n, int k) { return ld_preloaded(pre, n, K, k); }, K, n0, n_tile, epi, lane);
-}
-
 // NOTE: not inlined: one copy per batch serves all three fused kinds (inlined at each call site it
 // tripled the batch-16 kernel's build time); the call costs nothing next to a tile's weight stream.
 template <int B, int R, class XS, class EpiT>
 __device__ __noinline__ void gemv_tile(const XS xs, const bf16* __restrict__ w, int K, int n_tile, const EpiT epi,
                                        int tid, int nt) {
   constexpr int U = kLinUnroll / R > 0 ? kLinUnroll / R : 1;
-  // The rows from pre.row0 on were copied into shared memory before the task's wait (weight_preload.cuh: only
-  // batch-1 tiles behind a narrow op); kNoPreloadRow otherwise. Every thread of the block calls gemv_tile once for
-  // such a tile (never a pair tile), so the barrier in preload_ready is the block's.
-  const PreloadView pre = preload_view(w);
-  preload_ready(pre, nt);
   if (R == 1 && stream_fits(K, nt)) {  // MPK_LINEAR_TMA: same sums, weights through shared memory
     gemv_streamed<B>(xs, w, K, n_tile, epi, tid, nt);
     return;
@@ -220,13 +154,51 @@ __device__ __noinline__ void gemv_tile(const XS xs, const bf16* __restrict__ w, 
   }
   const int warp = tid >> 5, lane = tid & 31, nwarps = nt >> 5;
   if constexpr (B == 1 && MPK_GEMV_MARKS) trace_mark(kMarkGemvStart, tid);  // trace: the weight loop starts
+  constexpr bool kAhead = B == 1 && MPK_LOAD_AHEAD;  // x before its use (same bits)
   for (int n0 = warp * R; n0 < n_tile; n0 += nwarps * R) {
-    if (kPreloadBytes > 0 && n0 >= pre.row0) {  // the window holds the tile's last rows: all of this group's
-      gemv_row_group_preloaded<B, R, U>(xs, pre, K, n0, n_tile, epi, lane);
-      continue;
+    float acc[R][B];
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+      for (int b = 0; b < B; ++b) acc[r][b] = 0.f;
+    for (int kb = 0; kb < K; kb += U * 256) {
+      uint4 wv[R][U];
+#pragma unroll
+      for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int u = 0; u < U; ++u) {  // every weight load of the R rows before any use
+          const int k = kb + u * 256 + lane * 8;
+          wv[r][u] = (k < K && n0 + r < n_tile) ? ld_weight_v4(w + (size_t)(n0 + r) * K + k) : make_uint4(0, 0, 0, 0);
+        }
+      if constexpr (kAhead) {  // x before any use, as the weights (linear.cuh load_x_round)
+        uint4 xv[U];
+        load_x_round<U>(xv, [&](int k) { return xs.load8(0, k); }, kb, K, lane);
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+#pragma unroll
+          for (int r = 0; r < R; ++r) acc[r][0] += dot8(wv[r][u], xv[u]);  // past K: + (+0), see load_x_round
+      } else {
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          const int k = kb + u * 256 + lane * 8;
+          if (k < K) {
+#pragma unroll
+            for (int b = 0; b < B; ++b) {
+              const uint4 xv = xs.load8(b, k);
+#pragma unroll
+              for (int r = 0; r < R; ++r) acc[r][b] += dot8(wv[r][u], xv);
+            }
+          }
+        }
+      }
     }
-    gemv_row_group<B, R, U>(xs, [&](int n, int k) { return ld_weight_v4(w + (size_t)n * K + k); }, K, n0, n_tile, epi,
-                            lane);
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+      for (int b = 0; b < B; ++b) {
+        const float s = warp_sum(acc[r][b]);
+        if (lane == (b & 31) && n0 + r < n_tile) epi(b, n0 + r, s);
+      }
   }
   if constexpr (B == 1 && MPK_GEMV_MARKS) trace_mark(kMarkGemvWarp0Done, tid);  // trace: thread 0's warp has summed its rows
 }

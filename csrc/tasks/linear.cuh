@@ -205,18 +205,11 @@ __device__ __forceinline__ void linear_prefetch(const bf16* w, int K, int n_tile
 // linear_prefetch for any linear kind from one call site (prefetch_task): one weight block, or (second != 0) the
 // two blocks of n_tile / 2 rows each of norm_linear_silu, `second` elements apart, with half the bytes from the
 // head of each (each half of the tile's warps starts there; no ring priming: that tile streams through registers).
-// preload (the task about to wait, one block, planned bytes > 0: weight_preload.cuh): the block's last rows go into
-// shared memory instead, and the L2 prefetch keeps the planned bytes of the rows before them.
 __device__ __noinline__ void linear_blocks_prefetch(const bf16* w, int K, int n_tile, long long second, int planned,
-                                                       bool bulk, bool preload, int tid, int nt) {
+                                                       bool bulk, int tid, int nt) {
   uint64_t bytes = linear_prefetch_bytes(K, n_tile, planned);
   if (second != 0) bytes /= 2;
   else if (tid == 0) stream_prime(w, K, n_tile, nt);  // MPK_LINEAR_TMA: the first stages into shared memory
-  if (kPreloadBytes > 0 && preload && second == 0) {
-    const uint64_t head = preload_weights(w, K, n_tile, tid, nt);  // bytes before the window
-    if (bytes > head) bytes = head;
-  }
-  if (bytes == 0) return;
   for (int b = 0; b < (second != 0 ? 2 : 1); ++b) {
     const bf16* head = w + b * second;
     if (bulk) prefetch_l2_bulk(head, bytes, tid, nt);

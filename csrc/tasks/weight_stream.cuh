@@ -31,7 +31,6 @@
 // so no copy is ever in flight when the barriers are re-initialised.
 #pragma once
 #include "common.cuh"
-#include "weight_preload.cuh"
 
 #ifndef MPK_LINEAR_UNROLL
 #define MPK_LINEAR_UNROLL 8
@@ -49,11 +48,9 @@ constexpr uint32_t kRingBarrierBytes = 2 * kRingStages * sizeof(uint64_t);
 constexpr uint32_t kRingStateBytes = 32;  // RingState below
 constexpr uint32_t kRingBytes = kRingStages * kRingStageBytes + kRingBarrierBytes + kRingStateBytes;
 
-// Dynamic shared memory available to everything but the ring or the weight preload region (weight_preload.cuh),
-// the two tenants of the end of the launch's dynamic shared memory; the host never builds both.
-static_assert(!(MPK_LINEAR_TMA && kPreloadBytes > 0), "MPK_LINEAR_TMA and MPK_WEIGHT_PRELOAD_KB exclude each other");
+// Dynamic shared memory available to everything but the ring (the whole launch's when the ring is off).
 __device__ __forceinline__ uint32_t smem_below_ring() {
-  return MPK_LINEAR_TMA ? launch_smem_bytes() - kRingBytes : launch_smem_bytes() - kPreloadBytes;
+  return MPK_LINEAR_TMA ? launch_smem_bytes() - kRingBytes : launch_smem_bytes();
 }
 
 // True when a [*, K] bf16 weight row fits one stage and the block has a producer warp besides consumers.

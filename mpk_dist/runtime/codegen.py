@@ -43,11 +43,10 @@ class KernelShape:
     attn_prefetch: bool = True  # attention tiles pull their cache rows into L2 before their wait (attention.cuh; same bits)
     load_ahead: bool = True  # batch-1 GEMV: a round's x vectors loaded before any use (linear.cuh load_x_round; same bits)
     weight_evict_first: bool = False  # linear tiles' weight loads marked first to leave L2 (common.cuh ld_weight_v4; same bits)
-    weight_preload_kb: int = 0  # batch-1 tiles behind a narrow op copy up to this many KB of weights into shared memory before their wait (weight_preload.cuh; same bits)
 
 
     def name(self) -> str:
-        """File-name label: mk_b<batch>_t<threads>_<schedule>[_r<rows>][_u<unroll>][_p<prefetch KB>][_d][_nso][_m][_tma][_pipe][_nap][_nxa][_wef][_wp<preload KB>]."""
+        """File-name label: mk_b<batch>_t<threads>_<schedule>[_r<rows>][_u<unroll>][_p<prefetch KB>][_d][_nso][_m][_tma][_pipe][_nap][_nxa][_wef]."""
         rows = f"_r{self.linear_rows}" if self.linear_rows != 1 else ""
         unroll = f"_u{self.linear_unroll}" if self.linear_unroll != 8 else ""
         pf = f"_p{self.prefetch_kb}" if self.prefetch_kb != -1 else ""
@@ -58,29 +57,7 @@ class KernelShape:
         mma += "" if self.attn_prefetch else "_nap"
         mma += "" if self.load_ahead else "_nxa"
         mma += "_wef" if self.weight_evict_first else ""
-        mma += f"_wp{self.weight_preload_kb}" if self.weight_preload_kb else ""
         return f"mk_b{self.batch}_t{self.worker_threads}_{self.schedule}{rows}{unroll}{pf}{nso}{mma}"
-
-
-WEIGHT_PRELOAD_MAX_KB = 192
-"""Largest weight preload window (MPK_WEIGHT_PRELOAD_KB): it shares the block's 227 KB of shared memory with the
-attention tiles' and fused prologues' needs (tables.smem_bytes checks the sum per program)."""
-
-
-def check_weight_preload(shape: KernelShape) -> None:
-    """Refuse a weight preload the kernel cannot build: a size that is negative, too large or not a multiple of 16 KB,
-    another batch than 1 (the scalar GEMV tile reads the window), or beside MPK_LINEAR_TMA's ring (the other tenant of
-    the end of the shared memory)."""
-    kb = shape.weight_preload_kb
-    if not 0 <= kb <= WEIGHT_PRELOAD_MAX_KB or kb % 16:
-        raise ValueError(f"weight_preload_kb (MPK_WEIGHT_PRELOAD_KB): expected a multiple of 16 in "
-                         f"0..{WEIGHT_PRELOAD_MAX_KB}, got {kb}")
-    if kb and shape.batch != 1:
-        raise ValueError(f"weight_preload_kb (MPK_WEIGHT_PRELOAD_KB): batch-1 kernels only (the scalar GEMV tile), "
-                         f"got MPK_BATCH {shape.batch}; unset it for this batch")
-    if kb and shape.linear_tma:
-        raise ValueError("weight_preload_kb (MPK_WEIGHT_PRELOAD_KB) and linear_tma (MPK_LINEAR_TMA) exclude each "
-                         "other: both fill the end of the shared memory with the tile's weights; set one")
 
 
 def git_commit() -> str:
@@ -114,7 +91,6 @@ def render_source(shape: KernelShape, model: str = "-", rank: int = 0, world: in
         raise ValueError(f"linear_unroll: expected one of {LINEAR_UNROLLS}, got {shape.linear_unroll}")
     if shape.prefetch_kb < -1:
         raise ValueError(f"prefetch_kb: expected -1 (whole tile) or a cap >= 0 in KB, got {shape.prefetch_kb}")
-    check_weight_preload(shape)
     if shape.worker_threads not in WORKER_THREADS:
         raise ValueError(f"worker_threads: expected one of {WORKER_THREADS}, got {shape.worker_threads}")
     banner = [
@@ -136,7 +112,6 @@ def render_source(shape: KernelShape, model: str = "-", rank: int = 0, world: in
         f"#define MPK_ATTN_PREFETCH {int(shape.attn_prefetch)}",
         f"#define MPK_LOAD_AHEAD {int(shape.load_ahead)}",
         f"#define MPK_WEIGHT_EVICT_FIRST {int(shape.weight_evict_first)}",
-        f"#define MPK_WEIGHT_PRELOAD_KB {shape.weight_preload_kb}",
         "#include <cstddef>",
         '#include "abi_generated.h"  // mpk_dist.taskgraph.abi.render_cuda_abi_header()',
         '#include "megakernel.cuh"',

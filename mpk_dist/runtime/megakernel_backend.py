@@ -507,18 +507,6 @@ def tuning_from_env(worker_threads: int | None, environ=None) -> dict:
             raise InputError(f"MPK_PREFETCH_LEVEL_KB: expected a cap in KB >= 0 (unset: the kernel's MPK_PREFETCH_KB), "
                              f"got {raw!r}")
         out["prefetch_level_kb"] = int(raw)
-    # Batch-1 tiles behind a narrow op copy their weights' last rows into shared memory before their wait
-    # (csrc/tasks/weight_preload.cuh; same bits). Only when set, so the default kernel is what it was.
-    raw = env.get("MPK_WEIGHT_PRELOAD_KB", "")
-    if raw:
-        from mpk_dist.runtime.codegen import WEIGHT_PRELOAD_MAX_KB
-
-        if not raw.isdigit() or int(raw) > WEIGHT_PRELOAD_MAX_KB or int(raw) % 16:
-            raise InputError(f"MPK_WEIGHT_PRELOAD_KB: expected a multiple of 16 in 0..{WEIGHT_PRELOAD_MAX_KB} (KB of "
-                             f"a batch-1 linear tile's weights copied into shared memory before it waits on a narrow "
-                             f"op; 0 or unset: off), got {raw!r}")
-        if int(raw):
-            out["weight_preload_kb"] = int(raw)
     # Switches whose key appears only when set away from the default, so the default dict (and every
     # Session built from it) is what it was before the switch existed; a switch whose default depends on the
     # program (None) appears whenever it is set.

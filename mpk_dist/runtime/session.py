@@ -52,10 +52,7 @@ def kernel_shape(cg, worker_threads: int | None, schedule: str, **knobs) -> Kern
     if knobs.get("linear_unroll") is None:
         knobs["linear_unroll"] = tables.default_linear_unroll(cg, worker_threads)
     # MPK_BATCH: the rows of a linear tile (row blocks of 16 above 16 rows), not the program's batch
-    kb = tables.kernel_batch(cg)
-    if kb != 1:  # the weight preload is the scalar batch-1 tile's (weight_preload.cuh): other batches build without
-        knobs["weight_preload_kb"] = 0
-    return KernelShape(kb, worker_threads, schedule, **knobs)
+    return KernelShape(tables.kernel_batch(cg), worker_threads, schedule, **knobs)
 
 
 TRACE_BYTES_CAP = 256 << 20
@@ -80,7 +77,7 @@ class Session:
                  prefetch_plan: bool = True, linear_tma: bool = False, linear_pipe: bool = False,
                  attn_prefetch: bool = True, bulk_prefetch: bool = False, prefetch_ahead: bool = False,
                  attn_stage_kv: bool = False, load_ahead: bool = True, min_carveout: bool = False,
-                 weight_evict_first: bool = False, weight_preload_kb: int = 0,
+                 weight_evict_first: bool = False,
                  prefetch_level_kb: int | None = None):
         if cg.meta["abi_version"] != ABI_VERSION:
             raise InputError(f"task graph ABI: expected version {ABI_VERSION}, got {cg.meta['abi_version']}")
@@ -103,7 +100,7 @@ class Session:
                              prefetch_kb=prefetch_kb, superopt=superopt,
                              linear_mma=linear_mma, linear_tma=linear_tma, linear_pipe=linear_pipe,
                              attn_prefetch=attn_prefetch, load_ahead=load_ahead,
-                             weight_evict_first=weight_evict_first, weight_preload_kb=weight_preload_kb)
+                             weight_evict_first=weight_evict_first)
         self.source, self.build = build_kernel(shape, model=model,
                                                rank=self.rank, world=self.world, input_hash=tables_hash(cg.arrays),
                                                compiler=compiler, program=cg)
@@ -114,7 +111,7 @@ class Session:
         # Record-level: split-KV tiles stage their cache rows in shared memory when the stage fits.
         self.stage_kv = attn_stage_kv and tables.kv_stage_fits(cg, worker_threads, weight_ring=linear_tma)
         self.smem = tables.smem_bytes(cg, worker_threads, weight_ring=linear_tma, stage_kv=self.stage_kv,
-                                      linear_mma=shape.linear_mma, preload_bytes=shape.weight_preload_kb * 1024)
+                                      linear_mma=shape.linear_mma)
         t0 = time.perf_counter()
         self.kernel = LoadedKernel(self.build.cubin, device.index or 0, self.block_threads, self.smem,
                                    min_carveout=min_carveout)

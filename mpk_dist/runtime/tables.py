@@ -261,14 +261,12 @@ def mma_partial_room(cg, worker_threads: int, weight_ring: bool = False) -> int:
 
 
 def smem_bytes(cg, worker_threads: int, weight_ring: bool = False, stage_kv: bool = False,
-               linear_mma: bool = False, preload_bytes: int = 0) -> int:
+               linear_mma: bool = False) -> int:
     """Dynamic shared memory per worker block: the largest need over the task bodies, plus the weight
     ring at the end when ``weight_ring`` (MPK_LINEAR_TMA; the staging budget shrinks by as much);
     ``stage_kv``: room for the split-KV tiles' cache-row stage when it fits (``kv_stage_fits``);
-    ``linear_mma``: the linear tiles run on tensor cores, room for their split-K partials (``mma_partial_room``);
-    ``preload_bytes``: the weight preload region at the end (MPK_WEIGHT_PRELOAD_KB, csrc/tasks/weight_preload.cuh),
-    refused with a message naming the largest that fits when it leaves the bodies too little."""
-    ring = (WEIGHT_RING_BYTES if weight_ring else 0) + preload_bytes
+    ``linear_mma``: the linear tiles run on tensor cores, room for their split-K partials (``mma_partial_room``)."""
+    ring = WEIGHT_RING_BYTES if weight_ring else 0
     from mpk_dist.taskgraph.fusion import staging_bytes
     from mpk_dist.taskgraph.lowering_attention import attention_staging_bytes
     from mpk_dist.taskgraph.lowering_attn_prep import split_prep_smem_bytes
@@ -289,12 +287,7 @@ def smem_bytes(cg, worker_threads: int, weight_ring: bool = False, stage_kv: boo
         need = max(need, kv_stage_smem_bytes(cg, worker_threads))
     if linear_mma:
         need = max(need, mma_partial_room(cg, worker_threads, weight_ring))
-    total = (need + 127) // 128 * 128 + ring
-    if preload_bytes and total > HOPPER_MAX_DYNAMIC_SMEM - SMEM_RESERVE:
-        room = (HOPPER_MAX_DYNAMIC_SMEM - SMEM_RESERVE - (need + 127) // 128 * 128) // 1024 // 16 * 16
-        raise InputError(f"MPK_WEIGHT_PRELOAD_KB={preload_bytes // 1024}: the worker block needs {need} bytes of shared "
-                         f"memory besides the preload window, so at most {room} KB fit; set that or less")
-    return total
+    return (need + 127) // 128 * 128 + ring
 
 
 def max_tasks_per_worker(cg) -> int:

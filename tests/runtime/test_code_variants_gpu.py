@@ -29,10 +29,6 @@ the arithmetic, so the logits must equal the default build's bit for bit and sta
   into shared memory before summing (csrc/tasks/linear_residual.cuh), batch 2 and 3 (batch 4 runs tensor-core tiles),
   with the silu epilogue asked for so that the down projection is a linear_residual too.
 
-- ``MPK_WEIGHT_PRELOAD_KB=176``: batch-1 tiles behind a narrow op copy their weights' last rows into shared memory
-  before their wait and read them from there (csrc/tasks/weight_preload.cuh), on the unsplit program
-  (``attn_splits=1``: 8 attention tiles, so the o_proj tiles are planned whole and preload).
-
 - ``MPK_FUSE_SILU_EPI=0``: silu_mul in the down projection's prologue instead of the gate|up projection's epilogue
   (another program and kernel: fusion 'silu_epi' off), batch 1 (the epilogue is the default there) and 2 (asked for
   with MPK_FUSE_SILU_EPI=1).
@@ -128,23 +124,3 @@ def test_staged_linear_residual_leaves_the_logits_bitwise(batch, gpu_results):
     assert "linear_residual" in {o["kind"] for o in default.session(batch).cg.meta["ops"]}
     check_bitwise(f"{flags} vs default, MPK_FUSE_SILU_EPI=1, {NAME} b{batch} prompt {PROMPT}", NAME, variant, default,
                   forced_request(NAME, PROMPT, STEPS, batch, 70), gpu_results)
-
-
-def test_weight_preload_leaves_the_logits_bitwise(gpu_results):
-    """MPK_WEIGHT_PRELOAD_KB=176 (weight_preload.cuh): qwen3-0.6b batch 1 with unsplit attention, whose o_proj tiles
-    (32 KB each) wait on the 8 attention tiles, get a whole-tile plan and so read all their rows from shared memory:
-    the default build's logits bit for bit. The plan is checked to hold such tiles, so the window is used."""
-    from mpk_dist.taskgraph.abi import TASK_COLS
-    from mpk_dist.taskgraph.tasks import BY_NAME
-
-    env = {"MPK_WEIGHT_PRELOAD_KB": "176"}
-    variant, default = megakernel_with_env(NAME, env, attn_splits=1), megakernel_with_env(NAME, {}, attn_splits=1)
-    s = variant.session(1)
-    assert s.build.path != default.session(1).build.path, f"{env} did not make another binary"
-    assert "#define MPK_WEIGHT_PRELOAD_KB 176" in s.source
-    plan = s._prefetch_plan()[0]
-    opcodes = s.cg.arrays["tasks"][:, TASK_COLS["OPCODE"]]
-    planned = plan[opcodes == BY_NAME["linear_residual"].opcode]
-    assert (planned > 0).sum() >= 64, f"expected the o_proj tiles planned whole behind the attention, got {planned}"
-    check_bitwise(f"{env} vs default, {NAME} b1 unsplit prompt {PROMPT}", NAME, variant, default,
-                  forced_request(NAME, PROMPT, STEPS, 1, 70), gpu_results)

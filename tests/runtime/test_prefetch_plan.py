@@ -140,8 +140,8 @@ def test_switch_from_env_and_what_the_kernel_reads():
         tuning_from_env(512, {"MPK_PREFETCH_PLAN": "off"})
     loop = (CSRC / "runtime" / "worker.cuh").read_text()
     loop = loop[loop.index("__device__ void worker_loop_aot("):]
-    assert "prefetch_task(p, rec, rec[REC_PREFETCH], true, tid, nt)" in loop
-    assert "prefetch_task(p, recs[slot ^ 1], rec[REC_PREFETCH_NEXT], false, tid, nt)" in loop
+    assert "prefetch_task(p, rec, rec[REC_PREFETCH], tid, nt)" in loop
+    assert "prefetch_task(p, recs[slot ^ 1], rec[REC_PREFETCH_NEXT], tid, nt)" in loop
 
 
 @pytest.mark.parametrize("attn_splits", [1, "auto"])
