@@ -8,6 +8,12 @@ NARROW op (few tasks: an unfused rms_norm, or unsplit attention's 8 tiles, which
 microseconds on a handful of SMs) leaves every other SM idle for that long; its whole weight block fits
 in L2 and can be in L2 by the time the inputs arrive. This module marks those tasks.
 
+Behind attention in a batch-1 program nothing is planned (NO_PLAN_BEHIND_ATTENTION_MAX_BATCH): measured on an H200
+(docs/PERF.md v0.30) the whole-tile o_proj plan behind the 8B presets' 8 unsplit tiles cost 0.5-0.6% a token. L2 is
+hardly faster to stream from than HBM when every SM reads (5.0 vs 4.2-4.7 TB/s, csrc/bench/sm_read_bw.cu --l2), so
+o_proj ran ~9.3 us either way, and the prefetch traffic slowed the latency-bound attention walk beside it. Batches 2-4
+(16-32 unsplit tiles) keep the plan: not measured without it.
+
 Split-KV attention (64-72 tiles for qwen3-8b at context 512) is deliberately NOT narrow: planning the
 o_proj tiles behind it measured slower (docs/PERF.md v0.14: qwen3-8b 5.042 vs 5.008 ms, the attention
 level 19.5-20.4 vs 18.0-18.7 us: the 33.5 MB of prefetches slow the attention's own loads more than
@@ -36,6 +42,17 @@ NARROW_FRACTION = 0.25
 
 L2_SHARE = 0.7
 """Share of the L2 one op's whole-tile prefetches may fill (the rest: activations, the KV cache)."""
+
+NO_PLAN_BEHIND_ATTENTION_MAX_BATCH = 1
+"""Programs of up to this many sequences plan nothing behind an attention op: their tiles keep the kernel's default
+cap. Measured (docs/PERF.md v0.30): behind qwen3-8b's and llama3-8b's 8 unsplit batch-1 attention tiles the o_proj
+plan cost 0.5-0.6% a token (4.639 / 4.643 vs 4.609 / 4.614 ms without it; llama3-8b 4.448 / 4.456 vs 4.422 / 4.429),
+o_proj ran ~9.3 us either way (132 SMs read 5.0 TB/s from L2 against 4.2-4.7 from HBM, csrc/bench/sm_read_bw.cu
+--l2: L2 is hardly faster to stream from), and the prefetches slowed the latency-bound attention tiles beside them.
+Batches 2-4 (16-32 unsplit tiles, narrow too) were not measured without the plan and keep it."""
+
+ATTENTION_KINDS = ("attention", "attention_prep", "attention_split", "attention_split_prep", "attention_merge",
+                   "paged_attention")
 
 
 
@@ -71,10 +88,22 @@ def _runs_a_producer_first(cg, task: int, events: set[int]) -> bool:
     return False
 
 
+def _attention_events(cg) -> set[int]:
+    """The events an attention-kind task signals."""
+    tasks = cg.arrays["tasks"]
+    kinds = {BY_NAME[k].opcode for k in ATTENTION_KINDS if k in BY_NAME}
+    out: set[int] = set()
+    for t in np.flatnonzero(np.isin(tasks[:, TASK_COLS["OPCODE"]], list(kinds))).tolist():
+        out |= _signals(cg, t)
+    return out
+
+
 def _narrow_tiles(cg, workers: int, l2_bytes: int) -> dict[int, tuple[int, set[int]]]:
     """{task: (bytes, narrow events)} for every tile of a linear op that waits on a narrow op: its whole
-    weight block, or an equal share of ``L2_SHARE * l2_bytes`` when the op's blocks together exceed it."""
+    weight block, or an equal share of ``L2_SHARE * l2_bytes`` when the op's blocks together exceed it.
+    An attention op is not counted as narrow in programs of up to NO_PLAN_BEHIND_ATTENTION_MAX_BATCH sequences."""
     tasks = cg.arrays["tasks"]
+    skip = _attention_events(cg) if int(cg.meta["batch"]) <= NO_PLAN_BEHIND_ATTENTION_MAX_BATCH else set()
     opcodes = {BY_NAME[k].opcode for k in LINEAR_KINDS}
     by_op: dict[int, list[tuple[int, int]]] = {}
     for t in range(tasks.shape[0]):
@@ -83,7 +112,7 @@ def _narrow_tiles(cg, workers: int, l2_bytes: int) -> dict[int, tuple[int, set[i
     budget = int(L2_SHARE * l2_bytes)
     out = {}
     for tiles in by_op.values():
-        narrow = _narrow_events(cg, tiles[0][0], workers)
+        narrow = _narrow_events(cg, tiles[0][0], workers) - skip
         if narrow:
             share = budget // len(tiles)
             out.update({t: (min(nbytes, share), narrow) for t, nbytes in tiles})

@@ -49,9 +49,10 @@ shard) hold at least this many bytes per cache position. Measured on an H200 (do
 unsplit vs split, ms): max_seq_len 544: qwen3-8b (o_proj 32 MiB, 62 KB a position) 4.652 / 4.655 vs 4.794 / 4.797,
 llama3-8b (the same) 4.447 / 4.450 vs 4.618 / 4.614, qwen3-1.7b (8 MiB, 15 KB) 1.679 / 1.678 vs 1.670 / 1.670,
 qwen3-0.6b (4 MiB, 7.7 KB) 1.130 / 1.129 vs 1.101 / 1.100; max_seq_len 2048: qwen3-8b (16 KB) 5.163 / 5.157 vs
-5.045 / 5.046. The unsplit level keeps 8 tiles walking the cache while the other workers prefetch o_proj's whole
-tiles into L2 (a narrow op: runtime/prefetch_plan.py); a long walk or a short next stream leaves that time exposed,
-which the split tiles shorten."""
+5.045 / 5.046. Those unsplit rows ran with o_proj's whole tiles prefetched into L2 behind the 8 walking tiles;
+since v0.30 batch 1 plans no prefetch behind attention (runtime/prefetch_plan.py NO_PLAN_BEHIND_ATTENTION_MAX_BATCH,
+0.5-0.6% faster: qwen3-8b 4.609 / 4.614 vs 4.639 / 4.643 at max_seq_len 544), so unsplit is ahead by more there. The
+split tiles win where the walk is long against the next stream (long caches, small o_proj): the rule above."""
 
 
 def check_attn_splits(attn_splits) -> int | str:

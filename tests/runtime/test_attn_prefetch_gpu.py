@@ -28,8 +28,8 @@ def mk(prefetch: int, splits, bulk: int = 0, ahead: int = 0):
     """The qwen3-0.6b mega-kernel with MPK_ATTN_PREFETCH=prefetch, MPK_BULK_PREFETCH=bulk,
     MPK_PREFETCH_AHEAD=ahead and attn_splits=splits. The fused linears only (an explicit list: no attention
     fusions): o_proj then waits on the 8 attention or merge tiles, a narrow wait the prefetch plan marks and
-    hoist_ahead moves (after the backend's default split tiles, which merge in their last tile, 72 signallers
-    are not narrow and nothing is hoisted)."""
+    hoist_ahead moves from batch 2 (batch 1 plans nothing behind attention, prefetch_plan.py; after the backend's
+    default split tiles, which merge in their last tile, 72 signallers are not narrow and nothing is hoisted)."""
     return megakernel_with_env(NAME, {"MPK_ATTN_PREFETCH": str(prefetch), "MPK_BULK_PREFETCH": str(bulk),
                                       "MPK_PREFETCH_AHEAD": str(ahead)}, fuse=sorted(FUSIONS), attn_splits=splits)
 

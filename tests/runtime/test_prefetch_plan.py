@@ -14,6 +14,7 @@ from mpk_dist.taskgraph.tasks import BY_OPCODE
 
 SMS = 132
 MODEL = "qwen3-0.6b"  # linears span the workers (the tiny preset's are all narrow)
+BATCH = 2  # the plan's mechanics: from batch 2 an unsplit attention op is narrow (batch 1: see the last tests)
 
 
 def _by_name(cg, plan):
@@ -29,7 +30,7 @@ def _by_name(cg, plan):
 def test_only_linears_after_a_narrow_op_prefetch_whole_tiles(fuse, tp):
     """Fused: only o_proj (after attention's 8 tasks). Unfused: also qkv_proj, gate_up_proj and lm_head,
     which wait on a one-task rms_norm; never down_proj (after the full-width gate_up / silu_mul)."""
-    cg = compile_rank_programs(get_preset(MODEL), tp=tp, batch=1, sms=SMS, max_seq_len=64, fuse=fuse)[0]
+    cg = compile_rank_programs(get_preset(MODEL), tp=tp, batch=BATCH, sms=SMS, max_seq_len=64, fuse=fuse)[0]
     plan = prefetch_plan(cg, SMS, 50 << 20)
     marked = {k: v for k, v in _by_name(cg, plan).items() if v != {-1}}
     layers = get_preset(MODEL).num_layers
@@ -53,7 +54,7 @@ def test_only_linears_after_a_narrow_op_prefetch_whole_tiles(fuse, tp):
 def test_a_tile_whose_worker_runs_the_producer_first_prefetches_nothing():
     """o_proj tiles on the workers that ran attention (their input is ready when they get there) get 0;
     exactly those: every other marked tile keeps its whole block."""
-    cg = compile_rank_programs(get_preset(MODEL), tp=1, batch=1, sms=SMS, max_seq_len=64, fuse=True)[0]
+    cg = compile_rank_programs(get_preset(MODEL), tp=1, batch=BATCH, sms=SMS, max_seq_len=64, fuse=True)[0]
     plan = prefetch_plan(cg, SMS, 50 << 20)
     tasks = cg.arrays["tasks"]
     kinds = [BY_OPCODE[int(o)].name for o in tasks[:, TASK_COLS["OPCODE"]]]
@@ -70,7 +71,7 @@ def test_a_tile_whose_worker_runs_the_producer_first_prefetches_nothing():
 
 
 def test_budget_is_shared_when_the_blocks_exceed_it():
-    cg = compile_rank_programs(get_preset(MODEL), tp=1, batch=1, sms=SMS, max_seq_len=64, fuse=True)[0]
+    cg = compile_rank_programs(get_preset(MODEL), tp=1, batch=BATCH, sms=SMS, max_seq_len=64, fuse=True)[0]
     full = prefetch_plan(cg, SMS, 50 << 20)
     tiny_l2 = 1 << 20
     small = prefetch_plan(cg, SMS, tiny_l2)
@@ -104,26 +105,37 @@ def test_split_attention_at_context_512_is_not_narrow(model):
     assert (prefetch_plan(cg, SMS, 50 << 20) == -1).all()
 
 
-def test_unsplit_attention_of_the_8b_presets_plans_o_proj():
-    """qwen3-8b at context 512, batch 1: 'auto' leaves attention unsplit (o_proj's 32 MiB outlast the walk,
-    lowering_attention.UNSPLIT_B1_MIN_NEXT_BYTES_PER_POSITION), so its 8 tiles are a narrow op and the o_proj tiles
-    after it get the whole-tile plan: the prefetch the unsplit level leaves the other workers free for (docs/PERF.md
-    v0.29: 4.652 vs 4.794 ms split, with the plan on)."""
+@pytest.mark.parametrize("model,attn_splits", [("qwen3-8b", "auto"), ("llama3-8b", "auto"), ("qwen3-0.6b", 1)])
+def test_nothing_is_planned_behind_batch_1_attention(model, attn_splits):
+    """Batch 1: the 8B presets' 'auto' leaves attention unsplit at context 512 (8 tiles, a narrow op), and so does
+    --attn-splits 1 for qwen3-0.6b, yet no tile behind it gets a whole-tile plan (NO_PLAN_BEHIND_ATTENTION_MAX_BATCH):
+    the o_proj plan was 0.5-0.6% slower there (docs/PERF.md v0.30). At batch 2 the same op is planned."""
     from mpk_dist.runtime.megakernel_backend import fusions_for_batch, fusions_from_env
+    from mpk_dist.runtime.prefetch_plan import NO_PLAN_BEHIND_ATTENTION_MAX_BATCH
 
-    cg = compile_rank_programs(get_preset("qwen3-8b"), tp=1, batch=1, sms=SMS, max_seq_len=512,
-                               fuse=fusions_for_batch(fusions_from_env(True), 1), attn_splits="auto")[0]
-    names = {k[0].split(".")[-1] for k, v in _by_name(cg, prefetch_plan(cg, SMS, 50 << 20)).items() if v != {-1}}
-    assert "o_proj" in names
+    assert NO_PLAN_BEHIND_ATTENTION_MAX_BATCH == 1
+    plans = {}
+    for batch in (1, 2):
+        cg = compile_rank_programs(get_preset(model), tp=1, batch=batch, sms=SMS, max_seq_len=512,
+                                   fuse=fusions_for_batch(fusions_from_env(True), batch), attn_splits=attn_splits)[0]
+        kinds = {BY_OPCODE[int(o)].name for o in cg.arrays["tasks"][:, TASK_COLS["OPCODE"]]}
+        assert "attention_prep" in kinds, sorted(kinds)  # unsplit at both batches
+        plans[batch] = {k[0].split(".")[-1] for k, v in _by_name(cg, prefetch_plan(cg, SMS, 50 << 20)).items()
+                        if v != {-1}}
+    assert plans[1] == set() and "o_proj" in plans[2], plans
 
 
 def test_the_rule_is_the_signaller_count_not_the_op():
     """The tiny preset at 32 workers: its down_proj has 4 tiles, so the next layer's qkv_proj waits on a
-    narrow op and is planned too (at qwen3-0.6b's 128 down tiles it is not)."""
-    cg = compile_rank_programs(get_preset("tiny"), tp=1, batch=1, sms=32, max_seq_len=64, fuse=True)[0]
-    names = {n.split(".")[-1] for n, _ in (k for k, v in _by_name(cg, prefetch_plan(cg, 32, 50 << 20)).items()
-                                         if v != {-1})}
-    assert {"o_proj", "qkv_proj"} <= names
+    narrow op and is planned too (at qwen3-0.6b's 128 down tiles it is not), at batch 1 as well, where the o_proj
+    tiles behind attention are not (NO_PLAN_BEHIND_ATTENTION_MAX_BATCH)."""
+    names = {}
+    for batch in (1, BATCH):
+        cg = compile_rank_programs(get_preset("tiny"), tp=1, batch=batch, sms=32, max_seq_len=64, fuse=True)[0]
+        names[batch] = {n.split(".")[-1] for n, _ in (k for k, v in _by_name(cg, prefetch_plan(cg, 32, 50 << 20)).items()
+                                                      if v != {-1})}
+    assert "qkv_proj" in names[1] and "o_proj" not in names[1], names
+    assert {"o_proj", "qkv_proj"} <= names[BATCH], names
 
 
 def test_switch_from_env_and_what_the_kernel_reads():
@@ -152,7 +164,7 @@ def test_hoist_ahead_moves_narrow_tiles_to_a_non_linear_predecessor(attn_splits)
     from mpk_dist.runtime.prefetch_plan import hoist_ahead
     from mpk_dist.runtime.task_records import REC_PREFETCH, REC_PREFETCH_NEXT, build_records
 
-    cg = compile_rank_programs(get_preset(MODEL), tp=1, batch=1, sms=SMS, max_seq_len=256, fuse=True,
+    cg = compile_rank_programs(get_preset(MODEL), tp=1, batch=BATCH, sms=SMS, max_seq_len=256, fuse=True,
                                attn_splits=attn_splits)[0]
     base = prefetch_plan(cg, SMS, 50 << 20)
     plan, ahead = hoist_ahead(cg, SMS, 50 << 20)
