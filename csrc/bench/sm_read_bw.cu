@@ -7,7 +7,8 @@
 // measured the same way is subtracted (back-to-back launches: a lower bound of the kernel's own time).
 // With --l2 every launch reads the same region instead, so the chunks (up to 132 x 256 KB = 33 MB: the size of
 // qwen3-8b's o_proj, which the runtime prefetches into L2 behind unsplit attention) come from L2 after the first:
-// what a tile reading from L2 can reach.
+// what a tile reading from L2 can reach. There the rows of few blocks take about an empty launch's time, so after
+// the subtraction they are launch noise, not bandwidth (docs/PERF.md v0.30 reads the 32-132 block rows).
 //
 // Standalone (not built by the package): nvcc -O3 -arch=sm_90a -o sm_read_bw csrc/bench/sm_read_bw.cu && ./sm_read_bw [--l2]
 #include <cstdio>

@@ -12,7 +12,7 @@ Behind attention in a batch-1 program nothing is planned (NO_PLAN_BEHIND_ATTENTI
 (docs/PERF.md v0.30) the whole-tile o_proj plan behind the 8B presets' 8 unsplit tiles cost 0.5-0.6% a token. L2 is
 hardly faster to stream from than HBM when every SM reads (5.0 vs 4.2-4.7 TB/s, csrc/bench/sm_read_bw.cu --l2), so
 o_proj ran ~9.3 us either way, and the prefetch traffic slowed the latency-bound attention walk beside it. Batches 2-4
-(16-32 unsplit tiles) keep the plan: not measured without it.
+(16-32 unsplit tiles) keep the plan (batch 2 measured even without it).
 
 Split-KV attention (64-72 tiles for qwen3-8b at context 512) is deliberately NOT narrow: planning the
 o_proj tiles behind it measured slower (docs/PERF.md v0.14: qwen3-8b 5.042 vs 5.008 ms, the attention
@@ -49,11 +49,12 @@ cap. Measured (docs/PERF.md v0.30): behind qwen3-8b's and llama3-8b's 8 unsplit 
 plan cost 0.5-0.6% a token (4.639 / 4.643 vs 4.609 / 4.614 ms without it; llama3-8b 4.448 / 4.456 vs 4.422 / 4.429),
 o_proj ran ~9.3 us either way (132 SMs read 5.0 TB/s from L2 against 4.2-4.7 from HBM, csrc/bench/sm_read_bw.cu
 --l2: L2 is hardly faster to stream from), and the prefetches slowed the latency-bound attention tiles beside them.
-Batches 2-4 (16-32 unsplit tiles, narrow too) were not measured without the plan and keep it."""
+Batches 2-4 (16-32 unsplit tiles, narrow too) keep the plan: at qwen3-8b batch 2 it measured even (5.708 / 5.668 ms
+with it, 5.713 / 5.645 without), batches 3-4 were not measured without it."""
 
 ATTENTION_KINDS = ("attention", "attention_prep", "attention_split", "attention_split_prep", "attention_merge",
                    "paged_attention")
-
+"""The task kinds of an attention op (NO_PLAN_BEHIND_ATTENTION_MAX_BATCH)."""
 
 
 def _narrow_events(cg, task: int, workers: int) -> set[int]:
@@ -91,7 +92,7 @@ def _runs_a_producer_first(cg, task: int, events: set[int]) -> bool:
 def _attention_events(cg) -> set[int]:
     """The events an attention-kind task signals."""
     tasks = cg.arrays["tasks"]
-    kinds = {BY_NAME[k].opcode for k in ATTENTION_KINDS if k in BY_NAME}
+    kinds = {BY_NAME[k].opcode for k in ATTENTION_KINDS}
     out: set[int] = set()
     for t in np.flatnonzero(np.isin(tasks[:, TASK_COLS["OPCODE"]], list(kinds))).tolist():
         out |= _signals(cg, t)
