@@ -25,6 +25,7 @@
 #include "argmax_nucleus_cut.cuh"
 #include "norm_linear.cuh"
 #include "linear_residual.cuh"
+#include "body_wait.cuh"
 #include "silu_linear.cuh"
 // silu_mul as the gate|up projection's epilogue (opt-in fusion 'silu_epi'; docs/TASKGRAPH.md)
 #include "norm_linear_silu.cuh"
@@ -224,6 +225,23 @@ __device__ __noinline__ bool run_norm_linear(const TaskView& t, float* smem, int
 #endif
   return true;
 }
+
+#if MPK_LOAD_BEFORE_WAIT
+// A flagged batch-1 tile (body_wait.cuh): its wait runs inside gemv_tile, after the first round of weight loads.
+__device__ __noinline__ bool run_linear_residual_before_wait(const TaskView& t, int step, int tid, int nt) {
+  const BodyWait hook{&t.p, t.rec, step, tid, nt};
+  if (t.dtype(LINEAR_RESIDUAL_ARG_Y) != DTYPE_F32 || t.dtype(LINEAR_RESIDUAL_ARG_RESIDUAL) != DTYPE_F32 ||
+      t.param(LINEAR_RESIDUAL_PARAM_BATCH) != 1) {
+    hook();  // the wait still happens once, so the worker's view is the usual one before it reports the bad task
+    return false;
+  }
+  linear_residual_before_wait(t.arg<const bf16>(LINEAR_RESIDUAL_ARG_X), t.arg<const bf16>(LINEAR_RESIDUAL_ARG_W),
+                              t.arg<const float>(LINEAR_RESIDUAL_ARG_RESIDUAL), t.arg<float>(LINEAR_RESIDUAL_ARG_Y),
+                              t.param(LINEAR_RESIDUAL_PARAM_Y_STRIDE), t.param(LINEAR_RESIDUAL_PARAM_K),
+                              t.param(LINEAR_RESIDUAL_PARAM_N_TILE), hook, tid, nt);
+  return true;
+}
+#endif
 
 __device__ __noinline__ bool run_linear_residual(const TaskView& t, float* smem, int tid, int nt) {
   if (t.dtype(LINEAR_RESIDUAL_ARG_Y) != DTYPE_F32 || t.dtype(LINEAR_RESIDUAL_ARG_RESIDUAL) != DTYPE_F32) return false;
@@ -563,7 +581,11 @@ __device__ bool run_task(const RuntimeParams& p, const int32_t* rec, int step, f
     case OP_ALLREDUCE_REDUCE: run_allreduce_reduce(t, tid, nt); return true;
     case OP_NORM_LINEAR: return run_norm_linear(t, smem, tid, nt);
     case OP_NORM_LINEAR_SILU: return run_norm_linear(t, smem, tid, nt);  // the gate|up projection + silu epilogue
-    case OP_LINEAR_RESIDUAL: return run_linear_residual(t, smem, tid, nt);
+    case OP_LINEAR_RESIDUAL:
+#if MPK_LOAD_BEFORE_WAIT
+      if (body_waits(rec)) return run_linear_residual_before_wait(t, step, tid, nt);
+#endif
+      return run_linear_residual(t, smem, tid, nt);
     case OP_SILU_LINEAR: return MPK_SILU_LINEAR_KIND && run_silu_linear(t, smem, tid, nt);
     case OP_ATTENTION_SPLIT: return run_attention_split(t, smem, tid, nt);
     case OP_ATTENTION_MERGE: return run_attention_merge(t, tid, nt);

@@ -166,6 +166,24 @@ def hoist_ahead(cg, workers: int, l2_bytes: int, level_bytes: int | None = None)
     return plan, ahead
 
 
+def load_before_wait(cg, workers: int) -> np.ndarray:
+    """bool per task: the tiles flagged FLAG_LOAD_BEFORE_WAIT (task_records; read only by a kernel built with
+    -DMPK_LOAD_BEFORE_WAIT=1, csrc/runtime/body_wait.cuh): in a program of up to NO_PLAN_BEHIND_ATTENTION_MAX_BATCH
+    sequences, the linear_residual tiles (o_proj at tp 1) that wait on a narrow attention op, except those whose own
+    worker runs one of its producers first (their input is ready when they start). Such a tile issues its first
+    round of weight loads into registers, then waits."""
+    tasks = cg.arrays["tasks"]
+    out = np.zeros(tasks.shape[0], dtype=bool)
+    if int(cg.meta["batch"]) > NO_PLAN_BEHIND_ATTENTION_MAX_BATCH:
+        return out
+    attention = _attention_events(cg)
+    kind = BY_NAME["linear_residual"].opcode
+    for t in np.flatnonzero(tasks[:, TASK_COLS["OPCODE"]] == kind).tolist():
+        narrow = _narrow_events(cg, t, workers) & attention
+        out[t] = bool(narrow) and not _runs_a_producer_first(cg, t, narrow)
+    return out
+
+
 def describe(cg, plan: np.ndarray, ahead: np.ndarray | None = None) -> str:
     """One line: how many tasks of how many ops get a planned prefetch, its total size, how many tiles
     skip it (their worker ran the producer) and, with ``ahead`` (hoist_ahead), how many have it issued
