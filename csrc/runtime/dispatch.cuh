@@ -566,6 +566,10 @@ __device__ MPK_SMALL_KINDS_INLINE bool run_small_kind(const TaskView& t, int op,
 __device__ bool run_task(const RuntimeParams& p, const int32_t* rec, int step, float* smem, int tid, int nt) {
   const TaskView t(p, rec);
   const int op = t.opcode();
+#if MPK_LOAD_BEFORE_WAIT
+  // A flagged batch-1 linear_residual tile (body_waits checks the opcode) waits inside its body (body_wait.cuh).
+  if (body_waits(rec)) return run_linear_residual_before_wait(t, step, tid, nt);
+#endif
   switch (op) {
     case OP_EMBEDDING:
       if (t.dtype(EMBEDDING_ARG_OUT) == DTYPE_F32) run_embedding_as<float>(t, tid, nt);
@@ -581,11 +585,7 @@ __device__ bool run_task(const RuntimeParams& p, const int32_t* rec, int step, f
     case OP_ALLREDUCE_REDUCE: run_allreduce_reduce(t, tid, nt); return true;
     case OP_NORM_LINEAR: return run_norm_linear(t, smem, tid, nt);
     case OP_NORM_LINEAR_SILU: return run_norm_linear(t, smem, tid, nt);  // the gate|up projection + silu epilogue
-    case OP_LINEAR_RESIDUAL:
-#if MPK_LOAD_BEFORE_WAIT
-      if (body_waits(rec)) return run_linear_residual_before_wait(t, step, tid, nt);
-#endif
-      return run_linear_residual(t, smem, tid, nt);
+    case OP_LINEAR_RESIDUAL: return run_linear_residual(t, smem, tid, nt);
     case OP_SILU_LINEAR: return MPK_SILU_LINEAR_KIND && run_silu_linear(t, smem, tid, nt);
     case OP_ATTENTION_SPLIT: return run_attention_split(t, smem, tid, nt);
     case OP_ATTENTION_MERGE: return run_attention_merge(t, tid, nt);
