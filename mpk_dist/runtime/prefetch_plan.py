@@ -178,9 +178,23 @@ def load_before_wait(cg, workers: int) -> np.ndarray:
         return out
     attention = _attention_events(cg)
     kind = BY_NAME["linear_residual"].opcode
+    first_of_op: dict[int, int] = {}
     for t in np.flatnonzero(tasks[:, TASK_COLS["OPCODE"]] == kind).tolist():
-        narrow = _narrow_events(cg, t, workers) & attention
-        out[t] = bool(narrow) and not _runs_a_producer_first(cg, t, narrow)
+        first_of_op.setdefault(int(tasks[t, TASK_COLS["OP_INDEX"]]), t)
+    # an op's tiles wait on the same events (one narrow check per op, as _narrow_tiles does)
+    narrow_of_op = {op: _narrow_events(cg, t, workers) & attention for op, t in first_of_op.items()}
+    narrow_of_op = {op: ev for op, ev in narrow_of_op.items() if ev}
+    if not narrow_of_op:
+        return out
+    # one pass over each aot worker list: a tile is flagged unless its worker signalled one of its events before it
+    offs, lst = cg.arrays["worker_offsets"], cg.arrays["worker_tasks"]
+    for w in range(len(offs) - 1):
+        signalled: set[int] = set()
+        for t in lst[int(offs[w]):int(offs[w + 1])].tolist():
+            ev = narrow_of_op.get(int(tasks[t, TASK_COLS["OP_INDEX"]])) if int(tasks[t, TASK_COLS["OPCODE"]]) == kind else None
+            if ev and not (ev & signalled):
+                out[t] = True
+            signalled |= _signals(cg, t)
     return out
 
 
