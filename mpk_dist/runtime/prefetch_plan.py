@@ -77,16 +77,18 @@ def _signals(cg, task: int) -> set[int]:
     return {int(e) for e in sig[:, SIGNAL_COLS["EVENT"]]}
 
 
-def _runs_a_producer_first(cg, task: int, events: set[int]) -> bool:
-    """True when the aot list of ``task``'s worker has, before it, a task that signals one of ``events``."""
-    w = int(cg.arrays["tasks"][task, TASK_COLS["WORKER"]])
+def _producer_first(cg, waits: dict[int, set[int]]) -> set[int]:
+    """The tasks of ``waits`` ({task: events it waits on}) whose own aot worker list has, before them, a task that
+    signals one of those events (their input is ready when the worker reaches them). One pass per worker list."""
     offs, lst = cg.arrays["worker_offsets"], cg.arrays["worker_tasks"]
-    for t in lst[int(offs[w]):int(offs[w + 1])].tolist():
-        if t == task:
-            return False
-        if _signals(cg, t) & events:
-            return True
-    return False
+    out: set[int] = set()
+    for w in range(len(offs) - 1):
+        signalled: set[int] = set()
+        for t in lst[int(offs[w]):int(offs[w + 1])].tolist():
+            if t in waits and waits[t] & signalled:
+                out.add(t)
+            signalled |= _signals(cg, t)
+    return out
 
 
 def _attention_events(cg) -> set[int]:
@@ -139,8 +141,9 @@ def _plan_of(cg, tiles: dict[int, tuple[int, set[int]]], level_bytes: int | None
     if level_bytes is not None:
         linear = np.isin(tasks[:, TASK_COLS["OPCODE"]], [BY_NAME[k].opcode for k in LINEAR_KINDS])
         plan[linear] = level_bytes
-    for t, (nbytes, narrow) in tiles.items():
-        plan[t] = 0 if _runs_a_producer_first(cg, t, narrow) else nbytes
+    first = _producer_first(cg, {t: narrow for t, (_, narrow) in tiles.items()})
+    for t, (nbytes, _) in tiles.items():
+        plan[t] = 0 if t in first else nbytes
     return plan
 
 
@@ -178,23 +181,16 @@ def load_before_wait(cg, workers: int) -> np.ndarray:
         return out
     attention = _attention_events(cg)
     kind = BY_NAME["linear_residual"].opcode
-    first_of_op: dict[int, int] = {}
-    for t in np.flatnonzero(tasks[:, TASK_COLS["OPCODE"]] == kind).tolist():
-        first_of_op.setdefault(int(tasks[t, TASK_COLS["OP_INDEX"]]), t)
-    # an op's tiles wait on the same events (one narrow check per op, as _narrow_tiles does)
-    narrow_of_op = {op: _narrow_events(cg, t, workers) & attention for op, t in first_of_op.items()}
-    narrow_of_op = {op: ev for op, ev in narrow_of_op.items() if ev}
-    if not narrow_of_op:
-        return out
-    # one pass over each aot worker list: a tile is flagged unless its worker signalled one of its events before it
-    offs, lst = cg.arrays["worker_offsets"], cg.arrays["worker_tasks"]
-    for w in range(len(offs) - 1):
-        signalled: set[int] = set()
-        for t in lst[int(offs[w]):int(offs[w + 1])].tolist():
-            ev = narrow_of_op.get(int(tasks[t, TASK_COLS["OP_INDEX"]])) if int(tasks[t, TASK_COLS["OPCODE"]]) == kind else None
-            if ev and not (ev & signalled):
-                out[t] = True
-            signalled |= _signals(cg, t)
+    tiles = np.flatnonzero(tasks[:, TASK_COLS["OPCODE"]] == kind).tolist()
+    narrow_of_op: dict[int, set[int]] = {}  # an op's tiles wait on the same events: one check per op
+    for t in tiles:
+        op = int(tasks[t, TASK_COLS["OP_INDEX"]])
+        if op not in narrow_of_op:
+            narrow_of_op[op] = _narrow_events(cg, t, workers) & attention
+    waits = {t: narrow_of_op[int(tasks[t, TASK_COLS["OP_INDEX"]])] for t in tiles}
+    waits = {t: ev for t, ev in waits.items() if ev}
+    first = _producer_first(cg, waits)
+    out[[t for t in waits if t not in first]] = True
     return out
 
 
