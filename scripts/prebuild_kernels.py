@@ -27,6 +27,16 @@ def _ints(text: str, what: str) -> list[int]:
     return out
 
 
+def _splits(text: str) -> tuple:
+    """'auto,1,2' -> ('auto', 1, 2): the backend's default or positive KV range counts."""
+    from mpk_dist.errors import InputError
+
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    if not items or any(t != "auto" and not (t.isdigit() and int(t) >= 1) for t in items):
+        raise InputError(f"--attn-splits: expected a comma list of 'auto' and positive integers, got {text!r}")
+    return tuple(t if t == "auto" else int(t) for t in items)
+
+
 def main(argv=None) -> int:
     from mpk_dist.bench.linear_alone import parse_list
     from mpk_dist.errors import InputError
@@ -39,7 +49,8 @@ def main(argv=None) -> int:
     p.add_argument("--schedules", default="aot,jit", help="aot, jit (jit at tp 1 only)")
     p.add_argument("--tp", default="1,2,4", help="tensor-parallel degrees (default 1,2,4)")
     p.add_argument("--attn-splits", default="auto,1",
-                   help="attn_splits of the programs: auto (the backend's default) and/or 1 (unsplit); default both")
+                   help="attn_splits of the programs: auto (the backend's default) and/or KV ranges per kv head "
+                        "(1 = unsplit, 2, 4, ...); default auto,1")
     p.add_argument("--max-seq-len", type=int, default=512,
                    help="KV cache length of the runs (default 512, the CLI's; 'auto' splits at batch 1 depend on it)")
     p.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1), help="build processes (default: cores, <= 16)")
@@ -47,7 +58,7 @@ def main(argv=None) -> int:
     try:
         if a.max_seq_len < 1:
             raise InputError(f"--max-seq-len: expected a positive cache length, got {a.max_seq_len}")
-        splits = tuple(k if k == "auto" else int(k) for k in parse_list(a.attn_splits, ("auto", "1"), "--attn-splits"))
+        splits = _splits(a.attn_splits)
         todo = cases(parse_list(a.models, tuple(PRESETS), "--models"), _ints(a.batches, "--batches"),
                      parse_list(a.schedules, ("aot", "jit"), "--schedules"), _ints(a.tp, "--tp"), splits,
                      a.max_seq_len)

@@ -25,7 +25,6 @@
 #include "argmax_nucleus_cut.cuh"
 #include "norm_linear.cuh"
 #include "linear_residual.cuh"
-#include "body_wait.cuh"
 #include "silu_linear.cuh"
 // silu_mul as the gate|up projection's epilogue (opt-in fusion 'silu_epi'; docs/TASKGRAPH.md)
 #include "norm_linear_silu.cuh"
@@ -225,23 +224,6 @@ __device__ __noinline__ bool run_norm_linear(const TaskView& t, float* smem, int
 #endif
   return true;
 }
-
-#if MPK_LOAD_BEFORE_WAIT
-// A flagged batch-1 tile (body_wait.cuh): its wait runs inside gemv_tile, after the first round of weight loads.
-__device__ __noinline__ bool run_linear_residual_before_wait(const TaskView& t, int step, int tid, int nt) {
-  const BodyWait hook{&t.p, t.rec, step, tid, nt};
-  if (t.dtype(LINEAR_RESIDUAL_ARG_Y) != DTYPE_F32 || t.dtype(LINEAR_RESIDUAL_ARG_RESIDUAL) != DTYPE_F32 ||
-      t.param(LINEAR_RESIDUAL_PARAM_BATCH) != 1) {
-    hook();  // the wait still happens once, so the worker's view is the usual one before it reports the bad task
-    return false;
-  }
-  linear_residual_before_wait(t.arg<const bf16>(LINEAR_RESIDUAL_ARG_X), t.arg<const bf16>(LINEAR_RESIDUAL_ARG_W),
-                              t.arg<const float>(LINEAR_RESIDUAL_ARG_RESIDUAL), t.arg<float>(LINEAR_RESIDUAL_ARG_Y),
-                              t.param(LINEAR_RESIDUAL_PARAM_Y_STRIDE), t.param(LINEAR_RESIDUAL_PARAM_K),
-                              t.param(LINEAR_RESIDUAL_PARAM_N_TILE), hook, tid, nt);
-  return true;
-}
-#endif
 
 __device__ __noinline__ bool run_linear_residual(const TaskView& t, float* smem, int tid, int nt) {
   if (t.dtype(LINEAR_RESIDUAL_ARG_Y) != DTYPE_F32 || t.dtype(LINEAR_RESIDUAL_ARG_RESIDUAL) != DTYPE_F32) return false;
@@ -566,10 +548,6 @@ __device__ MPK_SMALL_KINDS_INLINE bool run_small_kind(const TaskView& t, int op,
 __device__ bool run_task(const RuntimeParams& p, const int32_t* rec, int step, float* smem, int tid, int nt) {
   const TaskView t(p, rec);
   const int op = t.opcode();
-#if MPK_LOAD_BEFORE_WAIT
-  // A flagged batch-1 linear_residual tile (body_waits checks the opcode) waits inside its body (body_wait.cuh).
-  if (body_waits(rec)) return run_linear_residual_before_wait(t, step, tid, nt);
-#endif
   switch (op) {
     case OP_EMBEDDING:
       if (t.dtype(EMBEDDING_ARG_OUT) == DTYPE_F32) run_embedding_as<float>(t, tid, nt);
@@ -664,13 +642,19 @@ __device__ __noinline__ void attention_prefetch(const TaskView& t, bool bulk, in
 #ifndef MPK_PREFETCH_ONE_SITE
 #define MPK_PREFETCH_ONE_SITE 1
 #endif
-// MPK_PREFETCH_NORM_W 1: the norm_linear kinds also put their norm weights (K bf16) in L2 before the wait. Why
-// try it: at batch 8 their weight stream starts ~5 us after the inputs are ready (docs/PERF.md v0.28, trace mark 0)
-// and one L2 round trip fewer for the statistic changed nothing, so the norm weights' first read (every tile of
-// the level at once, from HBM under the previous level's stream) is the candidate. Measured (docs/PERF.md v0.29, one
-// process): qwen3-8b batch 8 5.762 / 5.730 ms with it vs 5.714 / 5.722: no gain, so 0.
+// MPK_PREFETCH_NORM_W 1: the norm_linear kinds also put their norm weights (K bf16) in L2 before the wait, so the
+// prologue's second read (the normalised row needs them right after the row statistic) is an L2 hit instead of a
+// trip to HBM under the previous level's stream (the norm weights of ~1 GB of layers do not stay in L2 from one step
+// to the next). Measured (docs/PERF.md v0.31, one process each, 64 tokens at context ~512): qwen3-0.6b batch 1
+// 1.099 / 1.096 ms vs 1.105 / 1.104 without, qwen3-1.7b 1.665 / 1.666 vs 1.673 / 1.677, qwen3-8b 4.614 / 4.619 vs
+// 4.613 / 4.617; qwen3-8b batch 8 (v0.29) 5.762 / 5.730 vs 5.714 / 5.722, so batch-1 kernels only by default (at
+// batch 8 the prologue is not where the level waits). A hint only: the values read do not change.
 #ifndef MPK_PREFETCH_NORM_W
+#if defined(MPK_BATCH) && MPK_BATCH == 1
+#define MPK_PREFETCH_NORM_W 1
+#else
 #define MPK_PREFETCH_NORM_W 0
+#endif
 #endif
 __device__ void prefetch_task(const RuntimeParams& p, const int32_t* rec, int planned, int tid, int nt) {
   const TaskView t(p, rec);

@@ -43,7 +43,6 @@ mpk_megakernel(const mpk::RuntimeParams* __restrict__ params) {
     return;
   }
   mpk::stream_reset(tid);  // shared memory starts undefined: no weight ring is primed yet
-  if (MPK_LOAD_BEFORE_WAIT && tid == 0) mpk::body_wait_state().failed = 0;  // no body wait has failed (body_wait.cuh)
 #if defined(MPK_ENTRY_PAD_BYTES) && MPK_ENTRY_PAD_BYTES > 0
   // Experiment only (docs/PERF.md v0.13): grows the entry's stack frame by this many bytes and changes nothing
   // else, to test whether the frame size alone slows the kernel. The volatile store keeps the array in local memory.

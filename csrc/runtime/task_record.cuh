@@ -46,7 +46,6 @@ constexpr int REC_FLAG_WAITS_INLINE = 2;     // the waits are in the record
 constexpr int REC_FLAG_SIGNALS_INLINE = 4;   // the signals are in the record
 constexpr int REC_FLAG_BULK_PREFETCH = 8;    // L2 prefetches by bulk copies (common.cuh prefetch_l2_bulk)
 constexpr int REC_FLAG_STAGE_KV = 16;        // split-KV tile: its range's cache rows into shared memory first
-constexpr int REC_FLAG_LOAD_BEFORE_WAIT = 32;  // batch-1 o_proj tile behind a narrow attention (body_wait.cuh)
 
 // Signal kinds (column 1 of a signal entry).
 constexpr int SIG_KIND_LOCAL = 0;      // this rank's counter, gpu scope

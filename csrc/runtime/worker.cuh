@@ -196,11 +196,7 @@ __device__ bool run_and_signal(const RuntimeParams& p, const int32_t* rec, int s
   if (p.pass_doorbell != nullptr && rec[REC_OPCODE] == OP_STEP_BEGIN && !pass_begin(p, task, s, tid, nt))
     return false;
   trace_marks_clear(tid);  // a body that sets no mark leaves 0 in the record
-  const bool ran = run_task(p, rec, s, smem, tid, nt);
-  // A body that waited itself (body_wait.cuh) and timed out or saw the halt: its error is raised, nothing signals.
-  // (0 from the kernel's start until such a wait fails, after which the worker stops.)
-  if (MPK_LOAD_BEFORE_WAIT && body_wait_state().failed) return false;
-  if (!ran) {
+  if (!run_task(p, rec, s, smem, tid, nt)) {
     if (tid == 0) raise_error(p.error, p.halt, kErrBadTask, task, -1, s, p.rank, 0, 0, 0);
     return false;
   }
@@ -284,18 +280,14 @@ __device__ void worker_loop_aot(const RuntimeParams& p, BlockState& st, float* s
         prefetch_task(p, recs[slot ^ 1], rec[REC_PREFETCH_NEXT], tid, nt);
       }
       const uint64_t t_prep = globaltimer_ns();
-      const bool in_body = body_waits(rec);  // the body waits after its first weight loads (body_wait.cuh)
-      if (!in_body) {
-        if (tid == 0) st.failed = wait_task_events(p, rec, s);
-        worker_barrier(nt);  // hands thread 0's acquired view to every worker thread
-        if (st.failed) { stop = true; break; }
-      }
-      const uint64_t t_ready = in_body ? 0 : globaltimer_ns();
+      if (tid == 0) st.failed = wait_task_events(p, rec, s);
+      worker_barrier(nt);  // hands thread 0's acquired view to every worker thread
+      if (st.failed) { stop = true; break; }
+      const uint64_t t_ready = globaltimer_ns();
       uint64_t t_body = 0;
       if (!run_and_signal<false>(p, rec, s, smem, tid, nt, &t_body)) { stop = true; break; }
       if (tid == 0) stream_drain();  // a ring primed for this task but not streamed from (weight_stream.cuh)
-      if (tid == 0 && s >= p.trace_from)
-        trace_record(p, ntrace, task, s, t0, t_prep, in_body ? body_wait_state().t_ready : t_ready, t_body);
+      if (tid == 0 && s >= p.trace_from) trace_record(p, ntrace, task, s, t0, t_prep, t_ready, t_body);
       record_fetch_wait(tid);  // the next record is in shared memory before the barrier publishes it
       worker_barrier(nt);  // st and this slot are rewritten for the next task
       slot ^= 1;

@@ -140,22 +140,10 @@ constexpr int kMarkGemvWarp0Done = kMarkMmaStreamed;
 
 // NOTE: not inlined: one copy per batch serves all three fused kinds (inlined at each call site it
 // tripled the batch-16 kernel's build time); the call costs nothing next to a tile's weight stream.
-// gemv_tile's hook between its first weight loads and its first activation loads: none (every call but one), or
-// csrc/runtime/body_wait.cuh's BodyWait (the task's wait, MPK_LOAD_BEFORE_WAIT), called once on every thread.
-struct NoWaitHook {
-  static constexpr bool kWaits = false;
-  __device__ __forceinline__ void operator()() const {}
-};
-
-template <int B, int R, class XS, class EpiT, class Hook = NoWaitHook>
+template <int B, int R, class XS, class EpiT>
 __device__ __noinline__ void gemv_tile(const XS xs, const bf16* __restrict__ w, int K, int n_tile, const EpiT epi,
-                                       int tid, int nt, const Hook hook = Hook()) {
+                                       int tid, int nt) {
   constexpr int U = kLinUnroll / R > 0 ? kLinUnroll / R : 1;
-  // A waiting hook runs only on the register-load path below (its caller checks the kernel has no TMA ring or
-  // pipelined loads): every thread calls it exactly once.
-  static_assert(!Hook::kWaits || (!MPK_LINEAR_TMA && !MPK_LINEAR_PIPE), "gemv_tile: a waiting hook needs the plain loop");
-  bool waited = false;
-  (void)waited;
   if (R == 1 && stream_fits(K, nt)) {  // MPK_LINEAR_TMA: same sums, weights through shared memory
     gemv_streamed<B>(xs, w, K, n_tile, epi, tid, nt);
     return;
@@ -182,12 +170,6 @@ __device__ __noinline__ void gemv_tile(const XS xs, const bf16* __restrict__ w, 
           const int k = kb + u * 256 + lane * 8;
           wv[r][u] = (k < K && n0 + r < n_tile) ? ld_weight_v4(w + (size_t)(n0 + r) * K + k) : make_uint4(0, 0, 0, 0);
         }
-      if constexpr (Hook::kWaits) {  // the first round's weights are on their way: now wait for the inputs
-        if (!waited) {
-          hook();
-          waited = true;
-        }
-      }
       if constexpr (kAhead) {  // x before any use, as the weights (linear.cuh load_x_round)
         uint4 xv[U];
         load_x_round<U>(xv, [&](int k) { return xs.load8(0, k); }, kb, K, lane);
@@ -217,9 +199,6 @@ __device__ __noinline__ void gemv_tile(const XS xs, const bf16* __restrict__ w, 
         const float s = warp_sum(acc[r][b]);
         if (lane == (b & 31) && n0 + r < n_tile) epi(b, n0 + r, s);
       }
-  }
-  if constexpr (Hook::kWaits) {
-    if (!waited) hook();  // a warp with no rows still takes part in the hook's block barrier
   }
   if constexpr (B == 1 && MPK_GEMV_MARKS) trace_mark(kMarkGemvWarp0Done, tid);  // trace: thread 0's warp has summed its rows
 }

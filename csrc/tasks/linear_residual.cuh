@@ -39,12 +39,4 @@ __device__ void linear_residual(int B, const bf16* x, int ldx, const bf16* w, co
   MPK_FUSED_WITH_BATCH(B, (gemv_fused<kB>(XRows{x, ldx}, w, K, n_tile, epi, 0u, tid, nt)));
 }
 
-// One sequence, the task's wait left to `hook` (csrc/runtime/body_wait.cuh, MPK_LOAD_BEFORE_WAIT): the scalar GEMV
-// tile waits after its first round of weight loads. The same sums as linear_residual at batch 1.
-template <class Hook>
-__device__ void linear_residual_before_wait(const bf16* x, const bf16* w, const float* res, float* y, int ldy, int K,
-                                            int n_tile, const Hook hook, int tid, int nt) {
-  gemv_tile<1, kFuseRows>(XRows{x, 0}, w, K, n_tile, Epi{y, res, ldy, kEpiResidual}, tid, nt, hook);
-}
-
 }  // namespace mpk

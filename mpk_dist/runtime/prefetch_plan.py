@@ -169,31 +169,6 @@ def hoist_ahead(cg, workers: int, l2_bytes: int, level_bytes: int | None = None)
     return plan, ahead
 
 
-def load_before_wait(cg, workers: int) -> np.ndarray:
-    """bool per task: the tiles flagged FLAG_LOAD_BEFORE_WAIT (task_records; read only by a kernel built with
-    -DMPK_LOAD_BEFORE_WAIT=1, csrc/runtime/body_wait.cuh): in a program of up to NO_PLAN_BEHIND_ATTENTION_MAX_BATCH
-    sequences, the linear_residual tiles (o_proj at tp 1) that wait on a narrow attention op, except those whose own
-    worker runs one of its producers first (their input is ready when they start). Such a tile issues its first
-    round of weight loads into registers, then waits."""
-    tasks = cg.arrays["tasks"]
-    out = np.zeros(tasks.shape[0], dtype=bool)
-    if int(cg.meta["batch"]) > NO_PLAN_BEHIND_ATTENTION_MAX_BATCH:
-        return out
-    attention = _attention_events(cg)
-    kind = BY_NAME["linear_residual"].opcode
-    tiles = np.flatnonzero(tasks[:, TASK_COLS["OPCODE"]] == kind).tolist()
-    narrow_of_op: dict[int, set[int]] = {}  # an op's tiles wait on the same events: one check per op
-    for t in tiles:
-        op = int(tasks[t, TASK_COLS["OP_INDEX"]])
-        if op not in narrow_of_op:
-            narrow_of_op[op] = _narrow_events(cg, t, workers) & attention
-    waits = {t: narrow_of_op[int(tasks[t, TASK_COLS["OP_INDEX"]])] for t in tiles}
-    waits = {t: ev for t, ev in waits.items() if ev}
-    first = _producer_first(cg, waits)
-    out[[t for t in waits if t not in first]] = True
-    return out
-
-
 def describe(cg, plan: np.ndarray, ahead: np.ndarray | None = None) -> str:
     """One line: how many tasks of how many ops get a planned prefetch, its total size, how many tiles
     skip it (their worker ran the producer) and, with ``ahead`` (hoist_ahead), how many have it issued

@@ -180,11 +180,8 @@ class Session:
         self.peer_quota = self._dev(peer_quota(cg))
         plan, ahead = self._prefetch_plan() if self.use_prefetch_plan else (None, None)
         # argument addresses and the plan live here
-        from mpk_dist.runtime.prefetch_plan import load_before_wait
-
-        # the flag only a kernel built with -DMPK_LOAD_BEFORE_WAIT=1 reads (csrc/runtime/body_wait.cuh)
         records, task_rec = build_records(cg, arg_addr, plan, ahead, bulk_prefetch=self.bulk_prefetch,
-                                          stage_kv=self.stage_kv, before_wait=load_before_wait(cg, self.workers))
+                                          stage_kv=self.stage_kv)
         self.records, self.task_rec = self._dev(records), self._dev(task_rec)
         dep_ptr, dep_task, dep_off = tables.dependents(cg)
         self.deps = [self._dev(dep_ptr), self._dev(dep_task), self._dev(dep_off)]

@@ -29,7 +29,13 @@ same frame padded alone cost nothing (docs/PERF.md v0.13, call 7): the growth ca
 A change that needs a larger frame has to show on the GPU that it does not slow the kernel. The tensor-core
 attention walk had it at 608 B with ~100 B of spills in attention_seq<MG, 4> (v0.27); with int row offsets and its
 value loads after the score mmas it is back at 592 B and spill-free (v0.28: qwen3-8b batch 8 5.735 / 5.738 ms vs
-5.823 / 5.832 with the spilling walk)."""
+5.823 / 5.832 with the spilling walk). This bound holds for the default batch-1 programs (norm_linear_silu, unroll 4
+and 16)."""
+
+ENTRY_FRAME_SILU_LINEAR_BYTES_MAX = 608
+"""The same frame in the batch-1 program that runs silu_linear instead (MPK_FUSE_SILU_EPI=0, unroll 8; not a default):
+the batch-1 norm-weight L2 prefetch (MPK_PREFETCH_NORM_W, on at batch 1 since docs/PERF.md v0.31) takes it from 592
+to 608 B there, and only there (checked with ptxas -v at the commit before it, with and without the define)."""
 
 
 ARG_PASS_BYTES_MAX = 4
@@ -94,8 +100,9 @@ def test_kernel_builds_without_spills_in_the_new_functions(unroll, tmp_path, mon
     assert len(fused) == 2 and all(v == (0, 0) for v in fused.values()), f"fused linear bodies spill: {fused}"
     assert any("run_norm_linear_silu" in k for k in fused) == (left_out == "MPK_SILU_LINEAR_KIND"), sorted(fused)
     frame = _frame(res.log, "mpk_megakernel")
-    assert frame <= ENTRY_FRAME_BYTES_MAX, (f"the kernel entry's stack frame is {frame} B, expected <= "
-                                            f"{ENTRY_FRAME_BYTES_MAX} B (see ENTRY_FRAME_BYTES_MAX)")
+    bound, name = ((ENTRY_FRAME_BYTES_MAX, "ENTRY_FRAME_BYTES_MAX") if left_out == "MPK_SILU_LINEAR_KIND"
+                   else (ENTRY_FRAME_SILU_LINEAR_BYTES_MAX, "ENTRY_FRAME_SILU_LINEAR_BYTES_MAX"))
+    assert frame <= bound, f"the kernel entry's stack frame is {frame} B, expected <= {bound} B (see {name})"
 
 
 def test_dispatch_case_and_opcode():
