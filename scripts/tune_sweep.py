@@ -20,13 +20,16 @@ summation order, so DIFFERS is possible). f0/f1 turns --fuse off/on (fused and u
 superoptimizer-generated task bodies off/on (--no-superopt; designed bit-identical). Every variant
 runs the same greedy request; its tokens must equal the first variant's (the knobs change how bytes
 move, never the arithmetic order of a row), else the row says DIFFERS and the exit code is 1.
-Prints p50 ms/token, the floor measured in the same run and the ratio; --output-json keeps the rows.
+Prints p50 ms/token, the floor measured in the same run, the ratio and the kernel shape the variant ran (its cubin's
+name: threads, rows, unroll, ...; e.g. `r2` splits the program's unroll over two rows, so at unroll 4 it is r2_u4);
+--output-json keeps the rows.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 KNOBS = {"u": "MPK_LINEAR_UNROLL", "t": "MPK_WORKER_THREADS", "p": "MPK_PREFETCH_KB", "r": "MPK_LINEAR_ROWS",
@@ -65,6 +68,13 @@ def parse_variant(text: str) -> tuple[dict[str, str], dict]:
     return env, opts
 
 
+def kernel_shape_name(cubin: str) -> str:
+    """'/c/kernels/mk_b1_t256_aot_u4_p64-73ca....cubin' -> 'mk_b1_t256_aot_u4_p64': the shape the variant ran (its
+    threads, unroll, rows...), so a knob that another default changes the meaning of shows it ('-' when unknown)."""
+    name = os.path.basename(cubin)
+    return name.split("-")[0] if name.endswith(".cubin") else "-"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="qwen3-8b")
@@ -96,7 +106,7 @@ def main(argv=None) -> int:
     rows, base_tokens, ok = [], None, True
     print(f"# tune_sweep {args.model} b{args.batch} prompt {args.prompt_len} output {args.output_len} | "
           f"{torch.cuda.get_device_name()}")
-    print(f"{'variant':<14}{'p50 ms':>9}{'floor ms':>10}{'/floor':>8}  tokens")
+    print(f"{'variant':<14}{'p50 ms':>9}{'floor ms':>10}{'/floor':>8}  {'tokens':<8} kernel")
     for text, (env, opts) in variants:
         with scoped_env(env, keys=[*KNOBS.values(), EXTRA_FLAGS]):
             spec = RunSpec(model=args.model, backend="megakernel", tp=1, batch=args.batch,
@@ -108,8 +118,10 @@ def main(argv=None) -> int:
         base_tokens = case.tokens if base_tokens is None else base_tokens
         same = case.tokens == base_tokens
         ok &= same
-        rows.append({"variant": text, "env": env, "opts": opts, "p50_ms": p50, "floor_ms": floor_ms, "same_tokens": same})
-        print(f"{text:<14}{p50:>9.3f}{floor_ms:>10.3f}{p50 / floor_ms:>8.2f}  {'same' if same else 'DIFFERS'}")
+        kernel = kernel_shape_name(case.extra.get("cubin", ""))
+        rows.append({"variant": text, "env": env, "opts": opts, "p50_ms": p50, "floor_ms": floor_ms, "same_tokens": same,
+                     "kernel": kernel})
+        print(f"{text:<14}{p50:>9.3f}{floor_ms:>10.3f}{p50 / floor_ms:>8.2f}  {'same' if same else 'DIFFERS':<8} {kernel}")
         sys.stdout.flush()
     if args.output_json:
         with open(args.output_json, "w") as f:
