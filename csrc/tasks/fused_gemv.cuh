@@ -138,12 +138,28 @@ __device__ __forceinline__ const void* epi_out(const EpiT&) { return nullptr; }
 constexpr int kMarkGemvStart = kMarkMmaStart;
 constexpr int kMarkGemvWarp0Done = kMarkMmaStreamed;
 
+// MPK_LONG_ROWS R > 1 (a measurement variant, off): batch-1 fused tiles with at least kLongMinRowsPerWarp rows a warp
+// (in practice lm_head's, ~1,190 rows a tile at qwen3-0.6b) sum R rows at once with the program's whole unroll of loads
+// each, R x unroll 16-byte loads a lane in flight instead of unroll (R capped so that R x unroll <= kLongMaxLoads, the
+// register budget of the widest one-row tile). Why: qwen3-0.6b's lm_head (K = 1024 at unroll 4: a row is one round of
+// 4 loads a lane) is a chain of ~148 dependent rows a warp, 122 us for 311 MB (2.5 TB/s; docs/PERF.md v0.31 trace).
+// MPK_LINEAR_ROWS splits the unroll over its rows instead, so it never put more bytes in flight at unroll 4. Same sums:
+// each row's lane terms in increasing k, as with one row a warp.
+#ifndef MPK_LONG_ROWS
+#define MPK_LONG_ROWS 1
+#endif
+constexpr int kLongMinRowsPerWarp = 16;
+constexpr int kLongMaxLoads = 16;
+constexpr int kLongRows = MPK_LONG_ROWS * kLinUnroll <= kLongMaxLoads ? MPK_LONG_ROWS
+                          : (kLongMaxLoads / kLinUnroll > 0 ? kLongMaxLoads / kLinUnroll : 1);
+
 // NOTE: not inlined: one copy per batch serves all three fused kinds (inlined at each call site it
 // tripled the batch-16 kernel's build time); the call costs nothing next to a tile's weight stream.
-template <int B, int R, class XS, class EpiT>
+// UR: loads a row per round; 0 = the unroll split over the R rows (MPK_LINEAR_ROWS), > 0 = UR each (MPK_LONG_ROWS).
+template <int B, int R, class XS, class EpiT, int UR = 0>
 __device__ __noinline__ void gemv_tile(const XS xs, const bf16* __restrict__ w, int K, int n_tile, const EpiT epi,
                                        int tid, int nt) {
-  constexpr int U = kLinUnroll / R > 0 ? kLinUnroll / R : 1;
+  constexpr int U = UR > 0 ? UR : (kLinUnroll / R > 0 ? kLinUnroll / R : 1);
   if (R == 1 && stream_fits(K, nt)) {  // MPK_LINEAR_TMA: same sums, weights through shared memory
     gemv_streamed<B>(xs, w, K, n_tile, epi, tid, nt);
     return;
@@ -236,6 +252,12 @@ __device__ __forceinline__ void gemv_fused(const XS& xs, const bf16* __restrict_
   if (pair) {
     gemv_pair<B>(xs, w, K, n_tile, epi, tid, nt);
     return;
+  }
+  if constexpr (B == 1 && kFuseRows == 1 && kLongRows > 1) {  // MPK_LONG_ROWS: long tiles, rows summed together
+    if (n_tile >= kLongMinRowsPerWarp * (nt >> 5)) {
+      gemv_tile<B, kLongRows, XS, EpiT, kLinUnroll>(xs, w, K, n_tile, epi, tid, nt);
+      return;
+    }
   }
   gemv_tile<B, kFuseRows>(xs, w, K, n_tile, epi, tid, nt);
 }

@@ -1,0 +1,45 @@
+"""The long-tile variant (-DMPK_LONG_ROWS=R, csrc/tasks/fused_gemv.cuh; a measurement variant, off): with nvcc, the
+batch-1 kernel of qwen3-0.6b's shape (256 worker threads, unroll 4) gets one more GEMV instance, R rows of the whole
+unroll each, and ptxas spills nothing in it; the default build has no such instance; a wide unroll caps R (R x unroll
+<= 16 loads a lane). Its speed and sums are measured on the GPU (docs/PERF.md)."""
+
+from __future__ import annotations
+
+import re
+import shutil
+
+import pytest
+
+needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH (CI installs CUDA 13.0)")
+
+# gemv_tile<1, R, XRows, Epi, UR> as ptxas names it: _ZN3mpk9gemv_tileILi1ELi<R>ENS_5XRowsENS_3EpiELi<UR>EEEv...
+_INSTANCE = re.compile(r"Function properties for (_ZN3mpk9gemv_tileILi1ELi(\d+)ENS_5XRowsENS_3EpiELi(\d+)E\S*)\n"
+                       r"[^\n]*?(\d+) bytes spill stores, (\d+) bytes spill loads")
+
+
+def _long_instances(extra: str, unroll: int, tmp_path, monkeypatch) -> dict[tuple[int, int], tuple[int, int]]:
+    """{(R, UR): (spill stores, spill loads)} of the gemv_tile instances with loads a row set (UR > 0)."""
+    from mpk_dist.runtime.codegen import KernelShape
+    from mpk_dist.runtime.kernel import build_kernel
+
+    monkeypatch.setenv("MPK_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("MPK_NVCC_EXTRA_FLAGS", f"-Xptxas -v {extra}".strip())
+    _, res = build_kernel(KernelShape(batch=1, worker_threads=256, schedule="aot", linear_unroll=unroll), compiler="nvcc")
+    assert res.cubin[:4] == b"\x7fELF"
+    every = {(int(m.group(2)), int(m.group(3))): (int(m.group(4)), int(m.group(5))) for m in _INSTANCE.finditer(res.log)}
+    assert (1, 0) in every, f"no one-row gemv_tile<1, 1, XRows, Epi, 0> in the log: {sorted(every)}"  # the regex reads
+    return {k: v for k, v in every.items() if k[1] > 0}
+
+
+@needs_nvcc
+def test_long_rows_add_one_spill_free_instance(tmp_path, monkeypatch):
+    found = _long_instances("-DMPK_LONG_ROWS=4", 4, tmp_path, monkeypatch)
+    assert set(found) == {(4, 4)}, f"expected gemv_tile<1, 4, ..., 4> only, got {sorted(found)}"
+    assert found[(4, 4)] == (0, 0), f"gemv_tile<1, 4, ..., 4> spills (stores, loads) = {found[(4, 4)]}"
+
+
+@needs_nvcc
+def test_default_build_has_no_long_instance_and_wide_unrolls_cap_the_rows(tmp_path, monkeypatch):
+    assert _long_instances("", 4, tmp_path / "default", monkeypatch) == {}
+    # unroll 16 already keeps 16 loads a lane in flight: R is capped to 1 and the variant adds nothing
+    assert _long_instances("-DMPK_LONG_ROWS=4", 16, tmp_path / "u16", monkeypatch) == {}
