@@ -145,10 +145,15 @@ constexpr int kMarkGemvWarp0Done = kMarkMmaStreamed;
 // 4 loads a lane) is a chain of ~148 dependent rows a warp, 122 us for 311 MB (2.5 TB/s; docs/PERF.md v0.31 trace).
 // MPK_LINEAR_ROWS splits the unroll over its rows instead, so it never put more bytes in flight at unroll 4. Same sums:
 // each row's lane terms in increasing k, as with one row a warp.
+// MPK_LONG_MIN_ROWS (default 16: lm_head only) lowers the rows a warp from which it applies, e.g. 4 for qwen3-0.6b's
+// qkv (4 rows a warp) and gate_up (6 a warp in each half of the pair tile) as well.
 #ifndef MPK_LONG_ROWS
 #define MPK_LONG_ROWS 1
 #endif
-constexpr int kLongMinRowsPerWarp = 16;
+#ifndef MPK_LONG_MIN_ROWS
+#define MPK_LONG_MIN_ROWS 16
+#endif
+constexpr int kLongMinRowsPerWarp = MPK_LONG_MIN_ROWS;
 constexpr int kLongMaxLoads = 16;
 constexpr int kLongRows = MPK_LONG_ROWS * kLinUnroll <= kLongMaxLoads ? MPK_LONG_ROWS
                           : (kLongMaxLoads / kLinUnroll > 0 ? kLongMaxLoads / kLinUnroll : 1);
@@ -219,6 +224,20 @@ __device__ __noinline__ void gemv_tile(const XS xs, const bf16* __restrict__ w, 
   if constexpr (B == 1 && MPK_GEMV_MARKS) trace_mark(kMarkGemvWarp0Done, tid);  // trace: thread 0's warp has summed its rows
 }
 
+// gemv_tile at the tile's row shape: MPK_LONG_ROWS rows of the whole unroll for tiles with at least
+// kLongMinRowsPerWarp rows a warp (batch 1, one row a warp otherwise), else MPK_LINEAR_ROWS rows (default: one).
+template <int B, class XS, class EpiT>
+__device__ __forceinline__ void gemv_rows(const XS& xs, const bf16* __restrict__ w, int K, int n_tile, const EpiT& epi,
+                                          int tid, int nt) {
+  if constexpr (B == 1 && kFuseRows == 1 && kLongRows > 1) {
+    if (n_tile >= kLongMinRowsPerWarp * (nt >> 5)) {
+      gemv_tile<B, kLongRows, XS, EpiT, kLinUnroll>(xs, w, K, n_tile, epi, tid, nt);
+      return;
+    }
+  }
+  gemv_tile<B, kFuseRows>(xs, w, K, n_tile, epi, tid, nt);
+}
+
 // The fused kinds' GEMV (hand-written and generated bodies alike): tensor-core tiles for batch >= 2 under
 // MPK_LINEAR_MMA=1 when enough warps stream (linear_mma.cuh, its own summation order), else gemv_tile.
 // reserved: bytes at the start of the dynamic shared memory that xs reads (staged_bytes of the staged rows;
@@ -253,13 +272,7 @@ __device__ __forceinline__ void gemv_fused(const XS& xs, const bf16* __restrict_
     gemv_pair<B>(xs, w, K, n_tile, epi, tid, nt);
     return;
   }
-  if constexpr (B == 1 && kFuseRows == 1 && kLongRows > 1) {  // MPK_LONG_ROWS: long tiles, rows summed together
-    if (n_tile >= kLongMinRowsPerWarp * (nt >> 5)) {
-      gemv_tile<B, kLongRows, XS, EpiT, kLinUnroll>(xs, w, K, n_tile, epi, tid, nt);
-      return;
-    }
-  }
-  gemv_tile<B, kFuseRows>(xs, w, K, n_tile, epi, tid, nt);
+  gemv_rows<B>(xs, w, K, n_tile, epi, tid, nt);
 }
 
 // Half the block's warps sum the first half of the rows (the gate rows of norm_linear_silu) and the other half the
@@ -276,14 +289,14 @@ __device__ __forceinline__ void gemv_pair(const XS& xs, const bf16* __restrict__
   second.y = static_cast<bf16*>(epi.y) + h;
   const bf16* w2 = w + epi.pair_jump;
   if (MPK_LINEAR_TMA) {
-    gemv_tile<B, kFuseRows>(xs, w, K, h, first, tid, nt);
-    gemv_tile<B, kFuseRows>(xs, w2, K, h, second, tid, nt);
+    gemv_rows<B>(xs, w, K, h, first, tid, nt);
+    gemv_rows<B>(xs, w2, K, h, second, tid, nt);
     return;
   }
   const int half = (nt >> 6) << 5;  // the first half's threads: whole warps (nt - half for the second)
   const bool second_half = tid >= half;
-  gemv_tile<B, kFuseRows>(xs, second_half ? w2 : w, K, h, second_half ? second : first, second_half ? tid - half : tid,
-                          second_half ? nt - half : half);
+  gemv_rows<B>(xs, second_half ? w2 : w, K, h, second_half ? second : first, second_half ? tid - half : tid,
+               second_half ? nt - half : half);
 }
 
 // Fallback when the staged input does not fit the launch's shared memory: batch row b only, one
