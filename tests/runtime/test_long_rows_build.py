@@ -1,7 +1,7 @@
 """The long-tile variant (-DMPK_LONG_ROWS=R [-DMPK_LONG_MIN_ROWS=M], csrc/tasks/fused_gemv.cuh; a measurement
 variant, off): with nvcc, the batch-1 kernel of qwen3-0.6b's shape (256 worker threads, unroll 4) gets one more GEMV
-instance, R rows of the whole unroll each, and ptxas spills nothing in it; the default build has no such instance; a wide unroll caps R (R x unroll
-<= 16 loads a lane). Its speed and sums are measured on the GPU (docs/PERF.md)."""
+instance, R rows of the whole unroll each, and ptxas spills nothing in it; the default build has no such instance;
+a wide unroll caps R (R x unroll <= 16 loads a lane). Its speed and sums are to be measured on the GPU (docs/PERF.md)."""
 
 from __future__ import annotations
 
