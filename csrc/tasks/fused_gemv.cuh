@@ -155,7 +155,8 @@ constexpr int kMarkGemvWarp0Done = kMarkMmaStreamed;
 #endif
 constexpr int kLongMinRowsPerWarp = MPK_LONG_MIN_ROWS;
 constexpr int kLongMaxLoads = 16;
-constexpr int kLongRowsCap = kLongMaxLoads / kLinUnroll > 1 ? kLongMaxLoads / kLinUnroll : 1;  // R x unroll <= kLongMaxLoads
+// R x unroll <= kLongMaxLoads
+constexpr int kLongRowsCap = kLongMaxLoads / kLinUnroll > 1 ? kLongMaxLoads / kLinUnroll : 1;
 constexpr int kLongRows = MPK_LONG_ROWS < kLongRowsCap ? MPK_LONG_ROWS : kLongRowsCap;
 
 // NOTE: not inlined: one copy per batch serves all three fused kinds (inlined at each call site it
