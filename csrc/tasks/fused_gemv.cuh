@@ -35,16 +35,22 @@ struct XRows {
   __device__ __forceinline__ uint4 load8(int b, int k) const { return ld_act_v4(x + (size_t)b * ld + k); }
 };
 
-// The 8 normalised values w[k+i] * bf16(x[k+i] * r) of one fp32 row, each rounded to bf16 (rms_norm.cuh).
-__device__ __forceinline__ uint4 norm8(const float* xr, const bf16* nw, float r, int k) {
+// The 8 normalised values w[k+i] * bf16(x[k+i] * r) of one fp32 row, each rounded to bf16 (rms_norm.cuh), from the
+// norm weights' 16 bytes g (loaded by the caller: see stage_row_fetch_first).
+__device__ __forceinline__ uint4 norm8_with(const float* xr, uint4 g, float r, int k) {
   const float4 a = *reinterpret_cast<const float4*>(xr + k), c = *reinterpret_cast<const float4*>(xr + k + 4);
   const float f[8] = {a.x, a.y, a.z, a.w, c.x, c.y, c.z, c.w};
-  float g[8];
-  unpack8(ld_stream_v4(nw + k), g);
+  float gf[8];
+  unpack8(g, gf);
   __align__(16) bf16 o[8];
 #pragma unroll
-  for (int i = 0; i < 8; ++i) o[i] = f2bf(g[i] * round_bf(f[i] * r));
+  for (int i = 0; i < 8; ++i) o[i] = f2bf(gf[i] * round_bf(f[i] * r));
   return *reinterpret_cast<const uint4*>(o);
+}
+
+// The same with the norm weights loaded here.
+__device__ __forceinline__ uint4 norm8(const float* xr, const bf16* nw, float r, int k) {
+  return norm8_with(xr, ld_stream_v4(nw + k), r, k);
 }
 
 // The 8 values bf16(bf16(silu(gate)) * up) of silu_mul.cuh, gate at g[k..], up at g[up + k..].
@@ -63,6 +69,9 @@ struct NormRow {
   const float* x;
   const bf16* nw;
   float r;
+  // stage_row_fetch_first: the norm weights at k (copied ahead of r), and the values from them
+  __device__ __forceinline__ const bf16* params_at(int k) const { return nw + k; }
+  __device__ __forceinline__ uint4 finish(uint4 g, int k, float rr) const { return norm8_with(x, g, rr, k); }
   __device__ __forceinline__ uint4 load8(int k) const { return norm8(x, nw, r, k); }
 };
 
@@ -90,6 +99,37 @@ __device__ __forceinline__ bool stage_fits(int B, int K) { return staged_bytes(B
 template <class Row>
 __device__ __forceinline__ void stage_row(bf16* st, int K, const Row& row, int tid, int nt) {
   for (int k = tid * 8; k < K; k += nt * 8) *reinterpret_cast<uint4*>(st + k) = row.load8(k);
+}
+
+// MPK_NORM_ONE_ROUND 1 (a measurement variant, off): a batch-1 norm prologue (rms_norm -> linear, hand-written and
+// generated bodies) copies the norm weights of the thread's staged vectors into their staging slots (cp.async) before
+// the row statistic's loads and block reduction, so the prologue waits for one memory round trip, not two. Why: with
+// the statistic first, those weights (an L2 hit since MPK_PREFETCH_NORM_W) were asked for only after the reduction,
+// while the row itself is then in L1 (the statistic read it); the trace puts qwen3-0.6b's qkv and gate|up prologues
+// at 1.0-1.5 us of a tile against 0.35 us for o_proj's (docs/PERF.md v0.31). Copies, not register loads: the task
+// bodies run with the worker loop's registers live around them (253 of 255 at 256 threads), and even 4 registers held
+// across the reduction spilled 6-16 B in run_norm_linear and the entry (ptxas -v). Each thread then reads back only
+// its own slots (cp.async.wait_all, no barrier) and overwrites them with the values. Same values, same positions,
+// same statistic: the same bits.
+#ifndef MPK_NORM_ONE_ROUND
+#define MPK_NORM_ONE_ROUND 0
+#endif
+
+// stage_row for a row whose values need the factor r = row_factor() (which reads the row and reduces over the
+// block, leaving the staging area alone): the parameter's 16 bytes of each of the thread's staged vectors are in
+// flight into the vector's slot before row_factor's loads. Row: const bf16* params_at(k) (the one parameter input's
+// vector at k), uint4 finish(uint4 params, int k, float r) == load8(k) with r.
+template <class Row, class RowFactor>
+__device__ __forceinline__ float stage_row_fetch_first(bf16* st, int K, const Row& row, const RowFactor& row_factor,
+                                                       int tid, int nt) {
+  for (int k = tid * 8; k < K; k += nt * 8) cp_async16(st + k, row.params_at(k));  // stage_row's positions
+  const float r = row_factor();
+  cp_async_wait_all();  // this thread's copies: it reads only its own slots
+  for (int k = tid * 8; k < K; k += nt * 8) {
+    uint4* slot = reinterpret_cast<uint4*>(st + k);
+    *slot = row.finish(*slot, k, r);
+  }
+  return r;
 }
 
 // Epilogue, chosen at run time (one GEMV instance serves every fused kind; the choice costs a

@@ -25,9 +25,13 @@ __device__ void norm_linear(int B, const float* x, int ldx, const bf16* nw, cons
                             int n_tile, float eps, float* smem, int tid, int nt) {
   if (stage_fits(B, K)) {
     bf16* st = stage_base(smem);  // [B, K] normalised rows
-    for (int b = 0; b < B; ++b) {
-      const float* xr = x + (size_t)b * ldx;
-      stage_row(st + (size_t)b * K, K, NormRow{xr, nw, row_rstd(xr, K, eps, smem, tid, nt)}, tid, nt);
+    if (MPK_NORM_ONE_ROUND && B == 1) {  // the operand's loads beside the statistic's (fused_gemv.cuh)
+      stage_row_fetch_first(st, K, NormRow{x, nw, 0.f}, [&] { return row_rstd(x, K, eps, smem, tid, nt); }, tid, nt);
+    } else {
+      for (int b = 0; b < B; ++b) {
+        const float* xr = x + (size_t)b * ldx;
+        stage_row(st + (size_t)b * K, K, NormRow{xr, nw, row_rstd(xr, K, eps, smem, tid, nt)}, tid, nt);
+      }
     }
     worker_barrier(nt);  // the staged rows are complete before any warp reads them
     MPK_FUSED_WITH_BATCH(B, (gemv_fused<kB>(XRows{st, K}, w, K, n_tile, epi, staged_bytes(kB, K), tid, nt)));

@@ -147,17 +147,38 @@ def _row_struct(p: GemvPlan, abi: KindAbi, consts: _Consts, struct: str) -> list
         where = "row b" if per_row else "whole"
         lines.append(f"  {ctype} {loc};  // µGraph input {name} ({where}), tile {tuple(p.inputs[loc]['tile'])}, "
                      f"imap={_map(p.inputs[loc]['imap'])} fmap={p.inputs[loc]['fmap']}")
-    if p.factor is not None:
-        lines.append("  float r;  // row factor")
-    lines.append("  __device__ __forceinline__ uint4 load8(int k) const {")
-    for loc in used:
-        load = "load8" if abi.rows[p.inputs[loc]["name"]][2] else "load8_param"
+    loads = [(loc, "load8" if abi.rows[p.inputs[loc]["name"]][2] else "load8_param") for loc in used]
+    combine = ["    float o[8];", "#pragma unroll",
+               f"    for (int e = 0; e < 8; ++e) o[e] = {_expr(p.operand, consts)};",
+               "    return tile::pack8(o);", "  }"]
+    one_step = ["  __device__ __forceinline__ uint4 load8(int k) const {"]
+    for loc, load in loads:
+        one_step += [f"    float v_{loc}[8];", f"    tile::{load}({loc} + k, v_{loc});"]
+    one_step += combine + ["};"]
+    if p.factor is None:
+        return lines + one_step
+    lines.append("  float r;  // row factor")
+    if not _fetch_first(p, abi):
+        return lines + one_step
+    # The parameter (the input every row shares: the norm weights) in a step of its own, so a batch-1 prologue can
+    # copy it ahead of r (stage_row_fetch_first, fused_gemv.cuh); the row inputs are loaded with the arithmetic (the
+    # statistic has just read them). load8 is the two steps in a row.
+    param = next(loc for loc, load in loads if load == "load8_param")
+    lines += [f"  __device__ __forceinline__ const bf16* params_at(int k) const {{ return {param} + k; }}",
+              "  __device__ __forceinline__ uint4 finish(uint4 p, int k, float r) const {"]
+    for loc, load in loads:
         lines.append(f"    float v_{loc}[8];")
-        lines.append(f"    tile::{load}({loc} + k, v_{loc});")
-    lines += ["    float o[8];", "#pragma unroll",
-              f"    for (int e = 0; e < 8; ++e) o[e] = {_expr(p.operand, consts)};",
-              "    return tile::pack8(o);", "  }", "};"]
+        lines.append(f"    tile::unpack_param(p, v_{loc});" if load == "load8_param"
+                     else f"    tile::{load}({loc} + k, v_{loc});")
+    lines += combine
+    lines += ["  __device__ __forceinline__ uint4 load8(int k) const { return finish(tile::load_param(params_at(k)), k, r); }",
+              "};"]
     return lines
+
+
+def _fetch_first(p: GemvPlan, abi: KindAbi) -> bool:
+    """Whether the operand splits its one parameter's load from the arithmetic (``_row_struct``)."""
+    return p.factor is not None and sum(not abi.rows[p.inputs[loc]["name"]][2] for loc in _used(p.operand)) == 1
 
 
 def _map(m) -> str:
@@ -183,22 +204,31 @@ def _staged(p: GemvPlan, abi: KindAbi, consts: _Consts, struct: str) -> list:
              "template <int kB>",
              f"__device__ __forceinline__ void {abi.name}_staged({abi.signature}) {{",
              "  bf16* st = stage_base(smem);  // [kB, K] operand rows after the reduction scratch"]
-    r = ""
-    if p.factor is not None:
+    init = _row_init(p, abi)
+    if p.factor is None:
+        lines.append(f"  tile::stage_rows<kB>(st, K, [&](int b) {{ return {struct}{{{init}}}; }}, tid, nt);")
+    else:
         stat = p.factor.stat
         x = abi.rows[p.inputs[stat.src_input]["name"]][1]
-        lines += [f"  // acc {stat.acc} = sum over the loop of:"]
-        lines += [f"  //   {op_text(o)}" for o in stat.ops]
-        lines += [f"  float {stat.acc}[kB];",
-                  f"  tile::rows_sum_sq<kB>([&](int b) {{ return {x}; }}, K, smem, {stat.acc}, tid, nt);"]
-        lines += ["  // post ops, as a row factor r = 1 / p applied before the matmul (reference rounding):"]
-        lines += [f"  //   {op_text(o)}" for o in p.factor.ops]
-        lines += ["  float r[kB];", "#pragma unroll",
-                  f"  for (int b = 0; b < kB; ++b) r[b] = rsqrtf({_prog(p.factor.inner_prog, f'{stat.acc}[b]', consts)});"]
-        r = "[b]"
-    init = _row_init(p, abi) + r
-    lines += [f"  tile::stage_rows<kB>(st, K, [&](int b) {{ return {struct}{{{init}}}; }}, tid, nt);",
-              "  worker_barrier(nt);  // the staged rows are complete before any warp reads them",
+        one_round = "kB == 1 && MPK_NORM_ONE_ROUND" if _fetch_first(p, abi) else "false"
+        lines += [f"  if constexpr ({one_round}) {{  // the parameter's copies in flight beside the statistic's loads",
+                  "    const int b = 0;",
+                  f"    stage_row_fetch_first(st, K, {struct}{{{init[: -len('r')]}0.f}}, [&] {{",
+                  f"      const float {stat.acc} = tile::row_sum_sq({x}, K, smem, tid, nt);",
+                  f"      return rsqrtf({_prog(p.factor.inner_prog, stat.acc, consts)});",
+                  "    }, tid, nt);",
+                  "  } else {",
+                  f"    // acc {stat.acc} = sum over the loop of:"]
+        lines += [f"    //   {op_text(o)}" for o in stat.ops]
+        lines += [f"    float {stat.acc}[kB];",
+                  f"    tile::rows_sum_sq<kB>([&](int b) {{ return {x}; }}, K, smem, {stat.acc}, tid, nt);",
+                  "    // post ops, as a row factor r = 1 / p applied before the matmul (reference rounding):"]
+        lines += [f"    //   {op_text(o)}" for o in p.factor.ops]
+        lines += ["    float r[kB];", "#pragma unroll",
+                  f"    for (int b = 0; b < kB; ++b) r[b] = rsqrtf({_prog(p.factor.inner_prog, f'{stat.acc}[b]', consts)});",
+                  f"    tile::stage_rows<kB>(st, K, [&](int b) {{ return {struct}{{{init}[b]}}; }}, tid, nt);",
+                  "  }"]
+    lines += ["  worker_barrier(nt);  // the staged rows are complete before any warp reads them",
               f"  // {op_text(p.matmul)}",
               f"  // acc {p.acc['out']} = sum({p.acc['src']}); out {p.output['src']} -> {p.output['name']} "
               f"omap={_map(p.output['omap'])} through the ABI's epilogue",

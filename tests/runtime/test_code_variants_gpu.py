@@ -29,6 +29,10 @@ the arithmetic, so the logits must equal the default build's bit for bit and sta
   into shared memory before summing (csrc/tasks/linear_residual.cuh), batch 2 and 3 (batch 4 runs tensor-core tiles),
   with the silu epilogue asked for so that the down projection is a linear_residual too.
 
+- ``-DMPK_NORM_ONE_ROUND=1`` (off; a measurement variant), batch 1: the norm prologue copies the norm weights into
+  their staging slots before the row statistic (csrc/tasks/fused_gemv.cuh stage_row_fetch_first), in the generated
+  body and, with ``-DMPK_SUPEROPT_NORM_LINEAR=0``, in the hand-written one.
+
 - ``MPK_FUSE_SILU_EPI=0``: silu_mul in the down projection's prologue instead of the gate|up projection's epilogue
   (another program and kernel: fusion 'silu_epi' off), batch 1 (the epilogue is the default there) and 2 (asked for
   with MPK_FUSE_SILU_EPI=1).
@@ -76,6 +80,16 @@ def test_code_variant_leaves_the_logits_bitwise(flags, batch, gpu_results):
         f"{flags} did not make another binary"
     check_bitwise(f"{flags} vs default, {NAME} b{batch} prompt {PROMPT}", NAME, variant, default,
                   forced_request(NAME, PROMPT, STEPS, batch, 70), gpu_results)
+
+
+@pytest.mark.parametrize("flags", ["-DMPK_NORM_ONE_ROUND=1", "-DMPK_NORM_ONE_ROUND=1 -DMPK_SUPEROPT_NORM_LINEAR=0"])
+def test_norm_one_round_leaves_the_logits_bitwise(flags, gpu_results):
+    """Batch 1 only: the variant's path is the batch-1 staged prologue (larger batches keep theirs)."""
+    variant, default = megakernel_with_env(NAME, {"MPK_NVCC_EXTRA_FLAGS": flags}), megakernel_with_env(NAME, {})
+    assert session_with_flags(variant, 1, flags).build.path != session_with_flags(default, 1, "").build.path, \
+        f"{flags} did not make another binary"
+    check_bitwise(f"{flags} vs default, {NAME} b1 prompt {PROMPT}", NAME, variant, default,
+                  forced_request(NAME, PROMPT, STEPS, 1, 70), gpu_results)
 
 
 @pytest.mark.parametrize("flags", MMA_VARIANTS)

@@ -54,6 +54,19 @@ def test_norm_linear_body_lowers_the_post_division_to_a_row_factor(best):
     assert "round_bf(v_i0[e] * r)" in text  # the normalised value is rounded before the weight multiply
 
 
+def test_norm_operand_splits_its_parameter_load_for_the_one_round_prologue(best):
+    """The norm_linear operand copies its one parameter (the norm weights) apart from the arithmetic
+    (params_at / finish, for stage_row_fetch_first under MPK_NORM_ONE_ROUND) and load8 is the two in a row; the
+    silu operand (no row factor) keeps one step and has no such branch."""
+    text = render(best("norm_linear"), "norm_linear")
+    assert "const bf16* params_at(int k) const { return i1 + k; }" in text
+    assert "tile::unpack_param(p, v_i1);" in text and "tile::load8(i0 + k, v_i0);" in text
+    assert "uint4 load8(int k) const { return finish(tile::load_param(params_at(k)), k, r); }" in text
+    assert "if constexpr (kB == 1 && MPK_NORM_ONE_ROUND) {" in text and "stage_row_fetch_first(st, K," in text
+    silu = render(best("silu_linear"), "silu_linear")
+    assert "params_at" not in silu and "MPK_NORM_ONE_ROUND" not in silu and "uint4 load8(int k) const {" in silu
+
+
 def test_unsupported_block_graph_is_a_clear_error(best):
     d = best("norm_linear").to_dict()
     bad = copy.deepcopy(d)
@@ -82,20 +95,24 @@ extern "C" __global__ void probe(const float* x, const mpk::bf16* nw, const mpk:
                                  void* y, int K, int n) {
   extern __shared__ float smem[];
   const mpk::Epi epi{y, nullptr, n, mpk::kEpiBf16};
-  mpk::gen::norm_linear(2, x, K, nw, w, epi, K, n, 1e-6f, smem, threadIdx.x, blockDim.x);
-  mpk::gen::silu_linear(2, gu, 2 * K, K, w, epi, K, n, smem, threadIdx.x, blockDim.x);
+  mpk::gen::norm_linear(MPK_BATCH, x, K, nw, w, epi, K, n, 1e-6f, smem, threadIdx.x, blockDim.x);
+  mpk::gen::silu_linear(MPK_BATCH, gu, 2 * K, K, w, epi, K, n, smem, threadIdx.x, blockDim.x);
 }
 """
 
 
 @needs_nvcc
-def test_generated_bodies_compile_for_sm90a(best, tmp_path):
+@pytest.mark.parametrize("defines", [["-DMPK_BATCH=2"], ["-DMPK_BATCH=1", "-DMPK_NORM_ONE_ROUND=1"]],
+                         ids=["b2", "b1-one-round"])
+def test_generated_bodies_compile_for_sm90a(best, defines, tmp_path):
+    """At batch 2, and at batch 1 with the norm prologue's parameter copies ahead of the statistic (the branch a
+    batch-1 kernel with -DMPK_NORM_ONE_ROUND=1 instantiates)."""
     for kind in KINDS:
         write_if_changed(tmp_path / "generated" / f"{kind}.cuh", render(best(kind), kind))
     (tmp_path / "tu.cu").write_text(TU)
     out = tmp_path / "tu.cubin"
     # the rendered bodies first on the include path (csrc/tasks/generated holds the checked-in fallbacks)
-    cmd = ["nvcc", "-cubin", "-gencode=arch=compute_90a,code=sm_90a", "-std=c++17", "-DMPK_BATCH=2",
+    cmd = ["nvcc", "-cubin", "-gencode=arch=compute_90a,code=sm_90a", "-std=c++17", *defines,
            f"-I{tmp_path}", f"-I{CSRC / 'runtime'}", f"-I{CSRC / 'tasks'}", "-o", str(out), str(tmp_path / "tu.cu")]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
     assert res.returncode == 0, res.stderr[-4000:]

@@ -15,16 +15,18 @@ struct NormLinearOperand {
   const float* i0;  // µGraph input X (row b), tile (8, 4096), imap=[φ] fmap=1
   const bf16* i1;  // µGraph input G (whole), tile (4096,), imap=[φ] fmap=0
   float r;  // row factor
-  __device__ __forceinline__ uint4 load8(int k) const {
+  __device__ __forceinline__ const bf16* params_at(int k) const { return i1 + k; }
+  __device__ __forceinline__ uint4 finish(uint4 p, int k, float r) const {
     float v_i0[8];
     tile::load8(i0 + k, v_i0);
     float v_i1[8];
-    tile::load8_param(i1 + k, v_i1);
+    tile::unpack_param(p, v_i1);
     float o[8];
 #pragma unroll
     for (int e = 0; e < 8; ++e) o[e] = (round_bf(v_i0[e] * r) * v_i1[e]);
     return tile::pack8(o);
   }
+  __device__ __forceinline__ uint4 load8(int k) const { return finish(tile::load_param(params_at(k)), k, r); }
 };
 
 // The staged path for the kernel's kB batch rows: the rows' statistics and operands computed together
@@ -32,18 +34,26 @@ struct NormLinearOperand {
 template <int kB>
 __device__ __forceinline__ void norm_linear_staged(int B, const float* x, int ldx, const bf16* nw, const bf16* w, const Epi& epi, int K, int n_tile, float eps, float* smem, int tid, int nt) {
   bf16* st = stage_base(smem);  // [kB, K] operand rows after the reduction scratch
-  // acc a3 = sum over the loop of:
-  //   b0 = chain[(x*x)](i0) (8, 256)  # rms_norm#0
-  //   b3 = sum[dim=1](b0) (8, 1)  # rms_norm#0
-  float a3[kB];
-  tile::rows_sum_sq<kB>([&](int b) { return x + (size_t)b * ldx; }, K, smem, a3, tid, nt);
-  // post ops, as a row factor r = 1 / p applied before the matmul (reference rounding):
-  //   p0 = chain[sqrt(((x*0.000244140625)+1e-06))](a3) (8, 1)  # rms_norm#0
-  //   p1 = div(a2, p0) (8, 8)  # matmul#0
-  float r[kB];
+  if constexpr (kB == 1 && MPK_NORM_ONE_ROUND) {  // the parameter's copies in flight beside the statistic's loads
+    const int b = 0;
+    stage_row_fetch_first(st, K, NormLinearOperand{x + (size_t)b * ldx, nw, 0.f}, [&] {
+      const float a3 = tile::row_sum_sq(x + (size_t)b * ldx, K, smem, tid, nt);
+      return rsqrtf(((a3 / (float)K) + eps));
+    }, tid, nt);
+  } else {
+    // acc a3 = sum over the loop of:
+    //   b0 = chain[(x*x)](i0) (8, 256)  # rms_norm#0
+    //   b3 = sum[dim=1](b0) (8, 1)  # rms_norm#0
+    float a3[kB];
+    tile::rows_sum_sq<kB>([&](int b) { return x + (size_t)b * ldx; }, K, smem, a3, tid, nt);
+    // post ops, as a row factor r = 1 / p applied before the matmul (reference rounding):
+    //   p0 = chain[sqrt(((x*0.000244140625)+1e-06))](a3) (8, 1)  # rms_norm#0
+    //   p1 = div(a2, p0) (8, 8)  # matmul#0
+    float r[kB];
 #pragma unroll
-  for (int b = 0; b < kB; ++b) r[b] = rsqrtf(((a3[b] / (float)K) + eps));
-  tile::stage_rows<kB>(st, K, [&](int b) { return NormLinearOperand{x + (size_t)b * ldx, nw, r[b]}; }, tid, nt);
+    for (int b = 0; b < kB; ++b) r[b] = rsqrtf(((a3[b] / (float)K) + eps));
+    tile::stage_rows<kB>(st, K, [&](int b) { return NormLinearOperand{x + (size_t)b * ldx, nw, r[b]}; }, tid, nt);
+  }
   worker_barrier(nt);  // the staged rows are complete before any warp reads them
   // b2 = matmul(b1, i2) (8, 8)  # matmul#0
   // acc a2 = sum(b2); out p1 -> t0 omap=[1] through the ABI's epilogue

@@ -1,0 +1,37 @@
+"""The one-round norm prologue (-DMPK_NORM_ONE_ROUND=1, csrc/tasks/fused_gemv.cuh stage_row_fetch_first; a
+measurement variant, off): with nvcc, the batch-1 kernel of qwen3-0.6b's shape (256 worker threads, unroll 4, the
+generated norm_linear body) builds with no spills in the fused norm bodies or the kernel entry and the entry's stack
+frame within the default programs' bound. Why a test: the task bodies share the worker loop's registers (253 of 255
+at this shape), and the first form of the variant, holding the norm weights in registers across the row statistic,
+spilled 6-112 B there. Its speed and bits are measured on the GPU (test_code_variants_gpu.py, docs/PERF.md)."""
+
+from __future__ import annotations
+
+import re
+import shutil
+
+import pytest
+
+needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH (CI installs CUDA 13.0)")
+
+ENTRY_FRAME_BYTES_MAX = 592  # test_attn_prep_build.py's bound for the default batch-1 programs
+
+
+@needs_nvcc
+def test_one_round_prologue_builds_without_spills(tmp_path, monkeypatch):
+    from mpk_dist.runtime.codegen import KernelShape
+    from mpk_dist.runtime.kernel import build_kernel
+
+    monkeypatch.setenv("MPK_CACHE_DIR", str(tmp_path))
+    # the default batch-1 programs run norm_linear_silu and leave the silu_linear kind out (kernel.kind_defines)
+    monkeypatch.setenv("MPK_NVCC_EXTRA_FLAGS", "-Xptxas -v -DMPK_SILU_LINEAR_KIND=0 -DMPK_NORM_ONE_ROUND=1")
+    _, res = build_kernel(KernelShape(batch=1, worker_threads=256, schedule="aot", linear_unroll=4), compiler="nvcc")
+    assert res.cubin[:4] == b"\x7fELF"
+    spills = {m.group(1): (int(m.group(2)), int(m.group(3))) for m in re.finditer(
+        r"Function properties for (\S+)\n[^\n]*?(\d+) bytes spill stores, (\d+) bytes spill loads", res.log)}
+    fused = {k: v for k, v in spills.items() if re.search(r"run_norm_linear", k)}
+    assert len(fused) == 2, f"expected run_norm_linear and run_norm_linear_silu in the log, got {sorted(fused)}"
+    assert all(v == (0, 0) for v in fused.values()), f"the norm bodies spill (stores, loads): {fused}"
+    assert spills.get("mpk_megakernel") == (0, 0), f"the kernel entry spills: {spills.get('mpk_megakernel')}"
+    frame = re.search(r"Function properties for mpk_megakernel\n\s*(\d+) bytes stack frame", res.log)
+    assert frame and int(frame.group(1)) <= ENTRY_FRAME_BYTES_MAX, frame and frame.group(0)
