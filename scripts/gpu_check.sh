@@ -24,7 +24,8 @@
 #   --perf          ONLY the issue-6 speed table: `mpk-dist bench --backend megakernel,torch-compile` at
 #                   context ~512 for qwen3-8b, llama3-8b, qwen3-1.7b, qwen3-0.6b (batch 1) and qwen3-8b batch 8
 #                   (tensor-core tiles, the default from batch 3), the cold and warm start-up, what 132 SMs read from HBM and from L2
-#                   (csrc/bench/sm_read_bw.cu), the knob sweep of the newest levers on qwen3-8b (PERF_VARIANTS,
+#                   (csrc/bench/sm_read_bw.cu), how soon the SMs waiting on an event see its last signal, by polling
+#                   method (csrc/bench/event_wake.cu), the knob sweep of the newest levers on qwen3-8b (PERF_VARIANTS,
 #                   default "base;j0;u8;k9;y0;x1;z1;k1": silu in the down tiles' prologue instead of the gate|up tiles'
 #                   epilogue (MPK_FUSE_SILU_EPI=0), 8 loads in flight per lane instead of the program's 16 (MPK_LINEAR_UNROLL),
 #                   9 KV ranges instead of 16 (v0.13's split), the batch-1 x vectors loaded in the sum loop (MPK_LOAD_AHEAD=0), the
@@ -163,6 +164,9 @@ if [ $PERF -eq 1 ]; then
   step perf_read_bw "${PERF_LIMIT:-150}" bash -c "nvcc -O3 -arch=sm_90a -o $OUT/sm_read_bw csrc/bench/sm_read_bw.cu \
     && for m in hbm l2; do $OUT/sm_read_bw \$([ \$m = l2 ] && echo --l2) > $OUT/sm_read_bw_\$m.log \
     && grep -E 'reading|per block|^ 132' $OUT/sm_read_bw_\$m.log || exit 1; done"
+  # How long after an event's last signal the waiting SMs see it, by polling method (csrc/bench/event_wake.cu).
+  step perf_event_wake "${PERF_LIMIT:-150}" bash -c "nvcc -O3 -arch=sm_90a -o $OUT/event_wake csrc/bench/event_wake.cu \
+    && for m in idle load; do $OUT/event_wake \$([ \$m = load ] && echo --load) > $OUT/event_wake_\$m.log && cat $OUT/event_wake_\$m.log || exit 1; done"
   step perf_sweep "${PERF_LIMIT:-150}" python3 scripts/tune_sweep.py --model qwen3-8b --prompt-len 480 --output-len 64 \
     --variants "${PERF_VARIANTS:-base;j0;u8;k9;y0;x1;z1;k1}" --output-json "$OUT/perf_sweep.json"
   # NCU=1: PC samples of one qwen3-0.6b launch (480-token prompt + 16 tokens) per source line: the kernel built with

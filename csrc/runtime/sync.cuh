@@ -193,8 +193,49 @@ __device__ __forceinline__ void worker_barrier(int num_threads) {
 #ifndef MPK_SPIN_SLEEP_MAX_NS
 #define MPK_SPIN_SLEEP_MAX_NS MPK_SPIN_SLEEP_NS
 #endif
+// MPK_SPIN_INFLIGHT K > 1 (a measurement variant, off): K relaxed polls of the counter in flight, first issued
+// kSpinStaggerCycles / K apart, each tested when it is back and reissued (so they stay apart); the one that sees the
+// target is followed by fence.acq_rel.gpu (a relaxed load that observed the release, then the fence: the PTX acquire
+// pattern). Why: one acquire load at a time leaves a poll every memory round trip, so the SMs waiting on one event
+// see its last signal up to a round trip apart (a level's tiles start 0.7-0.8 us apart, docs/PERF.md v0.31); K
+// staggered polls sample K times as often. csrc/bench/event_wake.cu measures both (and the fence) alone.
+#ifndef MPK_SPIN_INFLIGHT
+#define MPK_SPIN_INFLIGHT 1
+#endif
+constexpr long long kSpinStaggerCycles = 1024;  // ~0.5 us at 1.98 GHz: about a loaded L2 round trip
+
+template <int K>
+__device__ __forceinline__ int spin_wait_geq_gpu_inflight(const uint32_t* counter, uint32_t target,
+                                                          uint64_t timeout_ns, const uint32_t* halt, uint32_t* seen) {
+  const uint64_t start = globaltimer_ns();
+  uint32_t v[K];
+#pragma unroll
+  for (int j = 0; j < K; ++j) {
+    v[j] = ld_relaxed_gpu(counter);
+    const long long c = clock64();
+    while (j + 1 < K && clock64() - c < kSpinStaggerCycles / K) {}
+  }
+  for (uint32_t iter = 0;; ++iter) {
+#pragma unroll
+    for (int j = 0; j < K; ++j) {
+      if ((int32_t)(v[j] - target) >= 0) {
+        fence_acq_rel_gpu();  // with the relaxed load that saw the count: acquire
+        *seen = v[j];
+        return 0;
+      }
+      v[j] = ld_relaxed_gpu(counter);
+    }
+    if ((iter % MPK_SPIN_CHECK) == 0 && iter > 0) {
+      if (globaltimer_ns() - start > timeout_ns) { *seen = v[0]; return 1; }
+      if (ld_relaxed_gpu(halt) != 0) { *seen = v[0]; return 2; }
+    }
+  }
+}
+
 __device__ __forceinline__ int spin_wait_geq_gpu(const uint32_t* counter, uint32_t target, uint64_t timeout_ns,
                                                  const uint32_t* halt, uint32_t* seen) {
+  if constexpr (MPK_SPIN_INFLIGHT > 1)
+    return spin_wait_geq_gpu_inflight<MPK_SPIN_INFLIGHT>(counter, target, timeout_ns, halt, seen);
   uint64_t start = 0;
   uint32_t sleep_ns = MPK_SPIN_SLEEP_NS;
   for (uint32_t iter = 0;; ++iter) {
