@@ -22,7 +22,11 @@ runs the same greedy request; its tokens must equal the first variant's (the kno
 move, never the arithmetic order of a row), else the row says DIFFERS and the exit code is 1.
 Prints p50 ms/token, the floor measured in the same run, the ratio and the kernel shape the variant ran (its cubin's
 name: threads, rows, unroll, ...; e.g. `r2` splits the program's unroll over two rows, so at unroll 4 it is r2_u4);
---output-json keeps the rows.
+--output-json keeps the rows. --prebuild-jobs N first builds every variant's kernel in N processes
+(mpk_dist.runtime.prebuild; a run would build them one after the other), e.g. on a 16-core GPU machine:
+
+    python3 scripts/tune_sweep.py --model qwen3-0.6b --prompt-len 480 --prebuild-jobs 8 \
+        --variants "base;-DMPK_NORM_ONE_ROUND=1;base;-DMPK_NORM_ONE_ROUND=1"
 """
 
 from __future__ import annotations
@@ -75,6 +79,24 @@ def kernel_shape_name(cubin: str) -> str:
     return name.split("-")[0] if name.endswith(".cubin") else "-"
 
 
+def prebuild_cases(variants: list, model: str, batch: int, max_seq_len: int) -> list:
+    """The distinct kernels of ``variants`` ([(text, (env, opts))], as parse_variant gives) for the prebuild:
+    one BuildCase per distinct (env, splits, superopt). A variant with f0 / f1 (another fusion set than the
+    environment's) is left to build when it runs."""
+    from mpk_dist.runtime.prebuild import BuildCase
+
+    out = []
+    for _, (env, opts) in variants:
+        if "fuse" in opts:
+            continue
+        case = BuildCase(model, 1, batch, "aot", superopt=opts.get("superopt", True),
+                         attn_splits=opts.get("attn_splits", "auto"), max_seq_len=max_seq_len,
+                         env=tuple(sorted(env.items())))
+        if case not in out:
+            out.append(case)
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="qwen3-8b")
@@ -86,11 +108,21 @@ def main(argv=None) -> int:
     ap.add_argument("--max-seq-len", type=int, help="KV cache length (default prompt + output; 'auto' splits at "
                     "batch 1 depend on it)")
     ap.add_argument("--output-json")
+    ap.add_argument("--prebuild-jobs", type=int, default=0,
+                    help="build the variants' kernels in this many processes first (default 0: each as it runs)")
     args = ap.parse_args(argv)
     max_seq = args.max_seq_len or args.prompt_len + args.output_len
     if max_seq < args.prompt_len + args.output_len:
         ap.error(f"--max-seq-len {max_seq}: expected at least prompt + output = {args.prompt_len + args.output_len}")
     variants = [(text, parse_variant(text)) for text in args.variants.split(";")]
+    if args.prebuild_jobs < 0:
+        ap.error(f"--prebuild-jobs {args.prebuild_jobs}: expected 0 (off) or a number of build processes")
+    if args.prebuild_jobs:
+        from mpk_dist.runtime.prebuild import prebuild
+
+        if prebuild(prebuild_cases(variants, args.model, args.batch, max_seq), args.prebuild_jobs):
+            print("tune_sweep: a variant's kernel failed to build (above); its row will fail the same way",
+                  file=sys.stderr)
 
     import torch
 

@@ -27,12 +27,14 @@ class BuildCase:
     superopt: bool = True
     attn_splits: int | str = "auto"  # the backend's default; 1 = the unsplit program (other fused attention kinds)
     max_seq_len: int = 512  # the CLI's default; 'auto' may resolve otherwise at another cache length
+    env: tuple = ()  # (name, value) pairs set while this case builds: a variant's MPK_* knobs and -D defines
 
     def label(self) -> str:
-        """e.g. qwen3-0.6b tp1 b16 aot (attn_splits 1: ... aot k1)."""
+        """e.g. qwen3-0.6b tp1 b16 aot (attn_splits 1: ... aot k1; env: ... MPK_LINEAR_ROWS=2)."""
         return (f"{self.model} tp{self.tp} b{self.batch} {self.schedule}{'' if self.superopt else ' no-superopt'}"
                 f"{'' if self.attn_splits == 'auto' else f' k{self.attn_splits}'}"
-                f"{'' if self.max_seq_len == 512 else f' s{self.max_seq_len}'}")
+                f"{'' if self.max_seq_len == 512 else f' s{self.max_seq_len}'}"
+                + "".join(f" {k}={v}" for k, v in self.env))
 
 
 def cases(models: list[str], batches: list[int], schedules: list[str], tps: list[int],
@@ -45,7 +47,15 @@ def cases(models: list[str], batches: list[int], schedules: list[str], tps: list
 
 
 def build_one(case: BuildCase) -> tuple[str, bool, float]:
-    """Compile rank 0's program and build its kernel (cache hit or nvcc); (kernel file, was cached, seconds)."""
+    """Compile rank 0's program and build its kernel (cache hit or nvcc) with the case's environment set;
+    (kernel file, was cached, seconds)."""
+    from mpk_dist.runtime.megakernel_backend import scoped_env
+
+    with scoped_env(dict(case.env)):
+        return _build_one(case)
+
+
+def _build_one(case: BuildCase) -> tuple[str, bool, float]:
     from mpk_dist.models.presets import get_preset
     from mpk_dist.runtime.kernel import build_kernel
     from mpk_dist.runtime.megakernel_backend import (fusions_for_batch, fusions_from_env,

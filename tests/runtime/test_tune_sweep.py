@@ -13,3 +13,36 @@ def test_kernel_shape_name_is_the_shape_of_the_cubin(tune_sweep, tmp_path):
     assert tune_sweep.kernel_shape_name(str(cubin)) == shape.name() == "mk_b1_t256_aot_r2_u4_p64"
     assert tune_sweep.kernel_shape_name("") == "-"  # a backend that reports no cubin
     assert tune_sweep.kernel_shape_name(str(tmp_path / "trace.json")) == "-"
+
+
+def test_prebuild_cases_are_the_variants_distinct_kernels(tune_sweep):
+    """--prebuild-jobs builds one kernel per distinct variant: base twice is one case, a -D part and a knob land in
+    the case's environment, k<N> / s0 in its program, and f0 / f1 (another fusion set) are left to build when run."""
+    text = "base;-DMPK_NORM_ONE_ROUND=1;base;r2,u8;k4;s0;f0;-DMPK_NORM_ONE_ROUND=1"
+    variants = [(t, tune_sweep.parse_variant(t)) for t in text.split(";")]
+    cases = tune_sweep.prebuild_cases(variants, "qwen3-0.6b", 1, 544)
+    assert [c.env for c in cases] == [(), (("MPK_NVCC_EXTRA_FLAGS", "-DMPK_NORM_ONE_ROUND=1"),),
+                                      (("MPK_LINEAR_ROWS", "2"), ("MPK_LINEAR_UNROLL", "8")), (), ()]
+    assert [(c.attn_splits, c.superopt) for c in cases] == [("auto", True)] * 3 + [(4, True), ("auto", False)]
+    assert {(c.model, c.batch, c.max_seq_len, c.schedule, c.tp) for c in cases} == {("qwen3-0.6b", 1, 544, "aot", 1)}
+    assert "MPK_LINEAR_ROWS=2 MPK_LINEAR_UNROLL=8" in cases[2].label()
+
+
+def test_build_one_sets_the_case_environment_only_while_it_builds(monkeypatch):
+    import os
+
+    from mpk_dist.runtime import prebuild
+
+    seen = {}
+
+    def fake_build(case):
+        seen.update({k: os.environ.get(k) for k in ("MPK_NVCC_EXTRA_FLAGS", "MPK_LINEAR_ROWS")})
+        return "mk.cubin", True, 0.0
+
+    monkeypatch.setattr(prebuild, "_build_one", fake_build)
+    monkeypatch.setenv("MPK_LINEAR_ROWS", "4")
+    monkeypatch.delenv("MPK_NVCC_EXTRA_FLAGS", raising=False)
+    case = prebuild.BuildCase("tiny", env=(("MPK_NVCC_EXTRA_FLAGS", "-DX=1"), ("MPK_LINEAR_ROWS", "2")))
+    assert prebuild.build_one(case) == ("mk.cubin", True, 0.0)
+    assert seen == {"MPK_NVCC_EXTRA_FLAGS": "-DX=1", "MPK_LINEAR_ROWS": "2"}
+    assert os.environ.get("MPK_LINEAR_ROWS") == "4" and "MPK_NVCC_EXTRA_FLAGS" not in os.environ
