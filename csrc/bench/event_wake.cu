@@ -14,13 +14,12 @@
 // (us, over rounds): the median of every waiter's t_seen - t_sig, the median and 90th percentile of the round's
 // last waiter, and the median spread (last - first waiter).
 // Methods:
-//   acquire+sleep   ld.acquire.gpu, then __nanosleep(32): the kernel's spin_wait_geq_gpu
+//   acquire+sleep   ld.acquire.gpu, then __nanosleep(32): the kernel's spin_wait_geq_gpu (csrc/runtime/sync.cuh)
 //   acquire         ld.acquire.gpu back to back
-//   relaxed x1,x2,x4  1 / 2 / 4 relaxed polls in flight, first issued kStaggerCycles / K apart, then each slot
-//                   tested when its load is back and reissued (so they stay apart), and once one saw the count
-//                   fence.acq_rel.gpu: the PTX acquire pattern (x1 tells the fence's cost from the polls')
+//   relaxed x1,x2,x4  the kernel's wait under -DMPK_SPIN_INFLIGHT=1/2/4 (spin_wait_geq_gpu_inflight): that many
+//                   staggered relaxed polls in flight, then fence.acq_rel.gpu (x1 tells the fence's cost apart)
 //   own flag        the signaller also writes each waiter's own flag (one 128-byte line each, after one fence);
-//                   each waiter polls its own line with acquire loads: no 131 SMs on one counter
+//                   each waiter polls its own line with spin_wait_geq_gpu: no 131 SMs on one counter
 // With --load the waiters' other warps stream HBM (16-byte non-allocating loads, as the weight tiles do) until their
 // thread 0 has seen the round, so the polls cross a loaded memory system as they do at a level's end.
 //
@@ -31,8 +30,16 @@
 #include <cstring>
 #include <vector>
 #include <cuda_runtime.h>
+#include "../runtime/sync.cuh"  // the kernel's memory-ordering helpers: the bench measures those
 
 namespace {
+
+using mpk::fence_acq_rel_gpu;
+using mpk::globaltimer_ns;
+using mpk::ld_acquire_gpu;
+using mpk::ld_relaxed_gpu;
+using mpk::red_add_relaxed_gpu;
+using mpk::st_relaxed_gpu;
 
 constexpr int kBlocks = 132;  // one per SM on an H200
 constexpr int kThreads = 256;
@@ -43,33 +50,8 @@ constexpr uint64_t kTimeoutNs = 2000000000ull;                 // 2 s: a wait th
 constexpr size_t kLoadBytes = size_t(2) << 30;                // the streamed buffer (--load), past the L2
 constexpr int kLoadsInFlight = 4;
 
-constexpr long long kStaggerCycles = 1024;  // ~0.5 us at 1.98 GHz, about a loaded L2 round trip: split over the slots
-
 enum Method : int { kAcquireSleep, kAcquire, kRelaxed1, kRelaxed2, kRelaxed4, kOwnFlag, kMethods };
 const char* const kNames[kMethods] = {"acquire+sleep", "acquire", "relaxed x1", "relaxed x2", "relaxed x4", "own flag"};
-
-__device__ __forceinline__ uint64_t now_ns() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-__device__ __forceinline__ uint32_t ld_acquire(const uint32_t* p) {
-  uint32_t v;
-  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ uint32_t ld_relaxed(const uint32_t* p) {
-  uint32_t v;
-  asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ void st_relaxed(uint32_t* p, uint32_t v) {
-  asm volatile("st.relaxed.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
-__device__ __forceinline__ void fence_acq_rel() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
-__device__ __forceinline__ void red_add(uint32_t* p, uint32_t v) {
-  asm volatile("red.relaxed.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
 
 struct Shared {
   uint32_t* counter;  // the event
@@ -78,40 +60,27 @@ struct Shared {
   uint64_t* t_sig;    // [kRounds]
   uint64_t* t_seen;   // [kRounds][kBlocks]
   uint32_t* error;    // set on a timeout
+  const uint32_t* halt;  // the kernel waits' abort word: stays 0
   const int4* load;   // --load: the streamed buffer, nullptr without
   int4* sink;
 };
 
-// Thread 0 of a waiter: until *p >= target with method m (acquire when it returns). False on timeout.
+// Thread 0 of a waiter: until *p >= target with method M (acquire when it returns), through the kernel's own waits
+// where the method is one. False on timeout.
 template <int M>
-__device__ bool wait_for(const uint32_t* p, uint32_t target) {
-  const uint64_t t0 = now_ns();
-  if constexpr (M == kAcquireSleep || M == kAcquire || M == kOwnFlag) {
+__device__ bool wait_for(const uint32_t* p, uint32_t target, const uint32_t* halt) {
+  uint32_t seen = 0;
+  if constexpr (M == kAcquireSleep || M == kOwnFlag) {
+    return mpk::spin_wait_geq_gpu(p, target, kTimeoutNs, halt, &seen) == 0;
+  } else if constexpr (M == kAcquire) {
+    const uint64_t t0 = globaltimer_ns();
     for (uint32_t i = 0;; ++i) {
-      if ((int32_t)(ld_acquire(p) - target) >= 0) return true;
-      if constexpr (M == kAcquireSleep) __nanosleep(32);
-      if ((i & 63) == 0 && now_ns() - t0 > kTimeoutNs) return false;
+      if ((int32_t)(ld_acquire_gpu(p) - target) >= 0) return true;
+      if ((i & 63) == 0 && globaltimer_ns() - t0 > kTimeoutNs) return false;
     }
   } else {
     constexpr int K = M == kRelaxed1 ? 1 : M == kRelaxed2 ? 2 : 4;
-    uint32_t v[K];
-#pragma unroll
-    for (int j = 0; j < K; ++j) {  // issued apart: a slot is reissued when it is back, so they stay apart
-      v[j] = ld_relaxed(p);
-      const long long c = clock64();
-      while (j + 1 < K && clock64() - c < kStaggerCycles / K) {}
-    }
-    for (uint32_t i = 0;; ++i) {
-#pragma unroll
-      for (int j = 0; j < K; ++j) {  // slot j: tested when its load is back, then reissued
-        if ((int32_t)(v[j] - target) >= 0) {
-          fence_acq_rel();  // relaxed load that saw the release + fence: acquire
-          return true;
-        }
-        v[j] = ld_relaxed(p);
-      }
-      if ((i & 15) == 0 && now_ns() - t0 > kTimeoutNs) return false;
-    }
+    return mpk::spin_wait_geq_gpu_inflight<K>(p, target, kTimeoutNs, halt, &seen) == 0;
   }
 }
 
@@ -124,16 +93,16 @@ __global__ void __launch_bounds__(kThreads, 1) wake(Shared s) {
   if (b == 0) {  // the signaller: thread 0 only
     if (tid != 0) return;
     for (int r = 0; r < kRounds; ++r) {
-      const uint64_t t0 = now_ns();
-      while ((int32_t)(ld_acquire(s.ack) - (uint32_t)r * (kBlocks - 1)) < 0)
-        if (now_ns() - t0 > kTimeoutNs) { *s.error = 1; return; }
-      const uint64_t go = now_ns() + kSettleMinNs + (uint64_t)((r * 7919u) % 1000u) * kSettleSpanNs / 1000u;
-      while (now_ns() < go) {}
-      const uint64_t t = now_ns();
-      fence_acq_rel();
-      red_add(s.counter, 1u);
+      const uint64_t t0 = globaltimer_ns();
+      while ((int32_t)(ld_acquire_gpu(s.ack) - (uint32_t)r * (kBlocks - 1)) < 0)
+        if (globaltimer_ns() - t0 > kTimeoutNs) { *s.error = 1; return; }
+      const uint64_t go = globaltimer_ns() + kSettleMinNs + (uint64_t)((r * 7919u) % 1000u) * kSettleSpanNs / 1000u;
+      while (globaltimer_ns() < go) {}
+      const uint64_t t = globaltimer_ns();
+      fence_acq_rel_gpu();
+      red_add_relaxed_gpu(s.counter, 1u);
       if constexpr (M == kOwnFlag)
-        for (int w = 1; w < kBlocks; ++w) st_relaxed(s.flags + (size_t)w * kFlagStride, (uint32_t)r + 1u);
+        for (int w = 1; w < kBlocks; ++w) st_relaxed_gpu(s.flags + (size_t)w * kFlagStride, (uint32_t)r + 1u);
       s.t_sig[r] = t;
     }
     return;
@@ -141,10 +110,10 @@ __global__ void __launch_bounds__(kThreads, 1) wake(Shared s) {
   if (tid == 0) {
     const uint32_t* p = M == kOwnFlag ? s.flags + (size_t)b * kFlagStride : s.counter;
     for (int r = 0; r < kRounds; ++r) {
-      if (!wait_for<M>(p, (uint32_t)r + 1u)) { *s.error = 2; seen_round = kRounds; return; }
-      s.t_seen[(size_t)r * kBlocks + b] = now_ns();
+      if (!wait_for<M>(p, (uint32_t)r + 1u, s.halt)) { *s.error = 2; seen_round = kRounds; return; }
+      s.t_seen[(size_t)r * kBlocks + b] = globaltimer_ns();
       seen_round = r;
-      red_add(s.ack, 1u);
+      red_add_relaxed_gpu(s.ack, 1u);
     }
     return;
   }
@@ -212,9 +181,9 @@ bool run(Shared s) {
 }
 
 __global__ void timer_step(uint64_t* out) {  // the smallest step of %globaltimer seen by one thread
-  uint64_t prev = now_ns(), best = ~0ull;
+  uint64_t prev = globaltimer_ns(), best = ~0ull;
   for (int i = 0; i < 100000; ++i) {
-    const uint64_t t = now_ns();
+    const uint64_t t = globaltimer_ns();
     if (t != prev && t - prev < best) best = t - prev;
     prev = t;
   }
@@ -236,19 +205,22 @@ int main(int argc, char** argv) {
   }
   Shared s{};
   uint64_t* step = nullptr;
+  uint32_t* halt = nullptr;
   int4* buf = nullptr;
   bool ok = cudaMalloc(&s.counter, 4) == cudaSuccess && cudaMalloc(&s.ack, 4) == cudaSuccess &&
             cudaMalloc(&s.flags, sizeof(uint32_t) * kFlagStride * kBlocks) == cudaSuccess &&
             cudaMalloc(&s.t_sig, 8 * kRounds) == cudaSuccess &&
             cudaMalloc(&s.t_seen, 8 * (size_t)kRounds * kBlocks) == cudaSuccess &&
             cudaMalloc(&s.error, 4) == cudaSuccess && cudaMalloc(&s.sink, kThreads * sizeof(int4)) == cudaSuccess &&
-            cudaMalloc(&step, 8) == cudaSuccess && (!load || cudaMalloc(&buf, kLoadBytes) == cudaSuccess);
+            cudaMalloc(&step, 8) == cudaSuccess && cudaMalloc(&halt, 4) == cudaSuccess && (!load || cudaMalloc(&buf, kLoadBytes) == cudaSuccess);
   if (!ok) {
     std::printf("error: could not allocate the counters and the %s buffer on the GPU\n", load ? "2 GiB" : "timing");
     return 1;
   }
   if (load) cudaMemset(buf, 1, kLoadBytes);
+  cudaMemset(halt, 0, 4);
   s.load = buf;
+  s.halt = halt;
   int sms = 0;
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
   if (sms < kBlocks) {
