@@ -204,28 +204,43 @@ __device__ __forceinline__ void worker_barrier(int num_threads) {
 #endif
 constexpr long long kSpinStaggerCycles = 1024;  // ~0.5 us at 1.98 GHz: about a loaded L2 round trip
 
+// Slots J.. of the polls: the first that saw `target` ends it (true, *seen = its value); each other slot, once its
+// load is back, is reissued. Recursion over a constant J keeps every slot in a register: a loop over j with the
+// early exit was not unrolled, and its slots went to local memory (42 STL in the kernel entry, nvdisasm).
+template <int J, int K>
+__device__ __forceinline__ bool poll_slots(uint32_t (&v)[K], const uint32_t* counter, uint32_t target, uint32_t* seen) {
+  if ((int32_t)(v[J] - target) >= 0) {
+    *seen = v[J];
+    return true;
+  }
+  v[J] = ld_relaxed_gpu(counter);
+  if constexpr (J + 1 < K) return poll_slots<J + 1, K>(v, counter, target, seen);
+  return false;
+}
+
+// The first issue of slots J..: kSpinStaggerCycles / K apart.
+template <int J, int K>
+__device__ __forceinline__ void issue_slots(uint32_t (&v)[K], const uint32_t* counter) {
+  v[J] = ld_relaxed_gpu(counter);
+  if constexpr (J + 1 < K) {
+    const long long c = clock64();
+    while (clock64() - c < kSpinStaggerCycles / K) {}
+    issue_slots<J + 1, K>(v, counter);
+  }
+}
+
 template <int K>
 __device__ __forceinline__ int spin_wait_geq_gpu_inflight(const uint32_t* counter, uint32_t target,
                                                           uint64_t timeout_ns, const uint32_t* halt, uint32_t* seen) {
   const uint64_t start = globaltimer_ns();
   uint32_t v[K];
-#pragma unroll
-  for (int j = 0; j < K; ++j) {
-    v[j] = ld_relaxed_gpu(counter);
-    const long long c = clock64();
-    while (j + 1 < K && clock64() - c < kSpinStaggerCycles / K) {}
-  }
-  for (uint32_t iter = 0;; ++iter) {
-#pragma unroll
-    for (int j = 0; j < K; ++j) {
-      if ((int32_t)(v[j] - target) >= 0) {
-        fence_acq_rel_gpu();  // with the relaxed load that saw the count: acquire
-        *seen = v[j];
-        return 0;
-      }
-      v[j] = ld_relaxed_gpu(counter);
+  issue_slots<0, K>(v, counter);
+  for (uint32_t iter = 1;; ++iter) {
+    if (poll_slots<0, K>(v, counter, target, seen)) {
+      fence_acq_rel_gpu();  // with the relaxed load that saw the count: acquire
+      return 0;
     }
-    if ((iter % MPK_SPIN_CHECK) == 0 && iter > 0) {
+    if ((iter % MPK_SPIN_CHECK) == 0) {
       if (globaltimer_ns() - start > timeout_ns) { *seen = v[0]; return 1; }
       if (ld_relaxed_gpu(halt) != 0) { *seen = v[0]; return 2; }
     }

@@ -95,9 +95,22 @@ __host__ __device__ __forceinline__ uint32_t staged_bytes(int B, int K) {
 // True when B staged rows of K bf16 fit the launch's dynamic shared memory (uniform over the block).
 __device__ __forceinline__ bool stage_fits(int B, int K) { return staged_bytes(B, K) <= dynamic_smem_bytes(); }
 
+// MPK_STAGE_ROW_ROLLED 1 (a measurement variant, off): stage_row's loop (here and tile::stage_row) is not unrolled.
+// Why: a thread stages 1-2 vectors of a row at the programs' shapes (K <= 2 x 8 x worker threads), so the unrolled
+// copies nvcc emits are code a norm body fetches cold every layer and never runs: with them rolled the generated
+// norm bodies of qwen3-0.6b's batch-1 kernel drop ~210 SASS instructions each (run_norm_linear 1,237 -> 1,025,
+// run_norm_linear_silu 2,316 -> 2,103, with MPK_NORM_ONE_ROUND=1's loops rolled; scripts/sass_sizes.py). Same
+// values, same order: the same bits.
+#ifndef MPK_STAGE_ROW_ROLLED
+#define MPK_STAGE_ROW_ROLLED 0
+#endif
+
 // st[k..] = row.load8(k) over one row of K (the block's threads share it).
 template <class Row>
 __device__ __forceinline__ void stage_row(bf16* st, int K, const Row& row, int tid, int nt) {
+#if MPK_STAGE_ROW_ROLLED
+#pragma unroll 1
+#endif
   for (int k = tid * 8; k < K; k += nt * 8) *reinterpret_cast<uint4*>(st + k) = row.load8(k);
 }
 
@@ -122,9 +135,12 @@ __device__ __forceinline__ void stage_row(bf16* st, int K, const Row& row, int t
 template <class Row, class RowFactor>
 __device__ __forceinline__ float stage_row_fetch_first(bf16* st, int K, const Row& row, const RowFactor& row_factor,
                                                        int tid, int nt) {
+  // NOTE: loops not unrolled: a thread has 1-2 vectors here, and the body is fetched cold every layer
+#pragma unroll 1
   for (int k = tid * 8; k < K; k += nt * 8) cp_async16(st + k, row.params_at(k));  // stage_row's positions
   const float r = row_factor();
   cp_async_wait_all();  // this thread's copies: it reads only its own slots
+#pragma unroll 1
   for (int k = tid * 8; k < K; k += nt * 8) {
     uint4* slot = reinterpret_cast<uint4*>(st + k);
     *slot = row.finish(*slot, k, r);
