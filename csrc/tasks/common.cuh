@@ -120,9 +120,31 @@ __device__ __forceinline__ float warp_max(float v) {
 #ifndef MPK_ROPE_FAST
 #define MPK_ROPE_FAST 0
 #endif
+// MPK_ROPE_NEAR 1 (a measurement variant, off; the same bits): sincosf inlined only for angles up to
+// kRopeNearAngle, told to the compiler with __builtin_assume so that its large-argument path (local-memory tables,
+// double precision) drops out of the inlined copy; larger angles (positions past 65,536 at the highest frequency)
+// call the whole sincosf in one non-inlined function. CUDA's sincosf takes its fast path on both sides of the bound
+// (the assume folds its test away), so every angle gets the value it had. Why: each inlined sincosf is ~100 SASS
+// instructions of which the fast path is ~45 (4 calls: 416 -> 186 plus one 118-instruction copy, nvdisasm), and the
+// prep bodies are straight-line code fetched cold every layer (see below; v0.20's approximate __sincosf stand-in
+// measured what the trig code costs them: -0.5 to -1.4%).
+#ifndef MPK_ROPE_NEAR
+#define MPK_ROPE_NEAR 0
+#endif
+constexpr float kRopeNearAngle = 65536.0f;  // within sincosf's fast-path range
+
+__device__ __noinline__ void rope_cos_sin_far(float ang, float& c, float& s) { sincosf(ang, &s, &c); }
+
 __device__ __forceinline__ void rope_cos_sin(float ang, float& c, float& s) {
 #if MPK_ROPE_FAST
   __sincosf(ang, &s, &c);
+#elif MPK_ROPE_NEAR
+  if (fabsf(ang) <= kRopeNearAngle) {
+    __builtin_assume(fabsf(ang) <= kRopeNearAngle);
+    sincosf(ang, &s, &c);
+  } else {
+    rope_cos_sin_far(ang, c, s);
+  }
 #elif MPK_ROPE_SINCOS
   sincosf(ang, &s, &c);
 #else
