@@ -361,8 +361,8 @@ __device__ __forceinline__ void gemv_pair(const XS& xs, const bf16* __restrict__
 // terms in increasing j, as gemv_tile does for any R and U, so the result is bit-identical to the
 // staged path; slower (the weight block is re-read per batch row, one prologue per weight row).
 template <class Row, class EpiT>
-__device__ void gemv_rowwise(const Row& row, const bf16* __restrict__ w, int K, int n_tile, const EpiT& epi, int b,
-                             int tid, int nt) {
+__device__ __forceinline__ void gemv_rowwise_body(const Row& row, const bf16* __restrict__ w, int K, int n_tile,
+                                                  const EpiT& epi, int b, int tid, int nt) {
   const int warp = tid >> 5, lane = tid & 31, nwarps = nt >> 5;
   const int second = epi_is_pair(epi) ? n_tile / 2 : n_tile;  // kEpiPair: rows from here on are at w + pair_jump
   for (int n = warp; n < n_tile; n += nwarps) {
@@ -372,6 +372,26 @@ __device__ void gemv_rowwise(const Row& row, const bf16* __restrict__ w, int K, 
     const float s = warp_sum(acc);
     if (lane == (b & 31)) epi(b, n, s);
   }
+}
+
+// MPK_ROWWISE_OUTLINED 1 (a measurement variant, off): the fallback is a call, not inlined into each norm body.
+// Why: it never runs at the programs' shapes (the staged rows fit), yet inlined it is ~370 of run_norm_linear's 1,237
+// SASS instructions and ~750 of run_norm_linear_silu's 2,316, straight-line bodies fetched cold every layer
+// (nvdisasm, qwen3-0.6b b1 kernel). The row and epilogue go by value so no argument passes through the stack.
+#ifndef MPK_ROWWISE_OUTLINED
+#define MPK_ROWWISE_OUTLINED 0
+#endif
+template <class Row, class EpiT>
+__device__ __noinline__ void gemv_rowwise_outlined(Row row, const bf16* __restrict__ w, int K, int n_tile, EpiT epi,
+                                                   int b, int tid, int nt) {
+  gemv_rowwise_body(row, w, K, n_tile, epi, b, tid, nt);
+}
+
+template <class Row, class EpiT>
+__device__ __forceinline__ void gemv_rowwise(const Row& row, const bf16* __restrict__ w, int K, int n_tile,
+                                             const EpiT& epi, int b, int tid, int nt) {
+  if constexpr (MPK_ROWWISE_OUTLINED) gemv_rowwise_outlined(row, w, K, n_tile, epi, b, tid, nt);
+  else gemv_rowwise_body(row, w, K, n_tile, epi, b, tid, nt);
 }
 
 // Runtime batch -> compile-time kB for CALL (the generated kernel fixes MPK_BATCH; the host checked

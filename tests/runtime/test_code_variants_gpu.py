@@ -32,6 +32,8 @@ the arithmetic, so the logits must equal the default build's bit for bit and sta
 - ``-DMPK_ROPE_NEAR=1`` (off; a measurement variant): sincosf inlined only for rope angles up to 65,536 with its
   large-argument path assumed away, larger angles through one non-inlined sincosf (csrc/tasks/common.cuh
   rope_cos_sin).
+- ``-DMPK_ROWWISE_OUTLINED=1`` (off; a measurement variant): the fused bodies' per-element fallback (gemv_rowwise,
+  never run when the staged rows fit) called instead of inlined (csrc/tasks/fused_gemv.cuh).
 - ``-DMPK_STAGE_ROW_ROLLED=1`` (off; a measurement variant): the staging loop of a row's prologue not unrolled
   (csrc/tasks/fused_gemv.cuh stage_row, tile_primitives.cuh tile::stage_row: less code in the norm bodies).
 - ``-DMPK_NORM_ONE_ROUND=1`` (off; a measurement variant), batch 1: the norm prologue copies the norm weights into
@@ -64,7 +66,7 @@ STEPS = 48
 VARIANTS = ["-DMPK_ATTN_GUARD_HEADS=1", "-DMPK_PARAMS_SMEM=0", "-DMPK_ROPE_EXACT_PAIRS=0 -DMPK_PREP_ONE_SITE=0",
             "-DMPK_PREP_POS_LATE=0", "-DMPK_STAGE_ROWS_TOGETHER=0", "-DMPK_ROPE_SINCOS=0", "-DMPK_PREFETCH_ONE_SITE=0",
             "-DMPK_SMALL_KINDS_OUTLINED=0", "-DMPK_MERGE_LOADS_AHEAD=0", "-DMPK_STAGE_ROW_ROLLED=1",
-            "-DMPK_ROPE_NEAR=1"]
+            "-DMPK_ROPE_NEAR=1", "-DMPK_ROWWISE_OUTLINED=1"]
 SWITCHES = [{"MPK_WEIGHT_EVICT_FIRST": "1"}]  # kernel switches of the same kind (environment, not -D)
 MMA_VARIANTS = ["-DMPK_MMA_X_AHEAD=0", "-DMPK_STAGE_ROWS_TOGETHER=0"]
 
