@@ -33,6 +33,11 @@
 #                   shared-memory carveout (MPK_MIN_CARVEOUT=1), split-KV attention off), traced qwen3-8b runs at
 #                   context ~480 (batch 1 and batch 8) with their trace-summary, and with NCU=1 an ncu profile per source line (scripts/ncu_lines.py).
 #                   Limit per step: PERF_LIMIT
+#   --ab            ONLY the A/B of the open code variants (docs/PERF.md leads): how soon waiting SMs see an event
+#                   (csrc/bench/event_wake.cu, idle and --load), then per model of AB_MODELS (default qwen3-0.6b)
+#                   scripts/tune_sweep.py over AB_VARIANTS run twice in one process (its kernels prebuilt in parallel,
+#                   AB_JOBS processes), then the variants' bitwise GPU tests (test_code_variants_gpu.py -k AB_TESTS).
+#                   Limit per step: AB_LIMIT
 # Two GPUs: GPU_SPLIT=K/N splits one check's steps over N copies of this script (see below; not for --tp,
 # whose ipc step wants both GPUs), or run two copies side by side, e.g. CUDA_VISIBLE_DEVICES=0 ... --runtime-only and
 # CUDA_VISIBLE_DEVICES=1 ... --fusion-only, each with its own OUT and MPK_CACHE_DIR and MPK_SKIP_INSTALL=1.
@@ -46,7 +51,7 @@ export PYTHONUNBUFFERED=1 MPK_CACHE_DIR=${MPK_CACHE_DIR:-/tmp/mpk_cache}
 # (~20 s of nvcc each) and redo the superoptimizer searches (qk_norm_rope: 30 s per shape).
 export MPK_TEST_CACHE_DIR=${MPK_TEST_CACHE_DIR:-$MPK_CACHE_DIR}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-RUNTIME_ONLY=0; SANITIZE=1; BENCH=0; FUSION=1; FUSION_ONLY=0; TP=0; ATTN=1; EXTRAS=1; PERF=0; ALL_GPUS=0
+RUNTIME_ONLY=0; SANITIZE=1; BENCH=0; FUSION=1; FUSION_ONLY=0; TP=0; ATTN=1; EXTRAS=1; PERF=0; ALL_GPUS=0; AB=0
 PASS_ON=()  # the options a copy started by --all-gpus gets
 for a in "$@"; do
   [ "$a" = --all-gpus ] || PASS_ON+=("$a")
@@ -63,7 +68,8 @@ for a in "$@"; do
     --extras-only) FUSION_ONLY=1; FUSION=0; ATTN=0; EXTRAS=1 ;;
     --no-extras) EXTRAS=0 ;;
     --perf) PERF=1 ;;
-    *) echo "gpu_check.sh: unknown option $a (expected --all-gpus, --runtime-only, --no-sanitizer, --bench, --fusion-only, --no-fusion, --tp, --attn-split-only, --no-attn-split, --extras-only, --no-extras, --perf)" >&2; exit 2 ;;
+    --ab) AB=1 ;;
+    *) echo "gpu_check.sh: unknown option $a (expected --all-gpus, --runtime-only, --no-sanitizer, --bench, --fusion-only, --no-fusion, --tp, --attn-split-only, --no-attn-split, --extras-only, --no-extras, --perf, --ab)" >&2; exit 2 ;;
   esac
 done
 # Kernels to prebuild (scripts/prebuild_kernels.py): the --perf benches' (four models at batch 1, qwen3-8b at batch 8:
@@ -141,6 +147,22 @@ if [ "${MPK_SKIP_INSTALL:-0}" != 1 ]; then
   python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
 fi
 python3 -c "import torch, cuda.bindings; print('torch', torch.__version__, 'cuda-bindings', cuda.bindings.__version__)"
+
+# --ab: this section only (tune_sweep prebuilds the variants' kernels itself), then the summary.
+if [ $AB -eq 1 ]; then
+  AB_VARIANTS=${AB_VARIANTS:-"base;-DMPK_LONG_ROWS=4;-DMPK_LONG_ROWS=4,-DMPK_LONG_MIN_ROWS=4;-DMPK_STAGE_ROW_ROLLED=1;-DMPK_ROWWISE_OUTLINED=1;-DMPK_ROPE_NEAR=1;-DMPK_NORM_ONE_ROUND=1;-DMPK_SPIN_INFLIGHT=2;-DMPK_SPIN_INFLIGHT=4;r2,u8"}
+  step ab_event_wake "${AB_LIMIT:-150}" bash -c "nvcc -O3 -arch=sm_90a -o $OUT/event_wake csrc/bench/event_wake.cu \
+    && $OUT/event_wake && $OUT/event_wake --load"
+  for m in ${AB_MODELS:-qwen3-0.6b}; do
+    step "ab_sweep_$m" "${AB_LIMIT:-540}" python3 scripts/tune_sweep.py --model "$m" --batch 1 --prompt-len 480 \
+      --output-len 64 --iters 2 --prebuild-jobs "${AB_JOBS:-8}" --variants "$AB_VARIANTS;$AB_VARIANTS" \
+      --output-json "$OUT/ab_sweep_$m.json"
+  done
+  step ab_bitwise "${AB_LIMIT:-540}" python3 -m pytest -q -m gpu tests/runtime/test_code_variants_gpu.py -k \
+    "${AB_TESTS:-one_round or (leaves_the_logits_bitwise and 1- and (ROPE_NEAR or ROWWISE or ROLLED))}"
+  summary "gpu_check --ab summary"
+  exit 0
+fi
 
 # Every kernel the runs below need, built in parallel first (nvcc is single-threaded: ~20 s per kernel
 # when each test builds its own in turn). PREBUILD=0 skips it.
