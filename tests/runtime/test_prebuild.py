@@ -51,6 +51,30 @@ def test_prebuild_shape_is_the_sessions(fake_gpu, monkeypatch, batch, schedule, 
     assert ("attention_split_prep" if split else "attention_prep") in seen["session"][1]
 
 
+def test_case_environment_gives_the_sessions_shape_under_that_environment(fake_gpu, monkeypatch):
+    """A BuildCase's env (tune_sweep --prebuild-jobs: a variant's knobs) builds what a Session builds with those
+    variables set, and nothing of it is left set afterwards."""
+    import os
+
+    from mpk_dist.runtime import kernel as K
+    from mpk_dist.runtime import session as S
+
+    env = {"MPK_LINEAR_UNROLL": "8", "MPK_LINEAR_ROWS": "2"}
+    seen = {}
+    monkeypatch.setattr(S, "build_kernel", _fake_build_kernel(lambda shape, kinds: seen.__setitem__("session", shape)))
+    monkeypatch.setattr(K, "build_kernel", _fake_build_kernel(lambda shape, kinds: seen.__setitem__("prebuild", shape)))
+    m = open_model("tiny")
+    with monkeypatch.context() as mp:
+        for k, v in env.items():
+            mp.setenv(k, v)
+        fake_gpu.MegakernelBackend(m.config, m.weights, tp=1, device="cpu", max_seq_len=512).session(1)
+    assert not any(k in os.environ for k in env)
+    PB.build_one(PB.BuildCase("tiny", env=tuple(sorted(env.items()))))
+    assert seen["prebuild"] == seen["session"]
+    assert (seen["prebuild"].linear_unroll, seen["prebuild"].linear_rows) == (8, 2)
+    assert not any(k in os.environ for k in env)
+
+
 def test_prebuild_compiles_at_the_runs_cache_length(monkeypatch):
     """qwen3-8b at batch 1: 'auto' is unsplit at 512 positions and split at 2048 (o_proj's bytes per position,
     lowering_attention.resolve_splits), and the prebuild's program follows the case's max_seq_len."""
