@@ -46,6 +46,7 @@ constexpr int kThreads = 256;
 constexpr int kRounds = 400;
 constexpr int kFlagStride = 32;  // uint32 words between two waiters' flags: one 128-byte line each
 constexpr uint64_t kSettleMinNs = 3000, kSettleSpanNs = 3000;  // the signaller's pause before a signal
+constexpr uint32_t kPhasePrime = 7919, kPhaseSteps = 1000;      // spread the pauses over the span, round by round
 constexpr uint64_t kTimeoutNs = 2000000000ull;                 // 2 s: a wait that long is a bug, not a latency
 constexpr size_t kLoadBytes = size_t(2) << 30;                // the streamed buffer (--load), past the L2
 constexpr int kLoadsInFlight = 4;
@@ -96,7 +97,9 @@ __global__ void __launch_bounds__(kThreads, 1) wake(Shared s) {
       const uint64_t t0 = globaltimer_ns();
       while ((int32_t)(ld_acquire_gpu(s.ack) - (uint32_t)r * (kBlocks - 1)) < 0)
         if (globaltimer_ns() - t0 > kTimeoutNs) { *s.error = 1; return; }
-      const uint64_t go = globaltimer_ns() + kSettleMinNs + (uint64_t)((r * 7919u) % 1000u) * kSettleSpanNs / 1000u;
+      // a pause of kSettleMinNs plus a round-dependent part of kSettleSpanNs (r times a prime, mod kPhaseSteps)
+      const uint64_t phase = (uint64_t)((r * kPhasePrime) % kPhaseSteps);
+      const uint64_t go = globaltimer_ns() + kSettleMinNs + phase * kSettleSpanNs / kPhaseSteps;
       while (globaltimer_ns() < go) {}
       const uint64_t t = globaltimer_ns();
       fence_acq_rel_gpu();

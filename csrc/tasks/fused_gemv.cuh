@@ -97,10 +97,9 @@ __device__ __forceinline__ bool stage_fits(int B, int K) { return staged_bytes(B
 
 // MPK_STAGE_ROW_ROLLED 1 (a measurement variant, off): stage_row's loop (here and tile::stage_row) is not unrolled.
 // Why: a thread stages 1-2 vectors of a row at the programs' shapes (K <= 2 x 8 x worker threads), so the unrolled
-// copies nvcc emits are code a norm body fetches cold every layer and never runs: with them rolled the generated
-// norm bodies of qwen3-0.6b's batch-1 kernel drop ~210 SASS instructions each (run_norm_linear 1,237 -> 1,025,
-// run_norm_linear_silu 2,316 -> 2,103, with MPK_NORM_ONE_ROUND=1's loops rolled; scripts/sass_sizes.py). Same
-// values, same order: the same bits.
+// copies nvcc emits are code a norm body carries every layer and never runs: with them rolled the generated norm
+// bodies of qwen3-0.6b's batch-1 kernel drop ~230 SASS instructions each (run_norm_linear 1,237 -> 1,006,
+// run_norm_linear_silu 2,316 -> 2,088; scripts/sass_sizes.py). Same values, same order: the same bits.
 #ifndef MPK_STAGE_ROW_ROLLED
 #define MPK_STAGE_ROW_ROLLED 0
 #endif
@@ -376,7 +375,7 @@ __device__ __forceinline__ void gemv_rowwise_body(const Row& row, const bf16* __
 
 // MPK_ROWWISE_OUTLINED 1 (a measurement variant, off): the fallback is a call, not inlined into each norm body.
 // Why: it never runs at the programs' shapes (the staged rows fit), yet inlined it is ~370 of run_norm_linear's 1,237
-// SASS instructions and ~750 of run_norm_linear_silu's 2,316, straight-line bodies fetched cold every layer
+// SASS instructions and ~770 of run_norm_linear_silu's 2,316, straight-line bodies fetched cold every layer
 // (nvdisasm, qwen3-0.6b b1 kernel). The row and epilogue go by value so no argument passes through the stack.
 #ifndef MPK_ROWWISE_OUTLINED
 #define MPK_ROWWISE_OUTLINED 0

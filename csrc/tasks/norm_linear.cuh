@@ -25,7 +25,7 @@ __device__ void norm_linear(int B, const float* x, int ldx, const bf16* nw, cons
                             int n_tile, float eps, float* smem, int tid, int nt) {
   if (stage_fits(B, K)) {
     bf16* st = stage_base(smem);  // [B, K] normalised rows
-    if (MPK_NORM_ONE_ROUND && B == 1) {  // the operand's loads beside the statistic's (fused_gemv.cuh)
+    if (MPK_NORM_ONE_ROUND && B == 1) {  // the norm weights' copies beside the statistic's loads (fused_gemv.cuh)
       stage_row_fetch_first(st, K, NormRow{x, nw, 0.f}, [&] { return row_rstd(x, K, eps, smem, tid, nt); }, tid, nt);
     } else {
       for (int b = 0; b < B; ++b) {
