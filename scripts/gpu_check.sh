@@ -37,6 +37,7 @@
 #                   (csrc/bench/event_wake.cu, idle and --load), then per model of AB_MODELS (default qwen3-0.6b)
 #                   scripts/tune_sweep.py over AB_VARIANTS run twice in one process (its kernels prebuilt in parallel,
 #                   AB_JOBS processes), then the variants' bitwise GPU tests (test_code_variants_gpu.py -k AB_TESTS).
+#                   AB_WAKE=0 skips the bench, AB_TESTS=none the tests (one call is 600 s: ~9 min for all of it).
 #                   Limit per step: AB_LIMIT
 # Two GPUs: GPU_SPLIT=K/N splits one check's steps over N copies of this script (see below; not for --tp,
 # whose ipc step wants both GPUs), or run two copies side by side, e.g. CUDA_VISIBLE_DEVICES=0 ... --runtime-only and
@@ -151,14 +152,14 @@ python3 -c "import torch, cuda.bindings; print('torch', torch.__version__, 'cuda
 # --ab: this section only (tune_sweep prebuilds the variants' kernels itself), then the summary.
 if [ $AB -eq 1 ]; then
   AB_VARIANTS=${AB_VARIANTS:-"base;-DMPK_LONG_ROWS=4;-DMPK_LONG_ROWS=4,-DMPK_LONG_MIN_ROWS=4;-DMPK_STAGE_ROW_ROLLED=1;-DMPK_ROWWISE_OUTLINED=1;-DMPK_ROPE_NEAR=1;-DMPK_NORM_ONE_ROUND=1;-DMPK_SPIN_INFLIGHT=2;-DMPK_SPIN_INFLIGHT=4;r2,u8"}
-  step ab_event_wake "${AB_LIMIT:-150}" bash -c "nvcc -O3 -arch=sm_90a -o $OUT/event_wake csrc/bench/event_wake.cu \
+  [ "${AB_WAKE:-1}" = 1 ] && step ab_event_wake "${AB_LIMIT:-150}" bash -c "nvcc -O3 -arch=sm_90a -o $OUT/event_wake csrc/bench/event_wake.cu \
     && $OUT/event_wake && $OUT/event_wake --load"
   for m in ${AB_MODELS:-qwen3-0.6b}; do
     step "ab_sweep_$m" "${AB_LIMIT:-540}" python3 scripts/tune_sweep.py --model "$m" --batch 1 --prompt-len 480 \
       --output-len 64 --iters 2 --prebuild-jobs "${AB_JOBS:-8}" --variants "$AB_VARIANTS;$AB_VARIANTS" \
       --output-json "$OUT/ab_sweep_$m.json"
   done
-  step ab_bitwise "${AB_LIMIT:-540}" python3 -m pytest -q -m gpu tests/runtime/test_code_variants_gpu.py -k \
+  [ "${AB_TESTS:-}" != none ] && step ab_bitwise "${AB_LIMIT:-540}" python3 -m pytest -q -m gpu tests/runtime/test_code_variants_gpu.py -k \
     "${AB_TESTS:-one_round or (leaves_the_logits_bitwise and 1- and (ROPE_NEAR or ROWWISE or ROLLED))}"
   summary "gpu_check --ab summary"
   exit 0
