@@ -35,10 +35,9 @@ struct XRows {
   __device__ __forceinline__ uint4 load8(int b, int k) const { return ld_act_v4(x + (size_t)b * ld + k); }
 };
 
-// The 8 normalised values w[k+i] * bf16(x[k+i] * r) of one fp32 row, each rounded to bf16 (rms_norm.cuh), from the
-// norm weights' 16 bytes g (loaded by the caller: see stage_row_fetch_first).
-__device__ __forceinline__ uint4 norm8_with(const float* xr, uint4 g, float r, int k) {
-  const float4 a = *reinterpret_cast<const float4*>(xr + k), c = *reinterpret_cast<const float4*>(xr + k + 4);
+// The 8 normalised values w[k+i] * bf16(x[k+i] * r) from the row's 8 fp32 values (a, c) and the norm weights'
+// 16 bytes g, each rounded to bf16 (rms_norm.cuh).
+__device__ __forceinline__ uint4 norm8_of(float4 a, float4 c, uint4 g, float r) {
   const float f[8] = {a.x, a.y, a.z, a.w, c.x, c.y, c.z, c.w};
   float gf[8];
   unpack8(g, gf);
@@ -48,9 +47,17 @@ __device__ __forceinline__ uint4 norm8_with(const float* xr, uint4 g, float r, i
   return *reinterpret_cast<const uint4*>(o);
 }
 
-// The same with the norm weights loaded here.
+__device__ __forceinline__ float4 row4(const float* xr, int k) { return *reinterpret_cast<const float4*>(xr + k); }
+
+// norm8_of of one fp32 row at k: the row's loads, then the norm weights' (the order the default build was measured in).
 __device__ __forceinline__ uint4 norm8(const float* xr, const bf16* nw, float r, int k) {
-  return norm8_with(xr, ld_stream_v4(nw + k), r, k);
+  const float4 a = row4(xr, k), c = row4(xr, k + 4);
+  return norm8_of(a, c, ld_stream_v4(nw + k), r);
+}
+
+// The same with the norm weights' 16 bytes g loaded by the caller (stage_row_fetch_first).
+__device__ __forceinline__ uint4 norm8_with(const float* xr, uint4 g, float r, int k) {
+  return norm8_of(row4(xr, k), row4(xr, k + 4), g, r);
 }
 
 // The 8 values bf16(bf16(silu(gate)) * up) of silu_mul.cuh, gate at g[k..], up at g[up + k..].

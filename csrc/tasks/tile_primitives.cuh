@@ -1,7 +1,7 @@
 // Tile primitives the superoptimizer's generated task bodies are composed of (mpk_dist/superopt/codegen.py,
 // csrc/tasks/generated/). Each one is a block-level step of a µGraph's block graph:
 //   load8 / pack8      16-byte loads of 8 values of an input tile into registers, 8 results back to bf16
-//   load_param         a parameter's 16 bytes loaded ahead (stage_row_fetch_first, fused_gemv.cuh)
+//   unpack_param       a parameter's 8 values from its 16 bytes copied ahead (stage_row_fetch_first, fused_gemv.cuh)
 //   row_sum_sq         a row reduction (sum over k of x^2) over the block's worker threads
 //   stage_row          an element-wise operand computed in registers and staged in shared memory
 //   rows_sum_sq,       the same for all kB rows of the tile at once (the staged path): the rows' loads in
@@ -30,8 +30,7 @@ __device__ __forceinline__ void load8(const bf16* p, float* f) { unpack8(ld_act_
 // Read-only bf16 parameters (norm weights): streaming, non-coherent load.
 __device__ __forceinline__ void load8_param(const bf16* p, float* f) { unpack8(ld_stream_v4(p), f); }
 
-// load8_param in two steps: the 16 bytes (issued early, held as 4 registers), then their 8 values.
-__device__ __forceinline__ uint4 load_param(const bf16* p) { return ld_stream_v4(p); }
+// A parameter's 8 values from its 16 bytes, loaded (copied) elsewhere: stage_row_fetch_first (fused_gemv.cuh).
 __device__ __forceinline__ void unpack_param(uint4 v, float* f) { unpack8(v, f); }
 
 // 8 fp32 values rounded to bf16, as one 16-byte vector.

@@ -162,7 +162,7 @@ def _row_struct(p: GemvPlan, abi: KindAbi, consts: _Consts, struct: str) -> list
         return lines + one_step
     # The parameter (the input every row shares: the norm weights) in a step of its own, so a batch-1 prologue can
     # copy it ahead of r (stage_row_fetch_first, fused_gemv.cuh); the row inputs are loaded with the arithmetic (the
-    # statistic has just read them). load8 is the two steps in a row.
+    # statistic has just read them). finish(load of params_at(k), k, r) == load8(k).
     param = next(loc for loc, load in loads if load == "load8_param")
     lines += [f"  __device__ __forceinline__ const bf16* params_at(int k) const {{ return {param} + k; }}",
               "  __device__ __forceinline__ uint4 finish(uint4 p, int k, float r) const {"]
@@ -171,9 +171,8 @@ def _row_struct(p: GemvPlan, abi: KindAbi, consts: _Consts, struct: str) -> list
         lines.append(f"    tile::unpack_param(p, v_{loc});" if load == "load8_param"
                      else f"    tile::{load}({loc} + k, v_{loc});")
     lines += combine
-    lines += ["  __device__ __forceinline__ uint4 load8(int k) const { return finish(tile::load_param(params_at(k)), k, r); }",
-              "};"]
-    return lines
+    # load8 keeps its one-step form (the loads in input order, then the arithmetic): the default build's code
+    return lines + one_step
 
 
 def _fetch_first(p: GemvPlan, abi: KindAbi) -> bool:

@@ -56,12 +56,14 @@ def test_norm_linear_body_lowers_the_post_division_to_a_row_factor(best):
 
 def test_norm_operand_splits_its_parameter_load_for_the_one_round_prologue(best):
     """The norm_linear operand copies its one parameter (the norm weights) apart from the arithmetic
-    (params_at / finish, for stage_row_fetch_first under MPK_NORM_ONE_ROUND) and load8 is the two in a row; the
-    silu operand (no row factor) keeps one step and has no such branch."""
+    (params_at / finish, for stage_row_fetch_first under MPK_NORM_ONE_ROUND) and keeps its one-step load8 (the
+    default build's code: the row's loads, then the parameter's); the silu operand (no row factor) keeps one step
+    and has no such branch."""
     text = render(best("norm_linear"), "norm_linear")
     assert "const bf16* params_at(int k) const { return i1 + k; }" in text
-    assert "tile::unpack_param(p, v_i1);" in text and "tile::load8(i0 + k, v_i0);" in text
-    assert "uint4 load8(int k) const { return finish(tile::load_param(params_at(k)), k, r); }" in text
+    assert "tile::unpack_param(p, v_i1);" in text and "uint4 finish(uint4 p, int k, float r) const {" in text
+    load8 = text[text.index("uint4 load8(int k) const {"):]
+    assert load8.index("tile::load8(i0 + k, v_i0);") < load8.index("tile::load8_param(i1 + k, v_i1);")
     assert "if constexpr (kB == 1 && MPK_NORM_ONE_ROUND) {" in text and "stage_row_fetch_first(st, K," in text
     silu = render(best("silu_linear"), "silu_linear")
     assert "params_at" not in silu and "MPK_NORM_ONE_ROUND" not in silu and "uint4 load8(int k) const {" in silu

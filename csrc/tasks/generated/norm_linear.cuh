@@ -26,7 +26,16 @@ struct NormLinearOperand {
     for (int e = 0; e < 8; ++e) o[e] = (round_bf(v_i0[e] * r) * v_i1[e]);
     return tile::pack8(o);
   }
-  __device__ __forceinline__ uint4 load8(int k) const { return finish(tile::load_param(params_at(k)), k, r); }
+  __device__ __forceinline__ uint4 load8(int k) const {
+    float v_i0[8];
+    tile::load8(i0 + k, v_i0);
+    float v_i1[8];
+    tile::load8_param(i1 + k, v_i1);
+    float o[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) o[e] = (round_bf(v_i0[e] * r) * v_i1[e]);
+    return tile::pack8(o);
+  }
 };
 
 // The staged path for the kernel's kB batch rows: the rows' statistics and operands computed together
