@@ -151,7 +151,7 @@ python3 -c "import torch, cuda.bindings; print('torch', torch.__version__, 'cuda
 
 # --ab: this section only (tune_sweep prebuilds the variants' kernels itself), then the summary.
 if [ $AB -eq 1 ]; then
-  AB_VARIANTS=${AB_VARIANTS:-"base;-DMPK_LONG_ROWS=4;-DMPK_LONG_ROWS=4,-DMPK_LONG_MIN_ROWS=4;-DMPK_STAGE_ROW_ROLLED=1;-DMPK_ROWWISE_OUTLINED=1;-DMPK_ROPE_NEAR=1;-DMPK_NORM_ONE_ROUND=1;-DMPK_SPIN_INFLIGHT=2;-DMPK_SPIN_INFLIGHT=4;r2,u8"}
+  AB_VARIANTS=${AB_VARIANTS:-"base;-DMPK_LONG_ROWS=4;-DMPK_LONG_ROWS=4,-DMPK_LONG_MIN_ROWS=4;-DMPK_STAGE_ROW_ROLLED=1;-DMPK_ROWWISE_OUTLINED=1;-DMPK_ROPE_NEAR=1;-DMPK_ROPE_NEAR=1,-DMPK_ROWWISE_OUTLINED=1,-DMPK_STAGE_ROW_ROLLED=1;-DMPK_NORM_ONE_ROUND=1;-DMPK_SPIN_INFLIGHT=2;-DMPK_SPIN_INFLIGHT=4;r2,u8"}
   [ "${AB_WAKE:-1}" = 1 ] && step ab_event_wake "${AB_LIMIT:-150}" bash -c "nvcc -O3 -arch=sm_90a -o $OUT/event_wake csrc/bench/event_wake.cu \
     && $OUT/event_wake && $OUT/event_wake --load"
   for m in ${AB_MODELS:-qwen3-0.6b}; do
