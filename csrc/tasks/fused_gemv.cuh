@@ -102,7 +102,7 @@ __host__ __device__ __forceinline__ uint32_t staged_bytes(int B, int K) {
 // True when B staged rows of K bf16 fit the launch's dynamic shared memory (uniform over the block).
 __device__ __forceinline__ bool stage_fits(int B, int K) { return staged_bytes(B, K) <= dynamic_smem_bytes(); }
 
-// MPK_STAGE_ROW_ROLLED 1 (a measurement variant, off): stage_row's loop (here and tile::stage_row) is not unrolled.
+// MPK_STAGE_ROW_ROLLED 1 (a measurement variant, off): stage_row's loop (also tile::stage_row) is not unrolled.
 // Why: a thread stages 1-2 vectors of a row at the programs' shapes (K <= 2 x 8 x worker threads), so the unrolled
 // copies nvcc emits are code a norm body carries every layer and never runs: with them rolled the generated norm
 // bodies of qwen3-0.6b's batch-1 kernel drop ~230 SASS instructions each (run_norm_linear 1,237 -> 1,006,

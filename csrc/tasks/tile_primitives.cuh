@@ -52,14 +52,9 @@ __device__ __forceinline__ float row_sum_sq(const float* x, int K, float* smem, 
   return block_sum(ss, smem, tid, nt);
 }
 
-// st[k..k+7] = row.load8(k) over one row of K: the element-wise operand in registers, staged.
-template <class Row>
-__device__ __forceinline__ void stage_row(bf16* st, int K, const Row& row, int tid, int nt) {
-#if MPK_STAGE_ROW_ROLLED  // fused_gemv.cuh
-#pragma unroll 1
-#endif
-  for (int k = tid * 8; k < K; k += nt * 8) *reinterpret_cast<uint4*>(st + k) = row.load8(k);
-}
+// st[k..k+7] = row.load8(k) over one row of K: the element-wise operand in registers, staged (fused_gemv.cuh's
+// stage_row, the hand-written kinds' loop).
+using ::mpk::stage_row;
 
 // ---- all kB rows at once (the staged path of the generated bodies) ----
 // Why: row by row, each row's statistic is a block reduction (two barriers) and each staged vector's loads

@@ -184,9 +184,10 @@ def _map(m) -> str:
     return "[" + ",".join("φ" if v is None else str(v) for v in m) + "]"
 
 
-def _row_init(p: GemvPlan, abi: KindAbi) -> str:
+def _row_init(p: GemvPlan, abi: KindAbi, r: str = "r") -> str:
+    """The operand struct's initialiser at batch row b; ``r``: the row factor's expression (with a factor)."""
     vals = [abi.rows[p.inputs[loc]["name"]][1] for loc in _used(p.operand)]
-    return ", ".join(vals + (["r"] if p.factor is not None else []))
+    return ", ".join(vals + ([r] if p.factor is not None else []))
 
 
 def _param_names(signature: str) -> list:
@@ -203,16 +204,15 @@ def _staged(p: GemvPlan, abi: KindAbi, consts: _Consts, struct: str) -> list:
              "template <int kB>",
              f"__device__ __forceinline__ void {abi.name}_staged({abi.signature}) {{",
              "  bf16* st = stage_base(smem);  // [kB, K] operand rows after the reduction scratch"]
-    init = _row_init(p, abi)
     if p.factor is None:
-        lines.append(f"  tile::stage_rows<kB>(st, K, [&](int b) {{ return {struct}{{{init}}}; }}, tid, nt);")
+        lines.append(f"  tile::stage_rows<kB>(st, K, [&](int b) {{ return {struct}{{{_row_init(p, abi)}}}; }}, tid, nt);")
     else:
         stat = p.factor.stat
         x = abi.rows[p.inputs[stat.src_input]["name"]][1]
         one_round = "kB == 1 && MPK_NORM_ONE_ROUND" if _fetch_first(p, abi) else "false"
         lines += [f"  if constexpr ({one_round}) {{  // the parameter's copies in flight beside the statistic's loads",
                   "    const int b = 0;",
-                  f"    stage_row_fetch_first(st, K, {struct}{{{init[: -len('r')]}0.f}}, [&] {{",
+                  f"    stage_row_fetch_first(st, K, {struct}{{{_row_init(p, abi, '0.f')}}}, [&] {{",
                   f"      const float {stat.acc} = tile::row_sum_sq({x}, K, smem, tid, nt);",
                   f"      return rsqrtf({_prog(p.factor.inner_prog, stat.acc, consts)});",
                   "    }, tid, nt);",
@@ -225,7 +225,7 @@ def _staged(p: GemvPlan, abi: KindAbi, consts: _Consts, struct: str) -> list:
         lines += [f"    //   {op_text(o)}" for o in p.factor.ops]
         lines += ["    float r[kB];", "#pragma unroll",
                   f"    for (int b = 0; b < kB; ++b) r[b] = rsqrtf({_prog(p.factor.inner_prog, f'{stat.acc}[b]', consts)});",
-                  f"    tile::stage_rows<kB>(st, K, [&](int b) {{ return {struct}{{{init}[b]}}; }}, tid, nt);",
+                  f"    tile::stage_rows<kB>(st, K, [&](int b) {{ return {struct}{{{_row_init(p, abi, 'r[b]')}}}; }}, tid, nt);",
                   "  }"]
     lines += ["  worker_barrier(nt);  // the staged rows are complete before any warp reads them",
               f"  // {op_text(p.matmul)}",

@@ -6,15 +6,13 @@ a wide unroll caps R (R x unroll <= 16 loads a lane). Its speed and sums are to 
 from __future__ import annotations
 
 import re
-import shutil
 
 import pytest
 
-needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH (CI installs CUDA 13.0)")
+from tests.runtime.test_attn_prep_build import _spills, needs_nvcc
 
 # gemv_tile<1, R, XRows, Epi, UR> as ptxas names it: _ZN3mpk9gemv_tileILi1ELi<R>ENS_5XRowsENS_3EpiELi<UR>EEEv...
-_INSTANCE = re.compile(r"Function properties for (_ZN3mpk9gemv_tileILi1ELi(\d+)ENS_5XRowsENS_3EpiELi(\d+)E\S*)\n"
-                       r"[^\n]*?(\d+) bytes spill stores, (\d+) bytes spill loads")
+_INSTANCE = re.compile(r"_ZN3mpk9gemv_tileILi1ELi(\d+)ENS_5XRowsENS_3EpiELi(\d+)E")
 
 
 def _long_instances(extra: str, unroll: int, tmp_path, monkeypatch) -> dict[tuple[int, int], tuple[int, int]]:
@@ -26,7 +24,7 @@ def _long_instances(extra: str, unroll: int, tmp_path, monkeypatch) -> dict[tupl
     monkeypatch.setenv("MPK_NVCC_EXTRA_FLAGS", f"-Xptxas -v {extra}".strip())
     _, res = build_kernel(KernelShape(batch=1, worker_threads=256, schedule="aot", linear_unroll=unroll), compiler="nvcc")
     assert res.cubin[:4] == b"\x7fELF"
-    every = {(int(m.group(2)), int(m.group(3))): (int(m.group(4)), int(m.group(5))) for m in _INSTANCE.finditer(res.log)}
+    every = {(int(m.group(1)), int(m.group(2))): v for k, v in _spills(res.log).items() if (m := _INSTANCE.match(k))}
     assert (1, 0) in every, f"no one-row gemv_tile<1, 1, XRows, Epi, 0> in the log: {sorted(every)}"  # the regex reads
     return {k: v for k, v in every.items() if k[1] > 0}
 

@@ -8,13 +8,8 @@ spilled 6-112 B there. Its speed and bits are measured on the GPU (test_code_var
 from __future__ import annotations
 
 import re
-import shutil
 
-import pytest
-
-needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH (CI installs CUDA 13.0)")
-
-ENTRY_FRAME_BYTES_MAX = 592  # test_attn_prep_build.py's bound for the default batch-1 programs
+from tests.runtime.test_attn_prep_build import ENTRY_FRAME_BYTES_MAX, _frame, _spills, needs_nvcc
 
 
 @needs_nvcc
@@ -27,11 +22,10 @@ def test_one_round_prologue_builds_without_spills(tmp_path, monkeypatch):
     monkeypatch.setenv("MPK_NVCC_EXTRA_FLAGS", "-Xptxas -v -DMPK_SILU_LINEAR_KIND=0 -DMPK_NORM_ONE_ROUND=1")
     _, res = build_kernel(KernelShape(batch=1, worker_threads=256, schedule="aot", linear_unroll=4), compiler="nvcc")
     assert res.cubin[:4] == b"\x7fELF"
-    spills = {m.group(1): (int(m.group(2)), int(m.group(3))) for m in re.finditer(
-        r"Function properties for (\S+)\n[^\n]*?(\d+) bytes spill stores, (\d+) bytes spill loads", res.log)}
+    spills = _spills(res.log)
     fused = {k: v for k, v in spills.items() if re.search(r"run_norm_linear", k)}
     assert len(fused) == 2, f"expected run_norm_linear and run_norm_linear_silu in the log, got {sorted(fused)}"
     assert all(v == (0, 0) for v in fused.values()), f"the norm bodies spill (stores, loads): {fused}"
     assert spills.get("mpk_megakernel") == (0, 0), f"the kernel entry spills: {spills.get('mpk_megakernel')}"
-    frame = re.search(r"Function properties for mpk_megakernel\n\s*(\d+) bytes stack frame", res.log)
-    assert frame and int(frame.group(1)) <= ENTRY_FRAME_BYTES_MAX, frame and frame.group(0)
+    frame = _frame(res.log, "mpk_megakernel")
+    assert frame <= ENTRY_FRAME_BYTES_MAX, f"the kernel entry's stack frame is {frame} B, expected <= {ENTRY_FRAME_BYTES_MAX}"
