@@ -39,6 +39,12 @@
 #                   AB_JOBS processes), then the variants' bitwise GPU tests (test_code_variants_gpu.py -k AB_TESTS).
 #                   AB_WAKE=0 skips the bench, AB_TESTS=none the tests (one call is 600 s: ~9 min for all of it).
 #                   Limit per step: AB_LIMIT
+#   --ab-prebuild   NO GPU: build the kernels of --ab (the sweeps' variants per AB_MODELS, and the bitwise tests' kernels,
+#                   AB_TEST_KERNELS) into $MPK_CACHE_DIR and stop. Run it on the build machine with MPK_CACHE_DIR set to a
+#                   folder that travels with the tree to the GPU machine (e.g. .kc, git-ignored; AB_PACK=.kc.tar.xz packs
+#                   it), then --ab there with the same MPK_CACHE_DIR: its prebuild steps find every kernel (~30 s of
+#                   nvcc each otherwise). The cache key holds nvcc's version (13.0.88 on both machines so far); a
+#                   mismatch only rebuilds.
 # Two GPUs: GPU_SPLIT=K/N splits one check's steps over N copies of this script (see below; not for --tp,
 # whose ipc step wants both GPUs), or run two copies side by side, e.g. CUDA_VISIBLE_DEVICES=0 ... --runtime-only and
 # CUDA_VISIBLE_DEVICES=1 ... --fusion-only, each with its own OUT and MPK_CACHE_DIR and MPK_SKIP_INSTALL=1.
@@ -52,7 +58,7 @@ export PYTHONUNBUFFERED=1 MPK_CACHE_DIR=${MPK_CACHE_DIR:-/tmp/mpk_cache}
 # (~20 s of nvcc each) and redo the superoptimizer searches (qk_norm_rope: 30 s per shape).
 export MPK_TEST_CACHE_DIR=${MPK_TEST_CACHE_DIR:-$MPK_CACHE_DIR}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-RUNTIME_ONLY=0; SANITIZE=1; BENCH=0; FUSION=1; FUSION_ONLY=0; TP=0; ATTN=1; EXTRAS=1; PERF=0; ALL_GPUS=0; AB=0
+RUNTIME_ONLY=0; SANITIZE=1; BENCH=0; FUSION=1; FUSION_ONLY=0; TP=0; ATTN=1; EXTRAS=1; PERF=0; ALL_GPUS=0; AB=0; AB_PREBUILD=0
 PASS_ON=()  # the options a copy started by --all-gpus gets
 for a in "$@"; do
   [ "$a" = --all-gpus ] || PASS_ON+=("$a")
@@ -70,9 +76,36 @@ for a in "$@"; do
     --no-extras) EXTRAS=0 ;;
     --perf) PERF=1 ;;
     --ab) AB=1 ;;
-    *) echo "gpu_check.sh: unknown option $a (expected --all-gpus, --runtime-only, --no-sanitizer, --bench, --fusion-only, --no-fusion, --tp, --attn-split-only, --no-attn-split, --extras-only, --no-extras, --perf, --ab)" >&2; exit 2 ;;
+    --ab-prebuild) AB_PREBUILD=1 ;;
+    *) echo "gpu_check.sh: unknown option $a (expected --all-gpus, --runtime-only, --no-sanitizer, --bench, --fusion-only, --no-fusion, --tp, --attn-split-only, --no-attn-split, --extras-only, --no-extras, --perf, --ab, --ab-prebuild)" >&2; exit 2 ;;
   esac
 done
+# --ab's variants (docs/PERF.md v0.31 leads) and the kernels of its bitwise tests (test_code_variants_gpu.py's model,
+# batch 1, testing.MAX_SEQ = 320: the default build and each flag set the tests of AB_TESTS compare with it).
+AB_VARIANTS=${AB_VARIANTS:-"base;-DMPK_LONG_ROWS=4;-DMPK_LONG_ROWS=4,-DMPK_LONG_MIN_ROWS=4;-DMPK_STAGE_ROW_ROLLED=1;-DMPK_ROWWISE_OUTLINED=1;-DMPK_ROPE_NEAR=1;-DMPK_ROPE_NEAR=1,-DMPK_ROWWISE_OUTLINED=1,-DMPK_STAGE_ROW_ROLLED=1;-DMPK_NORM_ONE_ROUND=1;-DMPK_SPIN_INFLIGHT=2;-DMPK_SPIN_INFLIGHT=4;r2,u8"}
+AB_TEST_KERNELS=${AB_TEST_KERNELS:-"base;-DMPK_NORM_ONE_ROUND=1;-DMPK_NORM_ONE_ROUND=1,-DMPK_SUPEROPT_NORM_LINEAR=0;-DMPK_ROPE_NEAR=1;-DMPK_ROWWISE_OUTLINED=1;-DMPK_STAGE_ROW_ROLLED=1"}
+if [ $AB_PREBUILD -eq 1 ]; then
+  mkdir -p "$MPK_CACHE_DIR"
+  rc=0
+  for m in ${AB_MODELS:-qwen3-0.6b}; do
+    echo "== --ab-prebuild: $m, the sweep's variants (max_seq_len 544)"
+    python3 scripts/tune_sweep.py --model "$m" --batch 1 --prompt-len 480 --output-len 64 --prebuild-only \
+      ${AB_JOBS:+--prebuild-jobs "$AB_JOBS"} --variants "$AB_VARIANTS" || rc=1
+  done
+  if [ "${AB_TESTS:-}" != none ]; then
+    echo "== --ab-prebuild: qwen3-0.6b, the bitwise tests' kernels (max_seq_len 320)"
+    python3 scripts/tune_sweep.py --model qwen3-0.6b --batch 1 --prompt-len 200 --output-len 48 --max-seq-len 320 \
+      --prebuild-only ${AB_JOBS:+--prebuild-jobs "$AB_JOBS"} --variants "$AB_TEST_KERNELS" || rc=1
+  fi
+  echo "--ab-prebuild: $(du -sh "$MPK_CACHE_DIR" | cut -f1) in $MPK_CACHE_DIR"
+  # AB_PACK=FILE.tar.xz: the cache in one archive (cubins shrink ~7x: 1.8 MB -> 0.24 MB), for a carry limit; on the
+  # GPU machine `mkdir -p D && tar xJf FILE.tar.xz -C D` and MPK_CACHE_DIR=D.
+  if [ -n "${AB_PACK:-}" ]; then
+    tar cJf "$AB_PACK" -C "$MPK_CACHE_DIR" . || rc=1
+    echo "--ab-prebuild: packed into $AB_PACK ($(du -h "$AB_PACK" | cut -f1))"
+  fi
+  exit $rc
+fi
 # Kernels to prebuild (scripts/prebuild_kernels.py): the --perf benches' (four models at batch 1, qwen3-8b at batch 8:
 # a second prebuild, so the other models' batch-8 kernels are not built for nothing), else its defaults (the GPU tests').
 PREBUILD_ARGS=(); PREBUILD_ARGS_B8=()
@@ -151,7 +184,6 @@ python3 -c "import torch, cuda.bindings; print('torch', torch.__version__, 'cuda
 
 # --ab: this section only (tune_sweep prebuilds the variants' kernels itself), then the summary.
 if [ $AB -eq 1 ]; then
-  AB_VARIANTS=${AB_VARIANTS:-"base;-DMPK_LONG_ROWS=4;-DMPK_LONG_ROWS=4,-DMPK_LONG_MIN_ROWS=4;-DMPK_STAGE_ROW_ROLLED=1;-DMPK_ROWWISE_OUTLINED=1;-DMPK_ROPE_NEAR=1;-DMPK_ROPE_NEAR=1,-DMPK_ROWWISE_OUTLINED=1,-DMPK_STAGE_ROW_ROLLED=1;-DMPK_NORM_ONE_ROUND=1;-DMPK_SPIN_INFLIGHT=2;-DMPK_SPIN_INFLIGHT=4;r2,u8"}
   [ "${AB_WAKE:-1}" = 1 ] && step ab_event_wake "${AB_LIMIT:-150}" bash -c "nvcc -O3 -arch=sm_90a -o $OUT/event_wake csrc/bench/event_wake.cu \
     && $OUT/event_wake && $OUT/event_wake --load"
   for m in ${AB_MODELS:-qwen3-0.6b}; do

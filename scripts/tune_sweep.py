@@ -27,6 +27,9 @@ name: threads, rows, unroll, ...; e.g. `r2` splits the program's unroll over two
 
     python3 scripts/tune_sweep.py --model qwen3-0.6b --prompt-len 480 --prebuild-jobs 8 \
         --variants "base;-DMPK_NORM_ONE_ROUND=1;base;-DMPK_NORM_ONE_ROUND=1"
+
+--prebuild-only builds them and stops, without a GPU: run it on the build machine with MPK_CACHE_DIR set to a folder
+that travels to the GPU machine, and the GPU run finds every kernel in its cache (scripts/gpu_check.sh --ab-prebuild).
 """
 
 from __future__ import annotations
@@ -110,6 +113,9 @@ def main(argv=None) -> int:
     ap.add_argument("--output-json")
     ap.add_argument("--prebuild-jobs", type=int, default=0,
                     help="build the variants' kernels in this many processes first (default 0: each as it runs)")
+    ap.add_argument("--prebuild-only", action="store_true",
+                    help="build the variants' kernels into $MPK_CACHE_DIR and stop (no GPU needed: a machine without one "
+                    "prepares the cache a GPU run then finds; --prebuild-jobs defaults to the cores here)")
     args = ap.parse_args(argv)
     max_seq = args.max_seq_len or args.prompt_len + args.output_len
     if max_seq < args.prompt_len + args.output_len:
@@ -117,10 +123,15 @@ def main(argv=None) -> int:
     variants = [(text, parse_variant(text)) for text in args.variants.split(";")]
     if args.prebuild_jobs < 0:
         ap.error(f"--prebuild-jobs {args.prebuild_jobs}: expected 0 (off) or a number of build processes")
+    if args.prebuild_only and not args.prebuild_jobs:
+        args.prebuild_jobs = min(os.cpu_count() or 1, 16)
     if args.prebuild_jobs:
         from mpk_dist.runtime.prebuild import prebuild
 
-        if prebuild(prebuild_cases(variants, args.model, args.batch, max_seq), args.prebuild_jobs):
+        failed = prebuild(prebuild_cases(variants, args.model, args.batch, max_seq), args.prebuild_jobs)
+        if args.prebuild_only:
+            return 1 if failed else 0
+        if failed:
             print("tune_sweep: a variant's kernel failed to build (above); its row will fail the same way",
                   file=sys.stderr)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from mpk_dist.runtime.codegen import KernelShape
 
 
@@ -46,3 +48,24 @@ def test_build_one_sets_the_case_environment_only_while_it_builds(monkeypatch):
     assert prebuild.build_one(case) == ("mk.cubin", True, 0.0)
     assert seen == {"MPK_NVCC_EXTRA_FLAGS": "-DX=1", "MPK_LINEAR_ROWS": "2"}
     assert os.environ.get("MPK_LINEAR_ROWS") == "4" and "MPK_NVCC_EXTRA_FLAGS" not in os.environ
+
+
+@pytest.mark.parametrize("failed", [0, 2])
+def test_prebuild_only_builds_and_stops_before_the_gpu(tune_sweep, monkeypatch, failed):
+    """--prebuild-only hands the variants' distinct kernels to the prebuild (jobs default to the cores) and returns
+    its verdict without opening a model on a GPU: the build machine of gpu_check.sh --ab-prebuild has none."""
+    import os
+
+    from mpk_dist import model_source
+    from mpk_dist.runtime import prebuild
+
+    calls = []
+    monkeypatch.setattr(prebuild, "prebuild", lambda cases, jobs: calls.append((cases, jobs)) or failed)
+    monkeypatch.setattr(model_source, "open_model", lambda *a, **k: pytest.fail("--prebuild-only opened a model"))
+    rc = tune_sweep.main(["--model", "qwen3-0.6b", "--prompt-len", "200", "--output-len", "48", "--max-seq-len",
+                          "320", "--prebuild-only", "--variants", "base;-DMPK_ROPE_NEAR=1;base"])
+    assert rc == (1 if failed else 0)
+    (cases, jobs), = calls
+    assert jobs == min(os.cpu_count() or 1, 16)
+    assert [c.env for c in cases] == [(), (("MPK_NVCC_EXTRA_FLAGS", "-DMPK_ROPE_NEAR=1"),)]
+    assert {c.max_seq_len for c in cases} == {320}
