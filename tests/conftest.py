@@ -7,6 +7,9 @@ import os
 import pytest
 import torch
 
+# The nvcc build tests run in a second process beside the rest (tests/nvcc_offload.py); hooks found by name here.
+from tests.nvcc_offload import pytest_collection_modifyitems, pytest_sessionfinish, pytest_terminal_summary  # noqa: F401
+
 HF_SPECS = {
     # Qwen3: q/k norm, head_dim (32) != hidden/heads (16), GQA 4:2, tied embeddings.
     "qwen3-tied": ("Qwen3", dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
