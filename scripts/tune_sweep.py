@@ -130,6 +130,9 @@ def main(argv=None) -> int:
 
         failed = prebuild(prebuild_cases(variants, args.model, args.batch, max_seq), args.prebuild_jobs)
         if args.prebuild_only:
+            left = [text for text, (_, opts) in variants if "fuse" in opts]
+            if left:  # prebuild_cases leaves another fusion set's program to its run
+                print(f"tune_sweep: not prebuilt (f0 / f1 build when they run): {'; '.join(left)}", file=sys.stderr)
             return 1 if failed else 0
         if failed:
             print("tune_sweep: a variant's kernel failed to build (above); its row will fail the same way",
