@@ -209,6 +209,10 @@ constexpr int kMarkGemvWarp0Done = kMarkMmaStreamed;
 // each row's lane terms in increasing k, as with one row a warp.
 // MPK_LONG_MIN_ROWS (default 16: lm_head only) lowers the rows a warp from which it applies, e.g. 4 for qwen3-0.6b's
 // qkv (4 rows a warp) and gate_up (6 a warp in each half of the pair tile) as well.
+// MPK_LONG_MAX_LOADS (default 16) raises that cap for 256-thread kernels, whose threads have twice the registers:
+// -DMPK_LONG_ROWS=8 -DMPK_LONG_MAX_LOADS=32 keeps 32 loads a lane (128 KB an SM, what 512 threads x 16 loads keep and
+// what reached 4.7 TB/s in csrc/bench/sm_read_bw.cu) in flight in qwen3-0.6b's lm_head, where 16 give 64 KB (3.6 TB/s
+// there at 256 threads). ptxas: gemv_tile<1, 8, ..., 4> without stack or spills, entry frame 80 B as the default.
 #ifndef MPK_LONG_ROWS
 #define MPK_LONG_ROWS 1
 #endif
@@ -216,8 +220,10 @@ constexpr int kMarkGemvWarp0Done = kMarkMmaStreamed;
 #define MPK_LONG_MIN_ROWS 16
 #endif
 constexpr int kLongMinRowsPerWarp = MPK_LONG_MIN_ROWS;
-constexpr int kLongMaxLoads = 16;
-// R x unroll <= kLongMaxLoads
+#ifndef MPK_LONG_MAX_LOADS
+#define MPK_LONG_MAX_LOADS 16
+#endif
+constexpr int kLongMaxLoads = MPK_LONG_MAX_LOADS;  // R x unroll <= kLongMaxLoads
 constexpr int kLongRowsCap = kLongMaxLoads / kLinUnroll > 1 ? kLongMaxLoads / kLinUnroll : 1;
 constexpr int kLongRows = MPK_LONG_ROWS < kLongRowsCap ? MPK_LONG_ROWS : kLongRowsCap;
 

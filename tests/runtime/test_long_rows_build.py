@@ -1,7 +1,7 @@
 """The long-tile variant (-DMPK_LONG_ROWS=R [-DMPK_LONG_MIN_ROWS=M], csrc/tasks/fused_gemv.cuh; a measurement
 variant, off): with nvcc, the batch-1 kernel of qwen3-0.6b's shape (256 worker threads, unroll 4) gets one more GEMV
 instance, R rows of the whole unroll each, and ptxas spills nothing in it; the default build has no such instance;
-a wide unroll caps R (R x unroll <= 16 loads a lane). Its speed and sums are to be measured on the GPU (docs/PERF.md)."""
+a wide unroll caps R (R x unroll <= 16 loads a lane, or -DMPK_LONG_MAX_LOADS). Its speed and sums are to be measured on the GPU (docs/PERF.md)."""
 
 from __future__ import annotations
 
@@ -30,13 +30,15 @@ def _long_instances(extra: str, unroll: int, tmp_path, monkeypatch) -> dict[tupl
 
 
 @needs_nvcc
-@pytest.mark.parametrize("min_rows", [16, 4])
-def test_long_rows_add_one_spill_free_instance(min_rows, tmp_path, monkeypatch):
+@pytest.mark.parametrize("flags, rows", [("-DMPK_LONG_ROWS=4 -DMPK_LONG_MIN_ROWS=16", 4),
+                                         ("-DMPK_LONG_ROWS=4 -DMPK_LONG_MIN_ROWS=4", 4),
+                                         ("-DMPK_LONG_ROWS=8 -DMPK_LONG_MAX_LOADS=32", 8)])
+def test_long_rows_add_one_spill_free_instance(flags, rows, tmp_path, monkeypatch):
     """lm_head's tiles only (16 rows a warp, the default), or qkv's and the gate|up pair's too (4): one instance
-    serves every call site."""
-    found = _long_instances(f"-DMPK_LONG_ROWS=4 -DMPK_LONG_MIN_ROWS={min_rows}", 4, tmp_path, monkeypatch)
-    assert set(found) == {(4, 4)}, f"expected gemv_tile<1, 4, ..., 4> only, got {sorted(found)}"
-    assert found[(4, 4)] == (0, 0), f"gemv_tile<1, 4, ..., 4> spills (stores, loads) = {found[(4, 4)]}"
+    serves every call site; with the cap raised to 32 loads a lane, 8 rows of 4 loads still fit 256 threads' registers."""
+    found = _long_instances(flags, 4, tmp_path, monkeypatch)
+    assert set(found) == {(rows, 4)}, f"expected gemv_tile<1, {rows}, ..., 4> only, got {sorted(found)}"
+    assert found[(rows, 4)] == (0, 0), f"gemv_tile<1, {rows}, ..., 4> spills (stores, loads) = {found[(rows, 4)]}"
 
 
 @needs_nvcc
