@@ -120,7 +120,8 @@ __device__ __forceinline__ void stage_row(bf16* st, int K, const Row& row, int t
   for (int k = tid * 8; k < K; k += nt * 8) *reinterpret_cast<uint4*>(st + k) = row.load8(k);
 }
 
-// MPK_NORM_ONE_ROUND 1 (a measurement variant, off): a batch-1 norm prologue (rms_norm -> linear, hand-written and
+// MPK_NORM_ONE_ROUND 1 (the default since v0.32: -0.4 to -1.8% on every preset, docs/PERF.md; 0 = the two-round
+// prologue, kept for the bitwise GPU test): a batch-1 norm prologue (rms_norm -> linear, hand-written and
 // generated bodies) copies the norm weights of the thread's staged vectors into their staging slots (cp.async) before
 // the row statistic's loads and block reduction, so the prologue waits for one memory round trip, not two. Why: with
 // the statistic first, those weights (an L2 hit since MPK_PREFETCH_NORM_W) were asked for only after the reduction,
@@ -131,7 +132,7 @@ __device__ __forceinline__ void stage_row(bf16* st, int K, const Row& row, int t
 // its own slots (cp.async.wait_all, no barrier) and overwrites them with the values. Same values, same positions,
 // same statistic: the same bits.
 #ifndef MPK_NORM_ONE_ROUND
-#define MPK_NORM_ONE_ROUND 0
+#define MPK_NORM_ONE_ROUND 1
 #endif
 
 // stage_row for a row whose values need the factor r = row_factor() (which reads the row and reduces over the
@@ -200,24 +201,25 @@ __device__ __forceinline__ const void* epi_out(const EpiT&) { return nullptr; }
 constexpr int kMarkGemvStart = kMarkMmaStart;
 constexpr int kMarkGemvWarp0Done = kMarkMmaStreamed;
 
-// MPK_LONG_ROWS R > 1 (a measurement variant, off): batch-1 fused tiles with at least kLongMinRowsPerWarp rows a warp
+// MPK_LONG_ROWS R > 1 (default 4 with MPK_LONG_MIN_ROWS 4 since v0.32: qwen3-0.6b -4%, qwen3-1.7b even, nothing at
+// the 8B presets' unroll 16; docs/PERF.md; 1 = one row a warp, kept for the bitwise GPU test): batch-1 fused tiles with at least kLongMinRowsPerWarp rows a warp
 // (in practice lm_head's, ~1,190 rows a tile at qwen3-0.6b) sum R rows at once with the program's whole unroll of loads
 // each, R x unroll 16-byte loads a lane in flight instead of unroll (R capped so that R x unroll <= kLongMaxLoads, the
 // register budget of the widest one-row tile). Why: qwen3-0.6b's lm_head (K = 1024 at unroll 4: a row is one round of
 // 4 loads a lane) is a chain of ~148 dependent rows a warp, 122 us for 311 MB (2.5 TB/s; docs/PERF.md v0.31 trace).
 // MPK_LINEAR_ROWS splits the unroll over its rows instead, so it never put more bytes in flight at unroll 4. Same sums:
 // each row's lane terms in increasing k, as with one row a warp.
-// MPK_LONG_MIN_ROWS (default 16: lm_head only) lowers the rows a warp from which it applies, e.g. 4 for qwen3-0.6b's
+// MPK_LONG_MIN_ROWS (default 4; 16 = lm_head only) is the rows a warp from which it applies: 4 takes qwen3-0.6b's
 // qkv (4 rows a warp) and gate_up (6 a warp in each half of the pair tile) as well.
 // MPK_LONG_MAX_LOADS (default 16) raises that cap for 256-thread kernels, whose threads have twice the registers:
 // -DMPK_LONG_ROWS=8 -DMPK_LONG_MAX_LOADS=32 keeps 32 loads a lane (128 KB an SM, what 512 threads x 16 loads keep and
 // what reached 4.7 TB/s in csrc/bench/sm_read_bw.cu) in flight in qwen3-0.6b's lm_head, where 16 give 64 KB (3.6 TB/s
 // there at 256 threads). ptxas: gemv_tile<1, 8, ..., 4> without stack or spills, entry frame 80 B as the default.
 #ifndef MPK_LONG_ROWS
-#define MPK_LONG_ROWS 1
+#define MPK_LONG_ROWS 4
 #endif
 #ifndef MPK_LONG_MIN_ROWS
-#define MPK_LONG_MIN_ROWS 16
+#define MPK_LONG_MIN_ROWS 4
 #endif
 constexpr int kLongMinRowsPerWarp = MPK_LONG_MIN_ROWS;
 #ifndef MPK_LONG_MAX_LOADS

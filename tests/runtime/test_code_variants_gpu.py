@@ -36,9 +36,11 @@ the arithmetic, so the logits must equal the default build's bit for bit and sta
   never run when the staged rows fit) called instead of inlined (csrc/tasks/fused_gemv.cuh).
 - ``-DMPK_STAGE_ROW_ROLLED=1`` (off; a measurement variant): the staging loop of a row's prologue not unrolled
   (csrc/tasks/fused_gemv.cuh stage_row, tile_primitives.cuh tile::stage_row: less code in the norm bodies).
-- ``-DMPK_NORM_ONE_ROUND=1`` (off; a measurement variant), batch 1: the norm prologue copies the norm weights into
-  their staging slots before the row statistic (csrc/tasks/fused_gemv.cuh stage_row_fetch_first), in the generated
-  body and, with ``-DMPK_SUPEROPT_NORM_LINEAR=0``, in the hand-written one.
+- ``-DMPK_NORM_ONE_ROUND=0``, batch 1: the norm prologue's two rounds (the default since v0.32 copies the norm weights
+  into their staging slots before the row statistic, csrc/tasks/fused_gemv.cuh stage_row_fetch_first), and
+  ``-DMPK_SUPEROPT_NORM_LINEAR=0``: the hand-written norm body's one-round prologue against the generated one's.
+- ``-DMPK_LONG_ROWS=1``: one weight row a warp in the batch-1 fused tiles (the default since v0.32 sums 4 rows a warp
+  at once with the whole unroll each in tiles of at least 4 rows a warp, csrc/tasks/fused_gemv.cuh gemv_rows).
 
 - ``MPK_FUSE_SILU_EPI=0``: silu_mul in the down projection's prologue instead of the gate|up projection's epilogue
   (another program and kernel: fusion 'silu_epi' off), batch 1 (the epilogue is the default there) and 2 (asked for
@@ -66,7 +68,7 @@ STEPS = 48
 VARIANTS = ["-DMPK_ATTN_GUARD_HEADS=1", "-DMPK_PARAMS_SMEM=0", "-DMPK_ROPE_EXACT_PAIRS=0 -DMPK_PREP_ONE_SITE=0",
             "-DMPK_PREP_POS_LATE=0", "-DMPK_STAGE_ROWS_TOGETHER=0", "-DMPK_ROPE_SINCOS=0", "-DMPK_PREFETCH_ONE_SITE=0",
             "-DMPK_SMALL_KINDS_OUTLINED=0", "-DMPK_MERGE_LOADS_AHEAD=0", "-DMPK_STAGE_ROW_ROLLED=1",
-            "-DMPK_ROPE_NEAR=1", "-DMPK_ROWWISE_OUTLINED=1"]
+            "-DMPK_ROPE_NEAR=1", "-DMPK_ROWWISE_OUTLINED=1", "-DMPK_LONG_ROWS=1"]
 SWITCHES = [{"MPK_WEIGHT_EVICT_FIRST": "1"}]  # kernel switches of the same kind (environment, not -D)
 MMA_VARIANTS = ["-DMPK_MMA_X_AHEAD=0", "-DMPK_STAGE_ROWS_TOGETHER=0"]
 
@@ -90,7 +92,7 @@ def test_code_variant_leaves_the_logits_bitwise(flags, batch, gpu_results):
                   forced_request(NAME, PROMPT, STEPS, batch, 70), gpu_results)
 
 
-@pytest.mark.parametrize("flags", ["-DMPK_NORM_ONE_ROUND=1", "-DMPK_NORM_ONE_ROUND=1 -DMPK_SUPEROPT_NORM_LINEAR=0"])
+@pytest.mark.parametrize("flags", ["-DMPK_NORM_ONE_ROUND=0", "-DMPK_SUPEROPT_NORM_LINEAR=0"])
 def test_norm_one_round_leaves_the_logits_bitwise(flags, gpu_results):
     """Batch 1 only: the variant's path is the batch-1 staged prologue (larger batches keep theirs)."""
     variant, default = megakernel_with_env(NAME, {"MPK_NVCC_EXTRA_FLAGS": flags}), megakernel_with_env(NAME, {})

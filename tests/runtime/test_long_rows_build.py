@@ -1,7 +1,7 @@
-"""The long-tile variant (-DMPK_LONG_ROWS=R [-DMPK_LONG_MIN_ROWS=M], csrc/tasks/fused_gemv.cuh; a measurement
-variant, off): with nvcc, the batch-1 kernel of qwen3-0.6b's shape (256 worker threads, unroll 4) gets one more GEMV
-instance, R rows of the whole unroll each, and ptxas spills nothing in it; the default build has no such instance;
-a wide unroll caps R (R x unroll <= 16 loads a lane, or -DMPK_LONG_MAX_LOADS). Its speed and sums are to be measured on the GPU (docs/PERF.md)."""
+"""The long tiles (-DMPK_LONG_ROWS=R [-DMPK_LONG_MIN_ROWS=M], csrc/tasks/fused_gemv.cuh; R = 4, M = 4 the default
+since v0.32): with nvcc, the batch-1 kernel of qwen3-0.6b's shape (256 worker threads, unroll 4) gets one more GEMV
+instance, R rows of the whole unroll each, and ptxas spills nothing in it; -DMPK_LONG_ROWS=1 has no such instance;
+a wide unroll caps R (R x unroll <= 16 loads a lane, or -DMPK_LONG_MAX_LOADS). Speed and sums measured on the GPU (docs/PERF.md v0.32)."""
 
 from __future__ import annotations
 
@@ -42,7 +42,8 @@ def test_long_rows_add_one_spill_free_instance(flags, rows, tmp_path, monkeypatc
 
 
 @needs_nvcc
-def test_default_build_has_no_long_instance_and_wide_unrolls_cap_the_rows(tmp_path, monkeypatch):
-    assert _long_instances("", 4, tmp_path / "default", monkeypatch) == {}
+def test_default_build_has_the_long_instance_and_wide_unrolls_cap_the_rows(tmp_path, monkeypatch):
+    assert set(_long_instances("", 4, tmp_path / "default", monkeypatch)) == {(4, 4)}  # the default since v0.32
+    assert _long_instances("-DMPK_LONG_ROWS=1", 4, tmp_path / "off", monkeypatch) == {}
     # unroll 16 already keeps 16 loads a lane in flight: R is capped to 1 and the variant adds nothing
-    assert _long_instances("-DMPK_LONG_ROWS=4", 16, tmp_path / "u16", monkeypatch) == {}
+    assert _long_instances("", 16, tmp_path / "u16", monkeypatch) == {}
