@@ -186,7 +186,9 @@ __device__ __forceinline__ void worker_barrier(int num_threads) {
 #endif
 // Sleep between polls: starts at MPK_SPIN_SLEEP_NS and doubles up to MPK_SPIN_SLEEP_MAX_NS (equal by
 // default: a flat 32 ns). A longer cap thins the polling of a hot counter (every waiting SM polls the
-// same event) at the price of a later wake-up; an experiment knob (-D through MPK_NVCC_EXTRA_FLAGS).
+// same event) at the price of a later wake-up; an experiment knob (-D through MPK_NVCC_EXTRA_FLAGS). 0 issues no
+// __nanosleep at all (a 0 ns sleep still costs the instruction): csrc/bench/event_wake.cu measured acquire loads back
+// to back waking the last waiter 1.54 us after the signal under HBM load vs 2.30 us with the 32 ns sleep.
 #ifndef MPK_SPIN_SLEEP_NS
 #define MPK_SPIN_SLEEP_NS 32
 #endif
@@ -262,8 +264,10 @@ __device__ __forceinline__ int spin_wait_geq_gpu(const uint32_t* counter, uint32
       else if (now - start > timeout_ns) { *seen = v; return 1; }
       if (ld_relaxed_gpu(halt) != 0) { *seen = v; return 2; }
     }
-    __nanosleep(sleep_ns);
-    if (sleep_ns < MPK_SPIN_SLEEP_MAX_NS) sleep_ns *= 2;
+    if constexpr (MPK_SPIN_SLEEP_NS > 0) {  // 0: the next acquire load straight away (no sleep instruction)
+      __nanosleep(sleep_ns);
+      if (sleep_ns < MPK_SPIN_SLEEP_MAX_NS) sleep_ns *= 2;
+    }
   }
 }
 

@@ -201,9 +201,10 @@ __device__ __forceinline__ const void* epi_out(const EpiT&) { return nullptr; }
 constexpr int kMarkGemvStart = kMarkMmaStart;
 constexpr int kMarkGemvWarp0Done = kMarkMmaStreamed;
 
-// MPK_LONG_ROWS R > 1 (default 4 with MPK_LONG_MIN_ROWS 4 since v0.32: qwen3-0.6b -4%, qwen3-1.7b even, nothing at
-// the 8B presets' unroll 16; docs/PERF.md; 1 = one row a warp, kept for the bitwise GPU test): batch-1 fused tiles with at least kLongMinRowsPerWarp rows a warp
-// (in practice lm_head's, ~1,190 rows a tile at qwen3-0.6b) sum R rows at once with the program's whole unroll of loads
+// MPK_LONG_ROWS R > 1 (default 4 with MPK_LONG_MIN_ROWS 4 since v0.32: qwen3-0.6b -4%, qwen3-1.7b even, nothing
+// at the 8B presets' unroll 16; docs/PERF.md; 1 = one row a warp, kept for the bitwise GPU test): batch-1 fused tiles
+// with at least kLongMinRowsPerWarp rows a warp (at qwen3-0.6b: the qkv, gate|up and lm_head tiles; lm_head has
+// ~1,190 rows a tile) sum R rows at once with the program's whole unroll of loads
 // each, R x unroll 16-byte loads a lane in flight instead of unroll (R capped so that R x unroll <= kLongMaxLoads, the
 // register budget of the widest one-row tile). Why: qwen3-0.6b's lm_head (K = 1024 at unroll 4: a row is one round of
 // 4 loads a lane) is a chain of ~148 dependent rows a warp, 122 us for 311 MB (2.5 TB/s; docs/PERF.md v0.31 trace).
