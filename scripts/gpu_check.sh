@@ -80,10 +80,11 @@ for a in "$@"; do
     *) echo "gpu_check.sh: unknown option $a (expected --all-gpus, --runtime-only, --no-sanitizer, --bench, --fusion-only, --no-fusion, --tp, --attn-split-only, --no-attn-split, --extras-only, --no-extras, --perf, --ab, --ab-prebuild)" >&2; exit 2 ;;
   esac
 done
-# --ab's variants (docs/PERF.md v0.31 leads; the 8-row one is for 256-thread kernels, qwen3-0.6b's) and the kernels of its bitwise tests (test_code_variants_gpu.py's model,
-# batch 1, testing.MAX_SEQ = 320: the default build and each flag set the tests of AB_TESTS compare with it).
-AB_VARIANTS=${AB_VARIANTS:-"base;-DMPK_LONG_ROWS=4;-DMPK_LONG_ROWS=8,-DMPK_LONG_MAX_LOADS=32;-DMPK_LONG_ROWS=4,-DMPK_LONG_MIN_ROWS=4;-DMPK_STAGE_ROW_ROLLED=1;-DMPK_ROWWISE_OUTLINED=1;-DMPK_ROPE_NEAR=1;-DMPK_ROPE_NEAR=1,-DMPK_ROWWISE_OUTLINED=1,-DMPK_STAGE_ROW_ROLLED=1;-DMPK_NORM_ONE_ROUND=1;-DMPK_SPIN_INFLIGHT=2;-DMPK_SPIN_INFLIGHT=4;r2,u8"}
-AB_TEST_KERNELS=${AB_TEST_KERNELS:-"base;-DMPK_NORM_ONE_ROUND=1;-DMPK_NORM_ONE_ROUND=1,-DMPK_SUPEROPT_NORM_LINEAR=0;-DMPK_ROPE_NEAR=1;-DMPK_ROWWISE_OUTLINED=1;-DMPK_STAGE_ROW_ROLLED=1"}
+# --ab's variants (docs/PERF.md v0.32 leads: the wait without a sleep, the v0.32 defaults' old paths, the code-size
+# trio, 2 rows x 8 loads) and the kernels of its bitwise tests (test_code_variants_gpu.py's model, batch 1,
+# testing.MAX_SEQ = 320: the default build and each flag set the tests of AB_TESTS compare with it).
+AB_VARIANTS=${AB_VARIANTS:-"base;-DMPK_SPIN_SLEEP_NS=0;-DMPK_NORM_ONE_ROUND=0;-DMPK_LONG_ROWS=1;-DMPK_ROPE_NEAR=1,-DMPK_ROWWISE_OUTLINED=1,-DMPK_STAGE_ROW_ROLLED=1;r2,u8"}
+AB_TEST_KERNELS=${AB_TEST_KERNELS:-"base;-DMPK_NORM_ONE_ROUND=0;-DMPK_SUPEROPT_NORM_LINEAR=0;-DMPK_LONG_ROWS=1"}
 if [ $AB_PREBUILD -eq 1 ]; then
   mkdir -p "$MPK_CACHE_DIR"
   rc=0
@@ -192,7 +193,7 @@ if [ $AB -eq 1 ]; then
       --output-json "$OUT/ab_sweep_$m.json"
   done
   [ "${AB_TESTS:-}" != none ] && step ab_bitwise "${AB_LIMIT:-540}" python3 -m pytest -q -m gpu tests/runtime/test_code_variants_gpu.py -k \
-    "${AB_TESTS:-one_round or (leaves_the_logits_bitwise and 1- and (ROPE_NEAR or ROWWISE or ROLLED))}"
+    "${AB_TESTS:-one_round or (leaves_the_logits_bitwise and 1- and LONG_ROWS)}"
   summary "gpu_check --ab summary"
   exit 0
 fi
