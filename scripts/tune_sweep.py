@@ -10,7 +10,8 @@ copies: csrc/tasks/weight_stream.cuh), l<0|1> (software-pipelined linear loads: 
 rows into L2 before their wait: csrc/tasks/attention.cuh), e<KB> (the full-width linear tiles' L2 prefetch from the
 task records instead of the compiled p cap: the same binary), d<0|1> (linear weight loads marked first to leave L2:
 csrc/tasks/common.cuh ld_weight_v4), j<0|1> (silu_mul as the gate|up projection's epilogue: the silu_epi fusion,
-scalar linear tiles only) ('base' = defaults).
+scalar linear tiles only), o<0|1> (the code-size variants, codegen.CODE_SIZE_DEFINES; on by default at batch 1 and
+unroll 4) ('base' = defaults).
 NOTE: m1 changes the summation order of linear tiles, so its tokens may differ from the base's
 (DIFFERS then means "check with compare_logits", not a bug by itself).
 A part -D<NAME>=<value> adds that compile-time define to the variant's build (MPK_NVCC_EXTRA_FLAGS, part of the
@@ -44,7 +45,7 @@ KNOBS = {"u": "MPK_LINEAR_UNROLL", "t": "MPK_WORKER_THREADS", "p": "MPK_PREFETCH
          "w": "MPK_PREFETCH_PLAN", "l": "MPK_LINEAR_PIPE", "v": "MPK_ATTN_PREFETCH", "g": "MPK_BULK_PREFETCH",
          "h": "MPK_PREFETCH_AHEAD", "c": "MPK_FUSE_ATTN_MERGE", "x": "MPK_ATTN_STAGE_KV",
          "y": "MPK_LOAD_AHEAD", "z": "MPK_MIN_CARVEOUT", "e": "MPK_PREFETCH_LEVEL_KB",
-         "d": "MPK_WEIGHT_EVICT_FIRST", "j": "MPK_FUSE_SILU_EPI"}
+         "d": "MPK_WEIGHT_EVICT_FIRST", "j": "MPK_FUSE_SILU_EPI", "o": "MPK_COMPACT_CODE"}
 
 EXTRA_FLAGS = "MPK_NVCC_EXTRA_FLAGS"  # defines of a variant's build (-D parts)
 

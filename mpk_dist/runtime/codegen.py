@@ -22,6 +22,11 @@ from mpk_dist.runtime.params import layout_asserts
 BANNER_END = "// ---- end of banner ----"
 LINEAR_UNROLLS = (4, 8, 16)
 """Allowed 16-byte weight loads in flight per lane (MPK_LINEAR_UNROLL; 8 is the GPU-verified default)."""
+CODE_SIZE_DEFINES = ("MPK_ROPE_NEAR", "MPK_ROWWISE_OUTLINED", "MPK_STAGE_ROW_ROLLED")
+"""The code-size variants a KernelShape's compact_code turns on (each designed to leave every sum as it is: inlined
+sincosf only for rope angles up to 65,536, the fused bodies' per-element fallback outlined, the prologue's staging
+loop rolled; csrc/tasks/common.cuh, fused_gemv.cuh). Rendered under #ifndef, so a -D of the build still decides."""
+
 WORKER_THREADS = (128, 256, 512, 1024)
 """Allowed worker threads per block (MPK_WORKER_THREADS; 256 is the GPU-verified default)."""
 
@@ -43,10 +48,11 @@ class KernelShape:
     attn_prefetch: bool = True  # attention tiles pull their cache rows into L2 before their wait (attention.cuh; same bits)
     load_ahead: bool = True  # batch-1 GEMV: a round's x vectors loaded before any use (linear.cuh load_x_round; same bits)
     weight_evict_first: bool = False  # linear tiles' weight loads marked first to leave L2 (common.cuh ld_weight_v4; same bits)
+    compact_code: bool = False  # CODE_SIZE_DEFINES: smaller prep and fused-linear code (tables.default_compact_code; same bits)
 
 
     def name(self) -> str:
-        """File-name label: mk_b<batch>_t<threads>_<schedule>[_r<rows>][_u<unroll>][_p<prefetch KB>][_d][_nso][_m][_tma][_pipe][_nap][_nxa][_wef]."""
+        """File-name label: mk_b<batch>_t<threads>_<schedule>[_r<rows>][_u<unroll>][_p<prefetch KB>][_d][_nso][_m][_tma][_pipe][_nap][_nxa][_wef][_cc]."""
         rows = f"_r{self.linear_rows}" if self.linear_rows != 1 else ""
         unroll = f"_u{self.linear_unroll}" if self.linear_unroll != 8 else ""
         pf = f"_p{self.prefetch_kb}" if self.prefetch_kb != -1 else ""
@@ -57,6 +63,7 @@ class KernelShape:
         mma += "" if self.attn_prefetch else "_nap"
         mma += "" if self.load_ahead else "_nxa"
         mma += "_wef" if self.weight_evict_first else ""
+        mma += "_cc" if self.compact_code else ""
         return f"mk_b{self.batch}_t{self.worker_threads}_{self.schedule}{rows}{unroll}{pf}{nso}{mma}"
 
 
@@ -112,6 +119,7 @@ def render_source(shape: KernelShape, model: str = "-", rank: int = 0, world: in
         f"#define MPK_ATTN_PREFETCH {int(shape.attn_prefetch)}",
         f"#define MPK_LOAD_AHEAD {int(shape.load_ahead)}",
         f"#define MPK_WEIGHT_EVICT_FIRST {int(shape.weight_evict_first)}",
+        *([f"#ifndef {d}\n#define {d} 1\n#endif" for d in CODE_SIZE_DEFINES] if shape.compact_code else []),
         "#include <cstddef>",
         '#include "abi_generated.h"  // mpk_dist.taskgraph.abi.render_cuda_abi_header()',
         '#include "megakernel.cuh"',

@@ -70,6 +70,9 @@ SWITCHES = (
     # the kernel's preferred shared-memory carveout as small as its blocks need, the rest L1 data cache
     # (mpk_dist/runtime/loader.py carveout_percent; launch setting, same binary and bits)
     ("min_carveout", "MPK_MIN_CARVEOUT", False),
+    # the code-size variants (codegen.CODE_SIZE_DEFINES; same bits); default (None): batch-1 programs at unroll 4
+    # (tables.default_compact_code), set 0 or 1 to force
+    ("compact_code", "MPK_COMPACT_CODE", None),
 )
 """On/off kernel switches read from the environment: (Session keyword, variable, default)."""
 

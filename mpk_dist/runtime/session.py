@@ -43,7 +43,8 @@ def _pow2(n: int) -> int:
 def kernel_shape(cg, worker_threads: int | None, schedule: str, **knobs) -> KernelShape:
     """The KernelShape a Session of program ``cg`` builds (``knobs``: the other KernelShape fields; a
     ``worker_threads`` of None takes ``tables.default_worker_threads``, a ``linear_unroll`` of None
-    ``tables.default_linear_unroll``); the kernel prebuild (mpk_dist.runtime.prebuild) asks the same function,
+    ``tables.default_linear_unroll``, a ``compact_code`` of None ``tables.default_compact_code``); the kernel
+    prebuild (mpk_dist.runtime.prebuild) asks the same function,
     so its cubins are the ones found."""
     if worker_threads is None:
         worker_threads = tables.default_worker_threads(cg)
@@ -51,6 +52,8 @@ def kernel_shape(cg, worker_threads: int | None, schedule: str, **knobs) -> Kern
         knobs["linear_mma"] = tables.default_linear_mma(cg)
     if knobs.get("linear_unroll") is None:
         knobs["linear_unroll"] = tables.default_linear_unroll(cg, worker_threads)
+    if knobs.get("compact_code") is None:
+        knobs["compact_code"] = tables.default_compact_code(cg, knobs["linear_unroll"])
     # MPK_BATCH: the rows of a linear tile (row blocks of 16 above 16 rows), not the program's batch
     return KernelShape(tables.kernel_batch(cg), worker_threads, schedule, **knobs)
 
@@ -77,7 +80,7 @@ class Session:
                  prefetch_plan: bool = True, linear_tma: bool = False, linear_pipe: bool = False,
                  attn_prefetch: bool = True, bulk_prefetch: bool = False, prefetch_ahead: bool = False,
                  attn_stage_kv: bool = False, load_ahead: bool = True, min_carveout: bool = False,
-                 weight_evict_first: bool = False,
+                 weight_evict_first: bool = False, compact_code: bool | None = None,
                  prefetch_level_kb: int | None = None):
         if cg.meta["abi_version"] != ABI_VERSION:
             raise InputError(f"task graph ABI: expected version {ABI_VERSION}, got {cg.meta['abi_version']}")
@@ -100,7 +103,7 @@ class Session:
                              prefetch_kb=prefetch_kb, superopt=superopt,
                              linear_mma=linear_mma, linear_tma=linear_tma, linear_pipe=linear_pipe,
                              attn_prefetch=attn_prefetch, load_ahead=load_ahead,
-                             weight_evict_first=weight_evict_first)
+                             weight_evict_first=weight_evict_first, compact_code=compact_code)
         self.source, self.build = build_kernel(shape, model=model,
                                                rank=self.rank, world=self.world, input_hash=tables_hash(cg.arrays),
                                                compiler=compiler, program=cg)

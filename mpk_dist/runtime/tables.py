@@ -70,6 +70,19 @@ def default_linear_unroll(cg, worker_threads: int) -> int:
     return UNROLLS_BATCH1[-1]
 
 
+COMPACT_CODE_UNROLL = 4
+"""Batch-1 programs at this MPK_LINEAR_UNROLL build with the code-size variants (KernelShape.compact_code).
+Measured on an H200 at context ~512 with v0.32's defaults (docs/PERF.md v0.33, two passes in one process):
+qwen3-1.7b (unroll 4) 1.634 / 1.631 ms vs 1.652 / 1.649, qwen3-0.6b (unroll 4) 1.044 / 1.043 vs 1.042 / 1.044;
+at unroll 16 (the 8B presets) each variant was even or up to 0.3% slower (v0.32), so they stay off there."""
+
+
+def default_compact_code(cg, linear_unroll: int) -> bool:
+    """Whether program ``cg`` builds with the code-size variants when MPK_COMPACT_CODE is unset: batch 1 at
+    COMPACT_CODE_UNROLL loads a lane (the small presets, whose short rows leave the entry's code size exposed)."""
+    return kernel_batch(cg) == 1 and linear_unroll == COMPACT_CODE_UNROLL
+
+
 WORKER_THREADS_WIDE, WORKER_THREADS_NARROW = 512, 256
 """Worker threads a block: 512 keeps twice the weight bytes in flight per SM (qwen3-8b b1 8.36 -> 6.32 ms with the
 64 KB prefetch cap, docs/PERF.md v0.3); 256 for a batch-1 program whose smallest linear tile holds fewer than

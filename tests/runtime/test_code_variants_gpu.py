@@ -29,13 +29,14 @@ the arithmetic, so the logits must equal the default build's bit for bit and sta
   into shared memory before summing (csrc/tasks/linear_residual.cuh), batch 2 and 3 (batch 4 runs tensor-core tiles),
   with the silu epilogue asked for so that the down projection is a linear_residual too.
 
-- ``-DMPK_ROPE_NEAR=1`` (off; a measurement variant): sincosf inlined only for rope angles up to 65,536 with its
-  large-argument path assumed away, larger angles through one non-inlined sincosf (csrc/tasks/common.cuh
-  rope_cos_sin).
-- ``-DMPK_ROWWISE_OUTLINED=1`` (off; a measurement variant): the fused bodies' per-element fallback (gemv_rowwise,
-  never run when the staged rows fit) called instead of inlined (csrc/tasks/fused_gemv.cuh).
-- ``-DMPK_STAGE_ROW_ROLLED=1`` (off; a measurement variant): the staging loop of a row's prologue not unrolled
-  (csrc/tasks/fused_gemv.cuh stage_row, tile_primitives.cuh tile::stage_row: less code in the norm bodies).
+- The code-size variants (mpk_dist.runtime.codegen.CODE_SIZE_DEFINES, on together in batch-1 programs at unroll 4
+  since v0.33: KernelShape.compact_code): ``-DMPK_ROPE_NEAR=1``, sincosf inlined only for rope angles up to 65,536
+  with its large-argument path assumed away, larger angles through one non-inlined sincosf (csrc/tasks/common.cuh
+  rope_cos_sin); ``-DMPK_ROWWISE_OUTLINED=1``, the fused bodies' per-element fallback (gemv_rowwise, never run when
+  the staged rows fit) called instead of inlined (csrc/tasks/fused_gemv.cuh); ``-DMPK_STAGE_ROW_ROLLED=1``, the
+  staging loop of a row's prologue not unrolled (fused_gemv.cuh stage_row, tile_primitives.cuh tile::stage_row).
+  Batch 4 (off there): each flag against the default; batch 1 (qwen3-0.6b runs at unroll 4, so on): the switch
+  ``MPK_COMPACT_CODE=0`` (all three off) against the default.
 - ``-DMPK_NORM_ONE_ROUND=0``, batch 1: the norm prologue's two rounds (the default since v0.32 copies the norm weights
   into their staging slots before the row statistic, csrc/tasks/fused_gemv.cuh stage_row_fetch_first), and
   ``-DMPK_SUPEROPT_NORM_LINEAR=0``: the hand-written norm body's one-round prologue against the generated one's.
@@ -67,9 +68,10 @@ PROMPT = 200
 STEPS = 48
 VARIANTS = ["-DMPK_ATTN_GUARD_HEADS=1", "-DMPK_PARAMS_SMEM=0", "-DMPK_ROPE_EXACT_PAIRS=0 -DMPK_PREP_ONE_SITE=0",
             "-DMPK_PREP_POS_LATE=0", "-DMPK_STAGE_ROWS_TOGETHER=0", "-DMPK_ROPE_SINCOS=0", "-DMPK_PREFETCH_ONE_SITE=0",
-            "-DMPK_SMALL_KINDS_OUTLINED=0", "-DMPK_MERGE_LOADS_AHEAD=0", "-DMPK_STAGE_ROW_ROLLED=1",
-            "-DMPK_ROPE_NEAR=1", "-DMPK_ROWWISE_OUTLINED=1", "-DMPK_LONG_ROWS=1"]
-SWITCHES = [{"MPK_WEIGHT_EVICT_FIRST": "1"}]  # kernel switches of the same kind (environment, not -D)
+            "-DMPK_SMALL_KINDS_OUTLINED=0", "-DMPK_MERGE_LOADS_AHEAD=0", "-DMPK_LONG_ROWS=1"]
+CODE_SIZE_VARIANTS = ["-DMPK_STAGE_ROW_ROLLED=1", "-DMPK_ROPE_NEAR=1", "-DMPK_ROWWISE_OUTLINED=1"]  # batch 4: off there
+# kernel switches of the same kind (environment, not -D), batch 1; MPK_COMPACT_CODE=0: the code-size variants off
+SWITCHES = [{"MPK_WEIGHT_EVICT_FIRST": "1"}, {"MPK_COMPACT_CODE": "0"}]
 MMA_VARIANTS = ["-DMPK_MMA_X_AHEAD=0", "-DMPK_STAGE_ROWS_TOGETHER=0"]
 
 
@@ -90,6 +92,17 @@ def test_code_variant_leaves_the_logits_bitwise(flags, batch, gpu_results):
         f"{flags} did not make another binary"
     check_bitwise(f"{flags} vs default, {NAME} b{batch} prompt {PROMPT}", NAME, variant, default,
                   forced_request(NAME, PROMPT, STEPS, batch, 70), gpu_results)
+
+
+@pytest.mark.parametrize("flags", CODE_SIZE_VARIANTS)
+def test_code_size_variant_leaves_the_logits_bitwise(flags, gpu_results):
+    """Batch 4, where the code-size variants are off by default (at batch 1 the switch MPK_COMPACT_CODE=0 below)."""
+    variant, default = megakernel_with_env(NAME, {"MPK_NVCC_EXTRA_FLAGS": flags}), megakernel_with_env(NAME, {})
+    assert f"#define {flags[2:].split('=')[0]} 1" not in default.session(4).source, "batch 4 builds it by default"
+    assert session_with_flags(variant, 4, flags).build.path != session_with_flags(default, 4, "").build.path, \
+        f"{flags} did not make another binary"
+    check_bitwise(f"{flags} vs default, {NAME} b4 prompt {PROMPT}", NAME, variant, default,
+                  forced_request(NAME, PROMPT, STEPS, 4, 70), gpu_results)
 
 
 @pytest.mark.parametrize("flags", ["-DMPK_NORM_ONE_ROUND=0", "-DMPK_SUPEROPT_NORM_LINEAR=0"])
@@ -115,10 +128,13 @@ def test_mma_variant_leaves_the_logits_bitwise(flags, gpu_results):
 
 @pytest.mark.parametrize("env", SWITCHES, ids=lambda e: ",".join(f"{k}={v}" for k, v in e.items()))
 def test_switch_leaves_the_logits_bitwise(env, gpu_results):
-    """A kernel switch that changes only how bytes move (MPK_WEIGHT_EVICT_FIRST: the weight loads' L2 policy)
-    gives the default build's logits bit for bit, batch 1."""
+    """A kernel switch that changes only how bytes move or the code's size (MPK_WEIGHT_EVICT_FIRST: the weight loads'
+    L2 policy; MPK_COMPACT_CODE=0: the code-size variants off) gives the default build's logits bit for bit, batch 1."""
     variant, default = megakernel_with_env(NAME, env), megakernel_with_env(NAME, {})
     assert variant.session(1).build.path != default.session(1).build.path, f"{env} did not make another binary"
+    if "MPK_COMPACT_CODE" in env:  # the default batch-1 build at unroll 4 is the compact one, the variant not
+        assert "#define MPK_ROPE_NEAR 1" in default.session(1).source
+        assert "#define MPK_ROPE_NEAR 1" not in variant.session(1).source
     check_bitwise(f"{env} vs default, {NAME} b1 prompt {PROMPT}", NAME, variant, default,
                   forced_request(NAME, PROMPT, STEPS, 1, 70), gpu_results)
 
