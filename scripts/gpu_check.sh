@@ -80,11 +80,11 @@ for a in "$@"; do
     *) echo "gpu_check.sh: unknown option $a (expected --all-gpus, --runtime-only, --no-sanitizer, --bench, --fusion-only, --no-fusion, --tp, --attn-split-only, --no-attn-split, --extras-only, --no-extras, --perf, --ab, --ab-prebuild)" >&2; exit 2 ;;
   esac
 done
-# --ab's variants (docs/PERF.md v0.32 leads: the wait without a sleep, the v0.32 defaults' old paths, the code-size
-# trio, 2 rows x 8 loads) and the kernels of its bitwise tests (test_code_variants_gpu.py's model, batch 1,
+# --ab's variants (docs/PERF.md v0.33: the code-size variants off where they are on (o0), the v0.32 defaults' old
+# paths, the attention split count (k8, k32), 2 rows x 8 loads) and the kernels of its bitwise tests (test_code_variants_gpu.py's model, batch 1,
 # testing.MAX_SEQ = 320: the default build and each flag set the tests of AB_TESTS compare with it).
-AB_VARIANTS=${AB_VARIANTS:-"base;-DMPK_SPIN_SLEEP_NS=0;-DMPK_NORM_ONE_ROUND=0;-DMPK_LONG_ROWS=1;-DMPK_ROPE_NEAR=1,-DMPK_ROWWISE_OUTLINED=1,-DMPK_STAGE_ROW_ROLLED=1;r2,u8"}
-AB_TEST_KERNELS=${AB_TEST_KERNELS:-"base;-DMPK_NORM_ONE_ROUND=0;-DMPK_SUPEROPT_NORM_LINEAR=0;-DMPK_LONG_ROWS=1"}
+AB_VARIANTS=${AB_VARIANTS:-"base;o0;-DMPK_NORM_ONE_ROUND=0;-DMPK_LONG_ROWS=1;k8;k32;r2,u8"}
+AB_TEST_KERNELS=${AB_TEST_KERNELS:-"base;-DMPK_NORM_ONE_ROUND=0;-DMPK_SUPEROPT_NORM_LINEAR=0;-DMPK_LONG_ROWS=1;o0"}
 if [ $AB_PREBUILD -eq 1 ]; then
   mkdir -p "$MPK_CACHE_DIR"
   rc=0
@@ -193,7 +193,7 @@ if [ $AB -eq 1 ]; then
       --output-json "$OUT/ab_sweep_$m.json"
   done
   [ "${AB_TESTS:-}" != none ] && step ab_bitwise "${AB_LIMIT:-540}" python3 -m pytest -q -m gpu tests/runtime/test_code_variants_gpu.py -k \
-    "${AB_TESTS:-one_round or (leaves_the_logits_bitwise and 1- and LONG_ROWS)}"
+    "${AB_TESTS:-one_round or COMPACT_CODE or (leaves_the_logits_bitwise and 1- and LONG_ROWS)}"
   summary "gpu_check --ab summary"
   exit 0
 fi
