@@ -21,7 +21,7 @@ summation order, so DIFFERS is possible). f0/f1 turns --fuse off/on (fused and u
 superoptimizer-generated task bodies off/on (--no-superopt; designed bit-identical). Every variant
 runs the same greedy request; its tokens must equal the first variant's (the knobs change how bytes
 move, never the arithmetic order of a row), else the row says DIFFERS and the exit code is 1.
-Prints p50 ms/token, the floor measured in the same run, the ratio and the kernel shape the variant ran (its cubin's
+Prints p50 ms/token, the floor measured in the same run (once, before the first variant), the ratio and the kernel shape the variant ran (its cubin's
 name: threads, rows, unroll, ...; e.g. `r2` splits the program's unroll over two rows, so at unroll 4 it is r2_u4);
 --output-json keeps the rows. --prebuild-jobs N first builds every variant's kernel in N processes
 (mpk_dist.runtime.prebuild; a run would build them one after the other), e.g. on a 16-core GPU machine:
@@ -151,8 +151,13 @@ def main(argv=None) -> int:
     prompt = random_prompt(model.config.vocab_size, args.prompt_len, 0)
     nbytes = step_bytes(model.config, 1, args.batch, args.prompt_len + args.output_len // 2)
     rows, base_tokens, ok = [], None, True
+    # One bandwidth sample for every row, taken before any kernel ran (as mpk-dist bench does): sampled after each
+    # variant it read 3.7-4.3 TB/s from row to row on an H200 (docs/PERF.md v0.33), which moved the /floor column by
+    # more than the variants did.
+    bandwidth = measure_read_bandwidth(torch.device("cuda"))
+    floor_ms = nbytes / bandwidth * 1e3
     print(f"# tune_sweep {args.model} b{args.batch} prompt {args.prompt_len} output {args.output_len} | "
-          f"{torch.cuda.get_device_name()}")
+          f"{torch.cuda.get_device_name()} | read bandwidth {bandwidth / 1e9:.1f} GB/s, floor {floor_ms:.3f} ms")
     print(f"{'variant':<14}{'p50 ms':>9}{'floor ms':>10}{'/floor':>8}  {'tokens':<8} kernel")
     for text, (env, opts) in variants:
         with scoped_env(env, keys=[*KNOBS.values(), EXTRA_FLAGS]):
@@ -160,7 +165,6 @@ def main(argv=None) -> int:
                            max_new_tokens=args.output_len, max_seq_len=max_seq,
                            device="cuda", seed=0, backend_opts=opts)
             case = run_case(spec, model, prompt, args.output_len, args.iters, 1, False)
-        floor_ms = nbytes / measure_read_bandwidth(torch.device("cuda")) * 1e3
         p50 = percentile(case.decode_step_ms, 50)  # the p50 of mpk-dist bench
         base_tokens = case.tokens if base_tokens is None else base_tokens
         same = case.tokens == base_tokens
