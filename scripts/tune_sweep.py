@@ -21,8 +21,9 @@ summation order, so DIFFERS is possible). f0/f1 turns --fuse off/on (fused and u
 superoptimizer-generated task bodies off/on (--no-superopt; designed bit-identical). Every variant
 runs the same greedy request; its tokens must equal the first variant's (the knobs change how bytes
 move, never the arithmetic order of a row), else the row says DIFFERS and the exit code is 1.
-Prints p50 ms/token, the floor measured in the same run (once, before the first variant), the ratio and the kernel shape the variant ran (its cubin's
-name: threads, rows, unroll, ...; e.g. `r2` splits the program's unroll over two rows, so at unroll 4 it is r2_u4);
+Prints p50 ms/token, the floor measured in the same run (once, before the first variant), the ratio and the kernel
+shape the variant ran (its cubin's name: threads, rows, unroll, ...; e.g. `r2` splits the program's unroll over two
+rows, so at unroll 4 it is r2_u4);
 --output-json keeps the rows. --prebuild-jobs N first builds every variant's kernel in N processes
 (mpk_dist.runtime.prebuild; a run would build them one after the other), e.g. on a 16-core GPU machine:
 

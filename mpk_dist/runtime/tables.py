@@ -73,7 +73,8 @@ def default_linear_unroll(cg, worker_threads: int) -> int:
 COMPACT_CODE_UNROLL = 4
 """Batch-1 programs at this MPK_LINEAR_UNROLL build with the code-size variants (KernelShape.compact_code).
 Measured on an H200 at context ~512 with v0.32's defaults (docs/PERF.md v0.33, two passes in one process):
-qwen3-1.7b (unroll 4) 1.634 / 1.631 ms vs 1.652 / 1.649, qwen3-0.6b (unroll 4) 1.044 / 1.043 vs 1.042 / 1.044;
+qwen3-1.7b (unroll 4) 1.634 / 1.631 ms vs 1.652 / 1.649 (and as built by this rule: 1.638 / 1.639 vs 1.661 /
+1.652), qwen3-0.6b (unroll 4) 1.044 / 1.043 vs 1.042 / 1.044;
 at unroll 16 (the 8B presets) each variant was even or up to 0.3% slower (v0.32), so they stay off there."""
 
 
