@@ -9,6 +9,7 @@ worker from such a file (what ``mpk-dist trace-summary`` prints).
 from __future__ import annotations
 
 import json
+import re
 from collections import defaultdict
 from pathlib import Path
 
@@ -167,6 +168,52 @@ def format_levels(rows: list[dict]) -> str:
                    f"{r['run_median_us']:>9.2f}{r['start_spread_us']:>10.2f}{r['end_spread_us']:>9.2f}{gap:>7}"
                    f"{r['wait_median_us']:>9.2f}{_cell(r['prep_median_us'], 9)}"
                    + "".join(_cell(m, 8) for m in mk))
+    return "\n".join(out)
+
+
+_LAYER_OP = re.compile(r"^L(\d+)\.(.+)$")
+
+
+def layer_profile(rows: list[dict]) -> list[dict]:
+    """``levels`` rows folded over the layers: per op of a layer ("L<i>.<op>", by <op>) and per op outside them
+    (embedding, lm_head, ...), in first-start order: how many layers, the medians of span, run, gap and wait, and
+    ``adds_us``: the time the op adds to the step's timeline, summed over its layers (its last end minus the previous
+    op's last end, the first op its span; an op that ends before the previous one adds 0), with ``share`` of the step
+    (first start to last end). The ``adds`` of all ops sum to the step: the table says where a step's time goes."""
+    if not rows:
+        raise InputError("trace: expected the levels of a step, got none")
+    groups: dict[str, list[dict]] = {}
+    prev_end = None
+    for r in rows:
+        m = _LAYER_OP.match(r["op"])
+        key = m.group(2) if m else r["op"]
+        adds = r["end_us"] - r["start_us"] if prev_end is None else max(0.0, r["end_us"] - prev_end)
+        prev_end = r["end_us"] if prev_end is None else max(prev_end, r["end_us"])
+        groups.setdefault(key, []).append({**r, "adds_us": adds, "in_layer": bool(m)})
+    step = max(r["end_us"] for r in rows) - min(r["start_us"] for r in rows)
+    out = []
+    for key, rs in groups.items():
+        gaps = [r["gap_us"] for r in rs if r["gap_us"] is not None]
+        adds = sum(r["adds_us"] for r in rs)
+        out.append({"op": key, "kind": rs[0]["kind"], "layers": len(rs) if rs[0]["in_layer"] else 0,
+                    "span_median_us": float(np.median([r["end_us"] - r["start_us"] for r in rs])),
+                    "run_median_us": float(np.median([r["run_median_us"] for r in rs])),
+                    "gap_median_us": float(np.median(gaps)) if gaps else None,
+                    "wait_median_us": float(np.median([r["wait_median_us"] for r in rs])),
+                    "adds_us": adds, "share": adds / step if step > 0 else 0.0})
+    return out
+
+
+def format_layer_profile(prof: list[dict]) -> str:
+    """``layer_profile`` as a table, with the step's total."""
+    out = [f"{'op (over layers)':<22}{'kind':<22}{'layers':>7}{'span med':>9}{'run med':>9}{'gap med':>9}"
+           f"{'wait med':>9}{'adds (us)':>11}{'share':>8}"]
+    for p in prof:
+        out.append(f"{p['op']:<22}{p['kind']:<22}{p['layers'] or '-':>7}{p['span_median_us']:>9.2f}"
+                   f"{p['run_median_us']:>9.2f}{_cell(p['gap_median_us'], 9)}{p['wait_median_us']:>9.2f}"
+                   f"{p['adds_us']:>11.1f}{p['share']:>8.1%}")
+    out.append(f"{'step':<22}{'':<22}{'':>7}{'':>9}{'':>9}{'':>9}{'':>9}{sum(p['adds_us'] for p in prof):>11.1f}"
+               f"{sum(p['share'] for p in prof):>8.1%}")
     return "\n".join(out)
 
 

@@ -115,3 +115,30 @@ def test_levels_show_each_ops_median_wait_and_prep(tmp_path):
         assert r["prep_median_us"] == pytest.approx(float(np.median([preps[t] for t in mine])))
     assert rows[op_of[2]]["wait_median_us"] >= 1.5  # task 2's 3 us wait is in its op's median
     assert "wait med" in format_levels(list(rows.values()))
+
+
+def test_layer_profile_folds_the_layers_and_its_adds_sum_to_the_step(tmp_path, capsys):
+    """trace-summary --levels also folds "L<i>.<op>" over the layers: per op the medians and the time it adds to the
+    step's timeline (its last end minus the previous op's, 0 for an op that ends before it), summing to the step."""
+    ev = lambda name, ts, dur: {"name": name, "cat": "linear", "ph": "X", "pid": 0, "tid": 0, "ts": ts,  # noqa: E731
+                                "dur": dur, "args": {"step": 0}}
+    # embedding 0-1; layer 0: qkv 1.5-3.5 (two tiles), attn 4-9; layer 1: qkv 10-12, attn 12.5-20;
+    # a side op inside layer 1's attention (starts 13, ends 14: before attn's end) adds nothing; lm_head 21-30
+    evs = [ev("embedding", 0.0, 1.0), ev("L0.qkv", 1.5, 2.0), ev("L0.qkv", 1.6, 1.0), ev("L0.attn", 4.0, 5.0),
+           ev("L1.qkv", 10.0, 2.0), ev("L1.attn", 12.5, 7.5), ev("side", 13.0, 1.0), ev("lm_head", 21.0, 9.0)]
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"traceEvents": evs}))
+    from mpk_dist.runtime.trace import layer_profile, levels
+
+    prof = {p["op"]: p for p in layer_profile(levels(load_trace(path), 0))}
+    assert list(prof) == ["embedding", "qkv", "attn", "side", "lm_head"]
+    assert prof["qkv"]["layers"] == 2 and prof["embedding"]["layers"] == 0
+    assert prof["qkv"]["adds_us"] == pytest.approx((3.5 - 1.0) + (12.0 - 9.0))
+    assert prof["attn"]["adds_us"] == pytest.approx((9.0 - 3.5) + (20.0 - 12.0))
+    assert prof["side"]["adds_us"] == 0.0 and prof["lm_head"]["adds_us"] == pytest.approx(10.0)
+    assert prof["attn"]["span_median_us"] == pytest.approx(6.25) and prof["qkv"]["gap_median_us"] == pytest.approx(0.75)
+    assert sum(p["adds_us"] for p in prof.values()) == pytest.approx(30.0)
+    assert sum(p["share"] for p in prof.values()) == pytest.approx(1.0)
+    assert main(["trace-summary", "--levels", "0", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "op (over layers)" in out and "100.0%" in out

@@ -12,7 +12,8 @@ def register(subparsers) -> None:
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument("--levels", type=int, default=None, metavar="STEP",
                    help="instead: per op of decode step STEP (rank 0), its span, tiles' start/end spread and the "
-                        "gap after the previous op (where a step loses time between levels)")
+                        "gap after the previous op (where a step loses time between levels), then the same folded "
+                        "over the layers with the time each op adds to the step")
     p.set_defaults(func=run)
 
 
@@ -21,10 +22,13 @@ def run(args) -> int:
     from mpk_dist.runtime.trace import format_summary, load_trace, summarize
 
     if args.levels is not None:
-        from mpk_dist.runtime.trace import format_levels, levels
+        from mpk_dist.runtime.trace import format_layer_profile, format_levels, layer_profile, levels
 
         rows = levels(load_trace(args.file), args.levels)
-        print(json.dumps(rows) if args.json else format_levels(rows))
+        if args.json:
+            print(json.dumps(rows))
+        else:  # per op, then the same folded over the layers: where the step's time goes
+            print(format_levels(rows) + "\n\n" + format_layer_profile(layer_profile(rows)))
         return 0
     s = summarize(load_trace(args.file))
     if args.json:
