@@ -48,7 +48,7 @@ class KernelShape:
     attn_prefetch: bool = True  # attention tiles pull their cache rows into L2 before their wait (attention.cuh; same bits)
     load_ahead: bool = True  # batch-1 GEMV: a round's x vectors loaded before any use (linear.cuh load_x_round; same bits)
     weight_evict_first: bool = False  # linear tiles' weight loads marked first to leave L2 (common.cuh ld_weight_v4; same bits)
-    compact_code: bool = False  # CODE_SIZE_DEFINES: smaller prep and fused-linear code (tables.default_compact_code; same bits)
+    compact_code: bool = False  # CODE_SIZE_DEFINES on (tables.default_compact_code; same bits)
 
 
     def name(self) -> str:

@@ -183,14 +183,13 @@ def layer_profile(rows: list[dict]) -> list[dict]:
     if not rows:
         raise InputError("trace: expected the levels of a step, got none")
     groups: dict[str, list[dict]] = {}
-    prev_end = None
+    first = prev_end = rows[0]["start_us"]  # rows come in start order: the step's timeline starts here
     for r in rows:
         m = _LAYER_OP.match(r["op"])
-        key = m.group(2) if m else r["op"]
-        adds = r["end_us"] - r["start_us"] if prev_end is None else max(0.0, r["end_us"] - prev_end)
-        prev_end = r["end_us"] if prev_end is None else max(prev_end, r["end_us"])
-        groups.setdefault(key, []).append({**r, "adds_us": adds, "in_layer": bool(m)})
-    step = max(r["end_us"] for r in rows) - min(r["start_us"] for r in rows)
+        groups.setdefault(m.group(2) if m else r["op"], []).append(
+            {**r, "adds_us": max(0.0, r["end_us"] - prev_end), "in_layer": bool(m)})
+        prev_end = max(prev_end, r["end_us"])
+    step = prev_end - first
     out = []
     for key, rs in groups.items():
         gaps = [r["gap_us"] for r in rs if r["gap_us"] is not None]

@@ -1,7 +1,8 @@
 """The long tiles (-DMPK_LONG_ROWS=R [-DMPK_LONG_MIN_ROWS=M], csrc/tasks/fused_gemv.cuh; R = 4, M = 4 the default
 since v0.32): with nvcc, the batch-1 kernel of qwen3-0.6b's shape (256 worker threads, unroll 4) gets one more GEMV
 instance, R rows of the whole unroll each, and ptxas spills nothing in it; -DMPK_LONG_ROWS=1 has no such instance;
-a wide unroll caps R (R x unroll <= 16 loads a lane, or -DMPK_LONG_MAX_LOADS). Speed and sums measured on the GPU (docs/PERF.md v0.32)."""
+a wide unroll caps R (R x unroll <= 16 loads a lane, or -DMPK_LONG_MAX_LOADS). Speed and sums measured on the GPU
+(docs/PERF.md v0.32)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,10 @@
-"""The one-round norm prologue (-DMPK_NORM_ONE_ROUND=1, csrc/tasks/fused_gemv.cuh stage_row_fetch_first; the
-default since docs/PERF.md v0.32, named here all the same): with nvcc, the batch-1 kernel of qwen3-0.6b's shape (256 worker threads, unroll 4, the
-generated norm_linear body) builds with no spills in the fused norm bodies or the kernel entry and the entry's stack
-frame within the default programs' bound. Why a test: the task bodies share the worker loop's registers (253 of 255
-at this shape), and the first form of the variant, holding the norm weights in registers across the row statistic,
-spilled 6-112 B there. Its speed and bits are measured on the GPU (test_code_variants_gpu.py, docs/PERF.md)."""
+"""The one-round norm prologue (-DMPK_NORM_ONE_ROUND=1, csrc/tasks/fused_gemv.cuh stage_row_fetch_first; the default
+since docs/PERF.md v0.32, named here all the same): with nvcc, the batch-1 kernel of qwen3-0.6b's shape (256 worker
+threads, unroll 4, the generated norm_linear body) builds with no spills in the fused norm bodies or the kernel entry
+and the entry's stack frame within the default programs' bound. Why a test: the task bodies share the worker loop's
+registers (253 of 255 at this shape), and the first form of the variant, holding the norm weights in registers across
+the row statistic, spilled 6-112 B there. Its speed and bits are measured on the GPU (test_code_variants_gpu.py,
+docs/PERF.md)."""
 
 from __future__ import annotations
 
