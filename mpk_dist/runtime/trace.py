@@ -114,6 +114,8 @@ def levels(events: list[dict], step: int, rank: int = 0) -> list[dict]:
     """Per op of one step on one rank, in start order: tasks, first start, last end, median run, how
     spread its tiles' starts and ends are, and the gap from the previous op's last end to its first
     start. What shows where a decode step loses time between levels (a late tile holds the next level).
+    ``last_ready_us`` / ``last_run_us``: when the tile that ends last had its inputs ready, and its run (the op's
+    critical tile: its end is the op's).
     ``mark_median_us``: per phase mark, the median over the tiles that set it (None: no tile did);
     ``wait_median_us``: the median time its tiles waited (turning to the task -> inputs ready, 0 for a tile that
     did not wait), ``prep_median_us`` the median part of that spent issuing its prefetches (TraceRecord.prep_ns)."""
@@ -133,8 +135,10 @@ def levels(events: list[dict], step: int, rank: int = 0) -> list[dict]:
     for name, es in sorted(by_op.items(), key=lambda kv: min(e["ts"] for e in kv[1])):
         starts = np.array([e["ts"] for e in es])
         ends = starts + np.array([e["dur"] for e in es])
+        last = int(np.argmax(ends))
         rows.append({"op": name, "kind": es[0].get("cat", "?"), "tasks": len(es), "start_us": float(starts.min()),
                      "end_us": float(ends.max()), "run_median_us": float(np.median(ends - starts)),
+                     "last_ready_us": float(starts[last]), "last_run_us": float(ends[last] - starts[last]),
                      "start_spread_us": float(starts.max() - starts.min()),
                      "end_spread_us": float(ends.max() - ends.min()),
                      "gap_us": None if prev_end is None else float(starts.min() - prev_end),
@@ -179,15 +183,21 @@ def layer_profile(rows: list[dict]) -> list[dict]:
     (embedding, lm_head, ...), in first-start order: how many layers, the medians of span, run, gap and wait, and
     ``adds_us``: the time the op adds to the step's timeline, summed over its layers (its last end minus the previous
     op's last end, the first op its span; an op that ends before the previous one adds 0), with ``share`` of the step
-    (first start to last end). The ``adds`` of all ops sum to the step: the table says where a step's time goes."""
+    (first start to last end). The ``adds`` of all ops sum to the step: the table says where a step's time goes.
+    ``lag_us`` splits ``adds_us``: the part before the op's critical tile (the one ending last) had its inputs ready,
+    i.e. the previous op's end -> that tile ready (the signal reaching its waiter, the wait's barrier; 0 where the
+    tile was ready before the previous op ended), summed over the layers; the rest of ``adds_us`` is that tile's run.
+    Rows without ``last_ready_us`` (older callers) count no lag."""
     if not rows:
         raise InputError("trace: expected the levels of a step, got none")
     groups: dict[str, list[dict]] = {}
     first = prev_end = rows[0]["start_us"]  # rows come in start order: the step's timeline starts here
     for r in rows:
         m = _LAYER_OP.match(r["op"])
+        adds = max(0.0, r["end_us"] - prev_end)
+        ready = r.get("last_ready_us", prev_end)
         groups.setdefault(m.group(2) if m else r["op"], []).append(
-            {**r, "adds_us": max(0.0, r["end_us"] - prev_end), "in_layer": bool(m)})
+            {**r, "adds_us": adds, "lag_us": min(adds, max(0.0, ready - prev_end)), "in_layer": bool(m)})
         prev_end = max(prev_end, r["end_us"])
     step = prev_end - first
     out = []
@@ -199,20 +209,22 @@ def layer_profile(rows: list[dict]) -> list[dict]:
                     "run_median_us": float(np.median([r["run_median_us"] for r in rs])),
                     "gap_median_us": float(np.median(gaps)) if gaps else None,
                     "wait_median_us": float(np.median([r["wait_median_us"] for r in rs])),
-                    "adds_us": adds, "share": adds / step if step > 0 else 0.0})
+                    "adds_us": adds, "lag_us": sum(r["lag_us"] for r in rs),
+                    "share": adds / step if step > 0 else 0.0})
     return out
 
 
 def format_layer_profile(prof: list[dict]) -> str:
-    """``layer_profile`` as a table, with the step's total."""
+    """``layer_profile`` as a table, with the step's total; "lag" is the part of "adds" before each op's critical tile
+    was ready."""
     out = [f"{'op (over layers)':<22}{'kind':<22}{'layers':>7}{'span med':>9}{'run med':>9}{'gap med':>9}"
-           f"{'wait med':>9}{'adds (us)':>11}{'share':>8}"]
+           f"{'wait med':>9}{'adds (us)':>11}{'lag (us)':>10}{'share':>8}"]
     for p in prof:
         out.append(f"{p['op']:<22}{p['kind']:<22}{p['layers'] or '-':>7}{p['span_median_us']:>9.2f}"
                    f"{p['run_median_us']:>9.2f}{_cell(p['gap_median_us'], 9)}{p['wait_median_us']:>9.2f}"
-                   f"{p['adds_us']:>11.1f}{p['share']:>8.1%}")
+                   f"{p['adds_us']:>11.1f}{p.get('lag_us', 0.0):>10.1f}{p['share']:>8.1%}")
     out.append(f"{'step':<22}{'':<22}{'':>7}{'':>9}{'':>9}{'':>9}{'':>9}{sum(p['adds_us'] for p in prof):>11.1f}"
-               f"{sum(p['share'] for p in prof):>8.1%}")
+               f"{sum(p.get('lag_us', 0.0) for p in prof):>10.1f}{sum(p['share'] for p in prof):>8.1%}")
     return "\n".join(out)
 
 

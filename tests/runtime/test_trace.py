@@ -139,6 +139,31 @@ def test_layer_profile_folds_the_layers_and_its_adds_sum_to_the_step(tmp_path, c
     assert prof["attn"]["span_median_us"] == pytest.approx(6.25) and prof["qkv"]["gap_median_us"] == pytest.approx(0.75)
     assert sum(p["adds_us"] for p in prof.values()) == pytest.approx(30.0)
     assert sum(p["share"] for p in prof.values()) == pytest.approx(1.0)
+    # lag: the previous op's end -> the critical (last-ending) tile ready. qkv: layer 0's last tile (1.5-3.5) ready 0.5
+    # after the embedding, layer 1's 1.0 after attn; attn 0.5 + 0.5; lm_head 1.0; the side op adds nothing, so no lag
+    assert prof["qkv"]["lag_us"] == pytest.approx(0.5 + 1.0) and prof["attn"]["lag_us"] == pytest.approx(0.5 + 0.5)
+    assert prof["side"]["lag_us"] == 0.0 and prof["lm_head"]["lag_us"] == pytest.approx(1.0)
+    assert prof["embedding"]["lag_us"] == 0.0
     assert main(["trace-summary", "--levels", "0", str(path)]) == 0
     out = capsys.readouterr().out
-    assert "op (over layers)" in out and "100.0%" in out
+    assert "op (over layers)" in out and "100.0%" in out and "lag (us)" in out
+
+
+def test_layer_profile_lag_is_the_critical_tiles_readiness_not_the_first_tiles(tmp_path):
+    """The lag follows the tile that ends last, not the first to start: an op whose early tile is ready at once but
+    whose last-ending tile is ready 2 us after the previous op ends has a 2 us lag; one whose last-ending tile was ready
+    before the previous op ended has none (its whole add is run)."""
+    ev = lambda name, ts, dur: {"name": name, "cat": "linear", "ph": "X", "pid": 0, "tid": 0, "ts": ts,  # noqa: E731
+                                "dur": dur, "args": {"step": 0}}
+    # a 0-4; L0.b: a tile 4.1-5 and the critical one ready at 6, ends 7; L0.c: its last tile ready at 5 (before b's
+    # end at 7: per-tile dependencies), ends 9
+    evs = [ev("a", 0.0, 4.0), ev("L0.b", 4.1, 0.9), ev("L0.b", 6.0, 1.0), ev("L0.c", 5.0, 4.0), ev("L0.c", 7.5, 0.5)]
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"traceEvents": evs}))
+    from mpk_dist.runtime.trace import layer_profile, levels
+
+    rows = {r["op"]: r for r in levels(load_trace(path), 0)}
+    assert rows["L0.b"]["last_ready_us"] == pytest.approx(6.0) and rows["L0.b"]["last_run_us"] == pytest.approx(1.0)
+    prof = {p["op"]: p for p in layer_profile(list(rows.values()))}
+    assert prof["b"]["adds_us"] == pytest.approx(3.0) and prof["b"]["lag_us"] == pytest.approx(2.0)
+    assert prof["c"]["adds_us"] == pytest.approx(2.0) and prof["c"]["lag_us"] == 0.0
