@@ -25,7 +25,8 @@
 #                   context ~512 for qwen3-8b, llama3-8b, qwen3-1.7b, qwen3-0.6b (batch 1) and qwen3-8b batch 8
 #                   (tensor-core tiles, the default from batch 3), the cold and warm start-up, what 132 SMs read from HBM and from L2
 #                   (csrc/bench/sm_read_bw.cu), how soon the SMs waiting on an event see its last signal, by polling
-#                   method (csrc/bench/event_wake.cu), the knob sweep of the newest levers on qwen3-8b (PERF_VARIANTS,
+#                   method (csrc/bench/event_wake.cu), what a level boundary costs with the kernel's event and with
+#                   flagged data words (csrc/bench/ll_boundary.cu), the knob sweep of the newest levers on qwen3-8b (PERF_VARIANTS,
 #                   default "base;j0;u8;k9;y0;x1;z1;k1": silu in the down tiles' prologue instead of the gate|up tiles'
 #                   epilogue (MPK_FUSE_SILU_EPI=0), 8 loads in flight per lane instead of the program's 16 (MPK_LINEAR_UNROLL),
 #                   9 KV ranges instead of 16 (v0.13's split), the batch-1 x vectors loaded in the sum loop (MPK_LOAD_AHEAD=0), the
@@ -34,10 +35,11 @@
 #                   context ~480 (batch 1 and batch 8) with their trace-summary, and with NCU=1 an ncu profile per source line (scripts/ncu_lines.py).
 #                   Limit per step: PERF_LIMIT
 #   --ab            ONLY the A/B of the open code variants (docs/PERF.md leads): how soon waiting SMs see an event
-#                   (csrc/bench/event_wake.cu, idle and --load), then per model of AB_MODELS (default qwen3-0.6b)
+#                   (csrc/bench/event_wake.cu, idle and --load) and a level boundary's cost (csrc/bench/ll_boundary.cu),
+#                   then per model of AB_MODELS (default qwen3-0.6b)
 #                   scripts/tune_sweep.py over AB_VARIANTS run twice in one process (its kernels prebuilt in parallel,
 #                   AB_JOBS processes), then the variants' bitwise GPU tests (test_code_variants_gpu.py -k AB_TESTS).
-#                   AB_WAKE=0 skips the bench, AB_TESTS=none the tests (one call is 600 s: ~9 min for all of it).
+#                   AB_WAKE=0 skips the two benches, AB_TESTS=none the tests (one call is 600 s: ~9 min for all of it).
 #                   Limit per step: AB_LIMIT
 #   --ab-prebuild   NO GPU: build the kernels of --ab (the sweeps' variants per AB_MODELS, and the bitwise tests' kernels,
 #                   AB_TEST_KERNELS) into $MPK_CACHE_DIR and stop. Run it on the build machine with MPK_CACHE_DIR set to a
@@ -188,6 +190,8 @@ python3 -c "import torch, cuda.bindings; print('torch', torch.__version__, 'cuda
 if [ $AB -eq 1 ]; then
   [ "${AB_WAKE:-1}" = 1 ] && step ab_event_wake "${AB_LIMIT:-150}" bash -c "nvcc -O3 -arch=sm_90a -o $OUT/event_wake csrc/bench/event_wake.cu \
     && $OUT/event_wake && $OUT/event_wake --load"
+  [ "${AB_WAKE:-1}" = 1 ] && step ab_ll_boundary "${AB_LIMIT:-150}" bash -c "nvcc -O3 -arch=sm_90a -o $OUT/ll_boundary csrc/bench/ll_boundary.cu \
+    && $OUT/ll_boundary && $OUT/ll_boundary --load && $OUT/ll_boundary --load --n 4096"
   for m in ${AB_MODELS:-qwen3-0.6b}; do
     step "ab_sweep_$m" "${AB_LIMIT:-540}" python3 scripts/tune_sweep.py --model "$m" --batch 1 --prompt-len 480 \
       --output-len 64 --iters 2 --prebuild-jobs "${AB_JOBS:-8}" --variants "$AB_VARIANTS;$AB_VARIANTS" \
@@ -224,6 +228,9 @@ if [ $PERF -eq 1 ]; then
   # How long after an event's last signal the waiting SMs see it, by polling method (csrc/bench/event_wake.cu).
   step perf_event_wake "${PERF_LIMIT:-150}" bash -c "nvcc -O3 -arch=sm_90a -o $OUT/event_wake csrc/bench/event_wake.cu \
     && for m in idle load; do $OUT/event_wake \$([ \$m = load ] && echo --load) > $OUT/event_wake_\$m.log && cat $OUT/event_wake_\$m.log || exit 1; done"
+  # What a level boundary costs, the kernel's event vs flagged data words (csrc/bench/ll_boundary.cu).
+  step perf_ll_boundary "${PERF_LIMIT:-150}" bash -c "nvcc -O3 -arch=sm_90a -o $OUT/ll_boundary csrc/bench/ll_boundary.cu \
+    && $OUT/ll_boundary && $OUT/ll_boundary --load && $OUT/ll_boundary --load --n 4096"
   step perf_sweep "${PERF_LIMIT:-150}" python3 scripts/tune_sweep.py --model qwen3-8b --prompt-len 480 --output-len 64 \
     --variants "${PERF_VARIANTS:-base;j0;u8;k9;y0;x1;z1;k1}" --output-json "$OUT/perf_sweep.json"
   # NCU=1: PC samples of one qwen3-0.6b launch (480-token prompt + 16 tokens) per source line: the kernel built with
