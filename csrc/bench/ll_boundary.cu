@@ -264,6 +264,16 @@ bool run(Shared s) {
   return true;
 }
 
+__global__ void timer_step(uint64_t* out) {  // the smallest step of %globaltimer seen by one thread
+  uint64_t prev = globaltimer_ns(), best = ~0ull;
+  for (int i = 0; i < 100000; ++i) {
+    const uint64_t t = globaltimer_ns();
+    if (t != prev && t - prev < best) best = t - prev;
+    prev = t;
+  }
+  *out = best;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -311,8 +321,12 @@ int main(int argc, char** argv) {
   cudaMemset(halt, 0, 4);
   s.halt = halt;
   s.load = buf;
-  std::printf("%d blocks (producers and consumers) x %d protocol threads, vector of %d fp32, %d rounds, %s\n", kBlocks,
-              kProtoThreads, n, kRounds, load ? "other warps streaming HBM" : "no other load");
+  timer_step<<<1, 1>>>(s.t_write);
+  uint64_t tick = 0;
+  cudaMemcpy(&tick, s.t_write, 8, cudaMemcpyDeviceToHost);
+  std::printf("globaltimer step %llu ns (the means below average over it); %d blocks (producers and consumers) x %d "
+              "protocol threads, vector of %d fp32, %d rounds, %s\n", (unsigned long long)tick, kBlocks, kProtoThreads,
+              n, kRounds, load ? "other warps streaming HBM" : "no other load");
   std::printf("scheme  all mean  all p50  last mean  last p50  last p90   (us from the last producer's write)\n");
   return run<kEvent>(s) && run<kFlag>(s) ? 0 : 1;
 }
