@@ -24,6 +24,10 @@
 //   flag   one 64-bit st.relaxed.gpu per element: (value bits, round tag); the consumer's threads load their words
 //          with 64-bit ld.relaxed.gpu (single-copy atomic: value and tag arrive together) until every tag is the
 //          round's, then a block barrier. No fence, no counter
+//   flag+sleep  the same with a 32 ns __nanosleep between a thread's polling rounds, as the kernel's wait sleeps:
+//          every waiting thread polls its words, so the polls are N words per consumer SM, not one counter
+// With --load the last column is what the streaming warps read meanwhile (GB/s over all SMs): the polls' L2 traffic
+// competes with the weight streams of the tiles still running at a level's end.
 // The protocol runs on warps 0-3 (kProtoThreads); with --load warps 4-7 stream HBM meanwhile (16-byte
 // non-allocating loads, as the weight tiles do), so the polls cross a loaded memory system as at a level's end.
 // --n N: the vector's length (default 1024: qwen3-0.6b's hidden size; 2048 for qwen3-1.7b, 4096 for the 8B presets).
@@ -60,8 +64,9 @@ constexpr uint64_t kTimeoutNs = 2000000000ull;            // 2 s: a wait that lo
 constexpr size_t kLoadBytes = size_t(2) << 30;           // the streamed buffer (--load), past the L2
 constexpr int kLoadsInFlight = 4;
 
-enum Scheme : int { kEvent, kFlag, kSchemes };
-const char* const kNames[kSchemes] = {"event", "flag"};
+enum Scheme : int { kEvent, kFlag, kFlagSleep, kSchemes };
+const char* const kNames[kSchemes] = {"event", "flag", "flag+sleep"};
+constexpr unsigned kPollSleepNs = 32;  // flag+sleep: the kernel's MPK_SPIN_SLEEP_NS
 
 struct Shared {
   int n;                // vector length
@@ -72,6 +77,7 @@ struct Shared {
   uint64_t* t_write;    // [kRounds][kBlocks]
   uint64_t* t_done;     // [kRounds][kBlocks]
   uint32_t* error;      // 1 timeout, 2 wrong sum
+  unsigned long long* streamed;  // --load: 16-byte loads the streaming warps issued
   const uint32_t* halt;  // the kernel waits' abort word: stays 0
   const int4* load;     // --load: the streamed buffer, nullptr without
   int4* sink;
@@ -113,6 +119,7 @@ __global__ void __launch_bounds__(kThreads, 1) boundary(Shared s) {
     const size_t vec = kLoadBytes / sizeof(int4), per_block = vec / kBlocks;
     const int4* base = s.load + (size_t)b * per_block;
     int4 acc = make_int4(0, 0, 0, 0);
+    unsigned long long rounds = 0;
     for (size_t i = lt;; i += (size_t)nl * kLoadsInFlight) {
       if (done_rounds >= kRounds) break;
       if (i + (size_t)nl * kLoadsInFlight >= per_block) i = lt;
@@ -124,8 +131,10 @@ __global__ void __launch_bounds__(kThreads, 1) boundary(Shared s) {
                      : "l"(base + i + (size_t)u * nl));
 #pragma unroll
       for (int u = 0; u < kLoadsInFlight; ++u) acc.x ^= v[u].x ^ v[u].w;
+      ++rounds;
     }
     if (acc.x == 0x12345678) s.sink[tid] = acc;  // keeps the loads; (almost) never true
+    atomicAdd(s.streamed, rounds * kLoadsInFlight);
     return;
   }
   const int slice = (n + kBlocks - 1) / kBlocks, lo = b * slice, hi = min(n, lo + slice);
@@ -192,6 +201,7 @@ __global__ void __launch_bounds__(kThreads, 1) boundary(Shared s) {
           if (k < per && i < n && (uint32_t)(w[k] >> 32) != tag) all = false;
         }
         if (!all && globaltimer_ns() - t0 > kTimeoutNs) { *s.error = 1; failed = 1; break; }
+        if (S == kFlagSleep && !all) __nanosleep(kPollSleepNs);
       }
 #pragma unroll
       for (int k = 0; k < kMaxPerThread; ++k) {
@@ -232,18 +242,28 @@ bool run(Shared s) {
   cudaMemset(s.ack, 0, 4);
   cudaMemset(s.error, 0, 4);
   cudaMemset(s.words, 0, sizeof(uint64_t) * (size_t)s.n);
+  cudaMemset(s.streamed, 0, sizeof(unsigned long long));
+  cudaEvent_t e0, e1;
+  cudaEventCreate(&e0);
+  cudaEventCreate(&e1);
+  cudaEventRecord(e0);
   boundary<S><<<kBlocks, kThreads>>>(s);
+  cudaEventRecord(e1);
   if (cudaDeviceSynchronize() != cudaSuccess) {
-    std::printf("%-6s  error: %s\n", kNames[S], cudaGetErrorString(cudaGetLastError()));
+    std::printf("%-10s  error: %s\n", kNames[S], cudaGetErrorString(cudaGetLastError()));
     return false;
   }
+  float ms = 0.f;
+  cudaEventElapsedTime(&ms, e0, e1);
+  unsigned long long streamed = 0;
+  cudaMemcpy(&streamed, s.streamed, sizeof(streamed), cudaMemcpyDeviceToHost);
   uint32_t err = 0;
   std::vector<uint64_t> wr((size_t)kRounds * kBlocks), dn((size_t)kRounds * kBlocks);
   cudaMemcpy(&err, s.error, 4, cudaMemcpyDeviceToHost);
   cudaMemcpy(wr.data(), s.t_write, wr.size() * 8, cudaMemcpyDeviceToHost);
   cudaMemcpy(dn.data(), s.t_done, dn.size() * 8, cudaMemcpyDeviceToHost);
   if (err != 0) {
-    std::printf("%-6s  error: %s\n", kNames[S],
+    std::printf("%-10s  error: %s\n", kNames[S],
                 err == 1 ? "a wait timed out after 2 s" : "a consumer's sum was not the round's (a stale or torn word)");
     return false;
   }
@@ -259,8 +279,9 @@ bool run(Shared s) {
     }
     last.push_back(worst);
   }
-  std::printf("%-6s  %8.3f  %7.3f  %9.3f  %8.3f  %8.3f\n", kNames[S], mean(all), pct(all, 0.5), mean(last),
-              pct(last, 0.5), pct(last, 0.9));
+  const double gbps = ms > 0.f ? (double)streamed * sizeof(int4) / ((double)ms * 1e-3) * 1e-9 : 0.0;
+  std::printf("%-10s  %8.3f  %7.3f  %9.3f  %8.3f  %8.3f  %9.0f\n", kNames[S], mean(all), pct(all, 0.5), mean(last),
+              pct(last, 0.5), pct(last, 0.9), gbps);
   return true;
 }
 
@@ -312,6 +333,7 @@ int main(int argc, char** argv) {
                   cudaMalloc(&s.t_write, times) == cudaSuccess && cudaMalloc(&s.t_done, times) == cudaSuccess &&
                   cudaMalloc(&s.error, 4) == cudaSuccess && cudaMalloc(&halt, 4) == cudaSuccess &&
                   cudaMalloc(&s.sink, kThreads * sizeof(int4)) == cudaSuccess &&
+                  cudaMalloc(&s.streamed, sizeof(unsigned long long)) == cudaSuccess &&
                   (!load || cudaMalloc(&buf, kLoadBytes) == cudaSuccess);
   if (!ok) {
     std::printf("error: could not allocate the vectors, timers and the %s buffer on the GPU\n", load ? "2 GiB" : "(no)");
@@ -327,6 +349,7 @@ int main(int argc, char** argv) {
   std::printf("globaltimer step %llu ns (the means below average over it); %d blocks (producers and consumers) x %d "
               "protocol threads, vector of %d fp32, %d rounds, %s\n", (unsigned long long)tick, kBlocks, kProtoThreads,
               n, kRounds, load ? "other warps streaming HBM" : "no other load");
-  std::printf("scheme  all mean  all p50  last mean  last p50  last p90   (us from the last producer's write)\n");
-  return run<kEvent>(s) && run<kFlag>(s) ? 0 : 1;
+  std::printf("scheme      all mean  all p50  last mean  last p50  last p90  streamed   (us from the last producer's "
+              "write; GB/s)\n");
+  return run<kEvent>(s) && run<kFlag>(s) && run<kFlagSleep>(s) ? 0 : 1;
 }
