@@ -6,6 +6,7 @@
 // itself (128 registers at 512 threads). As separate functions each body spills (or not) on its own.
 #pragma once
 #include "task_view.cuh"
+#include "watchdog.cuh"  // raise_error: flag_gather's timeout
 #include "trace_marks.cuh"
 #include "step_begin.cuh"
 #include "embedding.cuh"
@@ -170,14 +171,91 @@ __device__ __noinline__ void run_comm_push(const TaskView& t, int opcode, int ti
   }
 }
 
+// ---- flagged words (opt-in: MPK_FLAG_WORDS, mpk_dist/taskgraph/flag_words.py; csrc/tasks/flag_words.cuh) ----
+// The step reaches the bodies that read or write flagged words as an extra argument (MPK_FLAG_STEP_*), so a build
+// without them keeps its functions' signatures.
+#if MPK_FLAG_WORDS
+#define MPK_FLAG_STEP_PARAM , int step
+#define MPK_FLAG_STEP_ARG , step
+#else
+#define MPK_FLAG_STEP_PARAM
+#define MPK_FLAG_STEP_ARG
+#endif
+
+#if MPK_FLAG_WORDS
+// A norm tile's B input rows of K fp32 values from their flagged words (row b at words + b * ld), polled until every
+// tag is step `step`'s, into shared memory at the top of the launch's dynamic share, above the `below` bytes the
+// body uses. Returns the rows (row stride K), or nullptr: too little shared memory (a bad task, nothing raised), or
+// a word that kept another tag for the launch's timeout (the watchdog's record names the task, the element and both
+// tags) or another block halted the grid. Every worker thread takes words tid, tid + nt, ...; ends in a barrier.
+__device__ __noinline__ const float* flag_gather(const TaskView& t, const uint64_t* words, int B, int K, int ld,
+                                                 uint32_t below, int step, float* smem, int tid, int nt) {
+  const uint32_t bytes = (uint32_t)B * (uint32_t)K * (uint32_t)sizeof(float), top = smem_below_ring();
+  if (bytes > top || ((top - bytes) & ~15u) < below) return nullptr;
+  float* dst = reinterpret_cast<float*>(reinterpret_cast<char*>(smem) + ((top - bytes) & ~15u));
+  const uint32_t tag = flag_tag_of_step(step);
+  const int total = B * K;
+  bool failed = false;
+  uint64_t t0 = 0;
+  for (int base = tid; base < total && !failed; base += nt * kFlagPollWords) {
+    uint64_t w[kFlagPollWords];
+#pragma unroll
+    for (int u = 0; u < kFlagPollWords; ++u) w[u] = 0;  // tag 0: no step's
+    for (int round = 1;; ++round) {
+#pragma unroll
+      for (int u = 0; u < kFlagPollWords; ++u) {  // every word not yet the step's, in flight together
+        const int i = base + u * nt;
+        if (i < total && flag_tag(w[u]) != tag) w[u] = ld_relaxed_gpu_u64(words + (size_t)(i / K) * ld + i % K);
+      }
+      int late = -1;
+#pragma unroll
+      for (int u = 0; u < kFlagPollWords; ++u)
+        if (late < 0 && base + u * nt < total && flag_tag(w[u]) != tag) late = u;
+      if (late < 0) break;
+      if (round % MPK_SPIN_CHECK == 0) {  // now and then: the clock and the abort flag
+        const uint64_t now = globaltimer_ns();
+        if (t0 == 0) t0 = now;
+        if (now - t0 > t.p.timeout_ns) {
+          raise_error(t.p.error, t.p.halt, kErrFlagWait, t.task(), base + late * nt, step, t.p.rank, flag_tag(w[late]),
+                      tag, now - t0);
+          failed = true;
+          break;
+        }
+        if (ld_relaxed_gpu(t.p.halt) != 0) { failed = true; break; }
+      }
+      if (MPK_FLAG_POLL_SLEEP_NS > 0) __nanosleep(MPK_FLAG_POLL_SLEEP_NS);
+    }
+    if (failed) break;
+#pragma unroll
+    for (int u = 0; u < kFlagPollWords; ++u) {
+      const int i = base + u * nt;
+      if (i < total) dst[i] = flag_value(w[u]);
+    }
+  }
+  return worker_barrier_or(nt, failed) ? nullptr : dst;  // the rows are complete before any warp reads them
+}
+#endif
+
 // ---- fused linears (opt-in: compile_rank_programs(fuse=...); docs/TASKGRAPH.md 'Fused linears') ----
 // Only the dtype combinations the fused graphs produce are instantiated (bf16 models: fp32
 // residual stream, bf16 activations, fp32 logits); any other combination returns false, which the
 // worker reports as a bad task instead of computing something wrong.
 // The gate|up projection with its silu epilogue: norm_linear's body (generated or hand-written) on the tile's
 // gate and up rows, then silu(gate) * up into the activation.
-__device__ __noinline__ bool run_norm_linear_silu(const TaskView& t, float* smem, int tid, int nt) {
+__device__ __noinline__ bool run_norm_linear_silu(const TaskView& t, float* smem, int tid, int nt MPK_FLAG_STEP_PARAM) {
   if (t.dtype(NORM_LINEAR_SILU_ARG_X) != DTYPE_F32 || t.dtype(NORM_LINEAR_SILU_ARG_Y) != DTYPE_BF16) return false;
+  const float* x = t.arg<const float>(NORM_LINEAR_SILU_ARG_X);
+  int xs = t.param(NORM_LINEAR_SILU_PARAM_X_STRIDE);
+#if MPK_FLAG_WORDS
+  if (const uint64_t* xf = t.arg<const uint64_t>(NORM_LINEAR_SILU_ARG_X_FLAGS)) {  // the input as flagged words
+    const int B = t.param(NORM_LINEAR_SILU_PARAM_BATCH), K = t.param(NORM_LINEAR_SILU_PARAM_K);
+    const uint32_t sums = (uint32_t)B * (uint32_t)t.param(NORM_LINEAR_SILU_PARAM_N_TILE) * (uint32_t)sizeof(bf16);
+    x = flag_gather(t, xf, B, K, xs, (staged_bytes(B, K) + kPairAlign - 1) / kPairAlign * kPairAlign + sums, step,
+                    smem, tid, nt);
+    if (x == nullptr) return false;
+    xs = K;
+  }
+#endif
   const auto body = [](int B, const float* x, int ldx, const bf16* nw, const bf16* w, const Epi& epi, int K,
                        int n_tile, float eps, float* sm, int tid_, int nt_) {
 #if MPK_SUPEROPT_NORM_LINEAR
@@ -186,8 +264,7 @@ __device__ __noinline__ bool run_norm_linear_silu(const TaskView& t, float* smem
     norm_linear(B, x, ldx, nw, w, epi, K, n_tile, eps, sm, tid_, nt_);
 #endif
   };
-  return norm_linear_silu(t.param(NORM_LINEAR_SILU_PARAM_BATCH), t.arg<const float>(NORM_LINEAR_SILU_ARG_X),
-                          t.param(NORM_LINEAR_SILU_PARAM_X_STRIDE), t.arg<const bf16>(NORM_LINEAR_SILU_ARG_NORM_W),
+  return norm_linear_silu(t.param(NORM_LINEAR_SILU_PARAM_BATCH), x, xs, t.arg<const bf16>(NORM_LINEAR_SILU_ARG_NORM_W),
                           t.arg<const bf16>(NORM_LINEAR_SILU_ARG_W), t.param(NORM_LINEAR_SILU_PARAM_UP_ROWS),
                           t.arg<bf16>(NORM_LINEAR_SILU_ARG_Y), t.param(NORM_LINEAR_SILU_PARAM_Y_STRIDE),
                           t.param(NORM_LINEAR_SILU_PARAM_K), t.param(NORM_LINEAR_SILU_PARAM_N_TILE),
@@ -205,14 +282,23 @@ __device__ __noinline__ bool run_norm_linear_silu(const TaskView& t, float* smem
 #ifndef MPK_SILU_LINEAR_KIND
 #define MPK_SILU_LINEAR_KIND 1
 #endif
-__device__ __noinline__ bool run_norm_linear(const TaskView& t, float* smem, int tid, int nt) {
-  if (t.opcode() == OP_NORM_LINEAR_SILU) return MPK_SILU_EPI_KIND && run_norm_linear_silu(t, smem, tid, nt);
+__device__ __noinline__ bool run_norm_linear(const TaskView& t, float* smem, int tid, int nt MPK_FLAG_STEP_PARAM) {
+  if (t.opcode() == OP_NORM_LINEAR_SILU)
+    return MPK_SILU_EPI_KIND && run_norm_linear_silu(t, smem, tid, nt MPK_FLAG_STEP_ARG);
   if (t.dtype(NORM_LINEAR_ARG_X) != DTYPE_F32) return false;
   const int B = t.param(NORM_LINEAR_PARAM_BATCH), K = t.param(NORM_LINEAR_PARAM_K);
-  const int n = t.param(NORM_LINEAR_PARAM_N_TILE), xs = t.param(NORM_LINEAR_PARAM_X_STRIDE);
+  const int n = t.param(NORM_LINEAR_PARAM_N_TILE);
+  int xs = t.param(NORM_LINEAR_PARAM_X_STRIDE);
   const int ys = t.param(NORM_LINEAR_PARAM_Y_STRIDE);
   const float eps = t.fparam(NORM_LINEAR_PARAM_EPS);
   const float* x = t.arg<const float>(NORM_LINEAR_ARG_X);
+#if MPK_FLAG_WORDS
+  if (const uint64_t* xf = t.arg<const uint64_t>(NORM_LINEAR_ARG_X_FLAGS)) {  // the input as flagged words
+    x = flag_gather(t, xf, B, K, xs, staged_bytes(B, K), step, smem, tid, nt);
+    if (x == nullptr) return false;
+    xs = K;
+  }
+#endif
   const bf16* nw = t.arg<const bf16>(NORM_LINEAR_ARG_NORM_W);
   const bf16* w = t.arg<const bf16>(NORM_LINEAR_ARG_W);
   const int y_dt = t.dtype(NORM_LINEAR_ARG_Y);  // fp32: the lm_head's logits, unrounded
@@ -225,13 +311,18 @@ __device__ __noinline__ bool run_norm_linear(const TaskView& t, float* smem, int
   return true;
 }
 
-__device__ __noinline__ bool run_linear_residual(const TaskView& t, float* smem, int tid, int nt) {
+__device__ __noinline__ bool run_linear_residual(const TaskView& t, float* smem, int tid, int nt MPK_FLAG_STEP_PARAM) {
   if (t.dtype(LINEAR_RESIDUAL_ARG_Y) != DTYPE_F32 || t.dtype(LINEAR_RESIDUAL_ARG_RESIDUAL) != DTYPE_F32) return false;
   linear_residual(t.param(LINEAR_RESIDUAL_PARAM_BATCH), t.arg<const bf16>(LINEAR_RESIDUAL_ARG_X),
                   t.param(LINEAR_RESIDUAL_PARAM_X_STRIDE), t.arg<const bf16>(LINEAR_RESIDUAL_ARG_W),
                   t.arg<const float>(LINEAR_RESIDUAL_ARG_RESIDUAL), t.arg<float>(LINEAR_RESIDUAL_ARG_Y),
                   t.param(LINEAR_RESIDUAL_PARAM_Y_STRIDE), t.param(LINEAR_RESIDUAL_PARAM_K),
-                  t.param(LINEAR_RESIDUAL_PARAM_N_TILE), smem, tid, nt);
+                  t.param(LINEAR_RESIDUAL_PARAM_N_TILE), smem, tid, nt
+#if MPK_FLAG_WORDS
+                  , t.arg<uint64_t>(LINEAR_RESIDUAL_ARG_Y_FLAGS), t.arg<const uint64_t>(LINEAR_RESIDUAL_ARG_RESIDUAL_FLAGS),
+                  flag_tag_of_step(step)
+#endif
+  );
   return true;
 }
 
@@ -561,9 +652,10 @@ __device__ bool run_task(const RuntimeParams& p, const int32_t* rec, int step, f
     case OP_ALLREDUCE_PUSH:
     case OP_ALLGATHER_PUSH: run_comm_push(t, op, tid, nt); return true;
     case OP_ALLREDUCE_REDUCE: run_allreduce_reduce(t, tid, nt); return true;
-    case OP_NORM_LINEAR: return run_norm_linear(t, smem, tid, nt);
-    case OP_NORM_LINEAR_SILU: return run_norm_linear(t, smem, tid, nt);  // the gate|up projection + silu epilogue
-    case OP_LINEAR_RESIDUAL: return run_linear_residual(t, smem, tid, nt);
+    case OP_NORM_LINEAR: return run_norm_linear(t, smem, tid, nt MPK_FLAG_STEP_ARG);
+    case OP_NORM_LINEAR_SILU:  // the gate|up projection + silu epilogue
+      return run_norm_linear(t, smem, tid, nt MPK_FLAG_STEP_ARG);
+    case OP_LINEAR_RESIDUAL: return run_linear_residual(t, smem, tid, nt MPK_FLAG_STEP_ARG);
     case OP_SILU_LINEAR: return MPK_SILU_LINEAR_KIND && run_silu_linear(t, smem, tid, nt);
     case OP_ATTENTION_SPLIT: return run_attention_split(t, smem, tid, nt);
     case OP_ATTENTION_MERGE: return run_attention_merge(t, tid, nt);

@@ -91,6 +91,20 @@ __device__ __forceinline__ void st_relaxed_sys_u64(uint64_t* p, uint64_t v) {
   asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
+// A flagged word (value, step tag: csrc/tasks/flag_words.cuh) at gpu scope: one 64-bit relaxed store, so a reader's
+// 64-bit relaxed load (below) sees the whole word or none of it (single-copy atomicity of an aligned 8-byte access).
+// No fence: the word carries its own readiness, and no other data is published through it.
+__device__ __forceinline__ void st_relaxed_gpu_u64(uint64_t* p, uint64_t v) {
+  asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+// The matching load: a fresh (not L1-stale) 64-bit word, no ordering.
+__device__ __forceinline__ uint64_t ld_relaxed_gpu_u64(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
 // ---- atomics -------------------------------------------------------------------------------
 // Release add at gpu scope, returning the old value: publishes this thread's earlier writes (and,
 // through the preceding block barrier, the whole block's) to whoever acquires the counter.
@@ -175,6 +189,14 @@ __device__ __forceinline__ bool ticket_last(uint32_t* word, uint32_t group) {
 // jit mode never joins it. Orders shared- and global-memory accesses of the participating threads.
 __device__ __forceinline__ void worker_barrier(int num_threads) {
   asm volatile("bar.sync 1, %0;" ::"r"(num_threads) : "memory");
+}
+
+// The same barrier, returning whether any participating thread passed `v` true (bar.red.or).
+__device__ __forceinline__ bool worker_barrier_or(int num_threads, bool v) {
+  uint32_t r;
+  asm volatile("{\n .reg .pred p, q;\n setp.ne.u32 p, %1, 0;\n bar.red.or.pred q, 1, %2, p;\n selp.u32 %0, 1, 0, q;\n}"
+               : "=r"(r) : "r"((uint32_t)v), "r"(num_threads) : "memory");
+  return r != 0;
 }
 
 // ---- bounded spin-wait ---------------------------------------------------------------------

@@ -21,6 +21,9 @@ enum ErrorCode : uint32_t {
   kErrPagesExhausted = 6,  // the free-page stack ran dry (seen: free pages, expected: pages needed)
   kErrPageRelease = 7,     // a page released twice (seen: page id, -1 = none held; expected: its owner)
   kErrPageTableFull = 8,   // a slot's position is past its page-table row (seen: pages needed, expected: MP)
+  // flagged words (csrc/tasks/flag_words.cuh): event_id holds the element of the task's input whose word stayed
+  // behind, seen / expected its tag and the step's
+  kErrFlagWait = 9,
 };
 
 // Layout mirrored by mpk_dist/runtime/params.py (ERROR_FIELDS); the generated source static_asserts it.

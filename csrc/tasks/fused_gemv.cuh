@@ -15,6 +15,7 @@
 #include "linear.cuh"
 #include "silu_mul.cuh"
 #include "weight_stream.cuh"
+#include "flag_words.cuh"  // Epi's flagged copies (MPK_FLAG_WORDS)
 
 namespace mpk {
 
@@ -170,8 +171,23 @@ struct Epi {
   int ld;
   int mode;
   long long pair_jump = 0;  // kEpiPair only: elements from the first weight row to the first row of the second half
+#if MPK_FLAG_WORDS
+  // kEpiResidual with flagged words (flag_words.cuh): y's flagged copy written after y, the residual read from its
+  // flagged copy instead of res (the plain value is not ordered for this reader), both at y's / res's element index
+  uint64_t* y_flags = nullptr;
+  const uint64_t* res_flags = nullptr;
+  uint32_t tag = 0;
+#endif
   __device__ __forceinline__ void operator()(int b, int n, float s) const {
     const size_t o = (size_t)b * ld + n;
+#if MPK_FLAG_WORDS
+    if (mode == kEpiResidual) {
+      const float v = round_bf(s) + (res_flags != nullptr ? flag_value(ld_relaxed_gpu_u64(res_flags + o)) : res[o]);
+      reinterpret_cast<float*>(y)[o] = v;
+      if (y_flags != nullptr) st_relaxed_gpu_u64(y_flags + o, flag_word(v, tag));
+      return;
+    }
+#endif
     if (mode == kEpiResidual) reinterpret_cast<float*>(y)[o] = round_bf(s) + res[o];
     else if (mode == kEpiF32) reinterpret_cast<float*>(y)[o] = s;
     else reinterpret_cast<bf16*>(y)[o] = f2bf(s);  // kEpiBf16, kEpiPair

@@ -22,9 +22,22 @@ struct ActRow {
   __device__ __forceinline__ uint4 load8(int k) const { return ld_act_v4(x + k); }
 };
 
+// With MPK_FLAG_WORDS: y_flags (y's flagged copy to write, step tag `tag`) and res_flags (the residual's flagged copy,
+// read instead of res), each nullptr when the program has none (flag_words.cuh).
 __device__ void linear_residual(int B, const bf16* x, int ldx, const bf16* w, const float* res, float* y, int ldy,
-                                int K, int n_tile, float* smem, int tid, int nt) {
+                                int K, int n_tile, float* smem, int tid, int nt
+#if MPK_FLAG_WORDS
+                                , uint64_t* y_flags, const uint64_t* res_flags, uint32_t tag
+#endif
+) {
+#if MPK_FLAG_WORDS
+  Epi epi{y, res, ldy, kEpiResidual};
+  epi.y_flags = y_flags;
+  epi.res_flags = res_flags;
+  epi.tag = tag;
+#else
   const Epi epi{y, res, ldy, kEpiResidual};
+#endif
 #if MPK_LINEAR_RESIDUAL_STAGE
   if (B >= 2 && stage_fits(B, K)) {
     bf16* st = stage_base(smem);  // [B, K] copies of the x rows

@@ -49,10 +49,11 @@ class KernelShape:
     load_ahead: bool = True  # batch-1 GEMV: a round's x vectors loaded before any use (linear.cuh load_x_round; same bits)
     weight_evict_first: bool = False  # linear tiles' weight loads marked first to leave L2 (common.cuh ld_weight_v4; same bits)
     compact_code: bool = False  # CODE_SIZE_DEFINES on (tables.default_compact_code; same bits)
+    flag_words: bool = False  # the program hands its residual stream over as flagged words (taskgraph.flag_words)
 
 
     def name(self) -> str:
-        """File-name label: mk_b<batch>_t<threads>_<schedule>[_r<rows>][_u<unroll>][_p<prefetch KB>][_d][_nso][_m][_tma][_pipe][_nap][_nxa][_wef][_cc]."""
+        """File-name label: mk_b<batch>_t<threads>_<schedule>[_r<rows>][_u<unroll>][_p<prefetch KB>][_d][_nso][_m][_tma][_pipe][_nap][_nxa][_wef][_cc][_fw]."""
         rows = f"_r{self.linear_rows}" if self.linear_rows != 1 else ""
         unroll = f"_u{self.linear_unroll}" if self.linear_unroll != 8 else ""
         pf = f"_p{self.prefetch_kb}" if self.prefetch_kb != -1 else ""
@@ -64,6 +65,7 @@ class KernelShape:
         mma += "" if self.load_ahead else "_nxa"
         mma += "_wef" if self.weight_evict_first else ""
         mma += "_cc" if self.compact_code else ""
+        mma += "_fw" if self.flag_words else ""
         return f"mk_b{self.batch}_t{self.worker_threads}_{self.schedule}{rows}{unroll}{pf}{nso}{mma}"
 
 
@@ -120,6 +122,7 @@ def render_source(shape: KernelShape, model: str = "-", rank: int = 0, world: in
         f"#define MPK_LOAD_AHEAD {int(shape.load_ahead)}",
         f"#define MPK_WEIGHT_EVICT_FIRST {int(shape.weight_evict_first)}",
         *([f"#ifndef {d}\n#define {d} 1\n#endif" for d in CODE_SIZE_DEFINES] if shape.compact_code else []),
+        *(["#define MPK_FLAG_WORDS 1"] if shape.flag_words else []),  # only then: other sources stay as they were
         "#include <cstddef>",
         '#include "abi_generated.h"  // mpk_dist.taskgraph.abi.render_cuda_abi_header()',
         '#include "megakernel.cuh"',

@@ -37,6 +37,8 @@ def error_message(sess) -> str | None:
         as_int = lambda v: int(np.array(v, np.uint32).view(np.int32))  # noqa: E731 - the record's words are unsigned
         return (f"mega-kernel ({ERROR_CODES[r.code]}): {task} at step {r.step} on rank {r.rank}: "
                 + fault_message(r.code, r.event_id, as_int(r.seen), as_int(r.expected)))
+    if r.code == 9:  # kErrFlagWait (csrc/runtime/dispatch.cuh flag_gather): event_id is the input element
+        return flag_wait_message(cg, task, r)
     if 0 <= r.event_id < len(cg.meta["events"]):
         event = f"event {r.event_id} '{cg.meta['events'][r.event_id]}' (signalled by {producers(cg, r.event_id)})"
     else:
@@ -45,6 +47,35 @@ def error_message(sess) -> str | None:
             f"at step {r.step} on SM {r.sm_id} (worker {r.worker}, rank {r.rank}): expected counter >= {r.expected}, "
             f"got {r.seen} after {r.elapsed_ns / 1e9:.2f} s; {cause(sess, r)} (raise --timeout if a step is "
             "legitimately slower)")
+
+
+def flag_wait_message(cg, task: str, r) -> str:
+    """A polling norm tile's flagged word that never got its step's tag (mpk_dist.taskgraph.flag_words): which copy,
+    which element, which tag it held, and the ops that write that copy."""
+    from mpk_dist.taskgraph.flag_words import POLLING, PRODUCER, READERS
+    from mpk_dist.taskgraph.tasks import BY_NAME
+
+    tasks, args, bufs, ops = cg.arrays["tasks"], cg.arrays["args"], cg.meta["buffers"], cg.meta["ops"]
+
+    def arg_buffer(t: int, name: str) -> int:
+        kind = BY_NAME[ops[int(tasks[t, TASK_COLS["OP_INDEX"]])]["kind"]]
+        return int(args[tasks[t, TASK_COLS["ARG_BEGIN"]] + kind.arg_index(name), 0])
+
+    copy, writers = "its input's flagged copy", []
+    if 0 <= r.task_id < cg.num_tasks and ops[int(tasks[r.task_id, TASK_COLS["OP_INDEX"]])]["kind"] in POLLING:
+        kind = ops[int(tasks[r.task_id, TASK_COLS["OP_INDEX"]])]["kind"]
+        fid = arg_buffer(r.task_id, READERS[kind][1])
+        if fid >= 0:
+            copy = f"buffer '{bufs[fid]['name']}'"
+            writers = sorted({ops[int(tasks[t, TASK_COLS["OP_INDEX"]])]["name"] for t in range(cg.num_tasks)
+                              if ops[int(tasks[t, TASK_COLS["OP_INDEX"]])]["kind"] == PRODUCER[0]
+                              and arg_buffer(t, PRODUCER[2]) == fid})
+    held = "no step's (never written)" if r.seen == 0 else f"step {r.seen - 1}'s"
+    by = f"written by {', '.join(writers)}" if writers else "whose writer is unknown"
+    return (f"mega-kernel watchdog ({ERROR_CODES[9]}): {task} (task {r.task_id}) waited {r.elapsed_ns / 1e9:.2f} s at "
+            f"step {r.step} on SM {r.sm_id} (worker {r.worker}, rank {r.rank}) for element {r.event_id} of {copy}: its "
+            f"word held the tag of {held}, expected step {r.expected - 1}'s; {by}, which did not write it at that step "
+            "(it stalled, failed, or never ran: see its own tasks) (raise --timeout if a step is legitimately slower)")
 
 
 def cause(sess, r) -> str:

@@ -394,7 +394,8 @@ def fusions_from_env(fuse=True) -> frozenset[str]:
     H200). ``fuse=True`` also gets ``DEFAULT_ATTN_FUSIONS`` unless MPK_FUSE_ATTN_PREP=0 / MPK_FUSE_ATTN_MERGE=0
     turn one off; an explicit fusion list gets them only when the variable is 1. MPK_FUSE_NORM=0,
     MPK_FUSE_SILU=0 and MPK_FUSE_RESIDUAL=0 drop one of the linears' fusions. ``fuse=True`` also gets 'silu_epi'
-    (``DEFAULT_SILU_EPI``) unless MPK_FUSE_SILU_EPI=0; an explicit list gets it when the variable is 1."""
+    (``DEFAULT_SILU_EPI``) unless MPK_FUSE_SILU_EPI=0; an explicit list gets it when the variable is 1.
+    MPK_FLAG_WORDS=1 adds 'flags' (the residual stream handed over as flagged words; needs 'residual'; off)."""
     from mpk_dist.taskgraph.fusion import fusion_set
 
     out = set(fusion_set(fuse))
@@ -408,6 +409,8 @@ def fusions_from_env(fuse=True) -> frozenset[str]:
     knob = _fusion_switch("MPK_FUSE_SILU_EPI")  # silu_mul as the gate|up projection's epilogue (DEFAULT_SILU_EPI)
     if knob == "1" or (knob == "" and fuse is True):
         out.add("silu_epi")
+    if _fusion_switch("MPK_FLAG_WORDS") == "1" and "residual" in out:  # off by default: not yet measured
+        out.add("flags")  # the residual stream as flagged words (taskgraph.flag_words, csrc/tasks/flag_words.cuh)
     return frozenset(out)
 
 

@@ -55,6 +55,7 @@ def kernel_shape(cg, worker_threads: int | None, schedule: str, **knobs) -> Kern
     if knobs.get("compact_code") is None:
         knobs["compact_code"] = tables.default_compact_code(cg, knobs["linear_unroll"])
     # MPK_BATCH: the rows of a linear tile (row blocks of 16 above 16 rows), not the program's batch
+    knobs.setdefault("flag_words", bool(cg.meta.get("flag_words")))  # the program's, not a knob (taskgraph.flag_words)
     return KernelShape(tables.kernel_batch(cg), worker_threads, schedule, **knobs)
 
 

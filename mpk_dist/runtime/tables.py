@@ -301,6 +301,9 @@ def smem_bytes(cg, worker_threads: int, weight_ring: bool = False, stage_kv: boo
         need = max(need, kv_stage_smem_bytes(cg, worker_threads))
     if linear_mma:
         need = max(need, mma_partial_room(cg, worker_threads, weight_ring))
+    from mpk_dist.taskgraph import flag_words
+
+    need = max(need, flag_words.smem_bytes(cg))  # the polling norm tiles' gathered rows (0 without flagged copies)
     return (need + 127) // 128 * 128 + ring
 
 

@@ -82,14 +82,20 @@ def build_records(cg, arg_addr: np.ndarray, prefetch: np.ndarray | None = None, 
         staging = np.isin(col("OPCODE"), [BY_NAME[k].opcode for k in KV_STAGE_KINDS])
         flags |= np.where(staging, FLAG_STAGE_KV, 0).astype(np.int32)
 
+    # The waits a record holds: the task's wait rows less those its body replaces by polling a flagged copy
+    # (cg.meta["skip_waits"], taskgraph.flag_words; aot only: the jit scheduler reads the tables).
+    keep = np.ones(A["waits"].shape[0], dtype=bool)
+    keep[np.asarray(cg.meta.get("skip_waits", []), dtype=np.int64)] = False
+    kept_rows = np.flatnonzero(keep)
+    before = np.concatenate([[0], np.cumsum(keep)])  # kept rows before each wait row
     wb, we = col("WAIT_BEGIN"), col("WAIT_END")
-    nw = we - wb
+    nw = before[we] - before[wb]
     inline = nw <= REC_MAX_WAITS
     flags |= np.where(inline, FLAG_WAITS_INLINE, 0).astype(np.int32)
     rec[:, REC_NWAITS] = np.where(inline, nw, 0)
     for k in range(REC_MAX_WAITS):
-        idx, ok = _span(wb, we, k)
-        ok &= inline
+        ok = inline & (k < nw)
+        idx = kept_rows[np.where(ok, before[wb] + k, 0)] if len(kept_rows) else np.zeros(T, np.int64)
         e = A["waits"][idx, WAIT_COLS["EVENT"]]
         base = REC_WAITS + k * REC_WAIT_COLS
         rec[:, base] = np.where(ok, e, 0)

@@ -56,6 +56,11 @@ def compile_rank_programs(cfg: ModelConfig, tp: int, batch: int = 1, sms: int = 
     progs = {r: lower_graph(build_graph(cfg, tp=tp, rank=r, batch=batch, max_seq_len=max_seq_len), sms, max_steps,
                             fusions, attn_splits, nucleus)
              for r in sorted(set(ranks) | {0})}
+    flagged = []
+    if "flags" in fusions:  # flagged copies of the residual stream (a kernel-side channel: no footprint changes)
+        from mpk_dist.taskgraph.flag_words import apply_flag_words
+
+        flagged = [apply_flag_words(p) for p in progs.values()][0]
     t1 = time.perf_counter()
     eg: EventGraph = reduce_events(build_events(progs[0]))
     t2 = time.perf_counter()
@@ -72,6 +77,11 @@ def compile_rank_programs(cfg: ModelConfig, tp: int, batch: int = 1, sms: int = 
         if not _same_structure(progs[0], progs[r]):
             raise AssertionError(f"rank {r}: task graph structure differs from rank 0")
         cg = serialize(progs[r], eg, info, sms)
+        if flagged:
+            from mpk_dist.taskgraph.flag_words import skip_waits
+
+            cg.meta["flag_words"] = flagged
+            cg.meta["skip_waits"] = np.flatnonzero(skip_waits(cg)).tolist()
         if check:
             same = out and all(np.array_equal(cg.arrays[k], out[0].arrays[k])
                                for k in ("tasks", "events", "waits", "signals", "worker_offsets", "worker_tasks"))

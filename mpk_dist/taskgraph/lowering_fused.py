@@ -34,14 +34,15 @@ def lower_fused(lw: Lowerer, f: FusedLinear) -> None:
         common = {"BATCH": nr, "K": K, "N_TILE": n, "Y_STRIDE": N}
         if f.kind == "norm_linear":
             x, nw = p.id(f.norm.inputs[0]), p.id(f.norm.inputs[1])
-            args.update(X=(x, r0 * K, nr * K), NORM_W=(nw, 0, K))
+            args.update(X=(x, r0 * K, nr * K), NORM_W=(nw, 0, K), X_FLAGS=None)  # flagged copy: flag_words.py
             prm = {**common, "X_STRIDE": K, "EPS": f.norm.attrs["eps"]}
         elif f.kind == "silu_linear":
             args.update(GU=(p.id(f.silu.inputs[0]), r0 * 2 * K, nr * 2 * K),
                         RESIDUAL=None if rid is None else (rid, r0 * N + n0, (nr - 1) * N + n))
             prm = {**common, "GU_STRIDE": 2 * K, "UP_OFFSET": K}
         else:
-            args.update(X=(p.id(lin.inputs[0]), r0 * K, nr * K), RESIDUAL=(rid, r0 * N + n0, (nr - 1) * N + n))
+            args.update(X=(p.id(lin.inputs[0]), r0 * K, nr * K), RESIDUAL=(rid, r0 * N + n0, (nr - 1) * N + n),
+                        Y_FLAGS=None, RESIDUAL_FLAGS=None)  # flagged copies: flag_words.py
             prm = {**common, "X_STRIDE": K}
         t.add_tile(args, prm)
     src = {"norm_linear": f.norm.inputs[0] if f.norm else None,
@@ -66,7 +67,7 @@ def lower_gate_up_silu(lw: Lowerer, f: FusedLinear) -> None:
     t = p.op(lin.name, BY_NAME[f.kind], lin.layer, lin.name)
     for r0, nr, c0, n in grid:
         t.add_tile({"X": (x, r0 * K, nr * K), "NORM_W": (nw, 0, K), "W": (w, c0 * K, (I + n) * K),
-                    "Y": (y, r0 * I + c0, (nr - 1) * I + n)},
+                    "Y": (y, r0 * I + c0, (nr - 1) * I + n), "X_FLAGS": None},
                    {"BATCH": nr, "K": K, "N_TILE": 2 * n, "X_STRIDE": K, "Y_STRIDE": I, "UP_ROWS": I,
                     "EPS": f.norm.attrs["eps"]})
     t.reads = [_rows_fp(x, grid, K)]

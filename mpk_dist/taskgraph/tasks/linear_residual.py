@@ -25,6 +25,11 @@ class LinearResidual(TaskKind):
         ArgSpec("W", "r", "[N, K] weight; offset = row n0 (the tile's rows are contiguous)"),
         ArgSpec("RESIDUAL", "r", "[B, N] residual stream (fp32); offset = column n0 of row 0, row stride Y_STRIDE"),
         ArgSpec("Y", "w", "[B, N] output (fp32 residual stream); offset = column n0 of row 0"),
+        ArgSpec("Y_FLAGS", "w", "flagged copy of Y (mpk_dist.taskgraph.flag_words: one (value, step tag) word per "
+                "element, i32 pairs); offset = 2 x Y's; NULL: none (kernel only, the interpreter ignores it)",
+                optional=True),
+        ArgSpec("RESIDUAL_FLAGS", "r", "flagged copy of RESIDUAL, read instead of it; offset = 2 x RESIDUAL's; "
+                "NULL: read RESIDUAL", optional=True),
     )
     params = (
         ParamSpec("BATCH", "B"),

@@ -33,6 +33,8 @@ class NormLinear(TaskKind):
         ArgSpec("NORM_W", "r", "[K] rms_norm weight"),
         ArgSpec("W", "r", "[N, K] weight; offset = row n0 (the tile's rows are contiguous)"),
         ArgSpec("Y", "w", "[B, N] output; offset = column n0 of row 0"),
+        ArgSpec("X_FLAGS", "r", "flagged copy of X (mpk_dist.taskgraph.flag_words), polled instead of waiting on "
+                "X's producers; offset = 2 x X's; NULL: read X after the wait", optional=True),
     )
     params = (
         ParamSpec("BATCH", "B"),
