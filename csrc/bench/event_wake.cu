@@ -31,6 +31,7 @@
 #include <vector>
 #include <cuda_runtime.h>
 #include "../runtime/sync.cuh"  // the kernel's memory-ordering helpers: the bench measures those
+#include "bench_util.cuh"
 
 namespace {
 
@@ -49,7 +50,6 @@ constexpr uint64_t kSettleMinNs = 3000, kSettleSpanNs = 3000;  // the signaller'
 constexpr uint32_t kPhasePrime = 7919, kPhaseSteps = 1000;      // spread the pauses over the span, round by round
 constexpr uint64_t kTimeoutNs = 2000000000ull;                 // 2 s: a wait that long is a bug, not a latency
 constexpr size_t kLoadBytes = size_t(2) << 30;                // the streamed buffer (--load), past the L2
-constexpr int kLoadsInFlight = 4;
 
 enum Method : int { kAcquireSleep, kAcquire, kRelaxed1, kRelaxed2, kRelaxed4, kOwnFlag, kMethods };
 const char* const kNames[kMethods] = {"acquire+sleep", "acquire", "relaxed x1", "relaxed x2", "relaxed x4", "own flag"};
@@ -122,27 +122,9 @@ __global__ void __launch_bounds__(kThreads, 1) wake(Shared s) {
   }
   if (s.load == nullptr) return;
   // --load: the other warps stream their share of the buffer until thread 0 has seen the last round
-  const size_t vec = kLoadBytes / sizeof(int4), per_block = vec / kBlocks;
-  const int4* base = s.load + (size_t)b * per_block;
-  int4 acc = make_int4(0, 0, 0, 0);
-  for (size_t i = tid - 32;; i += (size_t)(kThreads - 32) * kLoadsInFlight) {
-    if (seen_round >= kRounds - 1) break;
-    if (i + (size_t)(kThreads - 32) * kLoadsInFlight >= per_block) i = tid - 32;
-    int4 v[kLoadsInFlight];
-#pragma unroll
-    for (int u = 0; u < kLoadsInFlight; ++u)
-      asm volatile("ld.global.nc.L1::no_allocate.v4.s32 {%0,%1,%2,%3}, [%4];"
-                   : "=r"(v[u].x), "=r"(v[u].y), "=r"(v[u].z), "=r"(v[u].w)
-                   : "l"(base + i + (size_t)u * (kThreads - 32)));
-#pragma unroll
-    for (int u = 0; u < kLoadsInFlight; ++u) acc.x ^= v[u].x ^ v[u].w;
-  }
-  if (acc.x == 0x12345678) s.sink[tid] = acc;  // keeps the loads; (almost) never true
-}
-
-double pct(std::vector<double> v, double q) {
-  std::sort(v.begin(), v.end());
-  return v[std::min(v.size() - 1, (size_t)(q * (double)(v.size() - 1) + 0.5))];
+  const size_t per_block = kLoadBytes / sizeof(int4) / kBlocks;
+  bench::stream_hbm(s.load + (size_t)b * per_block, per_block, tid - 32, kThreads - 32,
+                    [&] { return seen_round >= kRounds - 1; }, s.sink + tid);
 }
 
 template <int M>
@@ -178,19 +160,9 @@ bool run(Shared s) {
     last.push_back(hi);
     spread.push_back(hi - lo);
   }
-  std::printf("%-14s  %6.3f  %6.3f  %6.3f  %6.3f\n", kNames[M], pct(all, 0.5), pct(last, 0.5), pct(last, 0.9),
-              pct(spread, 0.5));
+  std::printf("%-14s  %6.3f  %6.3f  %6.3f  %6.3f\n", kNames[M], bench::pct(all, 0.5), bench::pct(last, 0.5),
+              bench::pct(last, 0.9), bench::pct(spread, 0.5));
   return true;
-}
-
-__global__ void timer_step(uint64_t* out) {  // the smallest step of %globaltimer seen by one thread
-  uint64_t prev = globaltimer_ns(), best = ~0ull;
-  for (int i = 0; i < 100000; ++i) {
-    const uint64_t t = globaltimer_ns();
-    if (t != prev && t - prev < best) best = t - prev;
-    prev = t;
-  }
-  *out = best;
 }
 
 }  // namespace
@@ -230,11 +202,8 @@ int main(int argc, char** argv) {
     std::printf("error: %d SMs, the benchmark needs %d (one block each, all resident at once)\n", sms, kBlocks);
     return 1;
   }
-  timer_step<<<1, 1>>>(step);
-  uint64_t tick = 0;
-  cudaMemcpy(&tick, step, 8, cudaMemcpyDeviceToHost);
-  std::printf("globaltimer step %llu ns; %d blocks x %d threads, %d rounds, %s\n", (unsigned long long)tick, kBlocks,
-              kThreads, kRounds, load ? "waiters' other warps streaming HBM" : "no other load");
+  std::printf("globaltimer step %llu ns; %d blocks x %d threads, %d rounds, %s\n", bench::timer_resolution_ns(step),
+              kBlocks, kThreads, kRounds, load ? "waiters' other warps streaming HBM" : "no other load");
   std::printf("method          all p50  last p50  last p90  spread p50   (us after the signal)\n");
   ok = run<kAcquireSleep>(s) && run<kAcquire>(s) && run<kRelaxed1>(s) && run<kRelaxed2>(s) && run<kRelaxed4>(s) &&
        run<kOwnFlag>(s);

@@ -31,8 +31,7 @@
 // The protocol runs on warps 0-3 (kProtoThreads); with --load warps 4-7 stream HBM meanwhile (16-byte
 // non-allocating loads, as the weight tiles do), so the polls cross a loaded memory system as at a level's end.
 // --n N: the vector's length (default 1024: qwen3-0.6b's hidden size; 2048 for qwen3-1.7b, 4096 for the 8B presets).
-// The 64-bit relaxed helpers are here, not in csrc/runtime/sync.cuh, because the kernel does not use them yet; they
-// move there with the kernel's first flagged word.
+// The flag scheme's 64-bit relaxed store and load are the kernel's (csrc/runtime/sync.cuh, MPK_FLAG_WORDS).
 //
 // Standalone (not built by the package): nvcc -O3 -arch=sm_90a -o ll_boundary csrc/bench/ll_boundary.cu && ./ll_boundary [--load] [--n N]
 #include <algorithm>
@@ -42,14 +41,17 @@
 #include <cstring>
 #include <vector>
 #include <cuda_runtime.h>
-#include "../runtime/sync.cuh"  // the kernel's memory-ordering helpers: the event scheme measures those
+#include "../runtime/sync.cuh"  // the kernel's memory-ordering helpers: both schemes measure those
+#include "bench_util.cuh"
 
 namespace {
 
 using mpk::fence_acq_rel_gpu;
 using mpk::globaltimer_ns;
 using mpk::ld_acquire_gpu;
+using mpk::ld_relaxed_gpu_u64;
 using mpk::red_add_relaxed_gpu;
+using mpk::st_relaxed_gpu_u64;
 
 constexpr int kBlocks = 132;  // one per SM on an H200
 constexpr int kThreads = 256;
@@ -62,7 +64,6 @@ constexpr uint64_t kJitterSpanNs = 2000;                  // producers start 0-2
 constexpr uint32_t kJitterPrimeBlock = 7919, kJitterPrimeRound = 104729, kJitterSteps = 1000;
 constexpr uint64_t kTimeoutNs = 2000000000ull;            // 2 s: a wait that long is a bug, not a latency
 constexpr size_t kLoadBytes = size_t(2) << 30;           // the streamed buffer (--load), past the L2
-constexpr int kLoadsInFlight = 4;
 
 enum Scheme : int { kEvent, kFlag, kFlagSleep, kSchemes };
 const char* const kNames[kSchemes] = {"event", "flag", "flag+sleep"};
@@ -82,16 +83,6 @@ struct Shared {
   const int4* load;     // --load: the streamed buffer, nullptr without
   int4* sink;
 };
-
-__device__ __forceinline__ void st_relaxed_gpu_u64(uint64_t* p, uint64_t v) {
-  asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
-
-__device__ __forceinline__ uint64_t ld_relaxed_gpu_u64(const uint64_t* p) {
-  uint64_t v;
-  asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
-}
 
 __device__ __forceinline__ void proto_barrier() { asm volatile("bar.sync %0, %1;" ::"n"(kProtoBarrier), "n"(kProtoThreads) : "memory"); }
 
@@ -115,26 +106,10 @@ __global__ void __launch_bounds__(kThreads, 1) boundary(Shared s) {
   __syncthreads();
   if (tid >= kProtoThreads) {  // --load: stream HBM until the protocol warps are through
     if (s.load == nullptr) return;
-    const int lt = tid - kProtoThreads, nl = kThreads - kProtoThreads;
-    const size_t vec = kLoadBytes / sizeof(int4), per_block = vec / kBlocks;
-    const int4* base = s.load + (size_t)b * per_block;
-    int4 acc = make_int4(0, 0, 0, 0);
-    unsigned long long rounds = 0;
-    for (size_t i = lt;; i += (size_t)nl * kLoadsInFlight) {
-      if (done_rounds >= kRounds) break;
-      if (i + (size_t)nl * kLoadsInFlight >= per_block) i = lt;
-      int4 v[kLoadsInFlight];
-#pragma unroll
-      for (int u = 0; u < kLoadsInFlight; ++u)
-        asm volatile("ld.global.nc.L1::no_allocate.v4.s32 {%0,%1,%2,%3}, [%4];"
-                     : "=r"(v[u].x), "=r"(v[u].y), "=r"(v[u].z), "=r"(v[u].w)
-                     : "l"(base + i + (size_t)u * nl));
-#pragma unroll
-      for (int u = 0; u < kLoadsInFlight; ++u) acc.x ^= v[u].x ^ v[u].w;
-      ++rounds;
-    }
-    if (acc.x == 0x12345678) s.sink[tid] = acc;  // keeps the loads; (almost) never true
-    atomicAdd(s.streamed, rounds * kLoadsInFlight);
+    const size_t per_block = kLoadBytes / sizeof(int4) / kBlocks;
+    atomicAdd(s.streamed, bench::stream_hbm(s.load + (size_t)b * per_block, per_block, tid - kProtoThreads,
+                                            kThreads - kProtoThreads, [&] { return done_rounds >= kRounds; },
+                                            s.sink + tid));
     return;
   }
   const int slice = (n + kBlocks - 1) / kBlocks, lo = b * slice, hi = min(n, lo + slice);
@@ -225,17 +200,6 @@ __global__ void __launch_bounds__(kThreads, 1) boundary(Shared s) {
   if (tid == 0) done_rounds = kRounds;
 }
 
-double pct(std::vector<double> v, double q) {
-  std::sort(v.begin(), v.end());
-  return v[std::min(v.size() - 1, (size_t)(q * (double)(v.size() - 1) + 0.5))];
-}
-
-double mean(const std::vector<double>& v) {
-  double t = 0;
-  for (double x : v) t += x;
-  return v.empty() ? 0.0 : t / (double)v.size();
-}
-
 template <int S>
 bool run(Shared s) {
   cudaMemset(s.counter, 0, 4);
@@ -280,19 +244,9 @@ bool run(Shared s) {
     last.push_back(worst);
   }
   const double gbps = ms > 0.f ? (double)streamed * sizeof(int4) / ((double)ms * 1e-3) * 1e-9 : 0.0;
-  std::printf("%-10s  %8.3f  %7.3f  %9.3f  %8.3f  %8.3f  %9.0f\n", kNames[S], mean(all), pct(all, 0.5), mean(last),
-              pct(last, 0.5), pct(last, 0.9), gbps);
+  std::printf("%-10s  %8.3f  %7.3f  %9.3f  %8.3f  %8.3f  %9.0f\n", kNames[S], bench::mean(all), bench::pct(all, 0.5),
+              bench::mean(last), bench::pct(last, 0.5), bench::pct(last, 0.9), gbps);
   return true;
-}
-
-__global__ void timer_step(uint64_t* out) {  // the smallest step of %globaltimer seen by one thread
-  uint64_t prev = globaltimer_ns(), best = ~0ull;
-  for (int i = 0; i < 100000; ++i) {
-    const uint64_t t = globaltimer_ns();
-    if (t != prev && t - prev < best) best = t - prev;
-    prev = t;
-  }
-  *out = best;
 }
 
 }  // namespace
@@ -343,11 +297,9 @@ int main(int argc, char** argv) {
   cudaMemset(halt, 0, 4);
   s.halt = halt;
   s.load = buf;
-  timer_step<<<1, 1>>>(s.t_write);
-  uint64_t tick = 0;
-  cudaMemcpy(&tick, s.t_write, 8, cudaMemcpyDeviceToHost);
   std::printf("globaltimer step %llu ns (the means below average over it); %d blocks (producers and consumers) x %d "
-              "protocol threads, vector of %d fp32, %d rounds, %s\n", (unsigned long long)tick, kBlocks, kProtoThreads,
+              "protocol threads, vector of %d fp32, %d rounds, %s\n", bench::timer_resolution_ns(s.t_write), kBlocks,
+              kProtoThreads,
               n, kRounds, load ? "other warps streaming HBM" : "no other load");
   std::printf("scheme      all mean  all p50  last mean  last p50  last p90  streamed   (us from the last producer's "
               "write; GB/s)\n");

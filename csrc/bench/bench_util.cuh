@@ -1,0 +1,70 @@
+// Helpers the standalone latency benchmarks share (csrc/bench/event_wake.cu, ll_boundary.cu): the resolution of
+// %globaltimer, a background HBM stream for their --load runs, and the statistics they print.
+#pragma once
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+#include <cuda_runtime.h>
+#include "../runtime/sync.cuh"
+
+namespace bench {
+
+constexpr int kLoadsInFlight = 4;  // 16-byte loads a streaming thread keeps in flight
+
+// The smallest step of %globaltimer one thread sees (its resolution: the latencies below are multiples of it).
+__global__ void timer_step(uint64_t* out) {
+  uint64_t prev = mpk::globaltimer_ns(), best = ~0ull;
+  for (int i = 0; i < 100000; ++i) {
+    const uint64_t t = mpk::globaltimer_ns();
+    if (t != prev && t - prev < best) best = t - prev;
+    prev = t;
+  }
+  *out = best;
+}
+
+// Thread `lt` of `nl` streaming threads of a block reads its share `base[0, per_block)` round after round with
+// 16-byte non-allocating loads (as the weight tiles do) until stop() is true; returns the loads it issued. The
+// values are folded into *sink only when they equal a pattern they never hold, so the loads stay.
+template <class Stop>
+__device__ unsigned long long stream_hbm(const int4* base, size_t per_block, int lt, int nl, const Stop& stop,
+                                         int4* sink) {
+  int4 acc = make_int4(0, 0, 0, 0);
+  unsigned long long loads = 0;
+  for (size_t i = lt;; i += (size_t)nl * kLoadsInFlight) {
+    if (stop()) break;
+    if (i + (size_t)nl * kLoadsInFlight >= per_block) i = lt;
+    int4 v[kLoadsInFlight];
+#pragma unroll
+    for (int u = 0; u < kLoadsInFlight; ++u)
+      asm volatile("ld.global.nc.L1::no_allocate.v4.s32 {%0,%1,%2,%3}, [%4];"
+                   : "=r"(v[u].x), "=r"(v[u].y), "=r"(v[u].z), "=r"(v[u].w)
+                   : "l"(base + i + (size_t)u * nl));
+#pragma unroll
+    for (int u = 0; u < kLoadsInFlight; ++u) acc.x ^= v[u].x ^ v[u].w;
+    loads += kLoadsInFlight;
+  }
+  if (acc.x == 0x12345678) *sink = acc;  // (almost) never true
+  return loads;
+}
+
+// The q-quantile of v (nearest rank).
+inline double pct(std::vector<double> v, double q) {
+  std::sort(v.begin(), v.end());
+  return v[std::min(v.size() - 1, (size_t)(q * (double)(v.size() - 1) + 0.5))];
+}
+
+inline double mean(const std::vector<double>& v) {
+  double t = 0;
+  for (double x : v) t += x;
+  return v.empty() ? 0.0 : t / (double)v.size();
+}
+
+// %globaltimer's resolution on device 0, in ns (a launch of timer_step into `scratch`, 8 bytes of device memory).
+inline unsigned long long timer_resolution_ns(uint64_t* scratch) {
+  timer_step<<<1, 1>>>(scratch);
+  uint64_t tick = 0;
+  cudaMemcpy(&tick, scratch, 8, cudaMemcpyDeviceToHost);
+  return (unsigned long long)tick;
+}
+
+}  // namespace bench
