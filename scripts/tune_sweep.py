@@ -11,7 +11,8 @@ rows into L2 before their wait: csrc/tasks/attention.cuh), e<KB> (the full-width
 task records instead of the compiled p cap: the same binary), d<0|1> (linear weight loads marked first to leave L2:
 csrc/tasks/common.cuh ld_weight_v4), j<0|1> (silu_mul as the gate|up projection's epilogue: the silu_epi fusion,
 scalar linear tiles only), o<0|1> (the code-size variants, codegen.CODE_SIZE_DEFINES; on by default at batch 1 and
-unroll 4), q<0|1> (the residual stream handed over as flagged words: mpk_dist/taskgraph/flag_words.py; off)
+unroll 4), q<0|1|2> (activations handed over as flagged words, mpk_dist/taskgraph/flag_words.py: 1 the residual
+stream, 2 also the bf16 vectors of o_proj and down; off)
 ('base' = defaults).
 NOTE: m1 changes the summation order of linear tiles, so its tokens may differ from the base's
 (DIFFERS then means "check with compare_logits", not a bug by itself).
@@ -72,7 +73,7 @@ def parse_variant(text: str) -> tuple[dict[str, str], dict]:
             env[EXTRA_FLAGS] = f"{env.get(EXTRA_FLAGS, '')} {part}".strip()
             continue
         if part[0] not in KNOBS or not part[1:].lstrip("-").isdigit():
-            raise SystemExit(f"tune_sweep: variant part {part!r}: expected -D<NAME>=<value>, u<N>, t<N>, p<N>, e<KB>, r<N>, m<0|1>, w<0|1>, b<0|1>, l<0|1>, v<0|1>, g<0|1>, h<0|1>, c<0|1>, x<0|1>, y<0|1>, d<0|1>, j<0|1>, o<0|1>, q<0|1>, "
+            raise SystemExit(f"tune_sweep: variant part {part!r}: expected -D<NAME>=<value>, u<N>, t<N>, p<N>, e<KB>, r<N>, m<0|1>, w<0|1>, b<0|1>, l<0|1>, v<0|1>, g<0|1>, h<0|1>, c<0|1>, x<0|1>, y<0|1>, d<0|1>, j<0|1>, o<0|1>, q<0|1|2>, "
                              "a<0|1>, f<0|1> (--fuse), s<0|1> (--superopt), k<N>|kauto (--attn-splits), or 'base'")
         env[KNOBS[part[0]]] = part[1:]
     return env, opts

@@ -84,7 +84,9 @@ struct Shared {
   int4* sink;
 };
 
-__device__ __forceinline__ void proto_barrier() { asm volatile("bar.sync %0, %1;" ::"n"(kProtoBarrier), "n"(kProtoThreads) : "memory"); }
+__device__ __forceinline__ void proto_barrier() {
+  asm volatile("bar.sync %0, %1;" ::"n"(kProtoBarrier), "n"(kProtoThreads) : "memory");
+}
 
 // Element i's value in round r: exact in fp32 (small integers and halves), so the sums are exact too.
 __host__ __device__ __forceinline__ float value_of(int i, int r) { return (float)(i % 64) * 0.5f + (float)(r % 8); }
@@ -146,7 +148,10 @@ __global__ void __launch_bounds__(kThreads, 1) boundary(Shared s) {
     if constexpr (S == kEvent) {
       if (tid == 0) {
         uint32_t seen = 0;
-        if (mpk::spin_wait_geq_gpu(s.counter, tag * kBlocks, kTimeoutNs, s.halt, &seen) != 0) { *s.error = 1; failed = 1; }
+        if (mpk::spin_wait_geq_gpu(s.counter, tag * kBlocks, kTimeoutNs, s.halt, &seen) != 0) {
+          *s.error = 1;
+          failed = 1;
+        }
       }
       proto_barrier();
       if (failed) break;

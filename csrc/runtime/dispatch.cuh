@@ -183,18 +183,28 @@ __device__ __noinline__ void run_comm_push(const TaskView& t, int opcode, int ti
 #endif
 
 #if MPK_FLAG_WORDS
-// A norm tile's B input rows of K fp32 values from their flagged words (row b at words + b * ld), polled until every
-// tag is step `step`'s, into shared memory at the top of the launch's dynamic share, above the `below` bytes the
-// body uses. Returns the rows (row stride K), or nullptr: too little shared memory (a bad task, nothing raised), or
-// a word that kept another tag for the launch's timeout (the watchdog's record names the task, the element and both
-// tags) or another block halted the grid. Every worker thread takes words tid, tid + nt, ...; ends in a barrier.
-__device__ __noinline__ const float* flag_gather(const TaskView& t, const uint64_t* words, int B, int K, int ld,
-                                                 uint32_t below, int step, float* smem, int tid, int nt) {
-  const uint32_t bytes = (uint32_t)B * (uint32_t)K * (uint32_t)sizeof(float), top = smem_below_ring();
-  if (bytes > top || ((top - bytes) & ~15u) < below) return nullptr;
-  float* dst = reinterpret_cast<float*>(reinterpret_cast<char*>(smem) + ((top - bytes) & ~15u));
+// One input of a polling tile as flagged words: `rows` rows of `cols` words, row r at words + r * ld, gathered into
+// shared memory as 32-bit values (an fp32 value, or a pair of bf16: the word's low half) at dst + r * cols.
+struct FlagRegion {
+  const uint64_t* words = nullptr;
+  int rows = 0, cols = 0, ld = 0;
+  uint32_t* dst = nullptr;
+  __device__ __forceinline__ int count() const { return words == nullptr ? 0 : rows * cols; }
+};
+
+// Gather regions a and b (b may be empty), polling every word until its tag is step `step`'s; all worker threads
+// take words tid, tid + nt, ... of the two regions together (their loads in flight at once). False when a word kept
+// another tag for the launch's timeout (the watchdog's record names the task, the word's index and both tags) or
+// another block halted the grid. Ends in a barrier: the values are in shared memory for every thread.
+__device__ __noinline__ bool flag_gather(const TaskView& t, const FlagRegion& a, const FlagRegion& b, int step,
+                                         int tid, int nt) {
   const uint32_t tag = flag_tag_of_step(step);
-  const int total = B * K;
+  const int na = a.count(), total = na + b.count();
+  const auto src = [&](int i) {
+    const FlagRegion& r = i < na ? a : b;
+    const int j = i < na ? i : i - na;
+    return r.words + (size_t)(j / r.cols) * r.ld + j % r.cols;
+  };
   bool failed = false;
   uint64_t t0 = 0;
   for (int base = tid; base < total && !failed; base += nt * kFlagPollWords) {
@@ -205,7 +215,7 @@ __device__ __noinline__ const float* flag_gather(const TaskView& t, const uint64
 #pragma unroll
       for (int u = 0; u < kFlagPollWords; ++u) {  // every word not yet the step's, in flight together
         const int i = base + u * nt;
-        if (i < total && flag_tag(w[u]) != tag) w[u] = ld_relaxed_gpu_u64(words + (size_t)(i / K) * ld + i % K);
+        if (i < total && flag_tag(w[u]) != tag) w[u] = ld_relaxed_gpu_u64(src(i));
       }
       int late = -1;
 #pragma unroll
@@ -229,10 +239,23 @@ __device__ __noinline__ const float* flag_gather(const TaskView& t, const uint64
 #pragma unroll
     for (int u = 0; u < kFlagPollWords; ++u) {
       const int i = base + u * nt;
-      if (i < total) dst[i] = flag_value(w[u]);
+      if (i < total) (i < na ? a.dst[i] : b.dst[i - na]) = (uint32_t)w[u];
     }
   }
-  return worker_barrier_or(nt, failed) ? nullptr : dst;  // the rows are complete before any warp reads them
+  return !worker_barrier_or(nt, failed);
+}
+
+// A norm tile's B fp32 input rows of K from their flagged words (row b at words + b * ld) into shared memory at the
+// top of the launch's dynamic share, above the `below` bytes its body uses. The rows (stride K), or nullptr: too
+// little shared memory (a bad task, nothing raised) or a failed gather (raised there).
+__device__ __forceinline__ const float* flag_gather_rows(const TaskView& t, const uint64_t* words, int B, int K, int ld,
+                                                         uint32_t below, int step, float* smem, int tid, int nt) {
+  const uint32_t bytes = (uint32_t)B * (uint32_t)K * (uint32_t)sizeof(float), top = smem_below_ring();
+  if (bytes > top || ((top - bytes) & ~15u) < below) return nullptr;
+  FlagRegion x;
+  x.words = words, x.rows = B, x.cols = K, x.ld = ld;
+  x.dst = reinterpret_cast<uint32_t*>(reinterpret_cast<char*>(smem) + ((top - bytes) & ~15u));
+  return flag_gather(t, x, FlagRegion(), step, tid, nt) ? reinterpret_cast<const float*>(x.dst) : nullptr;
 }
 #endif
 
@@ -250,8 +273,8 @@ __device__ __noinline__ bool run_norm_linear_silu(const TaskView& t, float* smem
   if (const uint64_t* xf = t.arg<const uint64_t>(NORM_LINEAR_SILU_ARG_X_FLAGS)) {  // the input as flagged words
     const int B = t.param(NORM_LINEAR_SILU_PARAM_BATCH), K = t.param(NORM_LINEAR_SILU_PARAM_K);
     const uint32_t sums = (uint32_t)B * (uint32_t)t.param(NORM_LINEAR_SILU_PARAM_N_TILE) * (uint32_t)sizeof(bf16);
-    x = flag_gather(t, xf, B, K, xs, (staged_bytes(B, K) + kPairAlign - 1) / kPairAlign * kPairAlign + sums, step,
-                    smem, tid, nt);
+    x = flag_gather_rows(t, xf, B, K, xs, (staged_bytes(B, K) + kPairAlign - 1) / kPairAlign * kPairAlign + sums,
+                         step, smem, tid, nt);
     if (x == nullptr) return false;
     xs = K;
   }
@@ -268,7 +291,11 @@ __device__ __noinline__ bool run_norm_linear_silu(const TaskView& t, float* smem
                           t.arg<const bf16>(NORM_LINEAR_SILU_ARG_W), t.param(NORM_LINEAR_SILU_PARAM_UP_ROWS),
                           t.arg<bf16>(NORM_LINEAR_SILU_ARG_Y), t.param(NORM_LINEAR_SILU_PARAM_Y_STRIDE),
                           t.param(NORM_LINEAR_SILU_PARAM_K), t.param(NORM_LINEAR_SILU_PARAM_N_TILE),
-                          t.fparam(NORM_LINEAR_SILU_PARAM_EPS), smem, tid, nt, body);
+                          t.fparam(NORM_LINEAR_SILU_PARAM_EPS), smem, tid, nt, body
+#if MPK_FLAG_WORDS
+                          , t.arg<uint64_t>(NORM_LINEAR_SILU_ARG_Y_FLAGS), flag_tag_of_step(step)
+#endif
+  );
 }
 
 // norm_linear_silu tasks come here too. NOTE: a kernel that can reach both run_norm_linear_silu and
@@ -294,7 +321,7 @@ __device__ __noinline__ bool run_norm_linear(const TaskView& t, float* smem, int
   const float* x = t.arg<const float>(NORM_LINEAR_ARG_X);
 #if MPK_FLAG_WORDS
   if (const uint64_t* xf = t.arg<const uint64_t>(NORM_LINEAR_ARG_X_FLAGS)) {  // the input as flagged words
-    x = flag_gather(t, xf, B, K, xs, staged_bytes(B, K), step, smem, tid, nt);
+    x = flag_gather_rows(t, xf, B, K, xs, staged_bytes(B, K), step, smem, tid, nt);
     if (x == nullptr) return false;
     xs = K;
   }
@@ -313,14 +340,36 @@ __device__ __noinline__ bool run_norm_linear(const TaskView& t, float* smem, int
 
 __device__ __noinline__ bool run_linear_residual(const TaskView& t, float* smem, int tid, int nt MPK_FLAG_STEP_PARAM) {
   if (t.dtype(LINEAR_RESIDUAL_ARG_Y) != DTYPE_F32 || t.dtype(LINEAR_RESIDUAL_ARG_RESIDUAL) != DTYPE_F32) return false;
+#if MPK_FLAG_WORDS
+  if (const uint64_t* xf = t.arg<const uint64_t>(LINEAR_RESIDUAL_ARG_X_FLAGS)) {
+    // x (bf16 pairs) and the residual slice both as flagged words, polled instead of the waits: x into the staged
+    // rows, the residual after them (row stride N_TILE)
+    const int B = t.param(LINEAR_RESIDUAL_PARAM_BATCH), K = t.param(LINEAR_RESIDUAL_PARAM_K);
+    const int n = t.param(LINEAR_RESIDUAL_PARAM_N_TILE), ys = t.param(LINEAR_RESIDUAL_PARAM_Y_STRIDE);
+    const uint64_t* rf = t.arg<const uint64_t>(LINEAR_RESIDUAL_ARG_RESIDUAL_FLAGS);
+    const uint32_t res_at = (staged_bytes(B, K) + 15u) & ~15u;
+    if (rf == nullptr || K % 2 || res_at + (uint32_t)(B * n) * (uint32_t)sizeof(float) > smem_below_ring())
+      return false;
+    FlagRegion xr, rr;
+    xr.words = xf, xr.rows = B, xr.cols = K / 2, xr.ld = t.param(LINEAR_RESIDUAL_PARAM_X_STRIDE) / 2;
+    xr.dst = reinterpret_cast<uint32_t*>(stage_base(smem));
+    rr.words = rf, rr.rows = B, rr.cols = n, rr.ld = ys;
+    rr.dst = reinterpret_cast<uint32_t*>(reinterpret_cast<char*>(smem) + res_at);
+    if (!flag_gather(t, xr, rr, step, tid, nt)) return false;
+    linear_residual_staged(B, stage_base(smem), t.arg<const bf16>(LINEAR_RESIDUAL_ARG_W),
+                           reinterpret_cast<const float*>(rr.dst), t.arg<float>(LINEAR_RESIDUAL_ARG_Y), ys, K, n,
+                           t.arg<uint64_t>(LINEAR_RESIDUAL_ARG_Y_FLAGS), flag_tag_of_step(step), tid, nt);
+    return true;
+  }
+#endif
   linear_residual(t.param(LINEAR_RESIDUAL_PARAM_BATCH), t.arg<const bf16>(LINEAR_RESIDUAL_ARG_X),
                   t.param(LINEAR_RESIDUAL_PARAM_X_STRIDE), t.arg<const bf16>(LINEAR_RESIDUAL_ARG_W),
                   t.arg<const float>(LINEAR_RESIDUAL_ARG_RESIDUAL), t.arg<float>(LINEAR_RESIDUAL_ARG_Y),
                   t.param(LINEAR_RESIDUAL_PARAM_Y_STRIDE), t.param(LINEAR_RESIDUAL_PARAM_K),
                   t.param(LINEAR_RESIDUAL_PARAM_N_TILE), smem, tid, nt
 #if MPK_FLAG_WORDS
-                  , t.arg<uint64_t>(LINEAR_RESIDUAL_ARG_Y_FLAGS), t.arg<const uint64_t>(LINEAR_RESIDUAL_ARG_RESIDUAL_FLAGS),
-                  flag_tag_of_step(step)
+                  , t.arg<uint64_t>(LINEAR_RESIDUAL_ARG_Y_FLAGS),
+                  t.arg<const uint64_t>(LINEAR_RESIDUAL_ARG_RESIDUAL_FLAGS), flag_tag_of_step(step)
 #endif
   );
   return true;
@@ -348,7 +397,7 @@ __device__ __noinline__ bool run_silu_linear(const TaskView& t, float* smem, int
 
 // ---- split-KV attention (opt-in: compile_rank_programs(attn_splits=...); docs/TASKGRAPH.md) ----
 // The scratch is fp32 and the output bf16 (bf16 graphs); anything else is reported as a bad task.
-__device__ __noinline__ bool run_attention_split(const TaskView& t, float* smem, int tid, int nt) {
+__device__ __noinline__ bool run_attention_split(const TaskView& t, float* smem, int tid, int nt MPK_FLAG_STEP_PARAM) {
   if (t.dtype(ATTENTION_SPLIT_ARG_OUT) != DTYPE_F32) return false;
   attention_split(t.arg<const bf16>(ATTENTION_SPLIT_ARG_Q), t.arg<const bf16>(ATTENTION_SPLIT_ARG_K_CACHE),
                   t.arg<const bf16>(ATTENTION_SPLIT_ARG_V_CACHE), t.arg<const int32_t>(ATTENTION_SPLIT_ARG_POSITIONS),
@@ -367,7 +416,11 @@ __device__ __noinline__ bool run_attention_split(const TaskView& t, float* smem,
                          t.param(ATTENTION_SPLIT_PARAM_HEAD_DIM), t.param(ATTENTION_SPLIT_PARAM_GROUP),
                          split_count(t.param(ATTENTION_SPLIT_PARAM_OUT_STRIDE), t.param(ATTENTION_SPLIT_PARAM_GROUP),
                                      t.param(ATTENTION_SPLIT_PARAM_HEAD_DIM)),
-                         t.param(ATTENTION_SPLIT_PARAM_OUT_STRIDE), t.param(ATTENTION_SPLIT_PARAM_Q_STRIDE), tid, nt);
+                         t.param(ATTENTION_SPLIT_PARAM_OUT_STRIDE), t.param(ATTENTION_SPLIT_PARAM_Q_STRIDE), tid, nt
+#if MPK_FLAG_WORDS
+                         , t.arg<uint64_t>(ATTENTION_SPLIT_ARG_MERGED_FLAGS), flag_tag_of_step(step)
+#endif
+    );
   return true;
 }
 
@@ -512,7 +565,8 @@ __device__ __noinline__ void run_split_prep_attend(const TaskView& t, int b, int
 #define MPK_PREP_POS_LATE 1
 #endif
 
-__device__ __noinline__ bool run_attention_split_prep(const TaskView& t, float* smem, int tid, int nt) {
+__device__ __noinline__ bool run_attention_split_prep(const TaskView& t, float* smem, int tid,
+                                                      int nt MPK_FLAG_STEP_PARAM) {
   if (t.dtype(ATTENTION_SPLIT_PREP_ARG_QKV) != DTYPE_BF16 || t.dtype(ATTENTION_SPLIT_PREP_ARG_K_CACHE) != DTYPE_BF16 ||
       t.dtype(ATTENTION_SPLIT_PREP_ARG_V_CACHE) != DTYPE_BF16 || t.dtype(ATTENTION_SPLIT_PREP_ARG_OUT) != DTYPE_F32)
     return false;
@@ -566,7 +620,11 @@ __device__ __noinline__ bool run_attention_split_prep(const TaskView& t, float* 
                          split_head_partials(t.arg<const float>(ATTENTION_SPLIT_PREP_ARG_OUT),
                                              t.param(ATTENTION_SPLIT_PREP_PARAM_SPLIT_INDEX), G, D),
                          t.arg<bf16>(ATTENTION_SPLIT_PREP_ARG_MERGED), B, D, G, split_count(out_stride, G, D), out_stride,
-                         qs_stride - 2 * t.param(ATTENTION_SPLIT_PREP_PARAM_V_OFFSET), tid, nt);
+                         qs_stride - 2 * t.param(ATTENTION_SPLIT_PREP_PARAM_V_OFFSET), tid, nt
+#if MPK_FLAG_WORDS
+                         , t.arg<uint64_t>(ATTENTION_SPLIT_PREP_ARG_MERGED_FLAGS), flag_tag_of_step(step)
+#endif
+    );
   }
   return true;
 }
@@ -657,14 +715,14 @@ __device__ bool run_task(const RuntimeParams& p, const int32_t* rec, int step, f
       return run_norm_linear(t, smem, tid, nt MPK_FLAG_STEP_ARG);
     case OP_LINEAR_RESIDUAL: return run_linear_residual(t, smem, tid, nt MPK_FLAG_STEP_ARG);
     case OP_SILU_LINEAR: return MPK_SILU_LINEAR_KIND && run_silu_linear(t, smem, tid, nt);
-    case OP_ATTENTION_SPLIT: return run_attention_split(t, smem, tid, nt);
+    case OP_ATTENTION_SPLIT: return run_attention_split(t, smem, tid, nt MPK_FLAG_STEP_ARG);
     case OP_ATTENTION_MERGE: return run_attention_merge(t, tid, nt);
     case OP_QKV_PREP_PAGED: return run_qkv_prep_paged(t, tid, nt);
     case OP_PAGED_ATTENTION: return run_paged_attention(t, tid, nt);
     case OP_GATHER_ROWS: return run_gather_rows(t, tid, nt);
     case OP_PAGE_ALLOC: return run_page_alloc(p, t, step, smem, tid, nt);
     case OP_ATTENTION_PREP: return run_attention_prep(t, smem, tid, nt);
-    case OP_ATTENTION_SPLIT_PREP: return run_attention_split_prep(t, smem, tid, nt);
+    case OP_ATTENTION_SPLIT_PREP: return run_attention_split_prep(t, smem, tid, nt MPK_FLAG_STEP_ARG);
     default: return run_small_kind(t, op, step, smem, tid, nt);
   }
 }

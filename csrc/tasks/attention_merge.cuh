@@ -8,6 +8,7 @@
 // row b, first column of query head h*GROUP. One thread per output element; no shared memory.
 #pragma once
 #include "common.cuh"
+#include "flag_words.cuh"  // the merged output's flagged copy (MPK_FLAG_WORDS)
 #include "trace_marks.cuh"
 
 namespace mpk {
@@ -26,7 +27,13 @@ namespace mpk {
 #endif
 constexpr int kMergeUnroll = MPK_MERGE_UNROLL;
 
-__device__ void attention_merge(const float* part, bf16* out, int D, int G, int splits, int tid, int nt) {
+// With MPK_FLAG_WORDS, out_flags (nullptr: none) gets out's flagged copy, a word per column pair (flag_words.cuh;
+// G x D is even and nt a multiple of 32, so element pairs sit on lane pairs).
+__device__ void attention_merge(const float* part, bf16* out, int D, int G, int splits, int tid, int nt
+#if MPK_FLAG_WORDS
+                                , uint64_t* out_flags = nullptr, uint32_t tag = 0
+#endif
+) {
   const int entry = D + 2, per_split = G * entry;
   for (int idx = tid; idx < G * D; idx += nt) {
     const int j = idx / D, d = idx % D;
@@ -62,7 +69,13 @@ __device__ void attention_merge(const float* part, bf16* out, int D, int G, int 
       }
 #endif
     }
+#if MPK_FLAG_WORDS
+    const bf16 o = f2bf(den > 0.f ? num / den : 0.f);
+    out[idx] = o;
+    if (out_flags != nullptr) flag_store_pair(out_flags, (size_t)idx, o, tag);
+#else
     out[idx] = f2bf(den > 0.f ? num / den : 0.f);
+#endif
   }
 }
 
@@ -80,7 +93,11 @@ __device__ __forceinline__ int split_count(int out_stride, int G, int D) { retur
 // part_stride floats apart) into `merged` (row 0, first column of query head h*GROUP; rows
 // merged_stride apart). Same sums as the merge tiles.
 __device__ void attention_merge_last(uint32_t* ticket, const float* part_head, bf16* merged, int B, int D, int G,
-                                     int splits, int part_stride, int merged_stride, int tid, int nt) {
+                                     int splits, int part_stride, int merged_stride, int tid, int nt
+#if MPK_FLAG_WORDS
+                                     , uint64_t* merged_flags = nullptr, uint32_t tag = 0
+#endif
+) {
   __shared__ int last;
   worker_barrier(nt);  // every thread's partial stores precede thread 0's release in the ticket
   if (tid == 0) last = ticket_last(ticket, (uint32_t)splits);
@@ -88,7 +105,12 @@ __device__ void attention_merge_last(uint32_t* ticket, const float* part_head, b
   trace_mark(3, tid);  // trace: the ticket is taken (the last tile's head merge follows)
   if (!last) return;
   for (int b = 0; b < B; ++b)
+#if MPK_FLAG_WORDS
+    attention_merge(part_head + (size_t)b * part_stride, merged + (size_t)b * merged_stride, D, G, splits, tid, nt,
+                    merged_flags == nullptr ? nullptr : merged_flags + (size_t)b * merged_stride / 2, tag);
+#else
     attention_merge(part_head + (size_t)b * part_stride, merged + (size_t)b * merged_stride, D, G, splits, tid, nt);
+#endif
 }
 
 }  // namespace mpk

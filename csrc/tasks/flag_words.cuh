@@ -7,6 +7,8 @@
 // saw the same words). Tag 0 is never a step's (the tag of step s is s + 1; the copies are zeroed with the cache).
 #pragma once
 #include <stdint.h>
+#include <cuda_bf16.h>
+#include "sync.cuh"  // st_relaxed_gpu_u64
 
 #ifndef MPK_FLAG_WORDS
 #define MPK_FLAG_WORDS 0
@@ -27,5 +29,14 @@ __device__ __forceinline__ uint64_t flag_word(float v, uint32_t tag) {
 }
 __device__ __forceinline__ float flag_value(uint64_t w) { return __uint_as_float((uint32_t)w); }
 __device__ __forceinline__ uint32_t flag_tag(uint64_t w) { return (uint32_t)(w >> 32); }
+
+// A bf16 vector's flagged copy holds a column pair a word (the even column in the low half). Called by the threads
+// of consecutive lanes that own elements e and e + 1 (e even, every lane of a pair active): the even lane writes the
+// word at words + e / 2 with its neighbour's value.
+__device__ __forceinline__ void flag_store_pair(uint64_t* words, size_t e, __nv_bfloat16 v, uint32_t tag) {
+  const uint32_t mine = (uint32_t)__bfloat16_as_ushort(v);
+  const uint32_t other = __shfl_xor_sync(__activemask(), mine, 1);
+  if ((e & 1) == 0) st_relaxed_gpu_u64(words + e / 2, (uint64_t)(mine | (other << 16)) | ((uint64_t)tag << 32));
+}
 
 }  // namespace mpk

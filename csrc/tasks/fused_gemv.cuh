@@ -177,12 +177,14 @@ struct Epi {
   uint64_t* y_flags = nullptr;
   const uint64_t* res_flags = nullptr;
   uint32_t tag = 0;
+  int res_ld = -1;  // res's row stride when it is a gathered copy in shared memory (-1: ld, res in place)
 #endif
   __device__ __forceinline__ void operator()(int b, int n, float s) const {
     const size_t o = (size_t)b * ld + n;
 #if MPK_FLAG_WORDS
     if (mode == kEpiResidual) {
-      const float v = round_bf(s) + (res_flags != nullptr ? flag_value(ld_relaxed_gpu_u64(res_flags + o)) : res[o]);
+      const size_t ro = res_ld < 0 ? o : (size_t)b * res_ld + n;
+      const float v = round_bf(s) + (res_flags != nullptr ? flag_value(ld_relaxed_gpu_u64(res_flags + o)) : res[ro]);
       reinterpret_cast<float*>(y)[o] = v;
       if (y_flags != nullptr) st_relaxed_gpu_u64(y_flags + o, flag_word(v, tag));
       return;

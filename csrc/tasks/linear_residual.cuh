@@ -52,4 +52,19 @@ __device__ void linear_residual(int B, const bf16* x, int ldx, const bf16* w, co
   MPK_FUSED_WITH_BATCH(B, (gemv_fused<kB>(XRows{x, ldx}, w, K, n_tile, epi, 0u, tid, nt)));
 }
 
+#if MPK_FLAG_WORDS
+// linear_residual with its x rows already gathered into shared memory (st: [B, K] bf16 at the stage) and its residual
+// slice after them (res: [B, n_tile] fp32) by a polling tile (csrc/runtime/dispatch.cuh flag_gather): the staged GEMV,
+// y's flagged copy written beside y. The GEMV's own shared memory (tensor-core partials) starts above the residual.
+__device__ void linear_residual_staged(int B, const bf16* st, const bf16* w, const float* res, float* y, int ldy, int K,
+                                       int n_tile, uint64_t* y_flags, uint32_t tag, int tid, int nt) {
+  Epi epi{y, res, ldy, kEpiResidual};
+  epi.res_ld = n_tile;
+  epi.y_flags = y_flags;
+  epi.tag = tag;
+  const uint32_t used = ((staged_bytes(B, K) + 15u) & ~15u) + (uint32_t)(B * n_tile) * (uint32_t)sizeof(float);
+  MPK_FUSED_WITH_BATCH(B, (gemv_fused<kB>(XRows{st, K}, w, K, n_tile, epi, used, tid, nt)));
+}
+#endif
+
 }  // namespace mpk

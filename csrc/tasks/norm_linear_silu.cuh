@@ -18,11 +18,21 @@ constexpr uint32_t kPairAlign = 16;  // fusion.PAIR_ALIGN: the gate|up sums star
 
 // y[b, c] = bf16(bf16(silu(g)) * u) for the tile's B x n columns; g, u: its rounded sums in shared memory
 // ([B, 2n]: the n gate sums, then the n up sums, of each row).
-__device__ __forceinline__ void pair_silu(const bf16* pair, int n, bf16* y, int ldy, int B, int tid, int nt) {
+// With MPK_FLAG_WORDS, y_flags (nullptr: none) gets y's flagged copy, a word per column pair (flag_words.cuh): the
+// even column's thread writes it with its neighbour's value (a lane apart: n and ldy are even).
+__device__ __forceinline__ void pair_silu(const bf16* pair, int n, bf16* y, int ldy, int B, int tid, int nt
+#if MPK_FLAG_WORDS
+                                          , uint64_t* y_flags = nullptr, uint32_t tag = 0
+#endif
+) {
   for (int i = tid; i < B * n; i += nt) {
     const int b = i / n, c = i - b * n;
     const bf16* p = pair + (size_t)b * 2 * n + c;
-    y[(size_t)b * ldy + c] = f2bf(silu_bf(bf2f(p[0])) * bf2f(p[n]));
+    const bf16 v = f2bf(silu_bf(bf2f(p[0])) * bf2f(p[n]));
+    y[(size_t)b * ldy + c] = v;
+#if MPK_FLAG_WORDS
+    if (y_flags != nullptr) flag_store_pair(y_flags, (size_t)b * ldy + c, v, tag);
+#endif
   }
 }
 
@@ -41,7 +51,11 @@ __device__ __forceinline__ bf16* pair_buffer(float* smem, int B, int K, int n_ti
 template <class Body>
 __device__ __forceinline__ bool norm_linear_silu(int B, const float* x, int ldx, const bf16* nw, const bf16* w,
                                                  long long up_rows, bf16* y, int ldy, int K, int n_tile, float eps,
-                                                 float* smem, int tid, int nt, const Body& body) {
+                                                 float* smem, int tid, int nt, const Body& body
+#if MPK_FLAG_WORDS
+                                                 , uint64_t* y_flags = nullptr, uint32_t tag = 0
+#endif
+) {
   bool staged = false;
   bf16* pair = pair_buffer(smem, B, K, n_tile, staged);
   if (pair == nullptr) return false;
@@ -56,7 +70,11 @@ __device__ __forceinline__ bool norm_linear_silu(int B, const float* x, int ldx,
     }
   }
   worker_barrier(nt);  // every half's sums are in shared memory
+#if MPK_FLAG_WORDS
+  pair_silu(pair, n_tile / 2, y, ldy, B, tid, nt, y_flags, tag);
+#else
   pair_silu(pair, n_tile / 2, y, ldy, B, tid, nt);
+#endif
   return true;
 }
 

@@ -381,11 +381,11 @@ qwen3-8b 4.837 / 4.834 vs 4.908 / 4.906, llama3-8b 4.626 / 4.630 vs 4.727 / 4.73
 compile_rank_programs' ``fuse=True`` keep the silu prologue)."""
 
 
-def _fusion_switch(var: str, environ=None) -> str:
-    """The value of a fusion switch: '' (unset), '0' or '1'; anything else is refused by name."""
+def _fusion_switch(var: str, environ=None, allowed=("0", "1")) -> str:
+    """The value of a fusion switch: '' (unset) or one of ``allowed``; anything else is refused by name."""
     knob = (os.environ if environ is None else environ).get(var, "")
-    if knob not in ("", "0", "1"):
-        raise InputError(f"{var}: expected one of 0, 1, got {knob!r}")
+    if knob not in ("", *allowed):
+        raise InputError(f"{var}: expected one of {', '.join(allowed)}, got {knob!r}")
     return knob
 
 
@@ -395,7 +395,8 @@ def fusions_from_env(fuse=True) -> frozenset[str]:
     turn one off; an explicit fusion list gets them only when the variable is 1. MPK_FUSE_NORM=0,
     MPK_FUSE_SILU=0 and MPK_FUSE_RESIDUAL=0 drop one of the linears' fusions. ``fuse=True`` also gets 'silu_epi'
     (``DEFAULT_SILU_EPI``) unless MPK_FUSE_SILU_EPI=0; an explicit list gets it when the variable is 1.
-    MPK_FLAG_WORDS=1 adds 'flags' (the residual stream handed over as flagged words; needs 'residual'; off)."""
+    MPK_FLAG_WORDS=1 adds 'flags' (the residual stream handed over as flagged words; needs 'residual'; off), =2 also
+    'flags16' (the bf16 vectors the down and o_proj projections read)."""
     from mpk_dist.taskgraph.fusion import fusion_set
 
     out = set(fusion_set(fuse))
@@ -409,8 +410,9 @@ def fusions_from_env(fuse=True) -> frozenset[str]:
     knob = _fusion_switch("MPK_FUSE_SILU_EPI")  # silu_mul as the gate|up projection's epilogue (DEFAULT_SILU_EPI)
     if knob == "1" or (knob == "" and fuse is True):
         out.add("silu_epi")
-    if _fusion_switch("MPK_FLAG_WORDS") == "1" and "residual" in out:  # off by default: not yet measured
-        out.add("flags")  # the residual stream as flagged words (taskgraph.flag_words, csrc/tasks/flag_words.cuh)
+    flags = _fusion_switch("MPK_FLAG_WORDS", allowed=("0", "1", "2"))  # off by default: not yet measured
+    if flags in ("1", "2") and "residual" in out:  # activations as flagged words (taskgraph.flag_words)
+        out |= {"flags", "flags16"} if flags == "2" else {"flags"}
     return frozenset(out)
 
 

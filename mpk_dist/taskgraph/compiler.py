@@ -57,10 +57,10 @@ def compile_rank_programs(cfg: ModelConfig, tp: int, batch: int = 1, sms: int = 
                             fusions, attn_splits, nucleus)
              for r in sorted(set(ranks) | {0})}
     flagged = []
-    if "flags" in fusions:  # flagged copies of the residual stream (a kernel-side channel: no footprint changes)
+    if "flags" in fusions:  # flagged copies of activations (a kernel-side channel: no footprint changes)
         from mpk_dist.taskgraph.flag_words import apply_flag_words
 
-        flagged = [apply_flag_words(p) for p in progs.values()][0]
+        flagged = [apply_flag_words(p, fusions) for p in progs.values()][0]
     t1 = time.perf_counter()
     eg: EventGraph = reduce_events(build_events(progs[0]))
     t2 = time.perf_counter()

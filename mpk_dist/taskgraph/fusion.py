@@ -28,6 +28,7 @@ Opt-in (named explicitly, not part of ``fuse=True`` until verified on a GPU):
 * ``flags``: not a fusion of ops but a hand-over: the ``linear_residual`` tiles also write a flagged copy of the
   fp32 residual stream and its norm_linear readers poll it instead of waiting on an event
   (``mpk_dist.taskgraph.flag_words``; the mega-kernel's MPK_FLAG_WORDS=1). Needs ``residual``; the plan ignores it.
+  ``flags16`` (with ``flags``; MPK_FLAG_WORDS=2): also the bf16 vectors the down and o_proj projections read.
 
 The pass only plans; ``mpk_dist.taskgraph.lowering_fused`` and ``lowering_attn_prep`` lower the plan.
 Numerics are unchanged: every fused kind rounds at exactly the points the unfused ops round. OFF by
@@ -45,7 +46,7 @@ from mpk_dist.graph import Graph, Op
 FUSIONS = ("norm", "silu", "residual")
 """Names of the fusions ``fuse=True`` turns on, in the order they are documented."""
 
-OPT_IN_FUSIONS = ("attn_prep", "attn_merge", "silu_epi", "flags")
+OPT_IN_FUSIONS = ("attn_prep", "attn_merge", "silu_epi", "flags", "flags16")
 """Fusions that must be named (``fuse='norm,silu,residual,attn_prep'`` or a list): not GPU-verified yet."""
 
 VEC = 8

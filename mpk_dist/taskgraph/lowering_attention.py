@@ -179,11 +179,12 @@ def merge_ticket(lw: Lowerer, op: Op, tiles: list[SplitTile]) -> int:
 def merge_last_args(lw: Lowerer, op: Op, ticket: int | None, t: SplitTile) -> dict:
     """TICKET and MERGED of split tile t (both None without the merge in the last tile)."""
     if ticket is None:
-        return {"TICKET": None, "MERGED": None}
+        return {"TICKET": None, "MERGED": None, "MERGED_FLAGS": None}
     a = op.attrs
     hq, D, G = a["q_heads"], a["head_dim"], a["q_heads"] // a["kv_heads"]
     return {"TICKET": (ticket, t.word, 1),
-            "MERGED": (lw.p.id(op.outputs[0]), t.b0 * hq * D + t.j * G * D, (t.nb - 1) * hq * D + G * D)}
+            "MERGED": (lw.p.id(op.outputs[0]), t.b0 * hq * D + t.j * G * D, (t.nb - 1) * hq * D + G * D),
+            "MERGED_FLAGS": None}  # flagged copy: flag_words.py
 
 
 def finish_split(lw: Lowerer, op: Op, sp, part: int, P: int, E: int, tiles: list[SplitTile],

@@ -42,7 +42,7 @@ def lower_fused(lw: Lowerer, f: FusedLinear) -> None:
             prm = {**common, "GU_STRIDE": 2 * K, "UP_OFFSET": K}
         else:
             args.update(X=(p.id(lin.inputs[0]), r0 * K, nr * K), RESIDUAL=(rid, r0 * N + n0, (nr - 1) * N + n),
-                        Y_FLAGS=None, RESIDUAL_FLAGS=None)  # flagged copies: flag_words.py
+                        Y_FLAGS=None, RESIDUAL_FLAGS=None, X_FLAGS=None)  # flagged copies: flag_words.py
             prm = {**common, "X_STRIDE": K}
         t.add_tile(args, prm)
     src = {"norm_linear": f.norm.inputs[0] if f.norm else None,
@@ -67,7 +67,7 @@ def lower_gate_up_silu(lw: Lowerer, f: FusedLinear) -> None:
     t = p.op(lin.name, BY_NAME[f.kind], lin.layer, lin.name)
     for r0, nr, c0, n in grid:
         t.add_tile({"X": (x, r0 * K, nr * K), "NORM_W": (nw, 0, K), "W": (w, c0 * K, (I + n) * K),
-                    "Y": (y, r0 * I + c0, (nr - 1) * I + n), "X_FLAGS": None},
+                    "Y": (y, r0 * I + c0, (nr - 1) * I + n), "Y_FLAGS": None, "X_FLAGS": None},
                    {"BATCH": nr, "K": K, "N_TILE": 2 * n, "X_STRIDE": K, "Y_STRIDE": I, "UP_ROWS": I,
                     "EPS": f.norm.attrs["eps"]})
     t.reads = [_rows_fp(x, grid, K)]

@@ -43,11 +43,11 @@ the arithmetic, so the logits must equal the default build's bit for bit and sta
 - ``-DMPK_LONG_ROWS=1``: one weight row a warp in the batch-1 fused tiles (the default since v0.32 sums 4 rows a warp
   at once with the whole unroll each in tiles of at least 4 rows a warp, csrc/tasks/fused_gemv.cuh gemv_rows).
 
-- ``MPK_FLAG_WORDS=1`` (off; a measurement variant): the fp32 residual stream handed over as flagged words
-  (mpk_dist/taskgraph/flag_words.py: the linear_residual tiles also write (value, step tag) words, the norm tiles
-  poll them instead of waiting on their producers' event, the residual reads take them), batch 1 and 2 (the silu
-  epilogue asked for, so the down projection is a linear_residual there too): another program and kernel, the same
-  sums.
+- ``MPK_FLAG_WORDS=1`` and ``=2`` (off; measurement variants): the fp32 residual stream (=2: also the bf16 vectors
+  o_proj and down read) handed over as flagged words (mpk_dist/taskgraph/flag_words.py: the producers also write
+  (value, step tag) words, the next level's tiles poll them instead of waiting on their producers' event), batch 1
+  and 2 (the silu epilogue asked for, so the down projection is a linear_residual there too): another program and
+  kernel, the same sums.
 - ``MPK_FUSE_SILU_EPI=0``: silu_mul in the down projection's prologue instead of the gate|up projection's epilogue
   (another program and kernel: fusion 'silu_epi' off), batch 1 (the epilogue is the default there) and 2 (asked for
   with MPK_FUSE_SILU_EPI=1).
@@ -171,16 +171,19 @@ def test_staged_linear_residual_leaves_the_logits_bitwise(batch, gpu_results):
                   forced_request(NAME, PROMPT, STEPS, batch, 70), gpu_results)
 
 
+@pytest.mark.parametrize("mode", ["1", "2"])
 @pytest.mark.parametrize("batch", [1, 2])
-def test_flag_words_leave_the_logits_bitwise(batch, gpu_results):
+def test_flag_words_leave_the_logits_bitwise(batch, mode, gpu_results):
     """MPK_FLAG_WORDS=1: the residual stream's flagged copies (written by o_proj and down, polled by qkv, gate|up and
     the lm_head, read as the residual by the next o_proj and down) carry the values the plain buffers hold, so the
-    logits equal the default build's bit for bit; every layer's x_mid and x_out are flagged and the polling tiles'
-    records hold fewer waits."""
+    logits equal the default build's bit for bit; =2 also the attention output (written by the head merge) and the
+    gate|up product, polled by o_proj and down. Every layer's vectors are flagged and the polling tiles' records hold
+    fewer waits."""
     epi = {"MPK_FUSE_SILU_EPI": "1"} if batch > 1 else {}
-    variant, default = megakernel_with_env(NAME, {**epi, "MPK_FLAG_WORDS": "1"}), megakernel_with_env(NAME, epi)
+    variant, default = megakernel_with_env(NAME, {**epi, "MPK_FLAG_WORDS": mode}), megakernel_with_env(NAME, epi)
     sess = variant.session(batch)
-    assert len(sess.cg.meta["flag_words"]) == 2 * sess.cg.meta["num_layers"] and sess.cg.meta["skip_waits"]
+    per_layer = 2 if mode == "1" else 4
+    assert len(sess.cg.meta["flag_words"]) == per_layer * sess.cg.meta["num_layers"] and sess.cg.meta["skip_waits"]
     assert "#define MPK_FLAG_WORDS 1" in sess.source and "MPK_FLAG_WORDS" not in default.session(batch).source
-    check_bitwise(f"MPK_FLAG_WORDS=1 vs default, {NAME} b{batch} prompt {PROMPT}", NAME, variant, default,
+    check_bitwise(f"MPK_FLAG_WORDS={mode} vs default, {NAME} b{batch} prompt {PROMPT}", NAME, variant, default,
                   forced_request(NAME, PROMPT, STEPS, batch, 70), gpu_results)

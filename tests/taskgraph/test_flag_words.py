@@ -51,7 +51,8 @@ def test_the_residual_stream_gets_flagged_copies_and_every_reader_its_twin(flagg
     by_name = {b["name"]: i for i, b in enumerate(bufs)}
     for name in cg.meta["flag_words"]:
         copy = bufs[by_name[name + flag_words.SUFFIX]]
-        assert copy["shape"] == bufs[by_name[name]]["shape"] + [2] and copy["dtype"] == "i32" and copy["kind"] == "state"
+        assert copy["shape"] == bufs[by_name[name]]["shape"] + [2]
+        assert copy["dtype"] == "i32" and copy["kind"] == "state"
     twins = {"o_proj": ("Y", "Y_FLAGS"), "down_proj": ("Y", "Y_FLAGS"), "qkv_proj": ("X", "X_FLAGS"),
              "gate_up_proj": ("X", "X_FLAGS"), "lm_head": ("X", "X_FLAGS")}
     seen = set()
@@ -86,7 +87,7 @@ def test_polling_tiles_drop_exactly_their_producers_waits(flagged):
             if not skip[k]:
                 continue
             e = int(cg.arrays["waits"][k, WAIT_COLS["EVENT"]])
-            assert kind in flag_words.POLLING and cg.arrays["waits"][k, WAIT_COLS["STEP_OFFSET"]] == 0
+            assert kind in flag_words.POLLED and cg.arrays["waits"][k, WAIT_COLS["STEP_OFFSET"]] == 0
             # the producer of what the task polls: down (qkv, lm_head) or o_proj (gate_up) of its layer or the last
             want = f"L{layer - 1}.down_proj" if op == "qkv_proj" else f"L{layer}.o_proj" if op == "gate_up_proj" \
                 else f"L{get_preset('qwen3-0.6b').num_layers - 1}.down_proj"
@@ -165,9 +166,63 @@ def test_the_switch_adds_the_fusion(monkeypatch):
     assert "flags" in fusions_from_env(True)
     monkeypatch.setenv("MPK_FUSE_RESIDUAL", "0")  # flags needs the residual fusion's linear_residual tiles
     assert "flags" not in fusions_from_env(True)
-    monkeypatch.setenv("MPK_FLAG_WORDS", "yes")
-    with pytest.raises(InputError, match="MPK_FLAG_WORDS"):
-        fusions_from_env(True)
+    monkeypatch.delenv("MPK_FUSE_RESIDUAL")
+    monkeypatch.setenv("MPK_FLAG_WORDS", "2")
+    assert {"flags", "flags16"} <= fusions_from_env(True)
+    for bad in ("yes", "3"):
+        monkeypatch.setenv("MPK_FLAG_WORDS", bad)
+        with pytest.raises(InputError, match="MPK_FLAG_WORDS"):
+            fusions_from_env(True)
+
+
+@pytest.fixture(scope="module")
+def flagged16():
+    return _compile(fuse=B1_FUSE + ",flags,flags16")
+
+
+def test_flags16_adds_the_bf16_vectors_of_down_and_o_proj(flagged16):
+    """'flags16': the attention output (written by the split tiles' head merge) and the gate|up product
+    (norm_linear_silu) get copies too, a column pair a word; down and o_proj poll their x and residual, except layer 0's o_proj, whose
+    residual is the embedding's x0 (no copy): it keeps its wait and reads x after it."""
+    cg, bufs = flagged16, flagged16.meta["buffers"]
+    layers = get_preset("qwen3-0.6b").num_layers
+    assert sorted(cg.meta["flag_words"]) == sorted(f"L{i}.{n}" for i in range(layers)
+                                                   for n in ("attn_out", "x_mid", "act", "x_out"))
+    by_name = {b["name"]: i for i, b in enumerate(bufs)}
+    for name in ("L3.attn_out", "L3.act"):
+        plain, copy = bufs[by_name[name]], bufs[by_name[name + flag_words.SUFFIX]]
+        assert plain["dtype"] == "bf16" and copy["shape"] == plain["shape"][:-1] + [plain["shape"][-1] // 2, 2]
+    polled = {}
+    for t, op, layer, kind in _tasks(cg):
+        if kind != "linear_residual":
+            continue
+        (xb, xo), (fb, fo) = _arg(cg, t, kind, "X"), _arg(cg, t, kind, "X_FLAGS")
+        if op == "o_proj" and layer == 0:
+            assert fb == NULL_BUFFER
+            continue
+        assert bufs[fb]["name"] == bufs[xb]["name"] + flag_words.SUFFIX and fo == xo  # two bf16 a word: same offset
+        assert _arg(cg, t, kind, "RESIDUAL_FLAGS")[0] != NULL_BUFFER
+        polled[op] = polled.get(op, 0) + 1
+    producers = {"split": "MERGED_FLAGS", "gate_up_proj": "Y_FLAGS"}
+    for t, op, layer, kind in _tasks(cg):
+        key = op.split("/")[-1]
+        if key in producers:
+            assert bufs[_arg(cg, t, kind, producers[key])[0]]["name"].endswith(flag_words.SUFFIX), (op, layer)
+    tiles = {op: sum(1 for _, o, _, k in _tasks(cg) if o == op) for op in ("o_proj", "down_proj")}
+    assert polled == {"o_proj": tiles["o_proj"] * (layers - 1) // layers, "down_proj": tiles["down_proj"]}
+
+
+def test_flags16_polling_projections_drop_their_producers_waits(flagged16):
+    cg = flagged16
+    skip = np.zeros(cg.arrays["waits"].shape[0], bool)
+    skip[cg.meta["skip_waits"]] = True
+    for t, op, layer, kind in _tasks(cg):
+        if op not in ("o_proj", "down_proj"):
+            continue
+        k0, k1 = cg.arrays["tasks"][t, TASK_COLS["WAIT_BEGIN"]], cg.arrays["tasks"][t, TASK_COLS["WAIT_END"]]
+        polls = _arg(cg, t, kind, "X_FLAGS")[0] != NULL_BUFFER
+        assert skip[k0:k1].all() == polls and (skip[k0:k1].any() or not polls), (op, layer)
+    assert flag_words.smem_bytes(cg) >= flag_words.smem_bytes(_compile())
 
 
 @pytest.mark.parametrize("batch", [1, 2])
@@ -178,11 +233,12 @@ def test_the_interpreter_computes_the_same_logits(batch):
     ws = weights(cfg, 1, batch=batch)
     feed = torch.tensor([[7, 11][:batch]] + [[-1] * batch] * 4)
     out = []
-    for fuse in (B1_FUSE, B1_FUSE + ",flags"):
-        cgs = compile_rank_programs(cfg, tp=1, batch=batch, sms=4, max_seq_len=16, fuse=fuse)
+    for fuse in (B1_FUSE, B1_FUSE + ",flags", B1_FUSE + ",flags,flags16"):
+        cgs = compile_rank_programs(cfg, tp=1, batch=batch, sms=4, max_seq_len=16, fuse=fuse, attn_splits=2)
+        assert ("flag_words" in cgs[0].meta) == ("flags" in fuse)
         out.append(Interpreter(cgs, ws, seed=3).run(5, feed, torch.zeros(batch, dtype=torch.int32)))
-    assert "flag_words" in cgs[0].meta
     assert torch.equal(out[0].captured["logits"], out[1].captured["logits"])
+    assert torch.equal(out[0].captured["logits"], out[2].captured["logits"])
 
 
 def test_a_word_that_stayed_behind_is_named_with_its_writers(flagged):

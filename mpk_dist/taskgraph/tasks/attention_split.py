@@ -29,6 +29,8 @@ from mpk_dist.taskgraph.tasks.base import Access, ArgSpec, ParamSpec, TaskKind, 
 
 TICKET_DOC = "i32 [Hkv] per-launch ticket words; offset = kv head j; NULL: a separate merge op merges"
 MERGED_DOC = "[B, Hq D] attention output (with TICKET); offset = row 0, first column of query head j*GROUP"
+MERGED_FLAGS_DOC = ("flagged copy of MERGED (mpk_dist.taskgraph.flag_words: one (two bf16, step tag) word per column "
+                    "pair, i32 pairs); offset = MERGED's; NULL: none (kernel only, the interpreter ignores it)")
 SPLIT_INDEX_DOC = "i: this tile's range (its partial is entry i of the head's SPLITS)"
 
 
@@ -77,6 +79,7 @@ class AttentionSplit(TaskKind):
         ArgSpec("OUT", "w", "f32 [Hkv, B, SPLITS, GROUP, D+2]; offset = entry (h, 0, split, 0)"),
         ArgSpec("TICKET", "rw", TICKET_DOC, optional=True),
         ArgSpec("MERGED", "w", MERGED_DOC, optional=True),
+        ArgSpec("MERGED_FLAGS", "w", MERGED_FLAGS_DOC, optional=True),
     )
     params = (
         ParamSpec("BATCH", "B"),

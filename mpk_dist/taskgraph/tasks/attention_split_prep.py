@@ -52,6 +52,7 @@ class AttentionSplitPrep(TaskKind):
         ArgSpec("OUT", "w", "f32 [Hkv, B, SPLITS, GROUP, D+2]; offset = entry (j, 0, range i, 0)"),
         ArgSpec("TICKET", "rw", _split.TICKET_DOC, optional=True),
         ArgSpec("MERGED", "w", _split.MERGED_DOC, optional=True),
+        ArgSpec("MERGED_FLAGS", "w", _split.MERGED_FLAGS_DOC, optional=True),
     )
     params = (
         ParamSpec("BATCH", "B"),

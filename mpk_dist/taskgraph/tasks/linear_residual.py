@@ -30,6 +30,8 @@ class LinearResidual(TaskKind):
                 optional=True),
         ArgSpec("RESIDUAL_FLAGS", "r", "flagged copy of RESIDUAL, read instead of it; offset = 2 x RESIDUAL's; "
                 "NULL: read RESIDUAL", optional=True),
+        ArgSpec("X_FLAGS", "r", "flagged copy of X (one (two bf16, step tag) word per column pair), polled instead of "
+                "waiting on X's producers; offset = X's; NULL: read X after the wait", optional=True),
     )
     params = (
         ParamSpec("BATCH", "B"),

@@ -32,6 +32,8 @@ class NormLinearSilu(TaskKind):
         ArgSpec("NORM_W", "r", "[K] rms_norm weight"),
         ArgSpec("W", "r", "[2I, K] gate|up weight; offset = gate row c0 (its up rows start UP_ROWS rows later)"),
         ArgSpec("Y", "w", "[B, I] activation silu(gate) * up; offset = column c0 of row 0"),
+        ArgSpec("Y_FLAGS", "w", "flagged copy of Y (mpk_dist.taskgraph.flag_words: one (two bf16, step tag) word per "
+                "column pair, i32 pairs); offset = Y's; NULL: none (kernel only)", optional=True),
         ArgSpec("X_FLAGS", "r", "flagged copy of X (mpk_dist.taskgraph.flag_words), polled instead of waiting on "
                 "X's producers; offset = 2 x X's; NULL: read X after the wait", optional=True),
     )
