@@ -310,8 +310,7 @@ __device__ __noinline__ bool run_norm_linear_silu(const TaskView& t, float* smem
 #define MPK_SILU_LINEAR_KIND 1
 #endif
 __device__ __noinline__ bool run_norm_linear(const TaskView& t, float* smem, int tid, int nt MPK_FLAG_STEP_PARAM) {
-  if (t.opcode() == OP_NORM_LINEAR_SILU)
-    return MPK_SILU_EPI_KIND && run_norm_linear_silu(t, smem, tid, nt MPK_FLAG_STEP_ARG);
+  if (t.opcode() == OP_NORM_LINEAR_SILU) return MPK_SILU_EPI_KIND && run_norm_linear_silu(t, smem, tid, nt MPK_FLAG_STEP_ARG);
   if (t.dtype(NORM_LINEAR_ARG_X) != DTYPE_F32) return false;
   const int B = t.param(NORM_LINEAR_PARAM_BATCH), K = t.param(NORM_LINEAR_PARAM_K);
   const int n = t.param(NORM_LINEAR_PARAM_N_TILE);
@@ -711,8 +710,8 @@ __device__ bool run_task(const RuntimeParams& p, const int32_t* rec, int step, f
     case OP_ALLGATHER_PUSH: run_comm_push(t, op, tid, nt); return true;
     case OP_ALLREDUCE_REDUCE: run_allreduce_reduce(t, tid, nt); return true;
     case OP_NORM_LINEAR: return run_norm_linear(t, smem, tid, nt MPK_FLAG_STEP_ARG);
-    case OP_NORM_LINEAR_SILU:  // the gate|up projection + silu epilogue
-      return run_norm_linear(t, smem, tid, nt MPK_FLAG_STEP_ARG);
+    // the gate|up projection + silu epilogue
+    case OP_NORM_LINEAR_SILU: return run_norm_linear(t, smem, tid, nt MPK_FLAG_STEP_ARG);
     case OP_LINEAR_RESIDUAL: return run_linear_residual(t, smem, tid, nt MPK_FLAG_STEP_ARG);
     case OP_SILU_LINEAR: return MPK_SILU_LINEAR_KIND && run_silu_linear(t, smem, tid, nt);
     case OP_ATTENTION_SPLIT: return run_attention_split(t, smem, tid, nt MPK_FLAG_STEP_ARG);
