@@ -52,24 +52,16 @@ def error_message(sess) -> str | None:
 def flag_wait_message(cg, task: str, r) -> str:
     """A polling norm tile's flagged word that never got its step's tag (mpk_dist.taskgraph.flag_words): which copy,
     which element, which tag it held, and the ops that write that copy."""
-    from mpk_dist.taskgraph.flag_words import PRODUCERS, READERS
-    from mpk_dist.taskgraph.tasks import BY_NAME
+    from mpk_dist.taskgraph.flag_words import PRODUCER_TWINS, copy_writers, twin_buffers
 
-    tasks, args, bufs, ops = cg.arrays["tasks"], cg.arrays["args"], cg.meta["buffers"], cg.meta["ops"]
-    kind_of = lambda t: ops[int(tasks[t, TASK_COLS["OP_INDEX"]])]["kind"]  # noqa: E731
-
-    def arg_buffer(t: int, name: str) -> int:
-        return int(args[tasks[t, TASK_COLS["ARG_BEGIN"]] + BY_NAME[kind_of(t)].arg_index(name), 0])
-
-    copies, writers = [], set()
-    if 0 <= r.task_id < cg.num_tasks and kind_of(r.task_id) in READERS:
-        fids = {arg_buffer(r.task_id, tw) for _, tw in READERS[kind_of(r.task_id)]} - {-1}
-        copies = sorted(bufs[f]["name"] for f in fids)
-        twin = {k: tw for f in PRODUCERS.values() for k, (_, tw) in f.items()}
-        writers = {ops[int(tasks[t, TASK_COLS["OP_INDEX"]])]["name"] for t in range(cg.num_tasks)
-                   if kind_of(t) in twin and arg_buffer(t, twin[kind_of(t)]) in fids}
+    tasks, bufs, ops = cg.arrays["tasks"], cg.meta["buffers"], cg.meta["ops"]
+    fids = set()
+    if 0 <= r.task_id < cg.num_tasks:  # the copies the task reads (not one it writes)
+        kind = ops[int(tasks[r.task_id, TASK_COLS["OP_INDEX"]])]["kind"]
+        fids = {f for tw, f in twin_buffers(cg, r.task_id).items() if tw != PRODUCER_TWINS.get(kind)}
+    copies = sorted(bufs[f]["name"] for f in fids)
+    writers = sorted({ops[oi]["name"] for f, w in copy_writers(cg).items() if f in fids for oi in w})
     copy = f"buffer {' / '.join(repr(c) for c in copies)}" if copies else "its input's flagged copy"
-    writers = sorted(writers)
     held = "no step's (never written)" if r.seen == 0 else f"step {r.seen - 1}'s"
     by = f"written by {', '.join(writers)}" if writers else "whose writer is unknown"
     return (f"mega-kernel watchdog ({ERROR_CODES[9]}): {task} (task {r.task_id}) waited {r.elapsed_ns / 1e9:.2f} s at "

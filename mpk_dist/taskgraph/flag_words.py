@@ -49,6 +49,9 @@ READERS = {"norm_linear": (("X", "X_FLAGS"),), "norm_linear_silu": (("X", "X_FLA
            "linear_residual": (("RESIDUAL", "RESIDUAL_FLAGS"), ("X", "X_FLAGS"))}
 """Kinds that can read a flagged copy: (argument, its flagged twin) pairs."""
 
+PRODUCER_TWINS = {kind: twin for f in PRODUCERS.values() for kind, (_, twin) in f.items()}
+"""Each producer kind's flagged twin, whichever fusion name asks for it."""
+
 POLLED = {"norm_linear": "X_FLAGS", "norm_linear_silu": "X_FLAGS", "linear_residual": "X_FLAGS"}
 """The twin whose presence makes a task poll in place of its waits (a linear_residual polls its residual too)."""
 
@@ -126,19 +129,26 @@ def _twin(op, arg: str, twin: str, fid: int, wpe: int) -> None:
         row[t] = (fid, wpe * off, wpe * count)
 
 
-def _twin_buffers(cg, t: int, kind: str) -> dict[str, int]:
-    """Task t's flagged-twin arguments that point at a copy: {twin name: copy buffer id}."""
+def twin_buffers(cg, t: int) -> dict[str, int]:
+    """Task t's flagged-twin arguments (reader or producer) that point at a copy: {twin name: copy buffer id}."""
     from mpk_dist.taskgraph.tasks import BY_NAME
 
-    k = BY_NAME[kind]
+    kind = cg.meta["ops"][int(cg.arrays["tasks"][t, TASK_COLS["OP_INDEX"]])]["kind"]
+    twins = {tw for _, tw in READERS.get(kind, ())} | ({PRODUCER_TWINS[kind]} if kind in PRODUCER_TWINS else set())
     row0 = int(cg.arrays["tasks"][t, TASK_COLS["ARG_BEGIN"]])
-    twins = {tw for _, tw in READERS.get(kind, ())} | {tw for f in PRODUCERS.values() for kk, (_, tw) in f.items()
-                                                       if kk == kind}
-    out = {}
-    for tw in twins:
-        fid = int(cg.arrays["args"][row0 + k.arg_index(tw), 0])
-        if fid != NULL_BUFFER:
-            out[tw] = fid
+    fids = {tw: int(cg.arrays["args"][row0 + BY_NAME[kind].arg_index(tw), 0]) for tw in twins}
+    return {tw: fid for tw, fid in fids.items() if fid != NULL_BUFFER}
+
+
+def copy_writers(cg) -> dict[int, set[int]]:
+    """Each flagged copy of program ``cg`` -> the ops (indices into meta["ops"]) whose tiles write it."""
+    ops, op_of_task = cg.meta["ops"], cg.arrays["tasks"][:, TASK_COLS["OP_INDEX"]].tolist()
+    out: dict[int, set[int]] = {}
+    for t, oi in enumerate(op_of_task):
+        twin = PRODUCER_TWINS.get(ops[oi]["kind"])
+        fid = twin_buffers(cg, t).get(twin) if twin else None
+        if fid is not None:
+            out.setdefault(fid, set()).add(oi)
     return out
 
 
@@ -154,22 +164,15 @@ def skip_waits(cg) -> np.ndarray:
     signal_ops: dict[int, set] = {}
     for e, t in zip(sig[:, 0].tolist(), owner.tolist()):
         signal_ops.setdefault(e, set()).add(int(op_of_task[t]))
-    producer_twins = {kk: tw for f in PRODUCERS.values() for kk, (_, tw) in f.items()}
-    copy_writers: dict[int, set] = {}  # copy buffer -> the ops that write it
-    twins_of: dict[int, dict] = {}
+    writers = copy_writers(cg)
     for t in range(tasks.shape[0]):
         kind = ops[int(op_of_task[t])]["kind"]
-        if kind not in producer_twins and kind not in READERS:
+        if kind not in POLLED:
             continue
-        twins_of[t] = tw = _twin_buffers(cg, t, kind)
-        if producer_twins.get(kind) in tw:
-            copy_writers.setdefault(tw[producer_twins[kind]], set()).add(int(op_of_task[t]))
-    for t, tw in twins_of.items():
-        kind = ops[int(op_of_task[t])]["kind"]
-        if POLLED.get(kind) not in tw:
+        tw = twin_buffers(cg, t)
+        if POLLED[kind] not in tw:
             continue
-        read = set().union(*(copy_writers.get(fid, set()) for name, fid in tw.items()
-                             if name != producer_twins.get(kind)))
+        read = set().union(*(writers.get(fid, set()) for name, fid in tw.items() if name != PRODUCER_TWINS.get(kind)))
         for k in range(int(tasks[t, TASK_COLS["WAIT_BEGIN"]]), int(tasks[t, TASK_COLS["WAIT_END"]])):
             e, off = int(waits[k, WAIT_COLS["EVENT"]]), int(waits[k, WAIT_COLS["STEP_OFFSET"]])
             if off == 0 and signal_ops.get(e) and signal_ops[e] <= read:
