@@ -410,7 +410,7 @@ def fusions_from_env(fuse=True) -> frozenset[str]:
     knob = _fusion_switch("MPK_FUSE_SILU_EPI")  # silu_mul as the gate|up projection's epilogue (DEFAULT_SILU_EPI)
     if knob == "1" or (knob == "" and fuse is True):
         out.add("silu_epi")
-    flags = _fusion_switch("MPK_FLAG_WORDS", allowed=("0", "1", "2"))  # off by default: measured slower (docs/PERF.md v0.34)
+    flags = _fusion_switch("MPK_FLAG_WORDS", allowed=("0", "1", "2"))  # off by default: measured slower (PERF.md v0.34)
     if flags in ("1", "2") and "residual" in out:  # activations as flagged words (taskgraph.flag_words)
         out |= {"flags", "flags16"} if flags == "2" else {"flags"}
     return frozenset(out)
