@@ -115,6 +115,9 @@ class MegakernelBackend(StepBackend):
         from mpk_dist.taskgraph.lowering_attention import check_attn_splits
 
         self.fuse = fusions_from_env(fuse)
+        # The switches that decide a batch's fusions are taken now, with the rest of the configuration: a
+        # program compiled later (another batch) must not see an environment the caller has since restored.
+        self.batch_switches = {v: os.environ[v] for v in BATCH_FUSION_SWITCHES if v in os.environ}
         self.superopt = superopt_from_env(superopt)
         self.attn_splits = check_attn_splits(attn_splits)  # split-KV attention (taskgraph.lowering_attention)
         if schedule not in SCHEDULES:
@@ -179,7 +182,7 @@ class MegakernelBackend(StepBackend):
             t0 = time.perf_counter()
             cgs, cached = compile_rank_programs_cached(self.cfg, tp=self.tp, batch=batch, sms=self.workers,
                                                        max_seq_len=self.max_seq_len, ranks=self.transport.ranks,
-                                                       fuse=fusions_for_batch(self.fuse, batch),
+                                                       fuse=fusions_for_batch(self.fuse, batch, self.batch_switches),
                                                        attn_splits=self.attn_splits, nucleus=nucleus)
             compile_s = time.perf_counter() - t0
             trace = TRACE_STEPS if self.trace_path else (PROFILE_STEPS if self.comm_profile else 0)
@@ -433,11 +436,14 @@ process each): batch 1 4.837 / 4.834 with it vs 4.908 / 4.906 (and every other b
 its own level); batch 8 with the pair tiles on tensor cores (v0.28, one process) 5.781 / 5.774 vs 5.735 / 5.738."""
 
 
+BATCH_FUSION_SWITCHES = ("MPK_FUSE_SILU", "MPK_FUSE_SILU_EPI")  # the variables fusions_for_batch reads
+
+
 def fusions_for_batch(fuse: frozenset, batch: int, environ=None) -> frozenset:
     """The fusions of a program of ``batch`` rows: ``fuse`` without 'silu' above SILU_FUSE_MAX_BATCH, unless
     MPK_FUSE_SILU=1 asks for it at every batch; without 'silu_epi' above SILU_EPI_MAX_BATCH unless
     MPK_FUSE_SILU_EPI=1 (its gate|up tiles run on tensor cores too where the program's linears do:
-    csrc/tasks/fused_gemv.cuh gemv_fused)."""
+    csrc/tasks/fused_gemv.cuh gemv_fused). ``environ``: where to read those switches (default os.environ)."""
     out = set(fuse)
     if "silu" in out and batch > SILU_FUSE_MAX_BATCH and _fusion_switch("MPK_FUSE_SILU", environ) != "1":
         out.discard("silu")

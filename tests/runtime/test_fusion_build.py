@@ -146,3 +146,24 @@ def test_kernel_leaves_out_the_silu_kind_its_program_does_not_run():
     assert kind_defines(epi) == {"MPK_SILU_LINEAR_KIND": 0}
     assert kind_defines(pro) == {"MPK_SILU_EPI_KIND": 0}
     assert kind_defines(programs(fp32("tiny"), 1, fuse=False)[0]) == {"MPK_SILU_LINEAR_KIND": 0, "MPK_SILU_EPI_KIND": 0}
+
+
+def test_batch_switches_are_taken_when_the_backend_is_made(fake_gpu, monkeypatch):
+    """A backend made while MPK_FUSE_SILU_EPI=1 / MPK_FLAG_WORDS=1 are set keeps them for a batch compiled after the
+    environment was restored (megakernel_with_env's pattern): its batch-2 program still has the gate|up epilogue and
+    flags the buffers the down projection reads; one made without them compiles neither at batch 2."""
+    from mpk_dist.model_source import open_model
+    from mpk_dist.runtime.megakernel_backend import SILU_EPI_MAX_BATCH, scoped_env
+
+    m = open_model("tiny")
+    for var in ("MPK_FUSE_NORM", "MPK_FUSE_SILU", "MPK_FUSE_RESIDUAL", "MPK_FUSE_SILU_EPI", "MPK_FLAG_WORDS"):
+        monkeypatch.delenv(var, raising=False)
+    with scoped_env({"MPK_FUSE_SILU_EPI": "1", "MPK_FLAG_WORDS": "1"}):
+        asked = fake_gpu.MegakernelBackend(m.config, m.weights, device="cpu", max_seq_len=16, sms=4)
+    plain = fake_gpu.MegakernelBackend(m.config, m.weights, device="cpu", max_seq_len=16, sms=4)
+    batch = SILU_EPI_MAX_BATCH + 1
+    meta = asked.group(batch).sessions[0].cg.meta
+    assert "norm_linear_silu" in {o["kind"] for o in meta["ops"]}
+    assert meta.get("flag_words"), "the flagged words were lost with the restored environment"
+    meta = plain.group(batch).sessions[0].cg.meta
+    assert "norm_linear_silu" not in {o["kind"] for o in meta["ops"]} and not meta.get("flag_words")
