@@ -12,7 +12,9 @@ task records instead of the compiled p cap: the same binary), d<0|1> (linear wei
 csrc/tasks/common.cuh ld_weight_v4), j<0|1> (silu_mul as the gate|up projection's epilogue: the silu_epi fusion,
 scalar linear tiles only), o<0|1> (the code-size variants, codegen.CODE_SIZE_DEFINES; on by default at batch 1 and
 unroll 4), q<0|1|2> (activations handed over as flagged words, mpk_dist/taskgraph/flag_words.py: 1 the residual
-stream, 2 also the bf16 vectors of o_proj and down; off)
+stream, 2 also the bf16 vectors of o_proj and down; off), n<0|1> (the down projection folded into the gate|up tiles
+as atomic split-K partials: the silu_down fusion, csrc/tasks/down_partial.cuh; off, and not bit-reproducible, so its
+tokens may differ from the base's)
 ('base' = defaults).
 NOTE: m1 changes the summation order of linear tiles, so its tokens may differ from the base's
 (DIFFERS then means "check with compare_logits", not a bug by itself).
@@ -48,7 +50,8 @@ KNOBS = {"u": "MPK_LINEAR_UNROLL", "t": "MPK_WORKER_THREADS", "p": "MPK_PREFETCH
          "w": "MPK_PREFETCH_PLAN", "l": "MPK_LINEAR_PIPE", "v": "MPK_ATTN_PREFETCH", "g": "MPK_BULK_PREFETCH",
          "h": "MPK_PREFETCH_AHEAD", "c": "MPK_FUSE_ATTN_MERGE", "x": "MPK_ATTN_STAGE_KV",
          "y": "MPK_LOAD_AHEAD", "z": "MPK_MIN_CARVEOUT", "e": "MPK_PREFETCH_LEVEL_KB",
-         "d": "MPK_WEIGHT_EVICT_FIRST", "j": "MPK_FUSE_SILU_EPI", "o": "MPK_COMPACT_CODE", "q": "MPK_FLAG_WORDS"}
+         "d": "MPK_WEIGHT_EVICT_FIRST", "j": "MPK_FUSE_SILU_EPI", "o": "MPK_COMPACT_CODE", "q": "MPK_FLAG_WORDS",
+         "n": "MPK_FUSE_SILU_DOWN"}
 
 EXTRA_FLAGS = "MPK_NVCC_EXTRA_FLAGS"  # defines of a variant's build (-D parts)
 
@@ -73,7 +76,7 @@ def parse_variant(text: str) -> tuple[dict[str, str], dict]:
             env[EXTRA_FLAGS] = f"{env.get(EXTRA_FLAGS, '')} {part}".strip()
             continue
         if part[0] not in KNOBS or not part[1:].lstrip("-").isdigit():
-            raise SystemExit(f"tune_sweep: variant part {part!r}: expected -D<NAME>=<value>, u<N>, t<N>, p<N>, e<KB>, r<N>, m<0|1>, w<0|1>, b<0|1>, l<0|1>, v<0|1>, g<0|1>, h<0|1>, c<0|1>, x<0|1>, y<0|1>, d<0|1>, j<0|1>, o<0|1>, q<0|1|2>, "
+            raise SystemExit(f"tune_sweep: variant part {part!r}: expected -D<NAME>=<value>, u<N>, t<N>, p<N>, e<KB>, r<N>, m<0|1>, w<0|1>, b<0|1>, l<0|1>, v<0|1>, g<0|1>, h<0|1>, c<0|1>, x<0|1>, y<0|1>, d<0|1>, j<0|1>, o<0|1>, q<0|1|2>, n<0|1>, "
                              "a<0|1>, f<0|1> (--fuse), s<0|1> (--superopt), k<N>|kauto (--attn-splits), or 'base'")
         env[KNOBS[part[0]]] = part[1:]
     return env, opts

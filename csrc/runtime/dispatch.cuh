@@ -287,11 +287,21 @@ __device__ __noinline__ bool run_norm_linear_silu(const TaskView& t, float* smem
     norm_linear(B, x, ldx, nw, w, epi, K, n_tile, eps, sm, tid_, nt_);
 #endif
   };
+#if MPK_SILU_DOWN
+  DownArgs down;  // fusion 'silu_down': the down projection's partial of the tile (down_partial.cuh)
+  down.wd = t.arg<const bf16>(NORM_LINEAR_SILU_ARG_WD);
+  down.ldw = t.param(NORM_LINEAR_SILU_PARAM_WD_STRIDE), down.H = t.param(NORM_LINEAR_SILU_PARAM_H);
+  down.xo = t.arg<float>(NORM_LINEAR_SILU_ARG_XO), down.ldxo = t.param(NORM_LINEAR_SILU_PARAM_XO_STRIDE);
+  if (down.wd != nullptr && (down.xo == nullptr || t.dtype(NORM_LINEAR_SILU_ARG_XO) != DTYPE_F32)) return false;
+#endif
   return norm_linear_silu(t.param(NORM_LINEAR_SILU_PARAM_BATCH), x, xs, t.arg<const bf16>(NORM_LINEAR_SILU_ARG_NORM_W),
                           t.arg<const bf16>(NORM_LINEAR_SILU_ARG_W), t.param(NORM_LINEAR_SILU_PARAM_UP_ROWS),
                           t.arg<bf16>(NORM_LINEAR_SILU_ARG_Y), t.param(NORM_LINEAR_SILU_PARAM_Y_STRIDE),
                           t.param(NORM_LINEAR_SILU_PARAM_K), t.param(NORM_LINEAR_SILU_PARAM_N_TILE),
                           t.fparam(NORM_LINEAR_SILU_PARAM_EPS), smem, tid, nt, body
+#if MPK_SILU_DOWN
+                          , down
+#endif
 #if MPK_FLAG_WORDS
                           , t.arg<uint64_t>(NORM_LINEAR_SILU_ARG_Y_FLAGS), flag_tag_of_step(step)
 #endif
@@ -366,6 +376,9 @@ __device__ __noinline__ bool run_linear_residual(const TaskView& t, float* smem,
                   t.arg<const float>(LINEAR_RESIDUAL_ARG_RESIDUAL), t.arg<float>(LINEAR_RESIDUAL_ARG_Y),
                   t.param(LINEAR_RESIDUAL_PARAM_Y_STRIDE), t.param(LINEAR_RESIDUAL_PARAM_K),
                   t.param(LINEAR_RESIDUAL_PARAM_N_TILE), smem, tid, nt
+#if MPK_SILU_DOWN
+                  , t.arg<float>(LINEAR_RESIDUAL_ARG_COPY)
+#endif
 #if MPK_FLAG_WORDS
                   , t.arg<uint64_t>(LINEAR_RESIDUAL_ARG_Y_FLAGS),
                   t.arg<const uint64_t>(LINEAR_RESIDUAL_ARG_RESIDUAL_FLAGS), flag_tag_of_step(step)
@@ -831,6 +844,11 @@ __device__ void prefetch_task(const RuntimeParams& p, const int32_t* rec, int pl
     norm_w = t.arg<const bf16>(NORM_LINEAR_SILU_ARG_NORM_W);
   }
   if (MPK_PREFETCH_NORM_W && norm_w != nullptr) prefetch_l2(norm_w, (uint64_t)K * sizeof(bf16), tid, nt);
+#if MPK_SILU_DOWN
+  if (op == OP_NORM_LINEAR_SILU && t.arg<const bf16>(NORM_LINEAR_SILU_ARG_WD) != nullptr)  // the folded down's columns
+    down_partial_prefetch(t.arg<const bf16>(NORM_LINEAR_SILU_ARG_WD), t.param(NORM_LINEAR_SILU_PARAM_N_TILE) / 2,
+                          t.param(NORM_LINEAR_SILU_PARAM_WD_STRIDE), t.param(NORM_LINEAR_SILU_PARAM_H), tid, nt);
+#endif
   if (w != nullptr) {
     linear_blocks_prefetch(w, K, n_tile, second, planned, bulk, tid, nt);
     return;

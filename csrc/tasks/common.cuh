@@ -6,6 +6,13 @@
 #include <stdint.h>
 #include "sync.cuh"
 
+// MPK_SILU_DOWN 1: the program folds its down projections into the gate|up tiles (fusion 'silu_down'; the host
+// defines it for such programs only, runtime.kernel): csrc/tasks/down_partial.cuh and the copy output of
+// linear_residual. 0: none of that code is compiled.
+#ifndef MPK_SILU_DOWN
+#define MPK_SILU_DOWN 0
+#endif
+
 namespace mpk {
 
 typedef __nv_bfloat16 bf16;

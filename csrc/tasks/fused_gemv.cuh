@@ -179,8 +179,19 @@ struct Epi {
   uint32_t tag = 0;
   int res_ld = -1;  // res's row stride when it is a gathered copy in shared memory (-1: ld, res in place)
 #endif
+#if MPK_SILU_DOWN
+  float* y_copy = nullptr;  // kEpiResidual: a second output with y's values (fusion 'silu_down'; nullptr: none)
+#endif
   __device__ __forceinline__ void operator()(int b, int n, float s) const {
     const size_t o = (size_t)b * ld + n;
+#if MPK_SILU_DOWN
+    if (mode == kEpiResidual && y_copy != nullptr) {
+      const float v = round_bf(s) + res[o];
+      reinterpret_cast<float*>(y)[o] = v;
+      y_copy[o] = v;
+      return;
+    }
+#endif
 #if MPK_FLAG_WORDS
     if (mode == kEpiResidual) {
       const size_t ro = res_ld < 0 ? o : (size_t)b * res_ld + n;

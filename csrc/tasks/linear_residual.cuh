@@ -24,8 +24,13 @@ struct ActRow {
 
 // With MPK_FLAG_WORDS: y_flags (y's flagged copy to write, step tag `tag`) and res_flags (the residual's flagged copy,
 // read instead of res), each nullptr when the program has none (flag_words.cuh).
+// With MPK_SILU_DOWN: y_copy (nullptr: none) gets y's values too (fusion 'silu_down': the residual stream the
+// gate|up tiles then add their down partials into).
 __device__ void linear_residual(int B, const bf16* x, int ldx, const bf16* w, const float* res, float* y, int ldy,
                                 int K, int n_tile, float* smem, int tid, int nt
+#if MPK_SILU_DOWN
+                                , float* y_copy
+#endif
 #if MPK_FLAG_WORDS
                                 , uint64_t* y_flags, const uint64_t* res_flags, uint32_t tag
 #endif
@@ -35,8 +40,13 @@ __device__ void linear_residual(int B, const bf16* x, int ldx, const bf16* w, co
   epi.y_flags = y_flags;
   epi.res_flags = res_flags;
   epi.tag = tag;
+#elif MPK_SILU_DOWN
+  Epi epi{y, res, ldy, kEpiResidual};
 #else
   const Epi epi{y, res, ldy, kEpiResidual};
+#endif
+#if MPK_SILU_DOWN
+  epi.y_copy = y_copy;
 #endif
 #if MPK_LINEAR_RESIDUAL_STAGE
   if (B >= 2 && stage_fits(B, K)) {

@@ -32,10 +32,15 @@ silu kinds has a larger entry stack frame and ran 0.3-0.7% slower (csrc/runtime/
 
 
 def kind_defines(program) -> dict[str, int]:
-    """The OPTIONAL_KINDS defines of a kernel for ``program``: 0 for each such kind the program has no task of."""
+    """The OPTIONAL_KINDS defines of a kernel for ``program``: 0 for each such kind the program has no task of;
+    MPK_SILU_DOWN=1 when its gate|up tiles carry a folded down projection (fusion 'silu_down')."""
     from mpk_dist.taskgraph.tasks import kind_params
 
-    return {define: 0 for name, define in OPTIONAL_KINDS.items() if kind_params(program, name, "BATCH") is None}
+    out = {define: 0 for name, define in OPTIONAL_KINDS.items() if kind_params(program, name, "BATCH") is None}
+    h = kind_params(program, "norm_linear_silu", "H")
+    if h is not None and (h[0] > 0).any():
+        out["MPK_SILU_DOWN"] = 1
+    return out
 
 
 def build_kernel(shape: KernelShape, model: str = "-", rank: int = 0, world: int = 1, input_hash: str = "-",

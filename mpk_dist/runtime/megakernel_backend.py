@@ -399,7 +399,9 @@ def fusions_from_env(fuse=True) -> frozenset[str]:
     MPK_FUSE_SILU=0 and MPK_FUSE_RESIDUAL=0 drop one of the linears' fusions. ``fuse=True`` also gets 'silu_epi'
     (``DEFAULT_SILU_EPI``) unless MPK_FUSE_SILU_EPI=0; an explicit list gets it when the variable is 1.
     MPK_FLAG_WORDS=1 adds 'flags' (the residual stream handed over as flagged words; needs 'residual'; off), =2 also
-    'flags16' (the bf16 vectors the down and o_proj projections read)."""
+    'flags16' (the bf16 vectors the down and o_proj projections read). MPK_FUSE_SILU_DOWN=1 adds 'silu_down' (the
+    down projection folded into the gate|up tiles as atomic split-K partials; needs 'silu_epi' and 'residual', so
+    batch-1 programs at tp 1 unless MPK_FUSE_SILU_EPI=1; not bit-reproducible; off)."""
     from mpk_dist.taskgraph.fusion import fusion_set
 
     out = set(fusion_set(fuse))
@@ -413,6 +415,8 @@ def fusions_from_env(fuse=True) -> frozenset[str]:
     knob = _fusion_switch("MPK_FUSE_SILU_EPI")  # silu_mul as the gate|up projection's epilogue (DEFAULT_SILU_EPI)
     if knob == "1" or (knob == "" and fuse is True):
         out.add("silu_epi")
+    if _fusion_switch("MPK_FUSE_SILU_DOWN") == "1" and {"silu_epi", "residual"} <= out:  # opt-in: not measured yet
+        out.add("silu_down")
     flags = _fusion_switch("MPK_FLAG_WORDS", allowed=("0", "1", "2"))  # off by default: measured slower (PERF.md v0.34)
     if flags in ("1", "2") and "residual" in out:  # activations as flagged words (taskgraph.flag_words)
         out |= {"flags", "flags16"} if flags == "2" else {"flags"}

@@ -25,6 +25,13 @@ Opt-in (named explicitly, not part of ``fuse=True`` until verified on a GPU):
   projection reads the activation as a plain input (``linear_residual`` at tp 1, a ``linear`` at tp > 1)
   instead of recomputing silu over the whole intermediate size in each of its tiles. Needs ``norm``;
   it takes the silu_mul before ``silu`` could fold it into the down projection.
+* ``silu_down`` (with ``silu_epi`` and ``residual``, tp 1): the down projection folded into the gate|up tiles as a
+  split-K partial: each ``norm_linear_silu`` tile multiplies its block of activation columns by the matching
+  columns of the down weight and adds the fp32 result into the residual stream x_out atomically, which the
+  o_proj tiles (``linear_residual``) initialise with x_mid as a second output (``COPY``). The down level and its
+  dependency boundary disappear. NOT bit-identical to the unfused pair (the down product is summed in fp32 over
+  the tiles in no fixed order instead of rounded once to bf16), so it is opt-in (the megakernel's
+  MPK_FUSE_SILU_DOWN=1).
 * ``flags``: not a fusion of ops but a hand-over: the ``linear_residual`` tiles also write a flagged copy of the
   fp32 residual stream and its norm_linear readers poll it instead of waiting on an event
   (``mpk_dist.taskgraph.flag_words``; the mega-kernel's MPK_FLAG_WORDS=1). Needs ``residual``; the plan ignores it.
@@ -46,7 +53,7 @@ from mpk_dist.graph import Graph, Op
 FUSIONS = ("norm", "silu", "residual")
 """Names of the fusions ``fuse=True`` turns on, in the order they are documented."""
 
-OPT_IN_FUSIONS = ("attn_prep", "attn_merge", "silu_epi", "flags", "flags16")
+OPT_IN_FUSIONS = ("attn_prep", "attn_merge", "silu_epi", "flags", "flags16", "silu_down")
 """Fusions that must be named (``fuse='norm,silu,residual,attn_prep'`` or a list): not GPU-verified yet."""
 
 VEC = 8
@@ -73,19 +80,26 @@ def fusion_set(fuse: bool | str | Iterable[str] | None) -> frozenset[str]:
     if bad:
         raise InputError(f"fuse: expected True/False or names from {', '.join(FUSIONS + OPT_IN_FUSIONS)}, got {bad}; "
                          "e.g. fuse='norm,silu'")
+    if "silu_down" in names and "flags" in names:
+        raise InputError("fuse: 'silu_down' and 'flags' do not go together (the folded down projection adds into the "
+                         "residual stream, whose flagged copy only linear_residual writes); drop one "
+                         "(MPK_FUSE_SILU_DOWN / MPK_FLAG_WORDS)")
     return frozenset(names)
 
 
 @dataclass
 class FusedLinear:
     """A linear op and the ops folded into its tiles (prologue: ``norm`` or ``silu``; epilogue: ``residual``,
-    or ``act``: the silu_mul that reads the gate|up output)."""
+    or ``act``: the silu_mul that reads the gate|up output, and with it ``down``: the down projection that
+    reads the activation, itself a fused linear_residual; ``copy``: a tensor the residual epilogue also writes)."""
 
     linear: Op
     norm: Op | None = None
     silu: Op | None = None
     residual: Op | None = None
     act: Op | None = None
+    down: "FusedLinear | None" = None
+    copy: str | None = None
 
     @property
     def kind(self) -> str:
@@ -201,7 +215,28 @@ def plan(graph: Graph, fuse: bool | str | Iterable[str] | None) -> list[Op | Fus
             fused[id(op)] = f
     absorbed = {id(o) for f in fused.values()
                 for o in ((f.prep,) if isinstance(f, FusedAttention) else (f.norm, f.silu, f.residual, f.act)) if o is not None}
+    if "silu_down" in fusions:
+        absorbed |= _fold_down(list(fused.values()), cons)
     return [fused.get(id(op), op) for op in graph.ops if id(op) not in absorbed]
+
+
+def _fold_down(groups: list, cons: dict[str, list[Op]]) -> set[int]:
+    """Fusion 'silu_down': each down projection (a linear_residual group) whose activation comes from a
+    norm_linear_silu group and whose residual from another linear_residual group (the o_proj) is folded into
+    the former, the latter writing its output to the down's output too. Returns the ids of the folded linears."""
+    by_output = {f.output: f for f in groups if isinstance(f, FusedLinear)}
+    folded = set()
+    for fd in groups:
+        if not isinstance(fd, FusedLinear) or fd.kind != "linear_residual":
+            continue
+        fg, fo = by_output.get(fd.linear.inputs[0]), by_output.get(fd.residual_input())
+        if fg is None or fg.act is None or fg.down is not None or fo is None or fo.kind != "linear_residual":
+            continue
+        if [id(c) for c in cons.get(fg.output, [])] != [id(fd.linear)] or fo.copy is not None:
+            continue
+        fg.down, fo.copy = fd, fd.output
+        folded.add(id(fd.linear))
+    return folded
 
 
 def dropped_tensors(items: list[Op | FusedLinear | FusedAttention]) -> set[str]:
@@ -214,6 +249,8 @@ def dropped_tensors(items: list[Op | FusedLinear | FusedAttention]) -> set[str]:
                 out.add(f.linear.inputs[0])
             if f.residual is not None or f.act is not None:
                 out.add(f.linear.outputs[0])
+            if f.down is not None:
+                out.add(f.down.linear.outputs[0])
     return out
 
 STAGING_KINDS = ("norm_linear", "silu_linear", "norm_linear_silu")

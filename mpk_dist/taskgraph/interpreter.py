@@ -310,7 +310,7 @@ class _Launch:
                 sh = self.shadow[q].get(b)
                 if sh is None:
                     continue
-                fn = sh.check_write if a.mode == "w" else sh.check_read
+                fn = {"w": sh.check_write, "a": sh.check_accumulate}.get(a.mode, sh.check_read)
                 race = fn(xid, hb, np.asarray(a.index, np.int64), self.label)
                 if race is not None:
                     if self.it.on_race == "raise":
@@ -320,7 +320,7 @@ class _Launch:
     def _capture(self, r: int, s: int, args, acc) -> None:
         for a in acc:
             b = args[a.arg][0]
-            if a.mode == "w" and b in self.capture:
+            if a.mode in ("w", "a") and b in self.capture:
                 snap = self.snap[(self.capture[b], r)][s].view(-1)
                 idx = torch.from_numpy(np.asarray(a.index, np.int64))
                 snap[idx] = self.it.bufs[r][b][idx].float()

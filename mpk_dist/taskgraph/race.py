@@ -12,6 +12,10 @@ element whose last writer is not in the reader's set, a write over an element wh
 any reader since is not in the writer's set, is a race; the report names both task instances.
 Host-written buffers (weights, constants, inputs) are not tracked: the host writes them before the
 launch.
+
+Accumulating writes (mode 'a': atomic adds that commute, e.g. the down partials of fusion 'silu_down') need
+not be ordered among themselves, but each must be ordered after the element's last plain writer and its
+reads since, and a later read or plain write must be ordered after every accumulation since that writer.
 """
 
 from __future__ import annotations
@@ -51,6 +55,36 @@ class Shadow:
         self.name = name
         self.writer = np.full(numel, -1, np.int64)
         self.reads: list[tuple[int, np.ndarray]] = []
+        self.accs: list[tuple[int, np.ndarray]] = []  # accumulations since each element's last plain write
+
+    def _unordered_acc(self, inst: int, hb: int, idx: np.ndarray, kind: str, label) -> Race | None:
+        hit = np.zeros(len(self.writer), bool)
+        hit[idx] = True
+        for a, aidx in self.accs:
+            touched = hit[aidx]
+            if a != inst and touched.any() and not (hb >> a) & 1:
+                return Race(kind, self.name, int(aidx[np.nonzero(touched)[0][0]]), label(a), label(inst))
+        return None
+
+    def check_accumulate(self, inst: int, hb: int, idx: np.ndarray, label) -> Race | None:
+        """Record an accumulating write: a race if the last plain writer or a read since is unordered."""
+        if len(idx) == 0:
+            return None
+        ws = self.writer[idx]
+        for w in np.unique(ws):
+            w = int(w)
+            if w >= 0 and w != inst and not (hb >> w) & 1:
+                el = int(idx[np.nonzero(ws == w)[0][0]])
+                return Race("accumulate-after-write", self.name, el, label(w), label(inst))
+        hit = np.zeros(len(self.writer), bool)
+        hit[idx] = True
+        for r, ridx in self.reads:
+            touched = hit[ridx]
+            if r != inst and touched.any() and not (hb >> r) & 1:
+                el = int(ridx[np.nonzero(touched)[0][0]])
+                return Race("accumulate-after-read", self.name, el, label(r), label(inst))
+        self.accs.append((inst, idx))
+        return None
 
     def check_read(self, inst: int, hb: int, idx: np.ndarray, label) -> Race | None:
         """Record a read by instance ``inst`` (happens-before set ``hb``); a race if a writer is unordered."""
@@ -62,6 +96,10 @@ class Shadow:
             if w >= 0 and w != inst and not (hb >> w) & 1:
                 el = int(idx[np.nonzero(ws == w)[0][0]])
                 return Race("read-after-write", self.name, el, label(w), label(inst))
+        if self.accs:
+            race = self._unordered_acc(inst, hb, idx, "read-after-accumulate", label)
+            if race is not None:
+                return race
         self.reads.append((inst, idx))
         return None
 
@@ -75,8 +113,13 @@ class Shadow:
             if w >= 0 and w != inst and not (hb >> w) & 1:
                 el = int(idx[np.nonzero(ws == w)[0][0]])
                 return Race("write-after-write", self.name, el, label(w), label(inst))
+        if self.accs:
+            race = self._unordered_acc(inst, hb, idx, "write-after-accumulate", label)
+            if race is not None:
+                return race
         hit = np.zeros(len(self.writer), bool)
         hit[idx] = True
+        self.accs = [(a, aidx) for a, aidx in self.accs if not hit[aidx].all()]
         kept = []
         for r, ridx in self.reads:
             touched = hit[ridx]

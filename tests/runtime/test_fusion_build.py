@@ -167,3 +167,26 @@ def test_batch_switches_are_taken_when_the_backend_is_made(fake_gpu, monkeypatch
     assert meta.get("flag_words"), "the flagged words were lost with the restored environment"
     meta = plain.group(batch).sessions[0].cg.meta
     assert "norm_linear_silu" not in {o["kind"] for o in meta["ops"]} and not meta.get("flag_words")
+
+
+def test_silu_down_switch(fake_gpu, monkeypatch):
+    """MPK_FUSE_SILU_DOWN=1 adds 'silu_down' to the backend's fusions (off by default): its batch-1 program has no
+    down level and its kernel gets MPK_SILU_DOWN=1; with the flagged words as well the compile is refused by name."""
+    from mpk_dist.errors import InputError
+    from mpk_dist.model_source import open_model
+    from mpk_dist.runtime.kernel import kind_defines
+
+    m = open_model("tiny")
+    for var in ("MPK_FUSE_NORM", "MPK_FUSE_SILU", "MPK_FUSE_RESIDUAL", "MPK_FUSE_SILU_EPI", "MPK_FLAG_WORDS"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.delenv("MPK_FUSE_SILU_DOWN", raising=False)
+    plain = fake_gpu.MegakernelBackend(m.config, m.weights, device="cpu", max_seq_len=16, sms=4)
+    assert "silu_down" not in plain.fuse and "MPK_SILU_DOWN" not in kind_defines(plain.group(1).sessions[0].cg)
+    monkeypatch.setenv("MPK_FUSE_SILU_DOWN", "1")
+    b = fake_gpu.MegakernelBackend(m.config, m.weights, device="cpu", max_seq_len=16, sms=4)
+    cg = b.group(1).sessions[0].cg
+    assert "silu_down" in b.fuse and kind_defines(cg).get("MPK_SILU_DOWN") == 1
+    assert [o["kind"] for o in cg.meta["ops"] if o["layer"] == 0][-1] == "norm_linear_silu"
+    monkeypatch.setenv("MPK_FLAG_WORDS", "1")
+    with pytest.raises(InputError, match="silu_down"):
+        fake_gpu.MegakernelBackend(m.config, m.weights, device="cpu", max_seq_len=16, sms=4).group(1)

@@ -28,3 +28,23 @@ def test_write_after_read_and_write_after_write():
     race = sh.check_write(4, 1 << 0, np.array([0]), LABEL)              # misses writer 3
     assert race.kind == "write-after-write" and race.first == "task3"
     assert "not ordered after task3" in str(race)
+
+
+def test_accumulations_commute_but_are_ordered_against_plain_accesses():
+    """Mode 'a' (atomic adds, fusion 'silu_down'): two unordered accumulations are no race; each must follow the
+    last plain writer; a later read or plain write must follow every accumulation since that writer."""
+    sh = Shadow("buf", 8)
+    sh.check_write(0, 0, np.arange(8), LABEL)
+    race = sh.check_accumulate(1, 0, np.arange(8), LABEL)               # does not know writer 0
+    assert race.kind == "accumulate-after-write" and race.first == "task0"
+    sh = Shadow("buf", 8)
+    sh.check_write(0, 0, np.arange(8), LABEL)
+    assert sh.check_accumulate(1, 1 << 0, np.arange(8), LABEL) is None
+    assert sh.check_accumulate(2, 1 << 0, np.arange(8), LABEL) is None  # unordered with 1: commuting adds
+    race = sh.check_read(3, (1 << 0) | (1 << 1), np.array([5]), LABEL)  # misses accumulation 2
+    assert race.kind == "read-after-accumulate" and race.first == "task2"
+    assert sh.check_read(4, 0b111, np.arange(8), LABEL) is None
+    race = sh.check_write(5, 0b10011, np.array([1]), LABEL)               # misses accumulation 2
+    assert race.kind == "write-after-accumulate" and race.first == "task2"
+    assert sh.check_write(6, 0b11111, np.arange(8), LABEL) is None      # after all: the accumulations are cleared
+    assert sh.check_read(7, 1 << 6, np.arange(8), LABEL) is None

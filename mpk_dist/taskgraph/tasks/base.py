@@ -25,7 +25,7 @@ import torch
 class ArgSpec:
     """One pointer argument of a task kind.
 
-    ``mode``: 'r' (read), 'w' (written), 'rw'. ``remote``: the task writes this (symmetric) buffer
+    ``mode``: 'r' (read), 'w' (written), 'rw', 'a' (added into atomically by every tile of the op: the adds commute). ``remote``: the task writes this (symmetric) buffer
     on EVERY rank of the TP group at the same offset, through the peer pointer table.
     ``optional``: the buffer id may be NULL_BUFFER (-1), meaning "absent" (e.g. no residual).
     """
@@ -51,7 +51,7 @@ class Access:
     """Elements one tile touches in one buffer (flat element indices), for race detection."""
 
     arg: int
-    mode: str  # 'r' or 'w'
+    mode: str  # 'r', 'w' or 'a' (an accumulating write: atomic adds, unordered among themselves)
     index: np.ndarray
     remote: bool = False  # a write landing on every rank's copy
 
@@ -181,7 +181,7 @@ class TaskKind:
         for a, n, eb in zip(self.args, counts, elem_bytes):
             if "r" in a.mode:
                 rd += n * eb
-            if "w" in a.mode:
+            if "w" in a.mode or "a" in a.mode:
                 wr += n * eb * (world if a.remote else 1)
         return rd, wr
 

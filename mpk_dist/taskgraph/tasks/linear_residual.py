@@ -32,6 +32,9 @@ class LinearResidual(TaskKind):
                 "NULL: read RESIDUAL", optional=True),
         ArgSpec("X_FLAGS", "r", "flagged copy of X (one (two bf16, step tag) word per column pair), polled instead of "
                 "waiting on X's producers; offset = X's; NULL: read X after the wait", optional=True),
+        ArgSpec("COPY", "w", "a second output written with Y's values (fusion 'silu_down': the residual stream the "
+                "next down partials are added into); offset = column n0 of row 0, row stride Y_STRIDE; NULL: none",
+                optional=True),
     )
     params = (
         ParamSpec("BATCH", "B"),
@@ -47,14 +50,18 @@ class LinearResidual(TaskKind):
         w = view2d(t.buf("W"), t.off("W"), n, K, K)
         res = view2d(t.buf("RESIDUAL"), t.off("RESIDUAL"), B, n, ys)
         part = T.linear(x, w)  # rounded once to the weight dtype, as the unfused linear's output
-        view2d(t.buf("Y"), t.off("Y"), B, n, ys).copy_(part + res)
+        y = view2d(t.buf("Y"), t.off("Y"), B, n, ys)
+        y.copy_(part + res)
+        if t.buf("COPY") is not None:
+            view2d(t.buf("COPY"), t.off("COPY"), B, n, ys).copy_(y)
 
     def accesses(self, t: TileContext) -> list[Access]:
         B, K, n, ys = t.p("BATCH"), t.p("K"), t.p("N_TILE"), t.p("Y_STRIDE")
         return [Access(0, "r", rect(t.off("X"), B, K, t.p("X_STRIDE"))),
                 Access(1, "r", t.off("W") + np.arange(n * K)),
                 Access(2, "r", rect(t.off("RESIDUAL"), B, n, ys)),
-                Access(3, "w", rect(t.off("Y"), B, n, ys))]
+                Access(3, "w", rect(t.off("Y"), B, n, ys))] + (
+            [] if t.buf("COPY") is None else [Access(7, "w", rect(t.off("COPY"), B, n, ys))])
 
     def traffic(self, counts, elem_bytes, params, world):
         B, K, n = params[0], params[1], params[2]

@@ -8,6 +8,13 @@ rounds each to the activation dtype (what the gate|up linear would store) and wr
 act = silu(gate) * up rounded as the standalone ``silu_mul`` task rounds it. So the gate|up activation
 never exists, the silu_mul level disappears, and the down projection reads act as a plain input (one
 load per element instead of silu over every element in each of its tiles).
+
+With the down projection folded in as well (opt-in fusion 'silu_down', tp 1): the tile then multiplies its COLS
+activation columns by the matching COLS columns of the [H, I] down weight and adds that fp32 partial of every
+output row into the residual stream XO (atomic adds; o_proj's tiles wrote XO = x_mid first, COPY of
+linear_residual). So the down level and its boundary disappear; the down product is summed in fp32 over the
+tiles (in no fixed order on the GPU) instead of rounded once to bf16, so it is not bit-identical to the unfused
+pair, and a GPU run is not bit-reproducible.
 """
 
 from __future__ import annotations
@@ -36,6 +43,10 @@ class NormLinearSilu(TaskKind):
                 "column pair, i32 pairs); offset = Y's; NULL: none (kernel only)", optional=True),
         ArgSpec("X_FLAGS", "r", "flagged copy of X (mpk_dist.taskgraph.flag_words), polled instead of waiting on "
                 "X's producers; offset = 2 x X's; NULL: read X after the wait", optional=True),
+        ArgSpec("WD", "r", "[H, I] down weight (fusion 'silu_down'); offset = column c0 of row 0, row stride WD_STRIDE; "
+                "NULL: no down projection in the tile", optional=True),
+        ArgSpec("XO", "a", "[B, H] residual stream after the MLP (fp32), which the tile's down partial is added into "
+                "(atomically); offset = row 0; NULL with WD", optional=True),
     )
     params = (
         ParamSpec("BATCH", "B"),
@@ -45,6 +56,9 @@ class NormLinearSilu(TaskKind):
         ParamSpec("Y_STRIDE", "elements between rows of Y (I)"),
         ParamSpec("UP_ROWS", "weight rows from a gate row to its up row (I)"),
         ParamSpec("EPS", "rms_norm epsilon", is_float=True),
+        ParamSpec("H", "rows of the down weight (the hidden size); 0 without WD"),
+        ParamSpec("WD_STRIDE", "elements between rows of WD (I); 0 without WD"),
+        ParamSpec("XO_STRIDE", "elements between rows of XO (H); 0 without WD"),
     )
 
     def run_tile(self, t: TileContext) -> None:
@@ -57,6 +71,11 @@ class NormLinearSilu(TaskKind):
         a = normed_rows(x, nw, t.f("EPS"))
         # the products in the activation dtype (what the gate|up linear stores), then silu_mul's rounding
         y.copy_(F.silu(T.linear(a, wg, y.dtype)) * T.linear(a, wu, y.dtype))
+        if t.buf("WD") is not None:  # the down projection's split-K partial over this tile's columns, in fp32
+            H = t.p("H")
+            wd = view2d(t.buf("WD"), t.off("WD"), H, n, t.p("WD_STRIDE"))
+            xo = view2d(t.buf("XO"), t.off("XO"), B, H, t.p("XO_STRIDE"))
+            xo.add_(y.float() @ wd.float().T)
 
     def accesses(self, t: TileContext) -> list[Access]:
         B, K, n, up = t.p("BATCH"), t.p("K"), t.p("N_TILE") // 2, t.p("UP_ROWS")
@@ -64,11 +83,14 @@ class NormLinearSilu(TaskKind):
         return [Access(0, "r", rect(t.off("X"), B, K, t.p("X_STRIDE"))),
                 Access(1, "r", t.off("NORM_W") + np.arange(K)),
                 Access(2, "r", np.concatenate([w0 + np.arange(n * K), w0 + up * K + np.arange(n * K)])),
-                Access(3, "w", rect(t.off("Y"), B, n, t.p("Y_STRIDE")))]
+                Access(3, "w", rect(t.off("Y"), B, n, t.p("Y_STRIDE")))] + (
+            [] if t.buf("WD") is None else [Access(7, "a", rect(t.off("XO"), B, t.p("H"), t.p("XO_STRIDE")))])
 
     def traffic(self, counts, elem_bytes, params, world):
-        B, K, n = params[0], params[1], params[2]
-        return B * K * elem_bytes[0] + K * elem_bytes[1] + n * K * elem_bytes[2], B * (n // 2) * elem_bytes[3]
+        B, K, n, H = params[0], params[1], params[2], params[7]
+        down = (H * (n // 2) * elem_bytes[6], B * H * elem_bytes[7]) if counts[6] else (0, 0)
+        return (B * K * elem_bytes[0] + K * elem_bytes[1] + n * K * elem_bytes[2] + down[0],
+                B * (n // 2) * elem_bytes[3] + down[1])
 
 
 KIND = NormLinearSilu()

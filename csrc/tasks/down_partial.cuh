@@ -1,0 +1,75 @@
+// down_partial: the down projection folded into a norm_linear_silu tile (fusion 'silu_down',
+// mpk_dist/taskgraph/tasks/norm_linear_silu.py; MPK_SILU_DOWN). The tile owns n activation columns [c0, c0 + n)
+// of every batch row; it multiplies them by the matching n columns of the [H, I] down weight and adds the fp32
+// result, one value per (row b, output r), into the residual stream xo with an atomic add (a reduction that
+// returns nothing: RED.ADD.F32). o_proj's tiles initialised xo with x_mid (linear_residual's COPY), and the
+// next level waits for every tile of this op, so the sum is complete when it is read. The adds land in no fixed
+// order: the bits may differ between runs (the unfused down rounds its product once to bf16 instead).
+//
+// Why: the down projection was a level of its own after the gate|up tiles, with the boundary's lag (~1.2 us) and a
+// tile's fixed costs (~2 us beyond its bytes at qwen3-0.6b, docs/PERF.md v0.34) on every layer's critical path.
+#pragma once
+#include "common.cuh"
+
+namespace mpk {
+
+constexpr int kDownVec = 8;        // bf16 per 16-byte load
+constexpr int kDownWaves = 8;      // 16-byte weight loads a lane has in flight (32 registers)
+constexpr int kDownMaxCols = 256;  // activation columns a tile may own: at most a warp of 16-byte vectors a row
+
+// Whether the shapes are ones the body handles: whole 16-byte vectors of columns, at most a warp's worth a row,
+// 16-byte aligned rows.
+__device__ __forceinline__ bool down_partial_ok(const bf16* wd, int n, int ldw, int B) {
+  return n % kDownVec == 0 && n >= kDownVec && n <= kDownMaxCols && ldw % kDownVec == 0 && B >= 1 &&
+         (reinterpret_cast<uintptr_t>(wd) & 15) == 0;
+}
+
+// xo[b, r] += sum_c act[b, c] * wd[r, c] for r < H. act: [B, n] bf16 in shared memory (16-byte aligned; the
+// values the tile stored as its activation), wd at column c0 of row 0 (rows ldw apart). A row's n columns are
+// nv = n / 8 vectors, one lane each, so a warp takes 32 / nv rows a wave and a lane keeps kDownWaves waves' loads
+// in flight; the nv lanes of a row are summed by shuffles and the first adds the sum. Not inlined, and the
+// loads one vector a lane: with 4 rows x 4 vectors a thread inlined into the gate|up body, ptxas spilled across
+// the whole kernel (entry frame 80 -> 320 B).
+__device__ __noinline__ void down_partial(const bf16* act, int B, int n, const bf16* wd, int ldw, int H, float* xo,
+                                          int ldxo, int tid, int nt) {
+  const int nv = n / kDownVec, per_wave = 32 / nv;
+  const int lane = tid & 31, warp = tid >> 5, nwarps = nt >> 5;
+  const int slot = lane / nv, v = lane - slot * nv;
+  const bool active = slot < per_wave;
+  const int step = per_wave * kDownWaves;
+  for (int b = 0; b < B; ++b) {
+    const uint4 a8 = active ? *reinterpret_cast<const uint4*>(act + (size_t)b * n + (size_t)v * kDownVec)
+                            : make_uint4(0u, 0u, 0u, 0u);
+    for (int r0 = warp * step; r0 < H; r0 += nwarps * step) {
+      uint4 w[kDownWaves];
+#pragma unroll
+      for (int k = 0; k < kDownWaves; ++k) {
+        const int r = r0 + k * per_wave + slot;
+        w[k] = active && r < H ? ld_weight_v4(wd + (size_t)r * ldw + (size_t)v * kDownVec) : make_uint4(0u, 0u, 0u, 0u);
+      }
+#pragma unroll
+      for (int k = 0; k < kDownWaves; ++k) {
+        const int r = r0 + k * per_wave + slot;
+        const float s = dot8(w[k], a8);
+        float sum = s;  // lane v = 0 of the row gathers its nv lanes (the others' sums are not used)
+        for (int i = 1; i < nv; ++i) sum += __shfl_sync(kFullWarp, s, (lane + i) & 31);
+        if (active && v == 0 && r < H) atomicAdd(xo + (size_t)b * ldxo + r, sum);
+      }
+    }
+  }
+}
+
+// The down weight's columns of the tile into L2 before its wait: one prefetch per row (a row's n columns are
+// 2n bytes, at most two 128-byte lines; the second when they cross a line). Not inlined: prefetch_task runs in the
+// kernel entry, whose registers are the worker loop's.
+__device__ __noinline__ void down_partial_prefetch(const bf16* wd, int n, int ldw, int H, int tid, int nt) {
+  for (int r = tid; r < H; r += nt) {
+    const char* p = reinterpret_cast<const char*>(wd + (size_t)r * ldw);
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+    const uintptr_t first = reinterpret_cast<uintptr_t>(p) / kL2LineBytes;
+    if ((reinterpret_cast<uintptr_t>(p) + 2u * (uintptr_t)n - 1u) / kL2LineBytes != first)
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(p + 2 * n - 1));
+  }
+}
+
+}  // namespace mpk
