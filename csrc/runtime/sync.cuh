@@ -91,6 +91,13 @@ __device__ __forceinline__ void st_relaxed_sys_u64(uint64_t* p, uint64_t v) {
   asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
+// Four fp32 adds into [p, p + 4) (16-byte aligned) as one relaxed gpu-scope vector reduction (sm_90): the value is not
+// returned, so the SM does not wait for it; the task's release (fence + signal) orders it like its stores.
+__device__ __forceinline__ void red_add_v4_f32(float* p, float4 v) {
+  asm volatile("red.relaxed.gpu.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(p), "f"(v.x), "f"(v.y), "f"(v.z),
+               "f"(v.w) : "memory");
+}
+
 // A flagged word (value, step tag: csrc/tasks/flag_words.cuh) at gpu scope: one 64-bit relaxed store, so a reader's
 // 64-bit relaxed load (below) sees the whole word or none of it (single-copy atomicity of an aligned 8-byte access).
 // No fence: the word carries its own readiness, and no other data is published through it.

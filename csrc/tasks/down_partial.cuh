@@ -11,6 +11,13 @@
 #pragma once
 #include "common.cuh"
 
+// MPK_DOWN_VECTOR_RED 1 (default): the row sums gathered in shared memory, added four at a time
+// (red.global.add.v4.f32); 0: one scalar atomic add per row (the first form, measured 10% slower than the unfused
+// program at qwen3-0.6b, docs/PERF.md v0.35).
+#ifndef MPK_DOWN_VECTOR_RED
+#define MPK_DOWN_VECTOR_RED 1
+#endif
+
 namespace mpk {
 
 constexpr int kDownVec = 8;        // bf16 per 16-byte load
@@ -30,8 +37,12 @@ __device__ __forceinline__ bool down_partial_ok(const bf16* wd, int n, int ldw, 
 // in flight; the nv lanes of a row are summed by shuffles and the first adds the sum. Not inlined, and the
 // loads one vector a lane: with 4 rows x 4 vectors a thread inlined into the gate|up body, ptxas spilled across
 // the whole kernel (entry frame 80 -> 320 B).
+// With `sums` (shared memory for B x H floats; nullptr: none) the row sums are gathered there first and added with
+// one 16-byte vector reduction per 4 outputs (red.global.add.v4.f32): a quarter of the atomic operations, which all
+// of the op's ~128 tiles aim at the same H floats (measured: with one scalar add per row the fused gate|up tile ran
+// 5.2 us longer at qwen3-0.6b, docs/PERF.md v0.35).
 __device__ __noinline__ void down_partial(const bf16* act, int B, int n, const bf16* wd, int ldw, int H, float* xo,
-                                          int ldxo, int tid, int nt) {
+                                          int ldxo, float* sums, int tid, int nt) {
   const int nv = n / kDownVec, per_wave = 32 / nv;
   const int lane = tid & 31, warp = tid >> 5, nwarps = nt >> 5;
   const int slot = lane / nv, v = lane - slot * nv;
@@ -53,10 +64,25 @@ __device__ __noinline__ void down_partial(const bf16* act, int B, int n, const b
         const float s = dot8(w[k], a8);
         float sum = s;  // lane v = 0 of the row gathers its nv lanes (the others' sums are not used)
         for (int i = 1; i < nv; ++i) sum += __shfl_sync(kFullWarp, s, (lane + i) & 31);
-        if (active && v == 0 && r < H) atomicAdd(xo + (size_t)b * ldxo + r, sum);
+        if (active && v == 0 && r < H) {
+          if (sums != nullptr) sums[(size_t)b * H + r] = sum;
+          else atomicAdd(xo + (size_t)b * ldxo + r, sum);
+        }
       }
     }
   }
+  if (sums == nullptr) return;
+  worker_barrier(nt);  // every row sum is in shared memory
+  for (int i = tid; i < B * H / 4; i += nt) {
+    const int b = (4 * i) / H, r = 4 * i - b * H;
+    const float4 s4 = *reinterpret_cast<const float4*>(sums + (size_t)b * H + r);
+    red_add_v4_f32(xo + (size_t)b * ldxo + r, s4);
+  }
+}
+
+// Whether the row sums can go through shared memory and vector reductions: whole float4s of 16-byte aligned rows.
+__device__ __forceinline__ bool down_sums_vector_ok(const float* xo, int H, int ldxo) {
+  return H % 4 == 0 && ldxo % 4 == 0 && (reinterpret_cast<uintptr_t>(xo) & 15) == 0;
 }
 
 // The down weight's columns of the tile into L2 before its wait: one prefetch per row (a row's n columns are

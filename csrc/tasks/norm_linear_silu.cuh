@@ -112,7 +112,16 @@ __device__ __forceinline__ bool norm_linear_silu(int B, const float* x, int ldx,
 #if MPK_SILU_DOWN
   if (act_copy != nullptr) {
     worker_barrier(nt);  // the whole activation copy before any thread's rows read it
-    down_partial(act_copy, B, n_tile / 2, down.wd, down.ldw, down.H, down.xo, down.ldxo, tid, nt);
+    // the row sums in shared memory after the gate|up sums when they fit there (vector reductions), else one
+    // scalar add per row
+    float* sums = reinterpret_cast<float*>(reinterpret_cast<char*>(pair) +
+                                           (((uint32_t)(B * n_tile) * (uint32_t)sizeof(bf16) + kPairAlign - 1) &
+                                            ~(kPairAlign - 1)));
+    const uint32_t end = (uint32_t)(reinterpret_cast<char*>(sums) - reinterpret_cast<char*>(smem)) +
+                         (uint32_t)(B * down.H) * (uint32_t)sizeof(float);
+    if (!MPK_DOWN_VECTOR_RED || end > dynamic_smem_bytes() || !down_sums_vector_ok(down.xo, down.H, down.ldxo))
+      sums = nullptr;
+    down_partial(act_copy, B, n_tile / 2, down.wd, down.ldw, down.H, down.xo, down.ldxo, sums, tid, nt);
   }
 #endif
   return true;

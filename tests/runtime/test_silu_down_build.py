@@ -30,7 +30,8 @@ def test_silu_down_build_without_spills(tmp_path, monkeypatch, threads):
     touched = {k: v for k, v in spills.items() if re.search(r"run_norm_linear|run_linear_residual", k)}
     assert len(touched) == 3, f"expected run_norm_linear(_silu), run_linear_residual, got {sorted(touched)}"
     assert all(v == (0, 0) for v in touched.values()), f"spills (stores, loads): {touched}"
-    assert spills.get("_ZN3mpk12down_partialEPK13__nv_bfloat16iiS2_iiPfiii") == (0, 0), sorted(spills)
+    down = {k: v for k, v in spills.items() if "down_partial" in k}
+    assert len(down) == 2 and all(v == (0, 0) for v in down.values()), f"down_partial(_prefetch): {down}"
     if threads == 512:
         return
     assert spills.get("mpk_megakernel") == (0, 0), f"the kernel entry spills: {spills.get('mpk_megakernel')}"
