@@ -21,7 +21,8 @@ from mpk_dist.taskgraph.lowering_attention import AUTO_SPLIT_MAX_BATCH, KV_STAGE
 from mpk_dist.taskgraph.tasks import BY_NAME
 
 THREADS = 512
-BACKEND_FUSE = [*FUSIONS, *OPT_IN_FUSIONS]  # the megakernel backend's default: split tiles run the prep and merge
+# every fusion the flagged words go with ('silu_down' does not): split tiles run the prep and merge
+BACKEND_FUSE = [*FUSIONS, *(f for f in OPT_IN_FUSIONS if f != "silu_down")]
 
 
 def _program(batch: int = 1, fuse=BACKEND_FUSE, max_seq_len: int = 256, attn_splits=None):
