@@ -401,7 +401,7 @@ def fusions_from_env(fuse=True) -> frozenset[str]:
     MPK_FLAG_WORDS=1 adds 'flags' (the residual stream handed over as flagged words; needs 'residual'; off), =2 also
     'flags16' (the bf16 vectors the down and o_proj projections read). MPK_FUSE_SILU_DOWN=1 adds 'silu_down' (the
     down projection folded into the gate|up tiles as atomic split-K partials; needs 'silu_epi' and 'residual', so
-    batch-1 programs at tp 1 unless MPK_FUSE_SILU_EPI=1; not bit-reproducible; off)."""
+    batch-1 programs at tp 1 unless MPK_FUSE_SILU_EPI=1; not bit-reproducible; off: measured slower, PERF.md v0.35)."""
     from mpk_dist.taskgraph.fusion import fusion_set
 
     out = set(fusion_set(fuse))
@@ -415,7 +415,7 @@ def fusions_from_env(fuse=True) -> frozenset[str]:
     knob = _fusion_switch("MPK_FUSE_SILU_EPI")  # silu_mul as the gate|up projection's epilogue (DEFAULT_SILU_EPI)
     if knob == "1" or (knob == "" and fuse is True):
         out.add("silu_epi")
-    if _fusion_switch("MPK_FUSE_SILU_DOWN") == "1" and {"silu_epi", "residual"} <= out:  # opt-in: not measured yet
+    if _fusion_switch("MPK_FUSE_SILU_DOWN") == "1" and {"silu_epi", "residual"} <= out:  # off: measured slower (v0.35)
         out.add("silu_down")
     flags = _fusion_switch("MPK_FLAG_WORDS", allowed=("0", "1", "2"))  # off by default: measured slower (PERF.md v0.34)
     if flags in ("1", "2") and "residual" in out:  # activations as flagged words (taskgraph.flag_words)

@@ -31,7 +31,7 @@ Opt-in (named explicitly, not part of ``fuse=True`` until verified on a GPU):
   o_proj tiles (``linear_residual``) initialise with x_mid as a second output (``COPY``). The down level and its
   dependency boundary disappear. NOT bit-identical to the unfused pair (the down product is summed in fp32 over
   the tiles in no fixed order instead of rounded once to bf16), so it is opt-in (the megakernel's
-  MPK_FUSE_SILU_DOWN=1).
+  MPK_FUSE_SILU_DOWN=1); measured slower on an H200 (docs/PERF.md v0.35).
 * ``flags``: not a fusion of ops but a hand-over: the ``linear_residual`` tiles also write a flagged copy of the
   fp32 residual stream and its norm_linear readers poll it instead of waiting on an event
   (``mpk_dist.taskgraph.flag_words``; the mega-kernel's MPK_FLAG_WORDS=1). Needs ``residual``; the plan ignores it.
