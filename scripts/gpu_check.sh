@@ -87,7 +87,7 @@ done
 # stream as flagged words (q1, polled back to back and with the wait's 32 ns sleep; q2 also the bf16 vectors) and the
 # kernels of its bitwise tests (test_code_variants_gpu.py's model, batch 1, testing.MAX_SEQ = 320: the default build and each flag set the
 # tests of AB_TESTS compare with it).
-AB_VARIANTS=${AB_VARIANTS:-"base;o0;-DMPK_NORM_ONE_ROUND=0;-DMPK_LONG_ROWS=1;k8;k32;x1;r2,u8;q1;q1,-DMPK_FLAG_POLL_SLEEP_NS=32;q2"}
+AB_VARIANTS=${AB_VARIANTS:-"base;o0;-DMPK_NORM_ONE_ROUND=0;-DMPK_LONG_ROWS=1;k8;k32;x1;r2,u8;q1;q1,-DMPK_FLAG_POLL_SLEEP_NS=32;q2;n1"}
 AB_TEST_KERNELS=${AB_TEST_KERNELS:-"base;-DMPK_NORM_ONE_ROUND=0;-DMPK_SUPEROPT_NORM_LINEAR=0;-DMPK_LONG_ROWS=1;o0;q1"}
 if [ $AB_PREBUILD -eq 1 ]; then
   mkdir -p "$MPK_CACHE_DIR"
