@@ -57,77 +57,60 @@ class Shadow:
         self.reads: list[tuple[int, np.ndarray]] = []
         self.accs: list[tuple[int, np.ndarray]] = []  # accumulations since each element's last plain write
 
-    def _unordered_acc(self, inst: int, hb: int, idx: np.ndarray, kind: str, label) -> Race | None:
+    def _unordered_writer(self, inst: int, hb: int, idx: np.ndarray, kind: str, label) -> Race | None:
+        """A race ``kind`` if the last plain writer of some element of ``idx`` is not in ``hb``."""
+        ws = self.writer[idx]
+        for w in np.unique(ws):
+            w = int(w)
+            if w >= 0 and w != inst and not (hb >> w) & 1:
+                return Race(kind, self.name, int(idx[np.nonzero(ws == w)[0][0]]), label(w), label(inst))
+        return None
+
+    def _unordered_entry(self, entries, inst: int, hb: int, idx: np.ndarray, kind: str, label) -> Race | None:
+        """A race ``kind`` if an access of ``entries`` (reads or accumulations) touching ``idx`` is not in ``hb``."""
+        if not entries:
+            return None
         hit = np.zeros(len(self.writer), bool)
         hit[idx] = True
-        for a, aidx in self.accs:
-            touched = hit[aidx]
-            if a != inst and touched.any() and not (hb >> a) & 1:
-                return Race(kind, self.name, int(aidx[np.nonzero(touched)[0][0]]), label(a), label(inst))
+        for e, eidx in entries:
+            touched = hit[eidx]
+            if e != inst and touched.any() and not (hb >> e) & 1:
+                return Race(kind, self.name, int(eidx[np.nonzero(touched)[0][0]]), label(e), label(inst))
         return None
 
     def check_accumulate(self, inst: int, hb: int, idx: np.ndarray, label) -> Race | None:
         """Record an accumulating write: a race if the last plain writer or a read since is unordered."""
         if len(idx) == 0:
             return None
-        ws = self.writer[idx]
-        for w in np.unique(ws):
-            w = int(w)
-            if w >= 0 and w != inst and not (hb >> w) & 1:
-                el = int(idx[np.nonzero(ws == w)[0][0]])
-                return Race("accumulate-after-write", self.name, el, label(w), label(inst))
-        hit = np.zeros(len(self.writer), bool)
-        hit[idx] = True
-        for r, ridx in self.reads:
-            touched = hit[ridx]
-            if r != inst and touched.any() and not (hb >> r) & 1:
-                el = int(ridx[np.nonzero(touched)[0][0]])
-                return Race("accumulate-after-read", self.name, el, label(r), label(inst))
-        self.accs.append((inst, idx))
-        return None
+        race = (self._unordered_writer(inst, hb, idx, "accumulate-after-write", label)
+                or self._unordered_entry(self.reads, inst, hb, idx, "accumulate-after-read", label))
+        if race is None:
+            self.accs.append((inst, idx))
+        return race
 
     def check_read(self, inst: int, hb: int, idx: np.ndarray, label) -> Race | None:
         """Record a read by instance ``inst`` (happens-before set ``hb``); a race if a writer is unordered."""
         if len(idx) == 0:
             return None
-        ws = self.writer[idx]
-        for w in np.unique(ws):
-            w = int(w)
-            if w >= 0 and w != inst and not (hb >> w) & 1:
-                el = int(idx[np.nonzero(ws == w)[0][0]])
-                return Race("read-after-write", self.name, el, label(w), label(inst))
-        if self.accs:
-            race = self._unordered_acc(inst, hb, idx, "read-after-accumulate", label)
-            if race is not None:
-                return race
-        self.reads.append((inst, idx))
-        return None
+        race = (self._unordered_writer(inst, hb, idx, "read-after-write", label)
+                or self._unordered_entry(self.accs, inst, hb, idx, "read-after-accumulate", label))
+        if race is None:
+            self.reads.append((inst, idx))
+        return race
 
     def check_write(self, inst: int, hb: int, idx: np.ndarray, label) -> Race | None:
-        """Record a write; a race if an earlier writer or reader of these elements is unordered."""
+        """Record a write; a race if an earlier writer, accumulation or reader of these elements is unordered."""
         if len(idx) == 0:
             return None
-        ws = self.writer[idx]
-        for w in np.unique(ws):
-            w = int(w)
-            if w >= 0 and w != inst and not (hb >> w) & 1:
-                el = int(idx[np.nonzero(ws == w)[0][0]])
-                return Race("write-after-write", self.name, el, label(w), label(inst))
-        if self.accs:
-            race = self._unordered_acc(inst, hb, idx, "write-after-accumulate", label)
-            if race is not None:
-                return race
+        race = (self._unordered_writer(inst, hb, idx, "write-after-write", label)
+                or self._unordered_entry(self.accs, inst, hb, idx, "write-after-accumulate", label)
+                or self._unordered_entry(self.reads, inst, hb, idx, "write-after-read", label))
+        if race is not None:
+            return race
         hit = np.zeros(len(self.writer), bool)
         hit[idx] = True
+        # accesses wholly overwritten need no later check; partly overwritten ones keep all their elements
         self.accs = [(a, aidx) for a, aidx in self.accs if not hit[aidx].all()]
-        kept = []
-        for r, ridx in self.reads:
-            touched = hit[ridx]
-            if r != inst and touched.any() and not (hb >> r) & 1:
-                el = int(ridx[np.nonzero(touched)[0][0]])
-                return Race("write-after-read", self.name, el, label(r), label(inst))
-            if not touched.all():
-                kept.append((r, ridx))
-        self.reads = kept
+        self.reads = [(r, ridx) for r, ridx in self.reads if not hit[ridx].all()]
         self.writer[idx] = inst
         return None

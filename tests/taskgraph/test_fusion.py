@@ -170,11 +170,12 @@ def test_staging_bytes_counts_the_gate_up_sums():
     assert fusion.staging_bytes(cg, 1 << 20) >= fusion.pair_offset(B, K) + 2 * B * n
 
 
-@pytest.mark.parametrize("config,tp", [("tiny", 1), ("tiny-llama", 2)])
-def test_silu_epilogue_random_schedules_match_torch_backend(config, tp):
+def _check_random_schedules(config: str, tp: int, fuse: str, kind: str) -> None:
+    """fp32: four schedules (jit and aot) of the ``fuse`` program, whose layer 0 has a ``kind`` op, give the torch
+    backend's logits within 1e-5 and its tokens (the interpreter's race checker runs)."""
     cfg = fp32(config)
-    cgs, ws = programs(cfg, tp, fuse=EPI), weights(cfg, tp)
-    assert "norm_linear_silu" in _layer_kinds(cgs[0], 0)
+    cgs, ws = programs(cfg, tp, fuse=fuse), weights(cfg, tp)
+    assert kind in _layer_kinds(cgs[0], 0)
     greedy = [[7]] + [[-1]] * (LONG - 1)
     ref_logits, ref_tokens = reference(cfg, tp, greedy)
     for seed in range(4):
@@ -182,8 +183,13 @@ def test_silu_epilogue_random_schedules_match_torch_backend(config, tp):
         res = Interpreter(cgs, ws, seed=seed, mode="aot" if seed % 2 else "jit").run(
             steps, torch.tensor(greedy[:steps]), torch.tensor([0]))
         err = max_rel_err(res.captured["logits"], ref_logits[:steps])
-        assert err <= 1e-5, f"{config} tp={tp} schedule {seed}: max rel. error {err:.2e}"
+        assert err <= 1e-5, f"{config} tp={tp} {fuse} schedule {seed}: max rel. error {err:.2e}"
         assert torch.equal(res.tokens, ref_tokens[:steps])
+
+
+@pytest.mark.parametrize("config,tp", [("tiny", 1), ("tiny-llama", 2)])
+def test_silu_epilogue_random_schedules_match_torch_backend(config, tp):
+    _check_random_schedules(config, tp, EPI, "norm_linear_silu")
 
 
 def test_deleting_any_edge_of_a_silu_epilogue_layer_is_caught():
@@ -215,17 +221,7 @@ def test_silu_down_folds_the_down_projection_into_the_gate_up_tiles():
 def test_silu_down_random_schedules_match_torch_backend(config):
     """fp32: the split-K down partials summed in the residual stream give the torch backend's logits (the race
     checker runs: the adds are ordered after o_proj's copy and before every reader)."""
-    cfg = fp32(config)
-    cgs, ws = programs(cfg, 1, fuse=DOWN), weights(cfg, 1)
-    greedy = [[7]] + [[-1]] * (LONG - 1)
-    ref_logits, ref_tokens = reference(cfg, 1, greedy)
-    for seed in range(4):
-        steps = LONG if seed == 0 else SHORT
-        res = Interpreter(cgs, ws, seed=seed, mode="aot" if seed % 2 else "jit").run(
-            steps, torch.tensor(greedy[:steps]), torch.tensor([0]))
-        err = max_rel_err(res.captured["logits"], ref_logits[:steps])
-        assert err <= 1e-5, f"{config} schedule {seed}: max rel. error {err:.2e}"
-        assert torch.equal(res.tokens, ref_tokens[:steps])
+    _check_random_schedules(config, 1, DOWN, "norm_linear_silu")
 
 
 def test_deleting_any_edge_of_a_silu_down_layer_is_caught():
