@@ -8,6 +8,7 @@
 //
 // Why: the down projection was a level of its own after the gate|up tiles, with the boundary's lag (~1.2 us) and a
 // tile's fixed costs (~2 us beyond its bytes at qwen3-0.6b, docs/PERF.md v0.34) on every layer's critical path.
+// Measured slower (docs/PERF.md v0.35: the fused tile ~5 us longer at qwen3-0.6b), so the fusion is off by default.
 #pragma once
 #include "common.cuh"
 
@@ -16,6 +17,13 @@
 // program at qwen3-0.6b, docs/PERF.md v0.35).
 #ifndef MPK_DOWN_VECTOR_RED
 #define MPK_DOWN_VECTOR_RED 1
+#endif
+
+// MPK_DOWN_DIAG (a timing diagnostic; WRONG sums, never for use): 1 stores the row sums instead of adding them (no
+// atomics: what the loads and the arithmetic cost alone), 2 skips the down weights' loads (zero weights, the atomics
+// kept: what the reductions cost alone). 0 (default): the real partial.
+#ifndef MPK_DOWN_DIAG
+#define MPK_DOWN_DIAG 0
 #endif
 
 namespace mpk {
@@ -56,7 +64,8 @@ __device__ __noinline__ void down_partial(const bf16* act, int B, int n, const b
 #pragma unroll
       for (int k = 0; k < kDownWaves; ++k) {
         const int r = r0 + k * per_wave + slot;
-        w[k] = active && r < H ? ld_weight_v4(wd + (size_t)r * ldw + (size_t)v * kDownVec) : make_uint4(0u, 0u, 0u, 0u);
+        w[k] = active && r < H && MPK_DOWN_DIAG != 2 ? ld_weight_v4(wd + (size_t)r * ldw + (size_t)v * kDownVec)
+                                                      : make_uint4(0u, 0u, 0u, 0u);
       }
 #pragma unroll
       for (int k = 0; k < kDownWaves; ++k) {
@@ -76,7 +85,8 @@ __device__ __noinline__ void down_partial(const bf16* act, int B, int n, const b
   for (int i = tid; i < B * H / 4; i += nt) {
     const int b = (4 * i) / H, r = 4 * i - b * H;
     const float4 s4 = *reinterpret_cast<const float4*>(sums + (size_t)b * H + r);
-    red_add_v4_f32(xo + (size_t)b * ldxo + r, s4);
+    if (MPK_DOWN_DIAG == 1) *reinterpret_cast<float4*>(xo + (size_t)b * ldxo + r) = s4;
+    else red_add_v4_f32(xo + (size_t)b * ldxo + r, s4);
   }
 }
 
