@@ -184,14 +184,6 @@ struct Epi {
 #endif
   __device__ __forceinline__ void operator()(int b, int n, float s) const {
     const size_t o = (size_t)b * ld + n;
-#if MPK_SILU_DOWN
-    if (mode == kEpiResidual && y_copy != nullptr) {
-      const float v = round_bf(s) + res[o];
-      reinterpret_cast<float*>(y)[o] = v;
-      y_copy[o] = v;
-      return;
-    }
-#endif
 #if MPK_FLAG_WORDS
     if (mode == kEpiResidual) {
       const size_t ro = res_ld < 0 ? o : (size_t)b * res_ld + n;
@@ -201,8 +193,13 @@ struct Epi {
       return;
     }
 #endif
-    if (mode == kEpiResidual) reinterpret_cast<float*>(y)[o] = round_bf(s) + res[o];
-    else if (mode == kEpiF32) reinterpret_cast<float*>(y)[o] = s;
+    if (mode == kEpiResidual) {
+      const float v = round_bf(s) + res[o];
+      reinterpret_cast<float*>(y)[o] = v;
+#if MPK_SILU_DOWN
+      if (y_copy != nullptr) y_copy[o] = v;
+#endif
+    } else if (mode == kEpiF32) reinterpret_cast<float*>(y)[o] = s;
     else reinterpret_cast<bf16*>(y)[o] = f2bf(s);  // kEpiBf16, kEpiPair
   }
 };

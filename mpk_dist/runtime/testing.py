@@ -136,6 +136,6 @@ def written_buffers(cg) -> set[str]:
         spec = BY_OPCODE[int(row[TASK_COLS["OPCODE"]])].args
         for i, k in enumerate(range(int(row[TASK_COLS["ARG_BEGIN"]]), int(row[TASK_COLS["ARG_END"]]))):
             b = int(args[k, ARG_COLS["BUFFER"]])
-            if b >= 0 and ("w" in spec[i].mode or "a" in spec[i].mode):
+            if b >= 0 and spec[i].writes:
                 out.add(names[b])
     return out

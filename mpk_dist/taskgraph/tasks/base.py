@@ -25,8 +25,9 @@ import torch
 class ArgSpec:
     """One pointer argument of a task kind.
 
-    ``mode``: 'r' (read), 'w' (written), 'rw', 'a' (added into atomically by every tile of the op: the adds commute). ``remote``: the task writes this (symmetric) buffer
-    on EVERY rank of the TP group at the same offset, through the peer pointer table.
+    ``mode``: 'r' (read), 'w' (written), 'rw', 'a' (added into atomically by every tile of the op: the adds
+    commute). ``remote``: the task writes this (symmetric) buffer on EVERY rank of the TP group at the same
+    offset, through the peer pointer table.
     ``optional``: the buffer id may be NULL_BUFFER (-1), meaning "absent" (e.g. no residual).
     """
 
@@ -35,6 +36,11 @@ class ArgSpec:
     doc: str
     remote: bool = False
     optional: bool = False
+
+    @property
+    def writes(self) -> bool:
+        """Whether the task writes this buffer (plainly or by accumulating into it)."""
+        return "w" in self.mode or "a" in self.mode
 
 
 @dataclass(frozen=True)
@@ -181,7 +187,7 @@ class TaskKind:
         for a, n, eb in zip(self.args, counts, elem_bytes):
             if "r" in a.mode:
                 rd += n * eb
-            if "w" in a.mode or "a" in a.mode:
+            if a.writes:
                 wr += n * eb * (world if a.remote else 1)
         return rd, wr
 
