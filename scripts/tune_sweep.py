@@ -51,7 +51,7 @@ KNOBS = {"u": "MPK_LINEAR_UNROLL", "t": "MPK_WORKER_THREADS", "p": "MPK_PREFETCH
          "h": "MPK_PREFETCH_AHEAD", "c": "MPK_FUSE_ATTN_MERGE", "x": "MPK_ATTN_STAGE_KV",
          "y": "MPK_LOAD_AHEAD", "z": "MPK_MIN_CARVEOUT", "e": "MPK_PREFETCH_LEVEL_KB",
          "d": "MPK_WEIGHT_EVICT_FIRST", "j": "MPK_FUSE_SILU_EPI", "o": "MPK_COMPACT_CODE", "q": "MPK_FLAG_WORDS",
-         "n": "MPK_FUSE_SILU_DOWN"}
+         "n": "MPK_FUSE_SILU_DOWN", "i": "MPK_BLOCKS_PER_SM"}
 
 EXTRA_FLAGS = "MPK_NVCC_EXTRA_FLAGS"  # defines of a variant's build (-D parts)
 
@@ -76,7 +76,7 @@ def parse_variant(text: str) -> tuple[dict[str, str], dict]:
             env[EXTRA_FLAGS] = f"{env.get(EXTRA_FLAGS, '')} {part}".strip()
             continue
         if part[0] not in KNOBS or not part[1:].lstrip("-").isdigit():
-            raise SystemExit(f"tune_sweep: variant part {part!r}: expected -D<NAME>=<value>, u<N>, t<N>, p<N>, e<KB>, r<N>, m<0|1>, w<0|1>, b<0|1>, l<0|1>, v<0|1>, g<0|1>, h<0|1>, c<0|1>, x<0|1>, y<0|1>, d<0|1>, j<0|1>, o<0|1>, q<0|1|2>, n<0|1>, "
+            raise SystemExit(f"tune_sweep: variant part {part!r}: expected -D<NAME>=<value>, u<N>, t<N>, p<N>, e<KB>, r<N>, m<0|1>, w<0|1>, b<0|1>, l<0|1>, v<0|1>, g<0|1>, h<0|1>, c<0|1>, x<0|1>, y<0|1>, d<0|1>, j<0|1>, o<0|1>, q<0|1|2>, n<0|1>, i<1|2>, "
                              "a<0|1>, f<0|1> (--fuse), s<0|1> (--superopt), k<N>|kauto (--attn-splits), or 'base'")
         env[KNOBS[part[0]]] = part[1:]
     return env, opts

@@ -1,5 +1,6 @@
-// The kernel entry. One block per SM: the host sizes the grid from the occupancy API and launches
-// cooperatively, so every block is co-resident and no spin-wait can wait on an unscheduled block.
+// The kernel entry. One block per SM (MPK_MIN_BLOCKS_PER_SM blocks where the shape asks for more): the host sizes
+// the grid from the occupancy API and launches cooperatively, so every block is co-resident and no spin-wait can
+// wait on an unscheduled block.
 // MPK_WORKER_THREADS threads run tasks; with MPK_SCHEDULE_JIT one more warp per block exists and
 // is a scheduler in the first num_sched blocks (idle elsewhere).
 #pragma once
@@ -15,8 +16,13 @@
 #define MPK_PARAMS_SMEM 1  // the block's parameters from a shared-memory copy (below); 0: from global memory
 #endif
 #define MPK_BLOCK_THREADS (MPK_WORKER_THREADS + (MPK_SCHEDULE_JIT ? 32 : 0))
+// Worker blocks resident on one SM (KernelShape.blocks_per_sm): 2 caps the registers so that two blocks fit, and
+// the host launches two workers per SM, each with its own tiles (two independent latency chains an SM).
+#ifndef MPK_MIN_BLOCKS_PER_SM
+#define MPK_MIN_BLOCKS_PER_SM 1
+#endif
 
-extern "C" __global__ void __launch_bounds__(MPK_BLOCK_THREADS, 1)
+extern "C" __global__ void __launch_bounds__(MPK_BLOCK_THREADS, MPK_MIN_BLOCKS_PER_SM)
 mpk_megakernel(const mpk::RuntimeParams* __restrict__ params) {
   extern __shared__ float4 mpk_smem4[];
   float* smem = reinterpret_cast<float*>(mpk_smem4);

@@ -138,7 +138,9 @@ class MegakernelBackend(StepBackend):
         self.transport = self._make_transport()
         from mpk_dist.runtime.partition import workers_per_rank
 
-        self.workers = workers_per_rank(self._num_sms(), self.transport.ranks_per_gpu, sms)
+        # One worker per resident block: blocks_per_sm of them on every SM the rank may use.
+        self.workers = workers_per_rank(self._num_sms(), self.transport.ranks_per_gpu, sms) * \
+            self.kernel_tuning.get("blocks_per_sm", 1)
         want = tp > 1 if comm_profile is None else comm_profile
         self.comm_profile = want and os.environ.get("MPK_COMM_PROFILE", "1") != "0"
         from mpk_dist.weights import load_rank_weights
@@ -519,6 +521,15 @@ def tuning_from_env(worker_threads: int | None, environ=None) -> dict:
         out[key] = val
     # The full-width linear tiles' prefetch from the task records instead of the compiled MPK_PREFETCH_KB cap
     # (prefetch_plan level_bytes): one binary measured at several caps. Only when set (same binary).
+    # Worker blocks per SM (codegen.BLOCKS_PER_SM): only when set away from 1, so the default dict is unchanged.
+    raw = env.get("MPK_BLOCKS_PER_SM", "")
+    if raw:
+        from mpk_dist.runtime.codegen import BLOCKS_PER_SM
+
+        if not raw.isdigit() or int(raw) not in BLOCKS_PER_SM:
+            raise InputError(f"MPK_BLOCKS_PER_SM: expected one of {', '.join(map(str, BLOCKS_PER_SM))}, got {raw!r}")
+        if int(raw) != 1:
+            out["blocks_per_sm"] = int(raw)
     raw = env.get("MPK_PREFETCH_LEVEL_KB", "")
     if raw:
         if not raw.isdigit():

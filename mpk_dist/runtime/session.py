@@ -82,7 +82,7 @@ class Session:
                  attn_prefetch: bool = True, bulk_prefetch: bool = False, prefetch_ahead: bool = False,
                  attn_stage_kv: bool = False, load_ahead: bool = True, min_carveout: bool = False,
                  weight_evict_first: bool = False, compact_code: bool | None = None,
-                 prefetch_level_kb: int | None = None):
+                 prefetch_level_kb: int | None = None, blocks_per_sm: int = 1):
         if cg.meta["abi_version"] != ABI_VERSION:
             raise InputError(f"task graph ABI: expected version {ABI_VERSION}, got {cg.meta['abi_version']}")
         tables.check_supported(cg)
@@ -104,7 +104,8 @@ class Session:
                              prefetch_kb=prefetch_kb, superopt=superopt,
                              linear_mma=linear_mma, linear_tma=linear_tma, linear_pipe=linear_pipe,
                              attn_prefetch=attn_prefetch, load_ahead=load_ahead,
-                             weight_evict_first=weight_evict_first, compact_code=compact_code)
+                             weight_evict_first=weight_evict_first, compact_code=compact_code,
+                             blocks_per_sm=blocks_per_sm)
         self.source, self.build = build_kernel(shape, model=model,
                                                rank=self.rank, world=self.world, input_hash=tables_hash(cg.arrays),
                                                compiler=compiler, program=cg)

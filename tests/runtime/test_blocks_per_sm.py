@@ -1,0 +1,42 @@
+"""Two worker blocks per SM (MPK_BLOCKS_PER_SM, KernelShape.blocks_per_sm): the kernel source, the knob, the
+worker count and the co-residency check, on the CPU."""
+
+import pytest
+
+from mpk_dist.errors import BackendUnavailable, InputError
+from mpk_dist.runtime.codegen import KernelShape, render_source
+from mpk_dist.runtime.megakernel_backend import tuning_from_env
+
+
+def test_shape_renders_the_launch_bound_only_when_asked():
+    one, two = KernelShape(batch=1), KernelShape(batch=1, blocks_per_sm=2)
+    assert "MPK_MIN_BLOCKS_PER_SM" not in render_source(one)  # the default source (and its cache key) as before
+    assert "#define MPK_MIN_BLOCKS_PER_SM 2" in render_source(two)
+    assert two.name().endswith("_bs2") and not one.name().endswith("_bs1")
+    with pytest.raises(ValueError, match="blocks_per_sm: expected one of"):
+        render_source(KernelShape(batch=1, blocks_per_sm=3))
+
+
+def test_knob_is_parsed_and_refused_with_the_allowed_values():
+    assert "blocks_per_sm" not in tuning_from_env(None, environ={})
+    assert "blocks_per_sm" not in tuning_from_env(None, environ={"MPK_BLOCKS_PER_SM": "1"})
+    assert tuning_from_env(None, environ={"MPK_BLOCKS_PER_SM": "2"})["blocks_per_sm"] == 2
+    with pytest.raises(InputError, match=r"MPK_BLOCKS_PER_SM: expected one of 1, 2, got '4'"):
+        tuning_from_env(None, environ={"MPK_BLOCKS_PER_SM": "4"})
+
+
+def test_backend_runs_two_workers_per_sm_when_two_blocks_fit(fake_gpu, monkeypatch):
+    from mpk_dist.model_source import open_model
+    from tests.runtime.conftest import FakeKernel
+
+    m = open_model("tiny")
+    monkeypatch.setenv("MPK_BLOCKS_PER_SM", "2")
+    b = fake_gpu.MegakernelBackend(m.config, m.weights, device="cpu", max_seq_len=16)
+    assert b.workers == 16  # fake_gpu's 8 SMs, two workers each
+    with pytest.raises(BackendUnavailable, match=r"16 blocks <= 1 blocks/SM x 8 SMs"):
+        b.session(1)  # the fake kernel reports one resident block per SM: refused, not launched
+    monkeypatch.setattr(FakeKernel, "blocks_per_sm", 2)
+    s = fake_gpu.MegakernelBackend(m.config, m.weights, device="cpu", max_seq_len=16).session(1)
+    assert s.workers == 16 and int(s.cg.meta["workers"]) == 16
+    monkeypatch.delenv("MPK_BLOCKS_PER_SM")
+    assert fake_gpu.MegakernelBackend(m.config, m.weights, device="cpu", max_seq_len=16).workers == 8
