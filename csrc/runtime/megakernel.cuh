@@ -49,12 +49,22 @@ mpk_megakernel(const mpk::RuntimeParams* __restrict__ params) {
     return;
   }
   mpk::stream_reset(tid);  // shared memory starts undefined: no weight ring is primed yet
+#if MPK_MIN_BLOCKS_PER_SM > 1
+  if (tid == 0) st.failed = mpk::worker_index_claim(p) ? 0 : 1;  // this block's worker list (worker_index.cuh)
+  mpk::worker_barrier(MPK_WORKER_THREADS);  // the worker index and st.failed, to every worker thread
+  const bool run = !st.failed;
+#else
+  const bool run = true;
+#endif
 #if defined(MPK_ENTRY_PAD_BYTES) && MPK_ENTRY_PAD_BYTES > 0
   // Experiment only (docs/PERF.md v0.13): grows the entry's stack frame by this many bytes and changes nothing
   // else, to test whether the frame size alone slows the kernel. The volatile store keeps the array in local memory.
   volatile char entry_pad[MPK_ENTRY_PAD_BYTES];
   entry_pad[tid % MPK_ENTRY_PAD_BYTES] = 0;
 #endif
-  if (MPK_SCHEDULE_JIT) mpk::worker_loop_jit(p, st, smem, tid, MPK_WORKER_THREADS);
-  else mpk::worker_loop_aot(p, st, smem, tid, MPK_WORKER_THREADS);
+  if (run) {
+    if (MPK_SCHEDULE_JIT) mpk::worker_loop_jit(p, st, smem, tid, MPK_WORKER_THREADS);
+    else mpk::worker_loop_aot(p, st, smem, tid, MPK_WORKER_THREADS);
+  }
+  mpk::worker_index_release(tid);
 }

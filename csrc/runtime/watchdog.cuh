@@ -9,6 +9,10 @@
 #include "sync.cuh"
 
 namespace mpk {
+__device__ __forceinline__ int worker_index();  // worker_index.cuh
+}  // namespace mpk
+
+namespace mpk {
 
 enum ErrorCode : uint32_t {
   kErrNone = 0,
@@ -24,6 +28,7 @@ enum ErrorCode : uint32_t {
   // flagged words (csrc/tasks/flag_words.cuh): event_id holds the element of the task's input whose word stayed
   // behind, seen / expected its tag and the step's
   kErrFlagWait = 9,
+  kErrPairWait = 10,  // two blocks per SM (worker_index.cuh): an SM's other block never published its worker
 };
 
 // Layout mirrored by mpk_dist/runtime/params.py (ERROR_FIELDS); the generated source static_asserts it.
@@ -34,7 +39,7 @@ struct ErrorRecord {
   int32_t event_id;   // the event it waited on (or -1)
   int32_t step;       // decode step of the wait
   int32_t sm_id;      // %smid of the waiting block
-  int32_t worker;     // blockIdx.x of the waiting block
+  int32_t worker;     // worker (worker_index.cuh) of the waiting block
   int32_t rank;       // TP rank of this kernel
   uint32_t seen;      // the counter value last read
   uint32_t expected;  // the threshold it waited for
@@ -63,7 +68,7 @@ __device__ inline void raise_error(ErrorRecord* rec, uint32_t* halt, uint32_t co
     rec->event_id = event_id;
     rec->step = step;
     rec->sm_id = (int32_t)smid();
-    rec->worker = (int32_t)blockIdx.x;
+    rec->worker = (int32_t)worker_index();
     rec->rank = rank;
     rec->seen = seen;
     rec->expected = expected;

@@ -13,6 +13,7 @@
 #include "sync.cuh"
 #include "task_record.cuh"
 #include "watchdog.cuh"
+#include "worker_index.cuh"
 
 namespace mpk {
 
@@ -137,7 +138,7 @@ __device__ __forceinline__ void trace_record(const RuntimeParams& p, int& n, int
       const uint64_t m = trace_marks()[k];
       r.mark_ns[k] = m > t_ready ? (uint32_t)(m - t_ready) : 0u;
     }
-    p.trace[(size_t)blockIdx.x * p.trace_cap + n] = r;
+    p.trace[(size_t)worker_index() * p.trace_cap + n] = r;
   }
   ++n;
 }
@@ -258,7 +259,7 @@ __device__ __forceinline__ void record_fetch_wait(int tid) {
 __device__ void worker_loop_aot(const RuntimeParams& p, BlockState& st, float* smem, int tid, int nt) {
   // Two record slots: the current task's, and the next one's arriving during the current wait.
   __shared__ __align__(16) int32_t recs[2][REC_WORDS];
-  const int w = blockIdx.x;
+  const int w = worker_index();
   const int begin = p.worker_offsets[w], end = p.worker_offsets[w + 1];
   int ntrace = 0, slot = 0;
   if (begin < end) record_fetch(p, begin, recs[0], tid);
@@ -360,7 +361,7 @@ __device__ void diagnose_worker(const RuntimeParams& p, int w, int s, int extra,
 }
 
 __device__ void worker_loop_jit(const RuntimeParams& p, BlockState& st, float* smem, int tid, int nt) {
-  const int w = blockIdx.x;
+  const int w = worker_index();
   uint32_t* q = p.queues + (size_t)w * p.queue_cap * 4;
   int ntrace = 0, last_step = p.step_begin;
   for (uint32_t head = 0;; ++head) {

@@ -37,6 +37,11 @@ def error_message(sess) -> str | None:
         as_int = lambda v: int(np.array(v, np.uint32).view(np.int32))  # noqa: E731 - the record's words are unsigned
         return (f"mega-kernel ({ERROR_CODES[r.code]}): {task} at step {r.step} on rank {r.rank}: "
                 + fault_message(r.code, r.event_id, as_int(r.seen), as_int(r.expected)))
+    if r.code == 10:  # kErrPairWait (csrc/runtime/worker_index.cuh): seen = blocks counted in on that SM
+        return (f"mega-kernel ({ERROR_CODES[10]}): a block on SM {r.sm_id} (rank {r.rank}) waited "
+                f"{r.elapsed_ns / 1e9:.2f} s for the other block of its SM to publish its worker ({r.seen} block(s) "
+                f"counted in, expected {r.expected}): the launch did not put two blocks on every SM; run with "
+                "MPK_BLOCKS_PER_SM=1 (the default)")
     if r.code == 9:  # kErrFlagWait (csrc/runtime/dispatch.cuh flag_gather): event_id is the input element
         return flag_wait_message(cg, task, r)
     if 0 <= r.event_id < len(cg.meta["events"]):

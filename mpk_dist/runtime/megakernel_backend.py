@@ -138,9 +138,13 @@ class MegakernelBackend(StepBackend):
         self.transport = self._make_transport()
         from mpk_dist.runtime.partition import workers_per_rank
 
-        # One worker per resident block: blocks_per_sm of them on every SM the rank may use.
-        self.workers = workers_per_rank(self._num_sms(), self.transport.ranks_per_gpu, sms) * \
-            self.kernel_tuning.get("blocks_per_sm", 1)
+        # One worker per resident block: blocks_per_sm of them on every SM the rank may use. The two blocks of an
+        # SM pair up by %smid (csrc/runtime/worker_index.cuh), which needs the whole GPU to themselves.
+        blocks = self.kernel_tuning.get("blocks_per_sm", 1)
+        if blocks > 1 and (self.transport.ranks_per_gpu > 1 or sms is not None):
+            raise InputError(f"MPK_BLOCKS_PER_SM={blocks}: expected one rank per GPU and every SM (no --sms); got "
+                             f"{self.transport.ranks_per_gpu} rank(s) per GPU and --sms {sms}; unset MPK_BLOCKS_PER_SM")
+        self.workers = workers_per_rank(self._num_sms(), self.transport.ranks_per_gpu, sms) * blocks
         want = tp > 1 if comm_profile is None else comm_profile
         self.comm_profile = want and os.environ.get("MPK_COMM_PROFILE", "1") != "0"
         from mpk_dist.weights import load_rank_weights

@@ -57,9 +57,10 @@ class ErrorRecord(ctypes.Structure):
 
 
 ERROR_CODES = {0: "none", 1: "timeout", 2: "queue overflow", 3: "bad task", 4: "injected",
-               5: "no pass posted", **FAULT_NAMES, 9: "flagged word wait"}
+               5: "no pass posted", **FAULT_NAMES, 9: "flagged word wait", 10: "worker pairing"}
 """Watchdog error codes (csrc/runtime/watchdog.cuh ErrorCode) by name; 6..8 are page_alloc's faults, 9 a flagged
-word that stayed behind (csrc/runtime/dispatch.cuh flag_gather)."""
+word that stayed behind (csrc/runtime/dispatch.cuh flag_gather), 10 a block of a two-blocks-per-SM launch whose SM's
+other block never published its worker (csrc/runtime/worker_index.cuh)."""
 
 PASS_COPY_COLS = 4
 """Columns of RuntimeParams.pass_copies (csrc/runtime/pass_begin.cuh): stage word offset, buffer index,

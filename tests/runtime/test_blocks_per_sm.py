@@ -40,3 +40,33 @@ def test_backend_runs_two_workers_per_sm_when_two_blocks_fit(fake_gpu, monkeypat
     assert s.workers == 16 and int(s.cg.meta["workers"]) == 16
     monkeypatch.delenv("MPK_BLOCKS_PER_SM")
     assert fake_gpu.MegakernelBackend(m.config, m.weights, device="cpu", max_seq_len=16).workers == 8
+
+
+def test_refused_beside_other_ranks_or_an_sm_cap(fake_gpu, monkeypatch):
+    """The two blocks of an SM pair up by %smid (csrc/runtime/worker_index.cuh), which needs every SM to itself."""
+    from mpk_dist.model_source import open_model
+
+    m = open_model("tiny")
+    monkeypatch.setenv("MPK_BLOCKS_PER_SM", "2")
+    with pytest.raises(InputError, match=r"MPK_BLOCKS_PER_SM=2: expected one rank per GPU and every SM"):
+        fake_gpu.MegakernelBackend(m.config, m.weights, device="cpu", max_seq_len=16, sms=4)
+    with pytest.raises(InputError, match=r"got 2 rank\(s\) per GPU"):
+        fake_gpu.MegakernelBackend(m.config, m.weights, device="cpu", max_seq_len=16, tp=2)
+
+
+def test_a_block_left_unpaired_is_named():
+    """Watchdog code 10 (kErrPairWait): which SM waited, how many of its blocks counted in, and what to do."""
+    from mpk_dist.runtime.diagnosis import error_message
+    from mpk_dist.runtime.params import ErrorRecord
+
+    class Sess:
+        cg = None
+
+        @staticmethod
+        def error_record():
+            return ErrorRecord(code=10, valid=1, task_id=-1, event_id=-1, step=0, sm_id=17, worker=40, rank=0, seen=1,
+                               expected=2, elapsed_ns=5 * 10**9, peer=-1)
+
+    msg = error_message(Sess())
+    assert "worker pairing" in msg and "SM 17" in msg and "(1 block(s) counted in, expected 2)" in msg, msg
+    assert "MPK_BLOCKS_PER_SM=1" in msg, msg
