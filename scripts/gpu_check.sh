@@ -87,7 +87,9 @@ done
 # stream as flagged words (q1, polled back to back and with the wait's 32 ns sleep; q2 also the bf16 vectors) and the
 # kernels of its bitwise tests (test_code_variants_gpu.py's model, batch 1, testing.MAX_SEQ = 320: the default build and each flag set the
 # tests of AB_TESTS compare with it).
-AB_VARIANTS=${AB_VARIANTS:-"base;o0;-DMPK_NORM_ONE_ROUND=0;-DMPK_LONG_ROWS=1;k8;k32;x1;r2,u8;q1;q1,-DMPK_FLAG_POLL_SLEEP_NS=32;q2;n1"}
+# Session 41: two worker blocks per SM (i2; with 32 KV ranges, i2,k32: one split tile per worker), built and not yet
+# run; the variants above were measured (docs/PERF.md v0.32-v0.35) and stay reachable through AB_VARIANTS.
+AB_VARIANTS=${AB_VARIANTS:-"base;i2;i2,k32"}
 AB_TEST_KERNELS=${AB_TEST_KERNELS:-"base;-DMPK_NORM_ONE_ROUND=0;-DMPK_SUPEROPT_NORM_LINEAR=0;-DMPK_LONG_ROWS=1;o0;q1"}
 if [ $AB_PREBUILD -eq 1 ]; then
   mkdir -p "$MPK_CACHE_DIR"
@@ -193,6 +195,8 @@ if [ $AB -eq 1 ]; then
     && $OUT/event_wake && $OUT/event_wake --load"
   [ "${AB_WAKE:-1}" = 1 ] && step ab_ll_boundary "${AB_LIMIT:-150}" bash -c "nvcc -O3 -arch=sm_90a -o $OUT/ll_boundary csrc/bench/ll_boundary.cu \
     && $OUT/ll_boundary && $OUT/ll_boundary --load && $OUT/ll_boundary --load --n 4096"
+  # Where the hardware puts two blocks per SM (whether blockIdx.x alone would pair them as worker_index.cuh does).
+  step ab_sm_pairs "${AB_LIMIT:-150}" bash -c "nvcc -O3 -arch=sm_90a -o $OUT/sm_pairs csrc/bench/sm_pairs.cu && $OUT/sm_pairs"
   for m in ${AB_MODELS:-qwen3-0.6b}; do
     step "ab_sweep_$m" "${AB_LIMIT:-540}" python3 scripts/tune_sweep.py --model "$m" --batch 1 --prompt-len 480 \
       --output-len 64 --iters 2 --prebuild-jobs "${AB_JOBS:-8}" --variants "$AB_VARIANTS;$AB_VARIANTS" \
@@ -200,6 +204,7 @@ if [ $AB -eq 1 ]; then
   done
   [ "${AB_TESTS:-}" != none ] && step ab_bitwise "${AB_LIMIT:-540}" python3 -m pytest -q -m gpu tests/runtime/test_code_variants_gpu.py -k \
     "${AB_TESTS:-one_round or COMPACT_CODE or (leaves_the_logits_bitwise and 1- and LONG_ROWS) or flag_words}"
+  [ "${AB_TESTS:-}" != none ] && step ab_blocks_per_sm "${AB_LIMIT:-300}" python3 -m pytest -q -m gpu tests/runtime/test_blocks_per_sm_gpu.py
   summary "gpu_check --ab summary"
   exit 0
 fi

@@ -69,3 +69,13 @@ def test_prebuild_only_builds_and_stops_before_the_gpu(tune_sweep, monkeypatch, 
     assert jobs == min(os.cpu_count() or 1, 16)
     assert [c.env for c in cases] == [(), (("MPK_NVCC_EXTRA_FLAGS", "-DMPK_ROPE_NEAR=1"),)]
     assert {c.max_seq_len for c in cases} == {320}
+
+
+def test_blocks_per_sm_variant_is_a_case_of_its_own(tune_sweep):
+    """`i2` (two worker blocks per SM) sets MPK_BLOCKS_PER_SM and is a kernel of its own; `i2,k32` the same kernel
+    with another program (32 KV ranges)."""
+    variants = [(t, tune_sweep.parse_variant(t)) for t in ("base", "i2", "i2,k32")]
+    assert variants[1][1] == ({"MPK_BLOCKS_PER_SM": "2"}, {})
+    cases = tune_sweep.prebuild_cases(variants, "qwen3-0.6b", 1, 544)
+    assert [(c.env, c.attn_splits) for c in cases] == [((), "auto"), ((("MPK_BLOCKS_PER_SM", "2"),), "auto"),
+                                                       ((("MPK_BLOCKS_PER_SM", "2"),), 32)]
