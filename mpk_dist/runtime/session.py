@@ -40,14 +40,25 @@ def _pow2(n: int) -> int:
     return 1 << max(4, (int(n) - 1).bit_length())
 
 
+PAIRED_WORKER_THREADS = 256
+"""Worker threads a block with two blocks per SM (MPK_BLOCKS_PER_SM=2): the default there, and the most allowed."""
+
+
 def kernel_shape(cg, worker_threads: int | None, schedule: str, **knobs) -> KernelShape:
     """The KernelShape a Session of program ``cg`` builds (``knobs``: the other KernelShape fields; a
     ``worker_threads`` of None takes ``tables.default_worker_threads``, a ``linear_unroll`` of None
-    ``tables.default_linear_unroll``, a ``compact_code`` of None ``tables.default_compact_code``); the kernel
+    ``tables.default_linear_unroll``, a ``compact_code`` of None ``tables.default_compact_code``; with two blocks per
+    SM the threads are PAIRED_WORKER_THREADS, at most); the kernel
     prebuild (mpk_dist.runtime.prebuild) asks the same function,
     so its cubins are the ones found."""
+    blocks = knobs.get("blocks_per_sm", 1)
     if worker_threads is None:
-        worker_threads = tables.default_worker_threads(cg)
+        # Two blocks share the SM's 64K registers: 256 threads keep 128 a thread (512 would leave 64 and spill).
+        worker_threads = tables.default_worker_threads(cg) if blocks == 1 else PAIRED_WORKER_THREADS
+    elif blocks > 1 and worker_threads > PAIRED_WORKER_THREADS:
+        raise InputError(f"MPK_BLOCKS_PER_SM={blocks} with MPK_WORKER_THREADS={worker_threads}: expected at most "
+                         f"{PAIRED_WORKER_THREADS} threads a block (two blocks share an SM's registers: 128 a thread at "
+                         f"{PAIRED_WORKER_THREADS}); leave MPK_WORKER_THREADS unset or set it to {PAIRED_WORKER_THREADS}")
     if knobs.get("linear_mma") is None:
         knobs["linear_mma"] = tables.default_linear_mma(cg)
     if knobs.get("linear_unroll") is None:

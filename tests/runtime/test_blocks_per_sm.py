@@ -70,3 +70,17 @@ def test_a_block_left_unpaired_is_named():
     msg = error_message(Sess())
     assert "worker pairing" in msg and "SM 17" in msg and "(1 block(s) counted in, expected 2)" in msg, msg
     assert "MPK_BLOCKS_PER_SM=1" in msg, msg
+
+
+def test_two_blocks_take_256_threads_and_refuse_more():
+    """qwen3-1.7b's program takes 512 threads a block by default; two blocks an SM take 256 (128 registers a thread),
+    and an explicit 512 beside them is refused with the values that work."""
+    from mpk_dist.models.presets import get_preset
+    from mpk_dist.runtime.session import PAIRED_WORKER_THREADS, kernel_shape
+    from mpk_dist.taskgraph.compiler import compile_rank_programs
+
+    cg = compile_rank_programs(get_preset("qwen3-1.7b"), tp=1, batch=1, ranks=[0], max_seq_len=544)[0]
+    assert kernel_shape(cg, None, "aot").worker_threads == 512
+    assert kernel_shape(cg, None, "aot", blocks_per_sm=2).worker_threads == PAIRED_WORKER_THREADS == 256
+    with pytest.raises(InputError, match=r"MPK_BLOCKS_PER_SM=2 with MPK_WORKER_THREADS=512: expected at most 256"):
+        kernel_shape(cg, 512, "aot", blocks_per_sm=2)
