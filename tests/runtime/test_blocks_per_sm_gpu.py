@@ -11,8 +11,7 @@ import torch
 
 pytestmark = pytest.mark.gpu
 
-from mpk_dist.runtime.testing import (AGREE_MIN, ERR_TOL, compare_logits, forced_request, median,  # noqa: E402
-                                      megakernel_with_env, ref)
+from mpk_dist.runtime.testing import check_near, forced_request, megakernel_with_env  # noqa: E402
 
 NAME, PROMPT, STEPS = "qwen3-0.6b", 200, 48
 
@@ -23,14 +22,5 @@ def test_two_blocks_per_sm_logits_match_torch(gpu_results):
     sess = two.session(1)
     assert sess.workers == 2 * sms and int(sess.cg.meta["workers"]) == 2 * sms
     assert sess.kernel.blocks_per_sm >= 2 and sess.build.path.name.split("-")[0].endswith("_bs2")
-    req = forced_request(NAME, PROMPT, STEPS, 1, 70)
-    got, base = two.generate(req), default.generate(req)
-    err, agree = compare_logits(got.logits, ref(NAME).generate(req).logits)
-    near, _ = compare_logits(got.logits, base.logits)
-    gpu_results.append({"case": f"MPK_BLOCKS_PER_SM=2 vs torch, {NAME} b1 prompt {PROMPT}",
-                        "steps": got.logits.shape[0], "max_err/std": f"{err:.4f}", "argmax_agree": f"{agree:.4f}",
-                        "tokens_equal": f"vs default {near:.4f}",
-                        "ms/token": f"{median(got.per_token_ms):.3f}/{median(base.per_token_ms):.3f}",
-                        "ok": err <= ERR_TOL and agree >= AGREE_MIN})
-    assert err <= ERR_TOL and agree >= AGREE_MIN, f"vs torch {err:.4f} / {agree:.4f}"
-    assert near <= ERR_TOL, f"vs the default build {near:.4f}"
+    check_near(f"MPK_BLOCKS_PER_SM=2 vs torch, {NAME} b1 prompt {PROMPT}", NAME, two, default,
+               forced_request(NAME, PROMPT, STEPS, 1, 70), gpu_results)

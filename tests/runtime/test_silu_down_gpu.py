@@ -8,12 +8,10 @@ Run: ``python -m pytest -q -m gpu tests/runtime/test_silu_down_gpu.py``."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 pytestmark = pytest.mark.gpu
 
-from mpk_dist.runtime.testing import (AGREE_MIN, ERR_TOL, compare_logits, forced_request, median,  # noqa: E402
-                                      megakernel_with_env, ref)
+from mpk_dist.runtime.testing import check_near, forced_request, megakernel_with_env  # noqa: E402
 
 NAME, PROMPT, STEPS = "qwen3-0.6b", 200, 48
 
@@ -27,14 +25,5 @@ def test_silu_down_logits_match_torch(gpu_results):
 
     assert kind_defines(sess.cg).get("MPK_SILU_DOWN") == 1
     assert sess.build.path != default.session(1).build.path, "the same binary as the default program's"
-    req = forced_request(NAME, PROMPT, STEPS, 1, 70)
-    got, base = fused.generate(req), default.generate(req)
-    err, agree = compare_logits(got.logits, ref(NAME).generate(req).logits)
-    near, near_agree = compare_logits(got.logits, base.logits)
-    gpu_results.append({"case": f"MPK_FUSE_SILU_DOWN=1 vs torch, {NAME} b1 prompt {PROMPT}",
-                        "steps": got.logits.shape[0], "max_err/std": f"{err:.4f}", "argmax_agree": f"{agree:.4f}",
-                        "tokens_equal": f"vs default {near:.4f} / {near_agree:.4f}",
-                        "ms/token": f"{median(got.per_token_ms):.3f}/{median(base.per_token_ms):.3f}",
-                        "ok": err <= ERR_TOL and agree >= AGREE_MIN})
-    assert err <= ERR_TOL and agree >= AGREE_MIN, f"vs torch {err:.4f} / {agree:.4f}"
-    assert near <= ERR_TOL, f"vs the default build {near:.4f}"
+    check_near(f"MPK_FUSE_SILU_DOWN=1 vs torch, {NAME} b1 prompt {PROMPT}", NAME, fused, default,
+               forced_request(NAME, PROMPT, STEPS, 1, 70), gpu_results)
