@@ -9,10 +9,8 @@
 #include "sync.cuh"
 
 namespace mpk {
-__device__ __forceinline__ int worker_index();  // worker_index.cuh
-}  // namespace mpk
 
-namespace mpk {
+__device__ __forceinline__ int worker_index();  // worker_index.cuh: the worker a block runs
 
 enum ErrorCode : uint32_t {
   kErrNone = 0,

@@ -495,8 +495,8 @@ def scoped_env(env: dict[str, str], keys=()):
 
 def tuning_from_env(worker_threads: int | None, environ=None) -> dict:
     """Kernel knobs {linear_unroll, worker_threads, prefetch_kb[, linear_mma, linear_tma, linear_pipe,
-    prefetch_plan, attn_prefetch]}: MPK_LINEAR_UNROLL, MPK_WORKER_THREADS, MPK_PREFETCH_KB and the
-    SWITCHES override the defaults (loads in flight per lane: None, the program's choice,
+    prefetch_plan, attn_prefetch, blocks_per_sm]}: MPK_LINEAR_UNROLL, MPK_WORKER_THREADS, MPK_PREFETCH_KB,
+    MPK_BLOCKS_PER_SM and the SWITCHES override the defaults (loads in flight per lane: None, the program's choice,
     tables.default_linear_unroll; ``worker_threads``, None: the program's choice, tables.default_worker_threads;
     DEFAULT_PREFETCH_KB of a
     linear tile's weights into L2; each switch's default) so a GPU session can sweep them
@@ -523,8 +523,6 @@ def tuning_from_env(worker_threads: int | None, environ=None) -> dict:
         if val is None or not ok(val):
             raise InputError(f"{var}: expected one of {allowed}, got {raw!r}")
         out[key] = val
-    # The full-width linear tiles' prefetch from the task records instead of the compiled MPK_PREFETCH_KB cap
-    # (prefetch_plan level_bytes): one binary measured at several caps. Only when set (same binary).
     # Worker blocks per SM (codegen.BLOCKS_PER_SM): only when set away from 1, so the default dict is unchanged.
     raw = env.get("MPK_BLOCKS_PER_SM", "")
     if raw:
@@ -534,6 +532,8 @@ def tuning_from_env(worker_threads: int | None, environ=None) -> dict:
             raise InputError(f"MPK_BLOCKS_PER_SM: expected one of {', '.join(map(str, BLOCKS_PER_SM))}, got {raw!r}")
         if int(raw) != 1:
             out["blocks_per_sm"] = int(raw)
+    # The full-width linear tiles' prefetch from the task records instead of the compiled MPK_PREFETCH_KB cap
+    # (prefetch_plan level_bytes): one binary measured at several caps. Only when set (same binary).
     raw = env.get("MPK_PREFETCH_LEVEL_KB", "")
     if raw:
         if not raw.isdigit():

@@ -16,6 +16,10 @@ from dataclasses import dataclass
 from mpk_dist.errors import InputError
 
 
+H200_SMS = 132
+"""SMs of the GPU the prebuilt kernels are for (an H100 has as many): the programs are compiled for this many workers."""
+
+
 @dataclass(frozen=True)
 class BuildCase:
     """One run's kernel: preset, TP degree, batch, schedule, generated bodies on/off."""
@@ -66,12 +70,14 @@ def _build_one(case: BuildCase) -> tuple[str, bool, float]:
 
     t0 = time.perf_counter()
     cfg = get_preset(case.model)
-    # A run's program at the compiler's default 132 SMs (an H200) and the case's max_seq_len: 'auto' resolves
-    # there as the backend's does (lowering_attention.resolve_splits: at batch 1 the cache length can decide).
+    # A run's program at 132 SMs (an H200) times the blocks an SM (MPK_BLOCKS_PER_SM: one worker each) and the case's
+    # max_seq_len: 'auto' resolves there as the backend's does (lowering_attention.resolve_splits: at batch 1 the
+    # cache length can decide), and the program's tile sizes choose the kernel's threads and unroll.
     batch = padded_batch(case.batch)
-    cg = compile_rank_programs(cfg, tp=case.tp, batch=batch, ranks=[0], fuse=fusions_for_batch(fusions_from_env(), batch),
-                               attn_splits=case.attn_splits, max_seq_len=case.max_seq_len)[0]
     tuning = tuning_from_env(None)  # the MPK_* knobs a run in this environment would use (None: the program's threads)
+    cg = compile_rank_programs(cfg, tp=case.tp, batch=batch, sms=H200_SMS * tuning.get("blocks_per_sm", 1), ranks=[0],
+                               fuse=fusions_for_batch(fusions_from_env(), batch), attn_splits=case.attn_splits,
+                               max_seq_len=case.max_seq_len)[0]
     for table_only in ("prefetch_plan", "bulk_prefetch", "prefetch_ahead", "attn_stage_kv", "min_carveout",
                        "prefetch_level_kb"):  # not the binary
         tuning.pop(table_only, None)

@@ -84,3 +84,22 @@ def test_two_blocks_take_256_threads_and_refuse_more():
     assert kernel_shape(cg, None, "aot", blocks_per_sm=2).worker_threads == PAIRED_WORKER_THREADS == 256
     with pytest.raises(InputError, match=r"MPK_BLOCKS_PER_SM=2 with MPK_WORKER_THREADS=512: expected at most 256"):
         kernel_shape(cg, 512, "aot", blocks_per_sm=2)
+
+
+def test_prebuild_builds_the_kernel_a_two_blocks_run_builds(monkeypatch):
+    """The prebuild compiles the program for 2 x 132 workers under MPK_BLOCKS_PER_SM=2, as the run does: at
+    qwen3-1.7b the tiles of a 264-worker program choose unroll 4 and compact code, a 132-worker one unroll 8."""
+    from mpk_dist.runtime import kernel, prebuild
+
+    shapes = []
+    monkeypatch.setattr(kernel, "build_kernel", lambda shape, **kw: shapes.append(shape) or ("src", _Built()))
+    monkeypatch.setenv("MPK_BLOCKS_PER_SM", "2")
+    prebuild._build_one(prebuild.BuildCase("qwen3-1.7b", 1, 1, "aot", max_seq_len=544))
+    assert [s.name() for s in shapes] == ["mk_b1_t256_aot_u4_p64_cc_bs2"]
+
+
+class _Built:
+    class path:
+        name = "mk.cubin"
+
+    cached = True
