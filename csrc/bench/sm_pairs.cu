@@ -26,6 +26,10 @@ int main() {
   int sms = 0;
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
   const int grid = kBlocksPerSm * sms;
+  if (sms > kMaxSmid) {
+    std::printf("sm_pairs: %d SMs, expected at most %d (kMaxSmid)\n", sms, kMaxSmid);
+    return 1;
+  }
   int* d = nullptr;
   cudaMalloc(&d, grid * sizeof(int));
   void* args[] = {&d};

@@ -16,11 +16,8 @@
 #define MPK_PARAMS_SMEM 1  // the block's parameters from a shared-memory copy (below); 0: from global memory
 #endif
 #define MPK_BLOCK_THREADS (MPK_WORKER_THREADS + (MPK_SCHEDULE_JIT ? 32 : 0))
-// Worker blocks resident on one SM (KernelShape.blocks_per_sm): 2 caps the registers so that two blocks fit, and
-// the host launches two workers per SM, each with its own tiles (two independent latency chains an SM).
-#ifndef MPK_MIN_BLOCKS_PER_SM
-#define MPK_MIN_BLOCKS_PER_SM 1
-#endif
+// MPK_MIN_BLOCKS_PER_SM (worker_index.cuh, KernelShape.blocks_per_sm): 2 caps the registers so that two blocks fit,
+// and the host launches two workers per SM, each with its own tiles (two independent latency chains an SM).
 
 extern "C" __global__ void __launch_bounds__(MPK_BLOCK_THREADS, MPK_MIN_BLOCKS_PER_SM)
 mpk_megakernel(const mpk::RuntimeParams* __restrict__ params) {

@@ -55,9 +55,9 @@ __device__ inline bool worker_index_claim(const RuntimeParams& p) {
   uint32_t v;
   while ((v = ld_acquire_gpu(&g_sm_worker[s])) == 0) {  // the SM's first block is resident: it publishes at once
     if (globaltimer_ns() - t0 > p.timeout_ns) {
+      worker_index_slot() = -1;  // no worker: the error record says so, and the block runs no task
       raise_error(p.error, p.halt, kErrPairWait, -1, -1, p.step_begin, p.rank, ld_relaxed_gpu(&g_sm_blocks[s]), 2u,
                   globaltimer_ns() - t0);
-      worker_index_slot() = (int)(blockIdx.x % half);  // unused: the halt flag stops every block
       return false;
     }
     __nanosleep(100);
