@@ -577,6 +577,40 @@ __device__ __noinline__ void run_split_prep_attend(const TaskView& t, int b, int
 #define MPK_PREP_POS_LATE 1
 #endif
 
+// One sequence of a split prep tile: its q heads prepared and this position's k / v rows appended, then the
+// range walked. A function of its own that reads its parameters from the record again, so that the tile's loop
+// keeps few values alive across the calls: in one function, at 128 registers a thread (two blocks an SM, or 512
+// threads), the values live across attention_prep_heads and the walk spilled 92 / 212 bytes.
+__device__ __noinline__ bool split_prep_sequence(const TaskView& t, int b, bool use, float* smem, int tid, int nt) {
+  const int D = t.param(ATTENTION_SPLIT_PREP_PARAM_HEAD_DIM), G = t.param(ATTENTION_SPLIT_PREP_PARAM_GROUP);
+  const int S = t.param(ATTENTION_SPLIT_PREP_PARAM_MAX_SEQ);
+  const int s0 = t.param(ATTENTION_SPLIT_PREP_PARAM_POS_BEGIN), s1 = t.param(ATTENTION_SPLIT_PREP_PARAM_POS_END);
+  const size_t kbs = (size_t)t.param(ATTENTION_SPLIT_PREP_PARAM_KV_BATCH_STRIDE);
+  const int32_t* pos = t.arg<const int32_t>(ATTENTION_SPLIT_PREP_ARG_POSITIONS);
+  bf16* qs = split_prep_q(smem, G, D, nt);
+  attention_prep_heads(t.arg<const bf16>(ATTENTION_SPLIT_PREP_ARG_QKV) +
+                           (size_t)b * t.param(ATTENTION_SPLIT_PREP_PARAM_QKV_STRIDE),
+                       t.arg<const bf16>(ATTENTION_SPLIT_PREP_ARG_Q_NORM_W),
+                       t.arg<const bf16>(ATTENTION_SPLIT_PREP_ARG_K_NORM_W),
+                       t.arg<const float>(ATTENTION_SPLIT_PREP_ARG_INV_FREQ), qs,
+                       t.arg<bf16>(ATTENTION_SPLIT_PREP_ARG_K_CACHE) + (size_t)b * kbs,
+                       t.arg<bf16>(ATTENTION_SPLIT_PREP_ARG_V_CACHE) + (size_t)b * kbs, pos + b, s0, min(s1, S), D,
+                       G, t.param(ATTENTION_SPLIT_PREP_PARAM_K_OFFSET), t.param(ATTENTION_SPLIT_PREP_PARAM_V_OFFSET),
+                       t.param(ATTENTION_SPLIT_PREP_PARAM_KV_POS_STRIDE), t.fparam(ATTENTION_SPLIT_PREP_PARAM_EPS),
+                       tid, nt);
+  const int p = pos[b];
+  if (p < 0 || p >= S) return false;  // a bad task: its prep wrote no cache row
+  if (b == 0) trace_mark(5, tid);  // trace: thread 0's warp prepared its q head (before the block barrier)
+  if (use) cp_async_wait_all();  // this thread's staged rows (all sequences' copies: issued by the caller)
+  worker_barrier(nt);  // q in shared memory, this position's k and v, before any warp reads them
+  if (b == 0) trace_mark(0, tid);  // trace: the prep is done (sequence 0)
+  const int e = min(s1, p + 1);
+  bf16* stage = reinterpret_cast<bf16*>(reinterpret_cast<char*>(smem) + split_prep_stage_at(nt >> 5, G, D));
+  const KvStage st = use ? kv_stage_of(stage, b, s1 - s0, D, s0, min(s1, p)) : KvStage();
+  MPK_ATTN_BOUNDS(G, (D + 31) / 32, (run_split_prep_attend<kMG, kME>(t, b, e, qs, smem, tid, nt, st)));  // ends in a barrier
+  return true;
+}
+
 __device__ __noinline__ bool run_attention_split_prep(const TaskView& t, float* smem, int tid,
                                                       int nt MPK_FLAG_STEP_PARAM) {
   if (t.dtype(ATTENTION_SPLIT_PREP_ARG_QKV) != DTYPE_BF16 || t.dtype(ATTENTION_SPLIT_PREP_ARG_K_CACHE) != DTYPE_BF16 ||
@@ -584,47 +618,28 @@ __device__ __noinline__ bool run_attention_split_prep(const TaskView& t, float* 
     return false;
   const int B = t.param(ATTENTION_SPLIT_PREP_PARAM_BATCH), D = t.param(ATTENTION_SPLIT_PREP_PARAM_HEAD_DIM);
   const int G = t.param(ATTENTION_SPLIT_PREP_PARAM_GROUP), S = t.param(ATTENTION_SPLIT_PREP_PARAM_MAX_SEQ);
-  const int s0 = t.param(ATTENTION_SPLIT_PREP_PARAM_POS_BEGIN), s1 = t.param(ATTENTION_SPLIT_PREP_PARAM_POS_END);
-  const int qs_stride = t.param(ATTENTION_SPLIT_PREP_PARAM_QKV_STRIDE);
-  const size_t kbs = (size_t)t.param(ATTENTION_SPLIT_PREP_PARAM_KV_BATCH_STRIDE);
   if (!split_prep_ok(D, G, nt)) return false;
-  const int32_t* pos = t.arg<const int32_t>(ATTENTION_SPLIT_PREP_ARG_POSITIONS);
-  bf16* qs = split_prep_q(smem, G, D, nt);
-  const int epl = (D + 31) / 32;
   trace_mark(4, tid);  // trace: the body started (thread 0)
-  // The positions are checked before anything is written when the stage's copies (which use them) go first;
-  // otherwise after sequence b's prep, which reads pos[b] beside its loads and appends no row outside [0, S).
-  const bool check_first = !MPK_PREP_POS_LATE || t.flag(REC_FLAG_STAGE_KV);
-  if (check_first)
-    for (int b = 0; b < B; ++b)
-      if (pos[b] < 0 || pos[b] >= S) return false;
-  // The range's rows below each position (written by earlier steps) fly into shared memory during the prep.
-  const int stage_at = split_prep_stage_at(nt >> 5, G, D), kps = t.param(ATTENTION_SPLIT_PREP_PARAM_KV_POS_STRIDE);
-  bf16* stage = reinterpret_cast<bf16*>(reinterpret_cast<char*>(smem) + stage_at);
-  const bf16 *kc = t.arg<const bf16>(ATTENTION_SPLIT_PREP_ARG_K_CACHE), *vc = t.arg<const bf16>(ATTENTION_SPLIT_PREP_ARG_V_CACHE);
-  const bool use = t.flag(REC_FLAG_STAGE_KV) &&
-                   kv_stage_ok(kc, vc, D, kps, (int)kbs, stage_at + kv_stage_bytes(B, s1 - s0, D));
-  if (use) kv_stage_issue(kc, vc, pos, B, D, kps, (int)kbs, s0, s1, 0, stage, tid, nt);
-  for (int b = 0; b < B; ++b) {
-    attention_prep_heads(t.arg<const bf16>(ATTENTION_SPLIT_PREP_ARG_QKV) + (size_t)b * qs_stride,
-                         t.arg<const bf16>(ATTENTION_SPLIT_PREP_ARG_Q_NORM_W),
-                         t.arg<const bf16>(ATTENTION_SPLIT_PREP_ARG_K_NORM_W),
-                         t.arg<const float>(ATTENTION_SPLIT_PREP_ARG_INV_FREQ), qs,
-                         t.arg<bf16>(ATTENTION_SPLIT_PREP_ARG_K_CACHE) + (size_t)b * kbs,
-                         t.arg<bf16>(ATTENTION_SPLIT_PREP_ARG_V_CACHE) + (size_t)b * kbs, pos + b, s0, min(s1, S), D,
-                         G, t.param(ATTENTION_SPLIT_PREP_PARAM_K_OFFSET), t.param(ATTENTION_SPLIT_PREP_PARAM_V_OFFSET),
-                         t.param(ATTENTION_SPLIT_PREP_PARAM_KV_POS_STRIDE), t.fparam(ATTENTION_SPLIT_PREP_PARAM_EPS),
-                         tid, nt);
-    const int p = pos[b];
-    if (p < 0 || p >= S) return false;  // a bad task: its prep wrote no cache row
-    if (b == 0) trace_mark(5, tid);  // trace: thread 0's warp prepared its q head (before the block barrier)
-    if (use) cp_async_wait_all();  // this thread's staged rows (all sequences' copies: issued above)
-    worker_barrier(nt);  // q in shared memory, this position's k and v, before any warp reads them
-    if (b == 0) trace_mark(0, tid);  // trace: the prep is done (sequence 0)
-    const int e = min(s1, p + 1);
-    const KvStage st = use ? kv_stage_of(stage, b, s1 - s0, D, s0, min(s1, p)) : KvStage();
-    MPK_ATTN_BOUNDS(G, epl, (run_split_prep_attend<kMG, kME>(t, b, e, qs, smem, tid, nt, st)));  // ends in a barrier
+  bool use = false;
+  {  // a scope: these values are dead before the loop's calls
+    const int s0 = t.param(ATTENTION_SPLIT_PREP_PARAM_POS_BEGIN), s1 = t.param(ATTENTION_SPLIT_PREP_PARAM_POS_END);
+    const int32_t* pos = t.arg<const int32_t>(ATTENTION_SPLIT_PREP_ARG_POSITIONS);
+    // The positions are checked before anything is written when the stage's copies (which use them) go first;
+    // otherwise after sequence b's prep, which reads pos[b] beside its loads and appends no row outside [0, S).
+    const bool check_first = !MPK_PREP_POS_LATE || t.flag(REC_FLAG_STAGE_KV);
+    if (check_first)
+      for (int b = 0; b < B; ++b)
+        if (pos[b] < 0 || pos[b] >= S) return false;
+    // The range's rows below each position (written by earlier steps) fly into shared memory during the prep.
+    const int stage_at = split_prep_stage_at(nt >> 5, G, D), kps = t.param(ATTENTION_SPLIT_PREP_PARAM_KV_POS_STRIDE);
+    const int kbs = t.param(ATTENTION_SPLIT_PREP_PARAM_KV_BATCH_STRIDE);
+    bf16* stage = reinterpret_cast<bf16*>(reinterpret_cast<char*>(smem) + stage_at);
+    const bf16 *kc = t.arg<const bf16>(ATTENTION_SPLIT_PREP_ARG_K_CACHE), *vc = t.arg<const bf16>(ATTENTION_SPLIT_PREP_ARG_V_CACHE);
+    use = t.flag(REC_FLAG_STAGE_KV) && kv_stage_ok(kc, vc, D, kps, kbs, stage_at + kv_stage_bytes(B, s1 - s0, D));
+    if (use) kv_stage_issue(kc, vc, pos, B, D, kps, kbs, s0, s1, 0, stage, tid, nt);
   }
+  for (int b = 0; b < B; ++b)
+    if (!split_prep_sequence(t, b, use, smem, tid, nt)) return false;
   trace_mark(2, tid);  // trace: the walk and the block merge are done (the ticket and the head merge follow)
   if (t.dtype(ATTENTION_SPLIT_PREP_ARG_TICKET) >= 0) {  // fusion 'attn_merge': the head's last range merges it
     const int out_stride = t.param(ATTENTION_SPLIT_PREP_PARAM_OUT_STRIDE);
@@ -632,7 +647,8 @@ __device__ __noinline__ bool run_attention_split_prep(const TaskView& t, float* 
                          split_head_partials(t.arg<const float>(ATTENTION_SPLIT_PREP_ARG_OUT),
                                              t.param(ATTENTION_SPLIT_PREP_PARAM_SPLIT_INDEX), G, D),
                          t.arg<bf16>(ATTENTION_SPLIT_PREP_ARG_MERGED), B, D, G, split_count(out_stride, G, D), out_stride,
-                         qs_stride - 2 * t.param(ATTENTION_SPLIT_PREP_PARAM_V_OFFSET), tid, nt
+                         t.param(ATTENTION_SPLIT_PREP_PARAM_QKV_STRIDE) - 2 * t.param(ATTENTION_SPLIT_PREP_PARAM_V_OFFSET),
+                         tid, nt
 #if MPK_FLAG_WORDS
                          , t.arg<uint64_t>(ATTENTION_SPLIT_PREP_ARG_MERGED_FLAGS), flag_tag_of_step(step)
 #endif
