@@ -577,11 +577,24 @@ __device__ __noinline__ void run_split_prep_attend(const TaskView& t, int b, int
 #define MPK_PREP_POS_LATE 1
 #endif
 
+// MPK_SPLIT_PREP_SEQ_OUTLINED 1: one sequence of a split prep tile is a function of its own (below); 0 inlines it
+// into run_attention_split_prep, as the body was before (the A/B baseline: v0.23 measured a function boundary in
+// this tile costing 4.5% at qwen3-0.6b, docs/PERF.md v0.19 "the split merge's loads ahead").
+#ifndef MPK_SPLIT_PREP_SEQ_OUTLINED
+#define MPK_SPLIT_PREP_SEQ_OUTLINED 1
+#endif
+#if MPK_SPLIT_PREP_SEQ_OUTLINED
+#define MPK_SPLIT_PREP_SEQ_INLINE __noinline__
+#else
+#define MPK_SPLIT_PREP_SEQ_INLINE __forceinline__
+#endif
+
 // One sequence of a split prep tile: its q heads prepared and this position's k / v rows appended, then the
-// range walked. A function of its own that reads its parameters from the record again, so that the tile's loop
+// range walked. Outlined, it reads its parameters from the record (shared memory) again, so that the tile's loop
 // keeps few values alive across the calls: in one function, at 128 registers a thread (two blocks an SM, or 512
-// threads), the values live across attention_prep_heads and the walk spilled 92 / 212 bytes.
-__device__ __noinline__ bool split_prep_sequence(const TaskView& t, int b, bool use, float* smem, int tid, int nt) {
+// threads), the values live across attention_prep_heads and the walk spilled 92 / 212 bytes (now 32 / 44 here
+// and 32 / 44 in the caller).
+__device__ MPK_SPLIT_PREP_SEQ_INLINE bool split_prep_sequence(const TaskView& t, int b, bool use, float* smem, int tid, int nt) {
   const int D = t.param(ATTENTION_SPLIT_PREP_PARAM_HEAD_DIM), G = t.param(ATTENTION_SPLIT_PREP_PARAM_GROUP);
   const int S = t.param(ATTENTION_SPLIT_PREP_PARAM_MAX_SEQ);
   const int s0 = t.param(ATTENTION_SPLIT_PREP_PARAM_POS_BEGIN), s1 = t.param(ATTENTION_SPLIT_PREP_PARAM_POS_END);
