@@ -578,10 +578,17 @@ __device__ __noinline__ void run_split_prep_attend(const TaskView& t, int b, int
 #endif
 
 // MPK_SPLIT_PREP_SEQ_OUTLINED 1: one sequence of a split prep tile is a function of its own (below); 0 inlines it
-// into run_attention_split_prep, as the body was before (the A/B baseline: v0.23 measured a function boundary in
-// this tile costing 4.5% at qwen3-0.6b, docs/PERF.md v0.19 "the split merge's loads ahead").
+// into run_attention_split_prep, as the body was before. Measured (docs/PERF.md v0.37, H200, one run each):
+// outlined is faster where a thread has all 255 registers (qwen3-0.6b, 256 threads: 1.033 / 1.031 vs 1.049 / 1.048
+// ms) and slower where it has 128 (qwen3-1.7b, 512 threads: 1.615 / 1.616 vs 1.605 / 1.601), although the spills
+// it removes are only in the 128-register builds; so the default follows the register cap.
+#define MPK_FULL_REGISTER_THREADS 256  // the most threads a block whose threads each get 255 registers (65,536 / 256)
 #ifndef MPK_SPLIT_PREP_SEQ_OUTLINED
+#if MPK_WORKER_THREADS <= MPK_FULL_REGISTER_THREADS && !(MPK_MIN_BLOCKS_PER_SM > 1)
 #define MPK_SPLIT_PREP_SEQ_OUTLINED 1
+#else
+#define MPK_SPLIT_PREP_SEQ_OUTLINED 0
+#endif
 #endif
 #if MPK_SPLIT_PREP_SEQ_OUTLINED
 #define MPK_SPLIT_PREP_SEQ_INLINE __noinline__

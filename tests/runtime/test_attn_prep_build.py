@@ -44,13 +44,6 @@ ARG_PASS_BYTES_MAX = 4
 (v0.28; with the v0.27 walk the wrappers stored 16-20 B and attention_seq spilled 96-120 / 124-144 B). A tripwire."""
 
 
-SPLIT_PREP_SPILL_LOADS_MAX = 48
-"""Spill loads (bytes, ptxas -v) of the split prep tile's dispatch (run_attention_split_prep) and of its per-sequence
-function (split_prep_sequence, MPK_SPLIT_PREP_SEQ_OUTLINED) at 128 registers a thread (512 threads, qwen3-1.7b's
-build; two blocks an SM have the same cap): 44 each; 212 when one function held the prep, the walk and the merge
-(docs/PERF.md v0.36-v0.37). A tripwire."""
-
-
 def _frame(log: str, fn: str) -> int:
     """ptxas -v: the stack frame bytes of function ``fn`` (mangled, or the kernel's plain name)."""
     m = re.search(rf"Function properties for {re.escape(fn)}\n\s*(\d+) bytes stack frame", log)
@@ -103,10 +96,10 @@ def test_kernel_builds_without_spills_in_the_new_functions(unroll, tmp_path, mon
     for k in walk:
         stores, loads = spills[k]
         assert stores == 0 and loads <= ARG_PASS_BYTES_MAX, f"{k}: ptxas spills (stores, loads) = {spills[k]}"
-    split_prep = {k: v for k, v in spills.items() if re.search(r"run_attention_split_prep|split_prep_sequence", k)}
-    assert len(split_prep) == 2, sorted(split_prep)
-    for k, (stores, loads) in split_prep.items():
-        assert loads <= SPLIT_PREP_SPILL_LOADS_MAX, f"{k}: ptxas spills (stores, loads) = {(stores, loads)}"
+    # 512 threads (128 registers): the split prep's per-sequence function is inlined (MPK_SPLIT_PREP_SEQ_OUTLINED's
+    # default follows the register cap; measured faster so at qwen3-1.7b, docs/PERF.md v0.37)
+    assert any("run_attention_split_prep" in k for k in spills) and not any("split_prep_sequence" in k for k in spills)
+    assert b"split_prep_sequence" not in res.cubin
     fused = {k: v for k, v in spills.items() if re.search(r"run_(norm|silu)_linear", k)}  # + run_norm_linear_silu
     assert len(fused) == 2 and all(v == (0, 0) for v in fused.values()), f"fused linear bodies spill: {fused}"
     assert any("run_norm_linear_silu" in k for k in fused) == (left_out == "MPK_SILU_LINEAR_KIND"), sorted(fused)

@@ -30,6 +30,8 @@ def test_generated_kernel_compiles_for_sm90a(cache, shape):
     names = {p.name for p in res.headers}
     for h in ("sync.cuh", "worker.cuh", "dispatch.cuh", "linear.cuh", "attention.cuh", "abi_generated.h"):
         assert h in names, f"{h} missing from the headers hashed into the cache key"
+    # MPK_SPLIT_PREP_SEQ_OUTLINED follows the register cap (csrc/runtime/dispatch.cuh): outlined at 256 threads
+    assert b"split_prep_sequence" in res.cubin, "the split prep's per-sequence function is not a function of its own"
     again_src, again = build_kernel(shape, compiler="nvcc")
     assert again.cached and again.key == res.key and again.cubin == res.cubin
 
