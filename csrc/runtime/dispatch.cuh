@@ -601,7 +601,8 @@ __device__ __noinline__ void run_split_prep_attend(const TaskView& t, int b, int
 // keeps few values alive across the calls: in one function, at 128 registers a thread (two blocks an SM, or 512
 // threads), the values live across attention_prep_heads and the walk spilled 92 / 212 bytes (now 32 / 44 here
 // and 32 / 44 in the caller).
-__device__ MPK_SPLIT_PREP_SEQ_INLINE bool split_prep_sequence(const TaskView& t, int b, bool use, float* smem, int tid, int nt) {
+__device__ MPK_SPLIT_PREP_SEQ_INLINE bool split_prep_sequence(const TaskView& t, int b, bool use, float* smem, int tid,
+                                                              int nt) {
   const int D = t.param(ATTENTION_SPLIT_PREP_PARAM_HEAD_DIM), G = t.param(ATTENTION_SPLIT_PREP_PARAM_GROUP);
   const int S = t.param(ATTENTION_SPLIT_PREP_PARAM_MAX_SEQ);
   const int s0 = t.param(ATTENTION_SPLIT_PREP_PARAM_POS_BEGIN), s1 = t.param(ATTENTION_SPLIT_PREP_PARAM_POS_END);
@@ -627,7 +628,8 @@ __device__ MPK_SPLIT_PREP_SEQ_INLINE bool split_prep_sequence(const TaskView& t,
   const int e = min(s1, p + 1);
   bf16* stage = reinterpret_cast<bf16*>(reinterpret_cast<char*>(smem) + split_prep_stage_at(nt >> 5, G, D));
   const KvStage st = use ? kv_stage_of(stage, b, s1 - s0, D, s0, min(s1, p)) : KvStage();
-  MPK_ATTN_BOUNDS(G, (D + 31) / 32, (run_split_prep_attend<kMG, kME>(t, b, e, qs, smem, tid, nt, st)));  // ends in a barrier
+  // run_split_prep_attend ends in a barrier
+  MPK_ATTN_BOUNDS(G, (D + 31) / 32, (run_split_prep_attend<kMG, kME>(t, b, e, qs, smem, tid, nt, st)));
   return true;
 }
 
@@ -654,7 +656,8 @@ __device__ __noinline__ bool run_attention_split_prep(const TaskView& t, float* 
     const int stage_at = split_prep_stage_at(nt >> 5, G, D), kps = t.param(ATTENTION_SPLIT_PREP_PARAM_KV_POS_STRIDE);
     const int kbs = t.param(ATTENTION_SPLIT_PREP_PARAM_KV_BATCH_STRIDE);
     bf16* stage = reinterpret_cast<bf16*>(reinterpret_cast<char*>(smem) + stage_at);
-    const bf16 *kc = t.arg<const bf16>(ATTENTION_SPLIT_PREP_ARG_K_CACHE), *vc = t.arg<const bf16>(ATTENTION_SPLIT_PREP_ARG_V_CACHE);
+    const bf16* kc = t.arg<const bf16>(ATTENTION_SPLIT_PREP_ARG_K_CACHE);
+    const bf16* vc = t.arg<const bf16>(ATTENTION_SPLIT_PREP_ARG_V_CACHE);
     use = t.flag(REC_FLAG_STAGE_KV) && kv_stage_ok(kc, vc, D, kps, kbs, stage_at + kv_stage_bytes(B, s1 - s0, D));
     if (use) kv_stage_issue(kc, vc, pos, B, D, kps, kbs, s0, s1, 0, stage, tid, nt);
   }
