@@ -583,6 +583,8 @@ __device__ __noinline__ void run_split_prep_attend(const TaskView& t, int b, int
 // ms) and slower where it has 128 (qwen3-1.7b, 512 threads: 1.615 / 1.616 vs 1.605 / 1.601), although the spills
 // it removes are only in the 128-register builds; so the default follows the register cap.
 #define MPK_FULL_REGISTER_THREADS 256  // the most threads a block whose threads each get 255 registers (65,536 / 256)
+// The generated source defines MPK_WORKER_THREADS, and MPK_MIN_BLOCKS_PER_SM where a shape asks for more than one
+// block, before any header (codegen.render_source); an undefined one reads as 0 here, i.e. the defaults' side.
 #ifndef MPK_SPLIT_PREP_SEQ_OUTLINED
 #if MPK_WORKER_THREADS <= MPK_FULL_REGISTER_THREADS && !(MPK_MIN_BLOCKS_PER_SM > 1)
 #define MPK_SPLIT_PREP_SEQ_OUTLINED 1
