@@ -66,9 +66,9 @@ def test_kernel_builds_without_spills_in_the_new_functions(unroll, tmp_path, mon
     the attention_prep functions, the unsplit attention walk (attention_seq, on tensor cores) or the fused linear
     bodies, but an argument a wrapper hands attention_seq through local memory (ARG_PASS_BYTES_MAX), and the
     entry's stack frame no larger than ENTRY_FRAME_BYTES_MAX; at these 512 threads the split prep's per-sequence
-    function inlined (csrc/runtime/dispatch.cuh MPK_SPLIT_PREP_SEQ_OUTLINED). A program's kernel leaves out the silu kind it does
-    not run (kernel.kind_defines): the default batch-1 programs run norm_linear_silu (unroll 4 and 16 here), those
-    with MPK_FUSE_SILU_EPI=0 silu_linear (unroll 8 here)."""
+    function inlined (csrc/runtime/dispatch.cuh MPK_SPLIT_PREP_SEQ_OUTLINED). A program's kernel leaves out the silu
+    kind it does not run (kernel.kind_defines): the default batch-1 programs run norm_linear_silu (unroll 4 and 16
+    here), those with MPK_FUSE_SILU_EPI=0 silu_linear (unroll 8 here)."""
     from mpk_dist.runtime.codegen import KernelShape
     from mpk_dist.runtime.kernel import build_kernel
 
