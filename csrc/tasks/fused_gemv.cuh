@@ -256,19 +256,6 @@ constexpr int kLongMaxLoads = MPK_LONG_MAX_LOADS;  // R x unroll <= kLongMaxLoad
 constexpr int kLongRowsCap = kLongMaxLoads / kLinUnroll > 1 ? kLongMaxLoads / kLinUnroll : 1;
 constexpr int kLongRows = MPK_LONG_ROWS < kLongRowsCap ? MPK_LONG_ROWS : kLongRowsCap;
 
-// MPK_SHORT_TILE_LOADS U > MPK_LINEAR_UNROLL (a measurement variant; 0 = off, the program's unroll): the batch-1
-// fused tiles that are not long (fewer than kLongMinRowsPerWarp rows a warp) issue U 16-byte loads a lane a round
-// instead of the unroll, one row a warp at a time. Why: at unroll 4 a warp's row streams in K / 1024 dependent round
-// trips of 4 loads (16 KB an SM in flight at 256 threads): at qwen3-0.6b the down tiles (K = 3072, one row a warp:
-// 3 round trips, run 2.9 us a layer) and the o_proj tiles (K = 2048: 2, 2.5 us; docs/PERF.md v0.37 trace) wait on
-// memory latency; at qwen3-1.7b (K = 2048 / 6144) qkv's two rows a warp take 4 round trips and down's one row 6.
-// U = 12 or 16 puts a row of up to U * 256 values in flight at once (loads past K are not issued). Same sums: each
-// lane adds its k = lane * 8 + 256 j terms in increasing j, whatever the loads a round.
-#ifndef MPK_SHORT_TILE_LOADS
-#define MPK_SHORT_TILE_LOADS 0
-#endif
-constexpr int kShortTileLoads = MPK_SHORT_TILE_LOADS;
-
 // NOTE: not inlined: one copy per batch serves all three fused kinds (inlined at each call site it
 // tripled the batch-16 kernel's build time); the call costs nothing next to a tile's weight stream.
 // UR: loads a row per round; 0 = the unroll split over the R rows (MPK_LINEAR_ROWS), > 0 = UR each (MPK_LONG_ROWS).
@@ -336,8 +323,7 @@ __device__ __noinline__ void gemv_tile(const XS xs, const bf16* __restrict__ w, 
 }
 
 // gemv_tile at the tile's row shape: MPK_LONG_ROWS rows of the whole unroll for tiles with at least
-// kLongMinRowsPerWarp rows a warp (batch 1, one row a warp otherwise), MPK_SHORT_TILE_LOADS loads a round for the
-// other batch-1 tiles (when set), else MPK_LINEAR_ROWS rows (default: one).
+// kLongMinRowsPerWarp rows a warp (batch 1, one row a warp otherwise), else MPK_LINEAR_ROWS rows (default: one).
 template <int B, class XS, class EpiT>
 __device__ __forceinline__ void gemv_rows(const XS& xs, const bf16* __restrict__ w, int K, int n_tile, const EpiT& epi,
                                           int tid, int nt) {
@@ -347,10 +333,7 @@ __device__ __forceinline__ void gemv_rows(const XS& xs, const bf16* __restrict__
       return;
     }
   }
-  if constexpr (B == 1 && kFuseRows == 1 && kShortTileLoads > kLinUnroll)
-    gemv_tile<B, 1, XS, EpiT, kShortTileLoads>(xs, w, K, n_tile, epi, tid, nt);  // not long: a row a round
-  else
-    gemv_tile<B, kFuseRows>(xs, w, K, n_tile, epi, tid, nt);
+  gemv_tile<B, kFuseRows>(xs, w, K, n_tile, epi, tid, nt);
 }
 
 // The fused kinds' GEMV (hand-written and generated bodies alike): tensor-core tiles for batch >= 2 under

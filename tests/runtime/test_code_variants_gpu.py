@@ -45,8 +45,6 @@ the arithmetic, so the logits must equal the default build's bit for bit and sta
   ``-DMPK_SUPEROPT_NORM_LINEAR=0``: the hand-written norm body's one-round prologue against the generated one's.
 - ``-DMPK_LONG_ROWS=1``: one weight row a warp in the batch-1 fused tiles (the default since v0.32 sums 4 rows a warp
   at once with the whole unroll each in tiles of at least 4 rows a warp, csrc/tasks/fused_gemv.cuh gemv_rows).
-- ``-DMPK_SHORT_TILE_LOADS=16`` (batch 1; at batch 4 the same code in another binary): the batch-1 fused tiles of
-  fewer than 4 rows a warp issue 16 loads a lane a round instead of the unroll's 4 (fused_gemv.cuh gemv_rows).
 
 - ``MPK_FLAG_WORDS=1`` and ``=2`` (off; measurement variants): the fp32 residual stream (=2: also the bf16 vectors
   o_proj and down read) handed over as flagged words (mpk_dist/taskgraph/flag_words.py: the producers also write
@@ -79,7 +77,7 @@ STEPS = 48
 VARIANTS = ["-DMPK_ATTN_GUARD_HEADS=1", "-DMPK_PARAMS_SMEM=0", "-DMPK_ROPE_EXACT_PAIRS=0 -DMPK_PREP_ONE_SITE=0",
             "-DMPK_PREP_POS_LATE=0", "-DMPK_STAGE_ROWS_TOGETHER=0", "-DMPK_ROPE_SINCOS=0", "-DMPK_PREFETCH_ONE_SITE=0",
             "-DMPK_SMALL_KINDS_OUTLINED=0", "-DMPK_MERGE_LOADS_AHEAD=0", "-DMPK_LONG_ROWS=1",
-            "-DMPK_SPLIT_PREP_SEQ_OUTLINED=0", "-DMPK_SHORT_TILE_LOADS=16"]
+            "-DMPK_SPLIT_PREP_SEQ_OUTLINED=0"]
 CODE_SIZE_VARIANTS = ["-DMPK_STAGE_ROW_ROLLED=1", "-DMPK_ROPE_NEAR=1", "-DMPK_ROWWISE_OUTLINED=1"]  # batch 4: off there
 # kernel switches of the same kind (environment, not -D), batch 1; MPK_COMPACT_CODE=0: the code-size variants off
 SWITCHES = [{"MPK_WEIGHT_EVICT_FIRST": "1"}, {"MPK_COMPACT_CODE": "0"}]
