@@ -87,12 +87,11 @@ done
 # stream as flagged words (q1, polled back to back and with the wait's 32 ns sleep; q2 also the bf16 vectors) and the
 # kernels of its bitwise tests (test_code_variants_gpu.py's model, batch 1, testing.MAX_SEQ = 320: the default build and each flag set the
 # tests of AB_TESTS compare with it).
-# Session 42: two worker blocks per SM (i2) measured slower (docs/PERF.md v0.37). Session 43 (v0.38): u8 +6%, 6-row
-# long tiles even, more loads a round in the short tiles slower. The open A/B: the shared-memory weight ring primed
-# before the wait (b1; with -DMPK_LONG_ROWS=1 every linear streams through it) and the whole-tile L2 prefetch cap
-# (p128) at qwen3-0.6b. The variants above, i2 and u8 were measured (docs/PERF.md v0.32-v0.38) and stay reachable
-# through AB_VARIANTS.
-AB_VARIANTS=${AB_VARIANTS:-"base;b1;b1,-DMPK_LONG_ROWS=1;p128"}
+# Session 42: two worker blocks per SM (i2) measured slower (docs/PERF.md v0.37). Session 43 (v0.38, H100): u8 +6%,
+# 6-row long tiles even, the shared-memory weight ring primed before the wait (b1) +45%, the whole-tile L2 prefetch
+# cap (p128) +1.7%, pipelined one-row loads (l1) +14%. No A/B is open; the default reruns v0.38's last set at
+# qwen3-0.6b. Every variant above was measured (docs/PERF.md v0.32-v0.38) and stays reachable through AB_VARIANTS.
+AB_VARIANTS=${AB_VARIANTS:-"base;b1;p128;l1"}
 AB_TEST_KERNELS=${AB_TEST_KERNELS:-"base;-DMPK_NORM_ONE_ROUND=0;-DMPK_SUPEROPT_NORM_LINEAR=0;-DMPK_LONG_ROWS=1;o0;q1"}
 if [ $AB_PREBUILD -eq 1 ]; then
   mkdir -p "$MPK_CACHE_DIR"
