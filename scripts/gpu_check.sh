@@ -35,8 +35,9 @@
 #                   context ~480 (batch 1 and batch 8) with their trace-summary, and with NCU=1 an ncu profile per source line (scripts/ncu_lines.py).
 #                   Limit per step: PERF_LIMIT
 #   --ab            ONLY the A/B of the open code variants (docs/PERF.md leads): how soon waiting SMs see an event
-#                   (csrc/bench/event_wake.cu, idle and --load) and a level boundary's cost (csrc/bench/ll_boundary.cu),
-#                   then per model of AB_MODELS (default qwen3-0.6b)
+#                   (csrc/bench/event_wake.cu, idle and --load), a level boundary's cost (csrc/bench/ll_boundary.cu) and
+#                   what 132 SMs read from HBM and from L2 (csrc/bench/sm_read_bw.cu: on an H100 the ratio decides the
+#                   open A/B), then per model of AB_MODELS (default qwen3-8b llama3-8b)
 #                   scripts/tune_sweep.py over AB_VARIANTS run twice in one process (its kernels prebuilt in parallel,
 #                   AB_JOBS processes), then the variants' bitwise GPU tests (test_code_variants_gpu.py -k AB_TESTS).
 #                   AB_WAKE=0 skips the two benches, AB_TESTS=none the tests (one call is 600 s: ~9 min for all of it).
@@ -89,14 +90,20 @@ done
 # tests of AB_TESTS compare with it).
 # Session 42: two worker blocks per SM (i2) measured slower (docs/PERF.md v0.37). Session 43 (v0.38, H100): u8 +6%,
 # 6-row long tiles even, the shared-memory weight ring primed before the wait (b1) +45%, the whole-tile L2 prefetch
-# cap (p128) +1.7%, pipelined one-row loads (l1) +14%. No A/B is open; the default reruns v0.38's last set at
-# qwen3-0.6b. Every variant above was measured (docs/PERF.md v0.32-v0.38) and stays reachable through AB_VARIANTS.
-AB_VARIANTS=${AB_VARIANTS:-"base;b1;p128;l1"}
+# cap (p128) +1.7%, pipelined one-row loads (l1) +14% at qwen3-0.6b. The open A/B (built in session 43, record-level,
+# the default binary): at the 8B presets, whose batch-1 rows on an H100 are 2.3% (qwen3-8b) and 0.9% (llama3-8b)
+# above 1.15x the floor, the whole-tile o_proj plan behind their 8 unsplit attention tiles
+# (MPK_PLAN_BEHIND_ATTENTION=1; 0.5-0.6% slower on an H200, v0.30) and the next level's gate|up heads prefetched by
+# the o_proj tiles during that wait (MPK_PREFETCH_NEXT_KB=256 / 1024): both pay only where L2 reads much faster than
+# HBM, which sm_read_bw (above) says. Every variant above was measured (docs/PERF.md v0.32-v0.38) and stays reachable
+# through AB_VARIANTS (AB_MODELS=qwen3-0.6b for the small-preset ones).
+AB_VARIANTS=${AB_VARIANTS:-"base;MPK_PLAN_BEHIND_ATTENTION=1;MPK_PREFETCH_NEXT_KB=256;MPK_PREFETCH_NEXT_KB=1024"}
+AB_MODELS=${AB_MODELS:-"qwen3-8b llama3-8b"}
 AB_TEST_KERNELS=${AB_TEST_KERNELS:-"base;-DMPK_NORM_ONE_ROUND=0;-DMPK_SUPEROPT_NORM_LINEAR=0;-DMPK_LONG_ROWS=1;o0;q1"}
 if [ $AB_PREBUILD -eq 1 ]; then
   mkdir -p "$MPK_CACHE_DIR"
   rc=0
-  for m in ${AB_MODELS:-qwen3-0.6b}; do
+  for m in $AB_MODELS; do
     echo "== --ab-prebuild: $m, the sweep's variants (max_seq_len 544)"
     python3 scripts/tune_sweep.py --model "$m" --batch 1 --prompt-len 480 --output-len 64 --prebuild-only \
       ${AB_JOBS:+--prebuild-jobs "$AB_JOBS"} --variants "$AB_VARIANTS" || rc=1
@@ -199,7 +206,11 @@ if [ $AB -eq 1 ]; then
     && $OUT/ll_boundary && $OUT/ll_boundary --load && $OUT/ll_boundary --load --n 4096"
   # Where the hardware puts two blocks per SM (whether blockIdx.x alone would pair them as worker_index.cuh does).
   step ab_sm_pairs "${AB_LIMIT:-150}" bash -c "nvcc -O3 -arch=sm_90a -o $OUT/sm_pairs csrc/bench/sm_pairs.cu && $OUT/sm_pairs"
-  for m in ${AB_MODELS:-qwen3-0.6b}; do
+  # What 132 SMs read from HBM and from L2 on this GPU (the open A/B pays only where L2 is much the faster).
+  step ab_read_bw "${AB_LIMIT:-150}" bash -c "nvcc -O3 -arch=sm_90a -o $OUT/sm_read_bw csrc/bench/sm_read_bw.cu \
+    && for m in hbm l2; do $OUT/sm_read_bw \$([ \$m = l2 ] && echo --l2) > $OUT/sm_read_bw_\$m.log \
+    && grep -E 'reading|per block|^ 132' $OUT/sm_read_bw_\$m.log || exit 1; done"
+  for m in $AB_MODELS; do
     step "ab_sweep_$m" "${AB_LIMIT:-540}" python3 scripts/tune_sweep.py --model "$m" --batch 1 --prompt-len 480 \
       --output-len 64 --iters 2 --prebuild-jobs "${AB_JOBS:-8}" --variants "$AB_VARIANTS;$AB_VARIANTS" \
       --output-json "$OUT/ab_sweep_$m.json"

@@ -20,6 +20,8 @@ NOTE: m1 changes the summation order of linear tiles, so its tokens may differ f
 (DIFFERS then means "check with compare_logits", not a bug by itself).
 A part -D<NAME>=<value> adds that compile-time define to the variant's build (MPK_NVCC_EXTRA_FLAGS, part of the
 kernel's cache key), e.g. "base;-DMPK_ROPE_SINCOS=0" for the code variants designed to leave every sum as it is.
+A part MPK_<NAME>=<value> sets that environment switch for the variant (every letter above is taken), e.g.
+"base;MPK_PLAN_BEHIND_ATTENTION=1;MPK_PREFETCH_NEXT_KB=256" (record-level switches: the same binary).
 k<N> / kauto splits each attention tile into N (or 'auto') KV ranges with a merge (--attn-splits; another
 summation order, so DIFFERS is possible). f0/f1 turns --fuse off/on (fused and unfused programs are bit-identical on the GPU); s0/s1 turns the
 superoptimizer-generated task bodies off/on (--no-superopt; designed bit-identical). Every variant
@@ -75,8 +77,12 @@ def parse_variant(text: str) -> tuple[dict[str, str], dict]:
         if part.startswith("-D") and len(part) > 2:  # a compile-time define, e.g. -DMPK_ROPE_SINCOS=0
             env[EXTRA_FLAGS] = f"{env.get(EXTRA_FLAGS, '')} {part}".strip()
             continue
+        name, eq, value = part.partition("=")
+        if name.startswith("MPK_") and eq and value and name != EXTRA_FLAGS:  # any switch by name (no letter left)
+            env[name] = value
+            continue
         if part[0] not in KNOBS or not part[1:].lstrip("-").isdigit():
-            raise SystemExit(f"tune_sweep: variant part {part!r}: expected -D<NAME>=<value>, u<N>, t<N>, p<N>, e<KB>, r<N>, m<0|1>, w<0|1>, b<0|1>, l<0|1>, v<0|1>, g<0|1>, h<0|1>, c<0|1>, x<0|1>, y<0|1>, d<0|1>, j<0|1>, o<0|1>, q<0|1|2>, n<0|1>, i<1|2>, "
+            raise SystemExit(f"tune_sweep: variant part {part!r}: expected -D<NAME>=<value>, MPK_<NAME>=<value>, u<N>, t<N>, p<N>, e<KB>, r<N>, m<0|1>, w<0|1>, b<0|1>, l<0|1>, v<0|1>, g<0|1>, h<0|1>, c<0|1>, x<0|1>, y<0|1>, d<0|1>, j<0|1>, o<0|1>, q<0|1|2>, n<0|1>, i<1|2>, "
                              "a<0|1>, f<0|1> (--fuse), s<0|1> (--superopt), k<N>|kauto (--attn-splits), or 'base'")
         env[KNOBS[part[0]]] = part[1:]
     return env, opts
@@ -91,17 +97,19 @@ def kernel_shape_name(cubin: str) -> str:
 
 def prebuild_cases(variants: list, model: str, batch: int, max_seq_len: int) -> list:
     """The distinct kernels of ``variants`` ([(text, (env, opts))], as parse_variant gives) for the prebuild:
-    one BuildCase per distinct (env, splits, superopt). A variant with f0 / f1 (another fusion set than the
-    environment's) is left to build when it runs."""
-    from mpk_dist.runtime.prebuild import BuildCase
+    one BuildCase per distinct (env, splits, superopt), the record-level switches (prebuild.TABLE_ONLY: the same
+    binary) left out of env. A variant with f0 / f1 (another fusion set than the environment's) is left to build
+    when it runs."""
+    from mpk_dist.runtime.prebuild import TABLE_ONLY, BuildCase
 
     out = []
     for _, (env, opts) in variants:
         if "fuse" in opts:
             continue
+        kernel_env = {k: v for k, v in env.items() if k not in TABLE_ONLY.values()}
         case = BuildCase(model, 1, batch, "aot", superopt=opts.get("superopt", True),
                          attn_splits=opts.get("attn_splits", "auto"), max_seq_len=max_seq_len,
-                         env=tuple(sorted(env.items())))
+                         env=tuple(sorted(kernel_env.items())))
         if case not in out:
             out.append(case)
     return out

@@ -63,6 +63,9 @@ SWITCHES = (
     # aot: a narrow-waiting linear tile's prefetch issued during its worker's previous (attention) task's
     # wait (prefetch_plan.hoist_ahead; same bits)
     ("prefetch_ahead", "MPK_PREFETCH_AHEAD", False),
+    # the whole-tile plan behind a narrow attention op in batch-1 programs too (prefetch_plan.py
+    # NO_PLAN_BEHIND_ATTENTION_MAX_BATCH: measured 0.5-0.6% slower on an H200, docs/PERF.md v0.30; same bits)
+    ("plan_behind_attention", "MPK_PLAN_BEHIND_ATTENTION", False),
     # split-KV tiles copy their range's cache rows into shared memory at once, then walk them there
     # (csrc/tasks/attention_split.cuh KvStage; a record flag, same bits). Off: measured no faster at context
     # ~512 (docs/PERF.md v0.9: the walk's rows are in L2 already, the tile's time is elsewhere)
@@ -540,6 +543,14 @@ def tuning_from_env(worker_threads: int | None, environ=None) -> dict:
             raise InputError(f"MPK_PREFETCH_LEVEL_KB: expected a cap in KB >= 0 (unset: the kernel's MPK_PREFETCH_KB), "
                              f"got {raw!r}")
         out["prefetch_level_kb"] = int(raw)
+    # aot: a linear tile waiting on a narrow op also prefetches up to this many KB of its worker's next linear task
+    # (prefetch_plan.prefetch_next; REC_PREFETCH_NEXT, same binary and bits). Only when set.
+    raw = env.get("MPK_PREFETCH_NEXT_KB", "")
+    if raw:
+        if not raw.isdigit():
+            raise InputError(f"MPK_PREFETCH_NEXT_KB: expected a size in KB >= 0 (unset or 0: none), got {raw!r}")
+        if int(raw) > 0:
+            out["prefetch_next_kb"] = int(raw)
     # Switches whose key appears only when set away from the default, so the default dict (and every
     # Session built from it) is what it was before the switch existed; a switch whose default depends on the
     # program (None) appears whenever it is set.

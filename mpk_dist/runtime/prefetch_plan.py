@@ -101,37 +101,95 @@ def _attention_events(cg) -> set[int]:
     return out
 
 
-def _narrow_tiles(cg, workers: int, l2_bytes: int) -> dict[int, tuple[int, set[int]]]:
-    """{task: (bytes, narrow events)} for every tile of a linear op that waits on a narrow op: its whole
-    weight block, or an equal share of ``L2_SHARE * l2_bytes`` when the op's blocks together exceed it.
-    An attention op is not counted as narrow in programs of up to NO_PLAN_BEHIND_ATTENTION_MAX_BATCH sequences."""
+def _linear_tiles_by_op(cg) -> dict[int, list[int]]:
+    """{op index: its tiles} of every linear op of ``cg``, tiles in task order."""
     tasks = cg.arrays["tasks"]
-    skip = _attention_events(cg) if int(cg.meta["batch"]) <= NO_PLAN_BEHIND_ATTENTION_MAX_BATCH else set()
     opcodes = {BY_NAME[k].opcode for k in LINEAR_KINDS}
-    by_op: dict[int, list[tuple[int, int]]] = {}
+    by_op: dict[int, list[int]] = {}
     for t in range(tasks.shape[0]):
         if int(tasks[t, TASK_COLS["OPCODE"]]) in opcodes:
-            by_op.setdefault(int(tasks[t, TASK_COLS["OP_INDEX"]]), []).append((t, weight_block_bytes(cg, t)))
+            by_op.setdefault(int(tasks[t, TASK_COLS["OP_INDEX"]]), []).append(t)
+    return by_op
+
+
+def _narrow_tiles(cg, workers: int, l2_bytes: int,
+                  behind_attention: bool = False) -> dict[int, tuple[int, set[int]]]:
+    """{task: (bytes, narrow events)} for every tile of a linear op that waits on a narrow op: its whole
+    weight block, or an equal share of ``L2_SHARE * l2_bytes`` when the op's blocks together exceed it.
+    An attention op is not counted as narrow in programs of up to NO_PLAN_BEHIND_ATTENTION_MAX_BATCH sequences
+    unless ``behind_attention`` (MPK_PLAN_BEHIND_ATTENTION)."""
+    small = int(cg.meta["batch"]) <= NO_PLAN_BEHIND_ATTENTION_MAX_BATCH
+    skip = _attention_events(cg) if small and not behind_attention else set()
     budget = int(L2_SHARE * l2_bytes)
     out = {}
-    for tiles in by_op.values():
-        narrow = _narrow_events(cg, tiles[0][0], workers) - skip
+    for tiles in _linear_tiles_by_op(cg).values():
+        narrow = _narrow_events(cg, tiles[0], workers) - skip
         if narrow:
             share = budget // len(tiles)
-            out.update({t: (min(nbytes, share), narrow) for t, nbytes in tiles})
+            out.update({t: (min(weight_block_bytes(cg, t), share), narrow) for t in tiles})
     return out
 
 
-def prefetch_plan(cg, workers: int, l2_bytes: int, level_bytes: int | None = None) -> np.ndarray:
+def prefetch_plan(cg, workers: int, l2_bytes: int, level_bytes: int | None = None,
+                  behind_attention: bool = False) -> np.ndarray:
     """Per task: L2 prefetch bytes before its waits (>= 0), or -1 for the kernel's default cap.
 
     Tiles of a linear op that waits on a narrow op get their whole weight block, or an equal share of
     ``L2_SHARE * l2_bytes`` when the op's blocks together exceed it (0 when their own worker runs one
     of the narrow producers first). ``level_bytes`` (MPK_PREFETCH_LEVEL_KB): every other linear tile's
     bytes instead of the kernel's compiled cap, so one binary can be measured at several caps; every
-    other task gets -1.
+    other task gets -1. ``behind_attention`` (MPK_PLAN_BEHIND_ATTENTION): plan behind a narrow attention op
+    in batch-1 programs too (NO_PLAN_BEHIND_ATTENTION_MAX_BATCH).
     """
-    return _plan_of(cg, _narrow_tiles(cg, workers, l2_bytes), level_bytes)
+    return _plan_of(cg, _narrow_tiles(cg, workers, l2_bytes, behind_attention), level_bytes)
+
+
+def prefetch_next(cg, workers: int, l2_bytes: int, next_bytes: int, plan: np.ndarray,
+                  ahead: np.ndarray | None = None) -> np.ndarray:
+    """``ahead`` (per task: bytes of the next task in its aot worker list prefetched during its wait,
+    REC_PREFETCH_NEXT; None: none yet) with, for every tile of a linear op that waits on a narrow op (a
+    batch-1 attention op included), up to ``next_bytes`` of its worker's next task where that is a linear
+    tile of the level right after it (one that waits on the op's signals; MPK_PREFETCH_NEXT_KB).
+    Why: behind the 8B presets' 8 unsplit batch-1 attention tiles every other SM waits ~15 us with HBM idle,
+    and the level after o_proj (the gate|up projection, 201 MB a layer) is the largest; on a GPU whose L2
+    reads much faster than its HBM (an H100: ~3.05 TB/s from HBM, while v0.24 measured 5.0 TB/s from L2 on
+    the same die in an H200) the head of each gate|up tile could be in L2 before its level starts.
+    The next tiles' bytes of one waiting op together stay within ``L2_SHARE * l2_bytes`` less what ``plan``
+    already puts into L2 for that op; a task that already prefetches ahead (hoist_ahead) keeps its bytes."""
+    if next_bytes < 0:
+        raise ValueError(f"next_bytes: expected >= 0, got {next_bytes}")
+    tasks = cg.arrays["tasks"]
+    out = np.zeros(tasks.shape[0], np.int32) if ahead is None else ahead.astype(np.int32, copy=True)
+    if next_bytes == 0:
+        return out
+    linear = {BY_NAME[k].opcode for k in LINEAR_KINDS}
+    offs, lst = cg.arrays["worker_offsets"], cg.arrays["worker_tasks"]
+    nxt: dict[int, int] = {}
+    for w in range(len(offs) - 1):
+        order = lst[int(offs[w]):int(offs[w + 1])].tolist()
+        nxt.update(zip(order, order[1:]))
+    budget = int(L2_SHARE * l2_bytes)
+    for tiles in _linear_tiles_by_op(cg).values():
+        if not _narrow_events(cg, tiles[0], workers):
+            continue
+        room = budget - sum(max(0, int(plan[t])) for t in tiles)
+        share = max(0, room) // len(tiles)
+        signalled = set().union(*(_signals(cg, t) for t in tiles))
+        for t in tiles:
+            n = nxt.get(t)
+            # only a tile of the level right after this op (it waits on this op's signals): a later level's head
+            # would be streamed past by that level before it is read
+            if (n is not None and int(tasks[n, TASK_COLS["OPCODE"]]) in linear and out[t] == 0
+                    and _waits(cg, n) & signalled):
+                out[t] = min(next_bytes, weight_block_bytes(cg, n), share)
+    return out
+
+
+def _waits(cg, task: int) -> set[int]:
+    """The events ``task`` waits on in its own step."""
+    row, waits = cg.arrays["tasks"][task], cg.arrays["waits"]
+    w = waits[int(row[TASK_COLS["WAIT_BEGIN"]]):int(row[TASK_COLS["WAIT_END"]])]
+    return {int(e) for e, off in zip(w[:, WAIT_COLS["EVENT"]], w[:, WAIT_COLS["STEP_OFFSET"]]) if int(off) == 0}
 
 
 def _plan_of(cg, tiles: dict[int, tuple[int, set[int]]], level_bytes: int | None = None) -> np.ndarray:
@@ -147,16 +205,17 @@ def _plan_of(cg, tiles: dict[int, tuple[int, set[int]]], level_bytes: int | None
     return plan
 
 
-def hoist_ahead(cg, workers: int, l2_bytes: int, level_bytes: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+def hoist_ahead(cg, workers: int, l2_bytes: int, level_bytes: int | None = None,
+                behind_attention: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """(plan, ahead): ``prefetch_plan`` with the narrow-waiting tiles' prefetch moved one task earlier
     on their aot worker where that earlier task is not a linear (an attention or other narrow task:
     its wait is idle HBM time, where a linear predecessor's is its own weight stream). ``ahead[t]``:
     bytes of the next task in t's worker list that t's worker prefetches during t's wait
     (REC_PREFETCH_NEXT); the hoisted tile's own plan becomes 0. A tile whose worker runs a narrow
     producer right before it (0 in ``prefetch_plan``) gets its bytes this way too. aot only: the jit
-    schedule has no fixed predecessor."""
+    schedule has no fixed predecessor. ``behind_attention``: as in prefetch_plan."""
     tasks = cg.arrays["tasks"]
-    tiles = _narrow_tiles(cg, workers, l2_bytes)
+    tiles = _narrow_tiles(cg, workers, l2_bytes, behind_attention)
     plan = _plan_of(cg, tiles, level_bytes)
     ahead = np.zeros(tasks.shape[0], np.int32)
     linear_ops = {BY_NAME[k].opcode for k in LINEAR_KINDS}
@@ -166,6 +225,20 @@ def hoist_ahead(cg, workers: int, l2_bytes: int, level_bytes: int | None = None)
         for prev, t in zip(order, order[1:]):
             if t in tiles and int(tasks[prev, TASK_COLS["OPCODE"]]) not in linear_ops:
                 ahead[prev], plan[t] = tiles[t][0], 0
+    return plan, ahead
+
+
+def plan_tables(cg, workers: int, l2_bytes: int, level_bytes: int | None = None, hoist: bool = False,
+                behind_attention: bool = False, next_bytes: int = 0) -> tuple[np.ndarray, np.ndarray | None]:
+    """(plan, ahead or None) as a session's task records take them (REC_PREFETCH, REC_PREFETCH_NEXT): prefetch_plan,
+    or hoist_ahead with ``hoist`` (MPK_PREFETCH_AHEAD), then prefetch_next's bytes with ``next_bytes`` > 0
+    (MPK_PREFETCH_NEXT_KB); ``behind_attention``: MPK_PLAN_BEHIND_ATTENTION."""
+    if hoist:
+        plan, ahead = hoist_ahead(cg, workers, l2_bytes, level_bytes, behind_attention=behind_attention)
+    else:
+        plan, ahead = prefetch_plan(cg, workers, l2_bytes, level_bytes, behind_attention=behind_attention), None
+    if next_bytes > 0:
+        ahead = prefetch_next(cg, workers, l2_bytes, next_bytes, plan, ahead)
     return plan, ahead
 
 

@@ -93,7 +93,8 @@ class Session:
                  attn_prefetch: bool = True, bulk_prefetch: bool = False, prefetch_ahead: bool = False,
                  attn_stage_kv: bool = False, load_ahead: bool = True, min_carveout: bool = False,
                  weight_evict_first: bool = False, compact_code: bool | None = None,
-                 prefetch_level_kb: int | None = None, blocks_per_sm: int = 1):
+                 prefetch_level_kb: int | None = None, blocks_per_sm: int = 1, plan_behind_attention: bool = False,
+                 prefetch_next_kb: int | None = None):
         if cg.meta["abi_version"] != ABI_VERSION:
             raise InputError(f"task graph ABI: expected version {ABI_VERSION}, got {cg.meta['abi_version']}")
         tables.check_supported(cg)
@@ -146,6 +147,10 @@ class Session:
         # Record-level switches (no rebuild): bulk-copy prefetches; hoisting needs the aot worker order.
         self.bulk_prefetch, self.prefetch_ahead = bulk_prefetch, prefetch_ahead and schedule == "aot"
         self.prefetch_level_kb = prefetch_level_kb
+        # Record-level too: plan behind batch-1 attention; the next linear task's head during a narrow wait (aot only:
+        # the jit schedule has no fixed next task).
+        self.plan_behind_attention = plan_behind_attention
+        self.prefetch_next_kb = prefetch_next_kb if schedule == "aot" else None
         self.passes = None  # a PassChannel once enable_passes (persistent passes, pass_io.py)
         self._alloc(weights, num_sched)
 
@@ -221,15 +226,14 @@ class Session:
         """(per-task L2 prefetch bytes, per-task bytes of the next task hoisted into its wait or None)
         (prefetch_plan.py) for this GPU's L2; ranks sharing one GPU (local transport: a stream per rank)
         split it."""
-        from mpk_dist.runtime.prefetch_plan import hoist_ahead, prefetch_plan
+        from mpk_dist.runtime.prefetch_plan import plan_tables
 
         l2 = int(getattr(torch.cuda.get_device_properties(self.device), "L2_cache_size", 0)) if self.device.type == "cuda" else 0
         share = self.world if self.stream is not None else 1
         l2 = (l2 or DEFAULT_L2_BYTES) // share
         level = None if self.prefetch_level_kb is None else self.prefetch_level_kb * 1024
-        if self.prefetch_ahead:
-            return hoist_ahead(self.cg, self.workers, l2, level)
-        return prefetch_plan(self.cg, self.workers, l2, level), None
+        return plan_tables(self.cg, self.workers, l2, level, hoist=self.prefetch_ahead,
+                           behind_attention=self.plan_behind_attention, next_bytes=(self.prefetch_next_kb or 0) * 1024)
 
     def _region_view(self, offset: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
         """A typed view of bytes [offset, offset + nbytes) of this rank's symmetric region."""

@@ -229,3 +229,85 @@ def test_level_cap_fills_every_other_linear_tile():
 def test_tune_sweep_has_the_level_cap_token(tune_sweep):
     """scripts/tune_sweep.py: 'e<KB>' sets MPK_PREFETCH_LEVEL_KB (a table-only sweep on one binary)."""
     assert tune_sweep.parse_variant("e128,h1") == ({"MPK_PREFETCH_LEVEL_KB": "128", "MPK_PREFETCH_AHEAD": "1"}, {})
+
+
+@pytest.fixture(scope="module")
+def qwen3_8b_b1():
+    """qwen3-8b's batch-1 program at context 512 ('auto': attention unsplit, 8 tiles: a narrow op)."""
+    from mpk_dist.runtime.megakernel_backend import fusions_for_batch, fusions_from_env
+
+    return compile_rank_programs(get_preset("qwen3-8b"), tp=1, batch=1, sms=SMS, max_seq_len=512,
+                                 fuse=fusions_for_batch(fusions_from_env(True), 1), attn_splits="auto")[0]
+
+
+def _next_in_worker(cg) -> dict[int, int]:
+    offs, lst = cg.arrays["worker_offsets"], cg.arrays["worker_tasks"]
+    out = {}
+    for w in range(len(offs) - 1):
+        order = lst[int(offs[w]):int(offs[w + 1])].tolist()
+        out.update(zip(order, order[1:]))
+    return out
+
+
+def test_plan_behind_attention_switch_plans_o_proj_at_batch_1(qwen3_8b_b1):
+    """MPK_PLAN_BEHIND_ATTENTION=1 (record-level): the o_proj tiles behind the 8 unsplit batch-1 attention tiles get
+    their whole blocks, as at batch 2; without it nothing is planned there (NO_PLAN_BEHIND_ATTENTION_MAX_BATCH)."""
+    from mpk_dist.errors import InputError
+    from mpk_dist.runtime.megakernel_backend import tuning_from_env
+    from mpk_dist.runtime.prefetch_plan import plan_tables
+
+    cg = qwen3_8b_b1
+    assert tuning_from_env(512, {"MPK_PLAN_BEHIND_ATTENTION": "1"})["plan_behind_attention"] is True
+    assert "plan_behind_attention" not in tuning_from_env(512, {"MPK_PLAN_BEHIND_ATTENTION": "0"})
+    with pytest.raises(InputError, match="MPK_PLAN_BEHIND_ATTENTION: expected one of 0, 1"):
+        tuning_from_env(512, {"MPK_PLAN_BEHIND_ATTENTION": "yes"})
+    off, _ = plan_tables(cg, SMS, 50 << 20)
+    on, ahead = plan_tables(cg, SMS, 50 << 20, behind_attention=True)
+    assert ahead is None and (off == -1).all()
+    marked = {k[0].split(".")[-1] for k, v in _by_name(cg, on).items() if v != {-1}}
+    assert marked == {"o_proj"}, marked
+    assert int(on.max()) == 4096 * 4096 * 2 // 128  # one o_proj tile's whole 256 KB block
+
+
+@pytest.mark.parametrize("behind", [False, True])
+def test_prefetch_next_gives_the_narrow_waiters_the_head_of_their_next_linear(qwen3_8b_b1, behind):
+    """MPK_PREFETCH_NEXT_KB (record-level, aot): every linear tile waiting on the narrow batch-1 attention (o_proj)
+    prefetches up to N KB of its worker's next task when that is a linear tile (a gate|up tile), within the L2 share
+    its op's own plan leaves; no other task gets bytes ahead; the records carry them."""
+    from mpk_dist.errors import InputError
+    from mpk_dist.runtime.megakernel_backend import tuning_from_env
+    from mpk_dist.runtime.prefetch_plan import L2_SHARE, plan_tables
+    from mpk_dist.runtime.task_records import REC_PREFETCH_NEXT, build_records
+
+    assert tuning_from_env(512, {"MPK_PREFETCH_NEXT_KB": "256"})["prefetch_next_kb"] == 256
+    assert "prefetch_next_kb" not in tuning_from_env(512, {"MPK_PREFETCH_NEXT_KB": "0"})
+    with pytest.raises(InputError, match="MPK_PREFETCH_NEXT_KB: expected a size in KB >= 0"):
+        tuning_from_env(512, {"MPK_PREFETCH_NEXT_KB": "-1"})
+    cg, l2 = qwen3_8b_b1, 50 << 20
+    plan, ahead = plan_tables(cg, SMS, l2, behind_attention=behind, next_bytes=256 << 10)
+    tasks = cg.arrays["tasks"]
+    kind = lambda t: BY_OPCODE[int(tasks[t, TASK_COLS["OPCODE"]])].name  # noqa: E731
+    name = lambda t: cg.meta["ops"][int(tasks[t, TASK_COLS["OP_INDEX"]])]["name"].split(".")[-1]  # noqa: E731
+    nxt = _next_in_worker(cg)
+    o_proj = [t for t in range(tasks.shape[0]) if name(t) == "o_proj"]
+    share = (int(L2_SHARE * l2) - sum(max(0, int(plan[t])) for t in o_proj[:128])) // 128  # one layer's 128 tiles
+    want = min(256 << 10, share)
+    got = {name(t): set() for t in np.nonzero(ahead)[0]}
+    for t in np.nonzero(ahead)[0]:
+        got[name(t)].add(int(ahead[t]))
+        assert kind(nxt[int(t)]) == "norm_linear_silu", (cg.task_label(int(t)), cg.task_label(nxt[int(t)]))
+    assert set(got) == {"o_proj"} and got["o_proj"] == {want}, got
+    assert (want == 256 << 10) != behind  # the whole-tile plan leaves the next tiles only a sliver of the share
+    followed = sum(1 for t in o_proj if t in nxt and kind(nxt[t]) == "norm_linear_silu")
+    assert (ahead > 0).sum() == followed and followed >= 0.9 * len(o_proj)
+    rec, task_rec = build_records(cg, np.zeros(cg.arrays["args"].shape[0], np.uint64), plan, ahead)
+    assert (rec[task_rec, REC_PREFETCH_NEXT] == ahead).all()
+    assert (plan_tables(cg, SMS, l2, next_bytes=0)[1] is None)
+
+
+def test_tune_sweep_sets_any_switch_by_name(tune_sweep):
+    """scripts/tune_sweep.py: a part MPK_<NAME>=<value> sets that switch (every letter is taken)."""
+    assert tune_sweep.parse_variant("MPK_PLAN_BEHIND_ATTENTION=1,MPK_PREFETCH_NEXT_KB=256,u16") == (
+        {"MPK_PLAN_BEHIND_ATTENTION": "1", "MPK_PREFETCH_NEXT_KB": "256", "MPK_LINEAR_UNROLL": "16"}, {})
+    with pytest.raises(SystemExit, match="MPK_<NAME>=<value>"):
+        tune_sweep.parse_variant("MPK_PREFETCH_NEXT_KB")

@@ -79,3 +79,26 @@ def test_blocks_per_sm_variant_is_a_case_of_its_own(tune_sweep):
     cases = tune_sweep.prebuild_cases(variants, "qwen3-0.6b", 1, 544)
     assert [(c.env, c.attn_splits) for c in cases] == [((), "auto"), ((("MPK_BLOCKS_PER_SM", "2"),), "auto"),
                                                        ((("MPK_BLOCKS_PER_SM", "2"),), 32)]
+
+
+def test_record_level_switches_share_the_base_kernel(tune_sweep):
+    """Switches that change only the task records or the launch (prebuild.TABLE_ONLY: w, g, h, x, z, e and the two
+    named ones) are left out of a prebuild case's environment, so their variants build nothing of their own."""
+    variants = [(t, tune_sweep.parse_variant(t)) for t in
+                ("base", "MPK_PLAN_BEHIND_ATTENTION=1", "MPK_PREFETCH_NEXT_KB=256", "w0,g1,h1,x1,z1,e128",
+                 "MPK_PREFETCH_NEXT_KB=256,u8")]
+    cases = tune_sweep.prebuild_cases(variants, "qwen3-8b", 1, 544)
+    assert [c.env for c in cases] == [(), (("MPK_LINEAR_UNROLL", "8"),)]
+
+
+def test_table_only_names_every_record_level_switch():
+    """prebuild.TABLE_ONLY maps each record-level Session keyword to the variable tuning_from_env reads it from."""
+    from mpk_dist.runtime.megakernel_backend import tuning_from_env
+    from mpk_dist.runtime.prebuild import TABLE_ONLY
+
+    on = {"MPK_PREFETCH_PLAN": "0", "MPK_BULK_PREFETCH": "1", "MPK_PREFETCH_AHEAD": "1", "MPK_ATTN_STAGE_KV": "1",
+          "MPK_MIN_CARVEOUT": "1", "MPK_PREFETCH_LEVEL_KB": "128", "MPK_PLAN_BEHIND_ATTENTION": "1",
+          "MPK_PREFETCH_NEXT_KB": "256"}
+    for key, var in TABLE_ONLY.items():
+        assert key in tuning_from_env(512, {var: on[var]}), (key, var)
+    assert set(TABLE_ONLY.values()) == set(on)
