@@ -94,10 +94,12 @@ done
 # the default binary): at the 8B presets, whose batch-1 rows on an H100 are 2.3% (qwen3-8b) and 0.9% (llama3-8b)
 # above 1.15x the floor, the whole-tile o_proj plan behind their 8 unsplit attention tiles
 # (MPK_PLAN_BEHIND_ATTENTION=1; 0.5-0.6% slower on an H200, v0.30) and the next level's gate|up heads prefetched by
-# the o_proj tiles during that wait (MPK_PREFETCH_NEXT_KB=256 / 1024): both pay only where L2 reads much faster than
-# HBM, which sm_read_bw (above) says. Every variant above was measured (docs/PERF.md v0.32-v0.38) and stays reachable
-# through AB_VARIANTS (AB_MODELS=qwen3-0.6b for the small-preset ones).
-AB_VARIANTS=${AB_VARIANTS:-"base;MPK_PLAN_BEHIND_ATTENTION=1;MPK_PREFETCH_NEXT_KB=256;MPK_PREFETCH_NEXT_KB=1024"}
+# the o_proj tiles during that wait (MPK_PREFETCH_NEXT_KB=128 / 256; the L2 share caps it at ~270 KB a tile on a
+# 50 MB L2), also with the weight loads marked evict-first (d1, a rebuild) so that o_proj's stream leaves those heads
+# in L2: both pay only where L2 reads much faster than HBM, which sm_read_bw (above) says. Every variant above was
+# measured (docs/PERF.md v0.32-v0.38) and stays reachable through AB_VARIANTS (AB_MODELS=qwen3-0.6b for the
+# small-preset ones).
+AB_VARIANTS=${AB_VARIANTS:-"base;MPK_PLAN_BEHIND_ATTENTION=1;MPK_PREFETCH_NEXT_KB=128;MPK_PREFETCH_NEXT_KB=256;d1,MPK_PREFETCH_NEXT_KB=256"}
 AB_MODELS=${AB_MODELS:-"qwen3-8b llama3-8b"}
 AB_TEST_KERNELS=${AB_TEST_KERNELS:-"base;-DMPK_NORM_ONE_ROUND=0;-DMPK_SUPEROPT_NORM_LINEAR=0;-DMPK_LONG_ROWS=1;o0;q1"}
 if [ $AB_PREBUILD -eq 1 ]; then
