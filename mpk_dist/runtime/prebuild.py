@@ -25,7 +25,6 @@ TABLE_ONLY = {"prefetch_plan": "MPK_PREFETCH_PLAN", "bulk_prefetch": "MPK_BULK_P
               "plan_behind_attention": "MPK_PLAN_BEHIND_ATTENTION", "prefetch_next_kb": "MPK_PREFETCH_NEXT_KB"}
 """Session keyword -> environment variable of the switches that change the task records or the launch, never the
 kernel binary (megakernel_backend.tuning_from_env reads them with the kernel's knobs)."""
-TABLE_ONLY_KNOBS = tuple(TABLE_ONLY)
 
 
 @dataclass(frozen=True)
@@ -86,7 +85,7 @@ def _build_one(case: BuildCase) -> tuple[str, bool, float]:
     cg = compile_rank_programs(cfg, tp=case.tp, batch=batch, sms=H200_SMS * tuning.get("blocks_per_sm", 1), ranks=[0],
                                fuse=fusions_for_batch(fusions_from_env(), batch), attn_splits=case.attn_splits,
                                max_seq_len=case.max_seq_len)[0]
-    for table_only in TABLE_ONLY_KNOBS:  # not the binary
+    for table_only in TABLE_ONLY:  # not the binary
         tuning.pop(table_only, None)
     wt = tuning.pop("worker_threads")
     shape = kernel_shape(cg, wt, case.schedule, linear_rows=linear_rows_from_env(),
