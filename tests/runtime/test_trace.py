@@ -167,3 +167,26 @@ def test_layer_profile_lag_is_the_critical_tiles_readiness_not_the_first_tiles(t
     prof = {p["op"]: p for p in layer_profile(list(rows.values()))}
     assert prof["b"]["adds_us"] == pytest.approx(3.0) and prof["b"]["lag_us"] == pytest.approx(2.0)
     assert prof["c"]["adds_us"] == pytest.approx(2.0) and prof["c"]["lag_us"] == 0.0
+
+
+def test_levels_and_layer_profile_give_the_posts(tmp_path, capsys):
+    """Each op's median post (the fence and signals after its tiles' bodies, TraceRecord.post_ns) per level and folded
+    over the layers, in both tables; blank where the trace has none."""
+    ev = lambda name, ts, dur, post: {"name": name, "cat": "linear", "ph": "X", "pid": 0, "tid": 0, "ts": ts,  # noqa: E731
+                                      "dur": dur, "args": {"step": 0, **({} if post is None else {"post_us": post})}}
+    evs = [ev("L0.a", 0.0, 2.0, 0.5), ev("L0.a", 0.1, 2.0, 0.9), ev("L0.a", 0.2, 2.0, 0.6), ev("L1.a", 3.0, 2.0, 0.7),
+           ev("lm_head", 6.0, 4.0, None)]
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"traceEvents": evs}))
+    from mpk_dist.runtime.trace import format_layer_profile, format_levels, layer_profile, levels
+
+    rows = levels(load_trace(path), 0)
+    by_op = {r["op"]: r for r in rows}
+    assert by_op["L0.a"]["post_median_us"] == pytest.approx(0.6) and by_op["L1.a"]["post_median_us"] == pytest.approx(0.7)
+    assert by_op["lm_head"]["post_median_us"] is None
+    prof = {p["op"]: p for p in layer_profile(rows)}
+    assert prof["a"]["post_median_us"] == pytest.approx(0.65) and prof["lm_head"]["post_median_us"] is None
+    table = format_layer_profile(list(prof.values())).splitlines()
+    assert "post med" in table[0] and "0.65" in table[1] and "post med" in format_levels(rows).splitlines()[0]
+    assert main(["trace-summary", "--levels", "0", str(path)]) == 0
+    assert "post med" in capsys.readouterr().out
