@@ -57,18 +57,25 @@ ATTENTION_KINDS = ("attention", "attention_prep", "attention_split", "attention_
 """The task kinds of an attention op (NO_PLAN_BEHIND_ATTENTION_MAX_BATCH)."""
 
 
+def _waits(cg, task: int) -> set[int]:
+    """The events ``task`` waits on in its own step."""
+    row, waits = cg.arrays["tasks"][task], cg.arrays["waits"]
+    w = waits[int(row[TASK_COLS["WAIT_BEGIN"]]):int(row[TASK_COLS["WAIT_END"]])]
+    return {int(e) for e, off in zip(w[:, WAIT_COLS["EVENT"]], w[:, WAIT_COLS["STEP_OFFSET"]]) if int(off) == 0}
+
+
 def _narrow_events(cg, task: int, workers: int) -> set[int]:
     """The events with few signallers that ``task`` waits on in its own step."""
-    tasks, waits, events = cg.arrays["tasks"], cg.arrays["waits"], cg.arrays["events"]
-    row = tasks[task]
-    out = set()
-    for k in range(int(row[TASK_COLS["WAIT_BEGIN"]]), int(row[TASK_COLS["WAIT_END"]])):
-        if int(waits[k, WAIT_COLS["STEP_OFFSET"]]) != 0:
-            continue
-        e = int(waits[k, WAIT_COLS["EVENT"]])
-        if 0 < int(events[e, EVENT_COLS["TRIGGERS"]]) < NARROW_FRACTION * workers:
-            out.add(e)
-    return out
+    events = cg.arrays["events"]
+    return {e for e in _waits(cg, task) if 0 < int(events[e, EVENT_COLS["TRIGGERS"]]) < NARROW_FRACTION * workers}
+
+
+def _worker_pairs(cg):
+    """(task, the next task in its aot worker list) for every worker list of ``cg``."""
+    offs, lst = cg.arrays["worker_offsets"], cg.arrays["worker_tasks"]
+    for w in range(len(offs) - 1):
+        order = lst[int(offs[w]):int(offs[w + 1])].tolist()
+        yield from zip(order, order[1:])
 
 
 def _signals(cg, task: int) -> set[int]:
@@ -163,11 +170,7 @@ def prefetch_next(cg, workers: int, l2_bytes: int, next_bytes: int, plan: np.nda
     if next_bytes == 0:
         return out
     linear = {BY_NAME[k].opcode for k in LINEAR_KINDS}
-    offs, lst = cg.arrays["worker_offsets"], cg.arrays["worker_tasks"]
-    nxt: dict[int, int] = {}
-    for w in range(len(offs) - 1):
-        order = lst[int(offs[w]):int(offs[w + 1])].tolist()
-        nxt.update(zip(order, order[1:]))
+    nxt = dict(_worker_pairs(cg))
     budget = int(L2_SHARE * l2_bytes)
     for tiles in _linear_tiles_by_op(cg).values():
         if not _narrow_events(cg, tiles[0], workers):
@@ -183,13 +186,6 @@ def prefetch_next(cg, workers: int, l2_bytes: int, next_bytes: int, plan: np.nda
                     and _waits(cg, n) & signalled):
                 out[t] = min(next_bytes, weight_block_bytes(cg, n), share)
     return out
-
-
-def _waits(cg, task: int) -> set[int]:
-    """The events ``task`` waits on in its own step."""
-    row, waits = cg.arrays["tasks"][task], cg.arrays["waits"]
-    w = waits[int(row[TASK_COLS["WAIT_BEGIN"]]):int(row[TASK_COLS["WAIT_END"]])]
-    return {int(e) for e, off in zip(w[:, WAIT_COLS["EVENT"]], w[:, WAIT_COLS["STEP_OFFSET"]]) if int(off) == 0}
 
 
 def _plan_of(cg, tiles: dict[int, tuple[int, set[int]]], level_bytes: int | None = None) -> np.ndarray:
@@ -219,12 +215,9 @@ def hoist_ahead(cg, workers: int, l2_bytes: int, level_bytes: int | None = None,
     plan = _plan_of(cg, tiles, level_bytes)
     ahead = np.zeros(tasks.shape[0], np.int32)
     linear_ops = {BY_NAME[k].opcode for k in LINEAR_KINDS}
-    offs, lst = cg.arrays["worker_offsets"], cg.arrays["worker_tasks"]
-    for w in range(len(offs) - 1):
-        order = lst[int(offs[w]):int(offs[w + 1])].tolist()
-        for prev, t in zip(order, order[1:]):
-            if t in tiles and int(tasks[prev, TASK_COLS["OPCODE"]]) not in linear_ops:
-                ahead[prev], plan[t] = tiles[t][0], 0
+    for prev, t in _worker_pairs(cg):
+        if t in tiles and int(tasks[prev, TASK_COLS["OPCODE"]]) not in linear_ops:
+            ahead[prev], plan[t] = tiles[t][0], 0
     return plan, ahead
 
 
