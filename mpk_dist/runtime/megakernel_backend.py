@@ -66,6 +66,9 @@ SWITCHES = (
     # the whole-tile plan behind a narrow attention op in batch-1 programs too (prefetch_plan.py
     # NO_PLAN_BEHIND_ATTENTION_MAX_BATCH: measured 0.5-0.6% slower on an H200, docs/PERF.md v0.30; same bits)
     ("plan_behind_attention", "MPK_PLAN_BEHIND_ATTENTION", False),
+    # aot: every layer's ops on the same workers (the round-robin cursor back at worker 0 at each layer's first op,
+    # serialize.layer_aligned_workers), so a narrow op's tiles run on the same SMs each layer; same binary and bits
+    ("layer_aligned_workers", "MPK_LAYER_ALIGNED_WORKERS", False),
     # split-KV tiles copy their range's cache rows into shared memory at once, then walk them there
     # (csrc/tasks/attention_split.cuh KvStage; a record flag, same bits). Off: measured no faster at context
     # ~512 (docs/PERF.md v0.9: the walk's rows are in L2 already, the tile's time is elsewhere)

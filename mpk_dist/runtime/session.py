@@ -94,10 +94,14 @@ class Session:
                  attn_stage_kv: bool = False, load_ahead: bool = True, min_carveout: bool = False,
                  weight_evict_first: bool = False, compact_code: bool | None = None,
                  prefetch_level_kb: int | None = None, blocks_per_sm: int = 1, plan_behind_attention: bool = False,
-                 prefetch_next_kb: int | None = None):
+                 prefetch_next_kb: int | None = None, layer_aligned_workers: bool = False):
         if cg.meta["abi_version"] != ABI_VERSION:
             raise InputError(f"task graph ABI: expected version {ABI_VERSION}, got {cg.meta['abi_version']}")
         tables.check_supported(cg)
+        if layer_aligned_workers and schedule == "aot":  # record-level: the aot worker lists only (same binary)
+            from mpk_dist.taskgraph.serialize import layer_aligned_workers as realign
+
+            cg = realign(cg)
         if schedule == "jit" and int(cg.meta["world_size"]) > 1:
             raise InputError("--schedule jit: expected tp 1 (jit scheduling of peer-signalled events comes with "
                              "the TP issue), got tp > 1; use --schedule aot")

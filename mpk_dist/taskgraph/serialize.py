@@ -60,11 +60,45 @@ class CompiledGraph:
 
 def assign_workers(prog: Program, workers: int) -> np.ndarray:
     """AOT worker of each task: an op's tiles go round-robin, continuing where the last op stopped."""
-    out, cursor = [], 0
-    for op in prog.ops:
-        out.extend((cursor + i) % workers for i in range(op.tiles))
-        cursor = (cursor + op.tiles) % workers
+    return round_robin_workers([(op.tiles, op.layer) for op in prog.ops], workers)
+
+
+def round_robin_workers(ops: list[tuple[int, int]], workers: int, layer_aligned: bool = False) -> np.ndarray:
+    """Worker of each task of ``ops`` ([(tiles, layer)] in program order): round-robin, each op continuing where
+    the last one stopped. ``layer_aligned``: the cursor goes back to worker 0 at the first op of every layer
+    (layer >= 0), so an op's tiles sit on the same workers in every layer (a narrow op, e.g. the 8 unsplit batch-1
+    attention tiles, then runs on the same 8 SMs each layer, whose instruction caches hold its code) instead of
+    moving by (tiles a layer) mod workers."""
+    out, cursor, prev = [], 0, None
+    for tiles, layer in ops:
+        if layer_aligned and layer >= 0 and layer != prev:
+            cursor = 0
+        prev = layer
+        out.extend((cursor + i) % workers for i in range(tiles))
+        cursor = (cursor + tiles) % workers
     return np.asarray(out, np.int32)
+
+
+def with_workers(cg: "CompiledGraph", worker: np.ndarray) -> "CompiledGraph":
+    """A copy of ``cg`` whose aot worker of task t is ``worker[t]`` (the WORKER column and the per-worker task lists
+    rebuilt as serialize builds them); the events, waits and signals are unchanged."""
+    out = CompiledGraph(dict(cg.arrays), cg.meta, cg.consts)
+    workers = int(cg.meta["workers"])
+    worker = np.asarray(worker, np.int64)
+    if worker.shape != (cg.arrays["tasks"].shape[0],) or (worker.size and not 0 <= worker.min() <= worker.max() < workers):
+        raise ValueError(f"with_workers: expected one worker in [0, {workers}) per task, got shape {worker.shape}")
+    tasks = cg.arrays["tasks"].copy()
+    tasks[:, TASK_COLS["WORKER"]] = worker
+    counts = np.bincount(worker, minlength=workers)
+    out.arrays.update(tasks=tasks, worker_offsets=np.concatenate([[0], np.cumsum(counts)]).astype(np.int32),
+                      worker_tasks=np.argsort(worker, kind="stable").astype(np.int32))
+    return out
+
+
+def layer_aligned_workers(cg: "CompiledGraph") -> "CompiledGraph":
+    """``cg`` with its ops' tiles placed by ``round_robin_workers(..., layer_aligned=True)`` (MPK_LAYER_ALIGNED_WORKERS)."""
+    ops = [(int(o["tiles"]), -1 if o["layer"] is None else int(o["layer"])) for o in cg.meta["ops"]]
+    return with_workers(cg, round_robin_workers(ops, int(cg.meta["workers"]), layer_aligned=True))
 
 
 def _ranges(lists: list[list], width: int) -> tuple[np.ndarray, np.ndarray]:

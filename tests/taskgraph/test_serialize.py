@@ -40,3 +40,44 @@ def test_tables_are_int32_and_ranges_contiguous():
         assert begin[0] == 0 and np.array_equal(begin[1:], end[:-1])
     off = cg.arrays["worker_offsets"]
     assert off[0] == 0 and off[-1] == cg.num_tasks and len(off) == cg.meta["workers"] + 1
+
+
+def test_layer_aligned_workers_put_each_op_on_the_same_workers_every_layer():
+    """MPK_LAYER_ALIGNED_WORKERS: the cursor restarts at worker 0 at each layer's first op, so every layer's op i
+    lands on the same workers (the default rotates them by tiles-a-layer mod workers); the per-worker lists hold
+    every task once, in task order, and nothing but the placement changes."""
+    from mpk_dist.taskgraph.serialize import layer_aligned_workers, round_robin_workers
+
+    cg = programs(fp32("tiny"), 1)[0]
+    ops = cg.meta["ops"]
+    W = 5  # fewer workers than an op's tiles, so that the default placement rotates
+    cg.meta["workers"] = W
+    cg.arrays["tasks"][:, TASK_COLS["WORKER"]] %= W
+    out = layer_aligned_workers(cg)
+    worker = out.arrays["tasks"][:, TASK_COLS["WORKER"]]
+    starts = np.concatenate([[0], np.cumsum([o["tiles"] for o in ops])])
+    by_layer: dict[str, list[list[int]]] = {}
+    for i, o in enumerate(ops):
+        if o["layer"] is not None and o["layer"] >= 0:
+            kind = o["name"].split(".", 1)[-1]
+            by_layer.setdefault(kind, []).append(worker[starts[i]:starts[i + 1]].tolist())
+    layers = {len(v) for v in by_layer.values()}
+    assert layers == {2}, by_layer  # tiny has 2 layers
+    for kind, placements in by_layer.items():
+        assert placements[0] == placements[1], (kind, placements)
+    first = [i for i, o in enumerate(ops) if o["layer"] == 1][0]
+    assert worker[starts[first]] == 0
+    offs, lst = out.arrays["worker_offsets"], out.arrays["worker_tasks"]
+    assert offs[-1] == len(worker) and sorted(lst.tolist()) == list(range(len(worker)))
+    for w in range(W):
+        mine = lst[offs[w]:offs[w + 1]]
+        assert (worker[mine] == w).all() and (np.diff(mine) > 0).all()
+    for name in ("events", "waits", "signals", "args", "params"):
+        np.testing.assert_array_equal(out.arrays[name], cg.arrays[name])
+    # the default placement is the same function without the restarts, and it does rotate here
+    plain = round_robin_workers([(o["tiles"], -1 if o["layer"] is None else o["layer"]) for o in ops], W)
+    assert not np.array_equal(plain, worker)
+    with pytest.raises(ValueError, match="one worker in"):
+        from mpk_dist.taskgraph.serialize import with_workers
+
+        with_workers(cg, np.full(len(worker), W))
