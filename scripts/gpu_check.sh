@@ -90,16 +90,15 @@ done
 # tests of AB_TESTS compare with it).
 # Session 42: two worker blocks per SM (i2) measured slower (docs/PERF.md v0.37). Session 43 (v0.38, H100): u8 +6%,
 # 6-row long tiles even, the shared-memory weight ring primed before the wait (b1) +45%, the whole-tile L2 prefetch
-# cap (p128) +1.7%, pipelined one-row loads (l1) +14% at qwen3-0.6b. The open A/B (built in session 43, record-level,
-# the default binary): at the 8B presets, whose batch-1 rows on an H100 are 2.3% (qwen3-8b) and 0.9% (llama3-8b)
-# above 1.15x the floor, the whole-tile o_proj plan behind their 8 unsplit attention tiles
-# (MPK_PLAN_BEHIND_ATTENTION=1; 0.5-0.6% slower on an H200, v0.30) and the next level's gate|up heads prefetched by
-# the o_proj tiles during that wait (MPK_PREFETCH_NEXT_KB=128 / 256; the L2 share caps it at ~270 KB a tile on a
-# 50 MB L2), also with the weight loads marked evict-first (d1, a rebuild) so that o_proj's stream leaves those heads
-# in L2: both pay only where L2 reads much faster than HBM, which sm_read_bw (above) says. Every variant above was
-# measured (docs/PERF.md v0.32-v0.38) and stays reachable through AB_VARIANTS (AB_MODELS=qwen3-0.6b for the
+# cap (p128) +1.7%, pipelined one-row loads (l1) +14% at qwen3-0.6b. Session 44 (v0.39, H100, the 8B presets at
+# batch 1): the whole-tile o_proj plan behind their 8 unsplit attention tiles (MPK_PLAN_BEHIND_ATTENTION=1) even, the
+# gate|up heads prefetched during o_proj's wait (MPK_PREFETCH_NEXT_KB=128 / 256, also with d1) within +0.4 / -0.3%
+# (sm_read_bw above: 132 SMs read L2 only ~10% faster than HBM there), split-KV 2-16 ranges 2.6-9% slower (with the
+# tensor-core split walk, -DMPK_ATTN_SPLIT_MMA_WALK=1, still 1.6% slower at best), the same workers for an op in every
+# layer (MPK_LAYER_ALIGNED_WORKERS=1) and d1 within -0.2%. The default below repeats that last A/B. Every variant above
+# was measured (docs/PERF.md v0.32-v0.39) and stays reachable through AB_VARIANTS (AB_MODELS=qwen3-0.6b for the
 # small-preset ones).
-AB_VARIANTS=${AB_VARIANTS:-"base;MPK_PLAN_BEHIND_ATTENTION=1;MPK_PREFETCH_NEXT_KB=128;MPK_PREFETCH_NEXT_KB=256;d1,MPK_PREFETCH_NEXT_KB=256"}
+AB_VARIANTS=${AB_VARIANTS:-"base;MPK_LAYER_ALIGNED_WORKERS=1;d1;d1,MPK_LAYER_ALIGNED_WORKERS=1"}
 AB_MODELS=${AB_MODELS:-"qwen3-8b llama3-8b"}
 AB_TEST_KERNELS=${AB_TEST_KERNELS:-"base;-DMPK_NORM_ONE_ROUND=0;-DMPK_SUPEROPT_NORM_LINEAR=0;-DMPK_LONG_ROWS=1;o0;q1"}
 if [ $AB_PREBUILD -eq 1 ]; then
