@@ -186,7 +186,7 @@ __device__ __noinline__ void attention_seq(const bf16* q, const bf16* kc, const 
   const int warp = tid >> 5, lane = tid & 31, nwarps = nt >> 5;
   float* mine = smem + (size_t)warp * G * (D + 2);  // this warp's merge entries
   if (MPK_ATTN_MMA_WALK && attn_mma_walk_ok<MG, ME>(q, kc, vc, D, G, kv_ps, n_pos)) {
-    attn_mma_walk<MG, ME>(q, kc, vc, D, G, kv_ps, warp, n_pos, nwarps, scale, lane, mine, D + 2);
+    attn_mma_walk<MG, ME>(q, kc, vc, D, G, kv_ps, warp, n_pos, nwarps, scale, lane, mine, D + 2, tid);
   } else {
     float qv[MG][ME], acc[MG][ME], m[MG], l[MG];
     attn_warp_init<MG, ME>(q, D, G, lane, qv, acc, m, l);

@@ -40,6 +40,7 @@
 #pragma once
 #include "common.cuh"
 #include "mma_ops.cuh"
+#include "trace_marks.cuh"
 
 #ifndef MPK_ATTN_MMA_WALK
 #define MPK_ATTN_MMA_WALK 1
@@ -49,6 +50,21 @@
 #endif
 #ifndef MPK_ATTN_SPLIT_MMA_WALK
 #define MPK_ATTN_SPLIT_MMA_WALK 0
+#endif
+// MPK_ATTN_WALK_PREFETCH 1 (off until measured; the same loads and sums, so the same bits): when a block's key loads
+// are issued, its value rows and the next block's key rows go into L1 by line prefetches (attn_walk_prefetch), so
+// the value loads after the scores and the next block's key loads find their lines there instead of each being a
+// round trip of their own: 4 dependent round trips a warp become ~1 at the 8B presets' ~30 positions a warp (two
+// blocks). Why: the unsplit batch-1 walk takes 6.0-6.8 us for 248 KB on one SM (docs/PERF.md v0.39, H100), and
+// staging the keys alone in shared memory did not shorten it (v0.30: it shrank L1 instead).
+#ifndef MPK_ATTN_WALK_PREFETCH
+#define MPK_ATTN_WALK_PREFETCH 0
+#endif
+// MPK_ATTN_WALK_MARKS 1 (a measurement build: two more timer reads): the unsplit walk (attention_seq) stamps trace
+// marks 2 and 3 when warp 0 has its first block's scores (its key loads came back) and when that block is summed,
+// to split the walk's time between the loads' round trips and the arithmetic (marks 0 and 1 bracket the walk).
+#ifndef MPK_ATTN_WALK_MARKS
+#define MPK_ATTN_WALK_MARKS 0
 #endif
 
 namespace mpk {
@@ -60,6 +76,8 @@ constexpr int kMmaWalkVec = 8;           // bf16 of one 16-byte load
 constexpr int kMmaLaneGroups = 8;        // lane groups g of a warp: each takes D / 8 of the value dims
 constexpr int kMmaWalkChunk = 32;        // head dims a lane quad covers with one 16-byte load per lane
 constexpr int kMmaWalkDimsPerTile = 16;  // value dims one m16n8k16 tile accumulates
+constexpr int kMarkWalkScores = 2;       // trace mark (MPK_ATTN_WALK_MARKS): warp 0's first block has its scores
+constexpr int kMarkWalkBlock = 3;        // trace mark (MPK_ATTN_WALK_MARKS): warp 0's first block is summed
 
 // Instances the tensor-core walk compiles for: up to 8 heads, D = 64 or 128 (ME = 2 or 4 elements a lane).
 template <int MG, int ME>
@@ -76,13 +94,30 @@ __device__ __forceinline__ bool attn_mma_walk_ok(const bf16* q, const bf16* kc, 
           15) == 0;
 }
 
+// MPK_ATTN_WALK_PREFETCH: the L1 line prefetches issued with block b0's key loads (row(base, k): the element
+// address of the warp's k-th position's row). This lane's 32-byte piece of each of its four value rows (the pieces of
+// lanes g = 0..7 make up a row), and the next block's key rows, one line each for lanes t = 0..3 (rows g and g + 8).
+template <typename RowOf>
+__device__ __forceinline__ void attn_walk_prefetch(const RowOf& row, const bf16* kc, const bf16* vc, int D, int b0,
+                                                   int n, int g, int t, int dims0) {
+#pragma unroll
+  for (int r = 0; r < 4; ++r) prefetch_l1_line(row(vc, b0 + 2 * t + (r & 1) + (r >> 1) * kMmaWalkHalf) + dims0);
+  if (b0 + kMmaWalkBlock < n) {
+    const int lines = max(1, D * (int)sizeof(bf16) / kL2LineBytes);  // lines of one key row
+    for (int c = t; c < 2 * lines; c += 4)
+      prefetch_l1_line(row(kc, b0 + kMmaWalkBlock + g + (c < lines ? 0 : kMmaWalkHalf)) +
+                       (c % lines) * (kL2LineBytes / (int)sizeof(bf16)));
+  }
+}
+
 // One warp's online softmax over positions first, first + stride, ... < end for the G heads of q ([G][D] bf16),
 // stored as attn_warp_store stores it: G entries of (acc[0..D), m, l), `entry` floats apart, at `out`. The
-// caller checked attn_mma_walk_ok (an instance that does not fit compiles no walk).
+// caller checked attn_mma_walk_ok (an instance that does not fit compiles no walk). mark_tid: the caller's thread
+// index where it owns trace marks 2 and 3 (attention_seq under MPK_ATTN_WALK_MARKS), else -1.
 template <int MG, int ME>
 __device__ __forceinline__ void attn_mma_walk(const bf16* q, const bf16* kc, const bf16* vc, int D, int G, int kv_ps,
                                               int first, int end, int stride, float scale, int lane, float* out,
-                                              int entry) {
+                                              int entry, int mark_tid = -1) {
   if constexpr (kAttnMmaWalkFits<MG, ME>) {
     constexpr int kTiles = 32 * ME / kMmaWalkDimsPerTile;  // value tiles: D / 16
     constexpr int kVecs = ME / 2;                           // 16-byte pieces of a lane's D / 8 value dims
@@ -129,6 +164,7 @@ __device__ __forceinline__ void attn_mma_walk(const bf16* q, const bf16* kc, con
         ka[c] = ld_act_v4(k_lo + c * kMmaWalkChunk);
         kb[c] = ld_act_v4(k_hi + c * kMmaWalkChunk);
       }
+      if constexpr (MPK_ATTN_WALK_PREFETCH != 0) attn_walk_prefetch(row, kc, vc, D, b0, n, g, t, dims0);
       uint4 vw[4][kVecs];
       if constexpr (!kValuesAfterScores) load_values(vw, b0);
       float s[4] = {0.f, 0.f, 0.f, 0.f};
@@ -138,6 +174,8 @@ __device__ __forceinline__ void attn_mma_walk(const bf16* q, const bf16* kc, con
         mma_bf16_16816(s, ka[c].x, kb[c].x, ka[c].y, kb[c].y, qb.x, qb.y);
         mma_bf16_16816(s, ka[c].z, kb[c].z, ka[c].w, kb[c].w, qb.z, qb.w);
       }
+      if constexpr (MPK_ATTN_WALK_MARKS != 0)
+        if (b0 == 0) trace_mark(kMarkWalkScores, mark_tid);  // tid 0 only: warp 0's key loads are back
       if constexpr (kValuesAfterScores) load_values(vw, b0);
       // s[0], s[1]: position b0 + g, heads 2t, 2t + 1; s[2], s[3]: position b0 + g + 8.
       const bool in_lo = b0 + g < n, in_hi = b0 + g + kMmaWalkHalf < n;
@@ -177,6 +215,8 @@ __device__ __forceinline__ void attn_mma_walk(const bf16* q, const bf16* kc, con
         mma_bf16_16816(acc[i], __byte_perm(w0, w1, 0x5410), __byte_perm(w0, w1, 0x7632), __byte_perm(w8, w9, 0x5410),
                        __byte_perm(w8, w9, 0x7632), pb0, pb1);
       }
+      if constexpr (MPK_ATTN_WALK_MARKS != 0)
+        if (b0 == 0) trace_mark(kMarkWalkBlock, mark_tid);  // tid 0 only: warp 0's first block is summed
     }
     // The merge entries: acc of heads 2t, 2t + 1 at this lane's dims; m and l from the lanes g == 0.
 #pragma unroll

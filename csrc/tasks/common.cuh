@@ -212,6 +212,10 @@ __device__ __forceinline__ void prefetch_l2(const void* p, uint64_t bytes, int t
     asm volatile("prefetch.global.L2 [%0];" ::"l"(c + off));
 }
 
+// The line holding p into this SM's L1 (and L2): a hint, no register and nothing to wait for; a later plain load
+// of the line hits L1 if it arrived and was not evicted.
+__device__ __forceinline__ void prefetch_l1_line(const void* p) { asm volatile("prefetch.global.L1 [%0];" ::"l"(p)); }
+
 // One bulk prefetch of [p, p + bytes) into L2 (p 16-byte aligned, bytes a multiple of 16).
 __device__ __forceinline__ void bulk_prefetch_l2(const void* p, uint32_t bytes) {
   asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");

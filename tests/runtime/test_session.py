@@ -168,3 +168,24 @@ def test_scoped_env_restores_every_variable(monkeypatch):
             raise RuntimeError("leave the block")
     assert os.environ["MPK_TEST_SET"] == "old"
     assert "MPK_TEST_ABSENT" not in os.environ and "MPK_TEST_KEY" not in os.environ
+
+
+def test_layer_aligned_workers_switch_reaches_the_worker_lists(fake_gpu, monkeypatch):
+    """MPK_LAYER_ALIGNED_WORKERS=1: the backend's aot Session runs the program with serialize.layer_aligned_workers'
+    placement (every layer's op on the same workers), in its tables and in the task records' order; unset, the
+    compiled placement."""
+    from mpk_dist.taskgraph.abi import TASK_COLS
+    from mpk_dist.taskgraph.serialize import layer_aligned_workers
+
+    m = open_model("tiny")
+    monkeypatch.delenv("MPK_LAYER_ALIGNED_WORKERS", raising=False)
+    plain = fake_gpu.MegakernelBackend(m.config, m.weights, device="cpu", max_seq_len=16, sms=5).session(1)
+    monkeypatch.setenv("MPK_LAYER_ALIGNED_WORKERS", "1")
+    aligned = fake_gpu.MegakernelBackend(m.config, m.weights, device="cpu", max_seq_len=16, sms=5).session(1)
+    want = layer_aligned_workers(plain.cg)
+    col = TASK_COLS["WORKER"]
+    assert not np.array_equal(plain.cg.arrays["tasks"][:, col], want.arrays["tasks"][:, col])  # it moves something
+    for name in ("tasks", "worker_offsets", "worker_tasks"):
+        np.testing.assert_array_equal(aligned.cg.arrays[name], want.arrays[name])
+        np.testing.assert_array_equal(aligned.tabs[name].cpu().numpy(), want.arrays[name])
+    np.testing.assert_array_equal(aligned.records.cpu().numpy()[:, 0], want.arrays["worker_tasks"])  # REC_TASK
