@@ -67,8 +67,8 @@ def round_robin_workers(ops: list[tuple[int, int]], workers: int, layer_aligned:
     """Worker of each task of ``ops`` ([(tiles, layer)] in program order): round-robin, each op continuing where
     the last one stopped. ``layer_aligned``: the cursor goes back to worker 0 at the first op of every layer
     (layer >= 0), so an op's tiles sit on the same workers in every layer (a narrow op, e.g. the 8 unsplit batch-1
-    attention tiles, then runs on the same 8 SMs each layer, whose instruction caches hold its code) instead of
-    moving by (tiles a layer) mod workers."""
+    attention tiles, then runs on the same 8 SMs each layer, which may still hold its code) instead of moving by
+    (tiles a layer) mod workers; measured no faster on an H100 (docs/PERF.md v0.39), so not the default."""
     out, cursor, prev = [], 0, None
     for tiles, layer in ops:
         if layer_aligned and layer >= 0 and layer != prev:
@@ -89,10 +89,16 @@ def with_workers(cg: "CompiledGraph", worker: np.ndarray) -> "CompiledGraph":
         raise ValueError(f"with_workers: expected one worker in [0, {workers}) per task, got shape {worker.shape}")
     tasks = cg.arrays["tasks"].copy()
     tasks[:, TASK_COLS["WORKER"]] = worker
-    counts = np.bincount(worker, minlength=workers)
-    out.arrays.update(tasks=tasks, worker_offsets=np.concatenate([[0], np.cumsum(counts)]).astype(np.int32),
-                      worker_tasks=np.argsort(worker, kind="stable").astype(np.int32))
+    offsets, order = _worker_lists(worker, workers)
+    out.arrays.update(tasks=tasks, worker_offsets=offsets, worker_tasks=order)
     return out
+
+
+def _worker_lists(worker: np.ndarray, workers: int) -> tuple[np.ndarray, np.ndarray]:
+    """(worker_offsets [workers + 1], worker_tasks): each worker's tasks, in task order, one list after another."""
+    counts = np.bincount(worker, minlength=workers)
+    return (np.concatenate([[0], np.cumsum(counts)]).astype(np.int32),
+            np.argsort(worker, kind="stable").astype(np.int32))
 
 
 def layer_aligned_workers(cg: "CompiledGraph") -> "CompiledGraph":
@@ -140,14 +146,12 @@ def serialize(prog: Program, eg: EventGraph, graph_info: dict, workers: int) -> 
     events[:, EVENT_COLS["SCOPE"]] = eg.scope
     events[:, EVENT_COLS["OP_INDEX"]] = eg.op_index
     buffers = np.array([(DTYPES[b.dtype], BUFFER_KINDS[b.kind], b.numel) for b in prog.buffers], np.int64)
-    order = np.argsort(worker, kind="stable")
-    w_counts = np.bincount(worker, minlength=workers)
+    worker_offsets, worker_tasks = _worker_lists(worker, workers)
     arrays = {
         "tasks": tasks.astype(np.int32), "events": events.astype(np.int32), "waits": waits.astype(np.int32),
         "signals": signals.astype(np.int32), "args": arg_arr.astype(np.int32), "params": par_arr.reshape(-1).astype(np.int32),
         "buffers": buffers.reshape(-1, len(BUFFER_COLS)),
-        "worker_offsets": np.concatenate([[0], np.cumsum(w_counts)]).astype(np.int32),
-        "worker_tasks": order.astype(np.int32),
+        "worker_offsets": worker_offsets, "worker_tasks": worker_tasks,
     }
     meta = {
         "abi_version": ABI_VERSION, **graph_info, "rank": prog.rank, "world_size": prog.world, "batch": prog.batch,
