@@ -187,6 +187,15 @@ __device__ __forceinline__ uint32_t signal_event(const RuntimeParams& p, int e, 
   return atom_add_release_gpu(&p.events[e], 1u);  // release: waiters acquire this counter
 }
 
+// MPK_POST_FENCE_MARK k >= 0 (a measurement build; -1, none, by default): every task stamps trace mark k when the
+// fence after its body is done, so the trace splits its post (post_ns) into the fence and the signals. Pick a mark
+// the bodies of interest leave unset (the unsplit attention tile sets 0, 1, 4 and 5; a GEMV tile none without
+// MPK_GEMV_MARKS). Why: the unsplit attention tile's post is 1.6-1.8 us against the linear tiles' 0.74
+// (docs/PERF.md v0.39), with one signal each.
+#ifndef MPK_POST_FENCE_MARK
+#define MPK_POST_FENCE_MARK -1
+#endif
+
 // Run a ready task on all worker threads, then publish its completion (signals). The final task's
 // block runs the step epilogue first; when the run ends there, it raises the halt flag.
 template <bool kJit>
@@ -219,6 +228,9 @@ __device__ bool run_and_signal(const RuntimeParams& p, const int32_t* rec, int s
     bool sys = (rec[REC_FLAGS] & REC_FLAG_SIG_SYS) != 0;
     if (sys) fence_acq_rel_sys();
     else fence_acq_rel_gpu();
+#if MPK_POST_FENCE_MARK >= 0
+    trace_mark(MPK_POST_FENCE_MARK, tid);  // trace: the fence is done (the signals follow): splits the post
+#endif
     for (int k = k0; k < k1; ++k) {
       int e, kind;
       if (inl) {
