@@ -48,11 +48,9 @@ def test_layer_aligned_workers_put_each_op_on_the_same_workers_every_layer():
     every task once, in task order, and nothing but the placement changes."""
     from mpk_dist.taskgraph.serialize import layer_aligned_workers, round_robin_workers
 
-    cg = programs(fp32("tiny"), 1)[0]
-    ops = cg.meta["ops"]
     W = 5  # fewer workers than an op's tiles, so that the default placement rotates
-    cg.meta["workers"] = W
-    cg.arrays["tasks"][:, TASK_COLS["WORKER"]] %= W
+    cg = programs(fp32("tiny"), 1, sms=W)[0]
+    ops = cg.meta["ops"]
     out = layer_aligned_workers(cg)
     worker = out.arrays["tasks"][:, TASK_COLS["WORKER"]]
     starts = np.concatenate([[0], np.cumsum([o["tiles"] for o in ops])])
