@@ -120,7 +120,10 @@ def levels(events: list[dict], step: int, rank: int = 0) -> list[dict]:
     ``wait_median_us``: the median time its tiles waited (turning to the task -> inputs ready, 0 for a tile that
     did not wait), ``prep_median_us`` the median part of that spent issuing its prefetches (TraceRecord.prep_ns);
     ``post_median_us``: the median part of its tiles' runs after the body's block barrier (the fence and the signals,
-    TraceRecord.post_ns: the producer's share of a level's hand-over; None where no tile has it)."""
+    TraceRecord.post_ns: the producer's share of a level's hand-over; None where no tile has it).
+    ``tail_us``: how long the op's last TAIL_FRACTION of tiles keep it open after the others have ended (its last end
+    minus the end of the tile at the 1 - TAIL_FRACTION rank; 0 for an op of one tile): in a wide level, the time with
+    fewer SMs streaming than fill the HBM."""
     by_op: dict[str, list[dict]] = defaultdict(list)
     waited: dict[int, float] = {}
     for e in events:
@@ -146,9 +149,21 @@ def levels(events: list[dict], step: int, rank: int = 0) -> list[dict]:
                      "gap_us": None if prev_end is None else float(starts.min() - prev_end),
                      "mark_median_us": [_median_arg(es, f"mark{k}_us") for k in range(TRACE_MARKS)],
                      "wait_median_us": float(np.median([waited.get(e["args"].get("task", -1), 0.0) for e in es])),
-                     "prep_median_us": _median_arg(es, "prep_us"), "post_median_us": _median_arg(es, "post_us")})
+                     "prep_median_us": _median_arg(es, "prep_us"), "post_median_us": _median_arg(es, "post_us"),
+                     "tail_us": _tail(ends)})
         prev_end = float(ends.max())
     return rows
+
+
+TAIL_FRACTION = 0.1
+"""``levels``' tail: the last tenth of an op's tiles (13 of a 128-tile level)."""
+
+
+def _tail(ends: np.ndarray) -> float:
+    """Last end minus the end of the tile at rank ceil((1 - TAIL_FRACTION) n) - 1 of the sorted ends (0 for one tile)."""
+    e = np.sort(ends)
+    k = max(0, int(np.ceil((1.0 - TAIL_FRACTION) * len(e))) - 1)
+    return float(e[-1] - e[k])
 
 
 def _median_arg(events: list[dict], key: str) -> float | None:
@@ -166,13 +181,14 @@ def format_levels(rows: list[dict]) -> str:
     when some op's tiles set marks."""
     marks = [k for k in range(TRACE_MARKS) if any(r["mark_median_us"][k] is not None for r in rows)]
     out = [f"{'op':<22}{'kind':<16}{'tasks':>6}{'start':>11}{'span':>8}{'run med':>9}{'start spr':>10}"
-           f"{'end spr':>9}{'gap':>7}{'wait med':>9}{'prep med':>9}{'post med':>9}"
+           f"{'end spr':>9}{'tail':>7}{'gap':>7}{'wait med':>9}{'prep med':>9}{'post med':>9}"
            + "".join(f"{f'mark{k}':>8}" for k in marks)]
     for r in rows:
         gap = "" if r["gap_us"] is None else f"{r['gap_us']:.2f}"
         mk = [r["mark_median_us"][k] for k in marks]
         out.append(f"{r['op']:<22}{r['kind']:<16}{r['tasks']:>6}{r['start_us']:>11.1f}{r['end_us'] - r['start_us']:>8.2f}"
-                   f"{r['run_median_us']:>9.2f}{r['start_spread_us']:>10.2f}{r['end_spread_us']:>9.2f}{gap:>7}"
+                   f"{r['run_median_us']:>9.2f}{r['start_spread_us']:>10.2f}{r['end_spread_us']:>9.2f}"
+                   f"{_cell(r.get('tail_us'), 7)}{gap:>7}"
                    f"{r['wait_median_us']:>9.2f}{_cell(r['prep_median_us'], 9)}{_cell(r.get('post_median_us'), 9)}"
                    + "".join(_cell(m, 8) for m in mk))
     return "\n".join(out)
@@ -191,7 +207,8 @@ def layer_profile(rows: list[dict]) -> list[dict]:
     i.e. the previous op's end -> that tile ready (the signal reaching its waiter, the wait's barrier; 0 where the
     tile was ready before the previous op ended), summed over the layers; the rest of ``adds_us`` is that tile's run.
     Rows without ``last_ready_us`` (older callers) count no lag. ``post_median_us``: the median over the layers of
-    the op's post medians (the fence and signals after its tiles' bodies; None where no row has one)."""
+    the op's post medians (the fence and signals after its tiles' bodies; None where no row has one);
+    ``tail_median_us``: the median of its rows' ``tail_us`` (None where no row has one)."""
     if not rows:
         raise InputError("trace: expected the levels of a step, got none")
     groups: dict[str, list[dict]] = {}
@@ -208,6 +225,7 @@ def layer_profile(rows: list[dict]) -> list[dict]:
     for key, rs in groups.items():
         gaps = [r["gap_us"] for r in rs if r["gap_us"] is not None]
         posts = [r["post_median_us"] for r in rs if r.get("post_median_us") is not None]
+        tails = [r["tail_us"] for r in rs if r.get("tail_us") is not None]
         adds = sum(r["adds_us"] for r in rs)
         out.append({"op": key, "kind": rs[0]["kind"], "layers": len(rs) if rs[0]["in_layer"] else 0,
                     "span_median_us": float(np.median([r["end_us"] - r["start_us"] for r in rs])),
@@ -215,6 +233,7 @@ def layer_profile(rows: list[dict]) -> list[dict]:
                     "gap_median_us": float(np.median(gaps)) if gaps else None,
                     "wait_median_us": float(np.median([r["wait_median_us"] for r in rs])),
                     "post_median_us": float(np.median(posts)) if posts else None,
+                    "tail_median_us": float(np.median(tails)) if tails else None,
                     "adds_us": adds, "lag_us": sum(r["lag_us"] for r in rs),
                     "share": adds / step if step > 0 else 0.0})
     return out
@@ -222,15 +241,16 @@ def layer_profile(rows: list[dict]) -> list[dict]:
 
 def format_layer_profile(prof: list[dict]) -> str:
     """``layer_profile`` as a table, with the step's total; "lag" is the part of "adds" before each op's critical tile
-    was ready, "post med" the median fence-and-signals part of its tiles' runs (blank where the trace has none)."""
+    was ready, "post med" the median fence-and-signals part of its tiles' runs, "tail med" the median time its last
+    tenth of tiles kept it open (blank where the trace has none)."""
     out = [f"{'op (over layers)':<22}{'kind':<22}{'layers':>7}{'span med':>9}{'run med':>9}{'gap med':>9}"
-           f"{'wait med':>9}{'post med':>9}{'adds (us)':>11}{'lag (us)':>10}{'share':>8}"]
+           f"{'wait med':>9}{'post med':>9}{'tail med':>9}{'adds (us)':>11}{'lag (us)':>10}{'share':>8}"]
     for p in prof:
         out.append(f"{p['op']:<22}{p['kind']:<22}{p['layers'] or '-':>7}{p['span_median_us']:>9.2f}"
                    f"{p['run_median_us']:>9.2f}{_cell(p['gap_median_us'], 9)}{p['wait_median_us']:>9.2f}"
-                   f"{_cell(p.get('post_median_us'), 9)}{p['adds_us']:>11.1f}{p.get('lag_us', 0.0):>10.1f}"
-                   f"{p['share']:>8.1%}")
-    out.append(f"{'step':<22}{'':<22}{'':>7}{'':>9}{'':>9}{'':>9}{'':>9}{'':>9}{sum(p['adds_us'] for p in prof):>11.1f}"
+                   f"{_cell(p.get('post_median_us'), 9)}{_cell(p.get('tail_median_us'), 9)}{p['adds_us']:>11.1f}"
+                   f"{p.get('lag_us', 0.0):>10.1f}{p['share']:>8.1%}")
+    out.append(f"{'step':<22}{'':<22}{'':>7}{'':>9}{'':>9}{'':>9}{'':>9}{'':>9}{'':>9}{sum(p['adds_us'] for p in prof):>11.1f}"
                f"{sum(p.get('lag_us', 0.0) for p in prof):>10.1f}{sum(p['share'] for p in prof):>8.1%}")
     return "\n".join(out)
 

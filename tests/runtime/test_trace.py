@@ -190,3 +190,29 @@ def test_levels_and_layer_profile_give_the_posts(tmp_path, capsys):
     assert "post med" in table[0] and "0.65" in table[1] and "post med" in format_levels(rows).splitlines()[0]
     assert main(["trace-summary", "--levels", "0", str(path)]) == 0
     assert "post med" in capsys.readouterr().out
+
+
+def test_levels_and_layer_profile_give_each_ops_tail(tmp_path, capsys):
+    """``tail_us``: how long an op's last tenth of tiles keep it open after the others ended (a wide level's time with
+    fewer SMs streaming): 20 tiles ending at 1..19 us and one at 30 -> the last 2 (ceil(0.9 * 21) = 19th end at 19)
+    keep it 11 us; per level and, folded, the median over the layers; 0 for a one-tile op."""
+    ev = lambda name, dur: {"name": name, "cat": "linear", "ph": "X", "pid": 0, "tid": 0, "ts": 0.0,  # noqa: E731
+                            "dur": dur, "args": {"step": 0}}
+    evs = [ev("L0.a", float(d)) for d in [*range(1, 21), 30]] + [ev("L1.a", float(d)) for d in range(1, 11)]
+    evs.append({**ev("lm_head", 2.0), "ts": 40.0})
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"traceEvents": evs}))
+    from mpk_dist.runtime.trace import format_layer_profile, format_levels, layer_profile, levels
+
+    by_op = {r["op"]: r for r in levels(load_trace(path), 0)}
+    assert by_op["L0.a"]["tail_us"] == pytest.approx(30.0 - 19.0)
+    assert by_op["L1.a"]["tail_us"] == pytest.approx(10.0 - 9.0)  # ceil(0.9 * 10) = 9th end
+    assert by_op["lm_head"]["tail_us"] == 0.0
+    prof = {p["op"]: p for p in layer_profile(list(by_op.values()))}
+    assert prof["a"]["tail_median_us"] == pytest.approx(6.0)
+    assert "tail" in format_levels(list(by_op.values())).splitlines()[0]
+    table = format_layer_profile(list(prof.values())).splitlines()
+    assert "tail med" in table[0] and " 6.00" in table[1]
+    assert main(["trace-summary", "--levels", "0", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "tail med" in out and "11.00" in out
