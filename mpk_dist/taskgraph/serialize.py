@@ -103,7 +103,7 @@ def _worker_lists(worker: np.ndarray, workers: int) -> tuple[np.ndarray, np.ndar
 
 def layer_aligned_workers(cg: "CompiledGraph") -> "CompiledGraph":
     """``cg`` with its ops' tiles placed by ``round_robin_workers(..., layer_aligned=True)`` (MPK_LAYER_ALIGNED_WORKERS)."""
-    ops = [(int(o["tiles"]), -1 if o["layer"] is None else int(o["layer"])) for o in cg.meta["ops"]]
+    ops = [(int(o["tiles"]), int(o["layer"])) for o in cg.meta["ops"]]  # layer -1: outside the layers (Program.op)
     return with_workers(cg, round_robin_workers(ops, int(cg.meta["workers"]), layer_aligned=True))
 
 

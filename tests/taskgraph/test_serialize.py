@@ -56,7 +56,7 @@ def test_layer_aligned_workers_put_each_op_on_the_same_workers_every_layer():
     starts = np.concatenate([[0], np.cumsum([o["tiles"] for o in ops])])
     by_layer: dict[str, list[list[int]]] = {}
     for i, o in enumerate(ops):
-        if o["layer"] is not None and o["layer"] >= 0:
+        if o["layer"] >= 0:
             kind = o["name"].split(".", 1)[-1]
             by_layer.setdefault(kind, []).append(worker[starts[i]:starts[i + 1]].tolist())
     layers = {len(v) for v in by_layer.values()}
@@ -73,7 +73,7 @@ def test_layer_aligned_workers_put_each_op_on_the_same_workers_every_layer():
     for name in ("events", "waits", "signals", "args", "params"):
         np.testing.assert_array_equal(out.arrays[name], cg.arrays[name])
     # the default placement is the same function without the restarts, and it does rotate here
-    plain = round_robin_workers([(o["tiles"], -1 if o["layer"] is None else o["layer"]) for o in ops], W)
+    plain = round_robin_workers([(o["tiles"], o["layer"]) for o in ops], W)
     assert not np.array_equal(plain, worker)
     with pytest.raises(ValueError, match="one worker in"):
         from mpk_dist.taskgraph.serialize import with_workers
