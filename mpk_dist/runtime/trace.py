@@ -166,9 +166,14 @@ def _tail(ends: np.ndarray) -> float:
     return float(e[-1] - e[k])
 
 
-def _median_arg(events: list[dict], key: str) -> float | None:
-    vals = [e["args"][key] for e in events if key in e.get("args", {})]
+def _median_present(values) -> float | None:
+    """The median of the values that are not None; None when none is."""
+    vals = [v for v in values if v is not None]
     return float(np.median(vals)) if vals else None
+
+
+def _median_arg(events: list[dict], key: str) -> float | None:
+    return _median_present(e.get("args", {}).get(key) for e in events)
 
 
 def _cell(value: float | None, width: int) -> str:
@@ -223,17 +228,14 @@ def layer_profile(rows: list[dict]) -> list[dict]:
     step = prev_end - first
     out = []
     for key, rs in groups.items():
-        gaps = [r["gap_us"] for r in rs if r["gap_us"] is not None]
-        posts = [r["post_median_us"] for r in rs if r.get("post_median_us") is not None]
-        tails = [r["tail_us"] for r in rs if r.get("tail_us") is not None]
         adds = sum(r["adds_us"] for r in rs)
         out.append({"op": key, "kind": rs[0]["kind"], "layers": len(rs) if rs[0]["in_layer"] else 0,
                     "span_median_us": float(np.median([r["end_us"] - r["start_us"] for r in rs])),
                     "run_median_us": float(np.median([r["run_median_us"] for r in rs])),
-                    "gap_median_us": float(np.median(gaps)) if gaps else None,
+                    "gap_median_us": _median_present(r["gap_us"] for r in rs),
                     "wait_median_us": float(np.median([r["wait_median_us"] for r in rs])),
-                    "post_median_us": float(np.median(posts)) if posts else None,
-                    "tail_median_us": float(np.median(tails)) if tails else None,
+                    "post_median_us": _median_present(r.get("post_median_us") for r in rs),
+                    "tail_median_us": _median_present(r.get("tail_us") for r in rs),
                     "adds_us": adds, "lag_us": sum(r["lag_us"] for r in rs),
                     "share": adds / step if step > 0 else 0.0})
     return out
