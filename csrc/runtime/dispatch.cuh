@@ -29,7 +29,6 @@
 #include "silu_linear.cuh"
 // silu_mul as the gate|up projection's epilogue (opt-in fusion 'silu_epi'; docs/TASKGRAPH.md)
 #include "norm_linear_silu.cuh"
-#include "row_pool.cuh"  // a wide batch-1 level's last rows, claimed by its free tiles (linear_residual, the pair tiles)
 // Superoptimized bodies (mpk_dist.runtime.superopt_tasks): MPK_SUPEROPT comes from the generated .cu
 // (KernelShape.superopt); a kind whose search found no lowerable µGraph is built with
 // -DMPK_SUPEROPT_<KIND>=0 and runs its hand-written body. "generated/<kind>.cuh" resolves to the
@@ -260,17 +259,6 @@ __device__ __forceinline__ const float* flag_gather_rows(const TaskView& t, cons
 }
 #endif
 
-// The task's row pool (REC_POOL_*, runtime/row_pool.py): tiles 0 when it sums only its own rows.
-__device__ __forceinline__ RowPool row_pool_of(const TaskView& t) {
-  RowPool p;
-  p.tiles = t.rec[REC_POOL_TILES];
-  if (p.tiles == 0) return p;
-  p.tile = t.rec[REC_POOL_TILE];
-  p.rows = t.rec[REC_POOL_ROWS];
-  p.counter = reinterpret_cast<uint32_t*>(*reinterpret_cast<const uint64_t*>(t.rec + REC_POOL_COUNTER));
-  return p;
-}
-
 // ---- fused linears (opt-in: compile_rank_programs(fuse=...); docs/TASKGRAPH.md 'Fused linears') ----
 // Only the dtype combinations the fused graphs produce are instantiated (bf16 models: fp32
 // residual stream, bf16 activations, fp32 logits); any other combination returns false, which the
@@ -306,33 +294,18 @@ __device__ __noinline__ bool run_norm_linear_silu(const TaskView& t, float* smem
   down.xo = t.arg<float>(NORM_LINEAR_SILU_ARG_XO), down.ldxo = t.param(NORM_LINEAR_SILU_PARAM_XO_STRIDE);
   if (down.wd != nullptr && (down.xo == nullptr || t.dtype(NORM_LINEAR_SILU_ARG_XO) != DTYPE_F32)) return false;
 #endif
-  // A pooled tile (row_pool.cuh) sums its static columns here, then claims the level's pooled ones.
-  const RowPool pool = row_pool_of(t);
-  const int B = t.param(NORM_LINEAR_SILU_PARAM_BATCH), n = t.param(NORM_LINEAR_SILU_PARAM_N_TILE);
-  const int K = t.param(NORM_LINEAR_SILU_PARAM_K), ys = t.param(NORM_LINEAR_SILU_PARAM_Y_STRIDE);
-  const long long up_rows = t.param(NORM_LINEAR_SILU_PARAM_UP_ROWS);
-  const bf16* w = t.arg<const bf16>(NORM_LINEAR_SILU_ARG_W);
-  bf16* y = t.arg<bf16>(NORM_LINEAR_SILU_ARG_Y);
-  if (pool.tiles != 0) {  // pooled columns write y only: no flagged copy, no folded down projection
-    if (!pool_ok(pool, B, n / 2, true, nt)) return false;
-#if MPK_FLAG_WORDS
-    if (t.arg<uint64_t>(NORM_LINEAR_SILU_ARG_Y_FLAGS) != nullptr) return false;
-#endif
+  return norm_linear_silu(t.param(NORM_LINEAR_SILU_PARAM_BATCH), x, xs, t.arg<const bf16>(NORM_LINEAR_SILU_ARG_NORM_W),
+                          t.arg<const bf16>(NORM_LINEAR_SILU_ARG_W), t.param(NORM_LINEAR_SILU_PARAM_UP_ROWS),
+                          t.arg<bf16>(NORM_LINEAR_SILU_ARG_Y), t.param(NORM_LINEAR_SILU_PARAM_Y_STRIDE),
+                          t.param(NORM_LINEAR_SILU_PARAM_K), t.param(NORM_LINEAR_SILU_PARAM_N_TILE),
+                          t.fparam(NORM_LINEAR_SILU_PARAM_EPS), smem, tid, nt, body
 #if MPK_SILU_DOWN
-    if (down.wd != nullptr) return false;
-#endif
-  }
-  if (!norm_linear_silu(B, x, xs, t.arg<const bf16>(NORM_LINEAR_SILU_ARG_NORM_W), w, up_rows, y, ys, K,
-                        n - 2 * pool.rows, t.fparam(NORM_LINEAR_SILU_PARAM_EPS), smem, tid, nt, body
-#if MPK_SILU_DOWN
-                        , down
+                          , down
 #endif
 #if MPK_FLAG_WORDS
-                        , t.arg<uint64_t>(NORM_LINEAR_SILU_ARG_Y_FLAGS), flag_tag_of_step(step)
+                          , t.arg<uint64_t>(NORM_LINEAR_SILU_ARG_Y_FLAGS), flag_tag_of_step(step)
 #endif
-                        ))
-    return false;
-  return pool.tiles == 0 || silu_pair_pool(pool, w, up_rows, y, ys, K, n / 2, smem, tid, nt);
+  );
 }
 
 // norm_linear_silu tasks come here too. NOTE: a kernel that can reach both run_norm_linear_silu and
@@ -398,25 +371,11 @@ __device__ __noinline__ bool run_linear_residual(const TaskView& t, float* smem,
     return true;
   }
 #endif
-  // A pooled tile (row_pool.cuh) sums its static rows here, then claims the level's pooled ones.
-  const RowPool pool = row_pool_of(t);
-  const int B = t.param(LINEAR_RESIDUAL_PARAM_BATCH), n = t.param(LINEAR_RESIDUAL_PARAM_N_TILE);
-  const int xs = t.param(LINEAR_RESIDUAL_PARAM_X_STRIDE), ys = t.param(LINEAR_RESIDUAL_PARAM_Y_STRIDE);
-  const int K = t.param(LINEAR_RESIDUAL_PARAM_K);
-  const bf16* x = t.arg<const bf16>(LINEAR_RESIDUAL_ARG_X);
-  const bf16* w = t.arg<const bf16>(LINEAR_RESIDUAL_ARG_W);
-  const float* res = t.arg<const float>(LINEAR_RESIDUAL_ARG_RESIDUAL);
-  float* y = t.arg<float>(LINEAR_RESIDUAL_ARG_Y);
-  if (pool.tiles != 0) {  // pooled rows write y only: no flagged copy, no second output
-    if (!pool_ok(pool, B, n, false, nt)) return false;
-#if MPK_FLAG_WORDS
-    if (t.arg<uint64_t>(LINEAR_RESIDUAL_ARG_Y_FLAGS) != nullptr) return false;
-#endif
-#if MPK_SILU_DOWN
-    if (t.arg<float>(LINEAR_RESIDUAL_ARG_COPY) != nullptr) return false;
-#endif
-  }
-  linear_residual(B, x, xs, w, res, y, ys, K, n - pool.rows, smem, tid, nt
+  linear_residual(t.param(LINEAR_RESIDUAL_PARAM_BATCH), t.arg<const bf16>(LINEAR_RESIDUAL_ARG_X),
+                  t.param(LINEAR_RESIDUAL_PARAM_X_STRIDE), t.arg<const bf16>(LINEAR_RESIDUAL_ARG_W),
+                  t.arg<const float>(LINEAR_RESIDUAL_ARG_RESIDUAL), t.arg<float>(LINEAR_RESIDUAL_ARG_Y),
+                  t.param(LINEAR_RESIDUAL_PARAM_Y_STRIDE), t.param(LINEAR_RESIDUAL_PARAM_K),
+                  t.param(LINEAR_RESIDUAL_PARAM_N_TILE), smem, tid, nt
 #if MPK_SILU_DOWN
                   , t.arg<float>(LINEAR_RESIDUAL_ARG_COPY)
 #endif
@@ -425,7 +384,6 @@ __device__ __noinline__ bool run_linear_residual(const TaskView& t, float* smem,
                   t.arg<const uint64_t>(LINEAR_RESIDUAL_ARG_RESIDUAL_FLAGS), flag_tag_of_step(step)
 #endif
   );
-  if (pool.tiles != 0) linear_residual_pool(pool, x, xs, w, res, y, ys, K, n, smem, tid, nt);
   return true;
 }
 

@@ -192,18 +192,6 @@ __device__ __forceinline__ bool ticket_last(uint32_t* word, uint32_t group) {
   return true;
 }
 
-// ---- row pools -----------------------------------------------------------------------------
-// Claim on a wide level's pooled rows (csrc/tasks/row_pool.cuh; called by thread 0): relaxed, since a claim only
-// hands out work: the rows a block sums are published by its own signal's release, as its static rows are. Every
-// tile of the level makes exactly one claim past the pool a step, so the claim numbered chunks + tiles - 1 is the
-// step's last; its block resets the word, and the level's next use is ordered after that block's signal by the
-// event chain (relaxed store, as ticket_last).
-__device__ __forceinline__ uint32_t pool_claim_next(uint32_t* counter, uint32_t chunks, uint32_t tiles) {
-  const uint32_t c = atom_add_relaxed_gpu(counter, 1u);
-  if (c + 1u == chunks + tiles) st_relaxed_gpu(counter, 0u);
-  return c;
-}
-
 // Block barrier among the worker threads only (named barrier 1): the scheduler warp of a block in
 // jit mode never joins it. Orders shared- and global-memory accesses of the participating threads.
 __device__ __forceinline__ void worker_barrier(int num_threads) {

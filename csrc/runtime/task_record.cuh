@@ -39,11 +39,6 @@ constexpr int REC_MAX_ARGS = 12;
 constexpr int REC_DTYPES = 60;  // REC_MAX_ARGS dtype codes (-1: absent optional argument)
 constexpr int REC_PARAMS = 72;  // REC_MAX_PARAMS parameters in the kind's declared order
 constexpr int REC_MAX_PARAMS = 16;
-// Row pool of a wide batch-1 linear level (runtime/row_pool.py, csrc/tasks/row_pool.cuh); after the parameters.
-constexpr int REC_POOL_TILES = 88;    // tiles of the pooled op (0: the task sums only its own rows)
-constexpr int REC_POOL_TILE = 89;     // this task's tile index in the op (its rows' place in the op's rows)
-constexpr int REC_POOL_ROWS = 90;     // pooled rows at the end of each tile (a pair tile: columns of each half)
-constexpr int REC_POOL_COUNTER = 92;  // 64-bit address of the op's claim counter (two words, low first)
 
 // REC_FLAGS bits. A task with more waits or signals than a record holds keeps reading the tables.
 constexpr int REC_FLAG_SIG_SYS = 1;          // some signal goes to a peer or a system-scope event

@@ -554,17 +554,6 @@ def tuning_from_env(worker_threads: int | None, environ=None) -> dict:
             raise InputError(f"MPK_PREFETCH_NEXT_KB: expected a size in KB >= 0 (unset or 0: none), got {raw!r}")
         if int(raw) > 0:
             out["prefetch_next_kb"] = int(raw)
-    # The wide batch-1 levels' last rows claimed by whichever tile is free (row_pool.py; REC_POOL_*, same binary and
-    # bits): the percent of each tile's rows pooled. Only when set.
-    raw = env.get("MPK_ROW_POOL", "")
-    if raw:
-        from mpk_dist.runtime.row_pool import MAX_PERCENT
-
-        if not raw.isdigit() or int(raw) > MAX_PERCENT:
-            raise InputError(f"MPK_ROW_POOL: expected a percent of each tile's rows, 0..{MAX_PERCENT} (unset or 0: "
-                             f"none), got {raw!r}")
-        if int(raw) > 0:
-            out["row_pool"] = int(raw)
     # Switches whose key appears only when set away from the default, so the default dict (and every
     # Session built from it) is what it was before the switch existed; a switch whose default depends on the
     # program (None) appears whenever it is set.

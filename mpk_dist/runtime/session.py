@@ -94,7 +94,7 @@ class Session:
                  attn_stage_kv: bool = False, load_ahead: bool = True, min_carveout: bool = False,
                  weight_evict_first: bool = False, compact_code: bool | None = None,
                  prefetch_level_kb: int | None = None, blocks_per_sm: int = 1, plan_behind_attention: bool = False,
-                 prefetch_next_kb: int | None = None, layer_aligned_workers: bool = False, row_pool: int = 0):
+                 prefetch_next_kb: int | None = None, layer_aligned_workers: bool = False):
         if cg.meta["abi_version"] != ABI_VERSION:
             raise InputError(f"task graph ABI: expected version {ABI_VERSION}, got {cg.meta['abi_version']}")
         tables.check_supported(cg)
@@ -131,7 +131,6 @@ class Session:
         self.block_threads = worker_threads + (32 if schedule == "jit" else 0)
         # Record-level: split-KV tiles stage their cache rows in shared memory when the stage fits.
         self.stage_kv = attn_stage_kv and tables.kv_stage_fits(cg, worker_threads, weight_ring=linear_tma)
-        self.weight_ring_bytes = tables.WEIGHT_RING_BYTES if linear_tma else 0  # at the end of the shared memory
         self.smem = tables.smem_bytes(cg, worker_threads, weight_ring=linear_tma, stage_kv=self.stage_kv,
                                       linear_mma=shape.linear_mma)
         t0 = time.perf_counter()
@@ -156,8 +155,6 @@ class Session:
         # the jit schedule has no fixed next task).
         self.plan_behind_attention = plan_behind_attention
         self.prefetch_next_kb = prefetch_next_kb if schedule == "aot" else None
-        # Record-level: the wide batch-1 levels' last rows claimed by whichever tile is free (row_pool.py; same bits).
-        self.row_pool_percent = row_pool
         self.passes = None  # a PassChannel once enable_passes (persistent passes, pass_io.py)
         self._alloc(weights, num_sched)
 
@@ -208,12 +205,8 @@ class Session:
         self.peer_quota = self._dev(peer_quota(cg))
         plan, ahead = self._prefetch_plan() if self.use_prefetch_plan else (None, None)
         # argument addresses and the plan live here
-        pool = self._row_pool_plan()
-        # one claim counter per pooled op, zeroed before every launch (prepare: a stopped launch may leave counts)
-        self.pool_counters = torch.zeros(max(1, pool.ops), dtype=torch.int32, device=dev)
-        counter_addr = self._addr(self.pool_counters) + 4 * np.arange(pool.ops, dtype=np.uint64)
         records, task_rec = build_records(cg, arg_addr, plan, ahead, bulk_prefetch=self.bulk_prefetch,
-                                          stage_kv=self.stage_kv, row_pool=pool, pool_counter_addr=counter_addr)
+                                          stage_kv=self.stage_kv)
         self.records, self.task_rec = self._dev(records), self._dev(task_rec)
         dep_ptr, dep_task, dep_off = tables.dependents(cg)
         self.deps = [self._dev(dep_ptr), self._dev(dep_task), self._dev(dep_off)]
@@ -245,12 +238,6 @@ class Session:
         level = None if self.prefetch_level_kb is None else self.prefetch_level_kb * 1024
         return plan_tables(self.cg, self.workers, l2, level, hoist=self.prefetch_ahead,
                            behind_attention=self.plan_behind_attention, next_bytes=(self.prefetch_next_kb or 0) * 1024)
-
-    def _row_pool_plan(self):
-        """The row pool of this program (row_pool.py) at this launch's threads and shared memory; none when off."""
-        from mpk_dist.runtime.row_pool import row_pool_plan
-
-        return row_pool_plan(self.cg, self.worker_threads, self.row_pool_percent, self.smem - self.weight_ring_bytes)
 
     def _region_view(self, offset: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
         """A typed view of bytes [offset, offset + nbytes) of this rank's symmetric region."""
@@ -323,8 +310,7 @@ class Session:
         if self.passes is not None:
             self.passes.reset()
         with self._on_stream():
-            for t in (self.queues, self.queue_tail, self.sched_queues, self.sched_tail, self.halt, self.trace_len,
-                      self.pool_counters):
+            for t in (self.queues, self.queue_tail, self.sched_queues, self.sched_tail, self.halt, self.trace_len):
                 t.zero_()
             for b, t in zip(self.cg.meta["buffers"], self.bufs):
                 if b["kind"] == "ticket":  # a launch stopped mid-step (timeout, error) may have left counts

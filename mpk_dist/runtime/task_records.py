@@ -24,7 +24,6 @@ REC_SIGNALS, REC_SIGNAL_COLS, REC_MAX_SIGNALS = 24, 3, 4
 REC_ARGS, REC_MAX_ARGS = 36, 12
 REC_DTYPES = 60
 REC_PARAMS, REC_MAX_PARAMS = 72, 16
-REC_POOL_TILES, REC_POOL_TILE, REC_POOL_ROWS, REC_POOL_COUNTER = 88, 89, 90, 92
 FLAG_SIG_SYS, FLAG_WAITS_INLINE, FLAG_SIGNALS_INLINE, FLAG_BULK_PREFETCH, FLAG_STAGE_KV = 1, 2, 4, 8, 16
 SIG_KIND_LOCAL, SIG_KIND_SYSTEM, SIG_KIND_ALL_RANKS = 0, 1, 2
 
@@ -49,8 +48,7 @@ def _span(begin: np.ndarray, end: np.ndarray, k: int) -> tuple[np.ndarray, np.nd
 
 
 def build_records(cg, arg_addr: np.ndarray, prefetch: np.ndarray | None = None, prefetch_next: np.ndarray | None = None,
-                  bulk_prefetch: bool = False, stage_kv: bool = False, row_pool=None,
-                  pool_counter_addr: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+                  bulk_prefetch: bool = False, stage_kv: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """(records int32 [T, REC_WORDS] in worker order, task_rec int32 [T]) of program ``cg``.
 
     ``arg_addr``: uint64 [NA], each argument row resolved to its device address (0: absent);
@@ -58,8 +56,7 @@ def build_records(cg, arg_addr: np.ndarray, prefetch: np.ndarray | None = None, 
     ``prefetch_next``: int32 [T] bytes of the task's aot successor to prefetch during its wait (None: 0,
     prefetch_plan.hoist_ahead); ``bulk_prefetch``: every record's prefetches by bulk copies; ``stage_kv``: the
     split-KV tiles stage their cache rows in shared memory (the launch must have
-    lowering_attention.kv_stage_smem_bytes); ``row_pool``: a row_pool.RowPoolPlan (None: no task pools) with
-    ``pool_counter_addr``, uint64 [plan.ops], each pooled op's counter address."""
+    lowering_attention.kv_stage_smem_bytes)."""
     tasks, A = cg.arrays["tasks"], cg.arrays
     T = tasks.shape[0]
     order = A["worker_tasks"].astype(np.int64)
@@ -140,18 +137,6 @@ def build_records(cg, arg_addr: np.ndarray, prefetch: np.ndarray | None = None, 
     for i in range(REC_MAX_PARAMS):
         idx, ok = _span(pb, pe, i)
         rec[:, REC_PARAMS + i] = np.where(ok, A["params"][idx] if len(A["params"]) else 0, 0)
-
-    if row_pool is not None and row_pool.ops:
-        if pool_counter_addr is None or len(pool_counter_addr) < row_pool.ops:
-            raise InputError(f"task records: expected {row_pool.ops} row-pool counter addresses, got "
-                             f"{0 if pool_counter_addr is None else len(pool_counter_addr)}")
-        pooled = row_pool.tiles > 0
-        rec[:, REC_POOL_TILES] = row_pool.tiles
-        rec[:, REC_POOL_TILE] = row_pool.tile
-        rec[:, REC_POOL_ROWS] = row_pool.rows
-        addr = np.zeros(T, np.uint64)
-        addr[pooled] = np.asarray(pool_counter_addr, np.uint64)[row_pool.counter[pooled]]
-        rec[:, REC_POOL_COUNTER:REC_POOL_COUNTER + 2] = addr.view(np.int32).reshape(-1, 2)
 
     task_rec = np.empty(T, dtype=np.int32)
     task_rec[order] = np.arange(T, dtype=np.int32)
