@@ -176,41 +176,6 @@ __device__ __forceinline__ void attn_prefetch_rows(const bf16* kc, const bf16* v
 
 __host__ __device__ inline int attention_smem_bytes(int nwarps, int G, int D) { return nwarps * G * (D + 2) * 4; }
 
-// ---- the block merge of the warps' (m, l, acc) entries ----
-// MPK_ATTN_MERGE_FACTORS 1 (default): the merge's factor exp(m_w - M) of each (head, warp) is computed once, by one
-// of G x nwarps threads, and kept in the entry's m slot; every output element then sums entries x factors. 0: each
-// output element computes its head's nwarps factors itself (D elements a head: each factor D times), the code before.
-// Why: the trace puts 2.5-4 us between an unsplit attention tile's last warp ending its walk and its post-body fence
-// (qwen3-8b on an H100, docs/PERF.md v0.40), with HBM idle behind the level; at D = 128 and 16 warps that merge was
-// 16 expf a thread. The factors and the sums are the same values in the same order: the same bits.
-#ifndef MPK_ATTN_MERGE_FACTORS
-#define MPK_ATTN_MERGE_FACTORS 1
-#endif
-
-// Every entry's m slot (its float D) replaced by its factor exp(m - M) against the head's maximum M over the
-// nwarps warps (0 where M is -inf: no warp saw a position); m_out (nullptr: none) gets each head's M at
-// m_out[j * m_stride]. Entries: warp w, head j at smem + (w * G + j) * (D + 2). Called after the barrier that
-// completes the walk's stores; ends with one, so every thread then reads the factors.
-__device__ __forceinline__ void attn_merge_factors(float* smem, int D, int G, int nwarps, float* m_out, int m_stride,
-                                                   int tid, int nt) {
-  float f = 0.f;
-  const int i = tid, j = i / nwarps, w = i - j * nwarps;  // one (head, warp) a thread (G x nwarps <= nt)
-  if (i < G * nwarps) {
-    float M = -INFINITY;
-    for (int v = 0; v < nwarps; ++v) M = fmaxf(M, smem[(size_t)v * G * (D + 2) + j * (D + 2) + D]);
-    if (M != -INFINITY) f = expf(smem[(size_t)w * G * (D + 2) + j * (D + 2) + D] - M);  // m = -inf: factor 0
-    if (m_out != nullptr && w == 0) m_out[(size_t)j * m_stride] = M;
-  }
-  worker_barrier(nt);  // every thread has read the m slots before any is overwritten
-  if (i < G * nwarps) smem[(size_t)w * G * (D + 2) + j * (D + 2) + D] = f;
-  worker_barrier(nt);
-}
-
-// Whether this block's threads can hold one (head, warp) each (attn_merge_factors).
-__device__ __forceinline__ bool attn_merge_factors_ok(int G, int nwarps, int nt) {
-  return MPK_ATTN_MERGE_FACTORS && G * nwarps <= nt;
-}
-
 // MG, ME: compile-time bounds (>= G, >= epl) of the per-lane register arrays. One instance per (MG, ME)
 // in {1, 2, 4, 8} x {2, 4, 8} keeps the arrays as small as the model needs: with the old fixed 8 x 8
 // the worker kernel (128 registers at 512 threads) spilled them to local memory. Every loop keeps its
@@ -236,22 +201,6 @@ __device__ __noinline__ void attention_seq(const bf16* q, const bf16* kc, const 
   }
   worker_barrier(nt);
   trace_mark(1, tid);  // trace: every warp's walk is done (the block merge follows)
-  if (attn_merge_factors_ok(G, nwarps, nt)) {
-    attn_merge_factors(smem, D, G, nwarps, nullptr, 0, tid, nt);
-    for (int idx = tid; idx < G * D; idx += nt) {
-      const int j = idx / D, d = idx % D;
-      float L = 0.f, O = 0.f;
-      for (int w = 0; w < nwarps; ++w) {
-        const float* st = smem + (size_t)w * G * (D + 2) + j * (D + 2);
-        const float f = st[D];
-        L += st[D + 1] * f;
-        O += st[d] * f;
-      }
-      out[(size_t)j * D + d] = f2bf(L > 0.f ? O / L : 0.f);
-    }
-    worker_barrier(nt);  // shared memory is reused by the next sequence / task
-    return;
-  }
   for (int idx = tid; idx < G * D; idx += nt) {
     const int j = idx / D, d = idx % D;
     float M = -INFINITY;

@@ -127,21 +127,6 @@ __device__ __noinline__ void attention_split_seq(const bf16* q, const bf16* kc, 
   }
   worker_barrier(nt);
   trace_mark(1, tid);  // trace: every warp's walk is done (the block merge follows)
-  if (attn_merge_factors_ok(G, nwarps, nt)) {  // each (head, warp) factor once (attention.cuh); M written there
-    attn_merge_factors(smem, D, G, nwarps, out + D, D + 2, tid, nt);
-    for (int idx = tid; idx < G * (D + 2); idx += nt) {
-      const int j = idx / (D + 2), d = idx % (D + 2);
-      if (d == D) continue;
-      float v = 0.f;
-      for (int w = 0; w < nwarps; ++w) {  // warp order: deterministic
-        const float* sw = smem + (size_t)w * G * (D + 2) + j * (D + 2);
-        v += sw[d] * sw[D];  // sw[D]: the warp's factor
-      }
-      out[idx] = v;  // d < D: acc, d == D + 1: l (same rescaling as acc)
-    }
-    worker_barrier(nt);  // shared memory is reused by the next sequence / task
-    return;
-  }
   for (int idx = tid; idx < G * (D + 2); idx += nt) {
     const int j = idx / (D + 2), d = idx % (D + 2);
     float M = -INFINITY;
