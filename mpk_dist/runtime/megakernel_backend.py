@@ -554,6 +554,17 @@ def tuning_from_env(worker_threads: int | None, environ=None) -> dict:
             raise InputError(f"MPK_PREFETCH_NEXT_KB: expected a size in KB >= 0 (unset or 0: none), got {raw!r}")
         if int(raw) > 0:
             out["prefetch_next_kb"] = int(raw)
+    # The batch-1 linear tiles behind attention prefetch this many KB into L2 instead of the kernel's cap
+    # (prefetch_plan._behind_attention_bytes; the same binary and bits). Only when set.
+    raw = env.get("MPK_PREFETCH_BEHIND_ATTENTION_KB", "")
+    if raw:
+        if not raw.isdigit():
+            raise InputError(f"MPK_PREFETCH_BEHIND_ATTENTION_KB: expected a size in KB >= 0 (unset: the kernel's "
+                             f"MPK_PREFETCH_KB cap), got {raw!r}")
+        if env.get("MPK_PLAN_BEHIND_ATTENTION", "") == "1":
+            raise InputError("MPK_PREFETCH_BEHIND_ATTENTION_KB: expected MPK_PLAN_BEHIND_ATTENTION unset or 0 (both "
+                             "plan the tiles behind batch-1 attention), got MPK_PLAN_BEHIND_ATTENTION=1")
+        out["prefetch_behind_attention_kb"] = int(raw)
     # Switches whose key appears only when set away from the default, so the default dict (and every
     # Session built from it) is what it was before the switch existed; a switch whose default depends on the
     # program (None) appears whenever it is set.

@@ -23,7 +23,8 @@ TABLE_ONLY = {"prefetch_plan": "MPK_PREFETCH_PLAN", "bulk_prefetch": "MPK_BULK_P
               "prefetch_ahead": "MPK_PREFETCH_AHEAD", "attn_stage_kv": "MPK_ATTN_STAGE_KV",
               "min_carveout": "MPK_MIN_CARVEOUT", "prefetch_level_kb": "MPK_PREFETCH_LEVEL_KB",
               "plan_behind_attention": "MPK_PLAN_BEHIND_ATTENTION", "prefetch_next_kb": "MPK_PREFETCH_NEXT_KB",
-              "layer_aligned_workers": "MPK_LAYER_ALIGNED_WORKERS"}
+              "layer_aligned_workers": "MPK_LAYER_ALIGNED_WORKERS",
+              "prefetch_behind_attention_kb": "MPK_PREFETCH_BEHIND_ATTENTION_KB"}
 """Session keyword -> environment variable of the switches that change the task records or the launch, never the
 kernel binary (megakernel_backend.tuning_from_env reads them with the kernel's knobs)."""
 

@@ -137,6 +137,29 @@ def _narrow_tiles(cg, workers: int, l2_bytes: int,
     return out
 
 
+def _behind_attention_bytes(cg, workers: int, plan: np.ndarray, nbytes: int) -> np.ndarray:
+    """``plan`` with every tile of a linear op that waits on a narrow attention op in a program of up to
+    NO_PLAN_BEHIND_ATTENTION_MAX_BATCH sequences (their tiles otherwise keep the kernel's cap, -1) set to ``nbytes``
+    (at most its weight block), or 0 where its own worker runs the attention first (as prefetch_plan's rule).
+    MPK_PREFETCH_BEHIND_ATTENTION_KB. Why: behind the 8B presets' 8 unsplit batch-1 tiles the 124 o_proj tiles'
+    64 KB caps (~8 MB) go to HBM as the attention level starts, and the walk's first key round trip takes 2.2-3.0 us
+    there against ~0.8 us on an idle HBM (docs/PERF.md v0.40); o_proj streams at the HBM's rate whether its head is
+    in L2 or not (L2 is hardly faster, v0.30), so 0 may shorten the attention level at no cost to o_proj."""
+    if int(cg.meta["batch"]) > NO_PLAN_BEHIND_ATTENTION_MAX_BATCH:
+        return plan
+    attention = _attention_events(cg)
+    waiting = {}
+    for tiles in _linear_tiles_by_op(cg).values():
+        narrow = _narrow_events(cg, tiles[0], workers) & attention
+        if narrow:
+            waiting.update({t: narrow for t in tiles})
+    first = _producer_first(cg, waiting)
+    out = plan.copy()
+    for t in waiting:
+        out[t] = 0 if t in first else min(nbytes, weight_block_bytes(cg, t))
+    return out
+
+
 def prefetch_plan(cg, workers: int, l2_bytes: int, level_bytes: int | None = None,
                   behind_attention: bool = False) -> np.ndarray:
     """Per task: L2 prefetch bytes before its waits (>= 0), or -1 for the kernel's default cap.
@@ -222,14 +245,22 @@ def hoist_ahead(cg, workers: int, l2_bytes: int, level_bytes: int | None = None,
 
 
 def plan_tables(cg, workers: int, l2_bytes: int, level_bytes: int | None = None, hoist: bool = False,
-                behind_attention: bool = False, next_bytes: int = 0) -> tuple[np.ndarray, np.ndarray | None]:
+                behind_attention: bool = False, next_bytes: int = 0,
+                behind_attention_bytes: int | None = None) -> tuple[np.ndarray, np.ndarray | None]:
     """(plan, ahead or None) as a session's task records take them (REC_PREFETCH, REC_PREFETCH_NEXT): prefetch_plan,
     or hoist_ahead with ``hoist`` (MPK_PREFETCH_AHEAD), then prefetch_next's bytes with ``next_bytes`` > 0
-    (MPK_PREFETCH_NEXT_KB); ``behind_attention``: MPK_PLAN_BEHIND_ATTENTION."""
+    (MPK_PREFETCH_NEXT_KB); ``behind_attention``: MPK_PLAN_BEHIND_ATTENTION; ``behind_attention_bytes`` (not None):
+    the batch-1 tiles behind attention get that many bytes instead of the kernel's cap
+    (MPK_PREFETCH_BEHIND_ATTENTION_KB, _behind_attention_bytes; not with ``behind_attention``, which plans them)."""
+    if behind_attention and behind_attention_bytes is not None:
+        raise ValueError("behind_attention and behind_attention_bytes: expected at most one (both plan the tiles "
+                         "behind batch-1 attention)")
     if hoist:
         plan, ahead = hoist_ahead(cg, workers, l2_bytes, level_bytes, behind_attention=behind_attention)
     else:
         plan, ahead = prefetch_plan(cg, workers, l2_bytes, level_bytes, behind_attention=behind_attention), None
+    if behind_attention_bytes is not None:
+        plan = _behind_attention_bytes(cg, workers, plan, behind_attention_bytes)
     if next_bytes > 0:
         ahead = prefetch_next(cg, workers, l2_bytes, next_bytes, plan, ahead)
     return plan, ahead

@@ -94,7 +94,8 @@ class Session:
                  attn_stage_kv: bool = False, load_ahead: bool = True, min_carveout: bool = False,
                  weight_evict_first: bool = False, compact_code: bool | None = None,
                  prefetch_level_kb: int | None = None, blocks_per_sm: int = 1, plan_behind_attention: bool = False,
-                 prefetch_next_kb: int | None = None, layer_aligned_workers: bool = False):
+                 prefetch_next_kb: int | None = None, layer_aligned_workers: bool = False,
+                 prefetch_behind_attention_kb: int | None = None):
         if cg.meta["abi_version"] != ABI_VERSION:
             raise InputError(f"task graph ABI: expected version {ABI_VERSION}, got {cg.meta['abi_version']}")
         tables.check_supported(cg)
@@ -154,6 +155,8 @@ class Session:
         # Record-level too: plan behind batch-1 attention; the next linear task's head during a narrow wait (aot only:
         # the jit schedule has no fixed next task).
         self.plan_behind_attention = plan_behind_attention
+        # Record-level too: the batch-1 tiles behind attention prefetch this many KB instead of the kernel's cap.
+        self.prefetch_behind_attention_kb = prefetch_behind_attention_kb
         self.prefetch_next_kb = prefetch_next_kb if schedule == "aot" else None
         self.passes = None  # a PassChannel once enable_passes (persistent passes, pass_io.py)
         self._alloc(weights, num_sched)
@@ -237,7 +240,9 @@ class Session:
         l2 = (l2 or DEFAULT_L2_BYTES) // share
         level = None if self.prefetch_level_kb is None else self.prefetch_level_kb * 1024
         return plan_tables(self.cg, self.workers, l2, level, hoist=self.prefetch_ahead,
-                           behind_attention=self.plan_behind_attention, next_bytes=(self.prefetch_next_kb or 0) * 1024)
+                           behind_attention=self.plan_behind_attention, next_bytes=(self.prefetch_next_kb or 0) * 1024,
+                           behind_attention_bytes=None if self.prefetch_behind_attention_kb is None
+                           else self.prefetch_behind_attention_kb * 1024)
 
     def _region_view(self, offset: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
         """A typed view of bytes [offset, offset + nbytes) of this rank's symmetric region."""

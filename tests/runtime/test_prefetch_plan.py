@@ -311,3 +311,45 @@ def test_tune_sweep_sets_any_switch_by_name(tune_sweep):
         {"MPK_PLAN_BEHIND_ATTENTION": "1", "MPK_PREFETCH_NEXT_KB": "256", "MPK_LINEAR_UNROLL": "16"}, {})
     with pytest.raises(SystemExit, match="MPK_<NAME>=<value>"):
         tune_sweep.parse_variant("MPK_PREFETCH_NEXT_KB")
+
+
+@pytest.mark.parametrize("kb", [0, 32, 1024])
+def test_behind_attention_bytes_replace_the_cap_of_the_tiles_behind_batch_1_attention(qwen3_8b_b1, kb):
+    """MPK_PREFETCH_BEHIND_ATTENTION_KB (record-level): the o_proj tiles behind the 8 unsplit batch-1 attention tiles
+    get that many bytes (at most their 256 KB block; 0 where their worker ran the attention first) instead of the
+    kernel's cap (-1); every other task keeps its plan; batch 2 (planned behind attention already) is unchanged;
+    the switch reaches the session's keywords and refuses a bad value or MPK_PLAN_BEHIND_ATTENTION=1 beside it."""
+    from mpk_dist.errors import InputError
+    from mpk_dist.runtime.megakernel_backend import tuning_from_env
+    from mpk_dist.runtime.prefetch_plan import plan_tables
+
+    cg, l2 = qwen3_8b_b1, 50 << 20
+    base, _ = plan_tables(cg, SMS, l2)
+    plan, ahead = plan_tables(cg, SMS, l2, behind_attention_bytes=kb << 10)
+    assert ahead is None
+    changed = np.flatnonzero(plan != base)
+    names = {k[0].split(".")[-1] for k, v in _by_name(cg, plan).items() if v != {-1}}
+    assert names == {"o_proj"}, names  # no longer the cap (-1) there, even at 0
+    tasks = cg.arrays["tasks"]
+    o_proj = [t for t in range(tasks.shape[0]) if
+              cg.meta["ops"][int(tasks[t, TASK_COLS["OP_INDEX"]])]["name"].endswith("o_proj")]
+    assert set(changed.tolist()) <= set(o_proj) and (base[o_proj] == -1).all()
+    want = min(kb << 10, 4096 * 4096 * 2 // 128)
+    assert set(plan[o_proj].tolist()) <= {0, want} and (plan[o_proj] == want).sum() > 100 * cg.meta["num_layers"]
+    b2 = _program_b2_qwen3_8b()
+    assert np.array_equal(plan_tables(b2, SMS, l2, behind_attention_bytes=0)[0], plan_tables(b2, SMS, l2)[0])
+    assert tuning_from_env(512, {"MPK_PREFETCH_BEHIND_ATTENTION_KB": "0"})["prefetch_behind_attention_kb"] == 0
+    assert "prefetch_behind_attention_kb" not in tuning_from_env(512, {})
+    with pytest.raises(InputError, match="MPK_PREFETCH_BEHIND_ATTENTION_KB: expected a size in KB >= 0"):
+        tuning_from_env(512, {"MPK_PREFETCH_BEHIND_ATTENTION_KB": "-1"})
+    with pytest.raises(InputError, match="expected MPK_PLAN_BEHIND_ATTENTION unset or 0"):
+        tuning_from_env(512, {"MPK_PREFETCH_BEHIND_ATTENTION_KB": "0", "MPK_PLAN_BEHIND_ATTENTION": "1"})
+    with pytest.raises(ValueError, match="expected at most one"):
+        plan_tables(cg, SMS, l2, behind_attention=True, behind_attention_bytes=0)
+
+
+def _program_b2_qwen3_8b():
+    from mpk_dist.runtime.megakernel_backend import fusions_for_batch, fusions_from_env
+
+    return compile_rank_programs(get_preset("qwen3-8b"), tp=1, batch=2, sms=SMS, max_seq_len=512,
+                                 fuse=fusions_for_batch(fusions_from_env(True), 2), attn_splits="auto")[0]
