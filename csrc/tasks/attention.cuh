@@ -176,6 +176,14 @@ __device__ __forceinline__ void attn_prefetch_rows(const bf16* kc, const bf16* v
 
 __host__ __device__ inline int attention_smem_bytes(int nwarps, int G, int D) { return nwarps * G * (D + 2) * 4; }
 
+// MPK_ATTN_MERGE_MARK k >= 0 (a measurement build; -1, none, by default): attention_seq stamps trace mark k when its
+// block merge is done (the output stored, after the merge's closing barrier), so that with MPK_POST_FENCE_MARK the
+// 2.6-4.0 us between an unsplit tile's walk and its post's fence (docs/PERF.md v0.40) splits into the merge and the
+// fence. Pick a mark the tile leaves unset (it sets 0, 1, 4 and 5; 2 and 3 under MPK_ATTN_WALK_MARKS).
+#ifndef MPK_ATTN_MERGE_MARK
+#define MPK_ATTN_MERGE_MARK -1
+#endif
+
 // MG, ME: compile-time bounds (>= G, >= epl) of the per-lane register arrays. One instance per (MG, ME)
 // in {1, 2, 4, 8} x {2, 4, 8} keeps the arrays as small as the model needs: with the old fixed 8 x 8
 // the worker kernel (128 registers at 512 threads) spilled them to local memory. Every loop keeps its
@@ -217,6 +225,9 @@ __device__ __noinline__ void attention_seq(const bf16* q, const bf16* kc, const 
     out[(size_t)j * D + d] = f2bf(L > 0.f ? O / L : 0.f);
   }
   worker_barrier(nt);  // shared memory is reused by the next sequence / task
+#if MPK_ATTN_MERGE_MARK >= 0
+  trace_mark(MPK_ATTN_MERGE_MARK, tid);  // trace: the block merge is done (the post's barrier and fence follow)
+#endif
 }
 
 __device__ void attention(const bf16* q, const bf16* kc, const bf16* vc, const int32_t* pos, bf16* out, int B, int D,
