@@ -189,3 +189,33 @@ def test_layer_aligned_workers_switch_reaches_the_worker_lists(fake_gpu, monkeyp
         np.testing.assert_array_equal(aligned.cg.arrays[name], want.arrays[name])
         np.testing.assert_array_equal(aligned.tabs[name].cpu().numpy(), want.arrays[name])
     np.testing.assert_array_equal(aligned.records.cpu().numpy()[:, 0], want.arrays["worker_tasks"])  # REC_TASK
+
+
+def test_prefetch_behind_attention_switch_reaches_the_records(fake_gpu, monkeypatch):
+    """MPK_PREFETCH_BEHIND_ATTENTION_KB=0: the backend's Session puts 0 (no L2 prefetch) into REC_PREFETCH of the
+    batch-1 linear tiles that wait on a narrow attention op (tiny's unsplit tiles on 64 workers: its o_proj), which
+    otherwise hold -1 (the kernel's cap); every other record word is as without the switch."""
+    from mpk_dist.runtime.task_records import REC_ARGS, REC_MAX_ARGS, REC_PREFETCH, REC_TASK
+    from mpk_dist.taskgraph.abi import TASK_COLS
+    from mpk_dist.taskgraph.tasks import BY_OPCODE
+
+    m = open_model("tiny")
+    # enough workers that tiny's few unsplit attention tiles are a narrow op (fewer than a quarter of them)
+    monkeypatch.setattr(fake_gpu.MegakernelBackend, "_num_sms", lambda self: 64)
+    monkeypatch.setattr(S.LoadedKernel, "num_sms", 64)  # the fake kernel's co-residency check
+    monkeypatch.delenv("MPK_PREFETCH_BEHIND_ATTENTION_KB", raising=False)
+    plain = fake_gpu.MegakernelBackend(m.config, m.weights, device="cpu", max_seq_len=16, attn_splits=1).session(1)
+    monkeypatch.setenv("MPK_PREFETCH_BEHIND_ATTENTION_KB", "0")
+    zero = fake_gpu.MegakernelBackend(m.config, m.weights, device="cpu", max_seq_len=16, attn_splits=1).session(1)
+    assert zero.prefetch_behind_attention_kb == 0 and plain.prefetch_behind_attention_kb is None
+    a, b = plain.records.cpu().numpy(), zero.records.cpu().numpy()
+    changed = np.flatnonzero(a[:, REC_PREFETCH] != b[:, REC_PREFETCH])
+    # every other word equal but the argument addresses (each session allocates its own buffers)
+    other = [c for c in range(a.shape[1]) if c != REC_PREFETCH and not REC_ARGS <= c < REC_ARGS + 2 * REC_MAX_ARGS]
+    assert np.array_equal(a[:, other], b[:, other])
+    assert "attention_prep" in {o["kind"] for o in zero.cg.meta["ops"]}  # the unsplit tiles
+    assert changed.size > 0 and (a[changed, REC_PREFETCH] == -1).all() and (b[changed, REC_PREFETCH] == 0).all()
+    tasks, ops = zero.cg.arrays["tasks"], zero.cg.meta["ops"]
+    changed_tasks = b[changed, REC_TASK]
+    assert {ops[int(tasks[t, TASK_COLS["OP_INDEX"]])]["name"].split(".")[-1] for t in changed_tasks} == {"o_proj"}
+    assert {BY_OPCODE[int(tasks[t, TASK_COLS["OPCODE"]])].name for t in changed_tasks} <= {"linear", "linear_residual"}
