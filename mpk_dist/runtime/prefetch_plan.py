@@ -160,6 +160,21 @@ def _behind_attention_bytes(cg, workers: int, plan: np.ndarray, nbytes: int) -> 
     return out
 
 
+# MPK_PREFETCH_LEVEL_KB's default (KB), per batch, where a cap other than the kernel's 64 KB measured faster in the
+# same process at tp 1 with tensor-core linears: qwen3-8b batch 8 at 192 KB, -1.3% (H200, v0.28), -0.7% (H200,
+# v0.29), -1.1% and -1.1% (H100, v0.41: tune_sweep 6.764 / 6.761 vs 6.834 / 6.844 ms, bench 6.759 vs 6.832). Batches
+# 4 and 16 measured slower at 192 KB (v0.28), so no other batch has an entry.
+TUNED_LEVEL_KB = {8: 192}
+
+
+def default_level_kb(batch: int, world_size: int, linear_mma: bool) -> int | None:
+    """MPK_PREFETCH_LEVEL_KB's value when the variable is unset: TUNED_LEVEL_KB's entry for ``batch`` in a one-GPU
+    program with tensor-core linears (where it was measured), else None (the kernel's compiled cap)."""
+    if world_size != 1 or not linear_mma:
+        return None
+    return TUNED_LEVEL_KB.get(batch)
+
+
 def prefetch_plan(cg, workers: int, l2_bytes: int, level_bytes: int | None = None,
                   behind_attention: bool = False) -> np.ndarray:
     """Per task: L2 prefetch bytes before its waits (>= 0), or -1 for the kernel's default cap.

@@ -151,6 +151,11 @@ class Session:
         self.use_prefetch_plan = prefetch_plan
         # Record-level switches (no rebuild): bulk-copy prefetches; hoisting needs the aot worker order.
         self.bulk_prefetch, self.prefetch_ahead = bulk_prefetch, prefetch_ahead and schedule == "aot"
+        # None: the tuned default for this batch (prefetch_plan.default_level_kb; None there too: the kernel's cap)
+        if prefetch_level_kb is None:
+            from mpk_dist.runtime.prefetch_plan import default_level_kb
+
+            prefetch_level_kb = default_level_kb(self.batch, self.world, shape.linear_mma)
         self.prefetch_level_kb = prefetch_level_kb
         # Record-level too: plan behind batch-1 attention; the next linear task's head during a narrow wait (aot only:
         # the jit schedule has no fixed next task).
