@@ -96,6 +96,18 @@ def _build_one(case: BuildCase) -> tuple[str, bool, float]:
     return res.path.name, res.cached, time.perf_counter() - t0
 
 
+FAILURE_DETAIL_LINES = 6  # compiler lines quoted under a failed case (the first error ones)
+
+
+def failure_summary(exc: BaseException) -> str:
+    """One case's failure for the progress log: the exception's first line, then up to FAILURE_DETAIL_LINES of its
+    text that name an error (nvcc's "file(line): error: ..."), so a failed build says what failed without the
+    compiler's whole output."""
+    lines = str(exc).splitlines() or [""]
+    detail = [ln.strip() for ln in lines[1:] if "error" in ln.lower()][:FAILURE_DETAIL_LINES]
+    return "\n    ".join([f"{type(exc).__name__}: {lines[0][:300]}", *(ln[:300] for ln in detail)])
+
+
 def prebuild(todo: list[BuildCase], jobs: int, log=print) -> int:
     """Build every case's kernel with ``jobs`` processes; one progress line per case; returns the number
     of failed cases (each named with its error)."""
@@ -112,7 +124,7 @@ def prebuild(todo: list[BuildCase], jobs: int, log=print) -> int:
                 log(f"[{i}/{len(todo)}] {c.label()}: {'cached' if cached else 'built'} {name} ({secs:.1f} s)")
             except Exception as exc:  # noqa: BLE001 - reported per case, the others still build
                 failed += 1
-                log(f"[{i}/{len(todo)}] {c.label()}: FAILED: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}")
+                log(f"[{i}/{len(todo)}] {c.label()}: FAILED: {failure_summary(exc)}")
     log(f"prebuild: {len(todo) - failed}/{len(todo)} kernels ready in {time.perf_counter() - t0:.1f} s "
         f"({jobs} processes)")
     return failed

@@ -95,3 +95,17 @@ def test_cases_and_bad_jobs():
     assert [c.label() for c in long] == ["tiny tp1 b1 aot s2048", "tiny tp1 b1 aot k1 s2048"]
     with pytest.raises(InputError, match="--jobs: expected >= 1"):
         PB.prebuild(got, 0)
+
+
+def test_failure_summary_quotes_the_compiler_errors():
+    """A failed case's progress line names the exception's first line and the compiler's error lines (at most
+    FAILURE_DETAIL_LINES), not only 'nvcc failed on ...' with what failed cut off."""
+    from mpk_dist.runtime.build import BuildError
+
+    text = ("nvcc failed on /tmp/x/k.cu (exit 1):\n/src/a.cuh(522): error: operand types are incompatible\n"
+            "  detail that names nothing\n" + "".join(f"/src/b.cuh({i}): error: e{i}\n" for i in range(10)))
+    out = PB.failure_summary(BuildError(text)).splitlines()
+    assert out[0] == "BuildError: nvcc failed on /tmp/x/k.cu (exit 1):"
+    assert out[1].strip() == "/src/a.cuh(522): error: operand types are incompatible"
+    assert len(out) == 1 + PB.FAILURE_DETAIL_LINES and "detail that names nothing" not in "\n".join(out)
+    assert PB.failure_summary(ValueError("bad shape")) == "ValueError: bad shape"
