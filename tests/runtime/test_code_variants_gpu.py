@@ -34,6 +34,8 @@ the arithmetic, so the logits must equal the default build's bit for bit and sta
   run_attention_prep); batch 4 runs it (batch 1 is split there, so only the binary differs).
 - ``-DMPK_ATTN_MERGE_UNROLL=1`` (off; a measurement variant): the unsplit tile's block merge with its loops over the
   warps unrolled at the kernel's warp count (csrc/tasks/attention.cuh attn_block_merge_unrolled); batch 4 runs it.
+- ``-DMPK_ATTN_WALK_VALUES_WITH_KEYS=1`` (off; a measurement variant): the unsplit tensor-core walk issues a block's
+  value loads beside its key loads (csrc/tasks/attention_mma_walk.cuh); batch 4 runs it.
 - ``-DMPK_MMA_X_AHEAD=0`` under MPK_LINEAR_MMA=1, batch 8: the tensor-core tile loads each x vector inside its
   mma loop (the default loads a round's x vectors right after its weights; csrc/tasks/linear_mma.cuh mma_unit).
 - ``-DMPK_LINEAR_RESIDUAL_STAGE=1`` (off; a measurement variant): linear_residual tiles with 2-3 rows copy their x rows
