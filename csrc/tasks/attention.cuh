@@ -184,10 +184,6 @@ __host__ __device__ inline int attention_smem_bytes(int nwarps, int G, int D) { 
 #define MPK_ATTN_MERGE_MARK -1
 #endif
 
-// MG, ME: compile-time bounds (>= G, >= epl) of the per-lane register arrays. One instance per (MG, ME)
-// in {1, 2, 4, 8} x {2, 4, 8} keeps the arrays as small as the model needs: with the old fixed 8 x 8
-// the worker kernel (128 registers at 512 threads) spilled them to local memory. Every loop keeps its
-// runtime guard (j < G, i < epl && d < D), so the arithmetic is the same for every instance.
 // MPK_ATTN_MERGE_UNROLL 1 (off until measured; the same operations in the same order, so the same bits): the block
 // merge after the unsplit walk with the warp count a compile-time constant (the kernel's MPK_WORKER_THREADS / 32), its
 // loops over the warps unrolled, so that a thread's 3 x nwarps shared-memory loads and nwarps expf are issued
@@ -230,6 +226,10 @@ __device__ __forceinline__ void attn_block_merge_unrolled(const float* smem, bf1
 }
 #endif
 
+// MG, ME: compile-time bounds (>= G, >= epl) of the per-lane register arrays. One instance per (MG, ME)
+// in {1, 2, 4, 8} x {2, 4, 8} keeps the arrays as small as the model needs: with the old fixed 8 x 8
+// the worker kernel (128 registers at 512 threads) spilled them to local memory. Every loop keeps its
+// runtime guard (j < G, i < epl && d < D), so the arithmetic is the same for every instance.
 template <int MG, int ME>
 __device__ __noinline__ void attention_seq(const bf16* q, const bf16* kc, const bf16* vc, bf16* out, int D, int G,
                                            int kv_ps, int n_pos, float scale, float* smem, int tid, int nt) {
