@@ -37,7 +37,8 @@
 #   --ab            ONLY the A/B of the open code variants (docs/PERF.md leads): how soon waiting SMs see an event
 #                   (csrc/bench/event_wake.cu, idle and --load), a level boundary's cost (csrc/bench/ll_boundary.cu) and
 #                   what 132 SMs read from HBM and from L2 (csrc/bench/sm_read_bw.cu: on an H100 the ratio decides the
-#                   open A/B), what the unsplit attention walk's loads cost one SM (csrc/bench/walk_probe.cu), then per model of AB_MODELS (default qwen3-8b llama3-8b)
+#                   open A/B), what the unsplit attention walk's loads cost one SM (csrc/bench/walk_probe.cu),
+#                   then per model of AB_MODELS (default qwen3-8b llama3-8b)
 #                   scripts/tune_sweep.py over AB_VARIANTS run twice in one process (its kernels prebuilt in parallel,
 #                   AB_JOBS processes), then the variants' bitwise GPU tests (test_code_variants_gpu.py -k AB_TESTS).
 #                   AB_WAKE=0 skips the two benches, AB_TESTS=none the tests (one call is 600 s: ~9 min for all of it).
@@ -212,7 +213,7 @@ if [ $AB -eq 1 ]; then
     && for m in hbm l2; do $OUT/sm_read_bw \$([ \$m = l2 ] && echo --l2) > $OUT/sm_read_bw_\$m.log \
     && grep -E 'reading|per block|^ 132' $OUT/sm_read_bw_\$m.log || exit 1; done"
   # What the unsplit attention walk's loads cost one SM, from HBM and from L2 (csrc/bench/walk_probe.cu, docs/PERF.md v0.41).
-  [ "${AB_WAKE:-1}" = 1 ] && step ab_walk_probe "${AB_LIMIT:-150}" bash -c "nvcc -O3 -arch=sm_90a -o $OUT/walk_probe \
+  step ab_walk_probe "${AB_LIMIT:-150}" bash -c "nvcc -O3 -arch=sm_90a -o $OUT/walk_probe \
     csrc/bench/walk_probe.cu && $OUT/walk_probe"
   for m in $AB_MODELS; do
     step "ab_sweep_$m" "${AB_LIMIT:-540}" python3 scripts/tune_sweep.py --model "$m" --batch 1 --prompt-len 480 \

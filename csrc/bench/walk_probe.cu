@@ -38,7 +38,7 @@ constexpr int kRowVecs = kHeadDim / kChunk;     // 16-byte key loads a lane a ro
 constexpr int kValueVecs = kRowVecs / 2;        // 16-byte value loads a lane a row (its D / 8 dims)
 constexpr size_t kFlushBytes = size_t(256) << 20;  // read by every SM to evict the rows from L2 (50-60 MB)
 constexpr int kRepeats = 21;                    // launches per row of the table (the median is printed)
-constexpr int kStamps = 4;                      // start, warp 0's first keys back, its first block summed, end
+constexpr int kStamps = 4;                      // start, thread 0's first keys back, its first values back, end
 
 __device__ __forceinline__ uint64_t now_ns() { return mpk::globaltimer_ns(); }
 
