@@ -5,7 +5,7 @@
 // explanations give different fixes:
 //  * each of the walk's four dependent load rounds (two blocks of 16 positions a warp, keys then values) is an HBM
 //    round trip because the rows prefetched into L2 before the tile's wait were streamed past by qkv's weights;
-//    then rows in L2 shorten it (-DMPK_ATTN_PREP_IDLE_PREFETCH);
+//    then rows in L2 shorten it (the prep's idle warps prefetching them again: measured and removed, v0.42);
 //  * one SM cannot have more than so many bytes in flight, so a round of 64 KB takes ~1.5 us from L2 too; then only
 //    more bytes in flight (bulk copies into shared memory) do.
 // This probe measures both on an otherwise idle GPU, timing inside the kernel with %globaltimer, its reads 16-byte

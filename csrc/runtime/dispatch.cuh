@@ -526,17 +526,6 @@ __device__ __noinline__ void run_attention_prep_attend(const TaskView& t, int p,
                         tid, nt);
 }
 
-// MPK_ATTN_PREP_IDLE_PREFETCH (off until measured; a hint only, the same bits): while warps 0..G run the prep, the
-// tile's other warps prefetch the cache rows it is about to walk (positions 0..p-1) into L2 again, 1: one
-// prefetch.global.L2 a line, 2: one bulk prefetch a row. Why: the rows prefetched before the tile's wait
-// (attention_prefetch) are streamed past by the qkv level's ~50 MB on a 50 MB L2, and the unsplit walk moves its
-// 248 KB (qwen3-8b) in 6.1-6.6 us, ~40 GB/s on one SM, about what one SM's 64 KB of loads in flight give at an HBM
-// round trip under load (docs/PERF.md v0.41); from L2 each round trip is shorter. The prep takes ~1.9 us, the
-// idle HBM brings 2 MB (8 tiles) into L2 within it.
-#ifndef MPK_ATTN_PREP_IDLE_PREFETCH
-#define MPK_ATTN_PREP_IDLE_PREFETCH 0
-#endif
-
 __device__ __noinline__ bool run_attention_prep(const TaskView& t, float* smem, int tid, int nt) {
   if (t.dtype(ATTENTION_PREP_ARG_QKV) != DTYPE_BF16 || t.dtype(ATTENTION_PREP_ARG_Q) != DTYPE_BF16 ||
       t.dtype(ATTENTION_PREP_ARG_K_CACHE) != DTYPE_BF16 || t.dtype(ATTENTION_PREP_ARG_V_CACHE) != DTYPE_BF16 ||
@@ -546,15 +535,6 @@ __device__ __noinline__ bool run_attention_prep(const TaskView& t, float* smem, 
   const int p = *t.arg<const int32_t>(ATTENTION_PREP_ARG_POSITIONS);
   if (!attention_prep_ok(D, G, p, t.param(ATTENTION_PREP_PARAM_MAX_SEQ), nt)) return false;
   trace_mark(4, tid);  // trace: the body started (thread 0), as in run_attention_split_prep
-#if MPK_ATTN_PREP_IDLE_PREFETCH
-  {
-    const int busy = (G + 1) * kWarpSize;  // warps 0..G prepare the q heads and the kv head
-    if (tid >= busy)
-      attn_prefetch_rows(t.arg<const bf16>(ATTENTION_PREP_ARG_K_CACHE), t.arg<const bf16>(ATTENTION_PREP_ARG_V_CACHE),
-                         D, (size_t)t.param(ATTENTION_PREP_PARAM_KV_POS_STRIDE), 0, p,
-                         t.param(ATTENTION_PREP_PARAM_MAX_SEQ), MPK_ATTN_PREP_IDLE_PREFETCH == 2, tid - busy, nt - busy);
-  }
-#endif
   attention_prep_heads(t.arg<const bf16>(ATTENTION_PREP_ARG_QKV), t.arg<const bf16>(ATTENTION_PREP_ARG_Q_NORM_W),
                        t.arg<const bf16>(ATTENTION_PREP_ARG_K_NORM_W), t.arg<const float>(ATTENTION_PREP_ARG_INV_FREQ),
                        t.arg<bf16>(ATTENTION_PREP_ARG_Q), t.arg<bf16>(ATTENTION_PREP_ARG_K_CACHE),

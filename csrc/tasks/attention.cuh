@@ -184,48 +184,6 @@ __host__ __device__ inline int attention_smem_bytes(int nwarps, int G, int D) { 
 #define MPK_ATTN_MERGE_MARK -1
 #endif
 
-// MPK_ATTN_MERGE_UNROLL 1 (off until measured; the same operations in the same order, so the same bits): the block
-// merge after the unsplit walk with the warp count a compile-time constant (the kernel's MPK_WORKER_THREADS / 32), its
-// loops over the warps unrolled, so that a thread's 3 x nwarps shared-memory loads and nwarps expf are issued
-// together instead of one loop trip after another. Why: the merge takes 1.5-2.7 us of the qwen3-8b tile after its
-// walk (docs/PERF.md v0.41, -DMPK_ATTN_MERGE_MARK), for 512 outputs of 16 entries each.
-#ifndef MPK_ATTN_MERGE_UNROLL
-#define MPK_ATTN_MERGE_UNROLL 0
-#endif
-#if MPK_ATTN_MERGE_UNROLL
-#if !defined(MPK_WORKER_THREADS) || MPK_WORKER_THREADS < 32
-#error "MPK_ATTN_MERGE_UNROLL needs the generated source's MPK_WORKER_THREADS"
-#endif
-constexpr int kAttnMergeWarps = MPK_WORKER_THREADS / kWarpSize;
-
-// attention_seq's block merge for W warps: entry w of head j at smem + (w * G + j) * (D + 2) (acc[0..D), m, l).
-template <int W>
-__device__ __forceinline__ void attn_block_merge_unrolled(const float* smem, bf16* out, int D, int G, int tid, int nt) {
-  const size_t warp_stride = (size_t)G * (D + 2);
-  for (int idx = tid; idx < G * D; idx += nt) {
-    const int j = idx / D, d = idx % D;
-    const float* head = smem + (size_t)j * (D + 2);
-    float mw[W];
-#pragma unroll
-    for (int w = 0; w < W; ++w) mw[w] = head[w * warp_stride + D];
-    float M = -INFINITY;
-#pragma unroll
-    for (int w = 0; w < W; ++w) M = fmaxf(M, mw[w]);
-    float L = 0.f, O = 0.f;
-    if (M != -INFINITY) {
-#pragma unroll
-      for (int w = 0; w < W; ++w) {
-        const float* st = head + w * warp_stride;
-        const float f = expf(mw[w] - M);  // warps with no position have m = -inf: factor 0
-        L += st[D + 1] * f;
-        O += st[d] * f;
-      }
-    }
-    out[(size_t)j * D + d] = f2bf(L > 0.f ? O / L : 0.f);
-  }
-}
-#endif
-
 // MG, ME: compile-time bounds (>= G, >= epl) of the per-lane register arrays. One instance per (MG, ME)
 // in {1, 2, 4, 8} x {2, 4, 8} keeps the arrays as small as the model needs: with the old fixed 8 x 8
 // the worker kernel (128 registers at 512 threads) spilled them to local memory. Every loop keeps its
@@ -251,11 +209,6 @@ __device__ __noinline__ void attention_seq(const bf16* q, const bf16* kc, const 
   }
   worker_barrier(nt);
   trace_mark(1, tid);  // trace: every warp's walk is done (the block merge follows)
-#if MPK_ATTN_MERGE_UNROLL
-  if (nwarps == kAttnMergeWarps) {
-    attn_block_merge_unrolled<kAttnMergeWarps>(smem, out, D, G, tid, nt);
-  } else
-#endif
   for (int idx = tid; idx < G * D; idx += nt) {
     const int j = idx / D, d = idx % D;
     float M = -INFINITY;

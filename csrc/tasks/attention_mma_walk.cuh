@@ -66,13 +66,6 @@
 #ifndef MPK_ATTN_WALK_MARKS
 #define MPK_ATTN_WALK_MARKS 0
 #endif
-// MPK_ATTN_WALK_VALUES_WITH_KEYS 1 (off until measured; the same loads and sums, so the same bits): a block's value
-// loads issued right after its key loads, with the int row offsets, so that a warp's walk is one memory round a block
-// (128 KB in flight an SM) instead of two of 64 KB. Why: the unsplit qwen3-8b walk (two blocks a warp) takes
-// 6.1-6.6 us, ~1.5 us a round (docs/PERF.md v0.41); its registers: ptxas -v at 512 threads in PERF.md v0.41.
-#ifndef MPK_ATTN_WALK_VALUES_WITH_KEYS
-#define MPK_ATTN_WALK_VALUES_WITH_KEYS 0
-#endif
 
 namespace mpk {
 
@@ -152,7 +145,7 @@ __device__ __forceinline__ void attn_mma_walk(const bf16* q, const bf16* kc, con
 #endif
     // Value rows of positions b0 + 2t, + 1, + 8, + 9 (the k slots of this lane), its dims only. Loaded after the
     // score mmas (with the int row offsets, MPK_ATTN_MMA_WALK_INT_ROWS), so the key rows' registers are free.
-    constexpr bool kValuesAfterScores = MPK_ATTN_MMA_WALK_INT_ROWS != 0 && MPK_ATTN_WALK_VALUES_WITH_KEYS == 0;
+    constexpr bool kValuesAfterScores = MPK_ATTN_MMA_WALK_INT_ROWS != 0;
     auto load_values = [&](uint4 (&vw)[4][kVecs], int b0) {
 #pragma unroll
       for (int r = 0; r < 4; ++r) {

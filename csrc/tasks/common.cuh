@@ -101,7 +101,6 @@ __device__ __forceinline__ float dot8(const uint4& a, const uint4& b) {
 }
 
 constexpr unsigned kFullWarp = 0xffffffffu;  // every lane of a warp (shuffle masks)
-constexpr int kWarpSize = 32;                // threads a warp
 
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll

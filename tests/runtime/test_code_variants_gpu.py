@@ -29,13 +29,6 @@ the arithmetic, so the logits must equal the default build's bit for bit and sta
 - ``-DMPK_ATTN_WALK_PREFETCH=1 -DMPK_ATTN_WALK_MARKS=1`` (off; a measurement variant): the unsplit tensor-core walk
   prefetches a block's value rows and the next block's key rows into L1 with its key loads, and stamps two trace
   marks (csrc/tasks/attention_mma_walk.cuh); batch 4 runs it (batch 1 is split there).
-- ``-DMPK_ATTN_PREP_IDLE_PREFETCH=1`` / ``=2`` (off; measurement variants): the unsplit prep tile's warps that do not
-  prepare a head prefetch the cache rows of the walk into L2 (lines / one bulk prefetch a row; csrc/runtime/dispatch.cuh
-  run_attention_prep); batch 4 runs it (batch 1 is split there, so only the binary differs).
-- ``-DMPK_ATTN_MERGE_UNROLL=1`` (off; a measurement variant): the unsplit tile's block merge with its loops over the
-  warps unrolled at the kernel's warp count (csrc/tasks/attention.cuh attn_block_merge_unrolled); batch 4 runs it.
-- ``-DMPK_ATTN_WALK_VALUES_WITH_KEYS=1`` (off; a measurement variant): the unsplit tensor-core walk issues a block's
-  value loads beside its key loads (csrc/tasks/attention_mma_walk.cuh); batch 4 runs it.
 - ``-DMPK_MMA_X_AHEAD=0`` under MPK_LINEAR_MMA=1, batch 8: the tensor-core tile loads each x vector inside its
   mma loop (the default loads a round's x vectors right after its weights; csrc/tasks/linear_mma.cuh mma_unit).
 - ``-DMPK_LINEAR_RESIDUAL_STAGE=1`` (off; a measurement variant): linear_residual tiles with 2-3 rows copy their x rows
@@ -87,9 +80,7 @@ STEPS = 48
 VARIANTS = ["-DMPK_ATTN_GUARD_HEADS=1", "-DMPK_PARAMS_SMEM=0", "-DMPK_ROPE_EXACT_PAIRS=0 -DMPK_PREP_ONE_SITE=0",
             "-DMPK_PREP_POS_LATE=0", "-DMPK_STAGE_ROWS_TOGETHER=0", "-DMPK_ROPE_SINCOS=0", "-DMPK_PREFETCH_ONE_SITE=0",
             "-DMPK_SMALL_KINDS_OUTLINED=0", "-DMPK_MERGE_LOADS_AHEAD=0", "-DMPK_LONG_ROWS=1",
-            "-DMPK_SPLIT_PREP_SEQ_OUTLINED=0", "-DMPK_ATTN_WALK_PREFETCH=1 -DMPK_ATTN_WALK_MARKS=1",
-            "-DMPK_ATTN_PREP_IDLE_PREFETCH=1", "-DMPK_ATTN_PREP_IDLE_PREFETCH=2", "-DMPK_ATTN_MERGE_UNROLL=1",
-            "-DMPK_ATTN_WALK_VALUES_WITH_KEYS=1"]
+            "-DMPK_SPLIT_PREP_SEQ_OUTLINED=0", "-DMPK_ATTN_WALK_PREFETCH=1 -DMPK_ATTN_WALK_MARKS=1"]
 CODE_SIZE_VARIANTS = ["-DMPK_STAGE_ROW_ROLLED=1", "-DMPK_ROPE_NEAR=1", "-DMPK_ROWWISE_OUTLINED=1"]  # batch 4: off there
 # kernel switches of the same kind (environment, not -D), batch 1; MPK_COMPACT_CODE=0: the code-size variants off
 SWITCHES = [{"MPK_WEIGHT_EVICT_FIRST": "1"}, {"MPK_COMPACT_CODE": "0"}]
