@@ -212,7 +212,7 @@ if [ $AB -eq 1 ]; then
   step ab_read_bw "${AB_LIMIT:-150}" bash -c "nvcc -O3 -arch=sm_90a -o $OUT/sm_read_bw csrc/bench/sm_read_bw.cu \
     && for m in hbm l2; do $OUT/sm_read_bw \$([ \$m = l2 ] && echo --l2) > $OUT/sm_read_bw_\$m.log \
     && grep -E 'reading|per block|^ 132' $OUT/sm_read_bw_\$m.log || exit 1; done"
-  # What the unsplit attention walk's loads cost one SM, from HBM and from L2 (csrc/bench/walk_probe.cu, docs/PERF.md v0.41).
+  # What the unsplit attention walk's loads cost one SM, from HBM and from L2 (csrc/bench/walk_probe.cu, built in docs/PERF.md v0.41, read in v0.42).
   step ab_walk_probe "${AB_LIMIT:-150}" bash -c "nvcc -O3 -arch=sm_90a -o $OUT/walk_probe \
     csrc/bench/walk_probe.cu && $OUT/walk_probe"
   for m in $AB_MODELS; do
