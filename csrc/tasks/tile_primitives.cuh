@@ -156,6 +156,71 @@ __device__ __forceinline__ void stage_rows(bf16* st, int K, const MakeRow& make_
   }
 }
 
+// ---- the parameter first (MPK_NORM_PARAMS_FIRST, batch >= 2) ----
+// Why: stage_rows loads every row's vectors and the parameter's (the norm weights every row shares) after the
+// statistic, so the parameter's L2 round trip comes after rows_sum_sq's. Removing the whole staging pass took a
+// qwen3-8b batch-8 step 2.3% (docs/PERF.md v0.43, -DMPK_DIAG_NORM_STAGE), though the rows themselves were
+// just read. Here the parameter's vectors are copied (cp.async) into the last row's staging slot before the
+// statistic's loads; the staging pass then reads them there (the batch-1 form is stage_row_fetch_first).
+// Each thread copies, reads back and overwrites only its own vectors (k = tid * 8 + m * nt * 8: stage_rows'
+// positions), after cp_async_wait_all and before its store to that slot, so no barrier is needed. Same values
+// in the same order: the same bits. 0 (default): stage_rows as before (the A/B baseline).
+#ifndef MPK_NORM_PARAMS_FIRST
+#define MPK_NORM_PARAMS_FIRST 0
+#endif
+
+// Whether the last row's slot (the parameter's copies) lies past rows_sum_sq's partials (kB x warps floats).
+template <int kB>
+__device__ __forceinline__ bool params_slot_ok(int K, int nt) {
+  return MPK_NORM_PARAMS_FIRST && kB >= 2 &&
+         (size_t)(kB - 1) * (size_t)K * sizeof(bf16) >= (size_t)kB * (size_t)(nt >> 5) * sizeof(float);
+}
+
+// Copy the parameter's vectors into row kB - 1's slot when params_slot_ok; returns whether it did.
+// MakeRow(b).params_at(k): the parameter's 8 values at k (the operand's one shared input).
+template <int kB, class MakeRow>
+__device__ __forceinline__ bool params_first_issue(bf16* st, int K, const MakeRow& make_row, int tid, int nt) {
+  if (!params_slot_ok<kB>(K, nt)) return false;
+  bf16* slot = st + (size_t)(kB - 1) * K;
+#pragma unroll 1
+  for (int k = tid * 8; k < K; k += nt * 8) cp_async16(slot + k, make_row(0).params_at(k));
+  return true;
+}
+
+// stage_rows with the parameter read from row kB - 1's slot (params_first_issue): each vector is
+// make_row(b).finish(slot[k], k, r), which equals make_row(b).load8(k). Every row's loads of a k step come before
+// any store of that step, so row kB - 1's store does not overwrite a slot a later load of this thread reads.
+template <int kB, class MakeRow>
+__device__ __forceinline__ void stage_rows_params_first(bf16* st, int K, const MakeRow& make_row, int tid, int nt) {
+  cp_async_wait_all();  // this thread's copies: it reads only its own slots
+  const bf16* slot = st + (size_t)(kB - 1) * K;
+  constexpr int kRows = kB < kStageVectors ? kB : kStageVectors;
+  constexpr int kSteps = kStageVectors / kRows;
+  for (int b0 = 0; b0 < kB; b0 += kRows) {
+    for (int k0 = tid * 8; k0 < K; k0 += kSteps * nt * 8) {
+      uint4 v[kSteps][kRows];
+#pragma unroll
+      for (int j = 0; j < kSteps; ++j) {
+        const int k = k0 + j * nt * 8;
+        if (k >= K) continue;
+        const uint4 p = *reinterpret_cast<const uint4*>(slot + k);
+#pragma unroll
+        for (int i = 0; i < kRows; ++i)
+          if (b0 + i < kB) {
+            const auto row = make_row(b0 + i);
+            v[j][i] = row.finish(p, k, row.r);
+          }
+      }
+#pragma unroll
+      for (int j = 0; j < kSteps; ++j)
+#pragma unroll
+        for (int i = 0; i < kRows; ++i)
+          if (k0 + j * nt * 8 < K && b0 + i < kB)
+            *reinterpret_cast<uint4*>(st + (size_t)(b0 + i) * K + k0 + j * nt * 8) = v[j][i];
+    }
+  }
+}
+
 // The matmul accumulated over K for the tile's n_tile weight rows and B staged operand rows; the
 // one non-inlined GEMV instance of fused_gemv.cuh (shared with the hand-written kinds: same
 // summation order, no extra template instance in the one-kernel build).

@@ -219,14 +219,26 @@ def _staged(p: GemvPlan, abi: KindAbi, consts: _Consts, struct: str) -> list:
                   "  } else {",
                   f"    // acc {stat.acc} = sum over the loop of:"]
         lines += [f"    //   {op_text(o)}" for o in stat.ops]
+        fetch = _fetch_first(p, abi)
+        if fetch:  # the parameter's copies ahead of the statistic (tile::params_first_issue, MPK_NORM_PARAMS_FIRST)
+            lines.append(f"    const bool params_first = tile::params_first_issue<kB>(st, K, [&](int b) {{ "
+                         f"return {struct}{{{_row_init(p, abi, '0.f')}}}; }}, tid, nt);")
         lines += [f"    float {stat.acc}[kB];",
                   f"    tile::rows_sum_sq<kB>([&](int b) {{ return {x}; }}, K, smem, {stat.acc}, tid, nt);",
                   "    // post ops, as a row factor r = 1 / p applied before the matmul (reference rounding):"]
         lines += [f"    //   {op_text(o)}" for o in p.factor.ops]
         lines += ["    float r[kB];", "#pragma unroll",
-                  f"    for (int b = 0; b < kB; ++b) r[b] = rsqrtf({_prog(p.factor.inner_prog, f'{stat.acc}[b]', consts)});",
-                  f"    tile::stage_rows<kB>(st, K, [&](int b) {{ return {struct}{{{_row_init(p, abi, 'r[b]')}}}; }}, tid, nt);",
-                  "  }"]
+                  f"    for (int b = 0; b < kB; ++b) r[b] = rsqrtf({_prog(p.factor.inner_prog, f'{stat.acc}[b]', consts)});"]
+        make_row = f"[&](int b) {{ return {struct}{{{_row_init(p, abi, 'r[b]')}}}; }}"
+        if fetch:
+            lines += ["    if (params_first) {",
+                      f"      tile::stage_rows_params_first<kB>(st, K, {make_row}, tid, nt);",
+                      "    } else {",
+                      f"      tile::stage_rows<kB>(st, K, {make_row}, tid, nt);",
+                      "    }"]
+        else:
+            lines.append(f"    tile::stage_rows<kB>(st, K, {make_row}, tid, nt);")
+        lines.append("  }")
     lines += ["  worker_barrier(nt);  // the staged rows are complete before any warp reads them",
               f"  // {op_text(p.matmul)}",
               f"  // acc {p.acc['out']} = sum({p.acc['src']}); out {p.output['src']} -> {p.output['name']} "

@@ -14,6 +14,10 @@ the arithmetic, so the logits must equal the default build's bit for bit and sta
 - ``-DMPK_STAGE_ROWS_TOGETHER=0``: the generated fused bodies' staged path row by row (the default computes every
   batch row's norm statistic in one block reduction and issues several rows' operand loads before their stores;
   csrc/tasks/tile_primitives.cuh rows_sum_sq, stage_rows). Also at batch 8 under MPK_LINEAR_MMA=1.
+- ``-DMPK_NORM_PARAMS_FIRST=1`` (off; a measurement variant): the generated norm bodies' staged path above one row
+  copies the norm weights into the last row's staging slot before the rows' statistic and reads them there when it
+  stages the rows (csrc/tasks/tile_primitives.cuh params_first_issue, stage_rows_params_first). Batch 4, and batch 8
+  under MPK_LINEAR_MMA=1 (batch 1 takes the one-round prologue instead and is unchanged by it).
 - ``-DMPK_ROPE_SINCOS=0``: the rope angle's cosine and sine from cosf and sinf (the default calls sincosf once;
   csrc/tasks/common.cuh rope_cos_sin).
 - ``-DMPK_MERGE_LOADS_AHEAD=0``: the split-KV head merge's loop as it was, each range's acc and l loads behind its m
@@ -78,13 +82,13 @@ NAME = "qwen3-0.6b"
 PROMPT = 200
 STEPS = 48
 VARIANTS = ["-DMPK_ATTN_GUARD_HEADS=1", "-DMPK_PARAMS_SMEM=0", "-DMPK_ROPE_EXACT_PAIRS=0 -DMPK_PREP_ONE_SITE=0",
-            "-DMPK_PREP_POS_LATE=0", "-DMPK_STAGE_ROWS_TOGETHER=0", "-DMPK_ROPE_SINCOS=0", "-DMPK_PREFETCH_ONE_SITE=0",
+            "-DMPK_PREP_POS_LATE=0", "-DMPK_STAGE_ROWS_TOGETHER=0", "-DMPK_NORM_PARAMS_FIRST=1", "-DMPK_ROPE_SINCOS=0", "-DMPK_PREFETCH_ONE_SITE=0",
             "-DMPK_SMALL_KINDS_OUTLINED=0", "-DMPK_MERGE_LOADS_AHEAD=0", "-DMPK_LONG_ROWS=1",
             "-DMPK_SPLIT_PREP_SEQ_OUTLINED=0", "-DMPK_ATTN_WALK_PREFETCH=1 -DMPK_ATTN_WALK_MARKS=1"]
 CODE_SIZE_VARIANTS = ["-DMPK_STAGE_ROW_ROLLED=1", "-DMPK_ROPE_NEAR=1", "-DMPK_ROWWISE_OUTLINED=1"]  # batch 4: off there
 # kernel switches of the same kind (environment, not -D), batch 1; MPK_COMPACT_CODE=0: the code-size variants off
 SWITCHES = [{"MPK_WEIGHT_EVICT_FIRST": "1"}, {"MPK_COMPACT_CODE": "0"}]
-MMA_VARIANTS = ["-DMPK_MMA_X_AHEAD=0", "-DMPK_STAGE_ROWS_TOGETHER=0"]
+MMA_VARIANTS = ["-DMPK_MMA_X_AHEAD=0", "-DMPK_STAGE_ROWS_TOGETHER=0", "-DMPK_NORM_PARAMS_FIRST=1"]
 
 
 def session_with_flags(backend, batch: int, flags: str):

@@ -69,6 +69,21 @@ def test_norm_operand_splits_its_parameter_load_for_the_one_round_prologue(best)
     assert "params_at" not in silu and "MPK_NORM_ONE_ROUND" not in silu and "uint4 load8(int k) const {" in silu
 
 
+def test_norm_staged_path_above_one_row_copies_the_parameter_before_the_statistic(best):
+    """Above one row the norm body issues the parameter's copies (tile::params_first_issue, a no-op unless
+    MPK_NORM_PARAMS_FIRST) before the rows' statistic, and stages the rows from them when it did, else as before;
+    the silu body (no row factor, no parameter step) renders neither."""
+    text = render(best("norm_linear"), "norm_linear")
+    staged = text[text.index("} else {"):text.index("worker_barrier(nt);  // the staged rows")]
+    issue = staged.index("const bool params_first = tile::params_first_issue<kB>(st, K,")
+    assert issue < staged.index("tile::rows_sum_sq<kB>(") < staged.index("if (params_first) {")
+    branch = staged[staged.index("if (params_first) {"):]
+    assert branch.index("tile::stage_rows_params_first<kB>(st, K,") < branch.index("} else {") \
+        < branch.index("tile::stage_rows<kB>(st, K,")
+    silu = render(best("silu_linear"), "silu_linear")
+    assert "params_first" not in silu and "tile::stage_rows<kB>(st, K," in silu
+
+
 def test_unsupported_block_graph_is_a_clear_error(best):
     d = best("norm_linear").to_dict()
     bad = copy.deepcopy(d)
@@ -104,11 +119,13 @@ extern "C" __global__ void probe(const float* x, const mpk::bf16* nw, const mpk:
 
 
 @needs_nvcc
-@pytest.mark.parametrize("defines", [["-DMPK_BATCH=2"], ["-DMPK_BATCH=1", "-DMPK_NORM_ONE_ROUND=1"]],
-                         ids=["b2", "b1-one-round"])
+@pytest.mark.parametrize("defines", [["-DMPK_BATCH=2"], ["-DMPK_BATCH=1", "-DMPK_NORM_ONE_ROUND=1"],
+                                     ["-DMPK_BATCH=8", "-DMPK_NORM_PARAMS_FIRST=1"]],
+                         ids=["b2", "b1-one-round", "b8-params-first"])
 def test_generated_bodies_compile_for_sm90a(best, defines, tmp_path):
-    """At batch 2, and at batch 1 with the norm prologue's parameter copies ahead of the statistic (the branch a
-    batch-1 kernel with -DMPK_NORM_ONE_ROUND=1 instantiates)."""
+    """At batch 2, at batch 1 with the norm prologue's parameter copies ahead of the statistic (the branch a
+    batch-1 kernel with -DMPK_NORM_ONE_ROUND=1 instantiates), and at batch 8 with the staged path's parameter
+    copies ahead of the rows' statistic (-DMPK_NORM_PARAMS_FIRST=1)."""
     for kind in KINDS:
         write_if_changed(tmp_path / "generated" / f"{kind}.cuh", render(best(kind), kind))
     (tmp_path / "tu.cu").write_text(TU)
