@@ -38,13 +38,13 @@
 #                   (csrc/bench/event_wake.cu, idle and --load), a level boundary's cost (csrc/bench/ll_boundary.cu) and
 #                   what 132 SMs read from HBM and from L2 (csrc/bench/sm_read_bw.cu: on an H100 the ratio decides the
 #                   open A/B), what the unsplit attention walk's loads cost one SM (csrc/bench/walk_probe.cu),
-#                   then per model of AB_MODELS (default qwen3-8b llama3-8b)
+#                   then per model of AB_MODELS (default qwen3-8b) at batch AB_BATCH (default 8)
 #                   scripts/tune_sweep.py over AB_VARIANTS run twice in one process (its kernels prebuilt in parallel,
 #                   AB_JOBS processes), then the variants' bitwise GPU tests (test_code_variants_gpu.py -k AB_TESTS).
 #                   AB_WAKE=0 skips the two benches, AB_TESTS=none the tests (one call is 600 s: ~9 min for all of it).
 #                   Limit per step: AB_LIMIT
-#   --ab-prebuild   NO GPU: build the kernels of --ab (the sweeps' variants per AB_MODELS, and the bitwise tests' kernels,
-#                   AB_TEST_KERNELS) into $MPK_CACHE_DIR and stop. Run it on the build machine with MPK_CACHE_DIR set to a
+#   --ab-prebuild   NO GPU: build the kernels of --ab (the sweeps' variants per AB_MODELS, and, when AB_TEST_KERNELS names
+#                   them, the batch-1 bitwise tests' kernels) into $MPK_CACHE_DIR and stop. Run it on the build machine with MPK_CACHE_DIR set to a
 #                   folder that travels with the tree to the GPU machine (e.g. .kc, git-ignored; AB_PACK=.kc.tar.xz packs
 #                   it), then --ab there with the same MPK_CACHE_DIR: its prebuild steps find every kernel (~30 s of
 #                   nvcc each otherwise). The cache key holds nvcc's version (13.0.88 on both machines so far); a
@@ -96,21 +96,27 @@ done
 # gate|up heads prefetched during o_proj's wait (MPK_PREFETCH_NEXT_KB=128 / 256, also with d1) within +0.4 / -0.3%
 # (sm_read_bw above: 132 SMs read L2 only ~10% faster than HBM there), split-KV 2-16 ranges 2.6-9% slower (with the
 # tensor-core split walk, -DMPK_ATTN_SPLIT_MMA_WALK=1, still 1.6% slower at best), the same workers for an op in every
-# layer (MPK_LAYER_ALIGNED_WORKERS=1) and d1 within -0.2%. The default below repeats that last A/B. Every variant above
-# was measured (docs/PERF.md v0.32-v0.39) and stays reachable through AB_VARIANTS (AB_MODELS=qwen3-0.6b for the
-# small-preset ones).
-AB_VARIANTS=${AB_VARIANTS:-"base;MPK_LAYER_ALIGNED_WORKERS=1;d1;d1,MPK_LAYER_ALIGNED_WORKERS=1"}
-AB_MODELS=${AB_MODELS:-"qwen3-8b llama3-8b"}
-AB_TEST_KERNELS=${AB_TEST_KERNELS:-"base;-DMPK_NORM_ONE_ROUND=0;-DMPK_SUPEROPT_NORM_LINEAR=0;-DMPK_LONG_ROWS=1;o0;q1"}
+# layer (MPK_LAYER_ALIGNED_WORKERS=1) and d1 within -0.2%. Session 48 (v0.43, H100, qwen3-8b batch 8): the silu
+# epilogue (j1) +4.3%; the norm prologue's two passes ~2.4% each (side branch diag-norm-prologue). The default below is
+# the A/B built then and not yet run: the norm weights copied before the rows' statistic (-DMPK_NORM_PARAMS_FIRST=1) at
+# AB_BATCH 8, with its bitwise tests (batch 4, batch 8 on tensor cores; their kernels built on the GPU machine). Every
+# variant above was measured (docs/PERF.md v0.32-v0.43) and stays reachable through AB_VARIANTS, AB_MODELS and AB_BATCH
+# (AB_MODELS=qwen3-0.6b AB_BATCH=1 for the small-preset ones; AB_TESTS="one_round or ..." for their bitwise tests).
+AB_VARIANTS=${AB_VARIANTS:-"base;-DMPK_NORM_PARAMS_FIRST=1"}
+AB_MODELS=${AB_MODELS:-"qwen3-8b"}
+AB_BATCH=${AB_BATCH:-8}
+# AB_TEST_KERNELS: the batch-1 bitwise tests' kernel variants to prebuild (session 38-47's were
+# "base;-DMPK_NORM_ONE_ROUND=0;-DMPK_SUPEROPT_NORM_LINEAR=0;-DMPK_LONG_ROWS=1;o0;q1"); empty: none.
+AB_TEST_KERNELS=${AB_TEST_KERNELS:-}
 if [ $AB_PREBUILD -eq 1 ]; then
   mkdir -p "$MPK_CACHE_DIR"
   rc=0
   for m in $AB_MODELS; do
-    echo "== --ab-prebuild: $m, the sweep's variants (max_seq_len 544)"
-    python3 scripts/tune_sweep.py --model "$m" --batch 1 --prompt-len 480 --output-len 64 --prebuild-only \
+    echo "== --ab-prebuild: $m batch $AB_BATCH, the sweep's variants (max_seq_len 544)"
+    python3 scripts/tune_sweep.py --model "$m" --batch "$AB_BATCH" --prompt-len 480 --output-len 64 --prebuild-only \
       ${AB_JOBS:+--prebuild-jobs "$AB_JOBS"} --variants "$AB_VARIANTS" || rc=1
   done
-  if [ "${AB_TESTS:-}" != none ]; then
+  if [ "${AB_TESTS:-}" != none ] && [ -n "$AB_TEST_KERNELS" ]; then
     echo "== --ab-prebuild: qwen3-0.6b, the bitwise tests' kernels (max_seq_len 320)"
     python3 scripts/tune_sweep.py --model qwen3-0.6b --batch 1 --prompt-len 200 --output-len 48 --max-seq-len 320 \
       --prebuild-only ${AB_JOBS:+--prebuild-jobs "$AB_JOBS"} --variants "$AB_TEST_KERNELS" || rc=1
@@ -216,12 +222,12 @@ if [ $AB -eq 1 ]; then
   step ab_walk_probe "${AB_LIMIT:-150}" bash -c "nvcc -O3 -arch=sm_90a -o $OUT/walk_probe \
     csrc/bench/walk_probe.cu && $OUT/walk_probe"
   for m in $AB_MODELS; do
-    step "ab_sweep_$m" "${AB_LIMIT:-540}" python3 scripts/tune_sweep.py --model "$m" --batch 1 --prompt-len 480 \
+    step "ab_sweep_$m" "${AB_LIMIT:-540}" python3 scripts/tune_sweep.py --model "$m" --batch "$AB_BATCH" --prompt-len 480 \
       --output-len 64 --iters 2 --prebuild-jobs "${AB_JOBS:-8}" --variants "$AB_VARIANTS;$AB_VARIANTS" \
       --output-json "$OUT/ab_sweep_$m.json"
   done
   [ "${AB_TESTS:-}" != none ] && step ab_bitwise "${AB_LIMIT:-540}" python3 -m pytest -q -m gpu tests/runtime/test_code_variants_gpu.py -k \
-    "${AB_TESTS:-one_round or COMPACT_CODE or (leaves_the_logits_bitwise and 1- and LONG_ROWS) or flag_words}"
+    "${AB_TESTS:-NORM_PARAMS_FIRST}"
   [ "${AB_TESTS:-}" != none ] && step ab_blocks_per_sm "${AB_LIMIT:-300}" python3 -m pytest -q -m gpu tests/runtime/test_blocks_per_sm_gpu.py
   summary "gpu_check --ab summary"
   exit 0
