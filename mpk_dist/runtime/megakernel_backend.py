@@ -335,9 +335,16 @@ class MegakernelBackend(StepBackend):
         path = Path(self.trace_path)
         if self.transport_name == "ipc" and g.lead.rank > 0:
             path = path.with_name(f"{path.stem}.rank{g.lead.rank}{path.suffix or '.json'}")
-        return write_trace(path, {"traceEvents": events, "displayTimeUnit": "ns",
-                                  "otherData": {"generator": "mpk_dist.runtime.trace", "tp": self.tp,
-                                                "transport": self.transport_name}})
+        meta = {"generator": "mpk_dist.runtime.trace", "tp": self.tp, "transport": self.transport_name,
+                "batch": self.batch}
+        try:  # what each op must read, for `trace-summary --levels STEP --bandwidth GBS` (mpk_dist.bench.op_bytes)
+            from mpk_dist.bench.op_bytes import kv_bytes_per_position, op_bytes
+
+            meta.update(op_bytes=op_bytes(self.cfg, self.tp, max(self.batch, 1)),
+                        kv_bytes_per_position=kv_bytes_per_position(self.cfg, self.tp, max(self.batch, 1)))
+        except ValueError:
+            pass  # a tensor no op is known to read: the trace without bytes (trace-summary says so if asked)
+        return write_trace(path, {"traceEvents": events, "displayTimeUnit": "ns", "otherData": meta})
 
     # -- one step per launch (StepBackend API) --------------------------------------------------------
     def reset(self, batch: int) -> None:

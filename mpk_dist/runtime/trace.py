@@ -77,6 +77,33 @@ def load_trace(path: str | Path) -> list[dict]:
     return [e for e in evs if isinstance(e, dict) and e.get("ph") == "X"]
 
 
+def load_trace_meta(path: str | Path) -> dict:
+    """The trace file's ``otherData`` (what the writer recorded beside the events: tp, transport, op_bytes, ...);
+    {} when it has none. Raises InputError on an unreadable file."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise InputError(f"trace file: expected readable Chrome-trace JSON, got {type(exc).__name__}: {exc}") from None
+    meta = data.get("otherData", {}) if isinstance(data, dict) else {}
+    return meta if isinstance(meta, dict) else {}
+
+
+def op_floor(meta: dict, step: int, bandwidth_gbs: float) -> dict:
+    """What ``layer_profile`` needs to set each op against its bytes: the trace's ``op_bytes`` (per op of one layer,
+    and once-a-step ops) and ``kv_bytes_per_position`` (mpk_dist.bench.op_bytes), the context of decode step ``step``
+    (step + 1 cache positions) and the read bandwidth in GB/s. InputError when the trace has no op bytes (written
+    before they were recorded, or by another tool) or the bandwidth is not positive."""
+    if not bandwidth_gbs or bandwidth_gbs <= 0:
+        raise InputError(f"--bandwidth: expected the read bandwidth in GB/s (> 0, e.g. what bench printed), got {bandwidth_gbs}")
+    ob = meta.get("op_bytes")
+    if not isinstance(ob, dict) or not ob:
+        raise InputError("trace: expected otherData.op_bytes (written by `mpk-dist bench --trace` since docs/PERF.md "
+                         "v0.43), got none; re-trace the run to compare its ops with their bytes")
+    return {"op_bytes": {str(k): int(v) for k, v in ob.items()},
+            "kv_bytes_per_position": int(meta.get("kv_bytes_per_position", 0)), "context": step + 1,
+            "bandwidth_gbs": float(bandwidth_gbs)}
+
+
 def summarize(events: list[dict]) -> dict:
     """Run time per op kind (sum, tasks, share) and busy/idle time per (rank, worker).
 
@@ -202,7 +229,7 @@ def format_levels(rows: list[dict]) -> str:
 _LAYER_OP = re.compile(r"^L(\d+)\.(.+)$")
 
 
-def layer_profile(rows: list[dict]) -> list[dict]:
+def layer_profile(rows: list[dict], floor: dict | None = None) -> list[dict]:
     """``levels`` rows folded over the layers: per op of a layer ("L<i>.<op>", by <op>) and per op outside them
     (embedding, lm_head, ...), in first-start order: how many layers, the medians of span, run, gap and wait, and
     ``adds_us``: the time the op adds to the step's timeline, summed over its layers (its last end minus the previous
@@ -213,7 +240,12 @@ def layer_profile(rows: list[dict]) -> list[dict]:
     tile was ready before the previous op ended), summed over the layers; the rest of ``adds_us`` is that tile's run.
     Rows without ``last_ready_us`` (older callers) count no lag. ``post_median_us``: the median over the layers of
     the op's post medians (the fence and signals after its tiles' bodies; None where no row has one);
-    ``tail_median_us``: the median of its rows' ``tail_us`` (None where no row has one)."""
+    ``tail_median_us``: the median of its rows' ``tail_us`` (None where no row has one).
+    ``floor`` (``op_floor``): also ``bytes`` (what the op reads in one of its layers: its weights, and for the
+    attention its cache rows at the step's context), ``floor_us`` (those bytes at the read bandwidth, summed over its
+    layers) and ``over_us`` (``adds_us`` minus ``floor_us``: the time the op holds the step above the floor); an op
+    that reads no weights (silu_mul, step_begin, argmax, ...) has bytes 0. An op's name is matched by its part
+    before a '/' (attention/split -> attention)."""
     if not rows:
         raise InputError("trace: expected the levels of a step, got none")
     groups: dict[str, list[dict]] = {}
@@ -238,22 +270,39 @@ def layer_profile(rows: list[dict]) -> list[dict]:
                     "tail_median_us": _median_present(r.get("tail_us") for r in rs),
                     "adds_us": adds, "lag_us": sum(r["lag_us"] for r in rs),
                     "share": adds / step if step > 0 else 0.0})
+        if floor is not None:
+            base = key.split("/")[0]
+            nbytes = floor["op_bytes"].get(base, 0)
+            if base == "attention":
+                nbytes += floor["kv_bytes_per_position"] * floor["context"]
+            fl = len(rs) * nbytes / (floor["bandwidth_gbs"] * 1e3)  # B / (GB/s) in us
+            out[-1].update({"bytes": nbytes, "floor_us": fl, "over_us": adds - fl})
     return out
 
 
 def format_layer_profile(prof: list[dict]) -> str:
     """``layer_profile`` as a table, with the step's total; "lag" is the part of "adds" before each op's critical tile
     was ready, "post med" the median fence-and-signals part of its tiles' runs, "tail med" the median time its last
-    tenth of tiles kept it open (blank where the trace has none)."""
+    tenth of tiles kept it open (blank where the trace has none). With a floor (``layer_profile(rows, floor)``) also
+    "MB" (an op's bytes in one layer), "floor (us)" (its bytes at the read bandwidth over its layers) and
+    "over (us)" (adds minus floor)."""
+    with_floor = any("floor_us" in p for p in prof)
+    fl_head = f"{'MB':>9}{'floor (us)':>11}{'over (us)':>10}" if with_floor else ""
     out = [f"{'op (over layers)':<22}{'kind':<22}{'layers':>7}{'span med':>9}{'run med':>9}{'gap med':>9}"
-           f"{'wait med':>9}{'post med':>9}{'tail med':>9}{'adds (us)':>11}{'lag (us)':>10}{'share':>8}"]
+           f"{'wait med':>9}{'post med':>9}{'tail med':>9}{'adds (us)':>11}{'lag (us)':>10}{'share':>8}" + fl_head]
     for p in prof:
+        fl = (f"{p['bytes'] / 1e6:>9.2f}{p['floor_us']:>11.1f}{p['over_us']:>10.1f}" if "floor_us" in p
+              else (" " * 30 if with_floor else ""))
         out.append(f"{p['op']:<22}{p['kind']:<22}{p['layers'] or '-':>7}{p['span_median_us']:>9.2f}"
                    f"{p['run_median_us']:>9.2f}{_cell(p['gap_median_us'], 9)}{p['wait_median_us']:>9.2f}"
                    f"{_cell(p.get('post_median_us'), 9)}{_cell(p.get('tail_median_us'), 9)}{p['adds_us']:>11.1f}"
-                   f"{p.get('lag_us', 0.0):>10.1f}{p['share']:>8.1%}")
+                   f"{p.get('lag_us', 0.0):>10.1f}{p['share']:>8.1%}" + fl)
+    total_fl = ""
+    if with_floor:
+        total_fl = (f"{'':>9}{sum(p.get('floor_us', 0.0) for p in prof):>11.1f}"
+                    f"{sum(p.get('over_us', p['adds_us']) for p in prof):>10.1f}")
     out.append(f"{'step':<22}{'':<22}{'':>7}{'':>9}{'':>9}{'':>9}{'':>9}{'':>9}{'':>9}{sum(p['adds_us'] for p in prof):>11.1f}"
-               f"{sum(p.get('lag_us', 0.0) for p in prof):>10.1f}{sum(p['share'] for p in prof):>8.1%}")
+               f"{sum(p.get('lag_us', 0.0) for p in prof):>10.1f}{sum(p['share'] for p in prof):>8.1%}" + total_fl)
     return "\n".join(out)
 
 

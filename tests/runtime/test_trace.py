@@ -216,3 +216,51 @@ def test_levels_and_layer_profile_give_each_ops_tail(tmp_path, capsys):
     assert main(["trace-summary", "--levels", "0", str(path)]) == 0
     out = capsys.readouterr().out
     assert "tail med" in out and "11.00" in out
+
+
+def test_layer_profile_sets_each_op_against_its_bytes_at_the_bandwidth(tmp_path, capsys):
+    """trace-summary --levels STEP --bandwidth GBS: each folded op gets its bytes in one layer (attention: the trace's
+    cache bytes per position x the step's context; an op of several names by its part before '/'), its floor over
+    its layers at that bandwidth and the time it adds above it; ops without bytes have a floor of 0."""
+    ev = lambda name, ts, dur: {"name": name, "cat": "k", "ph": "X", "pid": 0, "tid": 0, "ts": ts,  # noqa: E731
+                                "dur": dur, "args": {"step": 9}}
+    # embedding 0-1; two layers of qkv_proj (2 us each) and attention/split (3 us each); lm_head 11-20
+    evs = [ev("embedding", 0.0, 1.0), ev("L0.qkv_proj", 1.0, 2.0), ev("L0.attention/split", 3.0, 3.0),
+           ev("L1.qkv_proj", 6.0, 2.0), ev("L1.attention/split", 8.0, 3.0), ev("lm_head", 11.0, 9.0)]
+    meta = {"op_bytes": {"qkv_proj": 1_000_000, "lm_head": 4_000_000, "embedding": 0}, "kv_bytes_per_position": 1000}
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"traceEvents": evs, "otherData": meta}))
+    from mpk_dist.runtime.trace import format_layer_profile, layer_profile, levels, load_trace_meta, op_floor
+
+    floor = op_floor(load_trace_meta(path), 9, 1000.0)  # 1000 GB/s: 1 MB takes 1 us
+    assert floor["context"] == 10
+    prof = {p["op"]: p for p in layer_profile(levels(load_trace(path), 9), floor)}
+    assert prof["qkv_proj"]["bytes"] == 1_000_000 and prof["qkv_proj"]["floor_us"] == pytest.approx(2.0)
+    assert prof["qkv_proj"]["over_us"] == pytest.approx(prof["qkv_proj"]["adds_us"] - 2.0) == pytest.approx(2.0)
+    assert prof["attention/split"]["bytes"] == 10_000 and prof["attention/split"]["floor_us"] == pytest.approx(0.02)
+    assert prof["lm_head"]["floor_us"] == pytest.approx(4.0) and prof["lm_head"]["over_us"] == pytest.approx(5.0)
+    assert prof["embedding"]["floor_us"] == 0.0
+    table = format_layer_profile(list(prof.values())).splitlines()
+    assert "floor (us)" in table[0] and "over (us)" in table[0]
+    step = table[-1].split()
+    assert float(step[-2]) == pytest.approx(6.0, abs=0.1) and float(step[-1]) == pytest.approx(14.0, abs=0.1)
+    assert main(["trace-summary", "--levels", "9", "--bandwidth", "1000", str(path)]) == 0
+    assert "over (us)" in capsys.readouterr().out
+    assert main(["trace-summary", "--levels", "9", "--bandwidth", "1000", "--json", str(path)]) == 0
+    js = json.loads(capsys.readouterr().out)
+    assert {p["op"]: p["floor_us"] for p in js["layers"]}["lm_head"] == pytest.approx(4.0)
+
+
+def test_bandwidth_needs_levels_and_a_trace_with_bytes(tmp_path, capsys):
+    """--bandwidth without --levels, a trace without op bytes and a bandwidth <= 0 are clear errors (exit 2)."""
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"traceEvents": [{"name": "L0.qkv_proj", "cat": "k", "ph": "X", "pid": 0, "tid": 0,
+                                                 "ts": 0.0, "dur": 1.0, "args": {"step": 0}}]}))
+    assert main(["trace-summary", "--bandwidth", "3000", str(path)]) == 2
+    assert "expected with --levels" in capsys.readouterr().err
+    assert main(["trace-summary", "--levels", "0", "--bandwidth", "3000", str(path)]) == 2
+    assert "expected otherData.op_bytes" in capsys.readouterr().err
+    path.write_text(json.dumps({"traceEvents": json.loads(path.read_text())["traceEvents"],
+                                "otherData": {"op_bytes": {"qkv_proj": 1}}}))
+    assert main(["trace-summary", "--levels", "0", "--bandwidth", "0", str(path)]) == 2
+    assert "expected the read bandwidth" in capsys.readouterr().err

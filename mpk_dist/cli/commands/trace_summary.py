@@ -14,6 +14,10 @@ def register(subparsers) -> None:
                    help="instead: per op of decode step STEP (rank 0), its span, tiles' start/end spread and the "
                         "gap after the previous op (where a step loses time between levels), then the same folded "
                         "over the layers with the time each op adds to the step")
+    p.add_argument("--bandwidth", type=float, default=None, metavar="GBS",
+                   help="with --levels: the read bandwidth in GB/s (what bench printed for the traced run); the folded "
+                        "table then sets each op against the bytes it reads (MB, its floor at this bandwidth, and the "
+                        "time it adds above that floor)")
     p.set_defaults(func=run)
 
 
@@ -21,14 +25,19 @@ def run(args) -> int:
     """Print the summary; InputError (exit 2) for a missing or malformed file."""
     from mpk_dist.runtime.trace import format_summary, load_trace, summarize
 
+    if args.bandwidth is not None and args.levels is None:
+        from mpk_dist.errors import InputError
+
+        raise InputError("--bandwidth: expected with --levels STEP (it sets the folded per-op table against the floor)")
     if args.levels is not None:
-        from mpk_dist.runtime.trace import format_layer_profile, format_levels, layer_profile, levels
+        from mpk_dist.runtime.trace import format_layer_profile, format_levels, layer_profile, levels, load_trace_meta, op_floor
 
         rows = levels(load_trace(args.file), args.levels)
+        floor = None if args.bandwidth is None else op_floor(load_trace_meta(args.file), args.levels, args.bandwidth)
         if args.json:
-            print(json.dumps(rows))
+            print(json.dumps(rows if floor is None else {"levels": rows, "layers": layer_profile(rows, floor)}))
         else:  # per op, then the same folded over the layers: where the step's time goes
-            print(format_levels(rows) + "\n\n" + format_layer_profile(layer_profile(rows)))
+            print(format_levels(rows) + "\n\n" + format_layer_profile(layer_profile(rows, floor)))
         return 0
     s = summarize(load_trace(args.file))
     if args.json:
