@@ -28,7 +28,8 @@ _LAYER_OPS = (
 _LAYER_PREFIX = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 
-def _elt(cfg) -> int:
+def element_bytes(cfg) -> int:
+    """Bytes of one weight or cache element of the model's dtype (float32: 4, bf16 / fp16: 2)."""
     return 4 if cfg.dtype == "float32" else 2
 
 
@@ -41,7 +42,7 @@ def op_bytes(cfg, tp: int, batch: int) -> dict[str, int]:
 
     if tp < 1 or batch < 1:
         raise ValueError(f"op_bytes: expected tp >= 1 and batch >= 1, got tp={tp}, batch={batch}")
-    elt = _elt(cfg)
+    elt = element_bytes(cfg)
     out: dict[str, int] = {}
     for name, shape in expected_tensors(cfg).items():
         n = 1
@@ -70,4 +71,4 @@ def kv_bytes_per_position(cfg, tp: int, batch: int) -> int:
     """Cache bytes one rank's attention reads per layer and context position (k and v of its kv heads; heads
     replicated where tp exceeds them, as ``runner.step_bytes`` counts)."""
     kv_heads_rank = max(cfg.num_kv_heads, tp) // tp
-    return 2 * kv_heads_rank * cfg.head_dim * batch * _elt(cfg)
+    return 2 * kv_heads_rank * cfg.head_dim * batch * element_bytes(cfg)

@@ -48,9 +48,10 @@ def measure_read_bandwidth(device: torch.device, repeats: int = 10) -> float:
 
 def step_bytes(cfg, tp: int, batch: int, context: int) -> int:
     """Bytes a decode step must read at batch ``batch`` and context length ``context`` (all ranks)."""
+    from mpk_dist.bench.op_bytes import element_bytes
     from mpk_dist.weights import expected_tensors
 
-    elt = 4 if cfg.dtype == "float32" else 2
+    elt = element_bytes(cfg)
     total = 0
     for name, shape in expected_tensors(cfg).items():
         n = 1

@@ -65,8 +65,10 @@ def write_trace(path: str | Path, trace: dict) -> Path:
     return p
 
 
-def load_trace(path: str | Path) -> list[dict]:
-    """The complete ('X') events of a Chrome trace file; raises InputError on a bad file."""
+def load_trace_with_meta(path: str | Path) -> tuple[list[dict], dict]:
+    """The complete ('X') events of a Chrome trace file and its ``otherData`` (what the writer recorded beside the
+    events: tp, transport, op_bytes, ...; {} when it has none), from one read of the file; raises InputError on a
+    bad file."""
     try:
         data = json.loads(Path(path).read_text())
     except (OSError, ValueError) as exc:
@@ -74,18 +76,13 @@ def load_trace(path: str | Path) -> list[dict]:
     evs = data.get("traceEvents", data) if isinstance(data, dict) else data
     if not isinstance(evs, list):
         raise InputError(f"trace file {path}: expected a traceEvents list, got {type(evs).__name__}")
-    return [e for e in evs if isinstance(e, dict) and e.get("ph") == "X"]
-
-
-def load_trace_meta(path: str | Path) -> dict:
-    """The trace file's ``otherData`` (what the writer recorded beside the events: tp, transport, op_bytes, ...);
-    {} when it has none. Raises InputError on an unreadable file."""
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as exc:
-        raise InputError(f"trace file: expected readable Chrome-trace JSON, got {type(exc).__name__}: {exc}") from None
     meta = data.get("otherData", {}) if isinstance(data, dict) else {}
-    return meta if isinstance(meta, dict) else {}
+    return [e for e in evs if isinstance(e, dict) and e.get("ph") == "X"], meta if isinstance(meta, dict) else {}
+
+
+def load_trace(path: str | Path) -> list[dict]:
+    """The complete ('X') events of a Chrome trace file; raises InputError on a bad file."""
+    return load_trace_with_meta(path)[0]
 
 
 def op_floor(meta: dict, step: int, bandwidth_gbs: float) -> dict:

@@ -230,11 +230,13 @@ def test_layer_profile_sets_each_op_against_its_bytes_at_the_bandwidth(tmp_path,
     meta = {"op_bytes": {"qkv_proj": 1_000_000, "lm_head": 4_000_000, "embedding": 0}, "kv_bytes_per_position": 1000}
     path = tmp_path / "t.json"
     path.write_text(json.dumps({"traceEvents": evs, "otherData": meta}))
-    from mpk_dist.runtime.trace import format_layer_profile, layer_profile, levels, load_trace_meta, op_floor
+    from mpk_dist.runtime.trace import format_layer_profile, layer_profile, levels, load_trace_with_meta, op_floor
 
-    floor = op_floor(load_trace_meta(path), 9, 1000.0)  # 1000 GB/s: 1 MB takes 1 us
+    events, meta = load_trace_with_meta(path)
+    assert events == load_trace(path) and meta == {**meta, "kv_bytes_per_position": 1000}
+    floor = op_floor(meta, 9, 1000.0)  # 1000 GB/s: 1 MB takes 1 us
     assert floor["context"] == 10
-    prof = {p["op"]: p for p in layer_profile(levels(load_trace(path), 9), floor)}
+    prof = {p["op"]: p for p in layer_profile(levels(events, 9), floor)}
     assert prof["qkv_proj"]["bytes"] == 1_000_000 and prof["qkv_proj"]["floor_us"] == pytest.approx(2.0)
     assert prof["qkv_proj"]["over_us"] == pytest.approx(prof["qkv_proj"]["adds_us"] - 2.0) == pytest.approx(2.0)
     assert prof["attention/split"]["bytes"] == 10_000 and prof["attention/split"]["floor_us"] == pytest.approx(0.02)

@@ -30,10 +30,11 @@ def run(args) -> int:
 
         raise InputError("--bandwidth: expected with --levels STEP (it sets the folded per-op table against the floor)")
     if args.levels is not None:
-        from mpk_dist.runtime.trace import format_layer_profile, format_levels, layer_profile, levels, load_trace_meta, op_floor
+        from mpk_dist.runtime.trace import format_layer_profile, format_levels, layer_profile, levels, load_trace_with_meta, op_floor
 
-        rows = levels(load_trace(args.file), args.levels)
-        floor = None if args.bandwidth is None else op_floor(load_trace_meta(args.file), args.levels, args.bandwidth)
+        events, meta = load_trace_with_meta(args.file)  # one read of a trace that may hold millions of events
+        rows = levels(events, args.levels)
+        floor = None if args.bandwidth is None else op_floor(meta, args.levels, args.bandwidth)
         if args.json:
             print(json.dumps(rows if floor is None else {"levels": rows, "layers": layer_profile(rows, floor)}))
         else:  # per op, then the same folded over the layers: where the step's time goes
