@@ -124,6 +124,32 @@ __device__ __forceinline__ void rows_sum_sq(const RowPtr& row, int K, float* sme
   worker_barrier(nt);  // every thread has read the partials before the rows are staged over them
 }
 
+// st[b * K + k ..] = vector(b, k) for rows b < kB, every k = tid * 8 + m * nt * 8 < K: up to kStageVectors vectors'
+// loads (rows, then k steps when there are fewer rows) issued before any of their stores. Each thread stores only
+// its own positions, and every vector of a step is loaded before that step's stores (stage_rows_params_first
+// relies on it: its vectors read a slot its last row overwrites).
+template <int kB, class Vector>
+__device__ __forceinline__ void stage_rows_batched(bf16* st, int K, const Vector& vector, int tid, int nt) {
+  constexpr int kRows = kB < kStageVectors ? kB : kStageVectors;  // rows a batch covers
+  constexpr int kSteps = kStageVectors / kRows;                   // k steps a batch covers
+  for (int b0 = 0; b0 < kB; b0 += kRows) {
+    for (int k0 = tid * 8; k0 < K; k0 += kSteps * nt * 8) {
+      uint4 v[kSteps][kRows];
+#pragma unroll
+      for (int j = 0; j < kSteps; ++j)
+#pragma unroll
+        for (int r = 0; r < kRows; ++r)
+          if (k0 + j * nt * 8 < K && b0 + r < kB) v[j][r] = vector(b0 + r, k0 + j * nt * 8);
+#pragma unroll
+      for (int j = 0; j < kSteps; ++j)
+#pragma unroll
+        for (int r = 0; r < kRows; ++r)
+          if (k0 + j * nt * 8 < K && b0 + r < kB)
+            *reinterpret_cast<uint4*>(st + (size_t)(b0 + r) * K + k0 + j * nt * 8) = v[j][r];
+    }
+  }
+}
+
 // st[b * K + k ..] = make_row(b).load8(k) for rows b < kB: up to kStageVectors vectors' loads (rows, then
 // k steps when there are fewer rows) before their stores. Each vector is computed as stage_row computes it.
 template <int kB, class MakeRow>
@@ -136,24 +162,7 @@ __device__ __forceinline__ void stage_rows(bf16* st, int K, const MakeRow& make_
     for (int b = 0; b < kB; ++b) stage_row(st + (size_t)b * K, K, make_row(b), tid, nt);
     return;
   }
-  constexpr int kRows = kB < kStageVectors ? kB : kStageVectors;  // rows a batch covers
-  constexpr int kSteps = kStageVectors / kRows;                   // k steps a batch covers
-  for (int b0 = 0; b0 < kB; b0 += kRows) {
-    for (int k0 = tid * 8; k0 < K; k0 += kSteps * nt * 8) {
-      uint4 v[kSteps][kRows];
-#pragma unroll
-      for (int j = 0; j < kSteps; ++j)
-#pragma unroll
-        for (int r = 0; r < kRows; ++r)
-          if (k0 + j * nt * 8 < K && b0 + r < kB) v[j][r] = make_row(b0 + r).load8(k0 + j * nt * 8);
-#pragma unroll
-      for (int j = 0; j < kSteps; ++j)
-#pragma unroll
-        for (int r = 0; r < kRows; ++r)
-          if (k0 + j * nt * 8 < K && b0 + r < kB)
-            *reinterpret_cast<uint4*>(st + (size_t)(b0 + r) * K + k0 + j * nt * 8) = v[j][r];
-    }
-  }
+  stage_rows_batched<kB>(st, K, [&](int b, int k) { return make_row(b).load8(k); }, tid, nt);
 }
 
 // ---- the parameter first (MPK_NORM_PARAMS_FIRST, batch >= 2) ----
@@ -188,37 +197,16 @@ __device__ __forceinline__ bool params_first_issue(bf16* st, int K, const MakeRo
 }
 
 // stage_rows with the parameter read from row kB - 1's slot (params_first_issue): each vector is
-// make_row(b).finish(slot[k], k, r), which equals make_row(b).load8(k). Every row's loads of a k step come before
-// any store of that step, so row kB - 1's store does not overwrite a slot a later load of this thread reads.
+// make_row(b).finish(slot[k], k, r), which equals make_row(b).load8(k). stage_rows_batched loads every row's vector
+// of a k step before that step's stores, so row kB - 1's store does not overwrite a slot a later load reads.
 template <int kB, class MakeRow>
 __device__ __forceinline__ void stage_rows_params_first(bf16* st, int K, const MakeRow& make_row, int tid, int nt) {
   cp_async_wait_all();  // this thread's copies: it reads only its own slots
   const bf16* slot = st + (size_t)(kB - 1) * K;
-  constexpr int kRows = kB < kStageVectors ? kB : kStageVectors;
-  constexpr int kSteps = kStageVectors / kRows;
-  for (int b0 = 0; b0 < kB; b0 += kRows) {
-    for (int k0 = tid * 8; k0 < K; k0 += kSteps * nt * 8) {
-      uint4 v[kSteps][kRows];
-#pragma unroll
-      for (int j = 0; j < kSteps; ++j) {
-        const int k = k0 + j * nt * 8;
-        if (k >= K) continue;
-        const uint4 p = *reinterpret_cast<const uint4*>(slot + k);
-#pragma unroll
-        for (int i = 0; i < kRows; ++i)
-          if (b0 + i < kB) {
-            const auto row = make_row(b0 + i);
-            v[j][i] = row.finish(p, k, row.r);
-          }
-      }
-#pragma unroll
-      for (int j = 0; j < kSteps; ++j)
-#pragma unroll
-        for (int i = 0; i < kRows; ++i)
-          if (k0 + j * nt * 8 < K && b0 + i < kB)
-            *reinterpret_cast<uint4*>(st + (size_t)(b0 + i) * K + k0 + j * nt * 8) = v[j][i];
-    }
-  }
+  stage_rows_batched<kB>(st, K, [&](int b, int k) {
+    const auto row = make_row(b);
+    return row.finish(*reinterpret_cast<const uint4*>(slot + k), k, row.r);
+  }, tid, nt);
 }
 
 // The matmul accumulated over K for the tile's n_tile weight rows and B staged operand rows; the
