@@ -209,6 +209,51 @@ __device__ __forceinline__ void stage_rows_params_first(bf16* st, int K, const M
   }, tid, nt);
 }
 
+// ---- the rows copied into shared memory first (MPK_NORM_ROWS_SMEM, batch >= 2) ----
+// Why: the staged prologue reads every fp32 row twice from L2 (rows_sum_sq, then stage_rows), 128 KB a tile at
+// qwen3-8b batch 8, and each pass took ~2.3% of the step (docs/PERF.md v0.43, the DIAG rows). Here one round of
+// cp.async copies brings the rows (and the parameter, into the last row's slot as params_first_issue does) into
+// shared memory after the staged rows; both passes then read them there. The statistic's and the staging's
+// loops are unchanged (the same elements in the same order, read from another address): the same bits. Needs
+// staged_bytes(kB, K) + kB * K * 4 bytes of dynamic shared memory (the host's tables.smem_bytes with
+// norm_rows_smem); a launch with less keeps the two passes. The MMA partials may later overwrite the copies:
+// they are dead once the rows are staged (the barrier before the GEMV). 0 (default): off.
+#ifndef MPK_NORM_ROWS_SMEM
+#define MPK_NORM_ROWS_SMEM 0
+#endif
+
+// Bytes of dynamic shared memory up to the end of the copied fp32 rows (after the kB staged bf16 rows).
+__host__ __device__ __forceinline__ uint32_t rows_smem_bytes(int B, int K) {
+  return staged_bytes(B, K) + (uint32_t)B * (uint32_t)K * (uint32_t)sizeof(float);
+}
+
+// Whether the copies are on and fit: the launch's room, and the parameter's slot past rows_sum_sq's partials.
+template <int kB>
+__device__ __forceinline__ bool rows_smem_ok(int K, int nt) {
+  return MPK_NORM_ROWS_SMEM && kB >= 2 && rows_smem_bytes(kB, K) <= smem_below_ring() &&
+         (size_t)(kB - 1) * (size_t)K * sizeof(bf16) >= (size_t)kB * (size_t)(nt >> 5) * sizeof(float);
+}
+
+// Copy rows row(b)[0..K) for b < kB after the staged rows and the parameter's vectors into row kB - 1's slot,
+// wait for them and for the other threads' (a barrier: each thread reads other threads' copies); returns the
+// copied rows (row b at + b * K), or nullptr when rows_smem_ok is false (nothing issued).
+template <int kB, class RowPtr, class MakeRow>
+__device__ __forceinline__ const float* rows_smem_issue(bf16* st, int K, const RowPtr& row, const MakeRow& make_row,
+                                                        int tid, int nt) {
+  if (!rows_smem_ok<kB>(K, nt)) return nullptr;
+  float* xs = reinterpret_cast<float*>(st + (size_t)kB * K);  // 16-byte aligned: K % 8 == 0 (host-checked)
+  bf16* slot = st + (size_t)(kB - 1) * K;
+#pragma unroll 1
+  for (int k = tid * 8; k < K; k += nt * 8) cp_async16(slot + k, make_row(0).params_at(k));
+#pragma unroll
+  for (int b = 0; b < kB; ++b)
+#pragma unroll 1
+    for (int k = tid * 4; k < K; k += nt * 4) cp_async16(xs + (size_t)b * K + k, row(b) + k);
+  cp_async_wait_all();
+  worker_barrier(nt);  // every thread's copies have landed before any thread reads a row
+  return xs;
+}
+
 // The matmul accumulated over K for the tile's n_tile weight rows and B staged operand rows; the
 // one non-inlined GEMV instance of fused_gemv.cuh (shared with the hand-written kinds: same
 // summation order, no extra template instance in the one-kernel build).

@@ -79,6 +79,9 @@ SWITCHES = (
     # the code-size variants (codegen.CODE_SIZE_DEFINES; same bits); default (None): batch-1 programs at unroll 4
     # (tables.default_compact_code), set 0 or 1 to force
     ("compact_code", "MPK_COMPACT_CODE", None),
+    # batch >= 2: the norm prologue copies its fp32 rows into shared memory once and reads both of its passes
+    # there (csrc/tasks/tile_primitives.cuh rows_smem_issue; more dynamic shared memory, the same bits)
+    ("norm_rows_smem", "MPK_NORM_ROWS_SMEM", False),
 )
 """On/off kernel switches read from the environment: (Session keyword, variable, default)."""
 

@@ -275,11 +275,13 @@ def mma_partial_room(cg, worker_threads: int, weight_ring: bool = False) -> int:
 
 
 def smem_bytes(cg, worker_threads: int, weight_ring: bool = False, stage_kv: bool = False,
-               linear_mma: bool = False) -> int:
+               linear_mma: bool = False, norm_rows_smem: bool = False) -> int:
     """Dynamic shared memory per worker block: the largest need over the task bodies, plus the weight
     ring at the end when ``weight_ring`` (MPK_LINEAR_TMA; the staging budget shrinks by as much);
     ``stage_kv``: room for the split-KV tiles' cache-row stage when it fits (``kv_stage_fits``);
-    ``linear_mma``: the linear tiles run on tensor cores, room for their split-K partials (``mma_partial_room``)."""
+    ``linear_mma``: the linear tiles run on tensor cores, room for their split-K partials (``mma_partial_room``);
+    ``norm_rows_smem``: room for the batch >= 2 norm prologues' fp32 rows after their staged rows when it fits
+    (``fusion.rows_smem_bytes``)."""
     ring = WEIGHT_RING_BYTES if weight_ring else 0
     from mpk_dist.taskgraph.fusion import staging_bytes
     from mpk_dist.taskgraph.lowering_attention import attention_staging_bytes
@@ -301,6 +303,10 @@ def smem_bytes(cg, worker_threads: int, weight_ring: bool = False, stage_kv: boo
         need = max(need, kv_stage_smem_bytes(cg, worker_threads))
     if linear_mma:
         need = max(need, mma_partial_room(cg, worker_threads, weight_ring))
+    if norm_rows_smem:
+        from mpk_dist.taskgraph.fusion import rows_smem_bytes
+
+        need = max(need, rows_smem_bytes(cg, HOPPER_MAX_DYNAMIC_SMEM - SMEM_RESERVE - ring))
     from mpk_dist.taskgraph import flag_words
 
     need = max(need, flag_words.smem_bytes(cg))  # the polling norm tiles' gathered rows (0 without flagged copies)

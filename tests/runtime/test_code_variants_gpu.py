@@ -18,6 +18,8 @@ the arithmetic, so the logits must equal the default build's bit for bit and sta
   copies the norm weights into the last row's staging slot before the rows' statistic and reads them there when it
   stages the rows (csrc/tasks/tile_primitives.cuh params_first_issue, stage_rows_params_first). Batch 4, and batch 8
   under MPK_LINEAR_MMA=1 (batch 1 takes the one-round prologue instead and is unchanged by it).
+- ``MPK_NORM_ROWS_SMEM=1`` (off; a measurement switch): the same path copies the fp32 rows into shared memory once
+  and both its passes read them there (tile_primitives.cuh rows_smem_issue); batch 4, and batch 8 on tensor cores.
 - ``-DMPK_ROPE_SINCOS=0``: the rope angle's cosine and sine from cosf and sinf (the default calls sincosf once;
   csrc/tasks/common.cuh rope_cos_sin).
 - ``-DMPK_MERGE_LOADS_AHEAD=0``: the split-KV head merge's loop as it was, each range's acc and l loads behind its m
@@ -153,6 +155,24 @@ def test_switch_leaves_the_logits_bitwise(env, gpu_results):
         assert "#define MPK_ROPE_NEAR 1" not in variant.session(1).source
     check_bitwise(f"{env} vs default, {NAME} b1 prompt {PROMPT}", NAME, variant, default,
                   forced_request(NAME, PROMPT, STEPS, 1, 70), gpu_results)
+
+
+@pytest.mark.parametrize("mma", ["0", "1"])
+def test_norm_rows_smem_leaves_the_logits_bitwise(mma, gpu_results):
+    """MPK_NORM_ROWS_SMEM=1: the batch >= 2 norm prologue reads its rows from one copy in shared memory
+    (tile_primitives.cuh rows_smem_issue); the launch has room for it (else the kernel keeps the global rows and
+    this would compare the default with itself). Batch 4 on the scalar tiles, batch 8 on tensor cores."""
+    from mpk_dist.runtime.tables import HOPPER_MAX_DYNAMIC_SMEM, SMEM_RESERVE
+    from mpk_dist.taskgraph.fusion import rows_smem_bytes
+
+    batch, env = (8, {"MPK_LINEAR_MMA": "1"}) if mma == "1" else (4, {"MPK_LINEAR_MMA": "0"})
+    variant, default = megakernel_with_env(NAME, {**env, "MPK_NORM_ROWS_SMEM": "1"}), megakernel_with_env(NAME, env)
+    sess = variant.session(batch)
+    assert sess.build.path != default.session(batch).build.path, "MPK_NORM_ROWS_SMEM=1 did not make another binary"
+    need = rows_smem_bytes(sess.cg, HOPPER_MAX_DYNAMIC_SMEM - SMEM_RESERVE)
+    assert need > 0 and sess.smem >= need, f"the launch's {sess.smem} B of shared memory leave no room for the rows"
+    check_bitwise(f"MPK_NORM_ROWS_SMEM=1 vs default, MPK_LINEAR_MMA={mma}, {NAME} b{batch} prompt {PROMPT}", NAME,
+                  variant, default, forced_request(NAME, PROMPT, STEPS, batch, 70), gpu_results)
 
 
 @pytest.mark.parametrize("batch", [1, 2])

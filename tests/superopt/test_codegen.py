@@ -70,13 +70,19 @@ def test_norm_operand_splits_its_parameter_load_for_the_one_round_prologue(best)
 
 
 def test_norm_staged_path_above_one_row_copies_the_parameter_before_the_statistic(best):
-    """Above one row the norm body issues the parameter's copies (tile::params_first_issue, a no-op unless
-    MPK_NORM_PARAMS_FIRST) before the rows' statistic, and stages the rows from them when it did, else as before;
-    the silu body (no row factor, no parameter step) renders neither."""
+    """Above one row the norm body copies the rows into shared memory (tile::rows_smem_issue, a no-op unless
+    MPK_NORM_ROWS_SMEM) and else the parameter (tile::params_first_issue, a no-op unless MPK_NORM_PARAMS_FIRST)
+    before the rows' statistic; the statistic and the staged rows read the copies when there are some, and the
+    rows are staged from the parameter's copies when it did, else as before; the silu body (no row factor, no
+    parameter step) renders none of it."""
     text = render(best("norm_linear"), "norm_linear")
     staged = text[text.index("} else {"):text.index("worker_barrier(nt);  // the staged rows")]
-    issue = staged.index("const bool params_first = tile::params_first_issue<kB>(st, K,")
-    assert issue < staged.index("tile::rows_sum_sq<kB>(") < staged.index("if (params_first) {")
+    rows = staged.index("const float* xs = tile::rows_smem_issue<kB>(st, K, [&](int b) { return x + (size_t)b * ldx; }")
+    issue = staged.index("const bool params_first = xs != nullptr || tile::params_first_issue<kB>(st, K,")
+    stat = staged.index("tile::rows_sum_sq<kB>([&](int b) { return (xs != nullptr ? xs + (size_t)b * K : "
+                        "x + (size_t)b * ldx); }")
+    assert rows < issue < stat < staged.index("if (params_first) {")
+    assert staged.count("(xs != nullptr ? xs + (size_t)b * K : x + (size_t)b * ldx), nw, r[b]") == 2  # both stagings
     branch = staged[staged.index("if (params_first) {"):]
     assert branch.index("tile::stage_rows_params_first<kB>(st, K,") < branch.index("} else {") \
         < branch.index("tile::stage_rows<kB>(st, K,")
