@@ -99,10 +99,11 @@ done
 # layer (MPK_LAYER_ALIGNED_WORKERS=1) and d1 within -0.2%. Session 48 (v0.43, H100, qwen3-8b batch 8): the silu
 # epilogue (j1) +4.3%; the norm prologue's two passes ~2.4% each (side branch diag-norm-prologue). The default below is
 # the A/B built then and not yet run: the norm weights copied before the rows' statistic (-DMPK_NORM_PARAMS_FIRST=1) at
-# AB_BATCH 8, with its bitwise tests (batch 4, batch 8 on tensor cores; their kernels built on the GPU machine). Every
+# AB_BATCH 8, and (session 49) the rows themselves copied into shared memory once (MPK_NORM_ROWS_SMEM=1), with their
+# bitwise tests (batch 4, batch 8 on tensor cores; their kernels built on the GPU machine). Every
 # variant above was measured (docs/PERF.md v0.32-v0.43) and stays reachable through AB_VARIANTS, AB_MODELS and AB_BATCH
 # (AB_MODELS=qwen3-0.6b AB_BATCH=1 for the small-preset ones; AB_TESTS="one_round or ..." for their bitwise tests).
-AB_VARIANTS=${AB_VARIANTS:-"base;-DMPK_NORM_PARAMS_FIRST=1"}
+AB_VARIANTS=${AB_VARIANTS:-"base;-DMPK_NORM_PARAMS_FIRST=1;MPK_NORM_ROWS_SMEM=1"}
 AB_MODELS=${AB_MODELS:-"qwen3-8b"}
 AB_BATCH=${AB_BATCH:-8}
 # AB_TEST_KERNELS: the batch-1 bitwise tests' kernel variants to prebuild (session 38-47's were
@@ -227,7 +228,7 @@ if [ $AB -eq 1 ]; then
       --output-json "$OUT/ab_sweep_$m.json"
   done
   [ "${AB_TESTS:-}" != none ] && step ab_bitwise "${AB_LIMIT:-540}" python3 -m pytest -q -m gpu tests/runtime/test_code_variants_gpu.py -k \
-    "${AB_TESTS:-NORM_PARAMS_FIRST}"
+    "${AB_TESTS:-NORM_PARAMS_FIRST or norm_rows_smem}"
   [ "${AB_TESTS:-}" != none ] && step ab_blocks_per_sm "${AB_LIMIT:-300}" python3 -m pytest -q -m gpu tests/runtime/test_blocks_per_sm_gpu.py
   summary "gpu_check --ab summary"
   exit 0
