@@ -212,38 +212,44 @@ __device__ __forceinline__ void stage_rows_params_first(bf16* st, int K, const M
 // ---- the rows copied into shared memory first (MPK_NORM_ROWS_SMEM, batch >= 2) ----
 // Why: the staged prologue reads every fp32 row twice from L2 (rows_sum_sq, then stage_rows), 128 KB a tile at
 // qwen3-8b batch 8, and each pass took ~2.3% of the step (docs/PERF.md v0.43, the DIAG rows). Here one round of
-// cp.async copies brings the rows (and the parameter, into the last row's slot as params_first_issue does) into
-// shared memory after the staged rows; both passes then read them there. The statistic's and the staging's
-// loops are unchanged (the same elements in the same order, read from another address): the same bits. Needs
-// staged_bytes(kB, K) + kB * K * 4 bytes of dynamic shared memory (the host's tables.smem_bytes with
-// norm_rows_smem); a launch with less keeps the two passes. The MMA partials may later overwrite the copies:
-// they are dead once the rows are staged (the barrier before the GEMV). 0 (default): off.
+// cp.async copies brings the rows and the parameter (the norm weights) into shared memory; both passes then read
+// them there. The statistic's and the staging's loops are unchanged (the same elements in the same order, read
+// from another address): the same bits. 0 (default): off.
+// Layout, in bytes from the staging base st (K elements a row):
+//   [0, 2K)            bf16 row 0 once staged (rows_sum_sq's kB x warps partials before that)
+//   [2K, 4K)           the parameter's copies, then bf16 row 1 (each thread overwrites only its own vectors)
+//   [4K, 4K + 4 kB K)  the fp32 rows; bf16 row b >= 2 lands on fp32 row (b - 2) / 2, an earlier row
+// so the staged rows overwrite rows already read: rows_smem_bytes is 4K + 4 kB K bytes past the scratch, not 6 kB K
+// (the shared memory a launch takes from L1: docs/ARCHITECTURE.md, "dynamic shared memory"). stage_rows_in_place
+// loads every row's vectors before a barrier and stores after it, so it needs one k step a thread: K <= 8 nt.
+// The MMA partials may later overwrite the copies: they are dead once the rows are staged.
 #ifndef MPK_NORM_ROWS_SMEM
 #define MPK_NORM_ROWS_SMEM 0
 #endif
 
-// Bytes of dynamic shared memory up to the end of the copied fp32 rows (after the kB staged bf16 rows).
+// Bytes of dynamic shared memory up to the end of the copied fp32 rows (the layout above; the host's
+// fusion.rows_smem_bytes asks the launch for as much).
 __host__ __device__ __forceinline__ uint32_t rows_smem_bytes(int B, int K) {
-  return staged_bytes(B, K) + (uint32_t)B * (uint32_t)K * (uint32_t)sizeof(float);
+  return kStageOffset * (uint32_t)sizeof(float) + 2u * (uint32_t)K * (uint32_t)sizeof(bf16) +
+         (uint32_t)B * (uint32_t)K * (uint32_t)sizeof(float);
 }
 
-// Whether the copies are on and fit: the launch's room, and the parameter's slot past rows_sum_sq's partials.
+// Whether the copies are on and fit: the launch's room, one k step a thread, the partials below the parameter.
 template <int kB>
 __device__ __forceinline__ bool rows_smem_ok(int K, int nt) {
-  return MPK_NORM_ROWS_SMEM && kB >= 2 && rows_smem_bytes(kB, K) <= smem_below_ring() &&
-         (size_t)(kB - 1) * (size_t)K * sizeof(bf16) >= (size_t)kB * (size_t)(nt >> 5) * sizeof(float);
+  return MPK_NORM_ROWS_SMEM && kB >= 2 && rows_smem_bytes(kB, K) <= smem_below_ring() && K <= 8 * nt &&
+         (size_t)K * sizeof(bf16) >= (size_t)kB * (size_t)(nt >> 5) * sizeof(float);
 }
 
-// Copy rows row(b)[0..K) for b < kB after the staged rows and the parameter's vectors into row kB - 1's slot,
-// wait for them and for the other threads' (a barrier: each thread reads other threads' copies); returns the
-// copied rows (row b at + b * K), or nullptr when rows_smem_ok is false (nothing issued).
+// Copy the parameter's vectors to st + K and rows row(b)[0..K) for b < kB to st + 2K (bf16 elements), wait for
+// them and for the other threads' (a barrier: each thread reads other threads' copies); returns the copied rows
+// (row b at + b * K), or nullptr when rows_smem_ok is false (nothing issued).
 template <int kB, class RowPtr, class MakeRow>
 __device__ __forceinline__ const float* rows_smem_issue(bf16* st, int K, const RowPtr& row, const MakeRow& make_row,
                                                         int tid, int nt) {
   if (!rows_smem_ok<kB>(K, nt)) return nullptr;
-  float* xs = reinterpret_cast<float*>(st + (size_t)kB * K);  // 16-byte aligned: K % 8 == 0 (host-checked)
-  bf16* slot = st + (size_t)(kB - 1) * K;
-#pragma unroll 1
+  float* xs = reinterpret_cast<float*>(st + 2 * (size_t)K);  // 16-byte aligned: K % 8 == 0 (host-checked)
+  bf16* slot = st + K;
   for (int k = tid * 8; k < K; k += nt * 8) cp_async16(slot + k, make_row(0).params_at(k));
 #pragma unroll
   for (int b = 0; b < kB; ++b)
@@ -252,6 +258,32 @@ __device__ __forceinline__ const float* rows_smem_issue(bf16* st, int K, const R
   cp_async_wait_all();
   worker_barrier(nt);  // every thread's copies have landed before any thread reads a row
   return xs;
+}
+
+// stage_rows_params_first over the layout above (rows_smem_issue gave xs): each thread loads its vector of every
+// row (make_row(b).finish on the parameter's copy at st + K), then a barrier, so every thread has read every fp32
+// row before any staged row overwrites one, then the stores. K <= 8 nt: one vector a row a thread. Rows in batches
+// of kStageVectors: a later batch's stores land on rows an earlier batch read (before its barrier).
+template <int kB, class MakeRow>
+__device__ __forceinline__ void stage_rows_in_place(bf16* st, int K, const MakeRow& make_row, int tid, int nt) {
+  constexpr int kRows = kB < kStageVectors ? kB : kStageVectors;
+  const int k = tid * 8;
+  const bool mine = k < K;
+  const uint4 param = mine ? *reinterpret_cast<const uint4*>(st + K + k) : uint4{};
+#pragma unroll
+  for (int b0 = 0; b0 < kB; b0 += kRows) {
+    uint4 v[kRows];
+#pragma unroll
+    for (int r = 0; r < kRows; ++r)
+      if (mine && b0 + r < kB) {
+        const auto row = make_row(b0 + r);
+        v[r] = row.finish(param, k, row.r);
+      }
+    worker_barrier(nt);  // every thread's loads of these rows are done before any store lands on a copied row
+#pragma unroll
+    for (int r = 0; r < kRows; ++r)
+      if (mine && b0 + r < kB) *reinterpret_cast<uint4*>(st + (size_t)(b0 + r) * K + k) = v[r];
+  }
 }
 
 // The matmul accumulated over K for the tile's n_tile weight rows and B staged operand rows; the

@@ -229,7 +229,7 @@ def _staged(p: GemvPlan, abi: KindAbi, consts: _Consts, struct: str) -> list:
             # then both passes read them there; nullptr (the default build) keeps the global rows
             lines += [f"    const float* xs = tile::rows_smem_issue<kB>(st, K, [&](int b) {{ return {x}; }}, "
                       f"[&](int b) {{ return {struct}{{{init0}}}; }}, tid, nt);",
-                      f"    const bool params_first = xs != nullptr || tile::params_first_issue<kB>(st, K, [&](int b) {{ "
+                      f"    const bool params_first = xs == nullptr && tile::params_first_issue<kB>(st, K, [&](int b) {{ "
                       f"return {struct}{{{init0}}}; }}, tid, nt);"]
             rows = {p.inputs[stat.src_input]["name"]: f"(xs != nullptr ? xs + (size_t)b * K : {x})"}
         row_x = rows.get(p.inputs[stat.src_input]["name"], x)
@@ -241,7 +241,9 @@ def _staged(p: GemvPlan, abi: KindAbi, consts: _Consts, struct: str) -> list:
                   f"    for (int b = 0; b < kB; ++b) r[b] = rsqrtf({_prog(p.factor.inner_prog, f'{stat.acc}[b]', consts)});"]
         make_row = f"[&](int b) {{ return {struct}{{{_row_init(p, abi, 'r[b]', rows)}}}; }}"
         if fetch:
-            lines += ["    if (params_first) {",
+            lines += ["    if (xs != nullptr) {  // the rows and the parameter in shared memory: staged over them",
+                      f"      tile::stage_rows_in_place<kB>(st, K, {make_row}, tid, nt);",
+                      "    } else if (params_first) {",
                       f"      tile::stage_rows_params_first<kB>(st, K, {make_row}, tid, nt);",
                       "    } else {",
                       f"      tile::stage_rows<kB>(st, K, {make_row}, tid, nt);",

@@ -289,14 +289,15 @@ def staging_bytes(cg, limit: int) -> int:
 
 def rows_smem_bytes(cg, limit: int) -> int:
     """Dynamic shared memory the norm_linear tiles of a compiled program want when their batch >= 2 prologue
-    copies its fp32 rows into shared memory after the staged bf16 ones (csrc/tasks/tile_primitives.cuh
-    rows_smem_bytes: the reduction scratch, B*K bf16, then B*K fp32), the largest such need that is <= ``limit``;
-    0 without such tiles. A tile the launch gives less keeps reading the rows from global memory (same bits)."""
+    copies its fp32 rows and norm weights into shared memory (csrc/tasks/tile_primitives.cuh rows_smem_bytes: the
+    reduction scratch, two rows of K bf16, then B*K fp32, which the staged bf16 rows overwrite), the largest such
+    need that is <= ``limit``; 0 without such tiles. A tile the launch gives less keeps reading the rows from global
+    memory (same bits)."""
     from mpk_dist.taskgraph.tasks import kind_params
 
     p = kind_params(cg, "norm_linear", "BATCH", "K", "N_TILE")
     if p is None:
         return 0
-    need = STAGE_OFFSET_BYTES + 6 * p[0] * p[1]
+    need = STAGE_OFFSET_BYTES + 4 * p[1] + 4 * p[0] * p[1]
     fits = need[(need <= limit) & (p[0] >= 2)]
     return int(fits.max(initial=0))

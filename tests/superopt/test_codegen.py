@@ -78,13 +78,14 @@ def test_norm_staged_path_above_one_row_copies_the_parameter_before_the_statisti
     text = render(best("norm_linear"), "norm_linear")
     staged = text[text.index("} else {"):text.index("worker_barrier(nt);  // the staged rows")]
     rows = staged.index("const float* xs = tile::rows_smem_issue<kB>(st, K, [&](int b) { return x + (size_t)b * ldx; }")
-    issue = staged.index("const bool params_first = xs != nullptr || tile::params_first_issue<kB>(st, K,")
+    issue = staged.index("const bool params_first = xs == nullptr && tile::params_first_issue<kB>(st, K,")
     stat = staged.index("tile::rows_sum_sq<kB>([&](int b) { return (xs != nullptr ? xs + (size_t)b * K : "
                         "x + (size_t)b * ldx); }")
-    assert rows < issue < stat < staged.index("if (params_first) {")
-    assert staged.count("(xs != nullptr ? xs + (size_t)b * K : x + (size_t)b * ldx), nw, r[b]") == 2  # both stagings
-    branch = staged[staged.index("if (params_first) {"):]
-    assert branch.index("tile::stage_rows_params_first<kB>(st, K,") < branch.index("} else {") \
+    assert rows < issue < stat < staged.index("if (xs != nullptr) {")
+    assert staged.count("(xs != nullptr ? xs + (size_t)b * K : x + (size_t)b * ldx), nw, r[b]") == 3  # every staging
+    branch = staged[staged.index("if (xs != nullptr) {"):]
+    assert branch.index("tile::stage_rows_in_place<kB>(st, K,") < branch.index("} else if (params_first) {") \
+        < branch.index("tile::stage_rows_params_first<kB>(st, K,") < branch.index("} else {") \
         < branch.index("tile::stage_rows<kB>(st, K,")
     silu = render(best("silu_linear"), "silu_linear")
     assert "params_first" not in silu and "tile::stage_rows<kB>(st, K," in silu
