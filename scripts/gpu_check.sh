@@ -41,7 +41,8 @@
 #                   then per model of AB_MODELS (default qwen3-8b) at batch AB_BATCH (default 8)
 #                   scripts/tune_sweep.py over AB_VARIANTS run twice in one process (its kernels prebuilt in parallel,
 #                   AB_JOBS processes), then the variants' bitwise GPU tests (test_code_variants_gpu.py -k AB_TESTS).
-#                   AB_WAKE=0 skips the two benches, AB_TESTS=none the tests (one call is 600 s: ~9 min for all of it).
+#                   AB_WAKE=0 skips the two benches, AB_TESTS=none the tests, AB_BLOCKS=0 the two-blocks-per-SM tests
+#                   (one call is 600 s: ~9 min for all of it).
 #                   Limit per step: AB_LIMIT
 #   --ab-prebuild   NO GPU: build the kernels of --ab (the sweeps' variants per AB_MODELS, and, when AB_TEST_KERNELS names
 #                   them, the batch-1 bitwise tests' kernels) into $MPK_CACHE_DIR and stop. Run it on the build machine with MPK_CACHE_DIR set to a
@@ -229,7 +230,8 @@ if [ $AB -eq 1 ]; then
   done
   [ "${AB_TESTS:-}" != none ] && step ab_bitwise "${AB_LIMIT:-540}" python3 -m pytest -q -m gpu tests/runtime/test_code_variants_gpu.py -k \
     "${AB_TESTS:-NORM_PARAMS_FIRST or norm_rows_smem}"
-  [ "${AB_TESTS:-}" != none ] && step ab_blocks_per_sm "${AB_LIMIT:-300}" python3 -m pytest -q -m gpu tests/runtime/test_blocks_per_sm_gpu.py
+  # AB_BLOCKS=0 skips the two-blocks-per-SM tests (their kernels build on the GPU machine: ~1-2 min)
+  [ "${AB_TESTS:-}" != none ] && [ "${AB_BLOCKS:-1}" = 1 ] && step ab_blocks_per_sm "${AB_LIMIT:-300}" python3 -m pytest -q -m gpu tests/runtime/test_blocks_per_sm_gpu.py
   summary "gpu_check --ab summary"
   exit 0
 fi
