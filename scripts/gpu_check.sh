@@ -41,7 +41,8 @@
 #                   then per model of AB_MODELS (default qwen3-8b) at batch AB_BATCH (default 8)
 #                   scripts/tune_sweep.py over AB_VARIANTS run twice in one process (its kernels prebuilt in parallel,
 #                   AB_JOBS processes), then the variants' bitwise GPU tests (test_code_variants_gpu.py -k AB_TESTS).
-#                   AB_WAKE=0 skips the two benches, AB_TESTS=none the tests, AB_BLOCKS=0 the two-blocks-per-SM tests
+#                   AB_WAKE=0 skips the two benches, AB_PROBES=0 the three probes (SM pairs, read bandwidth, walk),
+#                   AB_TESTS=none the tests, AB_BLOCKS=0 the two-blocks-per-SM tests
 #                   (one call is 600 s: ~9 min for all of it).
 #                   Limit per step: AB_LIMIT
 #   --ab-prebuild   NO GPU: build the kernels of --ab (the sweeps' variants per AB_MODELS, and, when AB_TEST_KERNELS names
@@ -215,13 +216,13 @@ if [ $AB -eq 1 ]; then
   [ "${AB_WAKE:-1}" = 1 ] && step ab_ll_boundary "${AB_LIMIT:-150}" bash -c "nvcc -O3 -arch=sm_90a -o $OUT/ll_boundary csrc/bench/ll_boundary.cu \
     && $OUT/ll_boundary && $OUT/ll_boundary --load && $OUT/ll_boundary --load --n 4096"
   # Where the hardware puts two blocks per SM (whether blockIdx.x alone would pair them as worker_index.cuh does).
-  step ab_sm_pairs "${AB_LIMIT:-150}" bash -c "nvcc -O3 -arch=sm_90a -o $OUT/sm_pairs csrc/bench/sm_pairs.cu && $OUT/sm_pairs"
+  [ "${AB_PROBES:-1}" = 1 ] && step ab_sm_pairs "${AB_LIMIT:-150}" bash -c "nvcc -O3 -arch=sm_90a -o $OUT/sm_pairs csrc/bench/sm_pairs.cu && $OUT/sm_pairs"
   # What 132 SMs read from HBM and from L2 on this GPU (the open A/B pays only where L2 is much the faster).
-  step ab_read_bw "${AB_LIMIT:-150}" bash -c "nvcc -O3 -arch=sm_90a -o $OUT/sm_read_bw csrc/bench/sm_read_bw.cu \
+  [ "${AB_PROBES:-1}" = 1 ] && step ab_read_bw "${AB_LIMIT:-150}" bash -c "nvcc -O3 -arch=sm_90a -o $OUT/sm_read_bw csrc/bench/sm_read_bw.cu \
     && for m in hbm l2; do $OUT/sm_read_bw \$([ \$m = l2 ] && echo --l2) > $OUT/sm_read_bw_\$m.log \
     && grep -E 'reading|per block|^ 132' $OUT/sm_read_bw_\$m.log || exit 1; done"
   # What the unsplit attention walk's loads cost one SM, from HBM and from L2 (csrc/bench/walk_probe.cu, built in docs/PERF.md v0.41, read in v0.42).
-  step ab_walk_probe "${AB_LIMIT:-150}" bash -c "nvcc -O3 -arch=sm_90a -o $OUT/walk_probe \
+  [ "${AB_PROBES:-1}" = 1 ] && step ab_walk_probe "${AB_LIMIT:-150}" bash -c "nvcc -O3 -arch=sm_90a -o $OUT/walk_probe \
     csrc/bench/walk_probe.cu && $OUT/walk_probe"
   for m in $AB_MODELS; do
     step "ab_sweep_$m" "${AB_LIMIT:-540}" python3 scripts/tune_sweep.py --model "$m" --batch "$AB_BATCH" --prompt-len 480 \
