@@ -45,8 +45,8 @@
 #                   AB_TESTS=none the tests, AB_BLOCKS=0 the two-blocks-per-SM tests
 #                   (one call is 600 s: ~9 min for all of it).
 #                   Limit per step: AB_LIMIT
-#   --ab-prebuild   NO GPU: build the kernels of --ab (the sweeps' variants per AB_MODELS, and, when AB_TEST_KERNELS names
-#                   them, the batch-1 bitwise tests' kernels) into $MPK_CACHE_DIR and stop. Run it on the build machine with MPK_CACHE_DIR set to a
+#   --ab-prebuild   NO GPU: build the kernels of --ab (the sweeps' variants per AB_MODELS, and the bitwise tests' kernels
+#                   AB_TEST_KERNELS names) into $MPK_CACHE_DIR and stop. Run it on the build machine with MPK_CACHE_DIR set to a
 #                   folder that travels with the tree to the GPU machine (e.g. .kc, git-ignored; AB_PACK=.kc.tar.xz packs
 #                   it), then --ab there with the same MPK_CACHE_DIR: its prebuild steps find every kernel (~30 s of
 #                   nvcc each otherwise). The cache key holds nvcc's version (13.0.88 on both machines so far); a
@@ -108,9 +108,11 @@ done
 AB_VARIANTS=${AB_VARIANTS:-"base;-DMPK_NORM_PARAMS_FIRST=1;MPK_NORM_ROWS_SMEM=1"}
 AB_MODELS=${AB_MODELS:-"qwen3-8b"}
 AB_BATCH=${AB_BATCH:-8}
-# AB_TEST_KERNELS: the batch-1 bitwise tests' kernel variants to prebuild (session 38-47's were
-# "base;-DMPK_NORM_ONE_ROUND=0;-DMPK_SUPEROPT_NORM_LINEAR=0;-DMPK_LONG_ROWS=1;o0;q1"); empty: none.
-AB_TEST_KERNELS=${AB_TEST_KERNELS:-}
+# AB_TEST_KERNELS: the bitwise tests' qwen3-0.6b kernel variants to prebuild, groups "BATCH:V1;V2;..." joined by
+# "|" (a group without "BATCH:" is batch 1; session 38-47's were "base;-DMPK_NORM_ONE_ROUND=0;
+# -DMPK_SUPEROPT_NORM_LINEAR=0;-DMPK_LONG_ROWS=1;o0;q1"); none: none. The default: the norm prologue tests' (batch 4
+# scalar and default, batch 8 on tensor cores).
+AB_TEST_KERNELS=${AB_TEST_KERNELS:-"4:base;-DMPK_NORM_PARAMS_FIRST=1;m0;m0,MPK_NORM_ROWS_SMEM=1|8:m1;m1,-DMPK_NORM_PARAMS_FIRST=1;m1,MPK_NORM_ROWS_SMEM=1"}
 if [ $AB_PREBUILD -eq 1 ]; then
   mkdir -p "$MPK_CACHE_DIR"
   rc=0
@@ -119,10 +121,15 @@ if [ $AB_PREBUILD -eq 1 ]; then
     python3 scripts/tune_sweep.py --model "$m" --batch "$AB_BATCH" --prompt-len 480 --output-len 64 --prebuild-only \
       ${AB_JOBS:+--prebuild-jobs "$AB_JOBS"} --variants "$AB_VARIANTS" || rc=1
   done
-  if [ "${AB_TESTS:-}" != none ] && [ -n "$AB_TEST_KERNELS" ]; then
-    echo "== --ab-prebuild: qwen3-0.6b, the bitwise tests' kernels (max_seq_len 320)"
-    python3 scripts/tune_sweep.py --model qwen3-0.6b --batch 1 --prompt-len 200 --output-len 48 --max-seq-len 320 \
-      --prebuild-only ${AB_JOBS:+--prebuild-jobs "$AB_JOBS"} --variants "$AB_TEST_KERNELS" || rc=1
+  if [ "${AB_TESTS:-}" != none ] && [ -n "$AB_TEST_KERNELS" ] && [ "$AB_TEST_KERNELS" != none ]; then
+    IFS='|' read -r -a groups <<< "$AB_TEST_KERNELS"
+    for g in "${groups[@]}"; do
+      b=1; v=$g
+      case "$g" in [0-9]*:*) b=${g%%:*}; v=${g#*:} ;; esac
+      echo "== --ab-prebuild: qwen3-0.6b batch $b, the bitwise tests' kernels (max_seq_len 320)"
+      python3 scripts/tune_sweep.py --model qwen3-0.6b --batch "$b" --prompt-len 200 --output-len 48 --max-seq-len 320 \
+        --prebuild-only ${AB_JOBS:+--prebuild-jobs "$AB_JOBS"} --variants "$v" || rc=1
+    done
   fi
   echo "--ab-prebuild: $(du -sh "$MPK_CACHE_DIR" | cut -f1) in $MPK_CACHE_DIR"
   # AB_PACK=FILE.tar.xz: the cache in one archive (cubins shrink ~7x: 1.8 MB -> 0.24 MB), for a carry limit; on the
