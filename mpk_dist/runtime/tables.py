@@ -283,6 +283,7 @@ def smem_bytes(cg, worker_threads: int, weight_ring: bool = False, stage_kv: boo
     ``norm_rows_smem``: room for the batch >= 2 norm prologues' fp32 rows after their staged rows when it fits
     (``fusion.rows_smem_bytes``)."""
     ring = WEIGHT_RING_BYTES if weight_ring else 0
+    limit = HOPPER_MAX_DYNAMIC_SMEM - SMEM_RESERVE - ring  # what a block may take beside the ring
     from mpk_dist.taskgraph.fusion import staging_bytes
     from mpk_dist.taskgraph.lowering_attention import attention_staging_bytes
     from mpk_dist.taskgraph.lowering_attn_prep import split_prep_smem_bytes
@@ -294,7 +295,7 @@ def smem_bytes(cg, worker_threads: int, weight_ring: bool = False, stage_kv: boo
         need = max(need, attention_staging_bytes(cg, kind, worker_threads))
     # Fused linears stage their normalised / silu'd input rows in shared memory when it fits; a
     # tile that does not get the space recomputes per weight row (same bits, slower).
-    need = max(need, staging_bytes(cg, HOPPER_MAX_DYNAMIC_SMEM - SMEM_RESERVE - ring))
+    need = max(need, staging_bytes(cg, limit))
     need = max(need, page_alloc_bytes(cg))
     need = max(need, split_prep_smem_bytes(cg, worker_threads))  # the attn_prep fusion in split programs
     if stage_kv and kv_stage_fits(cg, worker_threads, weight_ring):
@@ -306,7 +307,7 @@ def smem_bytes(cg, worker_threads: int, weight_ring: bool = False, stage_kv: boo
     if norm_rows_smem:
         from mpk_dist.taskgraph.fusion import rows_smem_bytes
 
-        need = max(need, rows_smem_bytes(cg, HOPPER_MAX_DYNAMIC_SMEM - SMEM_RESERVE - ring))
+        need = max(need, rows_smem_bytes(cg, limit))
     from mpk_dist.taskgraph import flag_words
 
     need = max(need, flag_words.smem_bytes(cg))  # the polling norm tiles' gathered rows (0 without flagged copies)

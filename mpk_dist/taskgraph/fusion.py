@@ -295,9 +295,10 @@ def rows_smem_bytes(cg, limit: int) -> int:
     memory (same bits)."""
     from mpk_dist.taskgraph.tasks import kind_params
 
-    p = kind_params(cg, "norm_linear", "BATCH", "K", "N_TILE")
+    p = kind_params(cg, "norm_linear", "BATCH", "K")
     if p is None:
         return 0
-    need = STAGE_OFFSET_BYTES + 4 * p[1] + 4 * p[0] * p[1]
-    fits = need[(need <= limit) & (p[0] >= 2)]
+    batch, k = p
+    need = STAGE_OFFSET_BYTES + 2 * 2 * k + 4 * batch * k  # two bf16 rows (the weights' slot), then the fp32 rows
+    fits = need[(need <= limit) & (batch >= 2)]
     return int(fits.max(initial=0))
