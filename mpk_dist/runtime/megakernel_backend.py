@@ -82,6 +82,10 @@ SWITCHES = (
     # batch >= 2: the norm prologue copies its fp32 rows into shared memory once and reads both of its passes
     # there (csrc/tasks/tile_primitives.cuh rows_smem_issue; more dynamic shared memory, the same bits)
     ("norm_rows_smem", "MPK_NORM_ROWS_SMEM", False),
+    # the launch's room for the tensor-core tiles' split-K partials: the least that keeps every tile's slices
+    # (mpk_dist/runtime/mma_room.py; launch setting, same binary and bits); 0: a fixed room of
+    # tables.MMA_PARTIAL_PAIRS_PER_WARP partials a warp above the staged rows (up to v0.44)
+    ("exact_partials", "MPK_MMA_PARTIAL_EXACT", True),
 )
 """On/off kernel switches read from the environment: (Session keyword, variable, default)."""
 

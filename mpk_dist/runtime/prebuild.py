@@ -24,7 +24,8 @@ TABLE_ONLY = {"prefetch_plan": "MPK_PREFETCH_PLAN", "bulk_prefetch": "MPK_BULK_P
               "min_carveout": "MPK_MIN_CARVEOUT", "prefetch_level_kb": "MPK_PREFETCH_LEVEL_KB",
               "plan_behind_attention": "MPK_PLAN_BEHIND_ATTENTION", "prefetch_next_kb": "MPK_PREFETCH_NEXT_KB",
               "layer_aligned_workers": "MPK_LAYER_ALIGNED_WORKERS",
-              "prefetch_behind_attention_kb": "MPK_PREFETCH_BEHIND_ATTENTION_KB"}
+              "prefetch_behind_attention_kb": "MPK_PREFETCH_BEHIND_ATTENTION_KB",
+              "exact_partials": "MPK_MMA_PARTIAL_EXACT"}
 """Session keyword -> environment variable of the switches that change the task records or the launch, never the
 kernel binary (megakernel_backend.tuning_from_env reads them with the kernel's knobs)."""
 

@@ -175,6 +175,21 @@ def test_norm_rows_smem_leaves_the_logits_bitwise(mma, gpu_results):
                   variant, default, forced_request(NAME, PROMPT, STEPS, batch, 70), gpu_results)
 
 
+def test_exact_partial_room_leaves_the_logits_bitwise(gpu_results):
+    """The launch's exact room for the split-K partials (mpk_dist/runtime/mma_room.py, the default) is smaller than
+    the fixed one (MPK_MMA_PARTIAL_EXACT=0) and every tensor-core tile takes the same slices in it: the same binary,
+    the same logits bit for bit. Batch 8 on tensor cores with the silu epilogue, so plain, staged and pair tiles
+    all run."""
+    env = {"MPK_LINEAR_MMA": "1", "MPK_FUSE_SILU_EPI": "1"}
+    exact, fixed = megakernel_with_env(NAME, env), megakernel_with_env(NAME, {**env, "MPK_MMA_PARTIAL_EXACT": "0"})
+    a, b = exact.session(8), fixed.session(8)
+    assert a.build.path == b.build.path, "a launch setting made another binary"
+    assert a.smem < b.smem, f"the exact room ({a.smem} B) is not smaller than the fixed one ({b.smem} B)"
+    assert "norm_linear_silu" in {o["kind"] for o in a.cg.meta["ops"]}
+    check_bitwise(f"MPK_MMA_PARTIAL_EXACT=0 vs default, {env}, {NAME} b8 prompt {PROMPT}", NAME, fixed, exact,
+                  forced_request(NAME, PROMPT, STEPS, 8, 70), gpu_results)
+
+
 @pytest.mark.parametrize("batch", [1, 2])
 def test_silu_epilogue_leaves_the_logits_bitwise(batch, gpu_results):
     """silu_mul as the gate|up projection's epilogue (norm_linear_silu tiles; the default at batch 1, asked for with

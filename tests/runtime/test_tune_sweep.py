@@ -100,7 +100,7 @@ def test_table_only_names_every_record_level_switch():
     on = {"MPK_PREFETCH_PLAN": "0", "MPK_BULK_PREFETCH": "1", "MPK_PREFETCH_AHEAD": "1", "MPK_ATTN_STAGE_KV": "1",
           "MPK_MIN_CARVEOUT": "1", "MPK_PREFETCH_LEVEL_KB": "128", "MPK_PLAN_BEHIND_ATTENTION": "1",
           "MPK_PREFETCH_NEXT_KB": "256", "MPK_LAYER_ALIGNED_WORKERS": "1",
-          "MPK_PREFETCH_BEHIND_ATTENTION_KB": "0"}
+          "MPK_PREFETCH_BEHIND_ATTENTION_KB": "0", "MPK_MMA_PARTIAL_EXACT": "0"}
     for key, var in TABLE_ONLY.items():
         assert key in tuning_from_env(512, {var: on[var]}), (key, var)
     assert set(TABLE_ONLY.values()) == set(on)
