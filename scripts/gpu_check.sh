@@ -99,20 +99,21 @@ done
 # (sm_read_bw above: 132 SMs read L2 only ~10% faster than HBM there), split-KV 2-16 ranges 2.6-9% slower (with the
 # tensor-core split walk, -DMPK_ATTN_SPLIT_MMA_WALK=1, still 1.6% slower at best), the same workers for an op in every
 # layer (MPK_LAYER_ALIGNED_WORKERS=1) and d1 within -0.2%. Session 48 (v0.43, H100, qwen3-8b batch 8): the silu
-# epilogue (j1) +4.3%; the norm prologue's two passes ~2.4% each (side branch diag-norm-prologue). The default below is
-# the A/B built then and not yet run: the norm weights copied before the rows' statistic (-DMPK_NORM_PARAMS_FIRST=1) at
-# AB_BATCH 8, and (session 49) the rows themselves copied into shared memory once (MPK_NORM_ROWS_SMEM=1), with their
-# bitwise tests (batch 4, batch 8 on tensor cores; their kernels built on the GPU machine). Every
-# variant above was measured (docs/PERF.md v0.32-v0.43) and stays reachable through AB_VARIANTS, AB_MODELS and AB_BATCH
-# (AB_MODELS=qwen3-0.6b AB_BATCH=1 for the small-preset ones; AB_TESTS="one_round or ..." for their bitwise tests).
-AB_VARIANTS=${AB_VARIANTS:-"base;-DMPK_NORM_PARAMS_FIRST=1;MPK_NORM_ROWS_SMEM=1"}
+# epilogue (j1) +4.3%; the norm prologue's two passes ~2.4% each (side branch diag-norm-prologue). Session 50 (v0.45,
+# H100, qwen3-8b batch 8): the norm weights copied before the rows' statistic +0.9%, the rows copied into shared memory
+# +3.9% (both removed since). The default below: the silu epilogue (j1) against base at AB_BATCH 8 in session 50's
+# exact split-K partial room (MPK_MMA_PARTIAL_EXACT, default on), which keeps j1's launch under the SM's 100 KB
+# shared-memory step that the fixed room pushed it past. Every variant above still in the code was measured
+# (docs/PERF.md v0.32-v0.45) and stays reachable through AB_VARIANTS, AB_MODELS and AB_BATCH (AB_MODELS=qwen3-0.6b
+# AB_BATCH=1 for the small-preset ones; AB_TESTS="one_round or ..." for their bitwise tests).
+AB_VARIANTS=${AB_VARIANTS:-"base;j1"}
 AB_MODELS=${AB_MODELS:-"qwen3-8b"}
 AB_BATCH=${AB_BATCH:-8}
 # AB_TEST_KERNELS: the bitwise tests' qwen3-0.6b kernel variants to prebuild, groups "BATCH:V1;V2;..." joined by
 # "|" (a group without "BATCH:" is batch 1; session 38-47's were "base;-DMPK_NORM_ONE_ROUND=0;
-# -DMPK_SUPEROPT_NORM_LINEAR=0;-DMPK_LONG_ROWS=1;o0;q1"); none: none. The default: the norm prologue tests' (batch 4
-# scalar and default, batch 8 on tensor cores).
-AB_TEST_KERNELS=${AB_TEST_KERNELS:-"4:base;-DMPK_NORM_PARAMS_FIRST=1;m0;m0,MPK_NORM_ROWS_SMEM=1|8:m1;m1,-DMPK_NORM_PARAMS_FIRST=1;m1,MPK_NORM_ROWS_SMEM=1"}
+# -DMPK_SUPEROPT_NORM_LINEAR=0;-DMPK_LONG_ROWS=1;o0;q1"); none: none. The default: the exact partial room test's
+# (batch 8 on tensor cores with the silu epilogue, in the exact and the fixed room: one binary, a launch setting).
+AB_TEST_KERNELS=${AB_TEST_KERNELS:-"8:m1,j1;m1,j1,MPK_MMA_PARTIAL_EXACT=0"}
 if [ $AB_PREBUILD -eq 1 ]; then
   mkdir -p "$MPK_CACHE_DIR"
   rc=0
@@ -237,7 +238,7 @@ if [ $AB -eq 1 ]; then
       --output-json "$OUT/ab_sweep_$m.json"
   done
   [ "${AB_TESTS:-}" != none ] && step ab_bitwise "${AB_LIMIT:-540}" python3 -m pytest -q -m gpu tests/runtime/test_code_variants_gpu.py -k \
-    "${AB_TESTS:-NORM_PARAMS_FIRST or norm_rows_smem}"
+    "${AB_TESTS:-exact_partial}"
   # AB_BLOCKS=0 skips the two-blocks-per-SM tests (their kernels build on the GPU machine: ~1-2 min)
   [ "${AB_TESTS:-}" != none ] && [ "${AB_BLOCKS:-1}" = 1 ] && step ab_blocks_per_sm "${AB_LIMIT:-300}" python3 -m pytest -q -m gpu tests/runtime/test_blocks_per_sm_gpu.py
   summary "gpu_check --ab summary"

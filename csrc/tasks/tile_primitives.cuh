@@ -124,32 +124,6 @@ __device__ __forceinline__ void rows_sum_sq(const RowPtr& row, int K, float* sme
   worker_barrier(nt);  // every thread has read the partials before the rows are staged over them
 }
 
-// st[b * K + k ..] = vector(b, k) for rows b < kB, every k = tid * 8 + m * nt * 8 < K: up to kStageVectors vectors'
-// loads (rows, then k steps when there are fewer rows) issued before any of their stores. Each thread stores only
-// its own positions, and every vector of a step is loaded before that step's stores (stage_rows_params_first
-// relies on it: its vectors read a slot its last row overwrites).
-template <int kB, class Vector>
-__device__ __forceinline__ void stage_rows_batched(bf16* st, int K, const Vector& vector, int tid, int nt) {
-  constexpr int kRows = kB < kStageVectors ? kB : kStageVectors;  // rows a batch covers
-  constexpr int kSteps = kStageVectors / kRows;                   // k steps a batch covers
-  for (int b0 = 0; b0 < kB; b0 += kRows) {
-    for (int k0 = tid * 8; k0 < K; k0 += kSteps * nt * 8) {
-      uint4 v[kSteps][kRows];
-#pragma unroll
-      for (int j = 0; j < kSteps; ++j)
-#pragma unroll
-        for (int r = 0; r < kRows; ++r)
-          if (k0 + j * nt * 8 < K && b0 + r < kB) v[j][r] = vector(b0 + r, k0 + j * nt * 8);
-#pragma unroll
-      for (int j = 0; j < kSteps; ++j)
-#pragma unroll
-        for (int r = 0; r < kRows; ++r)
-          if (k0 + j * nt * 8 < K && b0 + r < kB)
-            *reinterpret_cast<uint4*>(st + (size_t)(b0 + r) * K + k0 + j * nt * 8) = v[j][r];
-    }
-  }
-}
-
 // st[b * K + k ..] = make_row(b).load8(k) for rows b < kB: up to kStageVectors vectors' loads (rows, then
 // k steps when there are fewer rows) before their stores. Each vector is computed as stage_row computes it.
 template <int kB, class MakeRow>
@@ -162,131 +136,22 @@ __device__ __forceinline__ void stage_rows(bf16* st, int K, const MakeRow& make_
     for (int b = 0; b < kB; ++b) stage_row(st + (size_t)b * K, K, make_row(b), tid, nt);
     return;
   }
-  stage_rows_batched<kB>(st, K, [&](int b, int k) { return make_row(b).load8(k); }, tid, nt);
-}
-
-// ---- the parameter first (MPK_NORM_PARAMS_FIRST, batch >= 2) ----
-// Why: stage_rows loads every row's vectors and the parameter's (the norm weights every row shares) after the
-// statistic, so the parameter's L2 round trip comes after rows_sum_sq's. Removing the whole staging pass took a
-// qwen3-8b batch-8 step 2.3% (docs/PERF.md v0.43, -DMPK_DIAG_NORM_STAGE), though the rows themselves were
-// just read. Here the parameter's vectors are copied (cp.async) into the last row's staging slot before the
-// statistic's loads; the staging pass then reads them there (the batch-1 form is stage_row_fetch_first).
-// Each thread copies, reads back and overwrites only its own vectors (k = tid * 8 + m * nt * 8: stage_rows'
-// positions), after cp_async_wait_all and before its store to that slot, so no barrier is needed. Same values
-// in the same order: the same bits. 0 (default): stage_rows as before (the A/B baseline).
-#ifndef MPK_NORM_PARAMS_FIRST
-#define MPK_NORM_PARAMS_FIRST 0
-#endif
-
-// Whether the last row's slot (the parameter's copies) lies past rows_sum_sq's partials (kB x warps floats).
-template <int kB>
-__device__ __forceinline__ bool params_slot_ok(int K, int nt) {
-  return MPK_NORM_PARAMS_FIRST && kB >= 2 &&
-         (size_t)(kB - 1) * (size_t)K * sizeof(bf16) >= (size_t)kB * (size_t)(nt >> 5) * sizeof(float);
-}
-
-// Copy the parameter's vectors into row kB - 1's slot when params_slot_ok; returns whether it did.
-// MakeRow(b).params_at(k): the parameter's 8 values at k (the operand's one shared input).
-template <int kB, class MakeRow>
-__device__ __forceinline__ bool params_first_issue(bf16* st, int K, const MakeRow& make_row, int tid, int nt) {
-  if (!params_slot_ok<kB>(K, nt)) return false;
-  bf16* slot = st + (size_t)(kB - 1) * K;
-#pragma unroll 1
-  for (int k = tid * 8; k < K; k += nt * 8) cp_async16(slot + k, make_row(0).params_at(k));
-  return true;
-}
-
-// stage_rows with the parameter read from row kB - 1's slot (params_first_issue): each vector is
-// make_row(b).finish(slot[k], k, r), which equals make_row(b).load8(k). stage_rows_batched loads every row's vector
-// of a k step before that step's stores, so row kB - 1's store does not overwrite a slot a later load reads.
-template <int kB, class MakeRow>
-__device__ __forceinline__ void stage_rows_params_first(bf16* st, int K, const MakeRow& make_row, int tid, int nt) {
-  cp_async_wait_all();  // this thread's copies: it reads only its own slots
-  const bf16* slot = st + (size_t)(kB - 1) * K;
-  stage_rows_batched<kB>(st, K, [&](int b, int k) {
-    const auto row = make_row(b);
-    return row.finish(*reinterpret_cast<const uint4*>(slot + k), k, row.r);
-  }, tid, nt);
-}
-
-// ---- the rows copied into shared memory first (MPK_NORM_ROWS_SMEM, batch >= 2) ----
-// Why: the staged prologue reads every fp32 row twice from L2 (rows_sum_sq, then stage_rows), 128 KB a tile at
-// qwen3-8b batch 8, and each pass took ~2.3% of the step (docs/PERF.md v0.43, the DIAG rows). Here one round of
-// cp.async copies brings the rows and the parameter (the norm weights) into shared memory; both passes then read
-// them there. The statistic's and the staging's loops are unchanged (the same elements in the same order, read
-// from another address): the same bits. 0 (default): off.
-// Layout, in bytes from the staging base st (K elements a row):
-//   [0, 2K)            bf16 row 0 once staged (rows_sum_sq's kB x warps partials before that)
-//   [2K, 4K)           the parameter's copies, then bf16 row 1 (each thread overwrites only its own vectors)
-//   [4K, 4K + 4 kB K)  the fp32 rows; bf16 row b >= 2 lands on fp32 row (b - 2) / 2, an earlier row
-// so the staged rows overwrite rows already read: rows_smem_bytes is 4K + 4 kB K bytes past the scratch, not 6 kB K
-// (the shared memory a launch takes from L1: docs/ARCHITECTURE.md, "dynamic shared memory"). stage_rows_in_place
-// loads every row's vectors before a barrier and stores after it, so it needs one k step a thread: K <= 8 nt.
-// The MMA partials may later overwrite the copies: they are dead once the rows are staged.
-#ifndef MPK_NORM_ROWS_SMEM
-#define MPK_NORM_ROWS_SMEM 0
-#endif
-
-// Bytes of dynamic shared memory up to the end of the copied fp32 rows (the layout above; the host's
-// fusion.rows_smem_bytes asks the launch for as much).
-__host__ __device__ __forceinline__ uint32_t rows_smem_bytes(int B, int K) {
-  return kStageOffset * (uint32_t)sizeof(float) + 2u * (uint32_t)K * (uint32_t)sizeof(bf16) +
-         (uint32_t)B * (uint32_t)K * (uint32_t)sizeof(float);
-}
-
-// Whether the copies are on and fit: the launch's room, one k step a thread, the partials below the parameter.
-template <int kB>
-__device__ __forceinline__ bool rows_smem_ok(int K, int nt) {
-  return MPK_NORM_ROWS_SMEM && kB >= 2 && rows_smem_bytes(kB, K) <= smem_below_ring() && K <= 8 * nt &&
-         (size_t)K * sizeof(bf16) >= (size_t)kB * (size_t)(nt >> 5) * sizeof(float);
-}
-
-// Copy the parameter's vectors to st + K and rows row(b)[0..K) for b < kB to st + 2K (bf16 elements), wait for
-// them and for the other threads' (a barrier: each thread reads other threads' copies); returns the copied rows
-// (row b at + b * K), or nullptr when rows_smem_ok is false (nothing issued).
-template <int kB, class RowPtr, class MakeRow>
-__device__ __forceinline__ const float* rows_smem_issue(bf16* st, int K, const RowPtr& row, const MakeRow& make_row,
-                                                        int tid, int nt) {
-  if (!rows_smem_ok<kB>(K, nt)) return nullptr;
-  float* xs = reinterpret_cast<float*>(st + 2 * (size_t)K);  // 16-byte aligned: K % 8 == 0 (host-checked)
-  bf16* slot = st + K;
-  for (int k = tid * 8; k < K; k += nt * 8) cp_async16(slot + k, make_row(0).params_at(k));
-#pragma unroll
-  for (int b = 0; b < kB; ++b)
-#pragma unroll 1
-    for (int k = tid * 4; k < K; k += nt * 4) cp_async16(xs + (size_t)b * K + k, row(b) + k);
-  cp_async_wait_all();
-  worker_barrier(nt);  // every thread's copies have landed before any thread reads a row
-  return xs;
-}
-
-// stage_rows_params_first over the layout above (rows_smem_issue gave xs): each thread loads its vector of a batch
-// of rows (make_row(b).finish on the parameter's copy at st + K), then a barrier, so every thread has read those
-// fp32 rows before any staged row overwrites one, then the stores. K <= 8 nt: one vector a row a thread. Staged row
-// b lands on fp32 row (b - 2) / 2, read in b's batch or an earlier one (before that batch's barrier), and no
-// batch's stores reach a row of a later batch, so batches of any size are safe (kStageVectors rows, as stage_rows).
-template <int kB, class MakeRow>
-__device__ __forceinline__ void stage_rows_in_place(bf16* st, int K, const MakeRow& make_row, int tid, int nt) {
-  constexpr int kRows = kB < kStageVectors ? kB : kStageVectors;
-  // A thread past K computes the vectors at k = 0 and stores nothing: no branch around the loads, so the vectors
-  // stay in registers across the barrier (with the loads under `mine`, ptxas kept them in local memory: 28 spill
-  // stores in run_norm_linear at batch 8, 512 threads; none now, nvdisasm).
-  const bool mine = tid * 8 < K;
-  const int k = mine ? tid * 8 : 0;
-  const uint4 param = *reinterpret_cast<const uint4*>(st + K + k);
-#pragma unroll
+  constexpr int kRows = kB < kStageVectors ? kB : kStageVectors;  // rows a batch covers
+  constexpr int kSteps = kStageVectors / kRows;                   // k steps a batch covers
   for (int b0 = 0; b0 < kB; b0 += kRows) {
-    uint4 v[kRows];
+    for (int k0 = tid * 8; k0 < K; k0 += kSteps * nt * 8) {
+      uint4 v[kSteps][kRows];
 #pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-      const auto row = make_row(b0 + r < kB ? b0 + r : 0);
-      v[r] = row.finish(param, k, row.r);
-    }
-    worker_barrier(nt);  // every thread's loads of these rows are done before any store lands on a copied row
-    if (mine) {
+      for (int j = 0; j < kSteps; ++j)
 #pragma unroll
-      for (int r = 0; r < kRows; ++r)
-        if (b0 + r < kB) *reinterpret_cast<uint4*>(st + (size_t)(b0 + r) * K + k) = v[r];
+        for (int r = 0; r < kRows; ++r)
+          if (k0 + j * nt * 8 < K && b0 + r < kB) v[j][r] = make_row(b0 + r).load8(k0 + j * nt * 8);
+#pragma unroll
+      for (int j = 0; j < kSteps; ++j)
+#pragma unroll
+        for (int r = 0; r < kRows; ++r)
+          if (k0 + j * nt * 8 < K && b0 + r < kB)
+            *reinterpret_cast<uint4*>(st + (size_t)(b0 + r) * K + k0 + j * nt * 8) = v[j][r];
     }
   }
 }

@@ -79,9 +79,6 @@ SWITCHES = (
     # the code-size variants (codegen.CODE_SIZE_DEFINES; same bits); default (None): batch-1 programs at unroll 4
     # (tables.default_compact_code), set 0 or 1 to force
     ("compact_code", "MPK_COMPACT_CODE", None),
-    # batch >= 2: the norm prologue copies its fp32 rows into shared memory once and reads both of its passes
-    # there (csrc/tasks/tile_primitives.cuh rows_smem_issue; more dynamic shared memory, the same bits)
-    ("norm_rows_smem", "MPK_NORM_ROWS_SMEM", False),
     # the launch's room for the tensor-core tiles' split-K partials: the least that keeps every tile's slices
     # (mpk_dist/runtime/mma_room.py; launch setting, same binary and bits); 0: a fixed room of
     # tables.MMA_PARTIAL_PAIRS_PER_WARP partials a warp above the staged rows (up to v0.44)

@@ -95,8 +95,7 @@ class Session:
                  weight_evict_first: bool = False, compact_code: bool | None = None,
                  prefetch_level_kb: int | None = None, blocks_per_sm: int = 1, plan_behind_attention: bool = False,
                  prefetch_next_kb: int | None = None, layer_aligned_workers: bool = False,
-                 prefetch_behind_attention_kb: int | None = None, norm_rows_smem: bool = False,
-                 exact_partials: bool = True):
+                 prefetch_behind_attention_kb: int | None = None, exact_partials: bool = True):
         if cg.meta["abi_version"] != ABI_VERSION:
             raise InputError(f"task graph ABI: expected version {ABI_VERSION}, got {cg.meta['abi_version']}")
         tables.check_supported(cg)
@@ -123,7 +122,7 @@ class Session:
                              linear_mma=linear_mma, linear_tma=linear_tma, linear_pipe=linear_pipe,
                              attn_prefetch=attn_prefetch, load_ahead=load_ahead,
                              weight_evict_first=weight_evict_first, compact_code=compact_code,
-                             blocks_per_sm=blocks_per_sm, norm_rows_smem=norm_rows_smem)
+                             blocks_per_sm=blocks_per_sm)
         self.source, self.build = build_kernel(shape, model=model,
                                                rank=self.rank, world=self.world, input_hash=tables_hash(cg.arrays),
                                                compiler=compiler, program=cg)
@@ -134,8 +133,8 @@ class Session:
         # Record-level: split-KV tiles stage their cache rows in shared memory when the stage fits.
         self.stage_kv = attn_stage_kv and tables.kv_stage_fits(cg, worker_threads, weight_ring=linear_tma)
         self.smem = tables.smem_bytes(cg, worker_threads, weight_ring=linear_tma, stage_kv=self.stage_kv,
-                                      linear_mma=shape.linear_mma, norm_rows_smem=norm_rows_smem,
-                                      linear_unroll=shape.linear_unroll, exact_partials=exact_partials)
+                                      linear_mma=shape.linear_mma, linear_unroll=shape.linear_unroll,
+                                      exact_partials=exact_partials)
         t0 = time.perf_counter()
         self.kernel = LoadedKernel(self.build.cubin, device.index or 0, self.block_threads, self.smem,
                                    min_carveout=min_carveout)

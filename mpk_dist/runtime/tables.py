@@ -275,16 +275,13 @@ def mma_partial_room(cg, worker_threads: int, weight_ring: bool = False) -> int:
 
 
 def smem_bytes(cg, worker_threads: int, weight_ring: bool = False, stage_kv: bool = False,
-               linear_mma: bool = False, norm_rows_smem: bool = False, linear_unroll: int = 8,
-               exact_partials: bool = True) -> int:
+               linear_mma: bool = False, linear_unroll: int = 8, exact_partials: bool = True) -> int:
     """Dynamic shared memory per worker block: the largest need over the task bodies, plus the weight
     ring at the end when ``weight_ring`` (MPK_LINEAR_TMA; the staging budget shrinks by as much);
     ``stage_kv``: room for the split-KV tiles' cache-row stage when it fits (``kv_stage_fits``);
     ``linear_mma``: the linear tiles run on tensor cores, room for their split-K partials: with ``exact_partials``
     (MPK_MMA_PARTIAL_EXACT, default) the least that keeps every tile's slices (``mma_room.partial_room``, at the
-    kernel's ``linear_unroll``), else a fixed ``mma_partial_room``;
-    ``norm_rows_smem``: room for the batch >= 2 norm prologues' fp32 rows after their staged rows when it fits
-    (``fusion.rows_smem_bytes``)."""
+    kernel's ``linear_unroll``), else a fixed ``mma_partial_room``."""
     ring = WEIGHT_RING_BYTES if weight_ring else 0
     limit = HOPPER_MAX_DYNAMIC_SMEM - SMEM_RESERVE - ring  # what a block may take beside the ring
     from mpk_dist.taskgraph.fusion import staging_bytes
@@ -305,10 +302,6 @@ def smem_bytes(cg, worker_threads: int, weight_ring: bool = False, stage_kv: boo
         from mpk_dist.taskgraph.lowering_attention import kv_stage_smem_bytes
 
         need = max(need, kv_stage_smem_bytes(cg, worker_threads))
-    if norm_rows_smem:
-        from mpk_dist.taskgraph.fusion import rows_smem_bytes
-
-        need = max(need, rows_smem_bytes(cg, limit))
     from mpk_dist.taskgraph import flag_words
 
     flags = flag_words.smem_bytes(cg)  # the polling norm tiles' gathered rows (0 without flagged copies)

@@ -184,11 +184,9 @@ def _map(m) -> str:
     return "[" + ",".join("φ" if v is None else str(v) for v in m) + "]"
 
 
-def _row_init(p: GemvPlan, abi: KindAbi, r: str = "r", rows: dict | None = None) -> str:
-    """The operand struct's initialiser at batch row b; ``r``: the row factor's expression (with a factor);
-    ``rows``: µGraph input name -> another C expression of its row pointer (the rows copied to shared memory)."""
-    rows = rows or {}
-    vals = [rows.get(p.inputs[loc]["name"], abi.rows[p.inputs[loc]["name"]][1]) for loc in _used(p.operand)]
+def _row_init(p: GemvPlan, abi: KindAbi, r: str = "r") -> str:
+    """The operand struct's initialiser at batch row b; ``r``: the row factor's expression (with a factor)."""
+    vals = [abi.rows[p.inputs[loc]["name"]][1] for loc in _used(p.operand)]
     return ", ".join(vals + ([r] if p.factor is not None else []))
 
 
@@ -221,36 +219,14 @@ def _staged(p: GemvPlan, abi: KindAbi, consts: _Consts, struct: str) -> list:
                   "  } else {",
                   f"    // acc {stat.acc} = sum over the loop of:"]
         lines += [f"    //   {op_text(o)}" for o in stat.ops]
-        fetch = _fetch_first(p, abi)
-        rows = {}
-        if fetch:  # the parameter's copies ahead of the statistic (tile::params_first_issue, MPK_NORM_PARAMS_FIRST)
-            init0 = _row_init(p, abi, '0.f')
-            # the rows themselves copied into shared memory first (tile::rows_smem_issue, MPK_NORM_ROWS_SMEM):
-            # then both passes read them there; nullptr (the default build) keeps the global rows
-            lines += [f"    const float* xs = tile::rows_smem_issue<kB>(st, K, [&](int b) {{ return {x}; }}, "
-                      f"[&](int b) {{ return {struct}{{{init0}}}; }}, tid, nt);",
-                      f"    const bool params_first = xs == nullptr && tile::params_first_issue<kB>(st, K, [&](int b) {{ "
-                      f"return {struct}{{{init0}}}; }}, tid, nt);"]
-            rows = {p.inputs[stat.src_input]["name"]: f"(xs != nullptr ? xs + (size_t)b * K : {x})"}
-        row_x = rows.get(p.inputs[stat.src_input]["name"], x)
         lines += [f"    float {stat.acc}[kB];",
-                  f"    tile::rows_sum_sq<kB>([&](int b) {{ return {row_x}; }}, K, smem, {stat.acc}, tid, nt);",
+                  f"    tile::rows_sum_sq<kB>([&](int b) {{ return {x}; }}, K, smem, {stat.acc}, tid, nt);",
                   "    // post ops, as a row factor r = 1 / p applied before the matmul (reference rounding):"]
         lines += [f"    //   {op_text(o)}" for o in p.factor.ops]
         lines += ["    float r[kB];", "#pragma unroll",
-                  f"    for (int b = 0; b < kB; ++b) r[b] = rsqrtf({_prog(p.factor.inner_prog, f'{stat.acc}[b]', consts)});"]
-        make_row = f"[&](int b) {{ return {struct}{{{_row_init(p, abi, 'r[b]', rows)}}}; }}"
-        if fetch:
-            lines += ["    if (xs != nullptr) {  // the rows and the parameter in shared memory: staged over them",
-                      f"      tile::stage_rows_in_place<kB>(st, K, {make_row}, tid, nt);",
-                      "    } else if (params_first) {",
-                      f"      tile::stage_rows_params_first<kB>(st, K, {make_row}, tid, nt);",
-                      "    } else {",
-                      f"      tile::stage_rows<kB>(st, K, {make_row}, tid, nt);",
-                      "    }"]
-        else:
-            lines.append(f"    tile::stage_rows<kB>(st, K, {make_row}, tid, nt);")
-        lines.append("  }")
+                  f"    for (int b = 0; b < kB; ++b) r[b] = rsqrtf({_prog(p.factor.inner_prog, f'{stat.acc}[b]', consts)});",
+                  f"    tile::stage_rows<kB>(st, K, [&](int b) {{ return {struct}{{{_row_init(p, abi, 'r[b]')}}}; }}, tid, nt);",
+                  "  }"]
     lines += ["  worker_barrier(nt);  // the staged rows are complete before any warp reads them",
               f"  // {op_text(p.matmul)}",
               f"  // acc {p.acc['out']} = sum({p.acc['src']}); out {p.output['src']} -> {p.output['name']} "

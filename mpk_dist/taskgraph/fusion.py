@@ -285,20 +285,3 @@ def staging_bytes(cg, limit: int) -> int:
         fits = need[need <= limit]
         best = max(best, int(fits.max(initial=0)))
     return best
-
-
-def rows_smem_bytes(cg, limit: int) -> int:
-    """Dynamic shared memory the norm_linear tiles of a compiled program want when their batch >= 2 prologue
-    copies its fp32 rows and norm weights into shared memory (csrc/tasks/tile_primitives.cuh rows_smem_bytes: the
-    reduction scratch, two rows of K bf16, then B*K fp32, which the staged bf16 rows overwrite), the largest such
-    need that is <= ``limit``; 0 without such tiles. A tile the launch gives less keeps reading the rows from global
-    memory (same bits)."""
-    from mpk_dist.taskgraph.tasks import kind_params
-
-    p = kind_params(cg, "norm_linear", "BATCH", "K")
-    if p is None:
-        return 0
-    batch, k = p
-    need = STAGE_OFFSET_BYTES + 2 * 2 * k + 4 * batch * k  # two bf16 rows (the weights' slot), then the fp32 rows
-    fits = need[(need <= limit) & (batch >= 2)]
-    return int(fits.max(initial=0))

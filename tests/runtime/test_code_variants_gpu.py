@@ -14,12 +14,6 @@ the arithmetic, so the logits must equal the default build's bit for bit and sta
 - ``-DMPK_STAGE_ROWS_TOGETHER=0``: the generated fused bodies' staged path row by row (the default computes every
   batch row's norm statistic in one block reduction and issues several rows' operand loads before their stores;
   csrc/tasks/tile_primitives.cuh rows_sum_sq, stage_rows). Also at batch 8 under MPK_LINEAR_MMA=1.
-- ``-DMPK_NORM_PARAMS_FIRST=1`` (off; a measurement variant): the generated norm bodies' staged path above one row
-  copies the norm weights into the last row's staging slot before the rows' statistic and reads them there when it
-  stages the rows (csrc/tasks/tile_primitives.cuh params_first_issue, stage_rows_params_first). Batch 4, and batch 8
-  under MPK_LINEAR_MMA=1 (batch 1 takes the one-round prologue instead and is unchanged by it).
-- ``MPK_NORM_ROWS_SMEM=1`` (off; a measurement switch): the same path copies the fp32 rows into shared memory once
-  and both its passes read them there (tile_primitives.cuh rows_smem_issue); batch 4, and batch 8 on tensor cores.
 - ``-DMPK_ROPE_SINCOS=0``: the rope angle's cosine and sine from cosf and sinf (the default calls sincosf once;
   csrc/tasks/common.cuh rope_cos_sin).
 - ``-DMPK_MERGE_LOADS_AHEAD=0``: the split-KV head merge's loop as it was, each range's acc and l loads behind its m
@@ -84,13 +78,13 @@ NAME = "qwen3-0.6b"
 PROMPT = 200
 STEPS = 48
 VARIANTS = ["-DMPK_ATTN_GUARD_HEADS=1", "-DMPK_PARAMS_SMEM=0", "-DMPK_ROPE_EXACT_PAIRS=0 -DMPK_PREP_ONE_SITE=0",
-            "-DMPK_PREP_POS_LATE=0", "-DMPK_STAGE_ROWS_TOGETHER=0", "-DMPK_NORM_PARAMS_FIRST=1", "-DMPK_ROPE_SINCOS=0", "-DMPK_PREFETCH_ONE_SITE=0",
+            "-DMPK_PREP_POS_LATE=0", "-DMPK_STAGE_ROWS_TOGETHER=0", "-DMPK_ROPE_SINCOS=0", "-DMPK_PREFETCH_ONE_SITE=0",
             "-DMPK_SMALL_KINDS_OUTLINED=0", "-DMPK_MERGE_LOADS_AHEAD=0", "-DMPK_LONG_ROWS=1",
             "-DMPK_SPLIT_PREP_SEQ_OUTLINED=0", "-DMPK_ATTN_WALK_PREFETCH=1 -DMPK_ATTN_WALK_MARKS=1"]
 CODE_SIZE_VARIANTS = ["-DMPK_STAGE_ROW_ROLLED=1", "-DMPK_ROPE_NEAR=1", "-DMPK_ROWWISE_OUTLINED=1"]  # batch 4: off there
 # kernel switches of the same kind (environment, not -D), batch 1; MPK_COMPACT_CODE=0: the code-size variants off
 SWITCHES = [{"MPK_WEIGHT_EVICT_FIRST": "1"}, {"MPK_COMPACT_CODE": "0"}]
-MMA_VARIANTS = ["-DMPK_MMA_X_AHEAD=0", "-DMPK_STAGE_ROWS_TOGETHER=0", "-DMPK_NORM_PARAMS_FIRST=1"]
+MMA_VARIANTS = ["-DMPK_MMA_X_AHEAD=0", "-DMPK_STAGE_ROWS_TOGETHER=0"]
 
 
 def session_with_flags(backend, batch: int, flags: str):
@@ -155,24 +149,6 @@ def test_switch_leaves_the_logits_bitwise(env, gpu_results):
         assert "#define MPK_ROPE_NEAR 1" not in variant.session(1).source
     check_bitwise(f"{env} vs default, {NAME} b1 prompt {PROMPT}", NAME, variant, default,
                   forced_request(NAME, PROMPT, STEPS, 1, 70), gpu_results)
-
-
-@pytest.mark.parametrize("mma", ["0", "1"])
-def test_norm_rows_smem_leaves_the_logits_bitwise(mma, gpu_results):
-    """MPK_NORM_ROWS_SMEM=1: the batch >= 2 norm prologue reads its rows from one copy in shared memory
-    (tile_primitives.cuh rows_smem_issue); the launch has room for it (else the kernel keeps the global rows and
-    this would compare the default with itself). Batch 4 on the scalar tiles, batch 8 on tensor cores."""
-    from mpk_dist.runtime.tables import HOPPER_MAX_DYNAMIC_SMEM, SMEM_RESERVE
-    from mpk_dist.taskgraph.fusion import rows_smem_bytes
-
-    batch, env = (8, {"MPK_LINEAR_MMA": "1"}) if mma == "1" else (4, {"MPK_LINEAR_MMA": "0"})
-    variant, default = megakernel_with_env(NAME, {**env, "MPK_NORM_ROWS_SMEM": "1"}), megakernel_with_env(NAME, env)
-    sess = variant.session(batch)
-    assert sess.build.path != default.session(batch).build.path, "MPK_NORM_ROWS_SMEM=1 did not make another binary"
-    need = rows_smem_bytes(sess.cg, HOPPER_MAX_DYNAMIC_SMEM - SMEM_RESERVE)
-    assert need > 0 and sess.smem >= need, f"the launch's {sess.smem} B of shared memory leave no room for the rows"
-    check_bitwise(f"MPK_NORM_ROWS_SMEM=1 vs default, MPK_LINEAR_MMA={mma}, {NAME} b{batch} prompt {PROMPT}", NAME,
-                  variant, default, forced_request(NAME, PROMPT, STEPS, batch, 70), gpu_results)
 
 
 def test_exact_partial_room_leaves_the_logits_bitwise(gpu_results):

@@ -69,28 +69,6 @@ def test_norm_operand_splits_its_parameter_load_for_the_one_round_prologue(best)
     assert "params_at" not in silu and "MPK_NORM_ONE_ROUND" not in silu and "uint4 load8(int k) const {" in silu
 
 
-def test_norm_staged_path_above_one_row_copies_the_parameter_before_the_statistic(best):
-    """Above one row the norm body copies the rows into shared memory (tile::rows_smem_issue, a no-op unless
-    MPK_NORM_ROWS_SMEM) and else the parameter (tile::params_first_issue, a no-op unless MPK_NORM_PARAMS_FIRST)
-    before the rows' statistic; the statistic and the staged rows read the copies when there are some, and the
-    rows are staged from the parameter's copies when it did, else as before; the silu body (no row factor, no
-    parameter step) renders none of it."""
-    text = render(best("norm_linear"), "norm_linear")
-    staged = text[text.index("} else {"):text.index("worker_barrier(nt);  // the staged rows")]
-    rows = staged.index("const float* xs = tile::rows_smem_issue<kB>(st, K, [&](int b) { return x + (size_t)b * ldx; }")
-    issue = staged.index("const bool params_first = xs == nullptr && tile::params_first_issue<kB>(st, K,")
-    stat = staged.index("tile::rows_sum_sq<kB>([&](int b) { return (xs != nullptr ? xs + (size_t)b * K : "
-                        "x + (size_t)b * ldx); }")
-    assert rows < issue < stat < staged.index("if (xs != nullptr) {")
-    assert staged.count("(xs != nullptr ? xs + (size_t)b * K : x + (size_t)b * ldx), nw, r[b]") == 3  # every staging
-    branch = staged[staged.index("if (xs != nullptr) {"):]
-    assert branch.index("tile::stage_rows_in_place<kB>(st, K,") < branch.index("} else if (params_first) {") \
-        < branch.index("tile::stage_rows_params_first<kB>(st, K,") < branch.index("} else {") \
-        < branch.index("tile::stage_rows<kB>(st, K,")
-    silu = render(best("silu_linear"), "silu_linear")
-    assert "params_first" not in silu and "tile::stage_rows<kB>(st, K," in silu
-
-
 def test_unsupported_block_graph_is_a_clear_error(best):
     d = best("norm_linear").to_dict()
     bad = copy.deepcopy(d)
@@ -126,13 +104,11 @@ extern "C" __global__ void probe(const float* x, const mpk::bf16* nw, const mpk:
 
 
 @needs_nvcc
-@pytest.mark.parametrize("defines", [["-DMPK_BATCH=2"], ["-DMPK_BATCH=1", "-DMPK_NORM_ONE_ROUND=1"],
-                                     ["-DMPK_BATCH=8", "-DMPK_NORM_PARAMS_FIRST=1"]],
-                         ids=["b2", "b1-one-round", "b8-params-first"])
+@pytest.mark.parametrize("defines", [["-DMPK_BATCH=2"], ["-DMPK_BATCH=1", "-DMPK_NORM_ONE_ROUND=1"]],
+                         ids=["b2", "b1-one-round"])
 def test_generated_bodies_compile_for_sm90a(best, defines, tmp_path):
-    """At batch 2, at batch 1 with the norm prologue's parameter copies ahead of the statistic (the branch a
-    batch-1 kernel with -DMPK_NORM_ONE_ROUND=1 instantiates), and at batch 8 with the staged path's parameter
-    copies ahead of the rows' statistic (-DMPK_NORM_PARAMS_FIRST=1)."""
+    """At batch 2, and at batch 1 with the norm prologue's parameter copies ahead of the statistic (the branch a
+    batch-1 kernel with -DMPK_NORM_ONE_ROUND=1 instantiates)."""
     for kind in KINDS:
         write_if_changed(tmp_path / "generated" / f"{kind}.cuh", render(best(kind), kind))
     (tmp_path / "tu.cu").write_text(TU)

@@ -53,7 +53,6 @@ __device__ __forceinline__ void norm_linear_staged(int B, const float* x, int ld
     // acc a3 = sum over the loop of:
     //   b0 = chain[(x*x)](i0) (8, 256)  # rms_norm#0
     //   b3 = sum[dim=1](b0) (8, 1)  # rms_norm#0
-    const bool params_first = tile::params_first_issue<kB>(st, K, [&](int b) { return NormLinearOperand{x + (size_t)b * ldx, nw, 0.f}; }, tid, nt);
     float a3[kB];
     tile::rows_sum_sq<kB>([&](int b) { return x + (size_t)b * ldx; }, K, smem, a3, tid, nt);
     // post ops, as a row factor r = 1 / p applied before the matmul (reference rounding):
@@ -62,11 +61,7 @@ __device__ __forceinline__ void norm_linear_staged(int B, const float* x, int ld
     float r[kB];
 #pragma unroll
     for (int b = 0; b < kB; ++b) r[b] = rsqrtf(((a3[b] / (float)K) + eps));
-    if (params_first) {
-      tile::stage_rows_params_first<kB>(st, K, [&](int b) { return NormLinearOperand{x + (size_t)b * ldx, nw, r[b]}; }, tid, nt);
-    } else {
-      tile::stage_rows<kB>(st, K, [&](int b) { return NormLinearOperand{x + (size_t)b * ldx, nw, r[b]}; }, tid, nt);
-    }
+    tile::stage_rows<kB>(st, K, [&](int b) { return NormLinearOperand{x + (size_t)b * ldx, nw, r[b]}; }, tid, nt);
   }
   worker_barrier(nt);  // the staged rows are complete before any warp reads them
   // b2 = matmul(b1, i2) (8, 8)  # matmul#0
