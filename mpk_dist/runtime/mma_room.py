@@ -10,8 +10,9 @@ over a step costs the L1 32 KB (docs/PERF.md v0.45: the silu epilogue's batch-8 
 default's, crossed the 100 KB step and every level slowed).
 
 ``partial_room`` mirrors ``mma_slices`` (same arithmetic, integer division as in C) for every tensor-core tile at
-the launch size the fixed room gives, and returns the least room that keeps each tile's choice: the kernel takes
-the same slices, so the same sums in the same order (the same bits), in less shared memory.
+the launch size the fixed room gives, and returns the least room that keeps each tile's choices: the same slices,
+so the same sums in the same order (the same bits), and the partials where they were (above the operand rows, or
+over them after a barrier), so the same barriers, in less shared memory.
 """
 
 from __future__ import annotations
@@ -56,13 +57,23 @@ def mma_slices(K: int, n_tile: int, nwarps: int, unroll: int, reserved: int, ove
     return S if 2 * min(units * S, nwarps) >= nwarps else 0
 
 
-def tile_room(K: int, n_tile: int, nwarps: int, reserved: int, over_ok: bool, S: int) -> int:
-    """Dynamic shared memory a tile needs for S slices to pass ``mma_slices``' test (0 for one slice or none)."""
+def over_operand(K: int, n_tile: int, reserved: int, S: int, dyn: int) -> bool:
+    """Whether ``gemv_mma_tile`` writes the tile's S-slice partials over its operand rows (after a barrier that
+    waits for every warp to finish reading them) because they do not fit above them."""
+    units = -(-n_tile // MMA_UNIT_ROWS)
+    return S > 1 and reserved + partial_bytes(units, S) + MMA_PARTIAL_ALIGN > dyn
+
+
+def tile_room(K: int, n_tile: int, nwarps: int, reserved: int, over_ok: bool, S: int, dyn_fixed: int) -> int:
+    """Dynamic shared memory a tile needs to take S slices as it did at ``dyn_fixed`` (0 for one slice or none):
+    its partials above its reserved bytes, or, where they went over the operand rows at ``dyn_fixed`` already
+    (one pair a warp at most), only their own size. Keeping that choice keeps the tile's barriers as they were."""
     if S <= 1:
         return 0
     units = -(-n_tile // MMA_UNIT_ROWS)
     need = partial_bytes(units, S) + MMA_PARTIAL_ALIGN
-    return need if units * S <= nwarps and over_ok else reserved + need
+    over = over_operand(K, n_tile, reserved, S, dyn_fixed)
+    return need if over and units * S <= nwarps and over_ok else reserved + need
 
 
 def mma_tiles(cg) -> list[tuple[int, int, int, bool]]:
@@ -99,5 +110,5 @@ def partial_room(cg, worker_threads: int, unroll: int, dyn_fixed: int) -> int:
         if reserved > dyn_fixed:
             continue  # the prologue does not stage here: the body takes its per-element path, no tensor cores
         S = mma_slices(K, n, nwarps, unroll, reserved, over_ok, dyn_fixed)
-        room = max(room, tile_room(K, n, nwarps, reserved, over_ok, S))
+        room = max(room, tile_room(K, n, nwarps, reserved, over_ok, S, dyn_fixed))
     return room

@@ -38,6 +38,11 @@ def _slices(cg, dyn):
     return {t: mma_room.mma_slices(t[0], t[1], THREADS // 32, UNROLL, t[2], t[3], dyn) for t in mma_room.mma_tiles(cg)}
 
 
+def _over(cg, dyn):
+    """Per tile: whether its partials go over its operand rows at launch size ``dyn``."""
+    return {t: mma_room.over_operand(t[0], t[1], t[2], S, dyn) for t, S in _slices(cg, dyn).items()}
+
+
 def test_the_mirror_picks_the_documented_batch8_slices(qwen3_8b_b8):
     """docs/PERF.md v0.28: at qwen3-8b batch 8 the gate_up tiles (24 units) take 2 slices and the qkv tiles (6
     units) 8, 3 pairs a warp each, above the 64 KB of staged rows; o_proj and down (4 units, x from global memory) 4."""
@@ -66,12 +71,14 @@ def test_a_tile_takes_fewer_slices_when_its_partials_do_not_fit():
                                                   ("llama3-8b", 4, False), ("qwen3-8b", 16, False)])
 def test_the_exact_room_keeps_every_tiles_slices_in_no_more_bytes(model, batch, silu_epi):
     """Every tensor-core tile takes at the exact launch the slices it took at the fixed one (so the kernel sums in
-    the same order: the same bits), and the launch is no larger."""
+    the same order: the same bits) and keeps its partials where they were (the same barriers), and the launch is no
+    larger."""
     cg = _program(model, batch, silu_epi)
     fixed = tables.smem_bytes(cg, THREADS, linear_mma=True, exact_partials=False)
     exact = tables.smem_bytes(cg, THREADS, linear_mma=True)
     assert exact <= fixed
     assert _slices(cg, exact) == _slices(cg, fixed)
+    assert _over(cg, exact) == _over(cg, fixed)
     assert any(S > 1 for S in _slices(cg, exact).values())  # the programs do split: the check is not vacuous
 
 
