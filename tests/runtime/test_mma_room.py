@@ -115,3 +115,15 @@ def test_the_mirror_shares_the_cuda_constants():
     assert const(fused, "kStageOffset") * 4 == mma_room.STAGE_OFFSET_BYTES
     assert "const int units = (n_tile + 7) / 8, chunks = (K + 31) / 32;" in mma  # MMA_UNIT_ROWS, MMA_CHUNK
     assert "chunks / s >= MPK_LINEAR_UNROLL" in mma and "2 * min(units * S, nwarps) >= nwarps ? S : 0" in mma
+
+
+def test_the_mirror_knows_every_caller_of_the_slice_choice():
+    """The tiles mma_tiles models are the CUDA bodies that reach mma_slices: linear.cuh (reserved 0) and gemv_fused,
+    called by the fused kinds' hand-written and generated bodies (reserved: their staged rows, or 0 for
+    linear_residual's global x). A new caller passes bytes the mirror does not know: it must be added there first."""
+    calls = {p.relative_to(CSRC).as_posix() for p in CSRC.rglob("*.cuh") if "mma_slices(" in p.read_text()}
+    assert calls == {"linear_mma.cuh", "linear.cuh", "fused_gemv.cuh"}
+    fused = {p.relative_to(CSRC).as_posix() for p in CSRC.rglob("*.cuh")
+             if re.search(r"gemv_(fused|acc)<", p.read_text())}
+    assert fused == {"norm_linear.cuh", "silu_linear.cuh", "linear_residual.cuh", "tile_primitives.cuh",
+                     "generated/norm_linear.cuh", "generated/silu_linear.cuh"}
