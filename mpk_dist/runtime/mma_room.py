@@ -19,20 +19,17 @@ from __future__ import annotations
 
 import numpy as np
 
+from mpk_dist.runtime.tables import MMA_PARTIAL_BYTES
+from mpk_dist.taskgraph.fusion import STAGE_OFFSET_BYTES, pair_offset
+
 MMA_UNIT_ROWS = 8
 """Weight rows of one warp unit (the n of an m16n8k16 tile; linear_mma.cuh ``units = (n_tile + 7) / 8``)."""
 MMA_CHUNK = 32
 """Elements of K one chunk covers (linear_mma.cuh ``chunks = (K + 31) / 32``)."""
 MMA_MAX_SLICES = 16
 """Largest split-K tried (``kMmaMaxSlices``)."""
-MMA_PARTIAL_BYTES = 512
-"""One (unit, slice) partial: 32 lanes x 4 floats (``kMmaPartialFloats``)."""
 MMA_PARTIAL_ALIGN = 16
 """Slack ``mma_slices`` adds to a need (``kMmaPartialAlign``: the partials' float4 alignment)."""
-STAGE_OFFSET_BYTES = 256
-"""Where staged rows start (``kStageOffset`` floats in csrc/tasks/fused_gemv.cuh; fusion.STAGE_OFFSET_BYTES)."""
-PAIR_ALIGN = 16
-"""A pair tile's sums start after its staged rows at a multiple of this (fusion.PAIR_ALIGN)."""
 
 
 def partial_bytes(units: int, slices: int) -> int:
@@ -57,14 +54,14 @@ def mma_slices(K: int, n_tile: int, nwarps: int, unroll: int, reserved: int, ove
     return S if 2 * min(units * S, nwarps) >= nwarps else 0
 
 
-def over_operand(K: int, n_tile: int, reserved: int, S: int, dyn: int) -> bool:
+def over_operand(n_tile: int, reserved: int, S: int, dyn: int) -> bool:
     """Whether ``gemv_mma_tile`` writes the tile's S-slice partials over its operand rows (after a barrier that
     waits for every warp to finish reading them) because they do not fit above them."""
     units = -(-n_tile // MMA_UNIT_ROWS)
     return S > 1 and reserved + partial_bytes(units, S) + MMA_PARTIAL_ALIGN > dyn
 
 
-def tile_room(K: int, n_tile: int, nwarps: int, reserved: int, over_ok: bool, S: int, dyn_fixed: int) -> int:
+def tile_room(n_tile: int, nwarps: int, reserved: int, over_ok: bool, S: int, dyn_fixed: int) -> int:
     """Dynamic shared memory a tile needs to take S slices as it did at ``dyn_fixed`` (0 for one slice or none):
     its partials above its reserved bytes, or, where they went over the operand rows at ``dyn_fixed`` already
     (one pair a warp at most), only their own size. Keeping that choice keeps the tile's barriers as they were."""
@@ -72,7 +69,7 @@ def tile_room(K: int, n_tile: int, nwarps: int, reserved: int, over_ok: bool, S:
         return 0
     units = -(-n_tile // MMA_UNIT_ROWS)
     need = partial_bytes(units, S) + MMA_PARTIAL_ALIGN
-    over = over_operand(K, n_tile, reserved, S, dyn_fixed)
+    over = over_operand(n_tile, reserved, S, dyn_fixed)
     return need if over and units * S <= nwarps and over_ok else reserved + need
 
 
@@ -92,9 +89,8 @@ def mma_tiles(cg) -> list[tuple[int, int, int, bool]]:
             if B < 2:
                 continue
             staged = STAGE_OFFSET_BYTES + 2 * B * K if kind in ("norm_linear", "silu_linear", "norm_linear_silu") else 0
-            if kind == "norm_linear_silu":
-                pair = -(-staged // PAIR_ALIGN) * PAIR_ALIGN + 2 * B * n
-                out.add((K, n, max(staged, pair), False))
+            if kind == "norm_linear_silu":  # its gate|up sums after the staged rows (fusion.pair_offset)
+                out.add((K, n, max(staged, pair_offset(B, K) + 2 * B * n), False))
             else:
                 out.add((K, n, staged, True))
     return sorted(out)
@@ -110,5 +106,5 @@ def partial_room(cg, worker_threads: int, unroll: int, dyn_fixed: int) -> int:
         if reserved > dyn_fixed:
             continue  # the prologue does not stage here: the body takes its per-element path, no tensor cores
         S = mma_slices(K, n, nwarps, unroll, reserved, over_ok, dyn_fixed)
-        room = max(room, tile_room(K, n, nwarps, reserved, over_ok, S, dyn_fixed))
+        room = max(room, tile_room(n, nwarps, reserved, over_ok, S, dyn_fixed))
     return room

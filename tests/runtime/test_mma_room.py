@@ -11,6 +11,7 @@ import pytest
 from mpk_dist.models.presets import get_preset
 from mpk_dist.runtime import mma_room, tables
 from mpk_dist.runtime.megakernel_backend import fusions_for_batch, fusions_from_env, tuning_from_env
+from mpk_dist.taskgraph import fusion
 from mpk_dist.taskgraph.compiler import compile_rank_programs
 
 CSRC = Path(__file__).resolve().parents[2] / "csrc" / "tasks"
@@ -40,7 +41,7 @@ def _slices(cg, dyn):
 
 def _over(cg, dyn):
     """Per tile: whether its partials go over its operand rows at launch size ``dyn``."""
-    return {t: mma_room.over_operand(t[0], t[1], t[2], S, dyn) for t, S in _slices(cg, dyn).items()}
+    return {t: mma_room.over_operand(t[1], t[2], S, dyn) for t, S in _slices(cg, dyn).items()}
 
 
 def test_the_mirror_picks_the_documented_batch8_slices(qwen3_8b_b8):
@@ -109,10 +110,10 @@ def test_the_mirror_shares_the_cuda_constants():
         assert m, name
         return int(m.group(1))
 
-    assert const(mma, "kMmaPartialFloats") * 4 == mma_room.MMA_PARTIAL_BYTES
+    assert const(mma, "kMmaPartialFloats") * 4 == tables.MMA_PARTIAL_BYTES
     assert const(mma, "kMmaPartialAlign") == mma_room.MMA_PARTIAL_ALIGN
     assert const(mma, "kMmaMaxSlices") == mma_room.MMA_MAX_SLICES
-    assert const(fused, "kStageOffset") * 4 == mma_room.STAGE_OFFSET_BYTES
+    assert const(fused, "kStageOffset") * 4 == fusion.STAGE_OFFSET_BYTES
     assert "const int units = (n_tile + 7) / 8, chunks = (K + 31) / 32;" in mma  # MMA_UNIT_ROWS, MMA_CHUNK
     assert "chunks / s >= MPK_LINEAR_UNROLL" in mma and "2 * min(units * S, nwarps) >= nwarps ? S : 0" in mma
 
