@@ -13,6 +13,7 @@
 #pragma once
 #include "common.cuh"
 #include "linear.cuh"
+#include "rms_norm.cuh"  // the norm prologues' row statistic (share_sum_sq)
 #include "silu_mul.cuh"
 #include "weight_stream.cuh"
 #include "flag_words.cuh"  // Epi's flagged copies (MPK_FLAG_WORDS)

@@ -1,7 +1,7 @@
 // norm_linear: y[b, n0:n0+N_TILE] = rms_norm(x[b], norm_w) . w[n0:n0+N_TILE] (mpk_dist/taskgraph/tasks/norm_linear.py).
 //
 // Prologue: the tile computes r = rsqrt(mean(x[b]^2) + eps) for each of its B rows of the fp32
-// residual stream with the loop and block reduction of rms_norm.cuh's fp32 path, so r (and every
+// residual stream with the loop and block reduction of rms_norm.cuh (share_sum_sq, block_sum), so r (and every
 // normalised value bf16(norm_w * bf16(x * r))) is bit-identical to what the standalone rms_norm
 // task writes. The normalised rows are staged in shared memory (B*K bf16) when the launch has that
 // much, else computed per element (gemv_rowwise). GEMV and epilogue: fused_gemv.cuh. Requires
@@ -13,12 +13,7 @@ namespace mpk {
 
 // rsqrt(mean(x^2) + eps) of one row, on every worker thread (block_sum ends with a barrier).
 __device__ __forceinline__ float row_rstd(const float* x, int K, float eps, float* smem, int tid, int nt) {
-  float ss = 0.f;
-  for (int k = tid; k < K; k += nt) {
-    const float f = x[k];
-    ss = fmaf(f, f, ss);
-  }
-  return rsqrtf(block_sum(ss, smem, tid, nt) / (float)K + eps);
+  return rsqrtf(block_sum(share_sum_sq(x, K, tid, nt), smem, tid, nt) / (float)K + eps);
 }
 
 __device__ void norm_linear(int B, const float* x, int ldx, const bf16* nw, const bf16* w, const Epi& epi, int K,

@@ -6,10 +6,12 @@
 //   stage_row          an element-wise operand computed in registers and staged in shared memory
 //   rows_sum_sq,       the same for all kB rows of the tile at once (the staged path): the rows' loads in
 //   stage_rows         flight together, one block reduction for every row's statistic
+//   rows_share_sum_sq  the statistics of kB rows from each thread's vectors already in registers (the rows read
+//                      once: MPK_NORM_ROWS_IN_REGS)
 //   gemv_acc           the matmul accumulated over the K loop for the tile's N_TILE weight rows
 //                      (tensor cores for batch >= 2 under MPK_LINEAR_MMA=1: linear_mma.cuh's order)
 // The reduction and GEMV keep the hand-written kinds' loops and summation orders (rms_norm.cuh's
-// fmaf over tid-strided k, fused_gemv.cuh's per-lane order), so a generated body that rounds as
+// share_sum_sq and block_sum, fused_gemv.cuh's per-lane order), so a generated body that rounds as
 // its reference gives the same bits as the hand-written task.
 #pragma once
 #include "fused_gemv.cuh"
@@ -30,6 +32,9 @@ __device__ __forceinline__ void load8(const bf16* p, float* f) { unpack8(ld_act_
 // Read-only bf16 parameters (norm weights): streaming, non-coherent load.
 __device__ __forceinline__ void load8_param(const bf16* p, float* f) { unpack8(ld_stream_v4(p), f); }
 
+// A parameter's 16 bytes (read-only: streaming, non-coherent load), for unpack_param.
+__device__ __forceinline__ uint4 load_param16(const bf16* p) { return ld_stream_v4(p); }
+
 // A parameter's 8 values from its 16 bytes, loaded (copied) elsewhere: stage_row_fetch_first (fused_gemv.cuh).
 __device__ __forceinline__ void unpack_param(uint4 v, float* f) { unpack8(v, f); }
 
@@ -41,15 +46,10 @@ __device__ __forceinline__ uint4 pack8(const float* f) {
   return *reinterpret_cast<const uint4*>(o);
 }
 
-// sum_k x[k]^2 of one fp32 row on every worker thread (block_sum ends with a barrier); the loop of
-// rms_norm.cuh's fp32 path, so the statistic is bit-identical to the rms_norm task's.
+// sum_k x[k]^2 of one fp32 row on every worker thread (block_sum ends with a barrier); rms_norm.cuh's order
+// (share_sum_sq, then block_sum), so the statistic is bit-identical to the rms_norm task's.
 __device__ __forceinline__ float row_sum_sq(const float* x, int K, float* smem, int tid, int nt) {
-  float ss = 0.f;
-  for (int k = tid; k < K; k += nt) {
-    const float f = x[k];
-    ss = fmaf(f, f, ss);
-  }
-  return block_sum(ss, smem, tid, nt);
+  return block_sum(share_sum_sq(x, K, tid, nt), smem, tid, nt);
 }
 
 // st[k..k+7] = row.load8(k) over one row of K: the element-wise operand in registers, staged (fused_gemv.cuh's
@@ -73,41 +73,13 @@ using ::mpk::stage_row;
 #define MPK_STAGE_ROWS_TOGETHER 1
 #endif
 constexpr int kStageVectors = 8;  // staged 16-byte vectors a thread loads before it stores the first
-// MPK_STAGE_SUM_LOADS: row elements a thread loads before it sums the first (rows_sum_sq). 32 (default): a
-// qwen3-8b batch-8 tile (8 rows of 4096, 512 threads) takes two round trips to L2, 64 one. Same values, same
-// order: the same bits. Measured (docs/PERF.md v0.28, one process): qwen3-8b batch 8 5.857 / 5.858 ms with 64 vs
-// 5.863 / 5.866: the prologue's ~5 us (trace mark 0) is not these loads, so 32 stays.
-#ifndef MPK_STAGE_SUM_LOADS
-#define MPK_STAGE_SUM_LOADS 32
-#endif
-constexpr int kSumLoads = MPK_STAGE_SUM_LOADS;
 
-// ss[b] = sum_k x_b[k]^2 for rows b < kB (row(b): row b's fp32 pointer) on every worker thread. Per row the
-// per-thread fmaf order of row_sum_sq (k = tid, tid + nt, ...), then its warp_sum and block_sum's warp order,
-// so each statistic has row_sum_sq's bits (a k past K adds fmaf(0, 0, s) = s: sums of squares start at +0).
-// The warps' partials sit in the staging area (stage_base), which nothing has written yet; the last
-// barrier lets stage_rows overwrite them.
-template <int kB, class RowPtr>
-__device__ __forceinline__ void rows_sum_sq(const RowPtr& row, int K, float* smem, float (&ss)[kB], int tid, int nt) {
-  if (!MPK_STAGE_ROWS_TOGETHER || kB == 1) {  // one row: nothing to overlap (see stage_rows)
-    for (int b = 0; b < kB; ++b) ss[b] = row_sum_sq(row(b), K, smem, tid, nt);
-    return;
-  }
-  constexpr int kSteps = kSumLoads / kB > 0 ? kSumLoads / kB : 1;  // k steps a batch of loads covers
+// ss[b] = the block's sum of every thread's ss[b] for rows b < kB, on every worker thread: per row warp_sum, then
+// the warps' partials in warp order (block_sum's order, all rows in one pair of barriers). The partials sit in the
+// staging area (stage_base), which nothing has written yet; the last barrier lets the staging overwrite them.
+template <int kB>
+__device__ __forceinline__ void rows_block_sum(float (&ss)[kB], float* smem, int tid, int nt) {
   const int warp = tid >> 5, lane = tid & 31, nwarps = nt >> 5;
-#pragma unroll
-  for (int b = 0; b < kB; ++b) ss[b] = 0.f;
-  for (int k0 = tid; k0 < K; k0 += kSteps * nt) {
-    float f[kSteps][kB];
-#pragma unroll
-    for (int j = 0; j < kSteps; ++j)
-#pragma unroll
-      for (int b = 0; b < kB; ++b) f[j][b] = k0 + j * nt < K ? row(b)[k0 + j * nt] : 0.f;
-#pragma unroll
-    for (int j = 0; j < kSteps; ++j)
-#pragma unroll
-      for (int b = 0; b < kB; ++b) ss[b] = fmaf(f[j][b], f[j][b], ss[b]);
-  }
   float* part = smem + kStageOffset;  // kB x nwarps floats of the staging area
 #pragma unroll
   for (int b = 0; b < kB; ++b) {
@@ -122,6 +94,53 @@ __device__ __forceinline__ void rows_sum_sq(const RowPtr& row, int K, float* sme
     ss[b] = s;
   }
   worker_barrier(nt);  // every thread has read the partials before the rows are staged over them
+}
+
+// ss[b] = sum_k x_b[k]^2 for rows b < kB (row(b): row b's fp32 pointer) on every worker thread: per row
+// share_sum_sq's order (a thread's 8-vectors, each in element order), every row's vector at a k step loaded
+// before any is summed, then rows_block_sum. Each statistic has row_sum_sq's bits.
+template <int kB, class RowPtr>
+__device__ __forceinline__ void rows_sum_sq(const RowPtr& row, int K, float* smem, float (&ss)[kB], int tid, int nt) {
+  if (!MPK_STAGE_ROWS_TOGETHER || kB == 1) {  // one row: nothing to overlap (see stage_rows)
+    for (int b = 0; b < kB; ++b) ss[b] = row_sum_sq(row(b), K, smem, tid, nt);
+    return;
+  }
+#pragma unroll
+  for (int b = 0; b < kB; ++b) ss[b] = 0.f;
+  for (int k = tid * 8; k < K; k += nt * 8) {
+    float f[kB][8];
+#pragma unroll
+    for (int b = 0; b < kB; ++b) load8_any(row(b) + k, f[b]);
+#pragma unroll
+    for (int b = 0; b < kB; ++b) ss[b] = sum_sq8(f[b], ss[b]);
+  }
+  rows_block_sum<kB>(ss, smem, tid, nt);
+}
+
+// MPK_NORM_ROWS_IN_REGS 1 (default): above one row, where a thread's share of each row is one 8-vector (K <= 8 x
+// worker threads), a generated norm prologue reads the rows once: each thread keeps its vector of every row in
+// registers across the statistic's block reduction and computes its staged operand vectors from them
+// (rows_share_sum_sq, then the operand's from_regs), instead of reading the rows again after the statistic
+// (stage_rows). Why: at qwen3-8b batch 8 that second read is 128 tiles x 128 KB of fp32 rows out of L2, ~2.3% of
+// the step (docs/PERF.md v0.43, diagnostic T). The function holding kB x 8 values is not inlined (the generated
+// body's <name>_rows_in_regs): its callers run with the worker loop's registers live and already spill. 0: the
+// two passes, for the bitwise GPU test. Same values, same order: the same bits.
+#ifndef MPK_NORM_ROWS_IN_REGS
+#define MPK_NORM_ROWS_IN_REGS 1
+#endif
+
+// Whether a thread's share of a row of K is at most one 8-vector (the rows-in-registers prologue's condition).
+__device__ __forceinline__ bool share_is_one_vector(int K, int nt) { return K <= 8 * nt; }
+
+// ss[b] = sum_k x_b[k]^2 from each thread's one vector v[b] of row b (mine: the thread's vector lies within the
+// row; a thread past it holds something else and adds nothing), on every worker thread: share_sum_sq's value
+// per thread, then rows_block_sum. The bits of row_sum_sq.
+template <int kB>
+__device__ __forceinline__ void rows_share_sum_sq(const float (&v)[kB][8], bool mine, float* smem, float (&ss)[kB],
+                                                  int tid, int nt) {
+#pragma unroll
+  for (int b = 0; b < kB; ++b) ss[b] = mine ? sum_sq8(v[b], 0.f) : 0.f;
+  rows_block_sum<kB>(ss, smem, tid, nt);
 }
 
 // st[b * K + k ..] = make_row(b).load8(k) for rows b < kB: up to kStageVectors vectors' loads (rows, then

@@ -171,6 +171,11 @@ def _row_struct(p: GemvPlan, abi: KindAbi, consts: _Consts, struct: str) -> list
         lines.append(f"    tile::unpack_param(p, v_{loc});" if load == "load8_param"
                      else f"    tile::{load}({loc} + k, v_{loc});")
     lines += combine
+    if _rows_in_regs(p, abi):  # the row's 8 values already in registers (<kind>_rows_in_regs)
+        lines += [f"  __device__ __forceinline__ uint4 from_regs(const float* v_{p.factor.stat.src_input}, uint4 p) const {{"]
+        lines += [f"    float v_{loc}[8];\n    tile::unpack_param(p, v_{loc});" for loc, load in loads
+                  if load == "load8_param"]
+        lines += combine
     # load8 keeps its one-step form (the loads in input order, then the arithmetic): the default build's code
     return lines + one_step
 
@@ -178,6 +183,27 @@ def _row_struct(p: GemvPlan, abi: KindAbi, consts: _Consts, struct: str) -> list
 def _fetch_first(p: GemvPlan, abi: KindAbi) -> bool:
     """Whether the operand splits its one parameter's load from the arithmetic (``_row_struct``)."""
     return p.factor is not None and sum(not abi.rows[p.inputs[loc]["name"]][2] for loc in _used(p.operand)) == 1
+
+
+def _rows_in_regs(p: GemvPlan, abi: KindAbi) -> bool:
+    """Whether the staged path can keep each thread's vectors of the rows in registers across the statistic
+    (``<kind>_rows_in_regs``): one parameter, and the one row input is the statistic's fp32 source."""
+    if not _fetch_first(p, abi):
+        return False
+    rows = [loc for loc in _used(p.operand) if abi.rows[p.inputs[loc]["name"]][2]]
+    src = p.factor.stat.src_input
+    return rows == [src] and abi.rows[p.inputs[src]["name"]][0] == "const float*"
+
+
+_NOT_IN_PROLOGUE = ("B", "w", "epi", "n_tile")
+"""Parameters of a kind's signature its staged prologue does not read (the batch is the template's kB)."""
+
+
+def _prologue_signature(abi: KindAbi) -> tuple[str, str]:
+    """The C parameter list of the staged prologue's functions and the arguments that call them."""
+    parts = [part.strip() for part in abi.signature.split(",")]
+    keep = [part for part, name in zip(parts, _param_names(abi.signature)) if name not in _NOT_IN_PROLOGUE]
+    return ", ".join(keep), ", ".join(_param_names(", ".join(keep)))
 
 
 def _map(m) -> str:
@@ -195,15 +221,77 @@ def _param_names(signature: str) -> list:
     return [part.replace("*", " ").replace("&", " ").split()[-1] for part in signature.split(",")]
 
 
-def _staged(p: GemvPlan, abi: KindAbi, consts: _Consts, struct: str) -> list:
-    """The staged path for kB rows (the kernel's compile-time batch): every row's statistic in one block
-    reduction (tile::rows_sum_sq), every row's operand staged with several vectors' loads in flight
-    (tile::stage_rows), then the GEMV over the tile. The same values as row by row, so the same bits."""
-    lines = ["// The staged path for the kernel's kB batch rows: the rows' statistics and operands computed together",
-             "// (tile::rows_sum_sq, tile::stage_rows: a few memory round trips a tile, not a few a row).",
+def _two_passes(p: GemvPlan, abi: KindAbi, consts: _Consts, struct: str, sig: str) -> list:
+    """The staged prologue of kB rows with a statistic in two passes over the rows: every row's statistic in one
+    block reduction (tile::rows_sum_sq), then every row's operand staged with several vectors' loads in flight
+    (tile::stage_rows)."""
+    stat = p.factor.stat
+    x = abi.rows[p.inputs[stat.src_input]["name"]][1]
+    lines = ["// The rows' statistics in one block reduction, then their operands staged: two passes over the rows.",
              "template <int kB>",
-             f"__device__ __forceinline__ void {abi.name}_staged({abi.signature}) {{",
-             "  bf16* st = stage_base(smem);  // [kB, K] operand rows after the reduction scratch"]
+             f"__device__ __forceinline__ void {abi.name}_two_passes({sig}) {{",
+             "  bf16* st = stage_base(smem);",
+             f"  // acc {stat.acc} = sum over the loop of:"]
+    lines += [f"  //   {op_text(o)}" for o in stat.ops]
+    lines += [f"  float {stat.acc}[kB];",
+              f"  tile::rows_sum_sq<kB>([&](int b) {{ return {x}; }}, K, smem, {stat.acc}, tid, nt);",
+              "  // post ops, as a row factor r = 1 / p applied before the matmul (reference rounding):"]
+    lines += [f"  //   {op_text(o)}" for o in p.factor.ops]
+    lines += ["  float r[kB];", "#pragma unroll",
+              f"  for (int b = 0; b < kB; ++b) r[b] = rsqrtf({_prog(p.factor.inner_prog, f'{stat.acc}[b]', consts)});",
+              f"  tile::stage_rows<kB>(st, K, [&](int b) {{ return {struct}{{{_row_init(p, abi, 'r[b]')}}}; }}, tid, nt);",
+              "}", ""]
+    return lines
+
+
+def _in_regs(p: GemvPlan, abi: KindAbi, consts: _Consts, struct: str, sig: str) -> list:
+    """The staged prologue of kB rows read once (MPK_NORM_ROWS_IN_REGS, tile_primitives.cuh): each thread's one
+    vector of every row (K <= 8 x threads) kept in registers across the statistic's block reduction."""
+    stat = p.factor.stat
+    src = stat.src_input
+    x = abi.rows[p.inputs[src]["name"]][1]
+    return ["// The same where a thread's share of each row is one vector (tile::share_is_one_vector): the rows read once,",
+            "// the thread's vectors kept in registers across the statistic (MPK_NORM_ROWS_IN_REGS, tile_primitives.cuh).",
+            "template <int kB>",
+            f"__device__ __noinline__ void {abi.name}_rows_in_regs({sig}) {{",
+            "  bf16* st = stage_base(smem);",
+            "  const bool mine = tid * 8 < K;",
+            "  const int k = mine ? tid * 8 : 0;  // past the row: the loads of its first vector (no branch), no store",
+            "  uint4 p;",
+            "  {",
+            "    const int b = 0;",
+            f"    p = tile::load_param16({struct}{{{_row_init(p, abi, '0.f')}}}.params_at(k));",
+            "  }",
+            "  float v[kB][8];",
+            "#pragma unroll",
+            f"  for (int b = 0; b < kB; ++b) tile::load8({x} + k, v[b]);",
+            f"  float {stat.acc}[kB];",
+            f"  tile::rows_share_sum_sq<kB>(v, mine, smem, {stat.acc}, tid, nt);",
+            "  if (!mine) return;",
+            "#pragma unroll",
+            "  for (int b = 0; b < kB; ++b) {",
+            f"    const float r = rsqrtf({_prog(p.factor.inner_prog, f'{stat.acc}[b]', consts)});",
+            f"    *reinterpret_cast<uint4*>(st + (size_t)b * K + k) = {struct}{{{_row_init(p, abi)}}}.from_regs(v[b], p);",
+            "  }",
+            "}", ""]
+
+
+def _staged(p: GemvPlan, abi: KindAbi, consts: _Consts, struct: str) -> list:
+    """The staged path for kB rows (the kernel's compile-time batch): the rows' statistics and operands
+    (``_two_passes``, or ``_in_regs`` where it applies), then the GEMV over the tile. The same values as row by
+    row, so the same bits."""
+    lines = []
+    if p.factor is not None:
+        sig, args = _prologue_signature(abi)
+        lines += _two_passes(p, abi, consts, struct, sig)
+        in_regs = _rows_in_regs(p, abi)
+        if in_regs:
+            lines += _in_regs(p, abi, consts, struct, sig)
+    lines += ["// The staged path for the kernel's kB batch rows: the rows' statistics and operands computed together",
+              "// (a few memory round trips a tile, not a few a row).",
+              "template <int kB>",
+              f"__device__ __forceinline__ void {abi.name}_staged({abi.signature}) {{",
+              "  bf16* st = stage_base(smem);  // [kB, K] operand rows after the reduction scratch"]
     if p.factor is None:
         lines.append(f"  tile::stage_rows<kB>(st, K, [&](int b) {{ return {struct}{{{_row_init(p, abi)}}}; }}, tid, nt);")
     else:
@@ -215,18 +303,14 @@ def _staged(p: GemvPlan, abi: KindAbi, consts: _Consts, struct: str) -> list:
                   f"    stage_row_fetch_first(st, K, {struct}{{{_row_init(p, abi, '0.f')}}}, [&] {{",
                   f"      const float {stat.acc} = tile::row_sum_sq({x}, K, smem, tid, nt);",
                   f"      return rsqrtf({_prog(p.factor.inner_prog, stat.acc, consts)});",
-                  "    }, tid, nt);",
-                  "  } else {",
-                  f"    // acc {stat.acc} = sum over the loop of:"]
-        lines += [f"    //   {op_text(o)}" for o in stat.ops]
-        lines += [f"    float {stat.acc}[kB];",
-                  f"    tile::rows_sum_sq<kB>([&](int b) {{ return {x}; }}, K, smem, {stat.acc}, tid, nt);",
-                  "    // post ops, as a row factor r = 1 / p applied before the matmul (reference rounding):"]
-        lines += [f"    //   {op_text(o)}" for o in p.factor.ops]
-        lines += ["    float r[kB];", "#pragma unroll",
-                  f"    for (int b = 0; b < kB; ++b) r[b] = rsqrtf({_prog(p.factor.inner_prog, f'{stat.acc}[b]', consts)});",
-                  f"    tile::stage_rows<kB>(st, K, [&](int b) {{ return {struct}{{{_row_init(p, abi, 'r[b]')}}}; }}, tid, nt);",
-                  "  }"]
+                  "    }, tid, nt);"]
+        if in_regs:
+            lines += ["  } else if constexpr (kB > 1 && MPK_NORM_ROWS_IN_REGS && MPK_STAGE_ROWS_TOGETHER) {",
+                      "    if (tile::share_is_one_vector(K, nt))",
+                      f"      {abi.name}_rows_in_regs<kB>({args});",
+                      "    else",
+                      f"      {abi.name}_two_passes<kB>({args});"]
+        lines += ["  } else {", f"    {abi.name}_two_passes<kB>({args});", "  }"]
     lines += ["  worker_barrier(nt);  // the staged rows are complete before any warp reads them",
               f"  // {op_text(p.matmul)}",
               f"  // acc {p.acc['out']} = sum({p.acc['src']}); out {p.output['src']} -> {p.output['name']} "

@@ -14,6 +14,11 @@ the arithmetic, so the logits must equal the default build's bit for bit and sta
 - ``-DMPK_STAGE_ROWS_TOGETHER=0``: the generated fused bodies' staged path row by row (the default computes every
   batch row's norm statistic in one block reduction and issues several rows' operand loads before their stores;
   csrc/tasks/tile_primitives.cuh rows_sum_sq, stage_rows). Also at batch 8 under MPK_LINEAR_MMA=1.
+- ``-DMPK_NORM_ROWS_IN_REGS=0``: the generated norm prologue above one row in two passes over the rows (the default
+  reads them once where a thread's share of a row is one vector, each thread keeping its vectors in registers
+  across the statistic; csrc/tasks/tile_primitives.cuh rows_share_sum_sq, the generated body's
+  norm_linear_rows_in_regs), batch 4 and batch 8 on tensor cores; and the same prologue against the program without
+  the norm fusion (the rms_norm task's statistic and rounding), batch 8.
 - ``-DMPK_ROPE_SINCOS=0``: the rope angle's cosine and sine from cosf and sinf (the default calls sincosf once;
   csrc/tasks/common.cuh rope_cos_sin).
 - ``-DMPK_MERGE_LOADS_AHEAD=0``: the split-KV head merge's loop as it was, each range's acc and l loads behind its m
@@ -84,7 +89,7 @@ VARIANTS = ["-DMPK_ATTN_GUARD_HEADS=1", "-DMPK_PARAMS_SMEM=0", "-DMPK_ROPE_EXACT
 CODE_SIZE_VARIANTS = ["-DMPK_STAGE_ROW_ROLLED=1", "-DMPK_ROPE_NEAR=1", "-DMPK_ROWWISE_OUTLINED=1"]  # batch 4: off there
 # kernel switches of the same kind (environment, not -D), batch 1; MPK_COMPACT_CODE=0: the code-size variants off
 SWITCHES = [{"MPK_WEIGHT_EVICT_FIRST": "1"}, {"MPK_COMPACT_CODE": "0"}]
-MMA_VARIANTS = ["-DMPK_MMA_X_AHEAD=0", "-DMPK_STAGE_ROWS_TOGETHER=0"]
+MMA_VARIANTS = ["-DMPK_MMA_X_AHEAD=0", "-DMPK_STAGE_ROWS_TOGETHER=0", "-DMPK_NORM_ROWS_IN_REGS=0"]
 
 
 def session_with_flags(backend, batch: int, flags: str):
@@ -149,6 +154,29 @@ def test_switch_leaves_the_logits_bitwise(env, gpu_results):
         assert "#define MPK_ROPE_NEAR 1" not in variant.session(1).source
     check_bitwise(f"{env} vs default, {NAME} b1 prompt {PROMPT}", NAME, variant, default,
                   forced_request(NAME, PROMPT, STEPS, 1, 70), gpu_results)
+
+
+def test_norm_rows_in_regs_leaves_the_logits_bitwise_at_batch_4(gpu_results):
+    """Batch 4 (the MMA_VARIANTS run it at batch 8): the norm prologue's two passes against the rows read once."""
+    flags = "-DMPK_NORM_ROWS_IN_REGS=0"
+    variant, default = megakernel_with_env(NAME, {"MPK_NVCC_EXTRA_FLAGS": flags}), megakernel_with_env(NAME, {})
+    assert session_with_flags(variant, 4, flags).build.path != session_with_flags(default, 4, "").build.path, \
+        f"{flags} did not make another binary"
+    check_bitwise(f"{flags} vs default, {NAME} b4 prompt {PROMPT}", NAME, variant, default,
+                  forced_request(NAME, PROMPT, STEPS, 4, 70), gpu_results)
+
+
+def test_norm_rows_in_regs_equals_the_rms_norm_task(gpu_results):
+    """Batch 8 on tensor cores: the fused norm prologue reading the rows once (the default) against the program
+    without the norm fusion (MPK_FUSE_NORM=0: the rms_norm task, then plain linears): the same statistic order and
+    rounding, so the same logits bit for bit."""
+    mma = {"MPK_LINEAR_MMA": "1"}
+    fused, plain = megakernel_with_env(NAME, mma), megakernel_with_env(NAME, {**mma, "MPK_FUSE_NORM": "0"})
+    fused_kinds, plain_kinds = ({o["kind"] for o in b.session(8).cg.meta["ops"]} for b in (fused, plain))
+    assert "norm_linear" in fused_kinds, sorted(fused_kinds)
+    assert "rms_norm" in plain_kinds and "norm_linear" not in plain_kinds, sorted(plain_kinds)
+    check_bitwise(f"MPK_FUSE_NORM=0 vs default, MPK_LINEAR_MMA=1, {NAME} b8 prompt {PROMPT}", NAME, plain, fused,
+                  forced_request(NAME, PROMPT, STEPS, 8, 70), gpu_results)
 
 
 def test_exact_partial_room_leaves_the_logits_bitwise(gpu_results):

@@ -26,6 +26,14 @@ struct NormLinearOperand {
     for (int e = 0; e < 8; ++e) o[e] = (round_bf(v_i0[e] * r) * v_i1[e]);
     return tile::pack8(o);
   }
+  __device__ __forceinline__ uint4 from_regs(const float* v_i0, uint4 p) const {
+    float v_i1[8];
+    tile::unpack_param(p, v_i1);
+    float o[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) o[e] = (round_bf(v_i0[e] * r) * v_i1[e]);
+    return tile::pack8(o);
+  }
   __device__ __forceinline__ uint4 load8(int k) const {
     float v_i0[8];
     tile::load8(i0 + k, v_i0);
@@ -38,8 +46,51 @@ struct NormLinearOperand {
   }
 };
 
+// The rows' statistics in one block reduction, then their operands staged: two passes over the rows.
+template <int kB>
+__device__ __forceinline__ void norm_linear_two_passes(const float* x, int ldx, const bf16* nw, int K, float eps, float* smem, int tid, int nt) {
+  bf16* st = stage_base(smem);
+  // acc a3 = sum over the loop of:
+  //   b0 = chain[(x*x)](i0) (8, 256)  # rms_norm#0
+  //   b3 = sum[dim=1](b0) (8, 1)  # rms_norm#0
+  float a3[kB];
+  tile::rows_sum_sq<kB>([&](int b) { return x + (size_t)b * ldx; }, K, smem, a3, tid, nt);
+  // post ops, as a row factor r = 1 / p applied before the matmul (reference rounding):
+  //   p0 = chain[sqrt(((x*0.000244140625)+1e-06))](a3) (8, 1)  # rms_norm#0
+  //   p1 = div(a2, p0) (8, 8)  # matmul#0
+  float r[kB];
+#pragma unroll
+  for (int b = 0; b < kB; ++b) r[b] = rsqrtf(((a3[b] / (float)K) + eps));
+  tile::stage_rows<kB>(st, K, [&](int b) { return NormLinearOperand{x + (size_t)b * ldx, nw, r[b]}; }, tid, nt);
+}
+
+// The same where a thread's share of each row is one vector (tile::share_is_one_vector): the rows read once,
+// the thread's vectors kept in registers across the statistic (MPK_NORM_ROWS_IN_REGS, tile_primitives.cuh).
+template <int kB>
+__device__ __noinline__ void norm_linear_rows_in_regs(const float* x, int ldx, const bf16* nw, int K, float eps, float* smem, int tid, int nt) {
+  bf16* st = stage_base(smem);
+  const bool mine = tid * 8 < K;
+  const int k = mine ? tid * 8 : 0;  // past the row: the loads of its first vector (no branch), no store
+  uint4 p;
+  {
+    const int b = 0;
+    p = tile::load_param16(NormLinearOperand{x + (size_t)b * ldx, nw, 0.f}.params_at(k));
+  }
+  float v[kB][8];
+#pragma unroll
+  for (int b = 0; b < kB; ++b) tile::load8(x + (size_t)b * ldx + k, v[b]);
+  float a3[kB];
+  tile::rows_share_sum_sq<kB>(v, mine, smem, a3, tid, nt);
+  if (!mine) return;
+#pragma unroll
+  for (int b = 0; b < kB; ++b) {
+    const float r = rsqrtf(((a3[b] / (float)K) + eps));
+    *reinterpret_cast<uint4*>(st + (size_t)b * K + k) = NormLinearOperand{x + (size_t)b * ldx, nw, r}.from_regs(v[b], p);
+  }
+}
+
 // The staged path for the kernel's kB batch rows: the rows' statistics and operands computed together
-// (tile::rows_sum_sq, tile::stage_rows: a few memory round trips a tile, not a few a row).
+// (a few memory round trips a tile, not a few a row).
 template <int kB>
 __device__ __forceinline__ void norm_linear_staged(int B, const float* x, int ldx, const bf16* nw, const bf16* w, const Epi& epi, int K, int n_tile, float eps, float* smem, int tid, int nt) {
   bf16* st = stage_base(smem);  // [kB, K] operand rows after the reduction scratch
@@ -49,19 +100,13 @@ __device__ __forceinline__ void norm_linear_staged(int B, const float* x, int ld
       const float a3 = tile::row_sum_sq(x + (size_t)b * ldx, K, smem, tid, nt);
       return rsqrtf(((a3 / (float)K) + eps));
     }, tid, nt);
+  } else if constexpr (kB > 1 && MPK_NORM_ROWS_IN_REGS && MPK_STAGE_ROWS_TOGETHER) {
+    if (tile::share_is_one_vector(K, nt))
+      norm_linear_rows_in_regs<kB>(x, ldx, nw, K, eps, smem, tid, nt);
+    else
+      norm_linear_two_passes<kB>(x, ldx, nw, K, eps, smem, tid, nt);
   } else {
-    // acc a3 = sum over the loop of:
-    //   b0 = chain[(x*x)](i0) (8, 256)  # rms_norm#0
-    //   b3 = sum[dim=1](b0) (8, 1)  # rms_norm#0
-    float a3[kB];
-    tile::rows_sum_sq<kB>([&](int b) { return x + (size_t)b * ldx; }, K, smem, a3, tid, nt);
-    // post ops, as a row factor r = 1 / p applied before the matmul (reference rounding):
-    //   p0 = chain[sqrt(((x*0.000244140625)+1e-06))](a3) (8, 1)  # rms_norm#0
-    //   p1 = div(a2, p0) (8, 8)  # matmul#0
-    float r[kB];
-#pragma unroll
-    for (int b = 0; b < kB; ++b) r[b] = rsqrtf(((a3[b] / (float)K) + eps));
-    tile::stage_rows<kB>(st, K, [&](int b) { return NormLinearOperand{x + (size_t)b * ldx, nw, r[b]}; }, tid, nt);
+    norm_linear_two_passes<kB>(x, ldx, nw, K, eps, smem, tid, nt);
   }
   worker_barrier(nt);  // the staged rows are complete before any warp reads them
   // b2 = matmul(b1, i2) (8, 8)  # matmul#0
