@@ -69,6 +69,32 @@ def test_norm_operand_splits_its_parameter_load_for_the_one_round_prologue(best)
     assert "params_at" not in silu and "MPK_NORM_ONE_ROUND" not in silu and "uint4 load8(int k) const {" in silu
 
 
+def test_norm_prologue_reads_the_rows_once_above_one_row(best):
+    """Above one row the staged norm prologue runs norm_linear_rows_in_regs where a thread's share of a row is one
+    vector (MPK_NORM_ROWS_IN_REGS): a function of its own (not inlined) that loads the parameter's and every row's
+    vector, sums the statistic from those registers and computes the operand from them (from_regs), with no second
+    read of the rows; else, and under MPK_STAGE_ROWS_TOGETHER=0 or MPK_NORM_ROWS_IN_REGS=0, the two passes. The
+    silu body (no statistic) has neither."""
+    text = render(best("norm_linear"), "norm_linear")
+    sig = "const float* x, int ldx, const bf16* nw, int K, float eps, float* smem, int tid, int nt"
+    assert f"__device__ __noinline__ void norm_linear_rows_in_regs({sig}) {{" in text
+    assert f"__device__ __forceinline__ void norm_linear_two_passes({sig}) {{" in text
+    regs = text[text.index("void norm_linear_rows_in_regs("):]
+    regs = regs[:regs.index("\n}\n")]
+    order = ["tile::load_param16(", "tile::load8(x + (size_t)b * ldx + k, v[b]);",
+             "tile::rows_share_sum_sq<kB>(v, mine, smem, a3, tid, nt);", "if (!mine) return;", ".from_regs(v[b], p);"]
+    at = [regs.index(s) for s in order]
+    assert at == sorted(at), at
+    assert "ldx + k" not in regs[at[2]:] and "tile::load8" not in regs[at[2]:]  # the rows are not read again
+    assert "uint4 from_regs(const float* v_i0, uint4 p) const {" in text
+    staged = text[text.index("void norm_linear_staged("):]
+    assert "} else if constexpr (kB > 1 && MPK_NORM_ROWS_IN_REGS && MPK_STAGE_ROWS_TOGETHER) {" in staged
+    assert staged.index("if (tile::share_is_one_vector(K, nt))") < staged.index("norm_linear_rows_in_regs<kB>(x, ldx,")
+    assert staged.count("norm_linear_two_passes<kB>(x, ldx, nw, K, eps, smem, tid, nt);") == 2
+    silu = render(best("silu_linear"), "silu_linear")
+    assert "rows_in_regs" not in silu and "from_regs" not in silu and "two_passes" not in silu
+
+
 def test_unsupported_block_graph_is_a_clear_error(best):
     d = best("norm_linear").to_dict()
     bad = copy.deepcopy(d)
