@@ -101,19 +101,21 @@ done
 # layer (MPK_LAYER_ALIGNED_WORKERS=1) and d1 within -0.2%. Session 48 (v0.43, H100, qwen3-8b batch 8): the silu
 # epilogue (j1) +4.3%; the norm prologue's two passes ~2.4% each (side branch diag-norm-prologue). Session 50 (v0.45,
 # H100, qwen3-8b batch 8): the norm weights copied before the rows' statistic +0.9%, the rows copied into shared memory
-# +3.9% (both removed since). The default below: the silu epilogue (j1) against base at AB_BATCH 8 in session 50's
-# exact split-K partial room (MPK_MMA_PARTIAL_EXACT, default on), which keeps j1's launch under the SM's 100 KB
-# shared-memory step that the fixed room pushed it past. Every variant above still in the code was measured
+# +3.9% (both removed since). Session 51 (v0.46, H100, qwen3-8b batch 8): the norm prologue's rows read once
+# (MPK_NORM_ROWS_IN_REGS, the default now) -0.6 / -0.75% against the two passes; the silu epilogue (j1) in the exact
+# split-K partial room still +2.8%. The default below: the rows-in-registers prologue against its two passes, with
+# its bitwise tests (batch 4 and 8, and against the rms_norm task). Every variant above still in the code was measured
 # (docs/PERF.md v0.32-v0.45) and stays reachable through AB_VARIANTS, AB_MODELS and AB_BATCH (AB_MODELS=qwen3-0.6b
 # AB_BATCH=1 for the small-preset ones; AB_TESTS="one_round or ..." for their bitwise tests).
-AB_VARIANTS=${AB_VARIANTS:-"base;j1"}
+AB_VARIANTS=${AB_VARIANTS:-"base;-DMPK_NORM_ROWS_IN_REGS=0"}
 AB_MODELS=${AB_MODELS:-"qwen3-8b"}
 AB_BATCH=${AB_BATCH:-8}
 # AB_TEST_KERNELS: the bitwise tests' qwen3-0.6b kernel variants to prebuild, groups "BATCH:V1;V2;..." joined by
 # "|" (a group without "BATCH:" is batch 1; session 38-47's were "base;-DMPK_NORM_ONE_ROUND=0;
-# -DMPK_SUPEROPT_NORM_LINEAR=0;-DMPK_LONG_ROWS=1;o0;q1"); none: none. The default: the exact partial room test's
-# (batch 8 on tensor cores with the silu epilogue, in the exact and the fixed room: one binary, a launch setting).
-AB_TEST_KERNELS=${AB_TEST_KERNELS:-"8:m1,j1;m1,j1,MPK_MMA_PARTIAL_EXACT=0"}
+# -DMPK_SUPEROPT_NORM_LINEAR=0;-DMPK_LONG_ROWS=1;o0;q1"; session 50's "8:m1,j1;m1,j1,MPK_MMA_PARTIAL_EXACT=0"); none:
+# none. The default: the rows-in-registers tests' (batch 8 on tensor cores with and without it and without the norm
+# fusion; batch 4 with and without it).
+AB_TEST_KERNELS=${AB_TEST_KERNELS:-"8:m1;m1,-DMPK_NORM_ROWS_IN_REGS=0;m1,MPK_FUSE_NORM=0|4:base;-DMPK_NORM_ROWS_IN_REGS=0"}
 if [ $AB_PREBUILD -eq 1 ]; then
   mkdir -p "$MPK_CACHE_DIR"
   rc=0
@@ -238,7 +240,7 @@ if [ $AB -eq 1 ]; then
       --output-json "$OUT/ab_sweep_$m.json"
   done
   [ "${AB_TESTS:-}" != none ] && step ab_bitwise "${AB_LIMIT:-540}" python3 -m pytest -q -m gpu tests/runtime/test_code_variants_gpu.py -k \
-    "${AB_TESTS:-exact_partial}"
+    "${AB_TESTS:-ROWS_IN_REGS or rows_in_regs}"
   # AB_BLOCKS=0 skips the two-blocks-per-SM tests (their kernels build on the GPU machine: ~1-2 min)
   [ "${AB_TESTS:-}" != none ] && [ "${AB_BLOCKS:-1}" = 1 ] && step ab_blocks_per_sm "${AB_LIMIT:-300}" python3 -m pytest -q -m gpu tests/runtime/test_blocks_per_sm_gpu.py
   summary "gpu_check --ab summary"
