@@ -121,8 +121,8 @@ __device__ __forceinline__ void rows_sum_sq(const RowPtr& row, int K, float* sme
 // worker threads), a generated norm prologue reads the rows once: each thread keeps its vector of every row in
 // registers across the statistic's block reduction and computes its staged operand vectors from them
 // (rows_share_sum_sq, then the operand's from_regs), instead of reading the rows again after the statistic
-// (stage_rows). Why: at qwen3-8b batch 8 that second read is 128 tiles x 128 KB of fp32 rows out of L2, ~2.3% of
-// the step (docs/PERF.md v0.43, diagnostic T). The function holding kB x 8 values is not inlined (the generated
+// (stage_rows). Why: at qwen3-8b batch 8 that second read is 128 tiles x 128 KB of fp32 rows out of L2 (v0.43's
+// diagnostic T put the whole pass at ~2.3% of the step); measured -0.6 / -0.75% there (docs/PERF.md v0.46). The function holding kB x 8 values is not inlined (the generated
 // body's <name>_rows_in_regs): its callers run with the worker loop's registers live and already spill. 0: the
 // two passes, for the bitwise GPU test. Same values, same order: the same bits.
 #ifndef MPK_NORM_ROWS_IN_REGS
