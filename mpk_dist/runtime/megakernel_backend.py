@@ -460,7 +460,9 @@ SILU_EPI_MAX_BATCH = 1
 unless MPK_FUSE_SILU_EPI=1 asks for it. Measured on an H200 (docs/PERF.md v0.20, qwen3-8b, context ~512, ms, one
 process each): batch 1 4.837 / 4.834 with it vs 4.908 / 4.906 (and every other batch-1 model faster), but batch 2
 6.618 / 6.627 vs 6.384 / 6.365 (silu in the down tiles' prologue) and batch 3 7.688 / 7.671 vs 7.525 / 7.517 (silu
-its own level); batch 8 with the pair tiles on tensor cores (v0.28, one process) 5.781 / 5.774 vs 5.735 / 5.738."""
+its own level); batch 8 with the pair tiles on tensor cores (v0.28, one process) 5.781 / 5.774 vs 5.735 / 5.738.
+On an H100 at batch 8: +4.3% (v0.43) and +4.9% (v0.45) with its launch past the SM's 100 KB shared-memory step, still
++2.8% (v0.46: 6.922 / 6.935 vs 6.733 / 6.749) in the exact split-K room that keeps it under the step."""
 
 
 BATCH_FUSION_SWITCHES = ("MPK_FUSE_SILU", "MPK_FUSE_SILU_EPI")  # the variables fusions_for_batch reads
