@@ -35,6 +35,24 @@ __device__ __forceinline__ void load8_param(const bf16* p, float* f) { unpack8(l
 // A parameter's 16 bytes (read-only: streaming, non-coherent load), for unpack_param.
 __device__ __forceinline__ uint4 load_param16(const bf16* p) { return ld_stream_v4(p); }
 
+// bf16(bf16(x[i] * r) * p[i]) for 8 values x and the parameter's 8 bf16 values p (16 bytes), packed as pack8 packs:
+// x * r rounded to bf16 two at a time (cvt.rn.bf16x2.f32), then multiplied by p's pairs in bf16x2 (one rounding to
+// nearest). The same bits as pack8 of round_bf(x[i] * r) * p[i] in fp32: a product of two bf16 values is exact in
+// fp32 (8-bit significands), so both round the exact product once, to nearest even (products below fp32's normal
+// range, which normalised rows times norm weights do not reach, could round twice on the fp32 path). A third of the
+// fp32 path's instructions (4 a pair instead of ~11: unpacking p, rounding each value back to fp32, packing).
+__device__ __forceinline__ uint4 scale_mul8(const float* x, float r, uint4 p) {
+  const uint32_t pw[4] = {p.x, p.y, p.z, p.w};
+  uint32_t o[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const __nv_bfloat162 a = __floats2bfloat162_rn(x[2 * i] * r, x[2 * i + 1] * r);
+    const __nv_bfloat162 c = __hmul2(a, *reinterpret_cast<const __nv_bfloat162*>(&pw[i]));
+    o[i] = *reinterpret_cast<const uint32_t*>(&c);
+  }
+  return make_uint4(o[0], o[1], o[2], o[3]);
+}
+
 // A parameter's 8 values from its 16 bytes, loaded (copied) elsewhere: stage_row_fetch_first (fused_gemv.cuh).
 __device__ __forceinline__ void unpack_param(uint4 v, float* f) { unpack8(v, f); }
 
@@ -74,11 +92,21 @@ using ::mpk::stage_row;
 #endif
 constexpr int kStageVectors = 8;  // staged 16-byte vectors a thread loads before it stores the first
 
+// Where rows_block_sum leaves the rows' totals: after block_sum's scratch (one float a warp, at most 32 warps) and
+// before the staging area, so that the staging does not overwrite them.
+constexpr int kRowTotalsAt = 32;
+constexpr int kMaxStagedRows = 16;  // MPK_FUSED_WITH_BATCH's largest kB
+static_assert(kRowTotalsAt + kMaxStagedRows <= kStageOffset, "the rows' totals overlap the staging area");
+
 // ss[b] = the block's sum of every thread's ss[b] for rows b < kB, on every worker thread: per row warp_sum, then
-// the warps' partials in warp order (block_sum's order, all rows in one pair of barriers). The partials sit in the
-// staging area (stage_base), which nothing has written yet; the last barrier lets the staging overwrite them.
+// the warps' partials in warp order (block_sum's order, all rows in one pair of barriers). Thread b sums row b's
+// partials and leaves the total for every thread to read (before, every thread summed every row's partials: kB x
+// nwarps adds a thread, ~130 of a batch-8 prologue's ~950 instructions). The partials sit in the staging area
+// (stage_base), which nothing has written yet, and are read before the last barrier, so the staging may overwrite
+// them after it.
 template <int kB>
 __device__ __forceinline__ void rows_block_sum(float (&ss)[kB], float* smem, int tid, int nt) {
+  static_assert(kB <= kMaxStagedRows, "more rows than the totals' room");
   const int warp = tid >> 5, lane = tid & 31, nwarps = nt >> 5;
   float* part = smem + kStageOffset;  // kB x nwarps floats of the staging area
 #pragma unroll
@@ -87,13 +115,14 @@ __device__ __forceinline__ void rows_block_sum(float (&ss)[kB], float* smem, int
     if (lane == 0) part[b * nwarps + warp] = w;
   }
   worker_barrier(nt);
-#pragma unroll
-  for (int b = 0; b < kB; ++b) {
+  if (tid < kB) {
     float s = 0.f;
-    for (int i = 0; i < nwarps; ++i) s += part[b * nwarps + i];
-    ss[b] = s;
+    for (int i = 0; i < nwarps; ++i) s += part[tid * nwarps + i];
+    smem[kRowTotalsAt + tid] = s;
   }
-  worker_barrier(nt);  // every thread has read the partials before the rows are staged over them
+  worker_barrier(nt);  // the totals are written, and every partial has been read before the rows are staged over them
+#pragma unroll
+  for (int b = 0; b < kB; ++b) ss[b] = smem[kRowTotalsAt + b];
 }
 
 // ss[b] = sum_k x_b[k]^2 for rows b < kB (row(b): row b's fp32 pointer) on every worker thread: per row

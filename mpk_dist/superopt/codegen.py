@@ -172,10 +172,14 @@ def _row_struct(p: GemvPlan, abi: KindAbi, consts: _Consts, struct: str) -> list
                      else f"    tile::{load}({loc} + k, v_{loc});")
     lines += combine
     if _rows_in_regs(p, abi):  # the row's 8 values already in registers (<kind>_rows_in_regs)
-        lines += [f"  __device__ __forceinline__ uint4 from_regs(const float* v_{p.factor.stat.src_input}, uint4 p) const {{"]
-        lines += [f"    float v_{loc}[8];\n    tile::unpack_param(p, v_{loc});" for loc, load in loads
-                  if load == "load8_param"]
-        lines += combine
+        src = p.factor.stat.src_input
+        lines += [f"  __device__ __forceinline__ uint4 from_regs(const float* v_{src}, uint4 p) const {{"]
+        if _expr(p.operand, consts) == f"(round_bf(v_{src}[e] * r) * v_{param}[e])":
+            lines += [f"    return tile::scale_mul8(v_{src}, r, p);  // the same bits in bf16x2 arithmetic", "  }"]
+        else:
+            lines += [f"    float v_{loc}[8];\n    tile::unpack_param(p, v_{loc});" for loc, load in loads
+                      if load == "load8_param"]
+            lines += combine
     # load8 keeps its one-step form (the loads in input order, then the arithmetic): the default build's code
     return lines + one_step
 

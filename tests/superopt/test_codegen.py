@@ -87,6 +87,8 @@ def test_norm_prologue_reads_the_rows_once_above_one_row(best):
     assert at == sorted(at), at
     assert "ldx + k" not in regs[at[2]:] and "tile::load8" not in regs[at[2]:]  # the rows are not read again
     assert "uint4 from_regs(const float* v_i0, uint4 p) const {" in text
+    # the norm operand bf16(bf16(x * r) * g) in bf16x2 arithmetic (tile::scale_mul8: the same bits)
+    assert "return tile::scale_mul8(v_i0, r, p);" in text
     staged = text[text.index("void norm_linear_staged("):]
     assert "} else if constexpr (kB > 1 && MPK_NORM_ROWS_IN_REGS && MPK_STAGE_ROWS_TOGETHER) {" in staged
     assert staged.index("if (tile::share_is_one_vector(K, nt))") < staged.index("norm_linear_rows_in_regs<kB>(x, ldx,")

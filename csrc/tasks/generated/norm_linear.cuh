@@ -27,12 +27,7 @@ struct NormLinearOperand {
     return tile::pack8(o);
   }
   __device__ __forceinline__ uint4 from_regs(const float* v_i0, uint4 p) const {
-    float v_i1[8];
-    tile::unpack_param(p, v_i1);
-    float o[8];
-#pragma unroll
-    for (int e = 0; e < 8; ++e) o[e] = (round_bf(v_i0[e] * r) * v_i1[e]);
-    return tile::pack8(o);
+    return tile::scale_mul8(v_i0, r, p);  // the same bits in bf16x2 arithmetic
   }
   __device__ __forceinline__ uint4 load8(int k) const {
     float v_i0[8];
