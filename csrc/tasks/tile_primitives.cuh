@@ -35,24 +35,6 @@ __device__ __forceinline__ void load8_param(const bf16* p, float* f) { unpack8(l
 // A parameter's 16 bytes (read-only: streaming, non-coherent load), for unpack_param.
 __device__ __forceinline__ uint4 load_param16(const bf16* p) { return ld_stream_v4(p); }
 
-// bf16(bf16(x[i] * r) * p[i]) for 8 values x and the parameter's 8 bf16 values p (16 bytes), packed as pack8 packs:
-// x * r rounded to bf16 two at a time (cvt.rn.bf16x2.f32), then multiplied by p's pairs in bf16x2 (one rounding to
-// nearest). The same bits as pack8 of round_bf(x[i] * r) * p[i] in fp32: a product of two bf16 values is exact in
-// fp32 (8-bit significands), so both round the exact product once, to nearest even (products below fp32's normal
-// range, which normalised rows times norm weights do not reach, could round twice on the fp32 path). A third of the
-// fp32 path's instructions (4 a pair instead of ~11: unpacking p, rounding each value back to fp32, packing).
-__device__ __forceinline__ uint4 scale_mul8(const float* x, float r, uint4 p) {
-  const uint32_t pw[4] = {p.x, p.y, p.z, p.w};
-  uint32_t o[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const __nv_bfloat162 a = __floats2bfloat162_rn(x[2 * i] * r, x[2 * i + 1] * r);
-    const __nv_bfloat162 c = __hmul2(a, *reinterpret_cast<const __nv_bfloat162*>(&pw[i]));
-    o[i] = *reinterpret_cast<const uint32_t*>(&c);
-  }
-  return make_uint4(o[0], o[1], o[2], o[3]);
-}
-
 // A parameter's 8 values from its 16 bytes, loaded (copied) elsewhere: stage_row_fetch_first (fused_gemv.cuh).
 __device__ __forceinline__ void unpack_param(uint4 v, float* f) { unpack8(v, f); }
 
@@ -62,6 +44,35 @@ __device__ __forceinline__ uint4 pack8(const float* f) {
 #pragma unroll
   for (int i = 0; i < 8; ++i) o[i] = f2bf(f[i]);
   return *reinterpret_cast<const uint4*>(o);
+}
+
+// bf16(bf16(x[i] * r) * p[i]) for 8 values x and the parameter's 8 bf16 values p (16 bytes), packed as pack8 packs:
+// x * r rounded to bf16 two at a time (cvt.rn.bf16x2.f32), then multiplied by p's pairs in bf16x2 (one rounding to
+// nearest). The same bits as pack8 of round_bf(x[i] * r) * p[i] in fp32: a product of two bf16 values is exact in
+// fp32 (8-bit significands), so both round the exact product once, to nearest even (products below fp32's normal
+// range, which normalised rows times norm weights do not reach, could round twice on the fp32 path). A third of the
+// fp32 path's instructions (4 a pair instead of ~11: unpacking p, rounding each value back to fp32, packing).
+// MPK_NORM_BF16X2 0: the same values in fp32 arithmetic (the v0.46 code), for the A/B and the bitwise test.
+#ifndef MPK_NORM_BF16X2
+#define MPK_NORM_BF16X2 1
+#endif
+__device__ __forceinline__ uint4 scale_mul8(const float* x, float r, uint4 p) {
+  if constexpr (!MPK_NORM_BF16X2) {
+    float g[8], o[8];
+    unpack8(p, g);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) o[e] = round_bf(x[e] * r) * g[e];
+    return pack8(o);
+  }
+  const uint32_t pw[4] = {p.x, p.y, p.z, p.w};
+  uint32_t o[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const __nv_bfloat162 a = __floats2bfloat162_rn(x[2 * i] * r, x[2 * i + 1] * r);
+    const __nv_bfloat162 c = __hmul2(a, *reinterpret_cast<const __nv_bfloat162*>(&pw[i]));
+    o[i] = *reinterpret_cast<const uint32_t*>(&c);
+  }
+  return make_uint4(o[0], o[1], o[2], o[3]);
 }
 
 // sum_k x[k]^2 of one fp32 row on every worker thread (block_sum ends with a barrier); rms_norm.cuh's order
@@ -104,6 +115,11 @@ static_assert(kRowTotalsAt + kMaxStagedRows <= kStageOffset, "the rows' totals o
 // nwarps adds a thread, ~130 of a batch-8 prologue's ~950 instructions). The partials sit in the staging area
 // (stage_base), which nothing has written yet, and are read before the last barrier, so the staging may overwrite
 // them after it.
+// MPK_ROW_TOTALS_BY_ONE 0: every thread sums every row's partials (the v0.46 code), for the A/B and the bitwise test.
+#ifndef MPK_ROW_TOTALS_BY_ONE
+#define MPK_ROW_TOTALS_BY_ONE 1
+#endif
+
 template <int kB>
 __device__ __forceinline__ void rows_block_sum(float (&ss)[kB], float* smem, int tid, int nt) {
   static_assert(kB <= kMaxStagedRows, "more rows than the totals' room");
@@ -115,6 +131,16 @@ __device__ __forceinline__ void rows_block_sum(float (&ss)[kB], float* smem, int
     if (lane == 0) part[b * nwarps + warp] = w;
   }
   worker_barrier(nt);
+  if constexpr (!MPK_ROW_TOTALS_BY_ONE) {
+#pragma unroll
+    for (int b = 0; b < kB; ++b) {
+      float s = 0.f;
+      for (int i = 0; i < nwarps; ++i) s += part[b * nwarps + i];
+      ss[b] = s;
+    }
+    worker_barrier(nt);  // every thread has read the partials before the rows are staged over them
+    return;
+  }
   if (tid < kB) {
     float s = 0.f;
     for (int i = 0; i < nwarps; ++i) s += part[tid * nwarps + i];
