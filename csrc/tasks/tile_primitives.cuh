@@ -19,15 +19,10 @@
 namespace mpk {
 namespace tile {
 
-// 8 consecutive values of a row into fp32 registers (16-byte aligned: K % 8 == 0, checked by the host).
-__device__ __forceinline__ void load8(const float* p, float* f) {
-  const float4 a = *reinterpret_cast<const float4*>(p), c = *reinterpret_cast<const float4*>(p + 4);
-  f[0] = a.x; f[1] = a.y; f[2] = a.z; f[3] = a.w;
-  f[4] = c.x; f[5] = c.y; f[6] = c.z; f[7] = c.w;
-}
-
-// bf16 activations written earlier in this kernel (coherent load; see ld_act_v4).
-__device__ __forceinline__ void load8(const bf16* p, float* f) { unpack8(ld_act_v4(p), f); }
+// 8 consecutive values of a row into fp32 registers (16-byte aligned: K % 8 == 0, checked by the host): the fp32
+// residual stream, or bf16 activations written earlier in this kernel (coherent load). rms_norm.cuh's load8_any.
+template <typename T>
+__device__ __forceinline__ void load8(const T* p, float* f) { load8_any(p, f); }
 
 // Read-only bf16 parameters (norm weights): streaming, non-coherent load.
 __device__ __forceinline__ void load8_param(const bf16* p, float* f) { unpack8(ld_stream_v4(p), f); }
@@ -57,13 +52,8 @@ __device__ __forceinline__ uint4 pack8(const float* f) {
 #define MPK_NORM_BF16X2 1
 #endif
 __device__ __forceinline__ uint4 scale_mul8(const float* x, float r, uint4 p) {
-  if constexpr (!MPK_NORM_BF16X2) {
-    float g[8], o[8];
-    unpack8(p, g);
-#pragma unroll
-    for (int e = 0; e < 8; ++e) o[e] = round_bf(x[e] * r) * g[e];
-    return pack8(o);
-  }
+  if constexpr (!MPK_NORM_BF16X2)
+    return norm8_of(make_float4(x[0], x[1], x[2], x[3]), make_float4(x[4], x[5], x[6], x[7]), p, r);
   const uint32_t pw[4] = {p.x, p.y, p.z, p.w};
   uint32_t o[4];
 #pragma unroll
