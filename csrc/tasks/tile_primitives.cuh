@@ -99,19 +99,30 @@ constexpr int kRowTotalsAt = 32;
 constexpr int kMaxStagedRows = 16;  // MPK_FUSED_WITH_BATCH's largest kB
 static_assert(kRowTotalsAt + kMaxStagedRows <= kStageOffset, "the rows' totals overlap the staging area");
 
-// ss[b] = the block's sum of every thread's ss[b] for rows b < kB, on every worker thread: per row warp_sum, then
+// ss[b] = finish(the block's sum of every thread's ss[b]) for rows b < kB, on every worker thread: per row warp_sum, then
 // the warps' partials in warp order (block_sum's order, all rows in one pair of barriers). Thread b sums row b's
 // partials and leaves the total for every thread to read (before, every thread summed every row's partials: kB x
 // nwarps adds a thread, ~130 of a batch-8 prologue's ~950 instructions). The partials sit in the staging area
 // (stage_base), which nothing has written yet, and are read before the last barrier, so the staging may overwrite
 // them after it.
-// MPK_ROW_TOTALS_BY_ONE 0: every thread sums every row's partials (the v0.46 code), for the A/B and the bitwise test.
+// finish(total) is what every thread gets for a row (the total itself by default): a norm prologue passes its row
+// factor (r = rsqrt(total / K + eps)), so that thread b computes row b's factor once instead of every thread
+// computing all kB of them (an IEEE division each: ~100 of the ~590 instructions). The same function of the same
+// total: the same bits.
+// MPK_ROW_TOTALS_BY_ONE 0: every thread sums every row's partials and finishes every row (the v0.46 code), for the
+// A/B and the bitwise test.
 #ifndef MPK_ROW_TOTALS_BY_ONE
 #define MPK_ROW_TOTALS_BY_ONE 1
 #endif
 
-template <int kB>
-__device__ __forceinline__ void rows_block_sum(float (&ss)[kB], float* smem, int tid, int nt) {
+// rows_block_sum's default finish: the row's total.
+struct RowTotal {
+  __device__ __forceinline__ float operator()(float total) const { return total; }
+};
+
+template <int kB, class Finish = RowTotal>
+__device__ __forceinline__ void rows_block_sum(float (&ss)[kB], float* smem, int tid, int nt,
+                                               const Finish& finish = Finish{}) {
   static_assert(kB <= kMaxStagedRows, "more rows than the totals' room");
   const int warp = tid >> 5, lane = tid & 31, nwarps = nt >> 5;
   float* part = smem + kStageOffset;  // kB x nwarps floats of the staging area
@@ -126,7 +137,7 @@ __device__ __forceinline__ void rows_block_sum(float (&ss)[kB], float* smem, int
     for (int b = 0; b < kB; ++b) {
       float s = 0.f;
       for (int i = 0; i < nwarps; ++i) s += part[b * nwarps + i];
-      ss[b] = s;
+      ss[b] = finish(s);
     }
     worker_barrier(nt);  // every thread has read the partials before the rows are staged over them
     return;
@@ -134,20 +145,21 @@ __device__ __forceinline__ void rows_block_sum(float (&ss)[kB], float* smem, int
   if (tid < kB) {
     float s = 0.f;
     for (int i = 0; i < nwarps; ++i) s += part[tid * nwarps + i];
-    smem[kRowTotalsAt + tid] = s;
+    smem[kRowTotalsAt + tid] = finish(s);
   }
   worker_barrier(nt);  // the totals are written, and every partial has been read before the rows are staged over them
 #pragma unroll
   for (int b = 0; b < kB; ++b) ss[b] = smem[kRowTotalsAt + b];
 }
 
-// ss[b] = sum_k x_b[k]^2 for rows b < kB (row(b): row b's fp32 pointer) on every worker thread: per row
+// ss[b] = finish(sum_k x_b[k]^2) for rows b < kB (row(b): row b's fp32 pointer) on every worker thread: per row
 // share_sum_sq's order (a thread's 8-vectors, each in element order), every row's vector at a k step loaded
 // before any is summed, then rows_block_sum. Each statistic has row_sum_sq's bits.
-template <int kB, class RowPtr>
-__device__ __forceinline__ void rows_sum_sq(const RowPtr& row, int K, float* smem, float (&ss)[kB], int tid, int nt) {
+template <int kB, class RowPtr, class Finish = RowTotal>
+__device__ __forceinline__ void rows_sum_sq(const RowPtr& row, int K, float* smem, float (&ss)[kB], int tid, int nt,
+                                            const Finish& finish = Finish{}) {
   if (!MPK_STAGE_ROWS_TOGETHER || kB == 1) {  // one row: nothing to overlap (see stage_rows)
-    for (int b = 0; b < kB; ++b) ss[b] = row_sum_sq(row(b), K, smem, tid, nt);
+    for (int b = 0; b < kB; ++b) ss[b] = finish(row_sum_sq(row(b), K, smem, tid, nt));
     return;
   }
 #pragma unroll
@@ -159,7 +171,7 @@ __device__ __forceinline__ void rows_sum_sq(const RowPtr& row, int K, float* sme
 #pragma unroll
     for (int b = 0; b < kB; ++b) ss[b] = sum_sq8(f[b], ss[b]);
   }
-  rows_block_sum<kB>(ss, smem, tid, nt);
+  rows_block_sum<kB>(ss, smem, tid, nt, finish);
 }
 
 // MPK_NORM_ROWS_IN_REGS 1 (default): above one row, where a thread's share of each row is one 8-vector (K <= 8 x
@@ -177,15 +189,15 @@ __device__ __forceinline__ void rows_sum_sq(const RowPtr& row, int K, float* sme
 // Whether a thread's share of a row of K is at most one 8-vector (the rows-in-registers prologue's condition).
 __device__ __forceinline__ bool share_is_one_vector(int K, int nt) { return K <= 8 * nt; }
 
-// ss[b] = sum_k x_b[k]^2 from each thread's one vector v[b] of row b (mine: the thread's vector lies within the
+// ss[b] = finish(sum_k x_b[k]^2) from each thread's one vector v[b] of row b (mine: the thread's vector lies within the
 // row; a thread past it holds something else and adds nothing), on every worker thread: share_sum_sq's value
 // per thread, then rows_block_sum. The bits of row_sum_sq.
-template <int kB>
+template <int kB, class Finish = RowTotal>
 __device__ __forceinline__ void rows_share_sum_sq(const float (&v)[kB][8], bool mine, float* smem, float (&ss)[kB],
-                                                  int tid, int nt) {
+                                                  int tid, int nt, const Finish& finish = Finish{}) {
 #pragma unroll
   for (int b = 0; b < kB; ++b) ss[b] = mine ? sum_sq8(v[b], 0.f) : 0.f;
-  rows_block_sum<kB>(ss, smem, tid, nt);
+  rows_block_sum<kB>(ss, smem, tid, nt, finish);
 }
 
 // st[b * K + k ..] = make_row(b).load8(k) for rows b < kB: up to kStageVectors vectors' loads (rows, then
