@@ -19,15 +19,10 @@
 namespace mpk {
 namespace tile {
 
-// 8 consecutive values of a row into fp32 registers (16-byte aligned: K % 8 == 0, checked by the host).
-__device__ __forceinline__ void load8(const float* p, float* f) {
-  const float4 a = *reinterpret_cast<const float4*>(p), c = *reinterpret_cast<const float4*>(p + 4);
-  f[0] = a.x; f[1] = a.y; f[2] = a.z; f[3] = a.w;
-  f[4] = c.x; f[5] = c.y; f[6] = c.z; f[7] = c.w;
-}
-
-// bf16 activations written earlier in this kernel (coherent load; see ld_act_v4).
-__device__ __forceinline__ void load8(const bf16* p, float* f) { unpack8(ld_act_v4(p), f); }
+// 8 consecutive values of a row into fp32 registers (16-byte aligned: K % 8 == 0, checked by the host): the fp32
+// residual stream, or bf16 activations written earlier in this kernel (coherent load). rms_norm.cuh's load8_any.
+template <typename T>
+__device__ __forceinline__ void load8(const T* p, float* f) { load8_any(p, f); }
 
 // Read-only bf16 parameters (norm weights): streaming, non-coherent load.
 __device__ __forceinline__ void load8_param(const bf16* p, float* f) { unpack8(ld_stream_v4(p), f); }
@@ -44,6 +39,30 @@ __device__ __forceinline__ uint4 pack8(const float* f) {
 #pragma unroll
   for (int i = 0; i < 8; ++i) o[i] = f2bf(f[i]);
   return *reinterpret_cast<const uint4*>(o);
+}
+
+// bf16(bf16(x[i] * r) * p[i]) for 8 values x and the parameter's 8 bf16 values p (16 bytes), packed as pack8 packs:
+// x * r rounded to bf16 two at a time (cvt.rn.bf16x2.f32), then multiplied by p's pairs in bf16x2 (one rounding to
+// nearest). The same bits as pack8 of round_bf(x[i] * r) * p[i] in fp32: a product of two bf16 values is exact in
+// fp32 (8-bit significands), so both round the exact product once, to nearest even (products below fp32's normal
+// range, which normalised rows times norm weights do not reach, could round twice on the fp32 path). A third of the
+// fp32 path's instructions (4 a pair instead of ~11: unpacking p, rounding each value back to fp32, packing).
+// MPK_NORM_BF16X2 0: the same values in fp32 arithmetic (the v0.46 code), for the A/B and the bitwise test.
+#ifndef MPK_NORM_BF16X2
+#define MPK_NORM_BF16X2 1
+#endif
+__device__ __forceinline__ uint4 scale_mul8(const float* x, float r, uint4 p) {
+  if constexpr (!MPK_NORM_BF16X2)
+    return norm8_of(make_float4(x[0], x[1], x[2], x[3]), make_float4(x[4], x[5], x[6], x[7]), p, r);
+  const uint32_t pw[4] = {p.x, p.y, p.z, p.w};
+  uint32_t o[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const __nv_bfloat162 a = __floats2bfloat162_rn(x[2 * i] * r, x[2 * i + 1] * r);
+    const __nv_bfloat162 c = __hmul2(a, *reinterpret_cast<const __nv_bfloat162*>(&pw[i]));
+    o[i] = *reinterpret_cast<const uint32_t*>(&c);
+  }
+  return make_uint4(o[0], o[1], o[2], o[3]);
 }
 
 // sum_k x[k]^2 of one fp32 row on every worker thread (block_sum ends with a barrier); rms_norm.cuh's order
@@ -74,11 +93,37 @@ using ::mpk::stage_row;
 #endif
 constexpr int kStageVectors = 8;  // staged 16-byte vectors a thread loads before it stores the first
 
-// ss[b] = the block's sum of every thread's ss[b] for rows b < kB, on every worker thread: per row warp_sum, then
-// the warps' partials in warp order (block_sum's order, all rows in one pair of barriers). The partials sit in the
-// staging area (stage_base), which nothing has written yet; the last barrier lets the staging overwrite them.
-template <int kB>
-__device__ __forceinline__ void rows_block_sum(float (&ss)[kB], float* smem, int tid, int nt) {
+// Where rows_block_sum leaves the rows' totals: after block_sum's scratch (one float a warp, at most 32 warps) and
+// before the staging area, so that the staging does not overwrite them.
+constexpr int kRowTotalsAt = 32;
+constexpr int kMaxStagedRows = 16;  // MPK_FUSED_WITH_BATCH's largest kB
+static_assert(kRowTotalsAt + kMaxStagedRows <= kStageOffset, "the rows' totals overlap the staging area");
+
+// ss[b] = finish(the block's sum of every thread's ss[b]) for rows b < kB, on every worker thread: per row warp_sum, then
+// the warps' partials in warp order (block_sum's order, all rows in one pair of barriers). Thread b sums row b's
+// partials and leaves the total for every thread to read (before, every thread summed every row's partials: kB x
+// nwarps adds a thread, ~130 of a batch-8 prologue's ~950 instructions). The partials sit in the staging area
+// (stage_base), which nothing has written yet, and are read before the last barrier, so the staging may overwrite
+// them after it.
+// finish(total) is what every thread gets for a row (the total itself by default): a norm prologue passes its row
+// factor (r = rsqrt(total / K + eps)), so that thread b computes row b's factor once instead of every thread
+// computing all kB of them (an IEEE division each: ~100 of the ~590 instructions). The same function of the same
+// total: the same bits.
+// MPK_ROW_TOTALS_BY_ONE 0: every thread sums every row's partials and finishes every row (the v0.46 code), for the
+// A/B and the bitwise test.
+#ifndef MPK_ROW_TOTALS_BY_ONE
+#define MPK_ROW_TOTALS_BY_ONE 1
+#endif
+
+// rows_block_sum's default finish: the row's total.
+struct RowTotal {
+  __device__ __forceinline__ float operator()(float total) const { return total; }
+};
+
+template <int kB, class Finish = RowTotal>
+__device__ __forceinline__ void rows_block_sum(float (&ss)[kB], float* smem, int tid, int nt,
+                                               const Finish& finish = Finish{}) {
+  static_assert(kB <= kMaxStagedRows, "more rows than the totals' room");
   const int warp = tid >> 5, lane = tid & 31, nwarps = nt >> 5;
   float* part = smem + kStageOffset;  // kB x nwarps floats of the staging area
 #pragma unroll
@@ -87,22 +132,34 @@ __device__ __forceinline__ void rows_block_sum(float (&ss)[kB], float* smem, int
     if (lane == 0) part[b * nwarps + warp] = w;
   }
   worker_barrier(nt);
+  if constexpr (!MPK_ROW_TOTALS_BY_ONE) {
 #pragma unroll
-  for (int b = 0; b < kB; ++b) {
-    float s = 0.f;
-    for (int i = 0; i < nwarps; ++i) s += part[b * nwarps + i];
-    ss[b] = s;
+    for (int b = 0; b < kB; ++b) {
+      float s = 0.f;
+      for (int i = 0; i < nwarps; ++i) s += part[b * nwarps + i];
+      ss[b] = finish(s);
+    }
+    worker_barrier(nt);  // every thread has read the partials before the rows are staged over them
+    return;
   }
-  worker_barrier(nt);  // every thread has read the partials before the rows are staged over them
+  if (tid < kB) {
+    float s = 0.f;
+    for (int i = 0; i < nwarps; ++i) s += part[tid * nwarps + i];
+    smem[kRowTotalsAt + tid] = finish(s);
+  }
+  worker_barrier(nt);  // the totals are written, and every partial has been read before the rows are staged over them
+#pragma unroll
+  for (int b = 0; b < kB; ++b) ss[b] = smem[kRowTotalsAt + b];
 }
 
-// ss[b] = sum_k x_b[k]^2 for rows b < kB (row(b): row b's fp32 pointer) on every worker thread: per row
+// ss[b] = finish(sum_k x_b[k]^2) for rows b < kB (row(b): row b's fp32 pointer) on every worker thread: per row
 // share_sum_sq's order (a thread's 8-vectors, each in element order), every row's vector at a k step loaded
 // before any is summed, then rows_block_sum. Each statistic has row_sum_sq's bits.
-template <int kB, class RowPtr>
-__device__ __forceinline__ void rows_sum_sq(const RowPtr& row, int K, float* smem, float (&ss)[kB], int tid, int nt) {
+template <int kB, class RowPtr, class Finish = RowTotal>
+__device__ __forceinline__ void rows_sum_sq(const RowPtr& row, int K, float* smem, float (&ss)[kB], int tid, int nt,
+                                            const Finish& finish = Finish{}) {
   if (!MPK_STAGE_ROWS_TOGETHER || kB == 1) {  // one row: nothing to overlap (see stage_rows)
-    for (int b = 0; b < kB; ++b) ss[b] = row_sum_sq(row(b), K, smem, tid, nt);
+    for (int b = 0; b < kB; ++b) ss[b] = finish(row_sum_sq(row(b), K, smem, tid, nt));
     return;
   }
 #pragma unroll
@@ -114,7 +171,7 @@ __device__ __forceinline__ void rows_sum_sq(const RowPtr& row, int K, float* sme
 #pragma unroll
     for (int b = 0; b < kB; ++b) ss[b] = sum_sq8(f[b], ss[b]);
   }
-  rows_block_sum<kB>(ss, smem, tid, nt);
+  rows_block_sum<kB>(ss, smem, tid, nt, finish);
 }
 
 // MPK_NORM_ROWS_IN_REGS 1 (default): above one row, where a thread's share of each row is one 8-vector (K <= 8 x
@@ -132,15 +189,15 @@ __device__ __forceinline__ void rows_sum_sq(const RowPtr& row, int K, float* sme
 // Whether a thread's share of a row of K is at most one 8-vector (the rows-in-registers prologue's condition).
 __device__ __forceinline__ bool share_is_one_vector(int K, int nt) { return K <= 8 * nt; }
 
-// ss[b] = sum_k x_b[k]^2 from each thread's one vector v[b] of row b (mine: the thread's vector lies within the
+// ss[b] = finish(sum_k x_b[k]^2) from each thread's one vector v[b] of row b (mine: the thread's vector lies within the
 // row; a thread past it holds something else and adds nothing), on every worker thread: share_sum_sq's value
 // per thread, then rows_block_sum. The bits of row_sum_sq.
-template <int kB>
+template <int kB, class Finish = RowTotal>
 __device__ __forceinline__ void rows_share_sum_sq(const float (&v)[kB][8], bool mine, float* smem, float (&ss)[kB],
-                                                  int tid, int nt) {
+                                                  int tid, int nt, const Finish& finish = Finish{}) {
 #pragma unroll
   for (int b = 0; b < kB; ++b) ss[b] = mine ? sum_sq8(v[b], 0.f) : 0.f;
-  rows_block_sum<kB>(ss, smem, tid, nt);
+  rows_block_sum<kB>(ss, smem, tid, nt, finish);
 }
 
 // st[b * K + k ..] = make_row(b).load8(k) for rows b < kB: up to kStageVectors vectors' loads (rows, then

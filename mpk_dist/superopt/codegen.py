@@ -172,10 +172,14 @@ def _row_struct(p: GemvPlan, abi: KindAbi, consts: _Consts, struct: str) -> list
                      else f"    tile::{load}({loc} + k, v_{loc});")
     lines += combine
     if _rows_in_regs(p, abi):  # the row's 8 values already in registers (<kind>_rows_in_regs)
-        lines += [f"  __device__ __forceinline__ uint4 from_regs(const float* v_{p.factor.stat.src_input}, uint4 p) const {{"]
-        lines += [f"    float v_{loc}[8];\n    tile::unpack_param(p, v_{loc});" for loc, load in loads
-                  if load == "load8_param"]
-        lines += combine
+        src = p.factor.stat.src_input
+        lines += [f"  __device__ __forceinline__ uint4 from_regs(const float* v_{src}, uint4 p) const {{"]
+        if _expr(p.operand, consts) == f"(round_bf(v_{src}[e] * r) * v_{param}[e])":
+            lines += [f"    return tile::scale_mul8(v_{src}, r, p);  // the same bits in bf16x2 arithmetic", "  }"]
+        else:
+            lines += [f"    float v_{loc}[8];\n    tile::unpack_param(p, v_{loc});" for loc, load in loads
+                      if load == "load8_param"]
+            lines += combine
     # load8 keeps its one-step form (the loads in input order, then the arithmetic): the default build's code
     return lines + one_step
 
@@ -221,6 +225,16 @@ def _param_names(signature: str) -> list:
     return [part.replace("*", " ").replace("&", " ").split()[-1] for part in signature.split(",")]
 
 
+def _row_factors(p: GemvPlan, consts: _Consts) -> list:
+    """The kB rows' factors r[b] = 1 / p(statistic) and the function ``factor`` that the statistic's block reduction
+    applies to a row's total (tile::rows_block_sum: one thread a row computes it, every thread reads it)."""
+    stat = p.factor.stat
+    lines = ["  // post ops, as a row factor r = 1 / p applied before the matmul (reference rounding):"]
+    lines += [f"  //   {op_text(o)}" for o in p.factor.ops]
+    return lines + [f"  const auto factor = [&](float {stat.acc}) {{ return rsqrtf({_prog(p.factor.inner_prog, stat.acc, consts)}); }};",
+                    f"  float r[kB];  // acc {stat.acc} of each row, finished as its factor"]
+
+
 def _two_passes(p: GemvPlan, abi: KindAbi, consts: _Consts, struct: str, sig: str) -> list:
     """The staged prologue of kB rows with a statistic in two passes over the rows: every row's statistic in one
     block reduction (tile::rows_sum_sq), then every row's operand staged with several vectors' loads in flight
@@ -233,12 +247,8 @@ def _two_passes(p: GemvPlan, abi: KindAbi, consts: _Consts, struct: str, sig: st
              "  bf16* st = stage_base(smem);",
              f"  // acc {stat.acc} = sum over the loop of:"]
     lines += [f"  //   {op_text(o)}" for o in stat.ops]
-    lines += [f"  float {stat.acc}[kB];",
-              f"  tile::rows_sum_sq<kB>([&](int b) {{ return {x}; }}, K, smem, {stat.acc}, tid, nt);",
-              "  // post ops, as a row factor r = 1 / p applied before the matmul (reference rounding):"]
-    lines += [f"  //   {op_text(o)}" for o in p.factor.ops]
-    lines += ["  float r[kB];", "#pragma unroll",
-              f"  for (int b = 0; b < kB; ++b) r[b] = rsqrtf({_prog(p.factor.inner_prog, f'{stat.acc}[b]', consts)});",
+    lines += _row_factors(p, consts)
+    lines += [f"  tile::rows_sum_sq<kB>([&](int b) {{ return {x}; }}, K, smem, r, tid, nt, factor);",
               f"  tile::stage_rows<kB>(st, K, [&](int b) {{ return {struct}{{{_row_init(p, abi, 'r[b]')}}}; }}, tid, nt);",
               "}", ""]
     return lines
@@ -265,14 +275,12 @@ def _in_regs(p: GemvPlan, abi: KindAbi, consts: _Consts, struct: str, sig: str) 
             "  float v[kB][8];",
             "#pragma unroll",
             f"  for (int b = 0; b < kB; ++b) tile::load8({x} + k, v[b]);",
-            f"  float {stat.acc}[kB];",
-            f"  tile::rows_share_sum_sq<kB>(v, mine, smem, {stat.acc}, tid, nt);",
+            *_row_factors(p, consts),
+            "  tile::rows_share_sum_sq<kB>(v, mine, smem, r, tid, nt, factor);",
             "  if (!mine) return;",
             "#pragma unroll",
-            "  for (int b = 0; b < kB; ++b) {",
-            f"    const float r = rsqrtf({_prog(p.factor.inner_prog, f'{stat.acc}[b]', consts)});",
-            f"    *reinterpret_cast<uint4*>(st + (size_t)b * K + k) = {struct}{{{_row_init(p, abi)}}}.from_regs(v[b], p);",
-            "  }",
+            "  for (int b = 0; b < kB; ++b)",
+            f"    *reinterpret_cast<uint4*>(st + (size_t)b * K + k) = {struct}{{{_row_init(p, abi, 'r[b]')}}}.from_regs(v[b], p);",
             "}", ""]
 
 

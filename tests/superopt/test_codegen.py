@@ -82,11 +82,19 @@ def test_norm_prologue_reads_the_rows_once_above_one_row(best):
     regs = text[text.index("void norm_linear_rows_in_regs("):]
     regs = regs[:regs.index("\n}\n")]
     order = ["tile::load_param16(", "tile::load8(x + (size_t)b * ldx + k, v[b]);",
-             "tile::rows_share_sum_sq<kB>(v, mine, smem, a3, tid, nt);", "if (!mine) return;", ".from_regs(v[b], p);"]
+             "tile::rows_share_sum_sq<kB>(v, mine, smem, r, tid, nt, factor);", "if (!mine) return;",
+             "{x + (size_t)b * ldx, nw, r[b]}.from_regs(v[b], p);"]
     at = [regs.index(s) for s in order]
     assert at == sorted(at), at
     assert "ldx + k" not in regs[at[2]:] and "tile::load8" not in regs[at[2]:]  # the rows are not read again
     assert "uint4 from_regs(const float* v_i0, uint4 p) const {" in text
+    # each row's factor computed by one thread inside the statistic's reduction (tile::rows_block_sum's finish),
+    # in both prologues
+    factor = "const auto factor = [&](float a3) { return rsqrtf(((a3 / (float)K) + eps)); };"
+    assert text.count(factor) == 2 and factor in regs and "rsqrtf" not in regs[at[2]:]
+    assert "tile::rows_sum_sq<kB>([&](int b) { return x + (size_t)b * ldx; }, K, smem, r, tid, nt, factor);" in text
+    # the norm operand bf16(bf16(x * r) * g) in bf16x2 arithmetic (tile::scale_mul8: the same bits)
+    assert "return tile::scale_mul8(v_i0, r, p);" in text
     staged = text[text.index("void norm_linear_staged("):]
     assert "} else if constexpr (kB > 1 && MPK_NORM_ROWS_IN_REGS && MPK_STAGE_ROWS_TOGETHER) {" in staged
     assert staged.index("if (tile::share_is_one_vector(K, nt))") < staged.index("norm_linear_rows_in_regs<kB>(x, ldx,")

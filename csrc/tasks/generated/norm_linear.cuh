@@ -27,12 +27,7 @@ struct NormLinearOperand {
     return tile::pack8(o);
   }
   __device__ __forceinline__ uint4 from_regs(const float* v_i0, uint4 p) const {
-    float v_i1[8];
-    tile::unpack_param(p, v_i1);
-    float o[8];
-#pragma unroll
-    for (int e = 0; e < 8; ++e) o[e] = (round_bf(v_i0[e] * r) * v_i1[e]);
-    return tile::pack8(o);
+    return tile::scale_mul8(v_i0, r, p);  // the same bits in bf16x2 arithmetic
   }
   __device__ __forceinline__ uint4 load8(int k) const {
     float v_i0[8];
@@ -53,14 +48,12 @@ __device__ __forceinline__ void norm_linear_two_passes(const float* x, int ldx, 
   // acc a3 = sum over the loop of:
   //   b0 = chain[(x*x)](i0) (8, 256)  # rms_norm#0
   //   b3 = sum[dim=1](b0) (8, 1)  # rms_norm#0
-  float a3[kB];
-  tile::rows_sum_sq<kB>([&](int b) { return x + (size_t)b * ldx; }, K, smem, a3, tid, nt);
   // post ops, as a row factor r = 1 / p applied before the matmul (reference rounding):
   //   p0 = chain[sqrt(((x*0.000244140625)+1e-06))](a3) (8, 1)  # rms_norm#0
   //   p1 = div(a2, p0) (8, 8)  # matmul#0
-  float r[kB];
-#pragma unroll
-  for (int b = 0; b < kB; ++b) r[b] = rsqrtf(((a3[b] / (float)K) + eps));
+  const auto factor = [&](float a3) { return rsqrtf(((a3 / (float)K) + eps)); };
+  float r[kB];  // acc a3 of each row, finished as its factor
+  tile::rows_sum_sq<kB>([&](int b) { return x + (size_t)b * ldx; }, K, smem, r, tid, nt, factor);
   tile::stage_rows<kB>(st, K, [&](int b) { return NormLinearOperand{x + (size_t)b * ldx, nw, r[b]}; }, tid, nt);
 }
 
@@ -79,14 +72,16 @@ __device__ __noinline__ void norm_linear_rows_in_regs(const float* x, int ldx, c
   float v[kB][8];
 #pragma unroll
   for (int b = 0; b < kB; ++b) tile::load8(x + (size_t)b * ldx + k, v[b]);
-  float a3[kB];
-  tile::rows_share_sum_sq<kB>(v, mine, smem, a3, tid, nt);
+  // post ops, as a row factor r = 1 / p applied before the matmul (reference rounding):
+  //   p0 = chain[sqrt(((x*0.000244140625)+1e-06))](a3) (8, 1)  # rms_norm#0
+  //   p1 = div(a2, p0) (8, 8)  # matmul#0
+  const auto factor = [&](float a3) { return rsqrtf(((a3 / (float)K) + eps)); };
+  float r[kB];  // acc a3 of each row, finished as its factor
+  tile::rows_share_sum_sq<kB>(v, mine, smem, r, tid, nt, factor);
   if (!mine) return;
 #pragma unroll
-  for (int b = 0; b < kB; ++b) {
-    const float r = rsqrtf(((a3[b] / (float)K) + eps));
-    *reinterpret_cast<uint4*>(st + (size_t)b * K + k) = NormLinearOperand{x + (size_t)b * ldx, nw, r}.from_regs(v[b], p);
-  }
+  for (int b = 0; b < kB; ++b)
+    *reinterpret_cast<uint4*>(st + (size_t)b * K + k) = NormLinearOperand{x + (size_t)b * ldx, nw, r[b]}.from_regs(v[b], p);
 }
 
 // The staged path for the kernel's kB batch rows: the rows' statistics and operands computed together
