@@ -103,19 +103,21 @@ done
 # H100, qwen3-8b batch 8): the norm weights copied before the rows' statistic +0.9%, the rows copied into shared memory
 # +3.9% (both removed since). Session 51 (v0.46, H100, qwen3-8b batch 8): the norm prologue's rows read once
 # (MPK_NORM_ROWS_IN_REGS, the default now) -0.6 / -0.75% against the two passes; the silu epilogue (j1) in the exact
-# split-K partial room still +2.8%. The default below: the rows-in-registers prologue against its two passes, with
-# its bitwise tests (batch 4 and 8, and against the rms_norm task). Every variant above still in the code was measured
+# split-K partial room still +2.8%. Session 52 (v0.47, H100, qwen3-8b batch 8): the prologue's operand in bf16x2
+# (MPK_NORM_BF16X2) and its rows' totals and factors by one thread (MPK_ROW_TOTALS_BY_ONE) -0.9% each against either
+# off. The default below: the v0.47 prologue against each switch off, with their bitwise tests (batch 8 on tensor
+# cores, the rms_norm task; batch 4 with the two passes). Every variant above still in the code was measured
 # (docs/PERF.md v0.32-v0.45) and stays reachable through AB_VARIANTS, AB_MODELS and AB_BATCH (AB_MODELS=qwen3-0.6b
 # AB_BATCH=1 for the small-preset ones; AB_TESTS="one_round or ..." for their bitwise tests).
-AB_VARIANTS=${AB_VARIANTS:-"base;-DMPK_NORM_ROWS_IN_REGS=0"}
+AB_VARIANTS=${AB_VARIANTS:-"base;-DMPK_NORM_BF16X2=0;-DMPK_ROW_TOTALS_BY_ONE=0"}
 AB_MODELS=${AB_MODELS:-"qwen3-8b"}
 AB_BATCH=${AB_BATCH:-8}
 # AB_TEST_KERNELS: the bitwise tests' qwen3-0.6b kernel variants to prebuild, groups "BATCH:V1;V2;..." joined by
 # "|" (a group without "BATCH:" is batch 1; session 38-47's were "base;-DMPK_NORM_ONE_ROUND=0;
 # -DMPK_SUPEROPT_NORM_LINEAR=0;-DMPK_LONG_ROWS=1;o0;q1"; session 50's "8:m1,j1;m1,j1,MPK_MMA_PARTIAL_EXACT=0"); none:
-# none. The default: the rows-in-registers tests' (batch 8 on tensor cores with and without it and without the norm
-# fusion; batch 4 with and without it).
-AB_TEST_KERNELS=${AB_TEST_KERNELS:-"8:m1;m1,-DMPK_NORM_ROWS_IN_REGS=0;m1,MPK_FUSE_NORM=0|4:base;-DMPK_NORM_ROWS_IN_REGS=0"}
+# none. The default: the v0.47 prologue's tests (batch 8 on tensor cores with each switch off and without the norm
+# fusion; batch 4 with and without the rows in registers).
+AB_TEST_KERNELS=${AB_TEST_KERNELS:-"8:m1;m1,-DMPK_NORM_BF16X2=0;m1,-DMPK_ROW_TOTALS_BY_ONE=0;m1,MPK_FUSE_NORM=0|4:base;-DMPK_NORM_ROWS_IN_REGS=0"}
 if [ $AB_PREBUILD -eq 1 ]; then
   mkdir -p "$MPK_CACHE_DIR"
   rc=0
@@ -240,7 +242,7 @@ if [ $AB -eq 1 ]; then
       --output-json "$OUT/ab_sweep_$m.json"
   done
   [ "${AB_TESTS:-}" != none ] && step ab_bitwise "${AB_LIMIT:-540}" python3 -m pytest -q -m gpu tests/runtime/test_code_variants_gpu.py -k \
-    "${AB_TESTS:-ROWS_IN_REGS or rows_in_regs}"
+    "${AB_TESTS:-ROWS_IN_REGS or rows_in_regs or BF16X2 or ROW_TOTALS or equals_the_rms_norm_task}"
   # AB_BLOCKS=0 skips the two-blocks-per-SM tests (their kernels build on the GPU machine: ~1-2 min)
   [ "${AB_TESTS:-}" != none ] && [ "${AB_BLOCKS:-1}" = 1 ] && step ab_blocks_per_sm "${AB_LIMIT:-300}" python3 -m pytest -q -m gpu tests/runtime/test_blocks_per_sm_gpu.py
   summary "gpu_check --ab summary"
