@@ -162,9 +162,11 @@ def _behind_attention_bytes(cg, workers: int, plan: np.ndarray, nbytes: int) -> 
 
 # MPK_PREFETCH_LEVEL_KB's default (KB), per batch, where a cap other than the kernel's 64 KB measured faster in the
 # same process at tp 1 with tensor-core linears: qwen3-8b batch 8 at 192 KB, -1.3% (H200, v0.28), -0.7% (H200,
-# v0.29), -1.1% and -1.1% (H100, v0.41: tune_sweep 6.764 / 6.761 vs 6.834 / 6.844 ms, bench 6.759 vs 6.832). Batches
-# 4 and 16 measured slower at 192 KB (v0.28), so no other batch has an entry.
-TUNED_LEVEL_KB = {8: 192}
+# v0.29), -1.1% and -1.1% (H100, v0.41: tune_sweep 6.764 / 6.761 vs 6.834 / 6.844 ms, bench 6.759 vs 6.832). Since
+# v0.47's shorter norm prologue, 96 KB (H100, tune_sweep in one process: 6.441 / 6.446 ms vs 6.470 / 6.478 at 192,
+# 128 KB 6.451 / 6.450, 48 KB 6.548 / 6.541, 320 KB 6.632 / 6.639, 0 KB 6.755 / 6.755; not measured on an H200).
+# Batches 4 and 16 measured slower at 192 KB (v0.28), so no other batch has an entry.
+TUNED_LEVEL_KB = {8: 96}
 
 
 def default_level_kb(batch: int, world_size: int, linear_mma: bool) -> int | None:

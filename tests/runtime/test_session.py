@@ -223,7 +223,7 @@ def test_prefetch_behind_attention_switch_reaches_the_records(fake_gpu, monkeypa
 
 def test_batch_8_takes_the_tuned_level_prefetch_cap(fake_gpu, monkeypatch):
     """Unset MPK_PREFETCH_LEVEL_KB: a one-GPU batch-8 Session (tensor-core linears) gives its full-width linear tiles
-    prefetch_plan.TUNED_LEVEL_KB's 192 KB in REC_PREFETCH instead of -1 (the kernel's cap); batch 4 keeps -1; the
+    prefetch_plan.TUNED_LEVEL_KB's 96 KB in REC_PREFETCH instead of -1 (the kernel's cap); batch 4 keeps -1; the
     variable set to 64 wins over the table."""
     from mpk_dist.runtime.prefetch_plan import TUNED_LEVEL_KB
     from mpk_dist.runtime.task_records import REC_PREFETCH, REC_TASK
@@ -239,11 +239,11 @@ def test_batch_8_takes_the_tuned_level_prefetch_cap(fake_gpu, monkeypatch):
         return np.array([w for w, k in zip(rec[:, REC_PREFETCH], kinds) if k.startswith("linear")])
 
     b8 = fake_gpu.MegakernelBackend(m.config, m.weights, device="cpu", max_seq_len=16, sms=5).session(8)
-    assert TUNED_LEVEL_KB[8] == 192 and b8.prefetch_level_kb == 192
+    assert TUNED_LEVEL_KB[8] == 96 and b8.prefetch_level_kb == 96
     words = linear_words(b8)
-    assert words.size > 0 and (words == 192 * 1024).any() and not (words == -1).any()
+    assert words.size > 0 and (words == 96 * 1024).any() and not (words == -1).any()
     b4 = fake_gpu.MegakernelBackend(m.config, m.weights, device="cpu", max_seq_len=16, sms=5).session(4)
     assert b4.prefetch_level_kb is None and (linear_words(b4) == -1).any()
     monkeypatch.setenv("MPK_PREFETCH_LEVEL_KB", "64")
     b8_64 = fake_gpu.MegakernelBackend(m.config, m.weights, device="cpu", max_seq_len=16, sms=5).session(8)
-    assert b8_64.prefetch_level_kb == 64 and not (linear_words(b8_64) == 192 * 1024).any()
+    assert b8_64.prefetch_level_kb == 64 and not (linear_words(b8_64) == 96 * 1024).any()
