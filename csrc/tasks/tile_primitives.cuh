@@ -47,7 +47,8 @@ __device__ __forceinline__ uint4 pack8(const float* f) {
 // fp32 (8-bit significands), so both round the exact product once, to nearest even (products below fp32's normal
 // range, which normalised rows times norm weights do not reach, could round twice on the fp32 path). A third of the
 // fp32 path's instructions (4 a pair instead of ~11: unpacking p, rounding each value back to fp32, packing).
-// MPK_NORM_BF16X2 0: the same values in fp32 arithmetic (the v0.46 code), for the A/B and the bitwise test.
+// MPK_NORM_BF16X2 0: the same values in fp32 arithmetic (the v0.46 code), for the A/B and the bitwise test; measured
+// +0.9% at qwen3-8b batch 8 on an H100 (docs/PERF.md v0.47).
 #ifndef MPK_NORM_BF16X2
 #define MPK_NORM_BF16X2 1
 #endif
@@ -110,7 +111,7 @@ static_assert(kRowTotalsAt + kMaxStagedRows <= kStageOffset, "the rows' totals o
 // computing all kB of them (an IEEE division each: ~100 of the ~590 instructions). The same function of the same
 // total: the same bits.
 // MPK_ROW_TOTALS_BY_ONE 0: every thread sums every row's partials and finishes every row (the v0.46 code), for the
-// A/B and the bitwise test.
+// A/B and the bitwise test; measured +0.9% at qwen3-8b batch 8 on an H100 (docs/PERF.md v0.47).
 #ifndef MPK_ROW_TOTALS_BY_ONE
 #define MPK_ROW_TOTALS_BY_ONE 1
 #endif
