@@ -306,16 +306,26 @@ def choose(problem: Problem, searcher=search, log=None) -> Choice:
         return _MEMO[path]
     c = _read(path)
     if c is not None and c.problem == problem:
-        log(f"superopt: {problem.label()}: cached ({_what(c)})")
+        log(f"superopt: {problem.label()}: cached ({_what(c)}){_timed_out_hint(c, path)}")
     else:
         c = searcher(problem)
         _write(path, c)
         how = ("superoptimize's cache hit" if c.stats.get("cached") else
                f"searched in {c.stats.get('seconds', 0.0):.1f} s ({c.stats.get('explored', 0)} explored"
                f"{', timed out' if c.stats.get('timed_out') else ''})")
-        log(f"superopt: {problem.label()}: {how}; {_what(c)}")
+        log(f"superopt: {problem.label()}: {how}; {_what(c)}{_timed_out_hint(c, path)}")
     _MEMO[path] = c
     return c
+
+
+def _timed_out_hint(c: Choice, path: Path) -> str:
+    """For a stored answer of a search that hit its time limit: where it is and how to search again. Why: a search
+    slowed by a loaded machine (a cold build beside other work) may stop before the graph a quiet machine finds,
+    and its answer is kept for every later build."""
+    if not c.stats.get("timed_out"):
+        return ""
+    return (f" [the search hit its time limit, so this answer may be worse than a full search's: delete {path} "
+            f"or raise MPK_SUPEROPT_TIMEOUT to search again]")
 
 
 def _what(c: Choice) -> str:

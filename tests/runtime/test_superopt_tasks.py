@@ -369,3 +369,31 @@ def test_checked_in_qk_norm_rope_fallback_is_the_renderers_text():
     text = render(ug, "qk_norm_rope", eps=float(np.float32(1e-6)))
     assert "template <int kMaxPairs>" in text
     assert (folder / "qk_norm_rope.cuh").read_text() == text, "re-render the fallback from qk_norm_rope.ugraph.json"
+
+
+def test_a_timed_out_answer_says_where_it_is_stored(tmp_path, monkeypatch):
+    """A search that hit its time limit is stored like any other (a warm build must not search again), and both the
+    search's line and every later "cached" line name the stored file and how to search again; a search that ended
+    on its own says nothing of the kind."""
+    monkeypatch.setenv("MPK_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(ST, "_MEMO", {})
+    slow = ST.Problem("norm_linear", 1, 64, 32, 1e-6)
+    quick = ST.Problem("norm_linear", 1, 64, 48, 1e-6)
+
+    def searcher(problem):
+        timed_out = problem == slow
+        return ST.Choice(problem, None, {"timed_out": timed_out, "seconds": 1.0, "explored": 7},
+                         "the search found no verified µGraph (timed out before verifying one)")
+
+    lines = []
+    ST.choose(slow, searcher=searcher, log=lines.append)
+    ST.choose(quick, searcher=searcher, log=lines.append)
+    path = ST.cache_path(slow)
+    assert path.exists()
+    assert "timed out" in lines[0] and str(path) in lines[0] and "MPK_SUPEROPT_TIMEOUT" in lines[0]
+    assert "time limit" not in lines[1] and str(ST.cache_path(quick)) not in lines[1]
+    monkeypatch.setattr(ST, "_MEMO", {})
+    again = []
+    c = ST.choose(slow, searcher=lambda p: pytest.fail("searched again"), log=again.append)
+    assert c.ugraph is None and c.stats["timed_out"]
+    assert "cached (no µGraph)" in again[0] and str(path) in again[0] and "search again" in again[0]
