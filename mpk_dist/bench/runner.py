@@ -22,12 +22,26 @@ BANDWIDTH_BYTES_GPU = 4 << 30  # well past the 60 MB L2, so the figure is HBM's
 BANDWIDTH_BYTES_CPU = 256 << 20
 
 
-def measure_read_bandwidth(device: torch.device, repeats: int = 10) -> float:
-    """Bytes/s of a large sum over a buffer (read-bound), median of ``repeats`` timings."""
+# Reductions run, untimed, before the timed ones: long enough for the clocks to leave their idle state. Why: on an
+# H100 one bench process sampled 2,987 GB/s and the next, minutes later on the same GPU, 3,092 (docs/PERF.md v0.48);
+# two untimed sums are ~3 ms of load.
+BANDWIDTH_WARMUP_S = {"cuda": 0.5, "cpu": 0.05}
+
+
+def measure_read_bandwidth(device: torch.device, repeats: int = 10, warmup_s: float | None = None) -> float:
+    """Bytes/s of a large sum over a buffer (read-bound): the median of ``repeats`` timings, after at least two
+    untimed sums and ``warmup_s`` seconds of them (``BANDWIDTH_WARMUP_S`` of the device type by default)."""
     nbytes = BANDWIDTH_BYTES_GPU if device.type == "cuda" else BANDWIDTH_BYTES_CPU
+    warmup_s = BANDWIDTH_WARMUP_S.get(device.type, 0.0) if warmup_s is None else warmup_s
     x = torch.ones(nbytes // 2, dtype=torch.bfloat16, device=device)
+    t_end, warm = time.perf_counter() + warmup_s, 0
+    while warm < 2 or time.perf_counter() < t_end:
+        x.sum(dtype=torch.float32)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        warm += 1
     times = []
-    for i in range(repeats + 2):
+    for _ in range(repeats):
         if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -39,8 +53,7 @@ def measure_read_bandwidth(device: torch.device, repeats: int = 10) -> float:
             t0 = time.perf_counter()
             x.sum(dtype=torch.float32)
             t = time.perf_counter() - t0
-        if i >= 2:  # warm-up
-            times.append(t)
+        times.append(t)
     del x
     times.sort()
     return nbytes / times[len(times) // 2]

@@ -19,7 +19,34 @@ def test_bench_writes_one_record_per_backend(capsys, tmp_path):
     for r in recs:
         assert r["correct"] is True and r["floor_ms_per_token"] > 0 and r["ms_per_token_p50"] > 0
         assert len(r["decode_step_ms"]) == 2  # output_len - 1 decode steps after the prefill's token
-    assert "# OK" in text and "p50 ms" in text
+        assert r["extra"]["read_bandwidth_after_gb_s"] > 0
+        assert r["ratio_to_floor_strict"] >= r["ratio_to_floor"] * (1 - 1e-9)  # the floor at the higher sample
+    assert "# OK" in text and "p50 ms" in text and "# read bandwidth after the runs" in text
+
+
+def test_strict_ratio_uses_the_higher_bandwidth_sample():
+    from mpk_dist.cli.commands.bench import _strict_ratios
+
+    recs = [{"backend": "megakernel", "ms_per_token_p50": 6.0, "extra": {}}]
+    # 15 GB at 3.0 TB/s before = 5 ms floor; 3.2 TB/s after = 4.6875 ms: the stricter floor
+    line = _strict_ratios(recs, 15e9, 3.0e12, 3.2e12)
+    assert abs(recs[0]["ratio_to_floor_strict"] - 6.0 / 4.6875) < 1e-12
+    assert recs[0]["extra"]["read_bandwidth_after_gb_s"] == 3200.0
+    assert "+6.7%" in line and "megakernel 1.280" in line
+    _strict_ratios(recs, 15e9, 3.2e12, 3.0e12)  # a lower sample after: the one before stays the floor's
+    assert abs(recs[0]["ratio_to_floor_strict"] - 6.0 / 4.6875) < 1e-12
+
+
+def test_bandwidth_sample_warms_up_first():
+    import time
+
+    import torch
+
+    from mpk_dist.bench.runner import measure_read_bandwidth
+
+    t0 = time.perf_counter()
+    bw = measure_read_bandwidth(torch.device("cpu"), repeats=1, warmup_s=0.3)
+    assert time.perf_counter() - t0 >= 0.3 and bw > 0
 
 
 def test_replica_grouping():
