@@ -37,16 +37,43 @@ struct XRows {
   __device__ __forceinline__ uint4 load8(int b, int k) const { return ld_act_v4(x + (size_t)b * ld + k); }
 };
 
-// The 8 normalised values w[k+i] * bf16(x[k+i] * r) from the row's 8 fp32 values (a, c) and the norm weights'
-// 16 bytes g, each rounded to bf16 (rms_norm.cuh).
+// bf16(bf16(x[i] * r) * g[i]) for the 8 fp32 values x and the norm weights' (or any parameter's) 16 bytes g, packed
+// as pack8 packs. MPK_NORM_BF16X2 1 (default): x * r rounded to bf16 two at a time (cvt.rn.bf16x2.f32), then
+// multiplied by g's pairs in bf16x2 (one rounding to nearest). The same bits as the fp32 path (0): a product of two
+// bf16 values is exact in fp32 (8-bit significands), so both round the exact product once, to nearest even (products
+// below fp32's normal range, which normalised rows times norm weights do not reach, could round twice on the fp32
+// path). A third of the fp32 path's instructions (4 a pair instead of ~11: unpacking g, rounding each value back to
+// fp32, packing). Every norm prologue computes its operand here (the generated bodies through tile::scale_mul8, the
+// hand-written ones through norm8 / norm8_with). 0: the fp32 arithmetic (the v0.46 code), for the A/B and the bitwise
+// tests; measured +0.9% at qwen3-8b batch 8 on an H100 (docs/PERF.md v0.47).
+#ifndef MPK_NORM_BF16X2
+#define MPK_NORM_BF16X2 1
+#endif
+__device__ __forceinline__ uint4 norm8_of(const float (&x)[8], uint4 g, float r) {
+  if constexpr (MPK_NORM_BF16X2) {
+    const uint32_t gw[4] = {g.x, g.y, g.z, g.w};
+    uint32_t o[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const __nv_bfloat162 a = __floats2bfloat162_rn(x[2 * i] * r, x[2 * i + 1] * r);
+      const __nv_bfloat162 c = __hmul2(a, *reinterpret_cast<const __nv_bfloat162*>(&gw[i]));
+      o[i] = *reinterpret_cast<const uint32_t*>(&c);
+    }
+    return make_uint4(o[0], o[1], o[2], o[3]);
+  } else {
+    float gf[8];
+    unpack8(g, gf);
+    __align__(16) bf16 o[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) o[i] = f2bf(gf[i] * round_bf(x[i] * r));
+    return *reinterpret_cast<const uint4*>(o);
+  }
+}
+
+// The same from the row's 8 values as two float4 (a: the first four).
 __device__ __forceinline__ uint4 norm8_of(float4 a, float4 c, uint4 g, float r) {
   const float f[8] = {a.x, a.y, a.z, a.w, c.x, c.y, c.z, c.w};
-  float gf[8];
-  unpack8(g, gf);
-  __align__(16) bf16 o[8];
-#pragma unroll
-  for (int i = 0; i < 8; ++i) o[i] = f2bf(gf[i] * round_bf(f[i] * r));
-  return *reinterpret_cast<const uint4*>(o);
+  return norm8_of(f, g, r);
 }
 
 __device__ __forceinline__ float4 row4(const float* xr, int k) { return *reinterpret_cast<const float4*>(xr + k); }

@@ -42,28 +42,9 @@ __device__ __forceinline__ uint4 pack8(const float* f) {
 }
 
 // bf16(bf16(x[i] * r) * p[i]) for 8 values x and the parameter's 8 bf16 values p (16 bytes), packed as pack8 packs:
-// x * r rounded to bf16 two at a time (cvt.rn.bf16x2.f32), then multiplied by p's pairs in bf16x2 (one rounding to
-// nearest). The same bits as pack8 of round_bf(x[i] * r) * p[i] in fp32: a product of two bf16 values is exact in
-// fp32 (8-bit significands), so both round the exact product once, to nearest even (products below fp32's normal
-// range, which normalised rows times norm weights do not reach, could round twice on the fp32 path). A third of the
-// fp32 path's instructions (4 a pair instead of ~11: unpacking p, rounding each value back to fp32, packing).
-// MPK_NORM_BF16X2 0: the same values in fp32 arithmetic (the v0.46 code), for the A/B and the bitwise test; measured
-// +0.9% at qwen3-8b batch 8 on an H100 (docs/PERF.md v0.47).
-#ifndef MPK_NORM_BF16X2
-#define MPK_NORM_BF16X2 1
-#endif
+// fused_gemv.cuh's norm8_of (bf16x2 arithmetic unless MPK_NORM_BF16X2 is 0; the same bits either way).
 __device__ __forceinline__ uint4 scale_mul8(const float* x, float r, uint4 p) {
-  if constexpr (!MPK_NORM_BF16X2)
-    return norm8_of(make_float4(x[0], x[1], x[2], x[3]), make_float4(x[4], x[5], x[6], x[7]), p, r);
-  const uint32_t pw[4] = {p.x, p.y, p.z, p.w};
-  uint32_t o[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const __nv_bfloat162 a = __floats2bfloat162_rn(x[2 * i] * r, x[2 * i + 1] * r);
-    const __nv_bfloat162 c = __hmul2(a, *reinterpret_cast<const __nv_bfloat162*>(&pw[i]));
-    o[i] = *reinterpret_cast<const uint32_t*>(&c);
-  }
-  return make_uint4(o[0], o[1], o[2], o[3]);
+  return norm8_of(*reinterpret_cast<const float(*)[8]>(x), p, r);
 }
 
 // sum_k x[k]^2 of one fp32 row on every worker thread (block_sum ends with a barrier); rms_norm.cuh's order

@@ -166,21 +166,33 @@ def _row_struct(p: GemvPlan, abi: KindAbi, consts: _Consts, struct: str) -> list
     param = next(loc for loc, load in loads if load == "load8_param")
     lines += [f"  __device__ __forceinline__ const bf16* params_at(int k) const {{ return {param} + k; }}",
               "  __device__ __forceinline__ uint4 finish(uint4 p, int k, float r) const {"]
-    for loc, load in loads:
-        lines.append(f"    float v_{loc}[8];")
-        lines.append(f"    tile::unpack_param(p, v_{loc});" if load == "load8_param"
-                     else f"    tile::{load}({loc} + k, v_{loc});")
-    lines += combine
+    src = p.factor.stat.src_input
+    # The norm's operand bf16(bf16(x r) g) is tile::scale_mul8's (bf16x2 arithmetic, the same bits as the fp32
+    # expression) in every method; another operand keeps the element-wise expression.
+    scale_mul = (_expr(p.operand, consts) == f"(round_bf(v_{src}[e] * r) * v_{param}[e])"
+                 and abi.rows[p.inputs[src]["name"]][0] == "const float*")
+    if scale_mul:
+        lines += [f"    float v_{src}[8];", f"    tile::load8({src} + k, v_{src});",
+                  f"    return tile::scale_mul8(v_{src}, r, p);", "  }"]
+    else:
+        for loc, load in loads:
+            lines.append(f"    float v_{loc}[8];")
+            lines.append(f"    tile::unpack_param(p, v_{loc});" if load == "load8_param"
+                         else f"    tile::{load}({loc} + k, v_{loc});")
+        lines += combine
     if _rows_in_regs(p, abi):  # the row's 8 values already in registers (<kind>_rows_in_regs)
-        src = p.factor.stat.src_input
         lines += [f"  __device__ __forceinline__ uint4 from_regs(const float* v_{src}, uint4 p) const {{"]
-        if _expr(p.operand, consts) == f"(round_bf(v_{src}[e] * r) * v_{param}[e])":
-            lines += [f"    return tile::scale_mul8(v_{src}, r, p);  // the same bits in bf16x2 arithmetic", "  }"]
+        if scale_mul:
+            lines += [f"    return tile::scale_mul8(v_{src}, r, p);", "  }"]
         else:
             lines += [f"    float v_{loc}[8];\n    tile::unpack_param(p, v_{loc});" for loc, load in loads
                       if load == "load8_param"]
             lines += combine
-    # load8 keeps its one-step form (the loads in input order, then the arithmetic): the default build's code
+    if scale_mul:  # the row's loads, then the parameter's (the one-step form's order)
+        lines += ["  __device__ __forceinline__ uint4 load8(int k) const {",
+                  f"    float v_{src}[8];", f"    tile::load8({src} + k, v_{src});",
+                  f"    return tile::scale_mul8(v_{src}, r, tile::load_param16({param} + k));", "  }", "};"]
+        return lines
     return lines + one_step
 
 

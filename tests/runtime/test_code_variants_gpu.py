@@ -19,10 +19,11 @@ the arithmetic, so the logits must equal the default build's bit for bit and sta
   across the statistic; csrc/tasks/tile_primitives.cuh rows_share_sum_sq, the generated body's
   norm_linear_rows_in_regs), batch 4 and batch 8 on tensor cores; and the same prologue against the program without
   the norm fusion (the rms_norm task's statistic and rounding), batch 8.
-- ``-DMPK_NORM_BF16X2=0``: the rows-in-registers prologue's operand bf16(bf16(x * r) * g) in fp32 arithmetic (the
-  default computes it in bf16x2, tile_primitives.cuh scale_mul8); ``-DMPK_ROW_TOTALS_BY_ONE=0``: every thread sums
-  every row's warp partials (the default: thread b sums row b's and hands the total over; rows_block_sum). Batch 8 on
-  tensor cores.
+- ``-DMPK_NORM_BF16X2=0``: every norm prologue's operand bf16(bf16(x * r) * g) in fp32 arithmetic (the default
+  computes it in bf16x2, fused_gemv.cuh norm8_of, which tile_primitives.cuh scale_mul8 and the hand-written norm8 call):
+  batch 1 (the one-round prologue's finish), batch 4 (the rows in registers) and batch 8 on tensor cores;
+  ``-DMPK_ROW_TOTALS_BY_ONE=0``: every thread sums every row's warp partials (the default: thread b sums row b's and
+  hands the total over; rows_block_sum). Batch 8 on tensor cores.
 - ``-DMPK_ROPE_SINCOS=0``: the rope angle's cosine and sine from cosf and sinf (the default calls sincosf once;
   csrc/tasks/common.cuh rope_cos_sin).
 - ``-DMPK_MERGE_LOADS_AHEAD=0``: the split-KV head merge's loop as it was, each range's acc and l loads behind its m
@@ -89,7 +90,8 @@ STEPS = 48
 VARIANTS = ["-DMPK_ATTN_GUARD_HEADS=1", "-DMPK_PARAMS_SMEM=0", "-DMPK_ROPE_EXACT_PAIRS=0 -DMPK_PREP_ONE_SITE=0",
             "-DMPK_PREP_POS_LATE=0", "-DMPK_STAGE_ROWS_TOGETHER=0", "-DMPK_ROPE_SINCOS=0", "-DMPK_PREFETCH_ONE_SITE=0",
             "-DMPK_SMALL_KINDS_OUTLINED=0", "-DMPK_MERGE_LOADS_AHEAD=0", "-DMPK_LONG_ROWS=1",
-            "-DMPK_SPLIT_PREP_SEQ_OUTLINED=0", "-DMPK_ATTN_WALK_PREFETCH=1 -DMPK_ATTN_WALK_MARKS=1"]
+            "-DMPK_SPLIT_PREP_SEQ_OUTLINED=0", "-DMPK_ATTN_WALK_PREFETCH=1 -DMPK_ATTN_WALK_MARKS=1",
+            "-DMPK_NORM_BF16X2=0"]
 CODE_SIZE_VARIANTS = ["-DMPK_STAGE_ROW_ROLLED=1", "-DMPK_ROPE_NEAR=1", "-DMPK_ROWWISE_OUTLINED=1"]  # batch 4: off there
 # kernel switches of the same kind (environment, not -D), batch 1; MPK_COMPACT_CODE=0: the code-size variants off
 SWITCHES = [{"MPK_WEIGHT_EVICT_FIRST": "1"}, {"MPK_COMPACT_CODE": "0"}]

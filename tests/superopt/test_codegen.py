@@ -51,7 +51,8 @@ def test_norm_linear_body_lowers_the_post_division_to_a_row_factor(best):
     text = render(best("norm_linear"), "norm_linear")
     assert "tile::row_sum_sq(x + (size_t)b * ldx, K" in text
     assert "rsqrtf(((a3 / (float)K) + eps))" in text or "/ (float)K) + eps))" in text
-    assert "round_bf(v_i0[e] * r)" in text  # the normalised value is rounded before the weight multiply
+    # the operand bf16(bf16(x r) g): x r rounded to bf16 before the weight multiply (tile::scale_mul8, every method)
+    assert text.count("tile::scale_mul8(v_i0, r, ") == 3 and "round_bf(v_i0[e] * r)" not in text
 
 
 def test_norm_operand_splits_its_parameter_load_for_the_one_round_prologue(best):
@@ -61,9 +62,10 @@ def test_norm_operand_splits_its_parameter_load_for_the_one_round_prologue(best)
     and has no such branch."""
     text = render(best("norm_linear"), "norm_linear")
     assert "const bf16* params_at(int k) const { return i1 + k; }" in text
-    assert "tile::unpack_param(p, v_i1);" in text and "uint4 finish(uint4 p, int k, float r) const {" in text
+    finish = text[text.index("uint4 finish(uint4 p, int k, float r) const {"):]
+    assert finish.index("tile::load8(i0 + k, v_i0);") < finish.index("return tile::scale_mul8(v_i0, r, p);")
     load8 = text[text.index("uint4 load8(int k) const {"):]
-    assert load8.index("tile::load8(i0 + k, v_i0);") < load8.index("tile::load8_param(i1 + k, v_i1);")
+    assert load8.index("tile::load8(i0 + k, v_i0);") < load8.index("tile::load_param16(i1 + k)")
     assert "if constexpr (kB == 1 && MPK_NORM_ONE_ROUND) {" in text and "stage_row_fetch_first(st, K," in text
     silu = render(best("silu_linear"), "silu_linear")
     assert "params_at" not in silu and "MPK_NORM_ONE_ROUND" not in silu and "uint4 load8(int k) const {" in silu

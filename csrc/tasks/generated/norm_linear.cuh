@@ -19,25 +19,15 @@ struct NormLinearOperand {
   __device__ __forceinline__ uint4 finish(uint4 p, int k, float r) const {
     float v_i0[8];
     tile::load8(i0 + k, v_i0);
-    float v_i1[8];
-    tile::unpack_param(p, v_i1);
-    float o[8];
-#pragma unroll
-    for (int e = 0; e < 8; ++e) o[e] = (round_bf(v_i0[e] * r) * v_i1[e]);
-    return tile::pack8(o);
+    return tile::scale_mul8(v_i0, r, p);
   }
   __device__ __forceinline__ uint4 from_regs(const float* v_i0, uint4 p) const {
-    return tile::scale_mul8(v_i0, r, p);  // the same bits in bf16x2 arithmetic
+    return tile::scale_mul8(v_i0, r, p);
   }
   __device__ __forceinline__ uint4 load8(int k) const {
     float v_i0[8];
     tile::load8(i0 + k, v_i0);
-    float v_i1[8];
-    tile::load8_param(i1 + k, v_i1);
-    float o[8];
-#pragma unroll
-    for (int e = 0; e < 8; ++e) o[e] = (round_bf(v_i0[e] * r) * v_i1[e]);
-    return tile::pack8(o);
+    return tile::scale_mul8(v_i0, r, tile::load_param16(i1 + k));
   }
 };
 
