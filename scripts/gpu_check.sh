@@ -105,7 +105,9 @@ done
 # (MPK_NORM_ROWS_IN_REGS, the default now) -0.6 / -0.75% against the two passes; the silu epilogue (j1) in the exact
 # split-K partial room still +2.8%. Session 52 (v0.47, H100, qwen3-8b batch 8): the prologue's operand in bf16x2
 # (MPK_NORM_BF16X2) and its rows' totals and factors by one thread (MPK_ROW_TOTALS_BY_ONE) -0.9% each against either
-# off. The default below: the v0.47 prologue against each switch off, with their bitwise tests (batch 8 on tensor
+# off. Session 53 (v0.48, H100, qwen3-8b batch 8): the prologue's row reads taken away (a diagnostic on a side tree)
+# +0.1 / +0.5%: not the critical path, so the cluster-shared reads were not built. The default below: the v0.47
+# prologue against each switch off, with their bitwise tests (batch 8 on tensor
 # cores, the rms_norm task; batch 4 with the two passes). Every variant above still in the code was measured
 # (docs/PERF.md v0.32-v0.45) and stays reachable through AB_VARIANTS, AB_MODELS and AB_BATCH (AB_MODELS=qwen3-0.6b
 # AB_BATCH=1 for the small-preset ones; AB_TESTS="one_round or ..." for their bitwise tests).

@@ -22,9 +22,9 @@ BANDWIDTH_BYTES_GPU = 4 << 30  # well past the 60 MB L2, so the figure is HBM's
 BANDWIDTH_BYTES_CPU = 256 << 20
 
 
-# Reductions run, untimed, before the timed ones: long enough for the clocks to leave their idle state. Why: on an
-# H100 one bench process sampled 2,987 GB/s and the next, minutes later on the same GPU, 3,092 (docs/PERF.md v0.48);
-# two untimed sums are ~3 ms of load.
+# Reductions run, untimed, before the timed ones: long enough for the clocks to leave their idle state (two untimed
+# sums were ~3 ms of load). It does not remove the spread between samples: on an H100, with it, one process's
+# samples before and after its runs differed by -3.0% to +2.0% (docs/PERF.md v0.48), hence bench's second sample.
 BANDWIDTH_WARMUP_S = {"cuda": 0.5, "cpu": 0.05}
 
 
