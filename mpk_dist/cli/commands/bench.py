@@ -93,8 +93,8 @@ def _strict_ratios(records: list[dict], gpu_bytes: float, bw_before: float, bw_a
     """Record the read bandwidth sampled after the runs in each record (``extra.read_bandwidth_after_gb_s``) and
     each p50 against the floor at the higher of the two samples (``ratio_to_floor_strict``); returns the line
     that says both. Why: the rows' floor comes from the sample taken before the runs, and samples of one GPU
-    differ by a few percent from process to process (docs/PERF.md v0.48), as much as a row's distance to its
-    target; the higher sample gives the lower floor, so the stricter ratio."""
+    differ by a few percent, within one process too (-3.0% to +2.0% on an H100, docs/PERF.md v0.48), as much as a
+    row's distance to its target; the higher sample gives the lower floor, so the stricter ratio."""
     best = max(bw_before, bw_after)
     for rec in records:
         rec["extra"]["read_bandwidth_after_gb_s"] = bw_after / 1e9
