@@ -37,11 +37,12 @@
 #   --ab            ONLY the A/B of the open code variants (docs/PERF.md leads): how soon waiting SMs see an event
 #                   (csrc/bench/event_wake.cu, idle and --load), a level boundary's cost (csrc/bench/ll_boundary.cu) and
 #                   what 132 SMs read from HBM and from L2 (csrc/bench/sm_read_bw.cu: on an H100 the ratio decides the
-#                   open A/B), what the unsplit attention walk's loads cost one SM (csrc/bench/walk_probe.cu),
+#                   open A/B) and what they read steadily within one launch by loads and by bulk copies
+#                   (csrc/bench/l2_steady_bw.cu), what the unsplit attention walk's loads cost one SM (csrc/bench/walk_probe.cu),
 #                   then per model of AB_MODELS (default qwen3-8b) at batch AB_BATCH (default 8)
 #                   scripts/tune_sweep.py over AB_VARIANTS run twice in one process (its kernels prebuilt in parallel,
 #                   AB_JOBS processes), then the variants' bitwise GPU tests (test_code_variants_gpu.py -k AB_TESTS).
-#                   AB_WAKE=0 skips the two benches, AB_PROBES=0 the three probes (SM pairs, read bandwidth, walk),
+#                   AB_WAKE=0 skips the two benches, AB_PROBES=0 the four probes (SM pairs, read bandwidth, steady reads, walk),
 #                   AB_TESTS=none the tests, AB_BLOCKS=0 the two-blocks-per-SM tests
 #                   (one call is 600 s: ~9 min for all of it).
 #                   Limit per step: AB_LIMIT
@@ -235,6 +236,10 @@ if [ $AB -eq 1 ]; then
   [ "${AB_PROBES:-1}" = 1 ] && step ab_read_bw "${AB_LIMIT:-150}" bash -c "nvcc -O3 -arch=sm_90a -o $OUT/sm_read_bw csrc/bench/sm_read_bw.cu \
     && for m in hbm l2; do $OUT/sm_read_bw \$([ \$m = l2 ] && echo --l2) > $OUT/sm_read_bw_\$m.log \
     && grep -E 'reading|per block|^ 132' $OUT/sm_read_bw_\$m.log || exit 1; done"
+  # What 132 SMs read steadily from L2 and from HBM within one launch, by register loads and by bulk copies
+  # (csrc/bench/l2_steady_bw.cu, built in docs/PERF.md v0.48: can a tile prefetched into L2 stream faster?).
+  [ "${AB_PROBES:-1}" = 1 ] && step ab_l2_steady "${AB_LIMIT:-150}" bash -c "nvcc -O3 -arch=sm_90a -o $OUT/l2_steady_bw \
+    csrc/bench/l2_steady_bw.cu && $OUT/l2_steady_bw"
   # What the unsplit attention walk's loads cost one SM, from HBM and from L2 (csrc/bench/walk_probe.cu, built in docs/PERF.md v0.41, read in v0.42).
   [ "${AB_PROBES:-1}" = 1 ] && step ab_walk_probe "${AB_LIMIT:-150}" bash -c "nvcc -O3 -arch=sm_90a -o $OUT/walk_probe \
     csrc/bench/walk_probe.cu && $OUT/walk_probe"

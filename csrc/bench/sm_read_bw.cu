@@ -28,8 +28,13 @@ constexpr int kVec = 16;  // bytes per load
 constexpr size_t kL2ResidentBytes = size_t(40) << 20;  // --l2 reads at most this much (H200's L2: 50 MB)
 bool g_same_region = false;  // --l2: every launch reads the same chunks (L2 hits after the warm launches)
 
+// One block an SM, as the mega-kernel's launch bound says. Without it ptxas aimed at full occupancy (32-34 registers a
+// thread) and folded each load's value before issuing the next, so every column up to v0.47 (docs/PERF.md v0.24,
+// v0.30, v0.39) ran with ~2-4 loads in flight a thread whatever its LOADS_IN_FLIGHT said (SASS, v0.48).
+constexpr int kMaxThreads = 512, kMinBlocks = 1;  // the largest of kThreadCounts
+
 template <int LOADS_IN_FLIGHT>
-__global__ void stream_chunks(const int4* __restrict__ src, size_t vec_per_block, int4* sink) {
+__global__ void __launch_bounds__(kMaxThreads, kMinBlocks) stream_chunks(const int4* __restrict__ src, size_t vec_per_block, int4* sink) {
   const int4* p = src + blockIdx.x * vec_per_block;
   int4 acc = make_int4(0, 0, 0, 0);
   for (size_t i = threadIdx.x; i < vec_per_block; i += (size_t)blockDim.x * LOADS_IN_FLIGHT) {
