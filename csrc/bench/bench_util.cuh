@@ -1,5 +1,6 @@
-// Helpers the standalone latency benchmarks share (csrc/bench/event_wake.cu, ll_boundary.cu): the resolution of
-// %globaltimer, a background HBM stream for their --load runs, and the statistics they print.
+// Helpers the standalone benchmarks share (csrc/bench/event_wake.cu, ll_boundary.cu, walk_probe.cu, sm_read_bw.cu,
+// l2_steady_bw.cu): the resolution of %globaltimer, a chunk read with loads in flight, a background HBM stream for the
+// --load runs, and the statistics they print.
 #pragma once
 #include <algorithm>
 #include <cstdint>
@@ -20,6 +21,34 @@ __global__ void timer_step(uint64_t* out) {
     prev = t;
   }
   *out = best;
+}
+
+// This thread's share of p[0, vecs) (threads blockDim.x apart), LOADS 16-byte non-allocating loads issued before
+// any is used (as the linear tiles' weight loads), XORed into acc. The probes' kernels built on it need a one-block
+// launch bound: without it ptxas aimed at full occupancy (32 registers) and used each value before issuing the next
+// load, ~4 loads in flight instead of LOADS (docs/PERF.md v0.48).
+template <int LOADS>
+__device__ __forceinline__ void read_chunk(const int4* p, size_t vecs, int4& acc) {
+  for (size_t i = threadIdx.x; i < vecs; i += (size_t)blockDim.x * LOADS) {
+    int4 v[LOADS];
+#pragma unroll
+    for (int u = 0; u < LOADS; ++u) {
+      const size_t j = i + (size_t)u * blockDim.x;
+      if (j < vecs)
+        asm volatile("ld.global.nc.L1::no_allocate.v4.s32 {%0,%1,%2,%3}, [%4];"
+                     : "=r"(v[u].x), "=r"(v[u].y), "=r"(v[u].z), "=r"(v[u].w)
+                     : "l"(p + j));
+      else
+        v[u] = make_int4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int u = 0; u < LOADS; ++u) {
+      acc.x ^= v[u].x;
+      acc.y ^= v[u].y;
+      acc.z ^= v[u].z;
+      acc.w ^= v[u].w;
+    }
+  }
 }
 
 // Thread `lt` of `nl` streaming threads of a block reads its share `base[0, per_block)` round after round with

@@ -14,7 +14,7 @@
 // Standalone (not built by the package): nvcc -O3 -arch=sm_90a -o l2_steady_bw csrc/bench/l2_steady_bw.cu && ./l2_steady_bw
 #include <cstdio>
 #include <cuda_runtime.h>
-#include "../runtime/sync.cuh"
+#include "bench_util.cuh"
 
 namespace {
 
@@ -38,27 +38,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) read_loads(const int4* _
                                                        size_t region_stride_vec, int passes, int4* sink) {
   int4 acc = make_int4(0, 0, 0, 0);
   for (int pass = 0; pass < passes; ++pass) {
-    const int4* p = src + pass * region_stride_vec + blockIdx.x * vec_per_block;
-    for (size_t i = threadIdx.x; i < vec_per_block; i += (size_t)blockDim.x * LOADS) {
-      int4 v[LOADS];
-#pragma unroll
-      for (int u = 0; u < LOADS; ++u) {
-        const size_t j = i + (size_t)u * blockDim.x;
-        if (j < vec_per_block)
-          asm volatile("ld.global.nc.L1::no_allocate.v4.s32 {%0,%1,%2,%3}, [%4];"
-                       : "=r"(v[u].x), "=r"(v[u].y), "=r"(v[u].z), "=r"(v[u].w)
-                       : "l"(p + j));
-        else
-          v[u] = make_int4(0, 0, 0, 0);
-      }
-#pragma unroll
-      for (int u = 0; u < LOADS; ++u) {
-        acc.x ^= v[u].x;
-        acc.y ^= v[u].y;
-        acc.z ^= v[u].z;
-        acc.w ^= v[u].w;
-      }
-    }
+    bench::read_chunk<LOADS>(src + pass * region_stride_vec + blockIdx.x * vec_per_block, vec_per_block, acc);
   }
   if (acc.x == 0x12345678) sink[threadIdx.x] = acc;  // keeps the loads; (almost) never true
 }

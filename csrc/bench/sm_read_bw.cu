@@ -14,6 +14,7 @@
 #include <cstdio>
 #include <cstring>
 #include <cuda_runtime.h>
+#include "bench_util.cuh"
 
 namespace {
 
@@ -35,28 +36,8 @@ constexpr int kMaxThreads = 512, kMinBlocks = 1;  // the largest of kThreadCount
 
 template <int LOADS_IN_FLIGHT>
 __global__ void __launch_bounds__(kMaxThreads, kMinBlocks) stream_chunks(const int4* __restrict__ src, size_t vec_per_block, int4* sink) {
-  const int4* p = src + blockIdx.x * vec_per_block;
   int4 acc = make_int4(0, 0, 0, 0);
-  for (size_t i = threadIdx.x; i < vec_per_block; i += (size_t)blockDim.x * LOADS_IN_FLIGHT) {
-    int4 v[LOADS_IN_FLIGHT];
-#pragma unroll
-    for (int u = 0; u < LOADS_IN_FLIGHT; ++u) {
-      const size_t j = i + (size_t)u * blockDim.x;
-      if (j < vec_per_block)
-        asm volatile("ld.global.nc.L1::no_allocate.v4.s32 {%0,%1,%2,%3}, [%4];"
-                     : "=r"(v[u].x), "=r"(v[u].y), "=r"(v[u].z), "=r"(v[u].w)
-                     : "l"(p + j));
-      else
-        v[u] = make_int4(0, 0, 0, 0);
-    }
-#pragma unroll
-    for (int u = 0; u < LOADS_IN_FLIGHT; ++u) {
-      acc.x ^= v[u].x;
-      acc.y ^= v[u].y;
-      acc.z ^= v[u].z;
-      acc.w ^= v[u].w;
-    }
-  }
+  bench::read_chunk<LOADS_IN_FLIGHT>(src + blockIdx.x * vec_per_block, vec_per_block, acc);
   if (acc.x == 0x12345678) sink[threadIdx.x] = acc;  // keeps the loads; (almost) never true
 }
 
