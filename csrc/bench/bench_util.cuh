@@ -51,6 +51,25 @@ __device__ __forceinline__ void read_chunk(const int4* p, size_t vecs, int4& acc
   }
 }
 
+// Milliseconds per launch: launch(i) for i < warm untimed, then for warm <= i < warm + timed between two events
+// (back-to-back launches, so a lower bound of each one's own time plus the launch gaps).
+template <class Launch>
+float ms_per_launch(const Launch& launch, int warm, int timed) {
+  for (int i = 0; i < warm; ++i) launch(i);
+  cudaEvent_t a, b;
+  cudaEventCreate(&a);
+  cudaEventCreate(&b);
+  cudaEventRecord(a);
+  for (int i = warm; i < warm + timed; ++i) launch(i);
+  cudaEventRecord(b);
+  cudaEventSynchronize(b);
+  float ms = 0.f;
+  cudaEventElapsedTime(&ms, a, b);
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  return ms / timed;
+}
+
 // Thread `lt` of `nl` streaming threads of a block reads its share `base[0, per_block)` round after round with
 // 16-byte non-allocating loads (as the weight tiles do) until stop() is true; returns the loads it issued. The
 // values are folded into *sink only when they equal a pattern they never hold, so the loads stay.

@@ -119,19 +119,7 @@ float time_case(const Case& c, const char* buf, int blocks, size_t chunk, bool h
       default: read_bulk<<<blocks, kThreads, smem>>>(at, chunk, stride, passes, c.copy_kb * 1024u, c.stages, sink);
     }
   };
-  for (int w = 0; w < kWarmLaunches; ++w) launch(w);
-  cudaEvent_t a, b;
-  cudaEventCreate(&a);
-  cudaEventCreate(&b);
-  cudaEventRecord(a);
-  for (int r = 0; r < kTimedLaunches; ++r) launch(kWarmLaunches + r);
-  cudaEventRecord(b);
-  cudaEventSynchronize(b);
-  float ms = 0.f;
-  cudaEventElapsedTime(&ms, a, b);
-  cudaEventDestroy(a);
-  cudaEventDestroy(b);
-  return ms / kTimedLaunches;
+  return bench::ms_per_launch(launch, kWarmLaunches, kTimedLaunches);
 }
 
 }  // namespace

@@ -46,20 +46,12 @@ template <int LOADS_IN_FLIGHT>
 float time_launch(const int4* buf, int blocks, size_t chunk, int threads, int4* sink) {
   const size_t vec = chunk / kVec, span = vec * blocks;
   const size_t rotations = g_same_region ? 1 : (kBufferBytes / kVec) / span;
-  cudaEvent_t a, b;
-  cudaEventCreate(&a);
-  cudaEventCreate(&b);
-  for (int w = 0; w < kWarmLaunches; ++w) stream_chunks<LOADS_IN_FLIGHT><<<blocks, threads>>>(buf + (w % rotations) * span, vec, sink);
-  cudaEventRecord(a);
-  for (int r = 0; r < kTimedLaunches; ++r)
+  // warm launches rotate from the buffer's start, timed ones from it again (r = i - kWarmLaunches), as before
+  auto launch = [&](int i) {
+    const int r = i < kWarmLaunches ? i : i - kWarmLaunches;
     stream_chunks<LOADS_IN_FLIGHT><<<blocks, threads>>>(buf + (r % rotations) * span, vec, sink);
-  cudaEventRecord(b);
-  cudaEventSynchronize(b);
-  float ms = 0.f;
-  cudaEventElapsedTime(&ms, a, b);
-  cudaEventDestroy(a);
-  cudaEventDestroy(b);
-  return ms / kTimedLaunches;
+  };
+  return bench::ms_per_launch(launch, kWarmLaunches, kTimedLaunches);
 }
 
 }  // namespace
