@@ -97,6 +97,10 @@ constexpr Case kCases[] = {
     {"bulk 6 x 32 KB", 0, 32, 6}, {"bulk 12 x 16 KB", 0, 16, 12},
 };
 
+// read_loads at a case's depth (4, 8 or 16 loads a thread).
+using LoadsKernel = void (*)(const int4*, size_t, size_t, int, int4*);
+LoadsKernel loads_kernel(int loads) { return loads == 4 ? read_loads<4> : loads == 8 ? read_loads<8> : read_loads<16>; }
+
 bool check(cudaError_t e, const char* what) {
   if (e != cudaSuccess) std::printf("error: %s: %s\n", what, cudaGetErrorString(e));
   return e == cudaSuccess;
@@ -109,15 +113,11 @@ float time_case(const Case& c, const char* buf, int blocks, size_t chunk, bool h
   const uint32_t smem = c.copy_kb * 1024u * (uint32_t)c.stages;
   auto launch = [&](int r) {
     const char* at = buf + (r % rotations) * launch_bytes;
-    switch (c.loads) {
-      case 4: read_loads<4><<<blocks, kThreads>>>(reinterpret_cast<const int4*>(at), chunk / kVec, stride / kVec, passes,
-                                                   reinterpret_cast<int4*>(sink)); break;
-      case 8: read_loads<8><<<blocks, kThreads>>>(reinterpret_cast<const int4*>(at), chunk / kVec, stride / kVec, passes,
-                                                   reinterpret_cast<int4*>(sink)); break;
-      case 16: read_loads<16><<<blocks, kThreads>>>(reinterpret_cast<const int4*>(at), chunk / kVec, stride / kVec,
-                                                     passes, reinterpret_cast<int4*>(sink)); break;
-      default: read_bulk<<<blocks, kThreads, smem>>>(at, chunk, stride, passes, c.copy_kb * 1024u, c.stages, sink);
-    }
+    if (c.loads)
+      loads_kernel(c.loads)<<<blocks, kThreads>>>(reinterpret_cast<const int4*>(at), chunk / kVec, stride / kVec, passes,
+                                                   reinterpret_cast<int4*>(sink));
+    else
+      read_bulk<<<blocks, kThreads, smem>>>(at, chunk, stride, passes, c.copy_kb * 1024u, c.stages, sink);
   };
   return bench::ms_per_launch(launch, kWarmLaunches, kTimedLaunches);
 }

@@ -49,7 +49,7 @@ struct XRows {
 #ifndef MPK_NORM_BF16X2
 #define MPK_NORM_BF16X2 1
 #endif
-__device__ __forceinline__ uint4 norm8_of(const float (&x)[8], uint4 g, float r) {
+__device__ __forceinline__ uint4 norm8_of(const float* x, uint4 g, float r) {  // x: 8 values
   if constexpr (MPK_NORM_BF16X2) {
     const uint32_t gw[4] = {g.x, g.y, g.z, g.w};
     uint32_t o[4];

@@ -44,7 +44,7 @@ __device__ __forceinline__ uint4 pack8(const float* f) {
 // bf16(bf16(x[i] * r) * p[i]) for 8 values x and the parameter's 8 bf16 values p (16 bytes), packed as pack8 packs:
 // fused_gemv.cuh's norm8_of (bf16x2 arithmetic unless MPK_NORM_BF16X2 is 0; the same bits either way).
 __device__ __forceinline__ uint4 scale_mul8(const float* x, float r, uint4 p) {
-  return norm8_of(*reinterpret_cast<const float(*)[8]>(x), p, r);
+  return norm8_of(x, p, r);
 }
 
 // sum_k x[k]^2 of one fp32 row on every worker thread (block_sum ends with a barrier); rms_norm.cuh's order

@@ -162,10 +162,10 @@ def main(args) -> int:
             print(line)
             sys.stdout.flush()
         records.append(rec)
-    bw_after = measure_read_bandwidth(torch.device("cuda" if device.startswith("cuda") else "cpu"))
-    strict = _strict_ratios(records, nbytes / gpus, bw, bw_after)
     if not args.dp and rank != 0:
         return 0 if all_ok else 1  # the TP ranks of one replica: rank 0 reports
+    bw_after = measure_read_bandwidth(torch.device("cuda" if device.startswith("cuda") else "cpu"))
+    strict = _strict_ratios(records, nbytes / gpus, bw, bw_after)  # each replica's own GPU before the gather
     if args.dp:
         records, all_ok = _gather_replicas(records, all_ok, ranks_per_replica(args.tp, args.transport, names))
         if records is None:
