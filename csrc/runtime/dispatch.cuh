@@ -526,17 +526,6 @@ __device__ __noinline__ void run_attention_prep_attend(const TaskView& t, int p,
                         tid, nt);
 }
 
-// MPK_ATTN_REPREFETCH 1 (off until measured; a hint: the same values are read): an attention tile with the prep
-// folded in asks again, when its wait is over and before its prep, for its cache rows below this step's position
-// to be pulled into L2 (attn_prefetch_rows, as before the wait). Why: the rows asked for before the wait were asked
-// for ~15-20 us earlier, and the qkv level streams ~50 MB of weights through the H100's 50 MB L2 since, so the walk
-// may find them evicted: its first key round trip takes 2.2-3.0 us (an idle HBM answers in ~0.8; docs/PERF.md
-// v0.40-v0.41), and removing the o_proj prefetches queued beside it did not shorten it. Asked again, the rows fly
-// during the prep's 2-4 us.
-#ifndef MPK_ATTN_REPREFETCH
-#define MPK_ATTN_REPREFETCH 0
-#endif
-
 __device__ __noinline__ bool run_attention_prep(const TaskView& t, float* smem, int tid, int nt) {
   if (t.dtype(ATTENTION_PREP_ARG_QKV) != DTYPE_BF16 || t.dtype(ATTENTION_PREP_ARG_Q) != DTYPE_BF16 ||
       t.dtype(ATTENTION_PREP_ARG_K_CACHE) != DTYPE_BF16 || t.dtype(ATTENTION_PREP_ARG_V_CACHE) != DTYPE_BF16 ||
@@ -546,11 +535,6 @@ __device__ __noinline__ bool run_attention_prep(const TaskView& t, float* smem, 
   const int p = *t.arg<const int32_t>(ATTENTION_PREP_ARG_POSITIONS);
   if (!attention_prep_ok(D, G, p, t.param(ATTENTION_PREP_PARAM_MAX_SEQ), nt)) return false;
   trace_mark(4, tid);  // trace: the body started (thread 0), as in run_attention_split_prep
-#if MPK_ATTN_REPREFETCH
-  attn_prefetch_rows(t.arg<const bf16>(ATTENTION_PREP_ARG_K_CACHE), t.arg<const bf16>(ATTENTION_PREP_ARG_V_CACHE), D,
-                     (size_t)t.param(ATTENTION_PREP_PARAM_KV_POS_STRIDE), 0, p, t.param(ATTENTION_PREP_PARAM_MAX_SEQ),
-                     t.flag(REC_FLAG_BULK_PREFETCH), tid, nt);
-#endif
   attention_prep_heads(t.arg<const bf16>(ATTENTION_PREP_ARG_QKV), t.arg<const bf16>(ATTENTION_PREP_ARG_Q_NORM_W),
                        t.arg<const bf16>(ATTENTION_PREP_ARG_K_NORM_W), t.arg<const float>(ATTENTION_PREP_ARG_INV_FREQ),
                        t.arg<bf16>(ATTENTION_PREP_ARG_Q), t.arg<bf16>(ATTENTION_PREP_ARG_K_CACHE),
@@ -678,12 +662,6 @@ __device__ __noinline__ bool run_attention_split_prep(const TaskView& t, float* 
     const bf16* vc = t.arg<const bf16>(ATTENTION_SPLIT_PREP_ARG_V_CACHE);
     use = t.flag(REC_FLAG_STAGE_KV) && kv_stage_ok(kc, vc, D, kps, kbs, stage_at + kv_stage_bytes(B, s1 - s0, D));
     if (use) kv_stage_issue(kc, vc, pos, B, D, kps, kbs, s0, s1, 0, stage, tid, nt);
-#if MPK_ATTN_REPREFETCH
-    else  // the range's rows below each position into L2 again (run_attention_prep says why)
-      for (int b = 0; b < B; ++b)
-        attn_prefetch_rows(kc + (size_t)b * kbs, vc + (size_t)b * kbs, D, (size_t)kps, s0, min(s1, pos[b]), S,
-                           t.flag(REC_FLAG_BULK_PREFETCH), tid, nt);
-#endif
   }
   for (int b = 0; b < B; ++b)
     if (!split_prep_sequence(t, b, use, smem, tid, nt)) return false;
@@ -855,23 +833,6 @@ __device__ __noinline__ void attention_prefetch(const TaskView& t, bool bulk, in
   for (int b = 0; b < B; ++b)
     attn_prefetch_rows(kc + (size_t)b * bs, vc + (size_t)b * bs, D, (size_t)ps, s0, min(s1, pos[b] + 1),
                        bs / max(ps, 1), bulk, tid, nt);
-}
-
-// MPK_POST_WAIT_PREFETCH_KB (csrc/tasks/linear.cuh says why): after the wait of a tile with a norm prologue, the next
-// N KB of its weights after what prefetch_task asked for before the wait (`planned`: the record's bytes or the cap).
-__device__ __noinline__ void post_wait_prefetch(const RuntimeParams& p, const int32_t* rec, int planned, int tid,
-                                                int nt) {
-  const TaskView t(p, rec);
-  const int op = t.opcode();
-  if (op != OP_NORM_LINEAR && op != OP_NORM_LINEAR_SILU) return;
-  const bool silu = op == OP_NORM_LINEAR_SILU;
-  const bf16* w = silu ? t.arg<const bf16>(NORM_LINEAR_SILU_ARG_W) : t.arg<const bf16>(NORM_LINEAR_ARG_W);
-  const int K = silu ? t.param(NORM_LINEAR_SILU_PARAM_K) : t.param(NORM_LINEAR_PARAM_K);
-  const int n_tile = silu ? t.param(NORM_LINEAR_SILU_PARAM_N_TILE) : t.param(NORM_LINEAR_PARAM_N_TILE);
-  const long long second = silu ? (long long)t.param(NORM_LINEAR_SILU_PARAM_UP_ROWS) * K : 0;
-  linear_blocks_prefetch_range(w, K, n_tile, second, linear_prefetch_bytes(K, n_tile, planned),
-                               (uint64_t)MPK_POST_WAIT_PREFETCH_KB * 1024, (rec[REC_FLAGS] & REC_FLAG_BULK_PREFETCH) != 0,
-                               tid, nt);
 }
 
 // Issued before a task waits on its events: start streaming the bytes that do not depend on them

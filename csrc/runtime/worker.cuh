@@ -297,9 +297,6 @@ __device__ void worker_loop_aot(const RuntimeParams& p, BlockState& st, float* s
       worker_barrier(nt);  // hands thread 0's acquired view to every worker thread
       if (st.failed) { stop = true; break; }
       const uint64_t t_ready = globaltimer_ns();
-#if MPK_POST_WAIT_PREFETCH_KB > 0
-      post_wait_prefetch(p, rec, rec[REC_PREFETCH], tid, nt);  // HBM idles through a norm prologue (linear.cuh)
-#endif
       uint64_t t_body = 0;
       if (!run_and_signal<false>(p, rec, s, smem, tid, nt, &t_body)) { stop = true; break; }
       if (tid == 0) stream_drain();  // a ring primed for this task but not streamed from (weight_stream.cuh)

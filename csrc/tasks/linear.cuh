@@ -217,33 +217,4 @@ __device__ __noinline__ void linear_blocks_prefetch(const bf16* w, int K, int n_
   }
 }
 
-// MPK_POST_WAIT_PREFETCH_KB N > 0 (off until measured; a hint: the same bytes are read): a tile whose body starts
-// with a norm prologue (norm_linear, norm_linear_silu) asks, once its wait is over, for the next N KB of its weight
-// block after what it prefetched before the wait (`planned`, as linear_prefetch_bytes counts it) to be pulled into
-// L2. Why: the prologue (the rows' statistic and the staged operand: ~3.2 us a tile at qwen3-8b batch 8, docs/PERF.md
-// v0.47; 1-2 us at batch 1) runs after the previous level has stopped streaming and before this one starts, so HBM
-// idles through it; a larger prefetch BEFORE the wait competes with the previous level's stream instead (the batch-8
-// cap measured best at 96 KB, larger ones slower). At ~3.1 TB/s a 3.2 us prologue is ~10 MB, ~78 KB a tile of 128.
-#ifndef MPK_POST_WAIT_PREFETCH_KB
-#define MPK_POST_WAIT_PREFETCH_KB 0
-#endif
-
-// Bytes [from, from + bytes) of a tile's weight rows into L2 (bulk when `bulk`), clamped to the block(s): one block,
-// or (second != 0) norm_linear_silu's two, each given half of `from` and of `bytes` from its head (as
-// linear_blocks_prefetch splits the planned bytes).
-__device__ __noinline__ void linear_blocks_prefetch_range(const bf16* w, int K, int n_tile, long long second,
-                                                          uint64_t from, uint64_t bytes, bool bulk, int tid, int nt) {
-  const int blocks = second != 0 ? 2 : 1;
-  const uint64_t block = (uint64_t)n_tile * K * sizeof(bf16) / blocks;
-  from /= blocks;
-  bytes /= blocks;
-  if (from >= block) return;
-  if (bytes > block - from) bytes = block - from;
-  for (int b = 0; b < blocks; ++b) {
-    const char* head = reinterpret_cast<const char*>(w + b * second) + from;
-    if (bulk) prefetch_l2_bulk(head, bytes, tid, nt);
-    else prefetch_l2(head, bytes, tid, nt);
-  }
-}
-
 }  // namespace mpk

@@ -9,10 +9,11 @@ microseconds on a handful of SMs) leaves every other SM idle for that long; its 
 in L2 and can be in L2 by the time the inputs arrive. This module marks those tasks.
 
 Behind attention in a batch-1 program nothing is planned (NO_PLAN_BEHIND_ATTENTION_MAX_BATCH): measured on an H200
-(docs/PERF.md v0.30) the whole-tile o_proj plan behind the 8B presets' 8 unsplit tiles cost 0.5-0.6% a token. L2 is
-hardly faster to stream from than HBM when every SM reads (5.0 vs 4.2-4.7 TB/s, csrc/bench/sm_read_bw.cu --l2; that
-probe then kept only ~4 loads in flight a thread, docs/PERF.md v0.48, so the ratio is a shallow-load one), so o_proj
-ran ~9.3 us either way (the trace's figure), and the prefetch traffic slowed the latency-bound attention walk beside it. Batches 2-4
+(docs/PERF.md v0.30) the whole-tile o_proj plan behind the 8B presets' 8 unsplit tiles cost 0.5-0.6% a token. The
+tiles' 16-byte loads read L2 no faster than HBM when every SM reads: on an H100, 132 SMs read 3.1-3.3 TB/s from L2
+by loads (32-128 KB in flight an SM) against 3.2 TB/s from HBM, and only bulk copies into shared memory read L2
+faster, 6.0-7.6 TB/s (csrc/bench/l2_steady_bw.cu, docs/PERF.md v0.49). So o_proj ran ~9.3 us either way (the trace's
+figure), and the prefetch traffic slowed the latency-bound attention walk beside it. Batches 2-4
 (16-32 unsplit tiles) keep the plan (batch 2 measured even without it).
 
 Split-KV attention (64-72 tiles for qwen3-8b at context 512) is deliberately NOT narrow: planning the

@@ -39,13 +39,6 @@ the arithmetic, so the logits must equal the default build's bit for bit and sta
 - ``-DMPK_ATTN_WALK_PREFETCH=1 -DMPK_ATTN_WALK_MARKS=1`` (off; a measurement variant): the unsplit tensor-core walk
   prefetches a block's value rows and the next block's key rows into L1 with its key loads, and stamps two trace
   marks (csrc/tasks/attention_mma_walk.cuh); batch 4 runs it (batch 1 is split there).
-- ``-DMPK_ATTN_REPREFETCH=1`` (off; a measurement variant): the attention tiles with the prep folded in ask again for
-  their cache rows to be pulled into L2 once their wait is over (csrc/runtime/dispatch.cuh run_attention_prep and the
-  split prep): batch 1 runs the split tiles, batch 4 the unsplit ones.
-- ``-DMPK_POST_WAIT_PREFETCH_KB=64`` (off; a measurement variant): a tile with a norm prologue asks, once its wait is
-  over, for the next 64 KB of its weights to be pulled into L2 (csrc/runtime/worker.cuh, dispatch.cuh
-  post_wait_prefetch, linear.cuh); batch 1 and 4 with both builds' pre-wait prefetch at 16 KB
-  (MPK_PREFETCH_LEVEL_KB), since at qwen3-0.6b the 64 KB cap already holds the whole tile.
 - ``-DMPK_MMA_X_AHEAD=0`` under MPK_LINEAR_MMA=1, batch 8: the tensor-core tile loads each x vector inside its
   mma loop (the default loads a round's x vectors right after its weights; csrc/tasks/linear_mma.cuh mma_unit).
 - ``-DMPK_LINEAR_RESIDUAL_STAGE=1`` (off; a measurement variant): linear_residual tiles with 2-3 rows copy their x rows
@@ -98,7 +91,7 @@ VARIANTS = ["-DMPK_ATTN_GUARD_HEADS=1", "-DMPK_PARAMS_SMEM=0", "-DMPK_ROPE_EXACT
             "-DMPK_PREP_POS_LATE=0", "-DMPK_STAGE_ROWS_TOGETHER=0", "-DMPK_ROPE_SINCOS=0", "-DMPK_PREFETCH_ONE_SITE=0",
             "-DMPK_SMALL_KINDS_OUTLINED=0", "-DMPK_MERGE_LOADS_AHEAD=0", "-DMPK_LONG_ROWS=1",
             "-DMPK_SPLIT_PREP_SEQ_OUTLINED=0", "-DMPK_ATTN_WALK_PREFETCH=1 -DMPK_ATTN_WALK_MARKS=1",
-            "-DMPK_NORM_BF16X2=0", "-DMPK_ATTN_REPREFETCH=1"]
+            "-DMPK_NORM_BF16X2=0"]
 CODE_SIZE_VARIANTS = ["-DMPK_STAGE_ROW_ROLLED=1", "-DMPK_ROPE_NEAR=1", "-DMPK_ROWWISE_OUTLINED=1"]  # batch 4: off there
 # kernel switches of the same kind (environment, not -D), batch 1; MPK_COMPACT_CODE=0: the code-size variants off
 SWITCHES = [{"MPK_WEIGHT_EVICT_FIRST": "1"}, {"MPK_COMPACT_CODE": "0"}]
@@ -122,20 +115,6 @@ def test_code_variant_leaves_the_logits_bitwise(flags, batch, gpu_results):
     assert session_with_flags(variant, batch, flags).build.path != session_with_flags(default, batch, "").build.path, \
         f"{flags} did not make another binary"
     check_bitwise(f"{flags} vs default, {NAME} b{batch} prompt {PROMPT}", NAME, variant, default,
-                  forced_request(NAME, PROMPT, STEPS, batch, 70), gpu_results)
-
-
-@pytest.mark.parametrize("batch", [1, 4])
-def test_post_wait_prefetch_leaves_the_logits_bitwise(batch, gpu_results):
-    """The post-wait prefetch is a hint: the same logits bit for bit. Both builds prefetch 16 KB a tile before the wait
-    (record-level, the same binary as without it), so that the 64 KB after it are bytes the tile still has to read
-    (qwen3-0.6b's whole tiles fit the default 64 KB cap, and the variant would ask for nothing)."""
-    flags, level = "-DMPK_POST_WAIT_PREFETCH_KB=64", {"MPK_PREFETCH_LEVEL_KB": "16"}
-    variant = megakernel_with_env(NAME, {**level, "MPK_NVCC_EXTRA_FLAGS": flags})
-    default = megakernel_with_env(NAME, level)
-    assert session_with_flags(variant, batch, flags).build.path != session_with_flags(default, batch, "").build.path, \
-        f"{flags} did not make another binary"
-    check_bitwise(f"{flags} vs default, {level}, {NAME} b{batch} prompt {PROMPT}", NAME, variant, default,
                   forced_request(NAME, PROMPT, STEPS, batch, 70), gpu_results)
 
 
