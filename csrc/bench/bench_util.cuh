@@ -23,6 +23,16 @@ __global__ void timer_step(uint64_t* out) {
   *out = best;
 }
 
+// One 16-byte non-allocating load: the instruction of the linear tiles' weight loads (csrc/tasks/common.cuh
+// ld_stream_v4; not included here, since the probes build standalone without the kernel's include path).
+__device__ __forceinline__ int4 ld_nc_v4(const int4* p) {
+  int4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.s32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
 // This thread's share of p[0, vecs) (threads blockDim.x apart), LOADS 16-byte non-allocating loads issued before
 // any is used (as the linear tiles' weight loads), XORed into acc. The probes' kernels built on it need a one-block
 // launch bound: without it ptxas aimed at full occupancy (32 registers) and used each value before issuing the next
@@ -34,12 +44,7 @@ __device__ __forceinline__ void read_chunk(const int4* p, size_t vecs, int4& acc
 #pragma unroll
     for (int u = 0; u < LOADS; ++u) {
       const size_t j = i + (size_t)u * blockDim.x;
-      if (j < vecs)
-        asm volatile("ld.global.nc.L1::no_allocate.v4.s32 {%0,%1,%2,%3}, [%4];"
-                     : "=r"(v[u].x), "=r"(v[u].y), "=r"(v[u].z), "=r"(v[u].w)
-                     : "l"(p + j));
-      else
-        v[u] = make_int4(0, 0, 0, 0);
+      v[u] = j < vecs ? ld_nc_v4(p + j) : make_int4(0, 0, 0, 0);
     }
 #pragma unroll
     for (int u = 0; u < LOADS; ++u) {
@@ -83,10 +88,7 @@ __device__ unsigned long long stream_hbm(const int4* base, size_t per_block, int
     if (i + (size_t)nl * kLoadsInFlight >= per_block) i = lt;
     int4 v[kLoadsInFlight];
 #pragma unroll
-    for (int u = 0; u < kLoadsInFlight; ++u)
-      asm volatile("ld.global.nc.L1::no_allocate.v4.s32 {%0,%1,%2,%3}, [%4];"
-                   : "=r"(v[u].x), "=r"(v[u].y), "=r"(v[u].z), "=r"(v[u].w)
-                   : "l"(base + i + (size_t)u * nl));
+    for (int u = 0; u < kLoadsInFlight; ++u) v[u] = ld_nc_v4(base + i + (size_t)u * nl);
 #pragma unroll
     for (int u = 0; u < kLoadsInFlight; ++u) acc.x ^= v[u].x ^ v[u].w;
     loads += kLoadsInFlight;
