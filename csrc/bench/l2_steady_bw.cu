@@ -95,7 +95,7 @@ constexpr Case kCases[] = {
     {"loads x4", 4, 0, 0},      {"loads x8", 8, 0, 0},      {"loads x16", 16, 0, 0},
     {"bulk 4 x 16 KB", 0, 16, 4}, {"bulk 8 x 16 KB", 0, 16, 8}, {"bulk 4 x 32 KB", 0, 32, 4},
     {"bulk 6 x 32 KB", 0, 32, 6}, {"bulk 12 x 16 KB", 0, 16, 12},
-    // the weight ring's shallow depths (csrc/tasks/weight_stream.cuh MPK_RING_STAGES 1-2, docs/PERF.md v0.50)
+    // shallow depths: a 1-2 stage weight ring's (docs/PERF.md v0.50 built one for the tiles behind attention; not run yet)
     {"bulk 1 x 32 KB", 0, 32, 1}, {"bulk 2 x 32 KB", 0, 32, 2}, {"bulk 2 x 16 KB", 0, 16, 2},
 };
 

@@ -862,7 +862,6 @@ __device__ __noinline__ void attention_prefetch(const TaskView& t, bool bulk, in
 __device__ void prefetch_task(const RuntimeParams& p, const int32_t* rec, int planned, int tid, int nt) {
   const TaskView t(p, rec);
   const bool bulk = (rec[REC_FLAGS] & REC_FLAG_BULK_PREFETCH) != 0;
-  const bool ring = (rec[REC_FLAGS] & REC_FLAG_STREAM_RING) != 0;  // kTmaPlannedTiles: this task streams
 #if MPK_PREFETCH_ONE_SITE
   const int op = t.opcode();
   const bf16* w = nullptr;  // the weight block of a linear kind (its first when it has two)
@@ -892,27 +891,27 @@ __device__ void prefetch_task(const RuntimeParams& p, const int32_t* rec, int pl
                           t.param(NORM_LINEAR_SILU_PARAM_WD_STRIDE), t.param(NORM_LINEAR_SILU_PARAM_H), tid, nt);
 #endif
   if (w != nullptr) {
-    linear_blocks_prefetch(w, K, n_tile, second, planned, bulk, ring, tid, nt);
+    linear_blocks_prefetch(w, K, n_tile, second, planned, bulk, tid, nt);
     return;
   }
 #else
   if (t.opcode() == OP_LINEAR)
     linear_prefetch(t.arg<const bf16>(LINEAR_ARG_W), t.param(LINEAR_PARAM_K), t.param(LINEAR_PARAM_N_TILE), planned,
-                    bulk, ring, tid, nt);
+                    bulk, tid, nt);
   else if (t.opcode() == OP_NORM_LINEAR)  // fused linears: the weight block is independent of the waits too
     linear_prefetch(t.arg<const bf16>(NORM_LINEAR_ARG_W), t.param(NORM_LINEAR_PARAM_K),
-                    t.param(NORM_LINEAR_PARAM_N_TILE), planned, bulk, ring, tid, nt);
+                    t.param(NORM_LINEAR_PARAM_N_TILE), planned, bulk, tid, nt);
   else if (t.opcode() == OP_NORM_LINEAR_SILU)  // half of the planned bytes from each weight block
     linear_blocks_prefetch(t.arg<const bf16>(NORM_LINEAR_SILU_ARG_W), t.param(NORM_LINEAR_SILU_PARAM_K),
                            t.param(NORM_LINEAR_SILU_PARAM_N_TILE),
                            (long long)t.param(NORM_LINEAR_SILU_PARAM_UP_ROWS) * t.param(NORM_LINEAR_SILU_PARAM_K),
-                           planned, bulk, ring, tid, nt);
+                           planned, bulk, tid, nt);
   else if (t.opcode() == OP_LINEAR_RESIDUAL)
     linear_prefetch(t.arg<const bf16>(LINEAR_RESIDUAL_ARG_W), t.param(LINEAR_RESIDUAL_PARAM_K),
-                    t.param(LINEAR_RESIDUAL_PARAM_N_TILE), planned, bulk, ring, tid, nt);
+                    t.param(LINEAR_RESIDUAL_PARAM_N_TILE), planned, bulk, tid, nt);
   else if (t.opcode() == OP_SILU_LINEAR)
     linear_prefetch(t.arg<const bf16>(SILU_LINEAR_ARG_W), t.param(SILU_LINEAR_PARAM_K),
-                    t.param(SILU_LINEAR_PARAM_N_TILE), planned, bulk, ring, tid, nt);
+                    t.param(SILU_LINEAR_PARAM_N_TILE), planned, bulk, tid, nt);
 #endif
 #if MPK_ATTN_PREFETCH
   if (t.opcode() == OP_ATTENTION || t.opcode() == OP_ATTENTION_SPLIT || t.opcode() == OP_ATTENTION_PREP ||

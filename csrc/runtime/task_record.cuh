@@ -46,7 +46,6 @@ constexpr int REC_FLAG_WAITS_INLINE = 2;     // the waits are in the record
 constexpr int REC_FLAG_SIGNALS_INLINE = 4;   // the signals are in the record
 constexpr int REC_FLAG_BULK_PREFETCH = 8;    // L2 prefetches by bulk copies (common.cuh prefetch_l2_bulk)
 constexpr int REC_FLAG_STAGE_KV = 16;        // split-KV tile: its range's cache rows into shared memory first
-constexpr int REC_FLAG_STREAM_RING = 32;     // MPK_LINEAR_TMA 2: the tile streams its weights through the ring
 
 // Signal kinds (column 1 of a signal entry).
 constexpr int SIG_KIND_LOCAL = 0;      // this rank's counter, gpu scope

@@ -293,7 +293,6 @@ __device__ void worker_loop_aot(const RuntimeParams& p, BlockState& st, float* s
         prefetch_task(p, recs[slot ^ 1], rec[REC_PREFETCH_NEXT], tid, nt);
       }
       const uint64_t t_prep = globaltimer_ns();
-      if (tid == 0) ring_set_task((rec[REC_FLAGS] & REC_FLAG_STREAM_RING) != 0);  // published by the barrier below
       if (tid == 0) st.failed = wait_task_events(p, rec, s);
       worker_barrier(nt);  // hands thread 0's acquired view to every worker thread
       if (st.failed) { stop = true; break; }
@@ -397,7 +396,6 @@ __device__ void worker_loop_jit(const RuntimeParams& p, BlockState& st, float* s
       st.failed = r != 0;
       st.task = (int)t;
       st.step = (int)s;
-      if (r == 0) ring_set_task((p.records[(size_t)p.task_rec[t] * REC_WORDS + REC_FLAGS] & REC_FLAG_STREAM_RING) != 0);
     }
     worker_barrier(nt);  // thread 0 acquired the slot; the barrier passes the view on
     if (st.failed) break;

@@ -404,8 +404,8 @@ __device__ __forceinline__ void gemv_fused(const XS& xs, const bf16* __restrict_
 // Half the block's warps sum the first half of the rows (the gate rows of norm_linear_silu) and the other half the
 // second (the up rows), each warp whole rows as gemv_tile always does: the same sums as the unfused gate|up tile,
 // with as many rows per warp (the unfused projection's tiles hold n_tile rows of one half for all the warps).
-// When the tile streams through the weight ring (stream_fits) the ring's producer and barriers span the block, so
-// the halves run one after the other there. (In a -DMPK_GEMV_MARKS=1 build both halves' first threads set the tile's marks: the later one stays.)
+// Under MPK_LINEAR_TMA the weight ring's producer and barriers span the block, so the halves run one after the
+// other there. (In a -DMPK_GEMV_MARKS=1 build both halves' first threads set the tile's marks: the later one stays.)
 template <int B, class XS>
 __device__ __forceinline__ void gemv_pair(const XS& xs, const bf16* __restrict__ w, int K, int n_tile, const Epi& epi,
                                           int tid, int nt) {
@@ -414,7 +414,7 @@ __device__ __forceinline__ void gemv_pair(const XS& xs, const bf16* __restrict__
   first.mode = second.mode = kEpiBf16;
   second.y = static_cast<bf16*>(epi.y) + h;
   const bf16* w2 = w + epi.pair_jump;
-  if (stream_fits(K, nt)) {
+  if (MPK_LINEAR_TMA) {
     gemv_rows<B>(xs, w, K, h, first, tid, nt);
     gemv_rows<B>(xs, w2, K, h, second, tid, nt);
     return;

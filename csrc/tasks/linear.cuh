@@ -194,11 +194,10 @@ __device__ __forceinline__ uint64_t linear_prefetch_bytes(int K, int n_tile, int
   return bytes;
 }
 
-// ring: the task's REC_FLAG_STREAM_RING (weight_stream.cuh stream_prime).
-__device__ __forceinline__ void linear_prefetch(const bf16* w, int K, int n_tile, int planned, bool bulk, bool ring,
-                                                int tid, int nt) {
+__device__ __forceinline__ void linear_prefetch(const bf16* w, int K, int n_tile, int planned, bool bulk, int tid,
+                                                int nt) {
   const uint64_t bytes = linear_prefetch_bytes(K, n_tile, planned);
-  if (tid == 0) stream_prime(w, K, n_tile, nt, ring);  // MPK_LINEAR_TMA: the first stages into shared memory
+  if (tid == 0) stream_prime(w, K, n_tile, nt);  // MPK_LINEAR_TMA: the first stages into shared memory
   if (bulk) prefetch_l2_bulk(w, bytes, tid, nt);
   else prefetch_l2(w, bytes, tid, nt);
 }
@@ -207,10 +206,10 @@ __device__ __forceinline__ void linear_prefetch(const bf16* w, int K, int n_tile
 // two blocks of n_tile / 2 rows each of norm_linear_silu, `second` elements apart, with half the bytes from the
 // head of each (each half of the tile's warps starts there; no ring priming: that tile streams through registers).
 __device__ __noinline__ void linear_blocks_prefetch(const bf16* w, int K, int n_tile, long long second, int planned,
-                                                       bool bulk, bool ring, int tid, int nt) {
+                                                       bool bulk, int tid, int nt) {
   uint64_t bytes = linear_prefetch_bytes(K, n_tile, planned);
   if (second != 0) bytes /= 2;
-  else if (tid == 0) stream_prime(w, K, n_tile, nt, ring);  // MPK_LINEAR_TMA: the first stages into shared memory
+  else if (tid == 0) stream_prime(w, K, n_tile, nt);  // MPK_LINEAR_TMA: the first stages into shared memory
   for (int b = 0; b < (second != 0 ? 2 : 1); ++b) {
     const bf16* head = w + b * second;
     if (bulk) prefetch_l2_bulk(head, bytes, tid, nt);

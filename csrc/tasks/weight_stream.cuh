@@ -1,18 +1,9 @@
-// Weight streaming through shared memory with bulk copies (MPK_LINEAR_TMA; KernelShape.linear_tma).
-//
-// MPK_LINEAR_TMA 1 streams every linear tile whose rows fit a stage; 2 (kTmaPlannedTiles) streams only the tasks
-// whose record carries REC_FLAG_STREAM_RING: the host sets it on the tiles that wait on a narrow op
-// (mpk_dist/runtime/prefetch_plan.py ring_tiles), whose whole weight block can be in L2 by the time their inputs
-// arrive. Why only those: 132 SMs read L2-resident bytes by 16-byte loads no faster than HBM (~25 GB/s an SM), by
-// bulk copies into shared memory ~45-57 GB/s an SM (docs/PERF.md v0.49); every other tile streams from HBM, where
-// both paths give the same rate and the ring's per-row handshakes cost (v0.38: +45% on the small presets with
-// every tile streamed). MPK_RING_STAGES (1..kRingMaxStages) sets the ring's depth: the ring is taken from the SM's
-// L1, which the load-path tiles need for their loads in flight (v0.30).
+// Weight streaming through shared memory with bulk copies (MPK_LINEAR_TMA=1; KernelShape.linear_tma).
 //
 // Why: with 16-byte register loads a worker keeps 512 threads x MPK_LINEAR_UNROLL x 16 B = 64 KB of
 // weights in flight, which covers HBM latency only once every SM streams a large tile; the 256-780 KB
 // tiles of o/qkv/down projections pay a chain of round trips (docs/PERF.md v0.4: ~6 us over their
-// bytes). Here the last worker warp is a producer that keeps kRingStages x kRingStageBytes (128 KB at 4 stages) of
+// bytes). Here the last worker warp is a producer that keeps kRingStages x kRingStageBytes (128 KB) of
 // the tile's contiguous weight block in flight with cp.async.bulk, and the other warps consume whole
 // rows from shared memory.
 //
@@ -48,17 +39,10 @@
 #ifndef MPK_LINEAR_TMA
 #define MPK_LINEAR_TMA 0
 #endif
-#ifndef MPK_RING_STAGES
-#define MPK_RING_STAGES 4
-#endif
 
 namespace mpk {
 
-constexpr int kTmaEveryTile = 1;     // MPK_LINEAR_TMA: every linear tile whose rows fit a stage streams
-constexpr int kTmaPlannedTiles = 2;  // MPK_LINEAR_TMA: only the tasks flagged REC_FLAG_STREAM_RING stream
-constexpr int kRingMaxStages = 4;    // RingState's armed tags
-constexpr int kRingStages = MPK_RING_STAGES;
-static_assert(kRingStages >= 1 && kRingStages <= kRingMaxStages, "MPK_RING_STAGES: expected 1..4");
+constexpr int kRingStages = 4;
 constexpr uint32_t kRingStageBytes = 32 * 1024;
 constexpr uint32_t kRingBarrierBytes = 2 * kRingStages * sizeof(uint64_t);
 constexpr uint32_t kRingStateBytes = 32;  // RingState below
@@ -69,11 +53,16 @@ __device__ __forceinline__ uint32_t smem_below_ring() {
   return MPK_LINEAR_TMA ? launch_smem_bytes() - kRingBytes : launch_smem_bytes();
 }
 
+// True when a [*, K] bf16 weight row fits one stage and the block has a producer warp besides consumers.
+__device__ __forceinline__ bool stream_fits(int K, int nt) {
+  return MPK_LINEAR_TMA && (uint32_t)K * sizeof(bf16) <= kRingStageBytes && nt >= 64;
+}
+
 struct RingState {
   const void* primed_w;  // weight block the ring was primed with (nullptr: not primed)
   int32_t primed_chunks;  // chunks issued by stream_prime
-  int32_t stream_task;    // kTmaPlannedTiles: the running task streams (its REC_FLAG_STREAM_RING; ring_set_task)
-  int32_t armed[kRingMaxStages];  // chunk last issued into each stage (-1: none since ring_init)
+  int32_t pad;
+  int32_t armed[kRingStages];  // chunk last issued into each stage (-1: none since ring_init)
 };
 static_assert(sizeof(RingState) == kRingStateBytes, "RingState: keep kRingStateBytes (and tables.py) in step");
 
@@ -89,25 +78,6 @@ __device__ __forceinline__ WeightRing weight_ring() {
   char* base = mpk_dyn_smem + (launch_smem_bytes() - kRingBytes);
   uint64_t* bars = reinterpret_cast<uint64_t*>(base + kRingStages * kRingStageBytes);
   return WeightRing{base, bars, bars + kRingStages, reinterpret_cast<RingState*>(bars + 2 * kRingStages)};
-}
-
-// True when a [*, K] bf16 weight row fits one stage and the block has a producer warp besides consumers (the
-// task's own choice aside).
-__device__ __forceinline__ bool stream_shape_fits(int K, int nt) {
-  return MPK_LINEAR_TMA && (uint32_t)K * sizeof(bf16) <= kRingStageBytes && nt >= 64;
-}
-
-// True when the running task streams its [*, K] weight rows through the ring: the shape fits, and under
-// kTmaPlannedTiles the host flagged the task (ring_set_task published it before the task's body).
-__device__ __forceinline__ bool stream_fits(int K, int nt) {
-  if (!stream_shape_fits(K, nt)) return false;
-  return MPK_LINEAR_TMA != kTmaPlannedTiles || weight_ring().state->stream_task != 0;
-}
-
-// Thread 0, before the block barrier that precedes a task's body: whether that task streams (kTmaPlannedTiles;
-// `flagged`: its record's REC_FLAG_STREAM_RING).
-__device__ __forceinline__ void ring_set_task(bool flagged) {
-  if (MPK_LINEAR_TMA == kTmaPlannedTiles) weight_ring().state->stream_task = flagged ? 1 : 0;
 }
 
 // Whole rows per stage and the tile's chunk count.
@@ -134,15 +104,10 @@ __device__ __forceinline__ void ring_issue(const WeightRing& ring, const bf16* w
   bulk_copy_g2s(ring.stage0 + (size_t)s * kRingStageBytes, w + (size_t)c * rps * K, bytes, &ring.full[s]);
 }
 
-// Thread 0 of an aot worker, before the task's waits: start the tile's first chunks (see the top). `flagged`: the
-// task's REC_FLAG_STREAM_RING (kTmaPlannedTiles primes only those). A ring already primed (for the next task
-// during this one's wait, REC_PREFETCH_NEXT) is left as it is: re-initialising barriers with copies in flight is
-// undefined, and the task it was primed for re-primes after stream_drain.
-__device__ __forceinline__ void stream_prime(const bf16* w, int K, int n_tile, int nt, bool flagged) {
-  if (!stream_shape_fits(K, nt) || n_tile <= 0) return;
-  if (MPK_LINEAR_TMA == kTmaPlannedTiles && !flagged) return;
+// Thread 0 of an aot worker, before the task's waits: start the tile's first chunks (see the top).
+__device__ __forceinline__ void stream_prime(const bf16* w, int K, int n_tile, int nt) {
+  if (!stream_fits(K, nt) || n_tile <= 0) return;
   const WeightRing ring = weight_ring();
-  if (ring.state->primed_w != nullptr) return;
   const int rps = ring_rows_per_stage(K), nchunks = (n_tile + rps - 1) / rps;
   ring_init(ring, rps);
   const int n = min(nchunks, kRingStages);
@@ -163,10 +128,7 @@ __device__ __forceinline__ void stream_drain() {
 // Host-initialised state: the kernel's first task sees an unprimed ring (the launch zeroes nothing, so
 // every worker clears it once at start).
 __device__ __forceinline__ void stream_reset(int tid) {
-  if (MPK_LINEAR_TMA && tid == 0) {
-    weight_ring().state->primed_w = nullptr;
-    weight_ring().state->stream_task = 0;
-  }
+  if (MPK_LINEAR_TMA && tid == 0) weight_ring().state->primed_w = nullptr;
 }
 
 // y[b, n] = epi(b, n, sum_k x[b, k] * w[n, k]) for the n_tile rows of w (contiguous [n_tile, K] bf16),

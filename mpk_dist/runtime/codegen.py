@@ -29,10 +29,6 @@ loop rolled; csrc/tasks/common.cuh, fused_gemv.cuh). Rendered under #ifndef, so 
 
 WORKER_THREADS = (128, 256, 512, 1024)
 """Allowed worker threads per block (MPK_WORKER_THREADS; 256 is the GPU-verified default)."""
-LINEAR_TMA_MODES = (0, 1, 2)
-"""MPK_LINEAR_TMA: 0 register loads, 1 every linear tile through the weight ring, 2 (TMA_PLANNED_TILES) the tiles the
-host flags (csrc/tasks/weight_stream.cuh)."""
-TMA_PLANNED_TILES = 2
 BLOCKS_PER_SM = (1, 2)
 """Allowed worker blocks per SM (MPK_BLOCKS_PER_SM; 1 is the default): 2 runs two workers on every SM, each block
 at most half the SM's registers (128 a thread at 256 threads)."""
@@ -50,10 +46,7 @@ class KernelShape:
     prefetch_kb: int = -1  # L2 prefetch of a linear tile's weights before its wait: -1 whole tile, else KB cap
     superopt: bool = True  # fused linears run the superoptimizer's generated bodies (mpk_dist.runtime.superopt_tasks)
     linear_mma: bool = False  # batch >= 2 linear tiles on tensor cores (csrc/tasks/linear_mma.cuh; tolerance, not bits)
-    # weights streamed through a shared-memory ring by bulk copies (weight_stream.cuh; same bits): 0 off, 1 every
-    # linear tile, 2 (TMA_PLANNED_TILES) the tiles the host flags (REC_FLAG_STREAM_RING, prefetch_plan.ring_tiles)
-    linear_tma: int = 0
-    ring_stages: int = 4  # MPK_RING_STAGES: the ring's 32 KB stages (tables.RING_STAGES is the default)
+    linear_tma: bool = False  # weights streamed through a shared-memory ring by bulk copies (weight_stream.cuh; same bits)
     linear_pipe: bool = False  # next chunk's weight loads issued before this one is summed (gemv_pipe.cuh; same bits)
     attn_prefetch: bool = True  # attention tiles pull their cache rows into L2 before their wait (attention.cuh; same bits)
     load_ahead: bool = True  # batch-1 GEMV: a round's x vectors loaded before any use (linear.cuh load_x_round; same bits)
@@ -64,14 +57,13 @@ class KernelShape:
 
 
     def name(self) -> str:
-        """File-name label: mk_b<batch>_t<threads>_<schedule>[_r<rows>][_u<unroll>][_p<prefetch KB>][_d][_nso][_m][_tma[2]][_rs<ring stages>][_pipe][_nap][_nxa][_wef][_cc][_fw][_bs<blocks per SM>]."""
+        """File-name label: mk_b<batch>_t<threads>_<schedule>[_r<rows>][_u<unroll>][_p<prefetch KB>][_d][_nso][_m][_tma][_pipe][_nap][_nxa][_wef][_cc][_fw][_bs<blocks per SM>]."""
         rows = f"_r{self.linear_rows}" if self.linear_rows != 1 else ""
         unroll = f"_u{self.linear_unroll}" if self.linear_unroll != 8 else ""
         pf = f"_p{self.prefetch_kb}" if self.prefetch_kb != -1 else ""
         nso = "" if self.superopt else "_nso"
         mma = "_m" if self.linear_mma else ""
-        mma += {0: "", 1: "_tma"}.get(int(self.linear_tma), f"_tma{int(self.linear_tma)}")
-        mma += f"_rs{self.ring_stages}" if self.linear_tma and self.ring_stages != 4 else ""
+        mma += "_tma" if self.linear_tma else ""
         mma += "_pipe" if self.linear_pipe else ""
         mma += "" if self.attn_prefetch else "_nap"
         mma += "" if self.load_ahead else "_nxa"
@@ -115,10 +107,6 @@ def render_source(shape: KernelShape, model: str = "-", rank: int = 0, world: in
         raise ValueError(f"prefetch_kb: expected -1 (whole tile) or a cap >= 0 in KB, got {shape.prefetch_kb}")
     if shape.worker_threads not in WORKER_THREADS:
         raise ValueError(f"worker_threads: expected one of {WORKER_THREADS}, got {shape.worker_threads}")
-    if int(shape.linear_tma) not in LINEAR_TMA_MODES:
-        raise ValueError(f"linear_tma: expected one of {LINEAR_TMA_MODES}, got {shape.linear_tma}")
-    if not 1 <= shape.ring_stages <= 4:
-        raise ValueError(f"ring_stages: expected 1..4 (weight_stream.cuh kRingMaxStages), got {shape.ring_stages}")
     if shape.blocks_per_sm not in BLOCKS_PER_SM:
         raise ValueError(f"blocks_per_sm: expected one of {BLOCKS_PER_SM}, got {shape.blocks_per_sm}")
     banner = [
@@ -136,8 +124,6 @@ def render_source(shape: KernelShape, model: str = "-", rank: int = 0, world: in
         f"#define MPK_SUPEROPT {1 if shape.superopt else 0}",
         f"#define MPK_LINEAR_MMA {int(shape.linear_mma)}",
         f"#define MPK_LINEAR_TMA {int(shape.linear_tma)}",
-        # only then: other sources stay as they were
-        *([f"#define MPK_RING_STAGES {shape.ring_stages}"] if shape.linear_tma and shape.ring_stages != 4 else []),
         f"#define MPK_LINEAR_PIPE {int(shape.linear_pipe)}",
         f"#define MPK_ATTN_PREFETCH {int(shape.attn_prefetch)}",
         f"#define MPK_LOAD_AHEAD {int(shape.load_ahead)}",

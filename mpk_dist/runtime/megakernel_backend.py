@@ -44,6 +44,8 @@ SWITCHES = (
     # linear tiles on tensor cores (csrc/tasks/linear_mma.cuh; another summation order); default (None): from
     # tables.MMA_MIN_BATCH rows on, set 0 or 1 to force
     ("linear_mma", "MPK_LINEAR_MMA", None),
+    # weights through a shared-memory ring by bulk copies (csrc/tasks/weight_stream.cuh; same sums)
+    ("linear_tma", "MPK_LINEAR_TMA", False),
     # software-pipelined linear tiles: the next chunk's loads in flight while one is summed (gemv_pipe.cuh; same bits)
     ("linear_pipe", "MPK_LINEAR_PIPE", False),
     # whole-tile L2 prefetch of linears that wait on a narrow op (mpk_dist/runtime/prefetch_plan.py)
@@ -511,7 +513,7 @@ def scoped_env(env: dict[str, str], keys=()):
 
 
 def tuning_from_env(worker_threads: int | None, environ=None) -> dict:
-    """Kernel knobs {linear_unroll, worker_threads, prefetch_kb[, linear_mma, linear_tma, ring_stages, linear_pipe,
+    """Kernel knobs {linear_unroll, worker_threads, prefetch_kb[, linear_mma, linear_tma, linear_pipe,
     prefetch_plan, attn_prefetch, blocks_per_sm]}: MPK_LINEAR_UNROLL, MPK_WORKER_THREADS, MPK_PREFETCH_KB,
     MPK_BLOCKS_PER_SM and the SWITCHES override the defaults (loads in flight per lane: None, the program's choice,
     tables.default_linear_unroll; ``worker_threads``, None: the program's choice, tables.default_worker_threads;
@@ -540,27 +542,6 @@ def tuning_from_env(worker_threads: int | None, environ=None) -> dict:
         if val is None or not ok(val):
             raise InputError(f"{var}: expected one of {allowed}, got {raw!r}")
         out[key] = val
-    # Weights through a shared-memory ring by bulk copies (csrc/tasks/weight_stream.cuh; same sums): 1 every linear
-    # tile, 2 the tiles behind a narrow op (prefetch_plan.ring_tiles); MPK_RING_STAGES its 32 KB stages. Only when set.
-    from mpk_dist.runtime.codegen import LINEAR_TMA_MODES
-    from mpk_dist.runtime.tables import RING_MAX_STAGES
-
-    raw = env.get("MPK_LINEAR_TMA", "")
-    if raw:
-        if not raw.isdigit() or int(raw) not in LINEAR_TMA_MODES:
-            raise InputError(f"MPK_LINEAR_TMA: expected one of {', '.join(map(str, LINEAR_TMA_MODES))} (0 off, 1 every "
-                             f"linear tile, 2 the tiles behind a narrow op), got {raw!r}")
-        if int(raw):
-            out["linear_tma"] = int(raw)
-    raw = env.get("MPK_RING_STAGES", "")
-    if raw:
-        if not raw.isdigit() or not 1 <= int(raw) <= RING_MAX_STAGES:
-            raise InputError(f"MPK_RING_STAGES: expected 1..{RING_MAX_STAGES} (32 KB stages of the weight ring), "
-                             f"got {raw!r}")
-        if not out.get("linear_tma"):
-            raise InputError(f"MPK_RING_STAGES={raw}: expected MPK_LINEAR_TMA 1 or 2 (the stages are the weight "
-                             "ring's), got MPK_LINEAR_TMA unset or 0")
-        out["ring_stages"] = int(raw)
     # Worker blocks per SM (codegen.BLOCKS_PER_SM): only when set away from 1, so the default dict is unchanged.
     raw = env.get("MPK_BLOCKS_PER_SM", "")
     if raw:

@@ -13,7 +13,8 @@ Behind attention in a batch-1 program nothing is planned (NO_PLAN_BEHIND_ATTENTI
 tiles' 16-byte loads read L2 no faster than HBM when every SM reads: on an H100, 132 SMs read 3.1-3.3 TB/s from L2
 by loads (32-128 KB in flight an SM) against 3.2 TB/s from HBM, and only bulk copies into shared memory read L2
 faster, 6.0-7.6 TB/s (csrc/bench/l2_steady_bw.cu, docs/PERF.md v0.49). So o_proj ran ~9.3 us either way (the trace's
-figure), and the prefetch traffic slowed the latency-bound attention walk beside it. Batches 2-4
+figure), and the prefetch traffic slowed the latency-bound attention walk beside it. Streaming those whole-block
+tiles through a 2-stage bulk-copy ring instead measured 11% slower a token at qwen3-8b (v0.50). Batches 2-4
 (16-32 unsplit tiles) keep the plan (batch 2 measured even without it).
 
 Split-KV attention (64-72 tiles for qwen3-8b at context 512) is deliberately NOT narrow: planning the
@@ -121,44 +122,21 @@ def _linear_tiles_by_op(cg) -> dict[int, list[int]]:
     return by_op
 
 
-def _narrow_waiting_ops(cg, workers: int, behind_attention: bool = False) -> list[tuple[list[int], set[int]]]:
-    """(tiles, narrow events) of every linear op that waits on a narrow op. An attention op is not counted as narrow
-    in programs of up to NO_PLAN_BEHIND_ATTENTION_MAX_BATCH sequences unless ``behind_attention``
-    (MPK_PLAN_BEHIND_ATTENTION)."""
-    small = int(cg.meta["batch"]) <= NO_PLAN_BEHIND_ATTENTION_MAX_BATCH
-    skip = _attention_events(cg) if small and not behind_attention else set()
-    out = []
-    for tiles in _linear_tiles_by_op(cg).values():
-        narrow = _narrow_events(cg, tiles[0], workers) - skip
-        if narrow:
-            out.append((tiles, narrow))
-    return out
-
-
 def _narrow_tiles(cg, workers: int, l2_bytes: int,
                   behind_attention: bool = False) -> dict[int, tuple[int, set[int]]]:
     """{task: (bytes, narrow events)} for every tile of a linear op that waits on a narrow op: its whole
-    weight block, or an equal share of ``L2_SHARE * l2_bytes`` when the op's blocks together exceed it
-    (``behind_attention``: see _narrow_waiting_ops)."""
+    weight block, or an equal share of ``L2_SHARE * l2_bytes`` when the op's blocks together exceed it.
+    An attention op is not counted as narrow in programs of up to NO_PLAN_BEHIND_ATTENTION_MAX_BATCH sequences
+    unless ``behind_attention`` (MPK_PLAN_BEHIND_ATTENTION)."""
+    small = int(cg.meta["batch"]) <= NO_PLAN_BEHIND_ATTENTION_MAX_BATCH
+    skip = _attention_events(cg) if small and not behind_attention else set()
     budget = int(L2_SHARE * l2_bytes)
     out = {}
-    for tiles, narrow in _narrow_waiting_ops(cg, workers, behind_attention):
-        share = budget // len(tiles)
-        out.update({t: (min(weight_block_bytes(cg, t), share), narrow) for t in tiles})
-    return out
-
-
-def ring_tiles(cg, workers: int, behind_attention: bool = False) -> np.ndarray:
-    """Per task: whether it streams its weights through the shared-memory ring in a MPK_LINEAR_TMA 2 kernel
-    (csrc/tasks/weight_stream.cuh, REC_FLAG_STREAM_RING): every tile of a linear op that waits on a narrow op
-    (``behind_attention``: see _narrow_waiting_ops), the tiles whose worker runs the producer first included.
-    Why these: their whole blocks are put into L2 while the narrow op runs (prefetch_plan), and 132 SMs read
-    L2-resident bytes by bulk copies into shared memory at ~45-57 GB/s an SM against ~25 by 16-byte loads
-    (docs/PERF.md v0.49); a tile whose worker ran the producer reads HBM while the others read L2, so its copies
-    meet an idle HBM. Every other tile streams from a busy HBM, where both paths give the same rate."""
-    out = np.zeros(cg.arrays["tasks"].shape[0], dtype=bool)
-    for tiles, _ in _narrow_waiting_ops(cg, workers, behind_attention):
-        out[tiles] = True
+    for tiles in _linear_tiles_by_op(cg).values():
+        narrow = _narrow_events(cg, tiles[0], workers) - skip
+        if narrow:
+            share = budget // len(tiles)
+            out.update({t: (min(weight_block_bytes(cg, t), share), narrow) for t in tiles})
     return out
 
 

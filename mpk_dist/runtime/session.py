@@ -20,7 +20,7 @@ import torch
 
 from mpk_dist.errors import DeviceTimeout, InputError
 from mpk_dist.runtime import tables
-from mpk_dist.runtime.codegen import TMA_PLANNED_TILES, KernelShape, tables_hash
+from mpk_dist.runtime.codegen import KernelShape, tables_hash
 from mpk_dist.runtime.comm_layout import comm_layout, peer_quota, peer_tables
 from mpk_dist.runtime.kernel import build_kernel
 from mpk_dist.runtime.loader import LoadedKernel, host_device_pointer
@@ -89,14 +89,13 @@ class Session:
                  compiler: str | None = None, model: str = "-", linear_rows: int = 1, linear_unroll: int | None = None,
                  prefetch_kb: int = -1, region=None, stream=None,
                  cooperative: bool = True, superopt: bool = True, linear_mma: bool | None = None,
-                 prefetch_plan: bool = True, linear_tma: int = 0, linear_pipe: bool = False,
+                 prefetch_plan: bool = True, linear_tma: bool = False, linear_pipe: bool = False,
                  attn_prefetch: bool = True, bulk_prefetch: bool = False, prefetch_ahead: bool = False,
                  attn_stage_kv: bool = False, load_ahead: bool = True, min_carveout: bool = False,
                  weight_evict_first: bool = False, compact_code: bool | None = None,
                  prefetch_level_kb: int | None = None, blocks_per_sm: int = 1, plan_behind_attention: bool = False,
                  prefetch_next_kb: int | None = None, layer_aligned_workers: bool = False,
-                 prefetch_behind_attention_kb: int | None = None, exact_partials: bool = True,
-                 ring_stages: int = tables.RING_STAGES):
+                 prefetch_behind_attention_kb: int | None = None, exact_partials: bool = True):
         if cg.meta["abi_version"] != ABI_VERSION:
             raise InputError(f"task graph ABI: expected version {ABI_VERSION}, got {cg.meta['abi_version']}")
         tables.check_supported(cg)
@@ -120,8 +119,7 @@ class Session:
         t0 = time.perf_counter()
         shape = kernel_shape(cg, worker_threads, schedule, linear_rows=linear_rows, linear_unroll=linear_unroll,
                              prefetch_kb=prefetch_kb, superopt=superopt,
-                             linear_mma=linear_mma, linear_tma=int(linear_tma), ring_stages=ring_stages,
-                             linear_pipe=linear_pipe,
+                             linear_mma=linear_mma, linear_tma=linear_tma, linear_pipe=linear_pipe,
                              attn_prefetch=attn_prefetch, load_ahead=load_ahead,
                              weight_evict_first=weight_evict_first, compact_code=compact_code,
                              blocks_per_sm=blocks_per_sm)
@@ -133,14 +131,10 @@ class Session:
         self.worker_threads = worker_threads
         self.block_threads = worker_threads + (32 if schedule == "jit" else 0)
         # Record-level: split-KV tiles stage their cache rows in shared memory when the stage fits.
-        ring = bool(shape.linear_tma)
-        self.stage_kv = attn_stage_kv and tables.kv_stage_fits(cg, worker_threads, weight_ring=ring,
-                                                               ring_stages=ring_stages)
-        self.smem = tables.smem_bytes(cg, worker_threads, weight_ring=ring, stage_kv=self.stage_kv,
+        self.stage_kv = attn_stage_kv and tables.kv_stage_fits(cg, worker_threads, weight_ring=linear_tma)
+        self.smem = tables.smem_bytes(cg, worker_threads, weight_ring=linear_tma, stage_kv=self.stage_kv,
                                       linear_mma=shape.linear_mma, linear_unroll=shape.linear_unroll,
-                                      exact_partials=exact_partials, ring_stages=ring_stages)
-        # MPK_LINEAR_TMA 2: only the tiles prefetch_plan.ring_tiles picks stream through the ring (a record flag)
-        self.ring_planned = shape.linear_tma == TMA_PLANNED_TILES
+                                      exact_partials=exact_partials)
         t0 = time.perf_counter()
         self.kernel = LoadedKernel(self.build.cubin, device.index or 0, self.block_threads, self.smem,
                                    min_carveout=min_carveout)
@@ -221,8 +215,7 @@ class Session:
         plan, ahead = self._prefetch_plan() if self.use_prefetch_plan else (None, None)
         # argument addresses and the plan live here
         records, task_rec = build_records(cg, arg_addr, plan, ahead, bulk_prefetch=self.bulk_prefetch,
-                                          stage_kv=self.stage_kv,
-                                          stream_ring=self._ring_tiles() if self.ring_planned else None)
+                                          stage_kv=self.stage_kv)
         self.records, self.task_rec = self._dev(records), self._dev(task_rec)
         dep_ptr, dep_task, dep_off = tables.dependents(cg)
         self.deps = [self._dev(dep_ptr), self._dev(dep_task), self._dev(dep_off)]
@@ -256,12 +249,6 @@ class Session:
                            behind_attention=self.plan_behind_attention, next_bytes=(self.prefetch_next_kb or 0) * 1024,
                            behind_attention_bytes=None if self.prefetch_behind_attention_kb is None
                            else self.prefetch_behind_attention_kb * 1024)
-
-    def _ring_tiles(self) -> np.ndarray:
-        """Per task: whether it streams its weights through the ring (MPK_LINEAR_TMA 2; prefetch_plan.ring_tiles)."""
-        from mpk_dist.runtime.prefetch_plan import ring_tiles
-
-        return ring_tiles(self.cg, self.workers, behind_attention=self.plan_behind_attention)
 
     def _region_view(self, offset: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
         """A typed view of bytes [offset, offset + nbytes) of this rank's symmetric region."""

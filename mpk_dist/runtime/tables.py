@@ -222,21 +222,9 @@ def check_linear_batch(cg) -> None:
 HOPPER_MAX_DYNAMIC_SMEM = 227 * 1024
 SMEM_RESERVE = 3072  # static: BlockState, the two task-record slots (768 B), RuntimeParams's copy, flags
 RING_STAGES, RING_STAGE_BYTES = 4, 32 * 1024
-"""csrc/tasks/weight_stream.cuh's default MPK_RING_STAGES and its kRingStageBytes."""
-RING_MAX_STAGES = 4
-"""weight_stream.cuh's kRingMaxStages: MPK_RING_STAGES is 1..RING_MAX_STAGES."""
-
-
-def weight_ring_bytes(stages: int = RING_STAGES) -> int:
-    """csrc/tasks/weight_stream.cuh's kRingBytes at ``stages`` (MPK_RING_STAGES): the stages, their full/empty
-    mbarriers and the 32-byte RingState (MPK_LINEAR_TMA)."""
-    if not 1 <= stages <= RING_MAX_STAGES:
-        raise ValueError(f"ring stages: expected 1..{RING_MAX_STAGES}, got {stages}")
-    return stages * RING_STAGE_BYTES + 2 * stages * 8 + 32
-
-
-WEIGHT_RING_BYTES = weight_ring_bytes(RING_STAGES)
-"""The ring's bytes at the default stage count."""
+WEIGHT_RING_BYTES = RING_STAGES * RING_STAGE_BYTES + 2 * RING_STAGES * 8 + 32
+"""csrc/tasks/weight_stream.cuh's kRingBytes: stages, their full/empty mbarriers and the 32-byte RingState
+(MPK_LINEAR_TMA)."""
 
 
 INT32_BYTES = 4
@@ -254,13 +242,13 @@ def page_alloc_bytes(cg) -> int:
     return need
 
 
-def kv_stage_fits(cg, worker_threads: int, weight_ring: bool = False, ring_stages: int = RING_STAGES) -> bool:
+def kv_stage_fits(cg, worker_threads: int, weight_ring: bool = False) -> bool:
     """Whether the split-KV tiles' cache-row stage (lowering_attention.kv_stage_smem_bytes) fits the
-    block's shared memory beside the weight ring (of ``ring_stages``); False without split-KV tiles."""
+    block's shared memory beside the weight ring; False without split-KV tiles."""
     from mpk_dist.taskgraph.lowering_attention import kv_stage_smem_bytes
 
     need = kv_stage_smem_bytes(cg, worker_threads)
-    ring = weight_ring_bytes(ring_stages) if weight_ring else 0
+    ring = WEIGHT_RING_BYTES if weight_ring else 0
     return 0 < need <= HOPPER_MAX_DYNAMIC_SMEM - SMEM_RESERVE - ring
 
 
@@ -275,28 +263,26 @@ MMA_PARTIAL_ALIGN = 128
 """Slack for aligning the partials (csrc: 16-byte float4 stores)."""
 
 
-def mma_partial_room(cg, worker_threads: int, weight_ring: bool = False, ring_stages: int = RING_STAGES) -> int:
+def mma_partial_room(cg, worker_threads: int, weight_ring: bool = False) -> int:
     """Dynamic shared memory that gives the MMA linear tiles MMA_PARTIAL_PAIRS_PER_WARP split-K partials a warp
-    above the largest staged operand rows (the fused kinds' prologue), the weight ring (of ``ring_stages``) after
-    them."""
+    above the largest staged operand rows (the fused kinds' prologue), the weight ring after them."""
     from mpk_dist.taskgraph.fusion import staging_bytes
 
-    ring = weight_ring_bytes(ring_stages) if weight_ring else 0
+    ring = WEIGHT_RING_BYTES if weight_ring else 0
     limit = HOPPER_MAX_DYNAMIC_SMEM - SMEM_RESERVE - ring
     partials = MMA_PARTIAL_PAIRS_PER_WARP * MMA_PARTIAL_BYTES * (worker_threads // 32) + MMA_PARTIAL_ALIGN
     return min(limit, staging_bytes(cg, limit) + partials)
 
 
 def smem_bytes(cg, worker_threads: int, weight_ring: bool = False, stage_kv: bool = False,
-               linear_mma: bool = False, linear_unroll: int = 8, exact_partials: bool = True,
-               ring_stages: int = RING_STAGES) -> int:
+               linear_mma: bool = False, linear_unroll: int = 8, exact_partials: bool = True) -> int:
     """Dynamic shared memory per worker block: the largest need over the task bodies, plus the weight
-    ring of ``ring_stages`` at the end when ``weight_ring`` (MPK_LINEAR_TMA; the staging budget shrinks by as much);
+    ring at the end when ``weight_ring`` (MPK_LINEAR_TMA; the staging budget shrinks by as much);
     ``stage_kv``: room for the split-KV tiles' cache-row stage when it fits (``kv_stage_fits``);
     ``linear_mma``: the linear tiles run on tensor cores, room for their split-K partials: with ``exact_partials``
     (MPK_MMA_PARTIAL_EXACT, default) the least that keeps every tile's slices (``mma_room.partial_room``, at the
     kernel's ``linear_unroll``), else a fixed ``mma_partial_room``."""
-    ring = weight_ring_bytes(ring_stages) if weight_ring else 0
+    ring = WEIGHT_RING_BYTES if weight_ring else 0
     limit = HOPPER_MAX_DYNAMIC_SMEM - SMEM_RESERVE - ring  # what a block may take beside the ring
     from mpk_dist.taskgraph.fusion import staging_bytes
     from mpk_dist.taskgraph.lowering_attention import attention_staging_bytes
@@ -312,7 +298,7 @@ def smem_bytes(cg, worker_threads: int, weight_ring: bool = False, stage_kv: boo
     need = max(need, staging_bytes(cg, limit))
     need = max(need, page_alloc_bytes(cg))
     need = max(need, split_prep_smem_bytes(cg, worker_threads))  # the attn_prep fusion in split programs
-    if stage_kv and kv_stage_fits(cg, worker_threads, weight_ring, ring_stages):
+    if stage_kv and kv_stage_fits(cg, worker_threads, weight_ring):
         from mpk_dist.taskgraph.lowering_attention import kv_stage_smem_bytes
 
         need = max(need, kv_stage_smem_bytes(cg, worker_threads))
@@ -321,7 +307,7 @@ def smem_bytes(cg, worker_threads: int, weight_ring: bool = False, stage_kv: boo
     flags = flag_words.smem_bytes(cg)  # the polling norm tiles' gathered rows (0 without flagged copies)
     need = max(need, flags)
     if linear_mma:
-        fixed = _round_launch(max(need, mma_partial_room(cg, worker_threads, weight_ring, ring_stages)))
+        fixed = _round_launch(max(need, mma_partial_room(cg, worker_threads, weight_ring)))
         # Exact room: the slices every tile takes at the fixed room, in no more bytes than they use. Not with
         # flagged copies, whose staged linear_residual tiles keep bytes the mirror does not model.
         if exact_partials and not flags:

@@ -25,7 +25,6 @@ REC_ARGS, REC_MAX_ARGS = 36, 12
 REC_DTYPES = 60
 REC_PARAMS, REC_MAX_PARAMS = 72, 16
 FLAG_SIG_SYS, FLAG_WAITS_INLINE, FLAG_SIGNALS_INLINE, FLAG_BULK_PREFETCH, FLAG_STAGE_KV = 1, 2, 4, 8, 16
-FLAG_STREAM_RING = 32
 SIG_KIND_LOCAL, SIG_KIND_SYSTEM, SIG_KIND_ALL_RANKS = 0, 1, 2
 
 CONSTANTS = {name: value for name, value in globals().items()
@@ -33,7 +32,7 @@ CONSTANTS = {name: value for name, value in globals().items()
 """Every layout constant, checked against task_record.cuh in the generated source (``layout_asserts``)."""
 _CUDA_NAME = {"FLAG_SIG_SYS": "REC_FLAG_SIG_SYS", "FLAG_WAITS_INLINE": "REC_FLAG_WAITS_INLINE",
               "FLAG_SIGNALS_INLINE": "REC_FLAG_SIGNALS_INLINE", "FLAG_BULK_PREFETCH": "REC_FLAG_BULK_PREFETCH",
-              "FLAG_STAGE_KV": "REC_FLAG_STAGE_KV", "FLAG_STREAM_RING": "REC_FLAG_STREAM_RING"}
+              "FLAG_STAGE_KV": "REC_FLAG_STAGE_KV"}
 
 
 def layout_asserts() -> list[str]:
@@ -49,8 +48,7 @@ def _span(begin: np.ndarray, end: np.ndarray, k: int) -> tuple[np.ndarray, np.nd
 
 
 def build_records(cg, arg_addr: np.ndarray, prefetch: np.ndarray | None = None, prefetch_next: np.ndarray | None = None,
-                  bulk_prefetch: bool = False, stage_kv: bool = False,
-                  stream_ring: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+                  bulk_prefetch: bool = False, stage_kv: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """(records int32 [T, REC_WORDS] in worker order, task_rec int32 [T]) of program ``cg``.
 
     ``arg_addr``: uint64 [NA], each argument row resolved to its device address (0: absent);
@@ -58,8 +56,7 @@ def build_records(cg, arg_addr: np.ndarray, prefetch: np.ndarray | None = None, 
     ``prefetch_next``: int32 [T] bytes of the task's aot successor to prefetch during its wait (None: 0,
     prefetch_plan.hoist_ahead); ``bulk_prefetch``: every record's prefetches by bulk copies; ``stage_kv``: the
     split-KV tiles stage their cache rows in shared memory (the launch must have
-    lowering_attention.kv_stage_smem_bytes); ``stream_ring``: bool [T], the tasks that stream their weights through
-    the shared-memory ring (FLAG_STREAM_RING; a MPK_LINEAR_TMA 2 kernel, prefetch_plan.ring_tiles; None: none)."""
+    lowering_attention.kv_stage_smem_bytes)."""
     tasks, A = cg.arrays["tasks"], cg.arrays
     T = tasks.shape[0]
     order = A["worker_tasks"].astype(np.int64)
@@ -84,10 +81,6 @@ def build_records(cg, arg_addr: np.ndarray, prefetch: np.ndarray | None = None, 
 
         staging = np.isin(col("OPCODE"), [BY_NAME[k].opcode for k in KV_STAGE_KINDS])
         flags |= np.where(staging, FLAG_STAGE_KV, 0).astype(np.int32)
-    if stream_ring is not None:
-        if stream_ring.shape != (T,):
-            raise InputError(f"task records: expected stream_ring of shape ({T},), got {stream_ring.shape}")
-        flags |= np.where(stream_ring, FLAG_STREAM_RING, 0).astype(np.int32)
 
     # The waits a record holds: the task's wait rows less those its body replaces by polling a flagged copy
     # (cg.meta["skip_waits"], taskgraph.flag_words; aot only: the jit scheduler reads the tables).

@@ -44,9 +44,9 @@ def test_pipelined_loop_issues_the_next_chunk_before_summing():
     assert body.index("pipe_load<U>(a, w + (size_t)n3") < body.index("pipe_sum<B, U>(acc, c,")
 
 
-@pytest.mark.parametrize("field,var,suffix,bad,allowed", [("linear_pipe", "MPK_LINEAR_PIPE", "_pipe", "2", "0, 1"),
-                                                           ("linear_tma", "MPK_LINEAR_TMA", "_tma", "3", "0, 1, 2")])
-def test_linear_load_switches_reach_the_kernel_shape(field, var, suffix, bad, allowed):
+@pytest.mark.parametrize("field,var,suffix", [("linear_pipe", "MPK_LINEAR_PIPE", "_pipe"),
+                                               ("linear_tma", "MPK_LINEAR_TMA", "_tma")])
+def test_linear_load_switches_reach_the_kernel_shape(field, var, suffix):
     """The bit-identical load variants (pipelined loads, weight stream): environment -> tuning -> KernelShape
     -> a define in the generated source and a file-name suffix; bad values are refused."""
     from mpk_dist.runtime.megakernel_backend import tuning_from_env
@@ -56,8 +56,8 @@ def test_linear_load_switches_reach_the_kernel_shape(field, var, suffix, bad, al
     assert f"#define {var} 0" in render_source(KernelShape(batch=1))
     base = tuning_from_env(512, {})
     assert field not in base and tuning_from_env(512, {var: "1"}) == {**base, field: True}
-    with pytest.raises(InputError, match=f"{var}: expected one of {allowed}"):
-        tuning_from_env(512, {var: bad})
+    with pytest.raises(InputError, match=f"{var}: expected one of 0, 1"):
+        tuning_from_env(512, {var: "2"})
 
 
 def test_bench_linear_and_sweep_offer_the_pipelined_loads(tune_sweep):

@@ -1,6 +1,5 @@
 """GPU tests of the linear tiles' load variants that are designed to sum exactly as the register-load
-path does: the shared-memory weight stream (MPK_LINEAR_TMA=1, csrc/tasks/weight_stream.cuh; MPK_LINEAR_TMA=2 for the
-tiles behind a narrow op only, at 2 stages), the
+path does: the shared-memory weight stream (MPK_LINEAR_TMA=1, csrc/tasks/weight_stream.cuh), the
 software-pipelined loads (MPK_LINEAR_PIPE=1, csrc/tasks/gemv_pipe.cuh), and the batch-1 x vectors loaded
 inside the sum loop (MPK_LOAD_AHEAD=0, the path before linear.cuh load_x_round). The mega-kernel with each is
 checked for BITWISE equal logits against the same kernel without it (and against torch with
@@ -92,30 +91,3 @@ def test_unroll_logits_are_bitwise_unroll_8(unroll, fuse, gpu_results):
     assert "#define MPK_LINEAR_UNROLL 8" in eight.session(1).source
     check_bitwise(f"unroll {unroll} vs 8 forced {NAME} b1 fuse={fuse}", NAME, other, eight,
                   forced_request(NAME, 6, STEPS, 1, 41), gpu_results)
-
-
-PLANNED_RING = {"MPK_LINEAR_TMA": "2", "MPK_RING_STAGES": "2"}
-"""The planned-tiles ring (weight_stream.cuh kTmaPlannedTiles) at 2 stages, as measured in docs/PERF.md."""
-
-
-@pytest.mark.parametrize("batch,unroll", [(1, None), (1, "8"), (2, None)])
-def test_planned_ring_logits_are_bitwise_the_register_path(batch, unroll, gpu_results):
-    """MPK_LINEAR_TMA=2: the o_proj tiles behind attention (batch 1: with MPK_PLAN_BEHIND_ATTENTION=1; batch 2:
-    narrow by itself) stream through the ring, primed before their wait, every other tile through registers; the
-    logits equal the register-load kernel's bit for bit. The records must carry the flag, else nothing streamed.
-    Batch 1 at the program's unroll (4: o_proj's K = 2048 in two rounds, x loaded in the sum loop) and at 8 (one
-    round: x loaded once for all of a warp's rows, gemv_streamed's x_once)."""
-    from mpk_dist.runtime.task_records import FLAG_STREAM_RING, REC_FLAGS
-
-    common = {"MPK_PLAN_BEHIND_ATTENTION": "1", "MPK_LINEAR_MMA": "0"}  # batch 2 on the scalar tile, which streams
-    if unroll:
-        common["MPK_LINEAR_UNROLL"] = unroll
-    on, off = megakernel_with_env(NAME, {**common, **PLANNED_RING}), megakernel_with_env(NAME, common)
-    s = on.session(batch)
-    assert "#define MPK_LINEAR_TMA 2" in s.source and "#define MPK_RING_STAGES 2" in s.source
-    flagged = int(((s.records.cpu()[:, REC_FLAGS] & FLAG_STREAM_RING) != 0).sum())
-    layers = model(NAME).config.num_layers
-    assert flagged >= layers, f"expected the o_proj tiles of {layers} layers flagged, got {flagged} records"
-    check_bitwise(f"planned ring (2 stages, {flagged} tiles{', u' + unroll if unroll else ''}) vs register forced "
-                  f"{NAME} b{batch}", NAME, on, off,
-                  forced_request(NAME, 6, STEPS, batch, 50 + batch), gpu_results)
