@@ -107,7 +107,9 @@ done
 # split-K partial room still +2.8%. Session 52 (v0.47, H100, qwen3-8b batch 8): the prologue's operand in bf16x2
 # (MPK_NORM_BF16X2) and its rows' totals and factors by one thread (MPK_ROW_TOTALS_BY_ONE) -0.9% each against either
 # off. Session 53 (v0.48, H100, qwen3-8b batch 8): the prologue's row reads taken away (a diagnostic on a side tree)
-# +0.1 / +0.5%: not the critical path, so the cluster-shared reads were not built. The default below: the v0.47
+# +0.1 / +0.5%: not the critical path, so the cluster-shared reads were not built. Session 55 (v0.50, H100,
+# qwen3-8b batch 1): the o_proj tiles behind attention through a 2-stage bulk-copy ring +11% (removed; readable at
+# d393188). The default below: the v0.47
 # prologue against each switch off, with their bitwise tests (batch 8 on tensor
 # cores, the rms_norm task; batch 4 with the two passes). Every variant above still in the code was measured
 # (docs/PERF.md v0.32-v0.45) and stays reachable through AB_VARIANTS, AB_MODELS and AB_BATCH (AB_MODELS=qwen3-0.6b
