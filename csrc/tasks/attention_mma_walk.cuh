@@ -110,14 +110,29 @@ __device__ __forceinline__ void attn_walk_prefetch(const RowOf& row, const bf16*
   }
 }
 
+// Where a walk's final state goes when each head's entry holds it all: G entries of (acc[0..D), m, l), `entry`
+// floats apart, at `out` (attn_warp_store's layout: split-KV's partials, the unphased block merge).
+struct WalkStoreAt {
+  float* out;
+  int entry, D;
+  template <typename StoreAcc, typename StoreMl>
+  __device__ __forceinline__ void operator()(StoreAcc&& store_acc, StoreMl&& store_ml) const {
+    store_acc(out, entry);
+    store_ml(out + D, entry);
+  }
+};
+
 // One warp's online softmax over positions first, first + stride, ... < end for the G heads of q ([G][D] bf16),
-// stored as attn_warp_store stores it: G entries of (acc[0..D), m, l), `entry` floats apart, at `out`. The
-// caller checked attn_mma_walk_ok (an instance that does not fit compiles no walk). mark_tid: the caller's thread
-// index where it owns trace marks 2 and 3 (attention_seq under MPK_ATTN_WALK_MARKS), else -1.
-template <int MG, int ME>
-__device__ __forceinline__ void attn_mma_walk(const bf16* q, const bf16* kc, const bf16* vc, int D, int G, int kv_ps,
-                                              int first, int end, int stride, float scale, int lane, float* out,
-                                              int entry, int mark_tid = -1) {
+// handed over as finish(store_acc, store_ml): store_acc(out, entry) stores the G accumulators (head j's dims at
+// out[j * entry + d]), store_ml(ml, stride) the G (m, l) pairs (at ml[j * stride], ml[j * stride + 1]), each whenever
+// finish calls it (attention_seq's phased merge stores a warp's accumulators only in its phase, so they stay in
+// registers until then). The caller checked attn_mma_walk_ok (an instance that does not fit compiles no walk and
+// never calls finish). mark_tid: the caller's thread index where it owns trace marks 2 and 3 (attention_seq under
+// MPK_ATTN_WALK_MARKS), else -1.
+template <int MG, int ME, typename Finish>
+__device__ __forceinline__ void attn_mma_walk_then(const bf16* q, const bf16* kc, const bf16* vc, int D, int G,
+                                                   int kv_ps, int first, int end, int stride, float scale, int lane,
+                                                   Finish&& finish, int mark_tid = -1) {
   if constexpr (kAttnMmaWalkFits<MG, ME>) {
     constexpr int kTiles = 32 * ME / kMmaWalkDimsPerTile;  // value tiles: D / 16
     constexpr int kVecs = ME / 2;                           // 16-byte pieces of a lane's D / 8 value dims
@@ -219,30 +234,45 @@ __device__ __forceinline__ void attn_mma_walk(const bf16* q, const bf16* kc, con
         if (b0 == 0) trace_mark(kMarkWalkBlock, mark_tid);  // tid 0 only: warp 0's first block is summed
     }
     // The merge entries: acc of heads 2t, 2t + 1 at this lane's dims; m and l from the lanes g == 0.
+    auto store_acc = [&](float* out, int entry) {
 #pragma unroll
-    for (int i = 0; i < kTiles; ++i) {
-      const int d = dims0 + 2 * i;
-      if (2 * t < G) {
-        out[(size_t)(2 * t) * entry + d] = acc[i][0];
-        out[(size_t)(2 * t) * entry + d + 1] = acc[i][2];
+      for (int i = 0; i < kTiles; ++i) {
+        const int d = dims0 + 2 * i;
+        if (2 * t < G) {
+          out[(size_t)(2 * t) * entry + d] = acc[i][0];
+          out[(size_t)(2 * t) * entry + d + 1] = acc[i][2];
+        }
+        if (2 * t + 1 < G) {
+          out[(size_t)(2 * t + 1) * entry + d] = acc[i][1];
+          out[(size_t)(2 * t + 1) * entry + d + 1] = acc[i][3];
+        }
       }
-      if (2 * t + 1 < G) {
-        out[(size_t)(2 * t + 1) * entry + d] = acc[i][1];
-        out[(size_t)(2 * t + 1) * entry + d + 1] = acc[i][3];
+    };
+    auto store_ml = [&](float* ml, int ml_stride) {
+      if (g == 0) {
+        if (2 * t < G) {
+          ml[(size_t)(2 * t) * ml_stride] = m0;
+          ml[(size_t)(2 * t) * ml_stride + 1] = l0;
+        }
+        if (2 * t + 1 < G) {
+          ml[(size_t)(2 * t + 1) * ml_stride] = m1;
+          ml[(size_t)(2 * t + 1) * ml_stride + 1] = l1;
+        }
       }
-    }
-    if (g == 0) {
-      if (2 * t < G) {
-        out[(size_t)(2 * t) * entry + D] = m0;
-        out[(size_t)(2 * t) * entry + D + 1] = l0;
-      }
-      if (2 * t + 1 < G) {
-        out[(size_t)(2 * t + 1) * entry + D] = m1;
-        out[(size_t)(2 * t + 1) * entry + D + 1] = l1;
-      }
-    }
+    };
+    finish(store_acc, store_ml);
     __syncwarp();
   }
+}
+
+// attn_mma_walk_then with the whole state stored at once into G entries of (acc[0..D), m, l), `entry` floats apart,
+// at `out` (attn_warp_store's layout).
+template <int MG, int ME>
+__device__ __forceinline__ void attn_mma_walk(const bf16* q, const bf16* kc, const bf16* vc, int D, int G, int kv_ps,
+                                              int first, int end, int stride, float scale, int lane, float* out,
+                                              int entry, int mark_tid = -1) {
+  attn_mma_walk_then<MG, ME>(q, kc, vc, D, G, kv_ps, first, end, stride, scale, lane, WalkStoreAt{out, entry, D},
+                             mark_tid);
 }
 
 }  // namespace mpk

@@ -6,14 +6,14 @@
 // Bit-identical to qkv_prep + attention: the per-head body is qkv_prep.cuh's qk_norm_rope (or the
 // superoptimizer's gen::qk_norm_rope under MPK_SUPEROPT_QK_NORM_ROPE, chosen as qkv_prep chooses it), one
 // warp per head as there, and the attention is attention.cuh's attention_seq<MG, ME> through
-// MPK_ATTN_BOUNDS with the same threads and shared memory (nwarps * G * (D + 2) floats).
+// MPK_ATTN_BOUNDS with the same threads and shared memory (its merge's, attention.cuh attention_merge_smem_bytes).
 // Pointers: qkv at row b, query head j*G (k head k_off further, v head v_off after it); q / out at row
 // b, query head j*G; k / v cache at sequence b, position 0, head j.
 #pragma once
 #include "common.cuh"
 #include "qkv_prep.cuh"
 #include "attention.cuh"
-#include "weight_stream.cuh"  // smem_below_ring(): attention_seq needs nwarps * G * (D + 2) floats
+#include "weight_stream.cuh"  // smem_below_ring(): room for attention_seq's merge
 
 // MPK_PREP_ONE_SITE 0: the q heads and the k head each with their own inlined body (the old code; a GPU test
 // checks the default against it bit for bit, tests/runtime/test_code_variants_gpu.py).
@@ -71,11 +71,11 @@ __device__ __noinline__ void attention_prep_heads(const bf16* qkv, const bf16* q
 
 // Whether a tile's shape, position and the launch's shared memory are ones the bodies handle (else the
 // worker reports a bad task before anything is written): G <= kAttnMaxG, D even and <= 32 * kAttnMaxEpl,
-// 0 <= p < max_seq, and nwarps * G * (D + 2) floats of dynamic shared memory
+// 0 <= p < max_seq, and dynamic shared memory for attention_seq's merge in at most kAttnMaxMergePhases phases
 // (mpk_dist.taskgraph.lowering_attn_prep.attn_prep_smem_bytes).
 __device__ __forceinline__ bool attention_prep_ok(int D, int G, int p, int max_seq, int nt) {
   return G >= 1 && G <= kAttnMaxG && D <= 32 * kAttnMaxEpl && !(D & 1) && p >= 0 && p < max_seq &&
-         (uint32_t)attention_smem_bytes(nt >> 5, G, D) <= smem_below_ring();
+         attention_merge_phases(nt >> 5, G, D, smem_below_ring()) > 0;
 }
 
 }  // namespace mpk

@@ -551,6 +551,16 @@ def tuning_from_env(worker_threads: int | None, environ=None) -> dict:
             raise InputError(f"MPK_BLOCKS_PER_SM: expected one of {', '.join(map(str, BLOCKS_PER_SM))}, got {raw!r}")
         if int(raw) != 1:
             out["blocks_per_sm"] = int(raw)
+    # The unsplit attention tiles' block merge in this many phases (launch setting: the kernel takes the phases its
+    # shared memory asks for; lowering_attention.merge_smem_bytes). Only when set.
+    raw = env.get("MPK_ATTN_MERGE_PHASES", "")
+    if raw:
+        from mpk_dist.taskgraph.lowering_attention import ATTN_MERGE_PHASES
+
+        if not raw.isdigit() or int(raw) not in ATTN_MERGE_PHASES:
+            raise InputError(f"MPK_ATTN_MERGE_PHASES: expected one of {', '.join(map(str, ATTN_MERGE_PHASES))} "
+                             f"(phases of the attention tiles' block merge), got {raw!r}")
+        out["attn_merge_phases"] = int(raw)
     # The full-width linear tiles' prefetch from the task records instead of the compiled MPK_PREFETCH_KB cap
     # (prefetch_plan level_bytes): one binary measured at several caps. Only when set (same binary).
     raw = env.get("MPK_PREFETCH_LEVEL_KB", "")

@@ -25,7 +25,7 @@ TABLE_ONLY = {"prefetch_plan": "MPK_PREFETCH_PLAN", "bulk_prefetch": "MPK_BULK_P
               "plan_behind_attention": "MPK_PLAN_BEHIND_ATTENTION", "prefetch_next_kb": "MPK_PREFETCH_NEXT_KB",
               "layer_aligned_workers": "MPK_LAYER_ALIGNED_WORKERS",
               "prefetch_behind_attention_kb": "MPK_PREFETCH_BEHIND_ATTENTION_KB",
-              "exact_partials": "MPK_MMA_PARTIAL_EXACT"}
+              "exact_partials": "MPK_MMA_PARTIAL_EXACT", "attn_merge_phases": "MPK_ATTN_MERGE_PHASES"}
 """Session keyword -> environment variable of the switches that change the task records or the launch, never the
 kernel binary (megakernel_backend.tuning_from_env reads them with the kernel's knobs)."""
 

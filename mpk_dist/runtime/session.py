@@ -95,7 +95,8 @@ class Session:
                  weight_evict_first: bool = False, compact_code: bool | None = None,
                  prefetch_level_kb: int | None = None, blocks_per_sm: int = 1, plan_behind_attention: bool = False,
                  prefetch_next_kb: int | None = None, layer_aligned_workers: bool = False,
-                 prefetch_behind_attention_kb: int | None = None, exact_partials: bool = True):
+                 prefetch_behind_attention_kb: int | None = None, exact_partials: bool = True,
+                 attn_merge_phases: int = 1):
         if cg.meta["abi_version"] != ABI_VERSION:
             raise InputError(f"task graph ABI: expected version {ABI_VERSION}, got {cg.meta['abi_version']}")
         tables.check_supported(cg)
@@ -134,7 +135,7 @@ class Session:
         self.stage_kv = attn_stage_kv and tables.kv_stage_fits(cg, worker_threads, weight_ring=linear_tma)
         self.smem = tables.smem_bytes(cg, worker_threads, weight_ring=linear_tma, stage_kv=self.stage_kv,
                                       linear_mma=shape.linear_mma, linear_unroll=shape.linear_unroll,
-                                      exact_partials=exact_partials)
+                                      exact_partials=exact_partials, attn_merge_phases=attn_merge_phases)
         t0 = time.perf_counter()
         self.kernel = LoadedKernel(self.build.cubin, device.index or 0, self.block_threads, self.smem,
                                    min_carveout=min_carveout)

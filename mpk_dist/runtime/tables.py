@@ -275,13 +275,16 @@ def mma_partial_room(cg, worker_threads: int, weight_ring: bool = False) -> int:
 
 
 def smem_bytes(cg, worker_threads: int, weight_ring: bool = False, stage_kv: bool = False,
-               linear_mma: bool = False, linear_unroll: int = 8, exact_partials: bool = True) -> int:
+               linear_mma: bool = False, linear_unroll: int = 8, exact_partials: bool = True,
+               attn_merge_phases: int = 1) -> int:
     """Dynamic shared memory per worker block: the largest need over the task bodies, plus the weight
     ring at the end when ``weight_ring`` (MPK_LINEAR_TMA; the staging budget shrinks by as much);
     ``stage_kv``: room for the split-KV tiles' cache-row stage when it fits (``kv_stage_fits``);
     ``linear_mma``: the linear tiles run on tensor cores, room for their split-K partials: with ``exact_partials``
     (MPK_MMA_PARTIAL_EXACT, default) the least that keeps every tile's slices (``mma_room.partial_room``, at the
-    kernel's ``linear_unroll``), else a fixed ``mma_partial_room``."""
+    kernel's ``linear_unroll``), else a fixed ``mma_partial_room``; ``attn_merge_phases``: the unsplit attention
+    tiles' block merge in that many phases (MPK_ATTN_MERGE_PHASES; lowering_attention.merge_smem_bytes: the same
+    binary and bits, less shared memory)."""
     ring = WEIGHT_RING_BYTES if weight_ring else 0
     limit = HOPPER_MAX_DYNAMIC_SMEM - SMEM_RESERVE - ring  # what a block may take beside the ring
     from mpk_dist.taskgraph.fusion import staging_bytes
@@ -292,7 +295,7 @@ def smem_bytes(cg, worker_threads: int, weight_ring: bool = False, stage_kv: boo
     # Attention merges its warps' partials through shared memory (nwarps x GROUP x (D + 2) floats): the
     # unsplit kind, split-KV's staged path, and attention_prep tiles (the attn_prep fusion).
     for kind in ("attention", "attention_split", "attention_prep"):
-        need = max(need, attention_staging_bytes(cg, kind, worker_threads))
+        need = max(need, attention_staging_bytes(cg, kind, worker_threads, attn_merge_phases))
     # Fused linears stage their normalised / silu'd input rows in shared memory when it fits; a
     # tile that does not get the space recomputes per weight row (same bits, slower).
     need = max(need, staging_bytes(cg, limit))

@@ -235,15 +235,37 @@ def lower_merge(lw: Lowerer, op: Op, part: int, P: int, E: int) -> None:
                                        np.int64).reshape(-1, 4))]
 
 
-def attention_staging_bytes(cg, kind_name: str, worker_threads: int) -> int:
+MERGE_PHASE_KINDS = ("attention", "attention_prep")
+"""Kinds whose block merge is attention_seq's, which can run in phases (csrc/tasks/attention.cuh
+``attention_merge_smem_bytes``); the split-KV kinds merge their own way."""
+
+ATTN_MERGE_PHASES = (1, 2, 4)
+"""Phases attention_seq's block merge may take (csrc/tasks/attention.cuh kAttnMaxMergePhases)."""
+
+
+def merge_smem_bytes(nwarps: int, G, D, phases: int):
+    """attention_seq's merge in ``phases`` phases (csrc/tasks/attention.cuh ``attention_merge_smem_bytes``; G and D
+    may be arrays): one phase nwarps x G x (D + 2) floats; P phases ceil(nwarps / P) slots of G x (D + 2) floats,
+    every warp's (m, l) pairs (nwarps x G x 2) and the running sums (G x D)."""
+    if phases not in ATTN_MERGE_PHASES:
+        raise ValueError(f"merge phases: expected one of {ATTN_MERGE_PHASES}, got {phases}")
+    if phases == 1:
+        return nwarps * G * (D + 2) * 4
+    slots = -(-nwarps // phases)
+    return (slots * G * (D + 2) + nwarps * G * 2 + G * D) * 4
+
+
+def attention_staging_bytes(cg, kind_name: str, worker_threads: int, merge_phases: int = 1) -> int:
     """nwarps x GROUP x (D + 2) floats (csrc/tasks/attention.cuh ``attention_smem_bytes``: the warps'
     partials merged through shared memory), the largest over the program's tasks of ``kind_name``
-    (attention, attention_split or attention_prep); 0 without them."""
+    (attention, attention_split or attention_prep); 0 without them. ``merge_phases``: the kinds of
+    MERGE_PHASE_KINDS merge in that many phases (``merge_smem_bytes``), the others ignore it."""
     p = kind_params(cg, kind_name, "GROUP", "HEAD_DIM")
     if p is None:
         return 0
     G, D = p
-    return int(((worker_threads // 32) * G * (D + 2) * 4).max())
+    phases = merge_phases if kind_name in MERGE_PHASE_KINDS else 1
+    return int(merge_smem_bytes(worker_threads // 32, G, D, phases).max())
 
 
 def split_smem_bytes(cg, worker_threads: int) -> int:
