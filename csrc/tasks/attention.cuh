@@ -223,15 +223,15 @@ __host__ __device__ inline int attention_merge_phases(int nwarps, int G, int D, 
   return 0;
 }
 
-// Where the merge keeps what: slot s holds G entries of (acc[0..D), -, -) for the warps w with w % slots == s, in
-// their phase w / slots; the (m, l) pairs are in each warp's own slot entry when there is one phase (the unphased
+// Where the merge keeps what: slot s holds G entries of (acc[0..D), -, -) for warp p * slots + s in phase p; the (m, l) pairs are in each warp's own slot entry when there is one phase (the unphased
 // layout, attn_warp_store's), else in an area of their own; the running sums of G * D outputs follow.
 struct AttnMergeRoom {
   float* smem;
   int nwarps, G, D, phases, slots;
   __device__ AttnMergeRoom(float* s, int nw, int g, int d, int p)
       : smem(s), nwarps(nw), G(g), D(d), phases(p), slots((nw + p - 1) / p) {}
-  __device__ float* slot(int w) const { return smem + (size_t)(w % slots) * G * (D + 2); }
+  // Slot s (no division on the merge's paths: warp w of phase p is slot w - p * slots).
+  __device__ float* slot(int s) const { return smem + (size_t)s * G * (D + 2); }
   __device__ float* ml(int w) const {
     return phases == 1 ? slot(w) + D : smem + (size_t)slots * G * (D + 2) + (size_t)w * G * 2;
   }
@@ -246,9 +246,9 @@ template <typename StoreAcc>
 __device__ __forceinline__ void attn_block_merge(const AttnMergeRoom& room, StoreAcc&& store_acc, bf16* out, int tid,
                                                  int nt) {
   const int warp = tid >> 5, G = room.G, D = room.D, nwarps = room.nwarps;
-  const int stride = room.ml_stride();
+  const int stride = room.ml_stride(), my_phase = warp / room.slots;
   for (int p = 0; p < room.phases; ++p) {
-    if (warp / room.slots == p) store_acc(room.slot(warp), D + 2);
+    if (my_phase == p) store_acc(room.slot(warp - p * room.slots), D + 2);
     worker_barrier(nt);
     if (p == 0) trace_mark(1, tid);  // trace: every warp's walk is done (the block merge follows)
     const bool last = p + 1 == room.phases;
@@ -265,13 +265,13 @@ __device__ __forceinline__ void attn_block_merge(const AttnMergeRoom& room, Stor
             const float* ml = room.ml(w) + (size_t)j * stride;
             const float f = expf(ml[0] - M);  // warps with no position have m = -inf: factor 0
             L += ml[1] * f;
-            if (w >= w0) O += room.slot(w)[(size_t)j * (D + 2) + d] * f;
+            if (w >= w0) O += room.slot(w - w0)[(size_t)j * (D + 2) + d] * f;
           }
           out[(size_t)j * D + d] = f2bf(L > 0.f ? O / L : 0.f);
           continue;
         }
         for (int w = w0; w < w1; ++w)
-          O += room.slot(w)[(size_t)j * (D + 2) + d] * expf(room.ml(w)[(size_t)j * stride] - M);
+          O += room.slot(w - w0)[(size_t)j * (D + 2) + d] * expf(room.ml(w)[(size_t)j * stride] - M);
       }
       if (last)
         out[(size_t)j * D + d] = f2bf(0.f);
@@ -315,7 +315,7 @@ __device__ __noinline__ void attention_seq(const bf16* q, const bf16* kc, const 
     // The scalar block walk only in builds without the tensor-core walk (MPK_ATTN_MMA_WALK=0, its A/B baseline):
     // beside it, it would run for no preset shape and only add code and registers to attention_seq. It keeps q in
     // the warp's own merge entry, so only with one phase (a slot per warp).
-    float* mine = room.slot(warp);
+    float* mine = room.slot(warp);  // this warp's own slot with one phase (the only case that uses it)
     if (!MPK_ATTN_MMA_WALK && MPK_ATTN_BLOCK_WALK && room.phases == 1 && attn_block_walk_ok<MG, ME>(kc, vc, D, kv_ps, mine))
       attn_block_walk<MG, ME>(qv, mine, kc, vc, D, G, kv_ps, warp, n_pos, nwarps, scale, lane, acc, m, l);
     else
