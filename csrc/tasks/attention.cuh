@@ -223,8 +223,9 @@ __host__ __device__ inline int attention_merge_phases(int nwarps, int G, int D, 
   return 0;
 }
 
-// Where the merge keeps what: slot s holds G entries of (acc[0..D), -, -) for warp p * slots + s in phase p; the (m, l) pairs are in each warp's own slot entry when there is one phase (the unphased
-// layout, attn_warp_store's), else in an area of their own; the running sums of G * D outputs follow.
+// Where the merge keeps what: slot s holds G entries of (acc[0..D), -, -) for warp p * slots + s in phase p; the
+// (m, l) pairs are in each warp's own slot entry when there is one phase (the unphased layout, attn_warp_store's),
+// else in an area of their own; the running sums of G * D outputs follow.
 struct AttnMergeRoom {
   float* smem;
   int nwarps, G, D, phases, slots;
@@ -316,7 +317,8 @@ __device__ __noinline__ void attention_seq(const bf16* q, const bf16* kc, const 
     // beside it, it would run for no preset shape and only add code and registers to attention_seq. It keeps q in
     // the warp's own merge entry, so only with one phase (a slot per warp).
     float* mine = room.slot(warp);  // this warp's own slot with one phase (the only case that uses it)
-    if (!MPK_ATTN_MMA_WALK && MPK_ATTN_BLOCK_WALK && room.phases == 1 && attn_block_walk_ok<MG, ME>(kc, vc, D, kv_ps, mine))
+    if (!MPK_ATTN_MMA_WALK && MPK_ATTN_BLOCK_WALK && room.phases == 1 &&
+        attn_block_walk_ok<MG, ME>(kc, vc, D, kv_ps, mine))
       attn_block_walk<MG, ME>(qv, mine, kc, vc, D, G, kv_ps, warp, n_pos, nwarps, scale, lane, acc, m, l);
     else
       for (int t = warp; t < n_pos; t += nwarps)
