@@ -110,15 +110,16 @@ done
 # +0.1 / +0.5%: not the critical path, so the cluster-shared reads were not built. Session 55 (v0.50, H100,
 # qwen3-8b batch 1): the o_proj tiles behind attention through a 2-stage bulk-copy ring +11% (removed; readable at
 # d393188). Session 56 (v0.51, not run: no machine came): the unsplit attention tiles' block merge in 4 / 2 phases
-# (MPK_ATTN_MERGE_PHASES, a launch setting), so the 8B presets' batch-1 launch drops to the 16 / 32 KB carveout step,
-# against the one-phase merge and the merge's old code (-DMPK_ATTN_PHASED_MERGE=0), and with MPK_MIN_CARVEOUT=1. The
-# default below is that A/B, with its bitwise tests (qwen3-0.6b batch 1 unsplit: k1; the old merge at batches 1 and 4);
+# (MPK_ATTN_MERGE_PHASES: the kernel with the phased merge), so the 8B presets' batch-1 launch drops to the 16 / 32 KB
+# carveout step, against the default kernel and the phased code at one phase (-DMPK_ATTN_PHASED_MERGE=1), and with
+# MPK_MIN_CARVEOUT=1. The default below is that A/B, with its bitwise tests (qwen3-0.6b batch 1 unsplit: k1; the
+# phased code at one phase, batches 1 and 4);
 # session 52's was AB_VARIANTS="base;-DMPK_NORM_BF16X2=0;-DMPK_ROW_TOTALS_BY_ONE=0" AB_BATCH=8 with AB_TESTS="ROWS_IN_REGS
 # or rows_in_regs or BF16X2 or ROW_TOTALS or equals_the_rms_norm_task" and AB_TEST_KERNELS="8:m1;m1,-DMPK_NORM_BF16X2=0;
 # m1,-DMPK_ROW_TOTALS_BY_ONE=0;m1,MPK_FUSE_NORM=0|4:base;-DMPK_NORM_ROWS_IN_REGS=0". Every variant above still in the
 # code was measured (docs/PERF.md v0.32-v0.50) and stays reachable through AB_VARIANTS, AB_MODELS and AB_BATCH
 # (AB_MODELS=qwen3-0.6b AB_BATCH=1 for the small-preset ones; AB_TESTS="one_round or ..." for their bitwise tests).
-AB_VARIANTS=${AB_VARIANTS:-"base;MPK_ATTN_MERGE_PHASES=4;-DMPK_ATTN_PHASED_MERGE=0;MPK_ATTN_MERGE_PHASES=2;MPK_ATTN_MERGE_PHASES=4,MPK_MIN_CARVEOUT=1"}
+AB_VARIANTS=${AB_VARIANTS:-"base;MPK_ATTN_MERGE_PHASES=4;-DMPK_ATTN_PHASED_MERGE=1;MPK_ATTN_MERGE_PHASES=2;MPK_ATTN_MERGE_PHASES=4,MPK_MIN_CARVEOUT=1"}
 AB_MODELS=${AB_MODELS:-"qwen3-8b llama3-8b"}
 AB_BATCH=${AB_BATCH:-1}
 # AB_TEST_KERNELS: the bitwise tests' qwen3-0.6b kernel variants to prebuild, groups "BATCH:V1;V2;..." joined by
@@ -126,7 +127,7 @@ AB_BATCH=${AB_BATCH:-1}
 # -DMPK_SUPEROPT_NORM_LINEAR=0;-DMPK_LONG_ROWS=1;o0;q1"; session 50's "8:m1,j1;m1,j1,MPK_MMA_PARTIAL_EXACT=0"); none:
 # none. The default: the v0.47 prologue's tests (batch 8 on tensor cores with each switch off and without the norm
 # fusion; batch 4 with and without the rows in registers).
-AB_TEST_KERNELS=${AB_TEST_KERNELS:-"base;k1;-DMPK_ATTN_PHASED_MERGE=0|4:base;-DMPK_ATTN_PHASED_MERGE=0"}
+AB_TEST_KERNELS=${AB_TEST_KERNELS:-"base;k1;k1,MPK_ATTN_MERGE_PHASES=4;-DMPK_ATTN_PHASED_MERGE=1|4:base;-DMPK_ATTN_PHASED_MERGE=1"}
 if [ $AB_PREBUILD -eq 1 ]; then
   mkdir -p "$MPK_CACHE_DIR"
   rc=0

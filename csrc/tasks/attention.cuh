@@ -202,9 +202,12 @@ __host__ __device__ inline int attention_smem_bytes(int nwarps, int G, int D) { 
 // warps at a time, through S slots; the (m, l) pairs of every warp are stored first (the merge needs every warp's m
 // before any factor), and each output's running sum waits in shared memory between phases. Every output is summed
 // over the warps in the same order with the same factors as in one phase, so the bits do not depend on P.
-// MPK_ATTN_PHASED_MERGE 0 (an A/B build): attention_seq's code as it was before the phases, one phase only.
+// MPK_ATTN_PHASED_MERGE 1 builds it (KernelShape.attn_phased_merge: the host asks for it with MPK_ATTN_MERGE_PHASES=2|4);
+// 0, the default, keeps attention_seq's code as it was, one phase only: the phased code's kernel has a 16 B larger
+// entry frame and refills a passed argument twice (ptxas), which tests/runtime/test_attn_prep_build.py's tripwires
+// let into the default build only once the GPU shows it does not slow the kernel (docs/PERF.md v0.51).
 #ifndef MPK_ATTN_PHASED_MERGE
-#define MPK_ATTN_PHASED_MERGE 1
+#define MPK_ATTN_PHASED_MERGE 0
 #endif
 constexpr int kAttnMaxMergePhases = MPK_ATTN_PHASED_MERGE ? 4 : 1;
 
@@ -215,8 +218,8 @@ __host__ __device__ inline int attention_merge_smem_bytes(int nwarps, int G, int
   return (slots * G * (D + 2) + nwarps * G * 2 + G * D) * 4;
 }
 
-// The fewest phases (1, 2, 4) whose merge fits `bytes`; 0 when none does. The launch's shared memory decides
-// (mpk_dist/runtime/tables.py smem_bytes sizes it: MPK_ATTN_MERGE_PHASES), so the binary is the same for every P.
+// The fewest phases (1, 2, 4; 1 without MPK_ATTN_PHASED_MERGE) whose merge fits `bytes`; 0 when none does. The
+// launch's shared memory decides (mpk_dist/runtime/tables.py smem_bytes sizes it: MPK_ATTN_MERGE_PHASES).
 __host__ __device__ inline int attention_merge_phases(int nwarps, int G, int D, uint32_t bytes) {
   for (int p = 1; p <= kAttnMaxMergePhases; p *= 2)
     if ((uint32_t)attention_merge_smem_bytes(nwarps, G, D, p) <= bytes) return p;
@@ -330,7 +333,7 @@ __device__ __noinline__ void attention_seq(const bf16* q, const bf16* kc, const 
   trace_mark(MPK_ATTN_MERGE_MARK, tid);  // trace: the block merge is done (the post's barrier and fence follow)
 #endif
 }
-#else  // the one-phase merge as it was before the phases (the A/B baseline of docs/PERF.md v0.51)
+#else  // the one-phase merge as it was before the phases (the default; docs/PERF.md v0.51)
 template <int MG, int ME>
 __device__ __noinline__ void attention_seq(const bf16* q, const bf16* kc, const bf16* vc, bf16* out, int D, int G,
                                            int kv_ps, int n_pos, float scale, float* smem, int tid, int nt) {

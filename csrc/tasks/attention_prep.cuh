@@ -71,11 +71,11 @@ __device__ __noinline__ void attention_prep_heads(const bf16* qkv, const bf16* q
 
 // Whether a tile's shape, position and the launch's shared memory are ones the bodies handle (else the
 // worker reports a bad task before anything is written): G <= kAttnMaxG, D even and <= 32 * kAttnMaxEpl,
-// 0 <= p < max_seq, and dynamic shared memory for attention_seq's merge in at most kAttnMaxMergePhases phases
-// (mpk_dist.taskgraph.lowering_attn_prep.attn_prep_smem_bytes).
+// 0 <= p < max_seq, and dynamic shared memory for attention_seq's merge in kAttnMaxMergePhases phases, its least
+// (mpk_dist.taskgraph.lowering_attn_prep.attn_prep_smem_bytes; from 4 warps and D >= 8 each phase count needs less).
 __device__ __forceinline__ bool attention_prep_ok(int D, int G, int p, int max_seq, int nt) {
   return G >= 1 && G <= kAttnMaxG && D <= 32 * kAttnMaxEpl && !(D & 1) && p >= 0 && p < max_seq &&
-         attention_merge_phases(nt >> 5, G, D, smem_below_ring()) > 0;
+         (uint32_t)attention_merge_smem_bytes(nt >> 5, G, D, kAttnMaxMergePhases) <= smem_below_ring();
 }
 
 }  // namespace mpk

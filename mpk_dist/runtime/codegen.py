@@ -54,10 +54,11 @@ class KernelShape:
     compact_code: bool = False  # CODE_SIZE_DEFINES on (tables.default_compact_code; same bits)
     flag_words: bool = False  # the program hands its residual stream over as flagged words (taskgraph.flag_words)
     blocks_per_sm: int = 1  # worker blocks resident per SM (MPK_MIN_BLOCKS_PER_SM; BLOCKS_PER_SM), one worker each
+    attn_phased_merge: bool = False  # unsplit attention's block merge in phases (attention.cuh; MPK_ATTN_MERGE_PHASES > 1)
 
 
     def name(self) -> str:
-        """File-name label: mk_b<batch>_t<threads>_<schedule>[_r<rows>][_u<unroll>][_p<prefetch KB>][_d][_nso][_m][_tma][_pipe][_nap][_nxa][_wef][_cc][_fw][_bs<blocks per SM>]."""
+        """File-name label: mk_b<batch>_t<threads>_<schedule>[_r<rows>][_u<unroll>][_p<prefetch KB>][_d][_nso][_m][_tma][_pipe][_nap][_nxa][_wef][_cc][_fw][_bs<blocks per SM>][_apm]."""
         rows = f"_r{self.linear_rows}" if self.linear_rows != 1 else ""
         unroll = f"_u{self.linear_unroll}" if self.linear_unroll != 8 else ""
         pf = f"_p{self.prefetch_kb}" if self.prefetch_kb != -1 else ""
@@ -71,6 +72,7 @@ class KernelShape:
         mma += "_cc" if self.compact_code else ""
         mma += "_fw" if self.flag_words else ""
         mma += f"_bs{self.blocks_per_sm}" if self.blocks_per_sm != 1 else ""
+        mma += "_apm" if self.attn_phased_merge else ""
         return f"mk_b{self.batch}_t{self.worker_threads}_{self.schedule}{rows}{unroll}{pf}{nso}{mma}"
 
 
@@ -131,6 +133,7 @@ def render_source(shape: KernelShape, model: str = "-", rank: int = 0, world: in
         *([f"#ifndef {d}\n#define {d} 1\n#endif" for d in CODE_SIZE_DEFINES] if shape.compact_code else []),
         *(["#define MPK_FLAG_WORDS 1"] if shape.flag_words else []),  # only then: other sources stay as they were
         *([f"#define MPK_MIN_BLOCKS_PER_SM {shape.blocks_per_sm}"] if shape.blocks_per_sm != 1 else []),  # likewise
+        *(["#define MPK_ATTN_PHASED_MERGE 1"] if shape.attn_phased_merge else []),  # likewise
         "#include <cstddef>",
         '#include "abi_generated.h"  // mpk_dist.taskgraph.abi.render_cuda_abi_header()',
         '#include "megakernel.cuh"',

@@ -551,8 +551,9 @@ def tuning_from_env(worker_threads: int | None, environ=None) -> dict:
             raise InputError(f"MPK_BLOCKS_PER_SM: expected one of {', '.join(map(str, BLOCKS_PER_SM))}, got {raw!r}")
         if int(raw) != 1:
             out["blocks_per_sm"] = int(raw)
-    # The unsplit attention tiles' block merge in this many phases (launch setting: the kernel takes the phases its
-    # shared memory asks for; lowering_attention.merge_smem_bytes). Only when set.
+    # The unsplit attention tiles' block merge in this many phases: above 1, a kernel with the phased merge
+    # (KernelShape.attn_phased_merge) and the launch's shared memory for that many (lowering_attention.merge_smem_bytes;
+    # the kernel takes the phases its launch holds). Only when set.
     raw = env.get("MPK_ATTN_MERGE_PHASES", "")
     if raw:
         from mpk_dist.taskgraph.lowering_attention import ATTN_MERGE_PHASES

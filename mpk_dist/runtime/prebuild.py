@@ -25,7 +25,7 @@ TABLE_ONLY = {"prefetch_plan": "MPK_PREFETCH_PLAN", "bulk_prefetch": "MPK_BULK_P
               "plan_behind_attention": "MPK_PLAN_BEHIND_ATTENTION", "prefetch_next_kb": "MPK_PREFETCH_NEXT_KB",
               "layer_aligned_workers": "MPK_LAYER_ALIGNED_WORKERS",
               "prefetch_behind_attention_kb": "MPK_PREFETCH_BEHIND_ATTENTION_KB",
-              "exact_partials": "MPK_MMA_PARTIAL_EXACT", "attn_merge_phases": "MPK_ATTN_MERGE_PHASES"}
+              "exact_partials": "MPK_MMA_PARTIAL_EXACT"}
 """Session keyword -> environment variable of the switches that change the task records or the launch, never the
 kernel binary (megakernel_backend.tuning_from_env reads them with the kernel's knobs)."""
 
@@ -91,6 +91,8 @@ def _build_one(case: BuildCase) -> tuple[str, bool, float]:
     for table_only in TABLE_ONLY:  # not the binary
         tuning.pop(table_only, None)
     wt = tuning.pop("worker_threads")
+    # MPK_ATTN_MERGE_PHASES > 1: the launch's size and a kernel with the phased merge (Session asks the same)
+    tuning["attn_phased_merge"] = tuning.pop("attn_merge_phases", 1) > 1
     shape = kernel_shape(cg, wt, case.schedule, linear_rows=linear_rows_from_env(),
                          superopt=case.superopt and superopt_from_env(), **tuning)
     _, res = build_kernel(shape, program=cg)

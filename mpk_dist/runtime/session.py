@@ -123,7 +123,7 @@ class Session:
                              linear_mma=linear_mma, linear_tma=linear_tma, linear_pipe=linear_pipe,
                              attn_prefetch=attn_prefetch, load_ahead=load_ahead,
                              weight_evict_first=weight_evict_first, compact_code=compact_code,
-                             blocks_per_sm=blocks_per_sm)
+                             blocks_per_sm=blocks_per_sm, attn_phased_merge=attn_merge_phases > 1)
         self.source, self.build = build_kernel(shape, model=model,
                                                rank=self.rank, world=self.world, input_hash=tables_hash(cg.arrays),
                                                compiler=compiler, program=cg)

@@ -283,8 +283,8 @@ def smem_bytes(cg, worker_threads: int, weight_ring: bool = False, stage_kv: boo
     ``linear_mma``: the linear tiles run on tensor cores, room for their split-K partials: with ``exact_partials``
     (MPK_MMA_PARTIAL_EXACT, default) the least that keeps every tile's slices (``mma_room.partial_room``, at the
     kernel's ``linear_unroll``), else a fixed ``mma_partial_room``; ``attn_merge_phases``: the unsplit attention
-    tiles' block merge in that many phases (MPK_ATTN_MERGE_PHASES; lowering_attention.merge_smem_bytes: the same
-    binary and bits, less shared memory)."""
+    tiles' block merge in that many phases (MPK_ATTN_MERGE_PHASES, with the kernel's phased merge:
+    lowering_attention.merge_smem_bytes; the same bits, less shared memory)."""
     ring = WEIGHT_RING_BYTES if weight_ring else 0
     limit = HOPPER_MAX_DYNAMIC_SMEM - SMEM_RESERVE - ring  # what a block may take beside the ring
     from mpk_dist.taskgraph.fusion import staging_bytes

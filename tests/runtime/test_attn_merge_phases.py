@@ -1,7 +1,8 @@
 """The unsplit attention tiles' block merge in phases (MPK_ATTN_MERGE_PHASES; csrc/tasks/attention.cuh
-attention_seq, attn_block_merge): the host's shared-memory formula is the kernel's, the kernel takes the fewest
-phases the launch's shared memory holds, the switch is a launch setting (the same binary) and bad values are refused.
-The bits are checked on the GPU (tests/runtime/test_code_variants_gpu.py)."""
+attention_seq, attn_block_merge under MPK_ATTN_PHASED_MERGE): the host's shared-memory formula is the kernel's, the
+kernel takes the fewest phases the launch's shared memory holds, the switch picks the kernel with the phased merge
+(the default kernel keeps the one-phase code) and bad values are refused. The bits are checked on the GPU
+(tests/runtime/test_code_variants_gpu.py)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from mpk_dist.models.presets import get_preset
 from mpk_dist.runtime import tables
 from mpk_dist.runtime.build import CSRC
 from mpk_dist.runtime.megakernel_backend import fusions_for_batch, fusions_from_env, tuning_from_env
+from mpk_dist.runtime.codegen import KernelShape, render_source
 from mpk_dist.runtime.prebuild import TABLE_ONLY
 from mpk_dist.taskgraph.compiler import compile_rank_programs
 from mpk_dist.taskgraph.lowering_attention import ATTN_MERGE_PHASES, merge_smem_bytes
@@ -51,7 +53,8 @@ int main() {{
 }}
 """)
     exe = tmp_path / "merge_phases"
-    subprocess.run(["nvcc", "-std=c++17", "-arch=sm_90a", f"-I{CSRC / 'tasks'}", f"-I{CSRC / 'runtime'}",
+    subprocess.run(["nvcc", "-std=c++17", "-arch=sm_90a", "-DMPK_ATTN_PHASED_MERGE=1", f"-I{CSRC / 'tasks'}",
+                    f"-I{CSRC / 'runtime'}",
                     "-o", str(exe), str(src)], check=True, capture_output=True, text=True, timeout=300)
     out = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout.split("\n")
     for (nw, g, d, p, nbytes), line in zip(rows, out):
@@ -86,19 +89,23 @@ def test_the_launch_shrinks_only_for_unsplit_attention():
     assert len({tables.smem_bytes(split, 256, attn_merge_phases=p) for p in ATTN_MERGE_PHASES}) == 1
 
 
-def test_the_switch_is_a_launch_setting_with_clear_errors():
+def test_the_switch_picks_the_phased_kernel_with_clear_errors():
     assert "attn_merge_phases" not in tuning_from_env(None, environ={})
     assert tuning_from_env(None, environ={"MPK_ATTN_MERGE_PHASES": "4"})["attn_merge_phases"] == 4
-    assert TABLE_ONLY["attn_merge_phases"] == "MPK_ATTN_MERGE_PHASES"  # the prebuild leaves it out of the binary
+    assert "attn_merge_phases" not in TABLE_ONLY  # it builds a kernel of its own (prebuild.py maps it to the shape)
     for bad in ("3", "x", "-1"):
         with pytest.raises(InputError, match=r"MPK_ATTN_MERGE_PHASES: expected one of 1, 2, 4 .*got"):
             tuning_from_env(None, environ={"MPK_ATTN_MERGE_PHASES": bad})
+    phased, plain = KernelShape(batch=1, attn_phased_merge=True), KernelShape(batch=1)
+    assert phased.name().endswith("_apm") and not plain.name().endswith("_apm")
+    assert "#define MPK_ATTN_PHASED_MERGE 1" in render_source(phased)
+    assert "MPK_ATTN_PHASED_MERGE" not in render_source(plain)  # the default kernel's source as before
 
 
-def test_the_old_merge_stays_as_the_ab_baseline():
-    """-DMPK_ATTN_PHASED_MERGE=0 builds attention_seq as it was (one phase, the A/B baseline of docs/PERF.md v0.51)
-    and lets no launch ask for more phases than one."""
+def test_the_default_kernel_keeps_the_one_phase_merge():
+    """MPK_ATTN_PHASED_MERGE defaults to 0: attention_seq as it was (one phase), kAttnMaxMergePhases 1, so the default
+    kernel's code and its ptxas tripwires (tests/runtime/test_attn_prep_build.py) are unchanged until the GPU A/B."""
     text = (CSRC / "tasks" / "attention.cuh").read_text()
+    assert "#ifndef MPK_ATTN_PHASED_MERGE\n#define MPK_ATTN_PHASED_MERGE 0\n#endif" in text
     assert "constexpr int kAttnMaxMergePhases = MPK_ATTN_PHASED_MERGE ? 4 : 1;" in text
     assert text.count("__device__ __noinline__ void attention_seq(") == 2
-    assert max(ATTN_MERGE_PHASES) == 4

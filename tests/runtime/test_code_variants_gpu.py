@@ -36,9 +36,9 @@ the arithmetic, so the logits must equal the default build's bit for bit and sta
 - ``-DMPK_SPLIT_PREP_SEQ_OUTLINED=0``: one sequence of a split prep tile inlined into the tile's function (the
   default at 256 threads runs it as a function of its own that reads its parameters again; csrc/runtime/dispatch.cuh
   split_prep_sequence). Batch 1 only runs split tiles (the attention is unsplit from batch 2).
-- ``-DMPK_ATTN_PHASED_MERGE=0``: the unsplit attention's block merge as it was before its phases (csrc/tasks/
-  attention.cuh attention_seq; batch 4 runs it, batch 1 is split); ``MPK_ATTN_MERGE_PHASES=2`` and ``=4`` (a launch
-  setting: the same binary with less shared memory) merge the warps a slice at a time, batch 1 unsplit.
+- ``-DMPK_ATTN_PHASED_MERGE=1``: the unsplit attention's block merge with its phases' code, at one phase (csrc/tasks/
+  attention.cuh attention_seq; batch 4 runs it, batch 1 is split); ``MPK_ATTN_MERGE_PHASES=2`` and ``=4`` (that kernel
+  with less shared memory) merge the warps a slice at a time, batch 1 unsplit.
 - ``-DMPK_ATTN_WALK_PREFETCH=1 -DMPK_ATTN_WALK_MARKS=1`` (off; a measurement variant): the unsplit tensor-core walk
   prefetches a block's value rows and the next block's key rows into L1 with its key loads, and stamps two trace
   marks (csrc/tasks/attention_mma_walk.cuh); batch 4 runs it (batch 1 is split there).
@@ -94,7 +94,7 @@ VARIANTS = ["-DMPK_ATTN_GUARD_HEADS=1", "-DMPK_PARAMS_SMEM=0", "-DMPK_ROPE_EXACT
             "-DMPK_PREP_POS_LATE=0", "-DMPK_STAGE_ROWS_TOGETHER=0", "-DMPK_ROPE_SINCOS=0", "-DMPK_PREFETCH_ONE_SITE=0",
             "-DMPK_SMALL_KINDS_OUTLINED=0", "-DMPK_MERGE_LOADS_AHEAD=0", "-DMPK_LONG_ROWS=1",
             "-DMPK_SPLIT_PREP_SEQ_OUTLINED=0", "-DMPK_ATTN_WALK_PREFETCH=1 -DMPK_ATTN_WALK_MARKS=1",
-            "-DMPK_NORM_BF16X2=0", "-DMPK_ATTN_PHASED_MERGE=0"]
+            "-DMPK_NORM_BF16X2=0", "-DMPK_ATTN_PHASED_MERGE=1"]
 CODE_SIZE_VARIANTS = ["-DMPK_STAGE_ROW_ROLLED=1", "-DMPK_ROPE_NEAR=1", "-DMPK_ROWWISE_OUTLINED=1"]  # batch 4: off there
 # kernel switches of the same kind (environment, not -D), batch 1; MPK_COMPACT_CODE=0: the code-size variants off
 SWITCHES = [{"MPK_WEIGHT_EVICT_FIRST": "1"}, {"MPK_COMPACT_CODE": "0"}]
@@ -206,14 +206,14 @@ def test_exact_partial_room_leaves_the_logits_bitwise(gpu_results):
 
 @pytest.mark.parametrize("phases", ["2", "4"])
 def test_attention_merge_phases_leave_the_logits_bitwise(phases, gpu_results):
-    """The unsplit attention tiles' block merge in phases (MPK_ATTN_MERGE_PHASES: a launch setting, the kernel takes
-    the phases its shared memory holds) sums every output over the warps in the same order with the same factors as
-    the one-phase merge: the same binary, less shared memory, the same logits bit for bit. Batch 1 unsplit
+    """The unsplit attention tiles' block merge in phases (MPK_ATTN_MERGE_PHASES: the kernel with the phased merge,
+    which takes the phases its shared memory holds) sums every output over the warps in the same order with the same
+    factors as the default kernel's one-phase merge: less shared memory, the same logits bit for bit. Batch 1 unsplit
     (--attn-splits 1: the 8B presets' batch-1 form; at batch 4 the tensor-core tiles' room is larger than the merge)."""
     env = {"MPK_ATTN_MERGE_PHASES": phases}
     phased, default = megakernel_with_env(NAME, env, attn_splits=1), megakernel_with_env(NAME, {}, attn_splits=1)
     a, b = phased.session(1), default.session(1)
-    assert a.build.path == b.build.path, "a launch setting made another binary"
+    assert "#define MPK_ATTN_PHASED_MERGE 1" in a.source and "MPK_ATTN_PHASED_MERGE" not in b.source
     assert a.smem < b.smem, f"{phases} phases ({a.smem} B) did not launch with less than one ({b.smem} B)"
     assert "attention_prep" in {o["kind"] for o in a.cg.meta["ops"]}
     check_bitwise(f"MPK_ATTN_MERGE_PHASES={phases} vs default, {NAME} b1 unsplit prompt {PROMPT}", NAME, phased,

@@ -86,7 +86,7 @@ def test_record_level_switches_share_the_base_kernel(tune_sweep):
     named ones) are left out of a prebuild case's environment, so their variants build nothing of their own."""
     variants = [(t, tune_sweep.parse_variant(t)) for t in
                 ("base", "MPK_PLAN_BEHIND_ATTENTION=1", "MPK_PREFETCH_NEXT_KB=256", "w0,g1,h1,x1,z1,e128",
-                 "MPK_LAYER_ALIGNED_WORKERS=1", "MPK_PREFETCH_BEHIND_ATTENTION_KB=0", "MPK_ATTN_MERGE_PHASES=4",
+                 "MPK_LAYER_ALIGNED_WORKERS=1", "MPK_PREFETCH_BEHIND_ATTENTION_KB=0",
                  "MPK_PREFETCH_NEXT_KB=256,u8")]
     cases = tune_sweep.prebuild_cases(variants, "qwen3-8b", 1, 544)
     assert [c.env for c in cases] == [(), (("MPK_LINEAR_UNROLL", "8"),)]
@@ -100,7 +100,7 @@ def test_table_only_names_every_record_level_switch():
     on = {"MPK_PREFETCH_PLAN": "0", "MPK_BULK_PREFETCH": "1", "MPK_PREFETCH_AHEAD": "1", "MPK_ATTN_STAGE_KV": "1",
           "MPK_MIN_CARVEOUT": "1", "MPK_PREFETCH_LEVEL_KB": "128", "MPK_PLAN_BEHIND_ATTENTION": "1",
           "MPK_PREFETCH_NEXT_KB": "256", "MPK_LAYER_ALIGNED_WORKERS": "1",
-          "MPK_PREFETCH_BEHIND_ATTENTION_KB": "0", "MPK_MMA_PARTIAL_EXACT": "0", "MPK_ATTN_MERGE_PHASES": "4"}
+          "MPK_PREFETCH_BEHIND_ATTENTION_KB": "0", "MPK_MMA_PARTIAL_EXACT": "0"}
     for key, var in TABLE_ONLY.items():
         assert key in tuning_from_env(512, {var: on[var]}), (key, var)
     assert set(TABLE_ONLY.values()) == set(on)
