@@ -91,8 +91,6 @@ def _build_one(case: BuildCase) -> tuple[str, bool, float]:
     for table_only in TABLE_ONLY:  # not the binary
         tuning.pop(table_only, None)
     wt = tuning.pop("worker_threads")
-    # MPK_ATTN_MERGE_PHASES > 1: the launch's size and a kernel with the phased merge (Session asks the same)
-    tuning["attn_phased_merge"] = tuning.pop("attn_merge_phases", 1) > 1
     shape = kernel_shape(cg, wt, case.schedule, linear_rows=linear_rows_from_env(),
                          superopt=case.superopt and superopt_from_env(), **tuning)
     _, res = build_kernel(shape, program=cg)

@@ -47,7 +47,8 @@ PAIRED_WORKER_THREADS = 256
 def kernel_shape(cg, worker_threads: int | None, schedule: str, **knobs) -> KernelShape:
     """The KernelShape a Session of program ``cg`` builds (``knobs``: the other KernelShape fields; a
     ``worker_threads`` of None takes ``tables.default_worker_threads``, a ``linear_unroll`` of None
-    ``tables.default_linear_unroll``, a ``compact_code`` of None ``tables.default_compact_code``; with two blocks per
+    ``tables.default_linear_unroll``, a ``compact_code`` of None ``tables.default_compact_code``, an
+    ``attn_merge_phases`` above 1 the kernel with the phased merge; with two blocks per
     SM the threads are PAIRED_WORKER_THREADS, at most); the kernel
     prebuild (mpk_dist.runtime.prebuild) asks the same function,
     so its cubins are the ones found."""
@@ -67,6 +68,8 @@ def kernel_shape(cg, worker_threads: int | None, schedule: str, **knobs) -> Kern
         knobs["compact_code"] = tables.default_compact_code(cg, knobs["linear_unroll"])
     # MPK_BATCH: the rows of a linear tile (row blocks of 16 above 16 rows), not the program's batch
     knobs.setdefault("flag_words", bool(cg.meta.get("flag_words")))  # the program's, not a knob (taskgraph.flag_words)
+    # MPK_ATTN_MERGE_PHASES > 1 (the launch's size, tables.smem_bytes) runs the kernel with the phased merge
+    knobs["attn_phased_merge"] = knobs.pop("attn_merge_phases", 1) > 1
     return KernelShape(tables.kernel_batch(cg), worker_threads, schedule, **knobs)
 
 
@@ -123,7 +126,7 @@ class Session:
                              linear_mma=linear_mma, linear_tma=linear_tma, linear_pipe=linear_pipe,
                              attn_prefetch=attn_prefetch, load_ahead=load_ahead,
                              weight_evict_first=weight_evict_first, compact_code=compact_code,
-                             blocks_per_sm=blocks_per_sm, attn_phased_merge=attn_merge_phases > 1)
+                             blocks_per_sm=blocks_per_sm, attn_merge_phases=attn_merge_phases)
         self.source, self.build = build_kernel(shape, model=model,
                                                rank=self.rank, world=self.world, input_hash=tables_hash(cg.arrays),
                                                compiler=compiler, program=cg)

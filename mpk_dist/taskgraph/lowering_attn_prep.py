@@ -115,14 +115,14 @@ def _lower_fused(lw: Lowerer, f: FusedAttention) -> None:
                 Footprint(o, qrect.copy())]
 
 
-def attn_prep_smem_bytes(cg, worker_threads: int, merge_phases: int = 1) -> int:
-    """Dynamic shared memory the attention part of the program's attention_prep tiles needs: its block merge in
-    ``merge_phases`` phases, as the unfused attention's (one phase: nwarps x GROUP x (D + 2) floats; csrc/tasks/
-    attention.cuh ``attention_merge_smem_bytes``); 0 without such tiles. ``mpk_dist.runtime.tables.smem_bytes`` must
-    count it (the kernel refuses the task as bad when the launch has less than any phase count needs)."""
+def attn_prep_smem_bytes(cg, worker_threads: int) -> int:
+    """Dynamic shared memory the attention part of the program's attention_prep tiles needs: nwarps x
+    GROUP x (D + 2) floats, as the unfused attention (csrc/tasks/attention.cuh ``attention_smem_bytes``; less in
+    the kernel with the phased merge, ``lowering_attention.merge_smem_bytes``); 0 without such tiles. ``mpk_dist.runtime.tables.smem_bytes`` must count it (the kernel refuses the
+    task as bad when the launch has less)."""
     from mpk_dist.taskgraph.lowering_attention import attention_staging_bytes
 
-    return attention_staging_bytes(cg, "attention_prep", worker_threads, merge_phases)
+    return attention_staging_bytes(cg, "attention_prep", worker_threads)
 
 
 def split_prep_smem_bytes(cg, worker_threads: int) -> int:

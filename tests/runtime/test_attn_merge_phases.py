@@ -18,6 +18,7 @@ from mpk_dist.runtime.build import CSRC
 from mpk_dist.runtime.megakernel_backend import fusions_for_batch, fusions_from_env, tuning_from_env
 from mpk_dist.runtime.codegen import KernelShape, render_source
 from mpk_dist.runtime.prebuild import TABLE_ONLY
+from mpk_dist.runtime.session import kernel_shape
 from mpk_dist.taskgraph.compiler import compile_rank_programs
 from mpk_dist.taskgraph.lowering_attention import ATTN_MERGE_PHASES, merge_smem_bytes
 
@@ -84,6 +85,10 @@ def test_the_launch_shrinks_only_for_unsplit_attention():
     assert sizes[1] == 8 * 2 * 130 * 4
     assert sizes[1] > sizes[2] > sizes[4]
     assert sizes[4] >= merge_smem_bytes(8, 2, 128, 4)
+    # Session and the prebuild ask kernel_shape, which picks the phased kernel for more than one phase
+    assert kernel_shape(unsplit, 256, "aot", attn_merge_phases=4).attn_phased_merge
+    assert not kernel_shape(unsplit, 256, "aot", attn_merge_phases=1).attn_phased_merge
+    assert not kernel_shape(unsplit, 256, "aot").attn_phased_merge
     split = compile_rank_programs(cfg, 1, batch=1, sms=132, max_seq_len=320, attn_splits="auto", fuse=fuse)[0]
     assert "attention_prep" not in {o["kind"] for o in split.meta["ops"]}
     assert len({tables.smem_bytes(split, 256, attn_merge_phases=p) for p in ATTN_MERGE_PHASES}) == 1
